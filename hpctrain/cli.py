@@ -1,0 +1,78 @@
+"""The ``hpctrain`` command: thin argument parsing that calls into the package.
+
+Subcommands: ``info`` (launch and grid report), ``bench comm`` (collective benchmark),
+``train`` (training), ``ckpt`` (checkpoint tools). Run them under ``mpiexec``/``srun`` for many ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+from hpctrain.runtime.errors_exit import run_and_exit
+
+
+def _add_info(sub) -> None:
+    p = sub.add_parser("info", help="describe the launch, MPI library, nodes and the dp x pp x tp grid")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    p.add_argument("--dp", type=int, default=0, help="data-parallel size (default world/(tp*pp))")
+    p.add_argument("--strict-placement", action="store_true", help="error if a tp group spans nodes")
+    p.add_argument("--json", action="store_true", help="print one JSON document on rank 0")
+    p.set_defaults(func=_run_info)
+
+
+def _run_info(args) -> int:
+    from hpctrain.runtime.info import run_info
+
+    return run_info(tp=args.tp, pp=args.pp, dp=args.dp, strict=args.strict_placement, as_json=args.json)
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench_what", required=True)
+    c = bsub.add_parser("comm", help="collective benchmark: hpctrain vs raw mpi4py vs torch.distributed gloo")
+    c.add_argument("--ops", default="allreduce,reduce_scatter,allgather,broadcast",
+                   help="comma list of allreduce, reduce_scatter, allgather, broadcast, sendrecv")
+    c.add_argument("--sizes", default="1K,64K,1M,16M", help="comma list of message sizes (K, M, G suffixes)")
+    c.add_argument("--axis", default="world", choices=["world", "dp", "pp", "tp"],
+                   help="group to run on (default world)")
+    c.add_argument("--tp", type=int, default=1)
+    c.add_argument("--pp", type=int, default=1)
+    c.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    c.add_argument("--impls", default="hpctrain,mpi4py,gloo", help="comma list of hpctrain, mpi4py, gloo")
+    c.add_argument("--iters", type=int, default=0, help="timed iterations per size (0 = by size)")
+    c.add_argument("--json", metavar="FILE", help="write records to FILE (JSON list)")
+    c.add_argument("--csv", metavar="FILE", help="write records to FILE (CSV)")
+    c.set_defaults(func=_run_bench_comm)
+
+
+def _run_bench_comm(args) -> int:
+    from hpctrain.bench.comm import run_comm_bench
+
+    return run_comm_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpctrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_info(sub)
+    _add_bench(sub)
+    for extra in ("hpctrain.train.cli", "hpctrain.checkpoint.cli"):
+        if importlib.util.find_spec(extra) is not None:  # subcommands of later layers
+            importlib.import_module(extra).add_parser(sub)
+    return parser
+
+
+def _main(argv) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+def main(argv=None) -> int:
+    sys.exit(run_and_exit(_main, argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""MPI backend: host tensors as zero-copy numpy views, device tensors through CUDA-aware MPI.
+
+Contract for every method: tensors are contiguous, ``op`` is "sum" | "avg" | "max", and the
+operation runs on ``self.comm`` (one mpi4py communicator = one process group). Each method returns
+a work object with ``test()`` and ``wait()``; blocking callers simply wait at once.
+
+MPI has no bfloat16 (and float16 is optional in MPI 4), so half-precision REDUCTIONS go through a
+float32 staging copy: the sum is computed in float32 and rounded to the half type once, at the end,
+which is also more accurate than reducing in half precision. Half-precision DATA MOVEMENT
+(allgather, broadcast, send/recv) needs no arithmetic and moves the raw 16-bit words, zero-copy.
+"""
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+_HALF = (torch.bfloat16, torch.float16)
+_MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}
+
+
+def mpi_buffer(tensor: torch.Tensor):
+    """A zero-copy buffer over ``tensor``'s storage that mpi4py accepts (numpy view or CUDA array)."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"collectives need contiguous tensors (zero-copy); got strides {tensor.stride()}")
+    tensor = tensor.detach()
+    if tensor.dtype in _HALF:
+        tensor = tensor.view(torch.int16)
+    if tensor.device.type == "cpu":
+        return tensor.numpy()
+    return tensor  # exposes __cuda_array_interface__; requires a CUDA-aware MPI
+
+
+class MpiWork:
+    """A pending MPI operation; ``finish`` runs once, after completion (averaging, half copy-back)."""
+
+    __slots__ = ("request", "finish", "keepalive", "done")
+
+    def __init__(self, request=None, finish=None, keepalive=None):
+        self.request, self.finish, self.keepalive = request, finish, keepalive
+        self.done = request is None
+        if self.done and finish is not None:
+            finish()
+
+    def test(self) -> bool:
+        if not self.done and self.request.Test():
+            self._complete()
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            self.request.Wait()
+            self._complete()
+
+    def _complete(self) -> None:
+        self.done = True
+        if self.finish is not None:
+            self.finish()
+        self.keepalive = None
+
+
+class MpiBackend:
+    """Collectives over one mpi4py communicator. ``cuda_aware``: device buffers may be passed to MPI."""
+
+    name = "mpi"
+
+    def __init__(self, comm, cuda_aware: bool = False):
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.cuda_aware = cuda_aware
+
+    def _ready(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "cuda":
+            if not self.cuda_aware:
+                raise RuntimeError("a CUDA tensor reached the host MPI backend; enable CUDA-aware MPI or NCCL")
+            torch.cuda.current_stream(tensor.device).synchronize()  # MPI reads memory, not streams
+
+    def _reduction(self, tensor: torch.Tensor, op: str):
+        """(buffer to reduce, finish-callback) for an arithmetic op on ``tensor``."""
+        if op not in _MPI_OPS:
+            raise ValueError(f"unknown reduction op {op!r}; expected sum, avg or max")
+        if op == "avg" and not tensor.is_floating_point():
+            raise ValueError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}")
+        staging = tensor.float() if tensor.dtype in _HALF else tensor
+        scale = self.size if op == "avg" else 1
+
+        def finish():
+            if scale != 1:
+                staging.div_(scale)
+            if staging is not tensor:
+                tensor.copy_(staging)
+        return staging, finish
+
+    def allreduce(self, tensor, op="sum", nonblocking=False):
+        self._ready(tensor)
+        staging, finish = self._reduction(tensor, op)
+        buf = mpi_buffer(staging)
+        if nonblocking:
+            return MpiWork(self.comm.Iallreduce(MPI.IN_PLACE, buf, _MPI_OPS[op]), finish, (buf, staging))
+        self.comm.Allreduce(MPI.IN_PLACE, buf, _MPI_OPS[op])
+        return MpiWork(None, finish)
+
+    def reduce_scatter(self, output, input, op="sum", nonblocking=False):
+        """input: (size * n,) elements; output: (n,) elements, this rank's reduced block."""
+        if input.numel() != output.numel() * self.size:
+            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
+                             f"{self.size} x {output.numel()}")
+        self._ready(input)
+        staging_in = input.float() if input.dtype in _HALF else input
+        staging_out, finish = self._reduction(output, op)
+        sbuf, rbuf = mpi_buffer(staging_in), mpi_buffer(staging_out)
+        if nonblocking:
+            req = self.comm.Ireduce_scatter_block(sbuf, rbuf, _MPI_OPS[op])
+            return MpiWork(req, finish, (sbuf, rbuf, staging_in, staging_out))
+        self.comm.Reduce_scatter_block(sbuf, rbuf, _MPI_OPS[op])
+        return MpiWork(None, finish)
+
+    def allgather(self, output, input=None, nonblocking=False):
+        """output: (size * n,) elements. ``input`` None = in place: this rank's block of ``output``
+        already holds its data (the ZeRO parameter all-gather)."""
+        self._ready(output)
+        rbuf = mpi_buffer(output)
+        sbuf = MPI.IN_PLACE if input is None else mpi_buffer(input)
+        if input is not None and input.numel() * self.size != output.numel():
+            raise ValueError(f"allgather: output has {output.numel()} elements, expected "
+                             f"{self.size} x {input.numel()}")
+        if nonblocking:
+            return MpiWork(self.comm.Iallgather(sbuf, rbuf), None, (sbuf, rbuf))
+        self.comm.Allgather(sbuf, rbuf)
+        return MpiWork()
+
+    def broadcast(self, tensor, root=0, nonblocking=False):
+        self._ready(tensor)
+        buf = mpi_buffer(tensor)
+        if nonblocking:
+            return MpiWork(self.comm.Ibcast(buf, root), None, buf)
+        self.comm.Bcast(buf, root)
+        return MpiWork()
+
+    def send(self, tensor, dst, tag=0, nonblocking=False):
+        self._ready(tensor)
+        buf = mpi_buffer(tensor)
+        if nonblocking:
+            return MpiWork(self.comm.Isend(buf, dst, tag), None, buf)
+        self.comm.Send(buf, dst, tag)
+        return MpiWork()
+
+    def recv(self, tensor, src, tag=0, nonblocking=False):
+        self._ready(tensor)
+        buf = mpi_buffer(tensor)
+        if nonblocking:
+            return MpiWork(self.comm.Irecv(buf, src, tag), None, buf)
+        self.comm.Recv(buf, src, tag)
+        return MpiWork()
+
+    def barrier(self):
+        self.comm.Barrier()

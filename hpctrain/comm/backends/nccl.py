@@ -1,0 +1,138 @@
+"""NCCL backend through CuPy: one ``cupy.cuda.nccl.NcclCommunicator`` per process group.
+
+The NCCL unique id is created on the group's rank 0 and broadcast over the group's MPI
+communicator (no TCP store). Every operation is enqueued on the CURRENT torch CUDA stream, so it is
+ordered after the kernels that produced its input and before those that consume its output, without
+host synchronisation. Non-blocking calls return a work object that records a CUDA event; ``wait``
+makes the current stream wait on it, ``test`` queries it.
+
+Contract as in the MPI backend: contiguous tensors, ``op`` "sum" | "avg" | "max"; same-rank indices.
+"""
+from __future__ import annotations
+
+import torch
+
+# ncclDataType_t and ncclRedOp_t values from nccl.h (stable ABI); cupy exposes most as NCCL_* names.
+_NCCL_DTYPES = {torch.float32: ("NCCL_FLOAT32", 7), torch.float64: ("NCCL_FLOAT64", 8),
+                torch.float16: ("NCCL_FLOAT16", 6), torch.bfloat16: ("NCCL_BFLOAT16", 9),
+                torch.int64: ("NCCL_INT64", 4), torch.int32: ("NCCL_INT32", 2), torch.uint8: ("NCCL_UINT8", 1)}
+_NCCL_OPS = {"sum": ("NCCL_SUM", 0), "max": ("NCCL_MAX", 2), "avg": ("NCCL_AVG", 4)}
+
+
+def nccl_available() -> tuple[bool, str]:
+    """(available, reason) — reason explains why not, for skips and error messages."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is visible to torch"
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+    except Exception as exc:  # ImportError, or CUDA/NCCL library load errors
+        return False, f"cupy with NCCL is not importable ({exc.__class__.__name__}: {exc})"
+    return True, ""
+
+
+def _const(module, table, key):
+    name, value = table[key]
+    return getattr(module, name, value)
+
+
+class NcclWork:
+    __slots__ = ("event", "finish", "keepalive", "done")
+
+    def __init__(self, event, finish=None, keepalive=None):
+        self.event, self.finish, self.keepalive, self.done = event, finish, keepalive, False
+
+    def test(self) -> bool:
+        if not self.done and self.event.query():
+            self.wait()
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            torch.cuda.current_stream().wait_event(self.event)
+            if self.finish is not None:
+                self.finish()
+            self.done, self.keepalive = True, None
+
+
+class NcclBackend:
+    """Collectives over one group's GPUs; ``mpi_comm`` is that group's MPI communicator (bootstrap only)."""
+
+    name = "nccl"
+
+    def __init__(self, mpi_comm):
+        from cupy.cuda import nccl
+
+        self._nccl = nccl
+        self.size, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
+        unique_id = nccl.get_unique_id() if rank == 0 else None
+        unique_id = mpi_comm.bcast(unique_id, root=0)
+        self.comm = nccl.NcclCommunicator(self.size, unique_id, rank)
+
+    def _dtype(self, tensor):
+        if tensor.dtype not in _NCCL_DTYPES:
+            raise TypeError(f"NCCL backend: unsupported dtype {tensor.dtype}")
+        if not tensor.is_contiguous() or tensor.device.type != "cuda":
+            raise ValueError("NCCL backend needs contiguous CUDA tensors")
+        return _const(self._nccl, _NCCL_DTYPES, tensor.dtype)
+
+    def _op(self, op, tensor):
+        if op not in _NCCL_OPS:
+            raise ValueError(f"unknown reduction op {op!r}; expected sum, avg or max")
+        if op == "avg" and not tensor.is_floating_point():
+            raise ValueError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}")
+        return _const(self._nccl, _NCCL_OPS, op)
+
+    @staticmethod
+    def _stream():
+        return torch.cuda.current_stream().cuda_stream
+
+    def _work(self, nonblocking, keepalive):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        work = NcclWork(event, None, keepalive)
+        if not nonblocking:
+            work.done = True  # stream-ordered: later kernels on this stream see the result
+        return work
+
+    def allreduce(self, tensor, op="sum", nonblocking=False):
+        ptr = tensor.data_ptr()
+        self.comm.allReduce(ptr, ptr, tensor.numel(), self._dtype(tensor), self._op(op, tensor), self._stream())
+        return self._work(nonblocking, tensor)
+
+    def reduce_scatter(self, output, input, op="sum", nonblocking=False):
+        if input.numel() != output.numel() * self.size:
+            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
+                             f"{self.size} x {output.numel()}")
+        self.comm.reduceScatter(input.data_ptr(), output.data_ptr(), output.numel(), self._dtype(output),
+                                self._op(op, output), self._stream())
+        return self._work(nonblocking, (input, output))
+
+    def allgather(self, output, input=None, nonblocking=False):
+        count = output.numel() // self.size
+        if input is None:  # in place: NCCL accepts sendbuff == recvbuff + rank * count
+            send_ptr = output.data_ptr() + self.comm.rank_id() * count * output.element_size()
+        else:
+            if input.numel() * self.size != output.numel():
+                raise ValueError(f"allgather: output has {output.numel()} elements, expected "
+                                 f"{self.size} x {input.numel()}")
+            send_ptr = input.data_ptr()
+        self.comm.allGather(send_ptr, output.data_ptr(), count, self._dtype(output), self._stream())
+        return self._work(nonblocking, (input, output))
+
+    def broadcast(self, tensor, root=0, nonblocking=False):
+        ptr = tensor.data_ptr()
+        self.comm.broadcast(ptr, ptr, tensor.numel(), self._dtype(tensor), root, self._stream())
+        return self._work(nonblocking, tensor)
+
+    def send(self, tensor, dst, tag=0, nonblocking=False):
+        self.comm.send(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), dst, self._stream())
+        return self._work(nonblocking, tensor)
+
+    def recv(self, tensor, src, tag=0, nonblocking=False):
+        self.comm.recv(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, self._stream())
+        return self._work(nonblocking, tensor)
+
+    def barrier(self):
+        one = torch.ones(1, device="cuda")
+        self.allreduce(one)
+        torch.cuda.current_stream().synchronize()

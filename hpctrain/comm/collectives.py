@@ -1,0 +1,159 @@
+"""One door to the network: collectives over torch tensors, per process group.
+
+A ``Communicator`` wraps one mpi4py communicator (a dp, pp, tp or world group). Every call:
+- picks a backend by the tensor's device and the configured choice: host tensors -> MPI;
+  CUDA tensors -> NCCL (CuPy) when available and allowed, else CUDA-aware MPI;
+- is zero-copy (the tensor's own storage is the MPI/NCCL buffer; reductions are in place);
+- is counted (bytes, calls, blocked seconds) and watched (``Watchdog``: a stalled call aborts the
+  job with a message naming the op and group instead of hanging).
+
+Blocking calls return None; ``nonblocking=True`` returns a ``Handle`` to ``wait()`` or ``test()``
+(calling ``test`` between pieces of work drives MPI progress and gives overlap: see
+docs/architecture.md). Ranks in ``src``/``dst``/``root`` are ranks WITHIN this group.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hpctrain.comm.backends.mpi import MpiBackend
+from hpctrain.comm.watchdog import CommStats, Watchdog
+
+BACKEND_CHOICES = ("auto", "mpi", "cuda-mpi", "nccl")
+
+
+class Handle:
+    """A non-blocking operation in flight. ``wait`` is idempotent; ``test`` never blocks."""
+
+    __slots__ = ("_work", "_comm", "_op", "_token")
+
+    def __init__(self, work, comm: "Communicator", op: str, token: int):
+        self._work, self._comm, self._op, self._token = work, comm, op, token
+
+    def test(self) -> bool:
+        done = self._work.test()
+        if done:
+            self._comm.watchdog.end(self._token)
+        return done
+
+    def wait(self) -> None:
+        if self._work.done:
+            self._comm.watchdog.end(self._token)
+            return
+        start = time.perf_counter()
+        self._work.wait()
+        self._comm.stats.add_time(self._comm.name, self._op, time.perf_counter() - start)
+        self._comm.watchdog.end(self._token)
+
+
+class Communicator:
+    """Collectives on one group. ``members``: the world ranks of the group, in group-rank order."""
+
+    def __init__(self, mpi_comm, name: str, members: tuple[int, ...], watchdog: Watchdog,
+                 stats: CommStats, backend: str = "auto"):
+        if backend not in BACKEND_CHOICES:
+            raise ValueError(f"unknown comm backend {backend!r}; expected one of {BACKEND_CHOICES}")
+        self.mpi = mpi_comm
+        self.name = name
+        self.members = tuple(members)
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self.watchdog = watchdog
+        self.stats = stats
+        self.backend_choice = backend
+        self._host = MpiBackend(mpi_comm)
+        self._device = None  # created on the first CUDA tensor (NCCL init is collective and costly)
+
+    # ---------------------------------------------------------------- backend choice
+    def backend_for(self, tensor: torch.Tensor):
+        if tensor.device.type == "cpu":
+            return self._host
+        if self._device is None:
+            self._device = self._make_device_backend()
+        return self._device
+
+    def _make_device_backend(self):
+        from hpctrain.comm.backends.nccl import NcclBackend, nccl_available
+
+        ok, reason = nccl_available()
+        if self.backend_choice in ("auto", "nccl") and ok:
+            return NcclBackend(self.mpi)
+        if self.backend_choice == "nccl":
+            raise RuntimeError(f"comm backend 'nccl' requested for group {self.name} but {reason}")
+        return MpiBackend(self.mpi, cuda_aware=True)
+
+    # ---------------------------------------------------------------- plumbing
+    def _run(self, op: str, tensor: torch.Tensor, nonblocking: bool, call):
+        nbytes = tensor.numel() * tensor.element_size()
+        self.stats.record(self.name, op, nbytes)
+        token = self.watchdog.begin(f"{op} of {nbytes} bytes on group '{self.name}' (world ranks "
+                                    f"{list(self.members)})")
+        if nonblocking:
+            return Handle(call(True), self, op, token)
+        start = time.perf_counter()
+        call(False)
+        self.stats.add_time(self.name, op, time.perf_counter() - start)
+        self.watchdog.end(token)
+        return None
+
+    # ---------------------------------------------------------------- collectives
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", nonblocking: bool = False):
+        """In place: every rank's ``tensor`` becomes the sum / average / max over the group."""
+        backend = self.backend_for(tensor)
+        return self._run("allreduce", tensor, nonblocking, lambda nb: backend.allreduce(tensor, op, nb))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                       nonblocking: bool = False):
+        """``input`` (size*n elements, block r for group rank r) reduced; block ``self.rank`` -> ``output`` (n)."""
+        backend = self.backend_for(input)
+        return self._run("reduce_scatter", input, nonblocking,
+                         lambda nb: backend.reduce_scatter(output, input, op, nb))
+
+    def allgather(self, output: torch.Tensor, input: torch.Tensor | None = None, nonblocking: bool = False):
+        """``output`` (size*n elements) gets every rank's ``input`` (n) in group-rank order.
+        ``input=None``: in place, this rank's block of ``output`` already holds its contribution."""
+        backend = self.backend_for(output)
+        return self._run("allgather", output, nonblocking, lambda nb: backend.allgather(output, input, nb))
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, nonblocking: bool = False):
+        """In place: every rank's ``tensor`` becomes group rank ``root``'s."""
+        backend = self.backend_for(tensor)
+        return self._run("broadcast", tensor, nonblocking, lambda nb: backend.broadcast(tensor, root, nb))
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, nonblocking: bool = False):
+        backend = self.backend_for(tensor)
+        return self._run("send", tensor, nonblocking, lambda nb: backend.send(tensor, dst, tag, nb))
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, nonblocking: bool = False):
+        """Receive into ``tensor`` (its shape and dtype must match the sender's)."""
+        backend = self.backend_for(tensor)
+        return self._run("recv", tensor, nonblocking, lambda nb: backend.recv(tensor, src, tag, nb))
+
+    def isend(self, tensor, dst, tag=0) -> Handle:
+        return self.send(tensor, dst, tag, nonblocking=True)
+
+    def irecv(self, tensor, src, tag=0) -> Handle:
+        return self.recv(tensor, src, tag, nonblocking=True)
+
+    def barrier(self) -> None:
+        token = self.watchdog.begin(f"barrier on group '{self.name}' (world ranks {list(self.members)})")
+        self.mpi.Barrier()
+        self.watchdog.end(token)
+
+    # ---------------------------------------------------------------- small python objects
+    def allgather_object(self, obj) -> list:
+        """Pickled allgather for small metadata (not for tensors)."""
+        token = self.watchdog.begin(f"allgather_object on group '{self.name}'")
+        result = self.mpi.allgather(obj)
+        self.watchdog.end(token)
+        return result
+
+    def broadcast_object(self, obj, root: int = 0):
+        token = self.watchdog.begin(f"broadcast_object on group '{self.name}'")
+        result = self.mpi.bcast(obj, root=root)
+        self.watchdog.end(token)
+        return result
+
+    def __repr__(self) -> str:
+        return f"Communicator({self.name}, rank {self.rank}/{self.size}, members={list(self.members)})"

@@ -1,0 +1,164 @@
+"""The process grid: the world factored into named axes, each axis a set of communicators.
+
+Axes run outermost to innermost: ``dp`` (across nodes), ``pp``, ``tp`` (inside a node). A ``cp``
+axis can be slotted in by adding it to ``AXES`` and to ``ProcessGrid.build``'s sizes.
+
+Placement: ranks are ordered by (node, node-local rank), NOT by world rank, and grid coordinates
+are assigned along that order with tp varying fastest. So round-robin placement (even ranks on
+node 0, odd on node 1) still yields node-local tp groups. The result is then verified from the node
+map: each group reports whether it crosses nodes, and a tp group that does is a loud warning (or,
+with ``strict_placement``, an error) that says what it costs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from hpctrain.comm.collectives import Communicator
+from hpctrain.comm.watchdog import CommStats, Watchdog
+from hpctrain.errors import GridError
+from hpctrain.runtime.launcher import RankInfo
+
+AXES = ("dp", "pp", "tp")  # outermost -> innermost
+
+
+def resolve_sizes(world_size: int, dp: int = 0, pp: int = 1, tp: int = 1) -> dict[str, int]:
+    """Validate the requested layout; ``dp=0`` means world_size / (pp*tp). Raises GridError."""
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise GridError(f"parallel.{name} must be a positive integer, got {value!r}")
+    if not isinstance(dp, int) or dp < 0:
+        raise GridError(f"parallel.dp must be a positive integer (or 0 for world/(tp*pp)), got {dp!r}")
+    if dp == 0:
+        if world_size % (tp * pp):
+            raise GridError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
+                            f"launch a multiple of {tp * pp} ranks or change tp/pp")
+        dp = world_size // (tp * pp)
+    if dp * pp * tp != world_size:
+        raise GridError(f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} but the job has {world_size} ranks; "
+                        f"launch {dp * pp * tp} ranks or set parallel.dp=0 to derive dp")
+    return {"dp": dp, "pp": pp, "tp": tp}
+
+
+def layout_coordinates(order: list[int], sizes: dict[str, int]) -> dict[int, dict[str, int]]:
+    """Coordinates of each world rank given the placement ``order`` (innermost axis fastest)."""
+    coords = {}
+    for position, rank in enumerate(order):
+        rest, c = position, {}
+        for axis in reversed(AXES):
+            rest, c[axis] = divmod(rest, sizes[axis])
+        coords[rank] = c
+    return coords
+
+
+@dataclass(frozen=True)
+class Group:
+    axis: str
+    comm: Communicator
+    members: tuple[int, ...]  # world ranks, in group-rank order (= coordinate along the axis)
+    crosses_nodes: bool
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+
+class ProcessGrid:
+    """This rank's view of the dp x pp x tp grid. Built collectively by ``ProcessGrid.build``."""
+
+    def __init__(self, info: RankInfo, sizes: dict[str, int], coords: dict[str, int],
+                 groups: dict[str, Group], world: Communicator, watchdog: Watchdog, stats: CommStats,
+                 warnings: list[str]):
+        self.info, self.sizes, self.coords = info, sizes, coords
+        self.groups, self.world = groups, world
+        self.watchdog, self.stats, self.warnings = watchdog, stats, warnings
+
+    @classmethod
+    def build(cls, info: RankInfo, world_mpi=None, dp: int = 0, pp: int = 1, tp: int = 1,
+              strict_placement: bool = False, backend: str = "auto", timeout_s: float | None = None,
+              stream=sys.stderr) -> "ProcessGrid":
+        """Collective over the world: split it into dp/pp/tp communicators and verify placement.
+
+        Every rank validates the same inputs, so a bad layout raises GridError on every rank with no
+        communication (nothing can hang). ``timeout_s`` (default ``$HPCTRAIN_COMM_TIMEOUT`` or 600)
+        bounds every communication call of this grid.
+        """
+        from mpi4py import MPI
+
+        world_mpi = MPI.COMM_WORLD if world_mpi is None else world_mpi
+        sizes = resolve_sizes(info.size, dp=dp, pp=pp, tp=tp)
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("HPCTRAIN_COMM_TIMEOUT", "600"))
+        order = sorted(range(info.size), key=lambda r: (info.node_of_rank[r], info.local_rank_of_rank[r]))
+        coords_of = layout_coordinates(order, sizes)
+        watchdog, stats = Watchdog(info.rank, timeout_s), CommStats()
+        warnings = []
+
+        groups = {}
+        for axis in AXES:
+            others = [a for a in AXES if a != axis]
+            key_of = {r: tuple(c[a] for a in others) for r, c in coords_of.items()}
+            colors = sorted(set(key_of.values()))
+            mine = key_of[info.rank]
+            members = tuple(sorted((r for r in range(info.size) if key_of[r] == mine),
+                                   key=lambda r: coords_of[r][axis]))
+            mpi_comm = world_mpi.Split(color=colors.index(mine), key=coords_of[info.rank][axis])
+            if mpi_comm.Get_rank() != coords_of[info.rank][axis] or mpi_comm.Get_size() != len(members):
+                raise GridError(f"internal: {axis} communicator rank {mpi_comm.Get_rank()} != coordinate "
+                                f"{coords_of[info.rank][axis]}")
+            crosses = len({info.node_of_rank[r] for r in members}) > 1
+            comm = Communicator(mpi_comm, axis, members, watchdog, stats, backend)
+            groups[axis] = Group(axis, comm, members, crosses)
+
+        tp_nodes: dict[tuple, set] = {}
+        for r, c in coords_of.items():
+            tp_nodes.setdefault((c["dp"], c["pp"]), set()).add(info.node_of_rank[r])
+        bad_tp = any(len(nodes) > 1 for nodes in tp_nodes.values())
+        if bad_tp:
+            per_node = sorted(set(info.node_of_rank.count(n) for n in range(info.num_nodes)))
+            message = (f"tensor-parallel groups span nodes (tp={tp}, ranks per node {per_node}): every layer's "
+                       f"activations then cross the inter-node network twice per forward and backward, "
+                       f"typically 5-20x slower than intra-node; use tp <= ranks per node and a divisor of it")
+            if strict_placement:
+                raise GridError(message + " (parallel.strict_placement=true)")
+            warnings.append(message)
+            if info.rank == 0:
+                print(f"hpctrain: WARNING: {message}", file=stream, flush=True)
+
+        world = Communicator(world_mpi, "world", tuple(range(info.size)), watchdog, stats, backend)
+        return cls(info, sizes, coords_of[info.rank], groups, world, watchdog, stats, warnings)
+
+    # convenient accessors ------------------------------------------------------------
+    @property
+    def dp(self) -> Group:
+        return self.groups["dp"]
+
+    @property
+    def pp(self) -> Group:
+        return self.groups["pp"]
+
+    @property
+    def tp(self) -> Group:
+        return self.groups["tp"]
+
+    def comm(self, axis: str) -> Communicator:
+        """The communicator of ``axis`` ("dp", "pp", "tp" or "world")."""
+        return self.world if axis == "world" else self.groups[axis].comm
+
+    def describe(self) -> dict:
+        """This rank's record for ``hpctrain info --json``."""
+        record = {"rank": self.info.rank, "node": self.info.node, "hostname": self.info.hostname,
+                  "local_rank": self.info.local_rank}
+        record.update(self.coords)
+        for axis in AXES:
+            record[f"{axis}_group"] = list(self.groups[axis].members)
+        record["crosses_nodes"] = [a for a in AXES if self.groups[a].crosses_nodes]
+        return record
+
+    def close(self) -> None:
+        self.watchdog.close()

@@ -1,0 +1,297 @@
+"""Run configuration: dataclasses loaded from TOML, then ``section.key=value`` overrides.
+
+    cfg = load_config("configs/tiny.toml", ["parallel.tp=2", "train.steps=10"])
+    model = resolve_model(cfg.model)  # size fields left at 0 take the preset's value
+
+The field ``CheckpointConfig.async_`` is spelled ``async`` in TOML, overrides and dicts.
+"""
+import copy
+import dataclasses
+import difflib
+import operator
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from hpctrain.errors import HpcTrainError
+
+
+class ConfigError(HpcTrainError, ValueError):
+    """Invalid configuration; the message names the offending key."""
+
+
+# Published GPT-2 / GPT-3 shapes: (d_model, n_layers, n_heads, max_seq_len); MHA and d_ff = 4 * d_model.
+_GPT_SHAPES = {
+    "gpt2-small": (768, 12, 12, 1024), "gpt2-medium": (1024, 24, 16, 1024),
+    "gpt2-large": (1280, 36, 20, 1024), "gpt2-xl": (1600, 48, 25, 1024),
+    "gpt3-2.7b": (2560, 32, 32, 2048), "gpt3-6.7b": (4096, 32, 32, 2048),
+    "gpt3-13b": (5120, 40, 40, 2048),  # the paper's 5140 is not divisible by its 40 heads
+    "gpt3-175b": (12288, 96, 96, 2048),
+}
+# Model shapes by preset name (read-only by convention); a preset's vocab_size applies only when vocab_size=0.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=256, max_seq_len=256),
+    "small": dict(vocab_size=256, d_model=256, n_layers=6, n_heads=8, n_kv_heads=4, d_ff=1024, max_seq_len=512),
+    **{name: dict(vocab_size=50257, d_model=d, n_layers=n, n_heads=h, n_kv_heads=h, d_ff=4 * d, max_seq_len=s)
+       for name, (d, n, h, s) in _GPT_SHAPES.items()},
+}
+_COMPARISONS = {"min": (">=", operator.ge), "above": (">", operator.gt), "below": ("<", operator.lt)}
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _field(default: Any, **rule: Any) -> Any:
+    """Dataclass field with a validation rule: choices=(...), min=x (>=), above=x (>), below=x (<)."""
+    return field(default=default, metadata=rule)
+
+
+@dataclass
+class ModelConfig:
+    """Transformer shape; size fields left at 0 take the preset's value (see resolve_model)."""
+    preset: str = _field("tiny", choices=(*PRESETS, "custom"))  # "custom": give every size explicitly
+    vocab_size: int = _field(256, above=0)
+    d_model: int = _field(0, above=0)
+    n_layers: int = _field(0, above=0)
+    n_heads: int = _field(0, above=0)
+    n_kv_heads: int = _field(0, above=0)
+    d_ff: int = _field(0, above=0)
+    max_seq_len: int = _field(0, above=0)
+    tie_embeddings: bool = False
+    rope_theta: float = _field(10000.0, above=0)
+    norm_eps: float = _field(1e-5, above=0)
+    init_std: float = _field(0.02, above=0)
+
+
+@dataclass
+class ParallelConfig:
+    """Process grid and communication settings."""
+    dp: int = _field(0, min=0)  # 0 = world / (tp * pp)
+    tp: int = _field(1, min=1)
+    pp: int = _field(1, min=1)
+    schedule: str = _field("1f1b", choices=("gpipe", "1f1b"))
+    microbatches: int = _field(1, min=1)
+    sequence_parallel: bool = False
+    zero: int = _field(0, choices=(0, 1))
+    bucket_mb: float = _field(25.0, above=0)
+    stage_layers: list[int] = field(default_factory=list)  # layers per pp stage; empty = balanced
+    strict_placement: bool = False
+    backend: str = _field("auto", choices=("auto", "mpi", "cuda-mpi", "nccl"))
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer hyperparameters (learning rate and schedule live in TrainConfig)."""
+    name: str = _field("adamw", choices=("adamw", "sgd"))
+    beta1: float = _field(0.9, min=0, below=1)
+    beta2: float = _field(0.95, min=0, below=1)
+    eps: float = _field(1e-8, above=0)
+    weight_decay: float = _field(0.1, min=0)
+    momentum: float = _field(0.0, min=0)
+    grad_clip: float = _field(1.0, min=0)  # 0 = off
+
+
+@dataclass
+class DataConfig:
+    """Corpus: "builtin" (embedded) or a path to a text file, folder, .npy or .h5."""
+    source: str = "builtin"
+    cache_dir: str = ""  # empty = default cache
+    max_bytes: int = _field(0, min=0)  # 0 = no cap
+
+
+@dataclass
+class TrainConfig:
+    """Training loop, precision, learning-rate schedule and logging."""
+    steps: int = _field(50, min=0)
+    seed: int = _field(1234, min=0)
+    dtype: str = _field("float32", choices=("float32", "float64", "bfloat16", "float16"))
+    global_batch: int = _field(8, min=1)  # sequences per step
+    seq_len: int = _field(64, min=1)
+    lr: float = _field(3e-3, above=0)
+    min_lr: float = _field(3e-4, min=0)
+    warmup_steps: int = _field(5, min=0)
+    lr_schedule: str = _field("cosine", choices=("cosine", "constant", "linear"))
+    recompute: bool = False
+    log_interval: int = _field(1, min=1)
+    peak_tflops: float = _field(0.0, min=0)  # device peak per rank for MFU; 0 = unknown
+    loss_scale: float = _field(65536.0, above=0)  # initial dynamic loss scale for float16
+    run_dir: str = "runs/default"
+    progress: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing; the field ``async_`` is the key ``async``."""
+    interval: int = _field(0, min=0)  # steps between saves; 0 = only at end / preemption
+    keep: int = _field(3, min=1)
+    async_: bool = True
+    writer: str = _field("auto", choices=("auto", "mpio", "shards"))
+    dir: str = ""  # empty = <run_dir>/checkpoints
+
+
+@dataclass
+class Config:
+    """The whole run configuration, one attribute per TOML section."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def _error(where: str, detail: str) -> ConfigError:
+    return ConfigError(f"config: {where}: {detail}")
+
+
+def _key(f: dataclasses.Field) -> str:  # TOML/override spelling: async_ -> async
+    return f.name.rstrip("_")
+
+
+def _unknown(kind: str, name: str, valid: list[str], scope: str = "") -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown {kind} {name!r}{hint}; valid {kind}s{scope}: {', '.join(valid)}"
+
+
+def _section_class(section: str) -> type:
+    classes = {f.name: f.type for f in dataclasses.fields(Config)}
+    if section not in classes:
+        raise ConfigError("config: " + _unknown("section", section, list(classes)))
+    return classes[section]
+
+
+def _section_field(section: str, key: str) -> dataclasses.Field:
+    """The field behind ``section.key``; the Python spelling (``async_``) is accepted too."""
+    fields = dataclasses.fields(_section_class(section))
+    for f in fields:
+        if key in (_key(f), f.name):
+            return f
+    raise _error(f"{section}.{key}", _unknown("key", key, [_key(f) for f in fields], f" of [{section}]"))
+
+
+def _type_name(ftype: Any) -> str:
+    return "list[int]" if ftype == list[int] else ftype.__name__
+
+
+def _checked_value(where: str, value: Any, ftype: Any) -> Any:
+    """A value from TOML or a dict, type-checked against the field type (int is fine for float)."""
+    if (ftype in (bool, str) and isinstance(value, ftype)) or (ftype is int and type(value) is int):
+        return value
+    if ftype is float and type(value) in (int, float):
+        return float(value)
+    if ftype == list[int] and isinstance(value, (list, tuple)) and all(type(v) is int for v in value):
+        return list(value)
+    raise _error(where, f"expected {_type_name(ftype)}, got {value!r}")
+
+
+def _parsed_value(where: str, text: str, ftype: Any) -> Any:
+    """A value parsed from override text by the field type."""
+    s = text.strip()
+    try:
+        if ftype is bool and s.lower() in _BOOL_WORDS:
+            return _BOOL_WORDS[s.lower()]
+        if ftype is int or ftype is float:
+            return ftype(s)
+        if ftype is str:
+            return s[1:-1] if len(s) >= 2 and s[0] == s[-1] and s[0] in "'\"" else s  # unquote
+        if ftype == list[int]:
+            inner = s[1:-1] if s.startswith("[") and s.endswith("]") else s
+            return [int(part) for part in inner.split(",")] if inner.strip() else []
+    except ValueError:
+        pass
+    raise _error(where, f"expected {_type_name(ftype)}, got {text!r}")
+
+
+def config_from_dict(d: dict) -> Config:
+    """Build a Config from nested plain dicts; missing sections and keys keep their defaults."""
+    sections = {}
+    for section, table in d.items():
+        section_cls = _section_class(section)
+        if not isinstance(table, dict):
+            raise _error(section, f"expected a table of keys, got {table!r}")
+        kwargs = {}
+        for key, value in table.items():
+            f = _section_field(section, key)
+            kwargs[f.name] = _checked_value(f"{section}.{key}", value, f.type)
+        sections[section] = section_cls(**kwargs)
+    return Config(**sections)
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """Nested plain dict of a Config (flat dict of a single section), with TOML key spelling."""
+    if not isinstance(cfg, Config):
+        return {_key(f): copy.copy(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(Config)}
+
+
+def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
+    """A copy of cfg with each ``section.key=value`` applied in order (a leading ``--`` is allowed)."""
+    cfg = copy.deepcopy(cfg)
+    for item in overrides or ():
+        path, has_equals, text = item.partition("=")
+        section, has_dot, key = path.strip().lstrip("-").partition(".")
+        if not (has_equals and has_dot and section and key):
+            raise ConfigError(f"config: malformed override {item!r}: expected section.key=value")
+        f = _section_field(section, key)
+        setattr(getattr(cfg, section), f.name, _parsed_value(f"{section}.{key}", text, f.type))
+    return cfg
+
+
+def load_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
+    """Defaults, then the TOML file at path (None: none), then overrides; validated."""
+    cfg = Config()
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                cfg = config_from_dict(tomllib.load(fh))
+        except OSError as exc:
+            raise ConfigError(f"config: cannot read config file {path}: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config: invalid TOML in {path}: {exc}") from None
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (in {path})") from None
+    cfg = apply_overrides(cfg, overrides)
+    validate(cfg)
+    return cfg
+
+
+def resolve_model(m: ModelConfig) -> ModelConfig:
+    """A copy of m with size fields left at 0 taken from its preset ("custom" fills none)."""
+    if m.preset not in PRESETS and m.preset != "custom":
+        raise _error("model.preset", _unknown("preset", m.preset, [*PRESETS, "custom"]))
+    filled = {k: v for k, v in PRESETS.get(m.preset, {}).items() if getattr(m, k) == 0}
+    return dataclasses.replace(m, **filled)
+
+
+def _require(ok: bool, where: str, detail: str) -> None:
+    if not ok:
+        raise _error(where, detail)
+
+
+def _check_rules(section: str, obj: Any) -> None:
+    """Apply each field's ``_field`` rule to its value in obj."""
+    for f in dataclasses.fields(obj):
+        value, rule, where = getattr(obj, f.name), f.metadata, f"{section}.{_key(f)}"
+        if "choices" in rule:
+            choices = ", ".join(map(str, rule["choices"]))
+            _require(value in rule["choices"], where, f"expected one of {choices}, got {value!r}")
+        for name, (symbol, holds) in _COMPARISONS.items():
+            if name in rule:
+                _require(holds(value, rule[name]), where, f"must be {symbol} {rule[name]}, got {value}")
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError naming the first bad value; cfg itself is not modified."""
+    m = resolve_model(cfg.model)
+    for f in dataclasses.fields(Config):
+        _check_rules(f.name, m if f.name == "model" else getattr(cfg, f.name))
+    _require(m.d_model % m.n_heads == 0, "model.n_heads", f"d_model={m.d_model} not divisible by n_heads={m.n_heads}")
+    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+             f"n_heads={m.n_heads} not divisible by n_kv_heads={m.n_kv_heads}")
+    p, t = cfg.parallel, cfg.train
+    _require(p.pp <= m.n_layers, "parallel.pp", f"pp={p.pp} exceeds model.n_layers={m.n_layers}")
+    layers = p.stage_layers
+    _require(not layers or (len(layers) == p.pp and min(layers) >= 1 and sum(layers) == m.n_layers),
+             "parallel.stage_layers", f"need {p.pp} entries >= 1 summing to n_layers={m.n_layers}, got {layers}")
+    _require(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    _require(cfg.data.source != "", "data.source", 'must be "builtin" or a path, got ""')
+    _require(t.run_dir != "", "train.run_dir", "must not be empty")

@@ -1,0 +1,49 @@
+"""Turning exceptions into one clear message per rank and a job-wide non-zero exit, never a hang."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+from hpctrain.errors import HpcTrainError
+
+USER_ERROR_EXIT = 2
+INTERNAL_ERROR_EXIT = 1
+
+
+def _world():
+    """(rank, size, COMM_WORLD) if MPI is initialised, else (0, 1, None)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return 0, 1, None
+    return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size(), mpi.COMM_WORLD
+
+
+def run_and_exit(main, argv=None) -> int:
+    """Call ``main(argv)``; on error print ``hpctrain: error: rank R: ...`` and end the whole job.
+
+    A user error (HpcTrainError) usually happens on every rank at once (they validate the same
+    input): each prints its message, and after a grace period ``HPCTRAIN_ERROR_GRACE_S`` (1 s) the job
+    is aborted with exit code 2, so a rank that failed alone cannot leave its peers waiting forever in a
+    collective. Any other exception prints its traceback and aborts with exit code 1.
+    """
+    try:
+        return main(argv) or 0
+    except HpcTrainError as exc:
+        code, text = USER_ERROR_EXIT, str(exc)
+    except KeyboardInterrupt:
+        code, text = 130, "interrupted"
+    except BrokenPipeError:
+        return 0
+    except Exception:  # noqa: BLE001 - report, then end the job
+        code, text = INTERNAL_ERROR_EXIT, "internal error:\n" + traceback.format_exc()
+    rank, size, world = _world()
+    prefix = f"rank {rank}: " if size > 1 else ""
+    sys.stderr.write(f"hpctrain: error: {prefix}{text}\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if world is not None and size > 1:
+        time.sleep(float(os.environ.get("HPCTRAIN_ERROR_GRACE_S", "1.0")))
+        world.Abort(code)
+    return code

@@ -1,0 +1,26 @@
+"""hpctrain: MPI-native training of large models on supercomputers."""
+from setuptools import find_packages, setup
+
+setup(
+    name="hpctrain",
+    version="0.1.0",
+    description="MPI-native data/tensor/pipeline-parallel training with HDF5 checkpoints and Slurm lifecycle",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hpctrain", "hpctrain.*"]),
+    install_requires=[
+        "numpy",
+        "torch==2.13.0",  # pinned: a looser pin resolves to a multi-GB CUDA build
+        "mpi4py>=4.1",
+        "h5py",
+        "rich",
+        "matplotlib",
+    ],
+    extras_require={
+        "mpi": ["mpich"],  # PyPI MPICH wheel: laptops and CI; clusters bring their own MPI
+        "gpu": ["cupy"],  # pick the cupy-cudaXXx wheel that matches your CUDA instead where needed
+        "test": ["pytest", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["hpctrain=hpctrain.cli:main"]},
+)

@@ -1,0 +1,76 @@
+"""Start real MPI jobs from tests: ``run_mpi(n, script, *args)`` with a hard timeout.
+
+Every multi-rank test goes through here, so none can hang CI: ``timeout -k`` kills the whole
+launcher tree, and ``python -m mpi4py`` aborts the job as soon as one rank raises.
+Override the launcher with ``HPCTRAIN_TEST_MPIEXEC`` (e.g. "mpirun --oversubscribe") on a cluster.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "mpi" / "scripts"
+FAKE_NODES_LAUNCHER = Path(__file__).resolve().parent / "fake_nodes_launch.sh"
+
+
+@dataclass
+class MpiResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def mpiexec() -> list[str]:
+    override = os.environ.get("HPCTRAIN_TEST_MPIEXEC")
+    if override:
+        return shlex.split(override)
+    exe = shutil.which("mpiexec", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    if exe is None:
+        raise RuntimeError("mpiexec not found: install the 'mpi' extra (pip install -e .[mpi,test])")
+    return [exe]
+
+
+def test_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "HPCTRAIN_ERROR_GRACE_S": "0.5",
+                "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
+    env.update(extra or {})
+    return env
+
+
+def run_mpi(nprocs: int, target: str, *args: str, timeout: float = 120, env: dict | None = None,
+            launcher_args: list[str] | None = None, module: bool = False, check: bool = True,
+            fake_nodes: list[str] | None = None) -> MpiResult:
+    """Run ``target`` (a script under tests/mpi/scripts, a path, or with ``module=True`` a module) on
+    ``nprocs`` ranks. ``fake_nodes``: names of emulated hosts; ranks are placed round-robin over them
+    (hydra ``-ppn 1``), each host a UTS namespace, so MPI sees several nodes on this one machine."""
+    cmd = ["timeout", "-k", "5", str(timeout)] + mpiexec()
+    if fake_nodes:
+        cmd += ["-launcher", "rsh", "-launcher-exec", str(FAKE_NODES_LAUNCHER),
+                "-hosts", ",".join(fake_nodes), "-ppn", "1"]
+    cmd += list(launcher_args or []) + ["-n", str(nprocs), sys.executable]
+    if module:
+        cmd += ["-m", target]
+    else:
+        path = SCRIPTS / target if not os.path.isabs(target) else Path(target)
+        cmd += ["-m", "mpi4py", str(path)]
+    cmd += list(args)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=test_env(env), cwd=str(ROOT),
+                          stdin=subprocess.DEVNULL)
+    result = MpiResult(proc.returncode, proc.stdout, proc.stderr)
+    if check and proc.returncode != 0:
+        timed_out = " (TIMED OUT)" if proc.returncode in (124, 137) else ""
+        raise AssertionError(f"mpi job failed with exit {proc.returncode}{timed_out}: {' '.join(cmd)}\n"
+                             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return result

@@ -35,14 +35,17 @@ def _add_bench(sub) -> None:
     c = bsub.add_parser("comm", help="collective benchmark: hpctrain vs raw mpi4py vs torch.distributed gloo")
     c.add_argument("--ops", default="allreduce,reduce_scatter,allgather,broadcast",
                    help="comma list of allreduce, reduce_scatter, allgather, broadcast, sendrecv")
-    c.add_argument("--sizes", default="1K,64K,1M,16M", help="comma list of message sizes (K, M, G suffixes)")
+    c.add_argument("--sizes", default="1K,64K,1M,16M",
+                   help="comma list of total buffer sizes, binary K/M/G suffixes (default 1K,64K,1M,16M)")
     c.add_argument("--axis", default="world", choices=["world", "dp", "pp", "tp"],
                    help="group to run on (default world)")
     c.add_argument("--tp", type=int, default=1)
     c.add_argument("--pp", type=int, default=1)
     c.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     c.add_argument("--impls", default="hpctrain,mpi4py,gloo", help="comma list of hpctrain, mpi4py, gloo")
-    c.add_argument("--iters", type=int, default=0, help="timed iterations per size (0 = by size)")
+    c.add_argument("--iters", type=int, default=0,
+                   help="timed iterations per size (0 = by size: 200 at <= 1M down to 5 at >= 64M)")
+    c.add_argument("--rounds", type=int, default=3, help="rounds per size; the best round is reported (default 3)")
     c.add_argument("--json", metavar="FILE", help="write records to FILE (JSON list)")
     c.add_argument("--csv", metavar="FILE", help="write records to FILE (CSV)")
     c.set_defaults(func=_run_bench_comm)

@@ -1,0 +1,1 @@
+"""Benchmarks run under MPI: ``hpctrain bench comm`` (collectives; see hpctrain.bench.comm)."""

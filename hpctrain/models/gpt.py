@@ -1,0 +1,208 @@
+"""Decoder-only GPT built only from tensor-parallel layers; one pipeline stage per instance.
+
+RMSNorm, rotary position embeddings, grouped-query causal attention, SwiGLU MLP, optional tied
+embeddings. Activations are ``[S, B, D]`` (``[S/tp, B, D]`` between blocks with sequence parallelism).
+Every parameter's initial value is its slab of a global tensor drawn from (seed, name), so every
+(dp, tp, pp) layout starts from the same model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hpctrain.errors import HpcTrainError
+from hpctrain.parallel.shard import init_from_global_, make_spec
+from hpctrain.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                      vocab_parallel_cross_entropy)
+from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq
+
+
+def check_tp_divisibility(m, tp_size: int) -> None:
+    """Raise a clear error when the model cannot be split over ``tp_size`` ranks."""
+    for what, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                        ("model.d_ff", m.d_ff), ("model.vocab_size", m.vocab_size)):
+        if value % tp_size:
+            raise HpcTrainError(f"{what}={value} is not divisible by parallel.tp={tp_size}: attention heads, "
+                                f"KV heads, the MLP and the vocabulary are split over tp; choose tp dividing it")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, name, dim, eps, tp, sp, dtype):
+        super().__init__()
+        spec = make_spec(f"{name}.weight", (dim,), None, tp, sp_partial_grad=bool(sp and tp and tp.size > 1))
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+        init_from_global_(self.weight, spec, 0, None)
+        self.weight.spec = spec
+        self.eps = eps
+
+    def forward(self, x):
+        compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        y = compute * torch.rsqrt(compute.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.to(x.dtype) * self.weight
+
+
+def rotary(x, theta: float):
+    """Rotate pairs of channels of x [S, B, H, hd] by position (positions 0..S-1)."""
+    seq, half = x.shape[0], x.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, dtype=torch.float64) / half)
+    angles = torch.arange(seq, dtype=torch.float64)[:, None] * freqs[None, :]
+    cos = angles.cos().to(x.dtype)[:, None, None, :]
+    sin = angles.sin().to(x.dtype)[:, None, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention; this TP rank holds n_heads/tp query and n_kv_heads/tp KV heads."""
+
+    def __init__(self, name, m, tp, sp, dtype, seed):
+        super().__init__()
+        tp_size = 1 if tp is None else tp.size
+        self.head_dim = m.d_model // m.n_heads
+        self.local_heads, self.local_kv = m.n_heads // tp_size, m.n_kv_heads // tp_size
+        self.theta, self.sp, self.tp = m.rope_theta, sp, tp
+        kw = dict(dtype=dtype, seed=seed, std=m.init_std)
+        kv_out = m.n_kv_heads * self.head_dim
+        kw["input_mode"] = "none"  # forward() gathers/copies x once for q, k and v
+        self.wq = ColumnParallelLinear(f"{name}.wq", m.d_model, m.d_model, tp, **kw)
+        self.wk = ColumnParallelLinear(f"{name}.wk", m.d_model, kv_out, tp, **kw)
+        self.wv = ColumnParallelLinear(f"{name}.wv", m.d_model, kv_out, tp, **kw)
+        del kw["input_mode"]
+        self.wo = RowParallelLinear(f"{name}.wo", m.d_model, m.d_model, tp, sp=sp, **kw)
+
+    def forward(self, x):
+        x = gather_seq(x, self.tp) if self.sp else copy_to_tp(x, self.tp)  # one op feeds q, k and v
+        seq, batch = x.shape[0], x.shape[1]
+        q = self.wq(x).view(seq, batch, self.local_heads, self.head_dim)
+        k = self.wk(x).view(seq, batch, self.local_kv, self.head_dim)
+        v = self.wv(x).view(seq, batch, self.local_kv, self.head_dim)
+        q, k = rotary(q, self.theta), rotary(k, self.theta)
+        group = self.local_heads // self.local_kv
+        q = q.permute(1, 2, 0, 3)  # [B, H, S, hd]
+        k = k.permute(1, 2, 0, 3).repeat_interleave(group, dim=1)
+        v = v.permute(1, 2, 0, 3).repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.permute(2, 0, 1, 3).reshape(seq, batch, self.local_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up split on d_ff, down reduces over TP."""
+
+    def __init__(self, name, m, tp, sp, dtype, seed):
+        super().__init__()
+        kw = dict(dtype=dtype, seed=seed, std=m.init_std)
+        self.sp, self.tp = sp, tp
+        self.gate = ColumnParallelLinear(f"{name}.gate", m.d_model, m.d_ff, tp, input_mode="none", **kw)
+        self.up = ColumnParallelLinear(f"{name}.up", m.d_model, m.d_ff, tp, input_mode="none", **kw)
+        self.down = RowParallelLinear(f"{name}.down", m.d_ff, m.d_model, tp, sp=sp, **kw)
+
+    def forward(self, x):
+        x = gather_seq(x, self.tp) if self.sp else copy_to_tp(x, self.tp)
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, name, m, tp, sp, dtype, seed):
+        super().__init__()
+        self.attn_norm = RMSNorm(f"{name}.attn_norm", m.d_model, m.norm_eps, tp, sp, dtype)
+        self.attn = Attention(f"{name}.attn", m, tp, sp, dtype, seed)
+        self.mlp_norm = RMSNorm(f"{name}.mlp_norm", m.d_model, m.norm_eps, tp, sp, dtype)
+        self.mlp = MLP(f"{name}.mlp", m, tp, sp, dtype, seed)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPTStage(nn.Module):
+    """Layers ``[first_layer, last_layer)`` of the GPT; the first stage embeds, the last computes logits.
+
+    forward: first stage ids [B, S] -> hidden; other stages hidden [S(/tp), B, D] -> hidden;
+    the last stage returns vocab-parallel logits [S, B, V/tp]. ``loss_sum`` turns them into the SUM of
+    per-token losses (the trainer divides by the global token count).
+    """
+
+    def __init__(self, m, layer_range: tuple[int, int], *, is_first: bool, is_last: bool, tp=None,
+                 sp: bool = False, dtype=torch.float32, seed: int = 0, recompute: bool = False, pp_size: int = 1):
+        super().__init__()
+        tp_size = 1 if tp is None else tp.size
+        check_tp_divisibility(m, tp_size)
+        self.is_first, self.is_last, self.tp, self.sp, self.recompute = is_first, is_last, tp, sp, recompute
+        self.layer_range = layer_range
+        if is_first:
+            self.embed = VocabParallelEmbedding("embed", m.vocab_size, m.d_model, tp, sp=sp, dtype=dtype,
+                                                seed=seed, std=m.init_std)
+        self.layers = nn.ModuleDict({str(i): Block(f"layers.{i}", m, tp, sp, dtype, seed)
+                                     for i in range(*layer_range)})
+        if is_last:
+            self.norm = RMSNorm("norm", m.d_model, m.norm_eps, tp, sp, dtype)
+            if m.tie_embeddings and is_first:
+                self.head = ColumnParallelLinear("embed", m.d_model, m.vocab_size, tp, sp=sp, weight=self.embed.weight)
+            elif m.tie_embeddings:  # pp > 1: a copy of the embedding; its grad is summed with stage 0's
+                self.head = ColumnParallelLinear("embed", m.d_model, m.vocab_size, tp, sp=sp, dtype=dtype,
+                                                 seed=seed, std=m.init_std)
+                spec = self.head.weight.spec
+                self.head.weight.spec = type(spec)(**{**spec.__dict__, "tied_copy": True})
+            else:
+                self.head = ColumnParallelLinear("head", m.d_model, m.vocab_size, tp, sp=sp, dtype=dtype,
+                                                 seed=seed, std=m.init_std)
+            self.vocab_start = (m.vocab_size // tp_size) * (0 if tp is None else tp.rank)
+
+    def forward(self, x):
+        if self.is_first:
+            x = self.embed(x.t().contiguous())
+        for block in self.layers.values():
+            x = checkpoint(block, x, use_reentrant=False) if self.recompute and self.training else block(x)
+        if self.is_last:
+            x = self.head(self.norm(x))
+        return x
+
+    def loss_sum(self, logits, targets):
+        """Sum over tokens of the cross-entropy; targets [B, S]."""
+        return vocab_parallel_cross_entropy(logits, targets.t().contiguous(), self.tp, self.vocab_start).sum()
+
+
+def partition_layers(m, pp: int, explicit: list[int] | None = None) -> list[tuple[int, int]]:
+    """Layer ranges per pipeline stage: ``explicit`` counts, or balanced by parameter count.
+
+    Blocks are equal, so balancing counts the embedding (stage 0) and LM head (last stage) as
+    fractions of a block and gives those stages fewer blocks when they are heavy.
+    """
+    if explicit:
+        if len(explicit) != pp or sum(explicit) != m.n_layers or min(explicit) < 1:
+            raise HpcTrainError(f"parallel.stage_layers={explicit} must have pp={pp} entries >= 1 summing to "
+                                f"model.n_layers={m.n_layers}")
+        counts = list(explicit)
+    else:
+        if m.n_layers < pp:
+            raise HpcTrainError(f"model.n_layers={m.n_layers} < parallel.pp={pp}: every stage needs a layer")
+        block = 4 * m.d_model * m.d_model + 3 * m.d_model * m.d_ff
+        extra = [0.0] * pp
+        extra[0] += m.vocab_size * m.d_model / block
+        extra[-1] += (0 if m.tie_embeddings and pp == 1 else m.vocab_size * m.d_model) / block
+        counts = [1] * pp
+        for _ in range(m.n_layers - pp):  # give the next block to the lightest stage
+            loads = [c + e for c, e in zip(counts, extra)]
+            counts[loads.index(min(loads))] += 1
+    bounds, start = [], 0
+    for c in counts:
+        bounds.append((start, start + c))
+        start += c
+    return bounds
+
+
+def flops_per_token(m, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 * matmul params + causal attention scores."""
+    kv = m.n_kv_heads * (m.d_model // m.n_heads)
+    per_layer = 2 * m.d_model * m.d_model + 2 * m.d_model * kv + 3 * m.d_model * m.d_ff
+    params = m.n_layers * per_layer + m.vocab_size * m.d_model  # LM head matmul
+    return 6.0 * params + 6.0 * m.n_layers * m.d_model * seq_len  # 12*L*d*S/2: causal half
+
+
+def count_parameters(m) -> int:
+    kv = m.n_kv_heads * (m.d_model // m.n_heads)
+    per_layer = 2 * m.d_model * m.d_model + 2 * m.d_model * kv + 3 * m.d_model * m.d_ff + 2 * m.d_model
+    head = 0 if m.tie_embeddings else m.vocab_size * m.d_model
+    return m.vocab_size * m.d_model + m.n_layers * per_layer + m.d_model + head

@@ -1,0 +1,157 @@
+"""The training loop: batch -> pipeline forward/backward -> DP reduction -> clip -> optimizer step -> metrics.
+
+``Trainer(cfg, grid)`` builds this rank's pipeline stage of the GPT (tensor-parallel layers over
+``grid.tp``), its flat buffers and DP reducer (``grid.dp``), the optimizer and the data iterator.
+``train_step`` runs one global batch; every rank returns the same metrics (loss and grad norm are
+agreed by collectives).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hpctrain.config import resolve_model
+from hpctrain.data.corpus import load_tokens_collective
+from hpctrain.data.sampler import GlobalBatchIterator, SequenceSampler
+from hpctrain.errors import HpcTrainError
+from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
+from hpctrain.optim.flat import FlatOptimizer, lr_at
+from hpctrain.optim.loss_scale import DynamicLossScaler
+from hpctrain.parallel.data import FlatParams
+from hpctrain.parallel.pipeline import PipelineExecutor, bubble_fraction
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_time_s: float
+    comm_time_s: float
+    mfu: float | None
+    loss_scale: float
+    skipped: bool
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def check_batch_layout(cfg, dp: int, tp: int) -> tuple[int, int]:
+    """(local batch, micro-batch size) per dp rank, or a clear error."""
+    t, p = cfg.train, cfg.parallel
+    if t.global_batch % dp:
+        raise HpcTrainError(f"train.global_batch={t.global_batch} is not divisible by dp={dp}")
+    local = t.global_batch // dp
+    if local % p.microbatches:
+        raise HpcTrainError(f"the per-replica batch {local} (train.global_batch/dp) is not divisible by "
+                            f"parallel.microbatches={p.microbatches}")
+    if p.sequence_parallel and t.seq_len % tp:
+        raise HpcTrainError(f"sequence parallelism needs train.seq_len={t.seq_len} divisible by tp={tp}")
+    return local, local // p.microbatches
+
+
+class Trainer:
+    def __init__(self, cfg, grid, tokens=None):
+        self.cfg, self.grid = cfg, grid
+        self.model_cfg = m = resolve_model(cfg.model)
+        p, t = cfg.parallel, cfg.train
+        self.dtype = DTYPES[t.dtype]
+        dp, tp, pp = grid.sizes["dp"], grid.sizes["tp"], grid.sizes["pp"]
+        self.local_batch, self.micro_batch = check_batch_layout(cfg, dp, tp)
+        stage_rank = grid.coords["pp"]
+        ranges = partition_layers(m, pp, p.stage_layers)
+        tp_comm, pp_comm = grid.comm("tp"), grid.comm("pp")
+        self.stage = GPTStage(m, ranges[stage_rank], is_first=stage_rank == 0, is_last=stage_rank == pp - 1,
+                              tp=tp_comm, sp=p.sequence_parallel, dtype=self.dtype, seed=t.seed,
+                              recompute=t.recompute, pp_size=pp)
+        if m.tie_embeddings and pp > 1 and stage_rank == 0:
+            self.stage.embed.weight.tied_with_last_stage = True
+        self.flat = FlatParams(list(self.stage.parameters()), grid.comm("dp"), tp=tp_comm, pp=pp_comm,
+                               bucket_mb=p.bucket_mb, zero=p.zero == 1)
+        self.optimizer = FlatOptimizer(self.flat, cfg.optim, tp_rank=grid.coords["tp"])
+        seq_shard = t.seq_len // tp if p.sequence_parallel else t.seq_len
+        self.executor = PipelineExecutor(self.stage, pp_comm if pp > 1 else None, self.flat, p.schedule,
+                                         p.microbatches, (seq_shard, self.micro_batch, m.d_model), self.dtype)
+        self.scaler = DynamicLossScaler(t.loss_scale, enabled=self.dtype == torch.float16)
+        if tokens is None:
+            tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes)
+        if int(tokens.max()) >= m.vocab_size:
+            raise HpcTrainError(f"the corpus has token id {int(tokens.max())} >= model.vocab_size={m.vocab_size}")
+        self.sampler = SequenceSampler(tokens, t.seq_len, t.seed)
+        self.batches = GlobalBatchIterator(self.sampler, t.global_batch, dp, grid.coords["dp"])
+        self.step = 0
+        self.flops_per_token = flops_per_token(m, t.seq_len)
+        self.bubble = bubble_fraction(pp, p.microbatches) if pp > 1 else 0.0
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> StepMetrics:
+        t, grid = self.cfg.train, self.grid
+        start, comm_before = time.perf_counter(), grid.stats.total_seconds()
+        inputs, targets = self.batches.next_batch()
+        mb = self.micro_batch
+        inputs_mb = [inputs[i * mb:(i + 1) * mb] for i in range(self.cfg.parallel.microbatches)]
+        targets_mb = [targets[i * mb:(i + 1) * mb] for i in range(self.cfg.parallel.microbatches)]
+        global_tokens = t.global_batch * t.seq_len
+
+        self.stage.train()
+        self.flat.start_step()
+        scaled_loss = self.executor.run(inputs_mb, targets_mb, self.scaler.scale / global_tokens)
+        self.flat.finish_reduction()
+        loss = self._agree_loss(scaled_loss / self.scaler.scale)
+
+        norm_sq = torch.tensor([self.optimizer.grad_norm_sq_local(1.0 / self.scaler.scale)], dtype=torch.float64)
+        grid.world.allreduce(norm_sq)
+        grad_norm = math.sqrt(norm_sq.item()) if math.isfinite(norm_sq.item()) else float("inf")
+        skipped = self.scaler.update(grad_norm)  # same decision on every rank: grad_norm is global
+        lr = lr_at(self.step, t)
+        if not skipped:
+            clip = self.cfg.optim.grad_clip
+            coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+            self.optimizer.step(lr, coef / self.scaler.scale if self.scaler.enabled else coef)
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        tokens_per_s = global_tokens / elapsed
+        peak = self.cfg.train.peak_tflops
+        mfu = (self.flops_per_token * tokens_per_s / (peak * 1e12 * grid.info.size)) if peak > 0 else None
+        return StepMetrics(self.step, loss, lr, grad_norm, tokens_per_s, elapsed,
+                           grid.stats.total_seconds() - comm_before, mfu, self.scaler.scale, skipped)
+
+    def _agree_loss(self, stage_loss: float) -> float:
+        """The global mean token loss on every rank: from the last stage over pp, summed over dp."""
+        value = torch.tensor([stage_loss], dtype=torch.float64)
+        pp = self.grid.comm("pp")
+        if pp.size > 1:
+            pp.broadcast(value, root=pp.size - 1)
+        self.grid.comm("dp").allreduce(value)
+        return value.item()
+
+    # ------------------------------------------------------------------ global view
+    def global_parameters(self) -> dict | None:
+        """Collective: every parameter at its GLOBAL shape on world rank 0 (None elsewhere).
+
+        Built from the shard specs: TP slabs are placed at their slices; each dp replica holds the same
+        values, so only dp rank 0 contributes; the tied copy is skipped.
+        """
+        pieces = []
+        if self.grid.coords["dp"] == 0:
+            for p in self.stage.parameters():
+                if not p.spec.tied_copy:
+                    index = [(s.start, s.stop) for s in p.spec.local_slices()]
+                    pieces.append((p.spec.name, p.spec.global_shape, index, p.detach().to(torch.float64).numpy().copy()))
+        gathered = self.grid.world.mpi.gather(pieces, root=0)
+        if gathered is None:
+            return None
+        result = {}
+        for rank_pieces in gathered:
+            for name, shape, index, array in rank_pieces:
+                full = result.setdefault(name, torch.full(shape, float("nan"), dtype=torch.float64))
+                full[tuple(slice(a, b) for a, b in index)] = torch.from_numpy(array)
+        return result

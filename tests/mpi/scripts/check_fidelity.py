@@ -1,0 +1,92 @@
+"""Every parallel layout trains like one process.
+
+    mpiexec -n K python -m mpi4py check_fidelity.py --layouts "2,2,2;1,2,4" --variants "1f1b,sp,zero1" ...
+
+For each layout "dp,tp,pp" whose product is K and each variant (schedule x sequence parallel x ZeRO),
+train ``--steps`` steps from the same seed and data, then compare the loss sequence and the final
+GLOBAL parameters with a single-process run of the same config that world rank 0 runs on
+MPI.COMM_SELF. Relative error bound: ``--rtol`` (1e-10 in float64).
+"""
+import argparse
+import itertools
+
+import torch
+from mpi4py import MPI
+
+from hpctrain.comm.grid import ProcessGrid
+from hpctrain.config import load_config
+from hpctrain.data.corpus import load_tokens_collective
+from hpctrain.runtime.launcher import discover
+from hpctrain.train.trainer import Trainer
+
+
+def train(cfg, world_mpi, tokens, steps):
+    info = discover(world_mpi)
+    grid = ProcessGrid.build(info, world_mpi=world_mpi, dp=cfg.parallel.dp, tp=cfg.parallel.tp,
+                             pp=cfg.parallel.pp, timeout_s=120)
+    trainer = Trainer(cfg, grid, tokens=tokens)
+    losses = [trainer.train_step().loss for _ in range(steps)]
+    params = trainer.global_parameters()
+    grid.close()
+    return losses, params
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp"')
+    ap.add_argument("--variants", default="1f1b", help='","-separated from 1f1b, gpipe, sp, zero1 '
+                                                       'or "all" (every combination)')
+    ap.add_argument("--dtype", default="float64")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rtol", type=float, default=1e-10)
+    ap.add_argument("--param-rtol", type=float, default=None)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    world = MPI.COMM_WORLD
+    base = ["data.max_bytes=300000", "train.global_batch=8", "train.seq_len=16", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
+            f"train.dtype={args.dtype}", "parallel.microbatches=2", "optim.grad_clip=1.0",
+            "train.warmup_steps=1", "train.lr=1e-2", "model.tie_embeddings=false"] + args.overrides
+    if args.variants == "all":
+        combos = list(itertools.product(["1f1b", "gpipe"], [False, True], [0, 1]))
+    else:
+        words = args.variants.split(",")
+        schedule = "gpipe" if "gpipe" in words else "1f1b"
+        combos = [(schedule, "sp" in words, 1 if "zero1" in words else 0)]
+    cfg0 = load_config(None, base)
+    tokens = load_tokens_collective(world, cfg0.data.source, cfg0.data.cache_dir, cfg0.data.max_bytes)
+    reference = None
+    if world.Get_rank() == 0:
+        reference = train(load_config(None, base + ["parallel.microbatches=1"]), MPI.COMM_SELF, tokens, args.steps)
+    world.Barrier()
+    checks = 0
+    for layout in args.layouts.split(";"):
+        dp, tp, pp = (int(v) for v in layout.split(","))
+        for schedule, sp, zero in combos:
+            name = f"dp={dp} tp={tp} pp={pp} {schedule} sp={sp} zero={zero} {args.dtype}"
+            cfg = load_config(None, base + [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+                                            f"parallel.schedule={schedule}", f"parallel.sequence_parallel={sp}",
+                                            f"parallel.zero={zero}"])
+            losses, params = train(cfg, world, tokens, args.steps)
+            if world.Get_rank() == 0:
+                ref_losses, ref_params = reference
+                loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+                assert loss_err <= args.rtol, f"{name}: losses {losses} vs {ref_losses} (rel {loss_err:.2e})"
+                assert params.keys() == ref_params.keys(), f"{name}: parameter names differ"
+                if args.param_rtol is not None:
+                    worst = max((rel_err(params[k], ref_params[k]), k) for k in ref_params)
+                    assert worst[0] <= args.param_rtol, f"{name}: parameter {worst[1]} rel err {worst[0]:.2e}"
+                else:
+                    worst = (0.0, "-")
+                print(f"OK {name}: loss rel err {loss_err:.1e}, worst param rel err {worst[0]:.1e} ({worst[1]})",
+                      flush=True)
+                checks += 1
+    if world.Get_rank() == 0:
+        print(f"FIDELITY OK {checks} layouts/variants")
+
+
+if __name__ == "__main__":
+    main()

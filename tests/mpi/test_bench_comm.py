@@ -1,0 +1,53 @@
+"""`hpctrain bench comm` on 2 real ranks (tiny sizes, few iterations; never asserts on speed)."""
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from hpctrain.bench.comm import FIELDS, bus_factor, default_iters, format_size, parse_size
+from mpirun import ROOT, run_mpi
+
+OPS = ["allreduce", "reduce_scatter", "allgather", "broadcast", "sendrecv"]
+IMPLS = ["hpctrain", "mpi4py", "gloo"]
+KEYS = {"impl", "op", "bytes", "time_us", "algbw_GBps", "busbw_GBps"}
+
+
+def test_bench_comm_two_ranks_json_and_csv(tmp_path):
+    out, table = tmp_path / "bench.json", tmp_path / "bench.csv"
+    result = run_mpi(2, "hpctrain.cli", "bench", "comm", "--ops", ",".join(OPS), "--sizes", "1K,64K",
+                     "--iters", "3", "--rounds", "1", "--json", str(out), "--csv", str(table),
+                     module=True, timeout=240)
+    records = json.loads(out.read_text())
+    assert len(records) == len(OPS) * 2 * len(IMPLS)
+    assert {(r["impl"], r["op"], r["bytes"]) for r in records} == {
+        (i, o, b) for i in IMPLS for o in OPS for b in (1024, 65536)}
+    for r in records:
+        assert KEYS <= set(r) and set(r) <= set(FIELDS), r
+        assert r["time_us"] > 0 and r["algbw_GBps"] > 0 and r["ranks"] == 2 and r["axis"] == "world"
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * bus_factor(r["op"], 2))
+    rows = list(csv.DictReader(table.open()))
+    assert len(rows) == len(records) and list(rows[0]) == list(FIELDS)
+    assert "busbw GB/s" in result.stdout and "reduce_scatter" in result.stdout  # rank 0's table
+
+
+def test_bench_script_without_gloo(tmp_path):
+    out = tmp_path / "bench.json"
+    run_mpi(2, str(ROOT / "benchmarks" / "bench_comm.py"), "--ops", "allreduce", "--sizes", "4K",
+            "--impls", "hpctrain,mpi4py", "--iters", "2", "--rounds", "1", "--json", str(out), timeout=120)
+    records = json.loads(out.read_text())
+    assert [(r["impl"], r["bytes"]) for r in records] == [("hpctrain", 4096), ("mpi4py", 4096)]
+    assert records[1]["ratio_vs_mpi4py"] == 1.0
+
+
+def test_sizes_and_formulas():
+    assert [parse_size(s) for s in ("1K", "64k", "16M", "1G", "4096", "2MiB")] == [
+        1024, 65536, 16 << 20, 1 << 30, 4096, 2 << 20]
+    assert [format_size(n) for n in (1024, 16 << 20, 1 << 30, 1000)] == ["1K", "16M", "1G", "1000"]
+    for bad in ("", "1T", "0K", "K"):
+        with pytest.raises(Exception, match="bad message size"):
+            parse_size(bad)
+    assert bus_factor("allreduce", 4) == 1.5 and bus_factor("allgather", 4) == 0.75
+    assert bus_factor("broadcast", 4) == bus_factor("sendrecv", 4) == 1.0
+    assert default_iters(1024) == 200 and default_iters(256 << 20) == 5

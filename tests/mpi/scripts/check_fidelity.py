@@ -38,8 +38,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp"')
-    ap.add_argument("--variants", default="1f1b", help='","-separated from 1f1b, gpipe, sp, zero1 '
-                                                       'or "all" (every combination)')
+    ap.add_argument("--variants", default="1f1b", help='"/"-separated combinations, each ","-separated words '
+                                                       'from 1f1b, gpipe, sp, zero1; or "all"')
     ap.add_argument("--dtype", default="float64")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rtol", type=float, default=1e-10)
@@ -53,9 +53,10 @@ def main():
     if args.variants == "all":
         combos = list(itertools.product(["1f1b", "gpipe"], [False, True], [0, 1]))
     else:
-        words = args.variants.split(",")
-        schedule = "gpipe" if "gpipe" in words else "1f1b"
-        combos = [(schedule, "sp" in words, 1 if "zero1" in words else 0)]
+        combos = []
+        for combo in args.variants.split("/"):
+            words = combo.split(",")
+            combos.append(("gpipe" if "gpipe" in words else "1f1b", "sp" in words, 1 if "zero1" in words else 0))
     cfg0 = load_config(None, base)
     tokens = load_tokens_collective(world, cfg0.data.source, cfg0.data.cache_dir, cfg0.data.max_bytes)
     reference = None

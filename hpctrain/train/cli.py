@@ -1,0 +1,55 @@
+"""``hpctrain train --config FILE.toml [section.key=value ...]``: run training on the launched ranks."""
+from __future__ import annotations
+
+import json
+import os
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a GPT with data, tensor and pipeline parallelism",
+                       description="Train on the ranks started by mpiexec/srun. Any config key can be "
+                                   "overridden as section.key=value (e.g. parallel.tp=2 train.steps=10).")
+    p.add_argument("--config", help="TOML config (default: built-in defaults, tiny GPT)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from hpctrain.comm.grid import ProcessGrid
+    from hpctrain.config import config_to_dict, load_config
+    from hpctrain.runtime.launcher import bind_device, discover
+    from hpctrain.train.metrics import MetricsLog
+    from hpctrain.train.trainer import Trainer
+
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = load_config(args.config, args.overrides)  # identical on every rank: errors are raised everywhere
+    info = discover()
+    bind_device(info)
+    p = cfg.parallel
+    grid = ProcessGrid.build(info, dp=p.dp, pp=p.pp, tp=p.tp, strict_placement=p.strict_placement,
+                             backend=p.backend)
+    trainer = Trainer(cfg, grid)
+    is_root = info.rank == 0
+    if is_root:
+        os.makedirs(cfg.train.run_dir, exist_ok=True)
+        with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config_to_dict(cfg), f, indent=1)
+        layout = " x ".join(f"{a}={grid.sizes[a]}" for a in ("dp", "pp", "tp"))
+        bubble = f", pipeline bubble {trainer.bubble:.0%}" if grid.sizes["pp"] > 1 else ""
+        print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
+              f"{p.schedule}, {p.microbatches} micro-batches{bubble}, sequence parallel "
+              f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, {cfg.train.dtype}", flush=True)
+    log = MetricsLog(cfg.train.run_dir, cfg.train.steps, enabled=is_root, progress=cfg.train.progress,
+                     log_interval=cfg.train.log_interval)
+    try:
+        for _ in range(cfg.train.steps):
+            log.log(trainer.train_step().as_dict())
+    finally:
+        summary = log.close()
+    if is_root and summary:
+        with open(os.path.join(cfg.train.run_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+    grid.close()
+    return 0

@@ -1,0 +1,73 @@
+"""Step metrics out: ``<run_dir>/metrics.jsonl`` (one JSON line per step), a progress display and a summary.
+
+Only world rank 0 writes; every rank holds the same numbers (they are agreed by collectives).
+On a terminal the progress is a rich bar with loss and throughput; in batch logs (no TTY) it is
+one plain line every ``log_interval`` steps, which reads well in a Slurm output file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+class MetricsLog:
+    def __init__(self, run_dir: str, total_steps: int, *, enabled: bool, progress: bool = True,
+                 log_interval: int = 1, stream=None):
+        self.enabled, self.total, self.log_interval = enabled, total_steps, max(1, log_interval)
+        self.stream = stream or sys.stdout
+        self.records: list[dict] = []
+        self.started = time.perf_counter()
+        self._file = self._bar = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._file = open(self.path, "a", encoding="utf-8")
+        if progress and self.stream.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[status]}"), TimeRemainingColumn())
+            self._task = self._bar.add_task("train", total=total_steps, status="")
+            self._bar.start()
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        status = (f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s"
+                  + ("  SKIPPED (inf/NaN grads, loss scale lowered)" if record.get("skipped") else ""))
+        if self._bar is not None:
+            self._bar.update(self._task, completed=record["step"], status=status)
+        elif record["step"] % self.log_interval == 0 or record["step"] == self.total or record.get("skipped"):
+            print(f"step {record['step']}/{self.total}  {status}  grad_norm {record['grad_norm']:.3f}  "
+                  f"step {record['step_time_s'] * 1000:.0f} ms (comm {record['comm_time_s'] * 1000:.0f} ms)",
+                  file=self.stream, flush=True)
+
+    def close(self) -> dict:
+        """Stop the display, print and return the summary."""
+        if not self.enabled:
+            return {}
+        if self._bar is not None:
+            self._bar.stop()
+        self._file.close()
+        if not self.records:
+            return {}
+        steps = self.records
+        tail = steps[len(steps) // 2:] if len(steps) > 1 else steps  # steady state: skip warm-up half
+        summary = {
+            "steps": len(steps), "first_loss": steps[0]["loss"], "final_loss": steps[-1]["loss"],
+            "mean_tokens_per_s": sum(r["tokens_per_s"] for r in tail) / len(tail),
+            "mean_step_time_s": sum(r["step_time_s"] for r in tail) / len(tail),
+            "comm_fraction": sum(r["comm_time_s"] for r in tail) / max(1e-12, sum(r["step_time_s"] for r in tail)),
+            "skipped_steps": sum(1 for r in steps if r.get("skipped")),
+            "wall_time_s": time.perf_counter() - self.started,
+        }
+        print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
+              f"{summary['mean_tokens_per_s']:.0f} tokens/s, comm {100 * summary['comm_fraction']:.0f}% of step "
+              f"time, {summary['wall_time_s']:.1f} s; metrics in {self.path}", file=self.stream, flush=True)
+        return summary

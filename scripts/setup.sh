@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create .venv and install hpctrain (editable) with the PyPI MPICH wheel and the test tools.
+# Idempotent: does nothing when .venv/.hpctrain-installed is newer than setup.py (delete it to force).
+# PYTHON picks the interpreter (default python3, >= 3.10). Used by `make setup` and by .ci/run.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON="${PYTHON:-python3}"
+VENV=.venv
+STAMP="$VENV/.hpctrain-installed"
+
+if [[ -f "$STAMP" && "$STAMP" -nt setup.py && -x "$VENV/bin/hpctrain" && -x "$VENV/bin/mpiexec" ]]; then
+  echo "setup: $VENV is up to date (delete $STAMP to reinstall)"
+  exit 0
+fi
+if [[ ! -x "$VENV/bin/python" ]]; then
+  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+    || { echo "setup: $PYTHON is older than Python 3.10; set PYTHON=python3.11" >&2; exit 1; }
+  "$PYTHON" -m venv "$VENV"
+fi
+# torch is pinned in setup.py (an unpinned torch resolves to a multi-GB CUDA build)
+"$VENV/bin/python" -m pip install --progress-bar off -e ".[mpi,test]"
+"$VENV/bin/python" -c "import hpctrain, torch, mpi4py.MPI"  # fail here, not in the first test
+touch "$STAMP"
+echo "setup: ready ($VENV/bin/hpctrain, $VENV/bin/mpiexec)"

@@ -1,0 +1,89 @@
+"""Collectives on CUDA tensors through the NCCL (CuPy) and CUDA-aware MPI backends.
+
+The multi-rank tests skip, with the reason, where CUDA, CuPy/NCCL, enough GPUs or a CUDA-aware MPI
+are missing (PyPI MPICH is not CUDA-aware: set HPCTRAIN_TEST_CUDA_MPI=1 where mpi4py's MPI is).
+The table checks at the bottom run everywhere.
+"""
+import os
+
+import pytest
+import torch
+
+from hpctrain.comm.backends import nccl as nccl_backend
+from mpirun import run_mpi
+
+NCCL_OK, NCCL_REASON = nccl_backend.nccl_available()
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+# ncclDataType_t / ncclRedOp_t from nccl.h (stable ABI since NCCL 2.0; bfloat16 since 2.10, avg since 2.10)
+NCCL_H_DTYPES = {"NCCL_INT8": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_UINT32": 3, "NCCL_INT64": 4,
+                 "NCCL_UINT64": 5, "NCCL_FLOAT16": 6, "NCCL_FLOAT32": 7, "NCCL_FLOAT64": 8, "NCCL_BFLOAT16": 9}
+NCCL_H_OPS = {"NCCL_SUM": 0, "NCCL_PROD": 1, "NCCL_MAX": 2, "NCCL_MIN": 3, "NCCL_AVG": 4}
+# the dtypes the host (MPI) path is tested with in tests/mpi/scripts/check_collectives.py
+HOST_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64]
+
+
+@pytest.mark.skipif(NCCL_OK and GPUS < 2, reason=f"NCCL needs one GPU per rank: 2 ranks, {GPUS} visible GPU(s)")
+@pytest.mark.skipif(not NCCL_OK, reason=f"NCCL backend unavailable: {NCCL_REASON}")
+def test_collectives_on_cuda_through_nccl():
+    result = run_mpi(2, "check_collectives_cuda.py", "--backend", "nccl", timeout=300)
+    assert "OK" in result.stdout and "backend nccl" in result.stdout
+
+
+@pytest.mark.skipif(os.environ.get("HPCTRAIN_TEST_CUDA_MPI") != "1",
+                    reason="CUDA-aware MPI not declared: set HPCTRAIN_TEST_CUDA_MPI=1 when mpi4py's MPI library "
+                           "accepts device pointers (the PyPI MPICH wheel does not)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device is visible to torch")
+def test_collectives_on_cuda_through_cuda_aware_mpi():
+    result = run_mpi(2, "check_collectives_cuda.py", "--backend", "cuda-mpi", timeout=300)
+    assert "OK" in result.stdout and "backend cuda-mpi" in result.stdout
+
+
+def test_nccl_dtype_table_matches_nccl_h():
+    table = nccl_backend._NCCL_DTYPES
+    for dtype, (name, value) in table.items():
+        assert isinstance(dtype, torch.dtype)
+        assert NCCL_H_DTYPES.get(name) == value, f"{dtype}: {name}={value} disagrees with nccl.h"
+        assert torch.empty((), dtype=dtype).element_size() == _nccl_size(name), dtype
+    assert len({v for _, v in table.values()}) == len(table), "two torch dtypes map to one NCCL type"
+    missing = [d for d in HOST_DTYPES if d not in table]
+    assert not missing, f"dtypes the MPI backend handles but NCCL does not: {missing}"
+
+
+def test_nccl_op_table_matches_nccl_h_and_the_collective_contract():
+    table = nccl_backend._NCCL_OPS
+    assert set(table) == {"sum", "avg", "max"}  # the ops every backend accepts (Communicator.allreduce)
+    for op, (name, value) in table.items():
+        assert NCCL_H_OPS.get(name) == value, f"{op}: {name}={value} disagrees with nccl.h"
+
+
+def test_const_prefers_the_library_constant_and_falls_back_to_nccl_h():
+    class WithNames:
+        NCCL_FLOAT32 = 7
+
+    class WithoutNames:
+        pass
+
+    assert nccl_backend._const(WithNames, nccl_backend._NCCL_DTYPES, torch.float32) == 7
+    assert nccl_backend._const(WithoutNames, nccl_backend._NCCL_DTYPES, torch.bfloat16) == 9
+    assert nccl_backend._const(WithoutNames, nccl_backend._NCCL_OPS, "avg") == 4
+
+
+@pytest.mark.skipif(not NCCL_OK, reason=f"NCCL backend unavailable: {NCCL_REASON}")
+def test_nccl_table_names_agree_with_cupy():
+    from cupy.cuda import nccl
+
+    for table in (nccl_backend._NCCL_DTYPES, nccl_backend._NCCL_OPS):
+        for name, value in table.values():
+            if hasattr(nccl, name):
+                assert getattr(nccl, name) == value, f"cupy.cuda.nccl.{name} = {getattr(nccl, name)} != {value}"
+
+
+def test_nccl_available_explains_itself():
+    ok, reason = nccl_backend.nccl_available()
+    assert isinstance(ok, bool) and (ok or reason), "a missing NCCL backend must say why"
+
+
+def _nccl_size(name: str) -> int:
+    """Bytes per element from the NCCL type name: NCCL_FLOAT16 -> 2, NCCL_UINT8 -> 1."""
+    return int("".join(c for c in name if c.isdigit())) // 8

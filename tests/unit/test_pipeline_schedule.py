@@ -1,0 +1,59 @@
+"""Pipeline schedules: complete, ordered, deadlock-free for every (pp, micro-batches)."""
+import pytest
+
+from hpctrain.optim.loss_scale import DynamicLossScaler
+from hpctrain.parallel.pipeline import bubble_fraction, schedule_actions, simulate
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 4, 7, 16])
+def test_schedule_is_complete_and_deadlock_free(kind, stages, microbatches):
+    for stage in range(stages):
+        actions = schedule_actions(kind, stage, stages, microbatches)
+        assert sorted(actions) == sorted([("F", i) for i in range(microbatches)] +
+                                         [("B", i) for i in range(microbatches)])
+        # forward before backward of each micro-batch; backwards in order
+        for i in range(microbatches):
+            assert actions.index(("F", i)) < actions.index(("B", i))
+        assert [i for op, i in actions if op == "B"] == list(range(microbatches))
+    assert simulate(kind, stages, microbatches)
+
+
+def test_1f1b_bounds_in_flight_activations():
+    stages, m = 4, 8
+    for stage in range(stages):
+        live, peak = 0, 0
+        for op, _ in schedule_actions("1f1b", stage, stages, m):
+            live += 1 if op == "F" else -1
+            peak = max(peak, live)
+        assert peak == min(stages - stage, m)
+
+
+def test_simulate_detects_a_deadlock():
+    import hpctrain.parallel.pipeline as pipeline
+    original = pipeline.schedule_actions
+    try:  # a broken schedule: the last stage runs backward of micro-batch 1 before its forward exists
+        pipeline.schedule_actions = lambda kind, s, n, m: ([("B", 0), ("F", 0)] if s == 0 else original(kind, s, n, m))
+        assert not pipeline.simulate("gpipe", 2, 1)
+    finally:
+        pipeline.schedule_actions = original
+
+
+def test_bubble_fraction():
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(1, 8) == 0
+
+
+def test_unknown_schedule():
+    with pytest.raises(ValueError, match="gpipe or 1f1b"):
+        schedule_actions("interleaved", 0, 2, 2)
+
+
+def test_dynamic_loss_scaler():
+    scaler = DynamicLossScaler(1024.0, growth_interval=2)
+    assert scaler.update(float("inf")) and scaler.scale == 512.0
+    assert not scaler.update(1.0) and scaler.scale == 512.0
+    assert not scaler.update(1.0) and scaler.scale == 1024.0
+    off = DynamicLossScaler(1024.0, enabled=False)
+    assert off.scale == 1.0 and not off.update(float("nan"))

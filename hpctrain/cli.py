@@ -69,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _main(argv) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # `train` takes section.key=value overrides anywhere on the line, also after options
+        if getattr(args, "overrides", None) is None or any(e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     return args.func(args)
 
 

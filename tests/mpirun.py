@@ -40,7 +40,7 @@ def mpiexec() -> list[str]:
     return [exe]
 
 
-def test_env(extra: dict | None = None) -> dict:
+def mpi_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "HPCTRAIN_ERROR_GRACE_S": "0.5",
@@ -66,7 +66,7 @@ def run_mpi(nprocs: int, target: str, *args: str, timeout: float = 120, env: dic
         path = SCRIPTS / target if not os.path.isabs(target) else Path(target)
         cmd += ["-m", "mpi4py", str(path)]
     cmd += list(args)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=test_env(env), cwd=str(ROOT),
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(env), cwd=str(ROOT),
                           stdin=subprocess.DEVNULL)
     result = MpiResult(proc.returncode, proc.stdout, proc.stderr)
     if check and proc.returncode != 0:

@@ -1,0 +1,399 @@
+#!/usr/bin/env python
+"""Training throughput: hpctrain vs torch DistributedDataParallel (gloo), same model, data, ranks, optimizer.
+
+    mpiexec -n 4 python benchmarks/bench_train.py --json bench_train_4.json --csv bench_train_4.csv
+
+One MPI job runs every implementation on the same ranks:
+
+    hpctrain  dp=N                 the hpctrain Trainer: flat buffers, bucketed non-blocking MPI all-reduce
+                                   overlapped with backward, flat AdamW
+    ddp-gloo  dp=N                 torch.nn.parallel.DistributedDataParallel over a gloo process group
+                                   (initialised on the same ranks; tcp on 127.0.0.1 or the node address),
+                                   torch.optim.AdamW, torch.nn.utils.clip_grad_norm_
+    hpctrain  dp=N/2 x tp=2        the cost of tensor parallelism at equal ranks
+    hpctrain  dp=N/2 x pp=2        the cost of pipeline parallelism (1F1B, --pp-microbatches)
+
+Same work in each: the hpctrain GPT (``GPTStage``; for DDP the whole model on one rank, tp=None),
+float32, the same initial weights (seeded by name), the same global batch from the hpctrain sampler
+(each rank reads its dp slice), AdamW (betas 0.9/0.95, weight decay 0.1 on matrices only, the hpctrain
+learning-rate schedule), gradient clipping at 1.0. The final losses of all implementations are printed
+as a check that they really trained the same model on the same data.
+
+Method: each implementation first runs ``--warmup`` steps; then ``--rounds`` rounds, each running
+``--steps`` timed steps of every implementation in turn, the order rotated every round so drifting
+machine load spreads evenly. A step is timed from a barrier to its end on every rank; the step time is
+the max over ranks; the reported time is the median over all timed steps; tokens/s = global batch x
+sequence length / that time. ``ratio vs ddp-gloo`` = tokens/s / ddp-gloo's (> 1: faster than DDP).
+Per-phase times (mean over timed steps and ranks) show where each implementation's step goes.
+
+One thread per rank (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from datetime import timedelta  # noqa: E402
+
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+FIELDS = ["impl", "layout", "ranks", "dp", "tp", "pp", "microbatches", "tokens_per_s", "step_ms", "step_ms_min",
+          "step_ms_max", "ratio_vs_ddp", "final_loss", "comm_ms", "timed_steps", "global_batch", "seq_len",
+          "d_model", "n_layers", "params", "phases_ms"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per implementation per round (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first (default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (implementations alternate; default 3)")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d-ff", type=int, default=0, help="MLP width (default 4 x d-model)")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks (default 16)")
+    p.add_argument("--pp-microbatches", type=int, default=4, help="micro-batches of the pp=2 layout (default 4)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size, both hpctrain and DDP")
+    p.add_argument("--impls", default="hpctrain-dp,ddp-gloo,hpctrain-tp,hpctrain-pp",
+                   help="comma list of hpctrain-dp, ddp-gloo, hpctrain-tp, hpctrain-pp (default all)")
+    p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes to load (default 2 MB)")
+    p.add_argument("--json", metavar="FILE", help="write records to FILE (JSON list)")
+    p.add_argument("--csv", metavar="FILE", help="write records to FILE (CSV)")
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------- phase timing
+class Phases:
+    """Accumulated seconds per named phase (only while ``active``)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.active = False
+
+    def add(self, name: str, seconds: float) -> None:
+        if self.active:
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        """Time ``obj.attr(...)`` as phase ``name`` (an instance attribute shadows the method; the
+        object's code is unchanged)."""
+        inner = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.add(name, time.perf_counter() - start)
+        setattr(obj, attr, timed)
+
+
+# --------------------------------------------------------------------------- implementations
+def model_overrides(args) -> list[str]:
+    d_ff = args.d_ff or 4 * args.d_model
+    return [f"model.preset=custom", f"model.vocab_size={args.vocab}", f"model.d_model={args.d_model}",
+            f"model.n_layers={args.layers}", f"model.n_heads={args.heads}", f"model.n_kv_heads={args.heads}",
+            f"model.d_ff={d_ff}", f"model.max_seq_len={args.seq_len}", "model.tie_embeddings=false",
+            "train.dtype=float32", f"train.seq_len={args.seq_len}", f"train.global_batch={args.global_batch}",
+            "optim.name=adamw", "optim.beta1=0.9", "optim.beta2=0.95", "optim.eps=1e-8", "optim.weight_decay=0.1",
+            "optim.grad_clip=1.0", "train.lr=1e-3", "train.min_lr=1e-4", "train.warmup_steps=5",
+            "train.lr_schedule=cosine", f"parallel.bucket_mb={args.bucket_mb}"]
+
+
+class HpcTrainImpl:
+    def __init__(self, name, args, info, tokens, total_steps, *, tp=1, pp=1, microbatches=1):
+        from hpctrain.comm.grid import ProcessGrid
+        from hpctrain.config import load_config
+        from hpctrain.models.gpt import count_parameters
+        from hpctrain.train.trainer import Trainer
+
+        world = info.size
+        dp = world // (tp * pp)
+        self.impl, self.dp, self.tp, self.pp, self.microbatches = "hpctrain", dp, tp, pp, microbatches
+        self.name = name
+        self.layout = " x ".join(f"{a}={v}" for a, v in (("dp", dp), ("tp", tp), ("pp", pp)) if v > 1 or a == "dp")
+        if pp > 1:
+            self.layout += f" (1f1b, {microbatches} mb)"
+        cfg = load_config(None, model_overrides(args) + [
+            f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.microbatches={microbatches}",
+            "parallel.schedule=1f1b", f"train.steps={total_steps}", "train.progress=false"])
+        self.grid = ProcessGrid.build(info, dp=dp, tp=tp, pp=pp)
+        self.trainer = Trainer(cfg, self.grid, tokens=tokens)
+        self.params = count_parameters(self.trainer.model_cfg)
+        self.phases = Phases()
+        t, ph = self.trainer, self.phases
+        ph.wrap(t.batches, "next_batch", "data")
+        ph.wrap(t.flat, "start_step", "zero grads")
+        ph.wrap(t.executor, "run", "forward+backward")
+        ph.wrap(t.flat, "finish_reduction", "dp reduce wait")
+        ph.wrap(t, "_agree_loss", "loss agree")
+        ph.wrap(t.optimizer, "grad_norm_sq_local", "grad norm")
+        ph.wrap(t.grid.world, "allreduce", "grad norm allreduce")
+        ph.wrap(t.optimizer, "step", "optimizer")
+        self.loss, self.comm_s = float("nan"), []
+
+    def step(self) -> None:
+        metrics = self.trainer.train_step()
+        self.loss = metrics.loss
+        if self.phases.active:
+            self.comm_s.append(metrics.comm_time_s)
+
+    def final_loss(self, world) -> float:
+        return self.loss  # already the global mean, agreed on every rank
+
+    def close(self) -> None:
+        self.grid.close()
+
+
+def init_gloo(world, info, timeout_s: float = 600.0) -> None:
+    """torch.distributed gloo over the same ranks; rank 0 picks the address and a free port."""
+    import torch.distributed as dist
+
+    endpoint = None
+    if info.rank == 0:
+        addr = os.environ.get("HPCTRAIN_GLOO_ADDR") or "127.0.0.1"
+        if info.num_nodes > 1 and "HPCTRAIN_GLOO_ADDR" not in os.environ:
+            addr = socket.gethostbyname(socket.gethostname())
+        with socket.socket() as s:
+            s.bind((addr, 0))
+            endpoint = (addr, s.getsockname()[1])
+    addr, port = world.bcast(endpoint, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=info.rank, world_size=info.size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+class DdpImpl:
+    def __init__(self, args, info, tokens, total_steps):
+        from torch.nn.parallel import DistributedDataParallel
+
+        from hpctrain.config import load_config, resolve_model
+        from hpctrain.data.sampler import GlobalBatchIterator, SequenceSampler
+        from hpctrain.models.gpt import GPTStage, count_parameters
+
+        self.impl, self.name, self.dp, self.tp, self.pp, self.microbatches = "ddp-gloo", "ddp-gloo", info.size, 1, 1, 1
+        self.layout = f"dp={info.size}"
+        self.cfg = cfg = load_config(None, model_overrides(args) + [f"train.steps={total_steps}"])
+        m = resolve_model(cfg.model)
+        self.model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp=None, dtype=torch.float32,
+                              seed=cfg.train.seed)
+        self.params = count_parameters(m)
+        self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=args.bucket_mb)
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        self.batches = GlobalBatchIterator(SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed),
+                                           cfg.train.global_batch, info.size, info.rank)
+        self.local_tokens = cfg.train.global_batch // info.size * cfg.train.seq_len
+        self.step_count, self.loss = 0, float("nan")
+        self.phases, self.comm_s = Phases(), []
+
+    def step(self) -> None:
+        from hpctrain.optim.flat import lr_at
+
+        ph, clock = self.phases, time.perf_counter
+        t0 = clock()
+        inputs, targets = self.batches.next_batch()
+        t1 = clock()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.ddp.train()
+        logits = self.ddp(inputs)
+        loss = self.model.loss_sum(logits, targets) / self.local_tokens  # DDP averages grads over ranks
+        t2 = clock()
+        loss.backward()  # bucketed all-reduce overlapped; waited for at the end of backward
+        t3 = clock()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        t4 = clock()
+        lr = lr_at(self.step_count, self.cfg.train)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        t5 = clock()
+        self.step_count += 1
+        self.loss = loss.item()
+        for name, seconds in (("data", t1 - t0), ("forward", t2 - t1), ("backward+allreduce", t3 - t2),
+                              ("grad norm (clip)", t4 - t3), ("optimizer", t5 - t4)):
+            ph.add(name, seconds)
+
+    def final_loss(self, world) -> float:
+        return world.allreduce(self.loss, op=MPI.SUM) / world.Get_size()  # the global mean, outside timing
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- measurement
+def timed_steps(impl, n: int, world) -> list[float]:
+    """Run n steps; each one's time = max over ranks, from a barrier to its end."""
+    times = []
+    for _ in range(n):
+        world.Barrier()
+        start = time.perf_counter()
+        impl.step()
+        times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return times
+
+
+def build_impls(args, info, tokens, total_steps) -> list:
+    wanted = [w.strip() for w in args.impls.split(",") if w.strip()]
+    known = ("hpctrain-dp", "ddp-gloo", "hpctrain-tp", "hpctrain-pp")
+    unknown = [w for w in wanted if w not in known]
+    if unknown:
+        raise SystemExit(f"bench_train: unknown --impls {unknown}; choose from {', '.join(known)}")
+    n = info.size
+    impls = []
+    for name in wanted:
+        if name in ("hpctrain-tp", "hpctrain-pp") and n % 2:
+            if info.rank == 0:
+                print(f"bench_train: skipping {name}: needs an even number of ranks", file=sys.stderr)
+            continue
+        if name == "hpctrain-dp":
+            impls.append(HpcTrainImpl(name, args, info, tokens, total_steps))
+        elif name == "hpctrain-tp":
+            impls.append(HpcTrainImpl(name, args, info, tokens, total_steps, tp=2))
+        elif name == "hpctrain-pp":
+            impls.append(HpcTrainImpl(name, args, info, tokens, total_steps, pp=2, microbatches=args.pp_microbatches))
+        else:
+            init_gloo(MPI.COMM_WORLD, info)
+            impls.append(DdpImpl(args, info, tokens, total_steps))
+    return impls
+
+
+def run(args) -> list[dict]:
+    from hpctrain.data.corpus import load_tokens_collective
+    from hpctrain.runtime.launcher import discover
+
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    info = discover()
+    tokens = load_tokens_collective(world, "builtin", "", args.max_bytes)
+    total_steps = args.warmup + args.rounds * args.steps
+    impls = build_impls(args, info, tokens, total_steps)
+    if info.rank == 0:
+        print(f"bench_train: {info.size} ranks on {info.num_nodes} node(s), {len(impls)} implementations, "
+              f"{args.warmup} warm-up + {args.rounds} x {args.steps} timed steps each", file=sys.stderr, flush=True)
+    for impl in impls:
+        timed_steps(impl, args.warmup, world)
+    times = {impl.name: [] for impl in impls}
+    for rnd in range(args.rounds):
+        k = rnd % len(impls)
+        for impl in impls[k:] + impls[:k]:
+            impl.phases.active = True
+            times[impl.name] += timed_steps(impl, args.steps, world)
+            impl.phases.active = False
+        if info.rank == 0:
+            summary = ", ".join(f"{name} {1e3 * statistics.median(t):.0f} ms" for name, t in times.items())
+            print(f"bench_train: round {rnd + 1}/{args.rounds}: median so far {summary}", file=sys.stderr, flush=True)
+
+    global_tokens = args.global_batch * args.seq_len
+    timed = args.rounds * args.steps
+    records = []
+    for impl in impls:
+        t = times[impl.name]
+        by_rank = [{name: seconds / timed * 1e3 for name, seconds in rank_phases.items()}
+                   for rank_phases in world.allgather(impl.phases.seconds)]  # ms per step, in step order
+        phases = {}  # mean over ranks
+        for rank_phases in by_rank:
+            for name, ms in rank_phases.items():
+                phases[name] = phases.get(name, 0.0) + ms / world.Get_size()
+        comm_ms = (world.allreduce(sum(impl.comm_s), op=MPI.SUM) / world.Get_size() / timed * 1e3
+                   if impl.impl == "hpctrain" else None)
+        median = statistics.median(t)
+        records.append({"impl": impl.impl, "layout": impl.layout, "ranks": info.size, "dp": impl.dp, "tp": impl.tp,
+                        "pp": impl.pp, "microbatches": impl.microbatches, "tokens_per_s": global_tokens / median,
+                        "step_ms": median * 1e3, "step_ms_min": min(t) * 1e3, "step_ms_max": max(t) * 1e3,
+                        "ratio_vs_ddp": None, "final_loss": impl.final_loss(world), "comm_ms": comm_ms,
+                        "timed_steps": len(t), "global_batch": args.global_batch, "seq_len": args.seq_len,
+                        "d_model": args.d_model, "n_layers": args.layers, "params": impl.params,
+                        "phases_ms": phases, "phases_ms_by_rank": by_rank})
+    ddp = next((r for r in records if r["impl"] == "ddp-gloo"), None)
+    for r in records:
+        if ddp is not None:
+            r["ratio_vs_ddp"] = r["tokens_per_s"] / ddp["tokens_per_s"]
+    for impl in impls:
+        impl.close()
+    return records
+
+
+def print_tables(records: list[dict], args, ranks: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 150)  # batch logs: wide enough for one line a row
+    title = (f"training throughput: {ranks} ranks, GPT d_model={args.d_model} x {args.layers} layers "
+             f"({records[0]['params'] / 1e6:.2f} M params), seq {args.seq_len}, global batch {args.global_batch}, "
+             f"float32, AdamW; median of {records[0]['timed_steps']} steps")
+    table = Table(title=title)
+    for name in ("impl", "layout", "tokens/s", "step ms", "min-max ms", "ratio vs ddp-gloo", "final loss"):
+        table.add_column(name, justify="left" if name in ("impl", "layout") else "right")
+    for r in records:
+        ratio = "-" if r["ratio_vs_ddp"] is None else f"{r['ratio_vs_ddp']:.2f}x"
+        table.add_row(r["impl"], r["layout"], f"{r['tokens_per_s']:.0f}", f"{r['step_ms']:.1f}",
+                      f"{r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}", ratio, f"{r['final_loss']:.4f}")
+    console.print(table)
+    phases = Table(title="where the step goes: mean ms per step (mean over ranks)")
+    phases.add_column("impl")
+    phases.add_column("layout")
+    phases.add_column("phases", justify="left")
+    for r in records:
+        parts = "  ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items())
+        if r["comm_ms"] is not None:
+            parts += f"  | blocked in comm {r['comm_ms']:.1f}"
+        phases.add_row(r["impl"], r["layout"], parts)
+    console.print(phases)
+
+
+def write_records(records: list[dict], json_path: str | None, csv_path: str | None) -> None:
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(records, f, indent=1)
+            f.write("\n")
+    if csv_path:
+        with open(csv_path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=FIELDS)
+            writer.writeheader()
+            for r in records:
+                writer.writerow({**{k: r[k] for k in FIELDS}, "phases_ms": json.dumps(r["phases_ms"])})
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    for name in ("steps", "rounds"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"bench_train: --{name} must be >= 1")
+    records = run(args)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print_tables(records, args, MPI.COMM_WORLD.Get_size())
+        write_records(records, args.json, args.csv)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except SystemExit:
+        raise
+    except BaseException:  # one failing rank must not leave the others waiting in a collective
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+    sys.exit(code)

@@ -1,0 +1,135 @@
+"""``hpctrain ckpt list|inspect|verify|diff``: single-process checkpoint tools on plain (serial) h5py."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from hpctrain.errors import HpcTrainError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("ckpt", help="list, inspect, verify and compare checkpoints")
+    c = p.add_subparsers(dest="ckpt_command", required=True)
+    ls = c.add_parser("list", help="checkpoints of a run directory (or a checkpoint directory)")
+    ls.add_argument("run_dir")
+    ls.add_argument("--json", action="store_true", help="print a JSON list of {step, path, complete, latest}")
+    ls.set_defaults(func=_list)
+    ins = c.add_parser("inspect", help="step, layout, tensors, shapes, dtypes, bytes, checksums")
+    ins.add_argument("path")
+    ins.add_argument("--json", action="store_true")
+    ins.set_defaults(func=_inspect)
+    ver = c.add_parser("verify", help="recompute every checksum; non-zero exit naming the bad dataset")
+    ver.add_argument("path")
+    ver.set_defaults(func=_verify)
+    diff = c.add_parser("diff", help="tensor-by-tensor max abs difference; non-zero exit beyond --atol")
+    diff.add_argument("a")
+    diff.add_argument("b")
+    diff.add_argument("--atol", type=float, default=0.0)
+    diff.set_defaults(func=_diff)
+
+
+def _resolve_dir(path: str) -> str:
+    checkpoints = os.path.join(path, "checkpoints")
+    return checkpoints if os.path.isdir(checkpoints) else path
+
+
+def _open(path: str):
+    from hpctrain.checkpoint.manager import read_latest
+    from hpctrain.checkpoint.reader import CheckpointReader
+
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "checkpoint.h5")):
+        directory = _resolve_dir(path)
+        latest = read_latest(directory)
+        if latest is None:
+            raise HpcTrainError(f"{path}: neither a checkpoint nor a directory with a 'latest' checkpoint")
+        path = os.path.join(directory, latest)
+    try:
+        return CheckpointReader(path)
+    except (OSError, ValueError) as exc:
+        raise HpcTrainError(str(exc)) from None
+
+
+def _list(args) -> int:
+    from hpctrain.checkpoint.manager import list_checkpoints
+
+    directory = _resolve_dir(args.run_dir)
+    if not os.path.isdir(directory):
+        raise HpcTrainError(f"{args.run_dir}: no such run or checkpoint directory")
+    records = list_checkpoints(directory)
+    if args.json:
+        json.dump(records, sys.stdout, indent=1)
+        print()
+        return 0
+    for r in records:
+        flags = ("complete" if r["complete"] else "PARTIAL") + (", latest" if r["latest"] else "")
+        print(f"{r['step']:>8}  {r['path']}  ({flags})")
+    if not records:
+        print(f"no checkpoints in {directory}")
+    return 0
+
+
+def _inspect(args) -> int:
+    with _open(args.path) as reader:
+        tensors = []
+        for name in reader.datasets():
+            d = reader.file[name]
+            boxes = reader.manifest.get(name, [])
+            tensors.append({"name": name, "shape": list(d.shape), "dtype": str(d.dtype),
+                            "bytes": int(d.size * d.dtype.itemsize), "boxes": len(boxes),
+                            "crc32": [f"{crc:08x}" for _, _, crc in boxes][:8]})
+        info = {"path": reader.path, "step": reader.attrs.get("step"), "complete": reader.complete,
+                "writer": reader.attrs.get("writer"), "layout": reader.attrs.get("layout"),
+                "hpctrain_version": reader.attrs.get("hpctrain_version"), "model_dtype": reader.attrs.get("model_dtype"),
+                "sampler": reader.attrs.get("sampler"), "total_bytes": sum(t["bytes"] for t in tensors),
+                "tensors": tensors}
+    if args.json:
+        json.dump(info, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"{info['path']}: step {info['step']}, {'complete' if info['complete'] else 'PARTIAL'}, "
+          f"writer {info['writer']}, layout {info['layout']}, {info['model_dtype']}, "
+          f"{info['total_bytes'] / 2**20:.2f} MiB, hpctrain {info['hpctrain_version']}")
+    for t in tensors:
+        print(f"  {t['name']:<44} {str(tuple(t['shape'])):<14} {t['dtype']:<8} {t['bytes']:>10} B  "
+              f"{t['boxes']} box(es) crc32 {','.join(t['crc32'][:2])}{'...' if t['boxes'] > 2 else ''}")
+    return 0
+
+
+def _verify(args) -> int:
+    with _open(args.path) as reader:
+        problems = reader.verify()
+        if not reader.complete:
+            problems.insert(0, "no COMPLETE marker: the checkpoint was never published (partial)")
+        if problems:
+            raise HpcTrainError(f"{reader.path} is corrupt: " + "; ".join(problems[:10]))
+        print(f"{reader.path}: OK ({len(reader.boxes())} boxes in {len(reader.datasets())} datasets verified)")
+    return 0
+
+
+def _diff(args) -> int:
+    with _open(args.a) as a, _open(args.b) as b:
+        names_a, names_b = set(a.datasets()), set(b.datasets())
+        worst, differing = 0.0, []
+        for name in sorted(names_a | names_b):
+            if name.startswith("rng/"):
+                continue
+            if name not in names_a or name not in names_b:
+                differing.append(f"{name}: only in {'A' if name in names_a else 'B'}")
+                continue
+            x, y = a.file[name][()], b.file[name][()]
+            if x.shape != y.shape:
+                differing.append(f"{name}: shape {x.shape} vs {y.shape}")
+                continue
+            diff = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))) if x.size else 0.0
+            worst = max(worst, diff)
+            print(f"  {name:<44} max|a-b| = {diff:.3e}")
+            if not diff <= args.atol:
+                differing.append(f"{name}: max abs diff {diff:.3e} > atol {args.atol:g}")
+        print(f"steps {a.attrs.get('step')} vs {b.attrs.get('step')}; worst max|a-b| = {worst:.3e}")
+    if differing:
+        raise HpcTrainError("checkpoints differ: " + "; ".join(differing[:10]))
+    print("checkpoints agree within atol")
+    return 0

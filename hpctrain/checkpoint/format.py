@@ -1,0 +1,111 @@
+"""The checkpoint format: names, dtypes, boxes and checksums (see docs/checkpoint-format.md).
+
+A checkpoint is a directory ``step-NNNNNNNN/`` holding ``checkpoint.h5`` (and, for the shards writer,
+``shards/shard-RRRRR.h5`` files that ``checkpoint.h5`` stitches together with virtual datasets) and a
+``COMPLETE`` marker written last. Every tensor is stored at its GLOBAL shape:
+
+    /model/<param name>                 parameters (float32 on disk for bf16/fp16 models; attr torch_dtype)
+    /optim/exp_avg/<param name>         AdamW first moment (or SGD momentum), master dtype
+    /optim/exp_avg_sq/<param name>      AdamW second moment
+    /optim/master/<param name>          float32 master weights (half-precision models only)
+    /rng/torch_cpu                      [world, n] uint8, one row per writing rank
+    /manifest                           JSON (uint8 bytes): dataset -> [[offset, shape, crc32], ...]
+
+Each rank writes boxes (rectangular hyperslabs) of the global datasets; every element is written by
+exactly one rank, and each box's CRC-32 is recorded in the manifest so any reader can verify any
+part without hpctrain. Root attributes hold the step, the config, the layout that wrote it, the data
+sampler position, loss-scaler state, optimizer step count and the package version.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+FORMAT_NAME = "hpctrain-checkpoint"
+FORMAT_VERSION = 1
+MASTER_FILE = "checkpoint.h5"
+COMPLETE_MARKER = "COMPLETE"
+LATEST_POINTER = "latest"
+STEP_PREFIX = "step-"
+STATE_KINDS = ("exp_avg", "exp_avg_sq", "master")
+
+_DISK_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.bfloat16: np.float32,
+                torch.float16: np.float32}
+
+
+def step_dirname(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def model_dataset(name: str) -> str:
+    return f"model/{name}"
+
+
+def optim_dataset(kind: str, name: str) -> str:
+    return f"optim/{kind}/{name}"
+
+
+def disk_dtype(dtype: torch.dtype):
+    return np.dtype(_DISK_DTYPES[dtype])
+
+
+@dataclass(frozen=True)
+class Box:
+    """A rectangle of a global dataset: ``offset`` and ``shape`` per dimension."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.offset, self.shape))
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+
+def local_range_boxes(spec, a: int, b: int) -> list[tuple[Box, int, int]]:
+    """Elements [a, b) of this rank's C-ordered local slab of ``spec`` as global boxes.
+
+    Returns (box, a_i, b_i) pieces in increasing local order (which is also the global row-major order
+    of those elements, since they lie in one slab): at most 3 for a 2-D tensor (partial first row,
+    full rows, partial last row), 1 for a 1-D tensor.
+    """
+    origin = [s.start or 0 for s in spec.local_slices()]
+    shape = spec.local_shape
+    if a >= b:
+        return []
+    if len(shape) == 1:
+        return [(Box((origin[0] + a,), (b - a,)), a, b)]
+    if len(shape) != 2:
+        raise ValueError(f"{spec.name}: checkpoint boxes support 1-D and 2-D tensors, got {shape}")
+    cols = shape[1]
+    pieces = []
+    row_a, col_a = divmod(a, cols)
+    row_b, col_b = divmod(b, cols)
+    if row_a == row_b:
+        return [(Box((origin[0] + row_a, origin[1] + col_a), (1, col_b - col_a)), a, b)]
+    if col_a:
+        pieces.append((Box((origin[0] + row_a, origin[1] + col_a), (1, cols - col_a)), a, (row_a + 1) * cols))
+        row_a += 1
+    if row_b > row_a:
+        pieces.append((Box((origin[0] + row_a, origin[1]), (row_b - row_a, cols)), row_a * cols, row_b * cols))
+    if col_b:
+        pieces.append((Box((origin[0] + row_b, origin[1]), (1, col_b)), row_b * cols, b))
+    return pieces
+
+
+def crc32(array: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
+
+
+def encode_json(obj) -> np.ndarray:
+    return np.frombuffer(json.dumps(obj, sort_keys=True).encode(), dtype=np.uint8)
+
+
+def decode_json(array) -> object:
+    return json.loads(bytes(np.asarray(array, dtype=np.uint8)).decode())

@@ -1,0 +1,246 @@
+"""Saving and resuming: atomic publication, keep-last-K, asynchronous writes, fallback on load.
+
+Save protocol (invariant: ``latest`` only ever names a complete, verified checkpoint):
+  1. snapshot the state to host memory (the only stall when ``checkpoint.async`` is on);
+  2. write into ``<dir>/.tmp-step-NNNNNNNN/`` (mpio or shards writer), fsync every file;
+  3. verify: every rank recomputes the checksums of a share of the boxes, reading the files back;
+  4. rank 0 writes ``COMPLETE``, renames the directory to ``step-NNNNNNNN``, fsyncs the parent, and
+     atomically replaces ``latest`` (write ``latest.tmp``, fsync, rename); then prunes beyond ``keep``.
+Any failure on any rank is agreed on by all ranks (allgather of errors), the temporary directory is
+removed, and CheckpointError names the failing rank and cause: nothing published is touched.
+
+All checkpoint communication runs on a duplicate of the world communicator, so a background
+(async) save never interleaves with the training step's collectives.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+
+from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PREFIX, step_dirname
+from hpctrain.checkpoint.reader import CheckpointReader
+from hpctrain.checkpoint.state import CheckpointError, load_into, snapshot
+from hpctrain.checkpoint.writers import has_parallel_h5py, write_mpio, write_shards
+
+
+def agree(comm, error: str | None, what: str) -> None:
+    """Collective: raise CheckpointError on every rank if any rank reported an error."""
+    errors = [(r, e) for r, e in enumerate(comm.allgather(error)) if e]
+    if errors:
+        details = "; ".join(f"rank {r}: {e}" for r, e in errors[:4])
+        raise CheckpointError(f"{what} failed: {details}" + (f" (and {len(errors) - 4} more)" if len(errors) > 4 else ""))
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(directory: str) -> list[dict]:
+    """Published step directories, oldest first: {step, path, complete, latest}."""
+    if not os.path.isdir(directory):
+        return []
+    latest = read_latest(directory)
+    records = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.startswith(STEP_PREFIX) and os.path.isdir(path):
+            try:
+                step = int(name[len(STEP_PREFIX):])
+            except ValueError:
+                continue
+            records.append({"step": step, "path": path, "complete": os.path.exists(os.path.join(path, COMPLETE_MARKER)),
+                            "latest": name == latest})
+    return sorted(records, key=lambda r: r["step"])
+
+
+def read_latest(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, LATEST_POINTER), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+class CheckpointManager:
+    def __init__(self, ckpt_cfg, grid, run_dir: str):
+        self.dir = ckpt_cfg.dir or os.path.join(run_dir, "checkpoints")
+        self.keep, self.async_save, self.interval = ckpt_cfg.keep, ckpt_cfg.async_, ckpt_cfg.interval
+        self.writer = ckpt_cfg.writer
+        if self.writer == "auto":
+            self.writer = "mpio" if has_parallel_h5py() else "shards"
+        if self.writer == "mpio" and not has_parallel_h5py():
+            raise CheckpointError("checkpoint.writer='mpio' needs h5py built with MPI (h5py.get_config().mpi is "
+                                  "False); use writer='shards' or 'auto', or see docs/checkpoint-format.md")
+        self.comm = grid.world.mpi.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self._thread, self._error = None, None
+        self.saved_steps: list[int] = []
+
+    # ------------------------------------------------------------------ saving
+    def save(self, trainer, sync: bool = False) -> None:
+        """Checkpoint the trainer at its current step (collective). Async unless ``sync`` or config says no."""
+        self.wait()
+        snap = snapshot(trainer)
+        if self.async_save and not sync:
+            self._thread = threading.Thread(target=self._run_async, args=(snap,), name="hpctrain-ckpt", daemon=True)
+            self._thread.start()
+        else:
+            self._write_and_publish(snap)
+
+    def _run_async(self, snap) -> None:
+        try:
+            self._write_and_publish(snap)
+        except BaseException as exc:  # reported by wait() on the main thread
+            self._error = exc
+
+    def wait(self) -> None:
+        """Block until the previous asynchronous save is published; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.comm.Free()
+
+    def _write_and_publish(self, snap) -> None:
+        final = os.path.join(self.dir, step_dirname(snap.step))
+        tmp = os.path.join(self.dir, f".tmp-{step_dirname(snap.step)}")
+        error = None
+        if self.rank == 0:
+            try:
+                os.makedirs(self.dir, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(os.path.join(tmp, "shards"))
+            except OSError as exc:
+                error = f"cannot create {tmp}: {exc.strerror or exc}"
+        agree(self.comm, error, f"checkpoint of step {snap.step} in {self.dir}")
+        try:
+            error = None
+            try:
+                written = (write_mpio if self.writer == "mpio" else write_shards)(self.comm, tmp, snap)
+                for path in written:
+                    _fsync(path)
+            except Exception as exc:  # noqa: BLE001 - agreed below
+                error = f"{type(exc).__name__}: {exc}"
+            agree(self.comm, error, f"writing checkpoint of step {snap.step} ({self.writer} writer)")
+            problems = []
+            try:
+                with CheckpointReader(tmp) as reader:
+                    problems = reader.verify(self.rank, self.size)
+            except Exception as exc:  # noqa: BLE001
+                problems = [f"{type(exc).__name__}: {exc}"]
+            agree(self.comm, "; ".join(problems[:3]) or None, f"verifying checkpoint of step {snap.step}")
+            error = self._publish(tmp, final, snap.step) if self.rank == 0 else None
+            agree(self.comm, error, f"publishing checkpoint of step {snap.step}")
+        except CheckpointError:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.saved_steps.append(snap.step)
+
+    def _publish(self, tmp: str, final: str, step: int) -> str | None:
+        try:
+            marker = os.path.join(tmp, COMPLETE_MARKER)
+            with open(marker, "w", encoding="utf-8") as f:
+                json.dump({"step": step, "writer": self.writer}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync(tmp)
+            replaced = None
+            if os.path.exists(final):  # the same step saved again (e.g. preempted right after resuming)
+                replaced = final + ".replaced"
+                shutil.rmtree(replaced, ignore_errors=True)
+                os.rename(final, replaced)
+            os.rename(tmp, final)
+            _fsync(self.dir)
+            pointer = os.path.join(self.dir, LATEST_POINTER)
+            with open(pointer + ".tmp", "w", encoding="utf-8") as f:
+                f.write(os.path.basename(final) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(pointer + ".tmp", pointer)
+            _fsync(self.dir)
+            if replaced:
+                shutil.rmtree(replaced, ignore_errors=True)
+            self._prune()
+        except OSError as exc:
+            return f"{exc.filename or self.dir}: {exc.strerror or exc}"
+        return None
+
+    def _prune(self) -> None:
+        if self.keep <= 0:
+            return
+        published = [r for r in list_checkpoints(self.dir) if r["complete"]]
+        for record in published[:-self.keep]:
+            if not record["latest"]:
+                shutil.rmtree(record["path"], ignore_errors=True)
+
+    # ------------------------------------------------------------------ resuming
+    def resume(self, trainer, what: str = "auto") -> str | None:
+        """Load ``what`` ("auto": newest usable in this run's checkpoint dir; "none"; or a path) into the
+        trainer (collective). Falls back from a corrupt or partial newest checkpoint to the previous
+        complete one, warning on rank 0. Returns the path loaded, or None (fresh start)."""
+        if what == "none":
+            return None
+        if what != "auto":
+            problem = self._try_load(what, trainer)
+            if problem:
+                raise CheckpointError(f"cannot resume from {what}: {problem}")
+            return what
+        records = list_checkpoints(self.dir)
+        latest = [r for r in records if r["latest"]]
+        others = sorted((r for r in records if r["complete"] and not r["latest"]), key=lambda r: -r["step"])
+        for record in latest + others:
+            problem = self._try_load(record["path"], trainer)
+            if not problem:
+                if record is not (latest + others)[0] and self.rank == 0:
+                    print(f"hpctrain: resumed from the older checkpoint {record['path']}", file=sys.stderr, flush=True)
+                return record["path"]
+            if self.rank == 0:
+                print(f"hpctrain: WARNING: checkpoint {record['path']} is unusable ({problem}); "
+                      f"falling back to the previous complete checkpoint", file=sys.stderr, flush=True)
+        if records and self.rank == 0:
+            print(f"hpctrain: WARNING: no usable checkpoint in {self.dir}; starting from step 0",
+                  file=sys.stderr, flush=True)
+        return None
+
+    def _try_load(self, path: str, trainer) -> str | None:
+        """Collective; returns the agreed problem (None = loaded)."""
+        reader, error = None, None
+        try:
+            reader = CheckpointReader(path)
+            if not reader.complete:
+                error = f"no {COMPLETE_MARKER} marker: partial checkpoint"
+        except Exception as exc:  # noqa: BLE001
+            error = str(exc)
+        try:
+            for phase in ("open", "verify", "load"):
+                if error is None and phase == "verify":
+                    problems = reader.verify(self.rank, self.size)
+                    error = "; ".join(problems[:3]) or None
+                elif error is None and phase == "load":
+                    try:
+                        load_into(trainer, reader)
+                    except CheckpointError as exc:
+                        error = str(exc)
+                try:
+                    agree(self.comm, error, "")
+                except CheckpointError as exc:
+                    return str(exc).removeprefix(" failed: ")
+        finally:
+            if reader is not None:
+                reader.close()
+        return None

@@ -1,0 +1,146 @@
+"""Between a Trainer and the global checkpoint view: what this rank writes, and how it loads any layout.
+
+Writing: a rank writes the boxes of the flat ranges its optimizer owns (its ZeRO shard, or everything
+on dp rank 0 without ZeRO), skipping TP-replicated weights on tp ranks > 0 and the tied-embedding
+copy, so every global element is written exactly once. Loading: a rank reads its whole local slab of
+every parameter and the optimizer state of the ranges it owns NOW — in whatever layout it runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import hpctrain
+from hpctrain.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, Box, disk_dtype, local_range_boxes,
+                                        model_dataset, optim_dataset)
+from hpctrain.config import config_to_dict
+from hpctrain.errors import HpcTrainError
+
+
+class CheckpointError(HpcTrainError):
+    """A checkpoint cannot be written or read; the message names the file and the problem."""
+
+
+@dataclass
+class WriteItem:
+    dataset: str
+    box: Box
+    data: np.ndarray  # host copy, disk dtype, shape == box.shape
+
+
+@dataclass
+class Snapshot:
+    """Everything one rank contributes to a checkpoint, copied to host memory (safe to write later)."""
+
+    step: int
+    datasets: dict  # name -> (shape, numpy dtype str): this rank's view; the union is taken at write time
+    items: list[WriteItem] = field(default_factory=list)
+    attrs: dict = field(default_factory=dict)
+
+
+def _separate_master(trainer) -> bool:
+    return trainer.optimizer.master_dtype != trainer.flat.param_buffer.dtype
+
+
+def _owned_pieces(trainer):
+    """(param, shard, flat_lo, flat_hi) for each owned range of each parameter this rank writes."""
+    flat, grid = trainer.flat, trainer.grid
+    if not flat.zero and grid.coords["dp"] != 0:
+        return
+    for shard in trainer.optimizer.shards:
+        for p in flat.params:
+            offset, n = flat.offsets[id(p)]
+            lo, hi = max(offset, shard["start"]), min(offset + n, shard["end"])
+            if lo < hi:
+                yield p, shard, lo, hi
+
+
+def snapshot(trainer) -> Snapshot:
+    """Copy this rank's part of the training state to host memory (the only stall of an async save)."""
+    flat, grid = trainer.flat, trainer.grid
+    kinds = ["exp_avg", "exp_avg_sq"] + (["master"] if _separate_master(trainer) else [])
+    model_dtype = disk_dtype(flat.param_buffer.dtype)
+    state_dtype = disk_dtype(trainer.optimizer.master_dtype)
+    snap = Snapshot(trainer.step, {})
+    for p in flat.params:
+        if p.spec.tied_copy:
+            continue
+        snap.datasets[model_dataset(p.spec.name)] = (p.spec.global_shape, model_dtype.str)
+        for kind in kinds:
+            snap.datasets[optim_dataset(kind, p.spec.name)] = (p.spec.global_shape, state_dtype.str)
+    tp_rank = grid.coords["tp"]
+    for p, shard, lo, hi in _owned_pieces(trainer):
+        if p.spec.tied_copy or (p.spec.replicated_over_tp and tp_rank != 0):
+            continue
+        offset = flat.offsets[id(p)][0]
+        for box, a, b in local_range_boxes(p.spec, lo - offset, hi - offset):
+            values = flat.param_buffer[offset + a:offset + b]
+            snap.items.append(WriteItem(model_dataset(p.spec.name), box, _host(values, model_dtype, box)))
+            for kind in kinds:
+                values = shard[kind][offset + a - shard["start"]:offset + b - shard["start"]]
+                snap.items.append(WriteItem(optim_dataset(kind, p.spec.name), box, _host(values, state_dtype, box)))
+    rng = torch.get_rng_state().numpy()
+    snap.datasets["rng/torch_cpu"] = ((grid.info.size, rng.size), "|u1")
+    snap.items.append(WriteItem("rng/torch_cpu", Box((grid.info.rank, 0), (1, rng.size)), rng.reshape(1, -1).copy()))
+    snap.attrs = {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "hpctrain_version": hpctrain.__version__,
+        "step": trainer.step, "config": config_to_dict(trainer.cfg),
+        "layout": {**grid.sizes, "zero": trainer.cfg.parallel.zero, "world": grid.info.size},
+        "sampler": trainer.batches.state_dict(), "loss_scaler": trainer.scaler.state_dict(),
+        "optimizer_step": trainer.optimizer.step_count, "model_dtype": trainer.cfg.train.dtype,
+    }
+    return snap
+
+
+def _host(values: torch.Tensor, dtype, box: Box) -> np.ndarray:
+    return values.detach().to(torch.float64 if dtype == np.float64 else torch.float32).numpy() \
+        .astype(dtype, copy=True).reshape(box.shape)
+
+
+def check_compatible(trainer, reader) -> None:
+    """Raise CheckpointError if this rank's parameters are missing or shaped differently in the checkpoint."""
+    for p in trainer.flat.params:
+        name = model_dataset(p.spec.name)
+        shape = reader.shape(name)
+        if shape is None:
+            raise CheckpointError(f"{reader.path}: checkpoint has no dataset {name}: it was written by another "
+                                  f"model (check model.* settings against its config)")
+        if tuple(shape) != tuple(p.spec.global_shape):
+            raise CheckpointError(f"{reader.path}: checkpoint of another model shape: {name} is {tuple(shape)} "
+                                  f"in the checkpoint but {tuple(p.spec.global_shape)} in this model")
+
+
+@torch.no_grad()
+def load_into(trainer, reader) -> None:
+    """Fill the trainer (any layout) from a checkpoint reader; restores step, sampler, scaler, optimizer."""
+    check_compatible(trainer, reader)
+    flat, opt = trainer.flat, trainer.optimizer
+    for p in flat.params:
+        slab = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.local_shape)
+        p.data.copy_(torch.from_numpy(reader.read(model_dataset(p.spec.name), slab)))
+    separate = _separate_master(trainer)
+    for shard in opt.shards:
+        for p in flat.params:
+            offset, n = flat.offsets[id(p)]
+            lo, hi = max(offset, shard["start"]), min(offset + n, shard["end"])
+            for box, a, b in local_range_boxes(p.spec, lo - offset, hi - offset):
+                where = slice(offset + a - shard["start"], offset + b - shard["start"])
+                for kind in ("exp_avg", "exp_avg_sq") + (("master",) if separate else ()):
+                    name = optim_dataset(kind, p.spec.name)
+                    if kind == "master" and reader.shape(name) is None:
+                        source = flat.param_buffer[offset + a:offset + b].to(shard[kind].dtype)
+                    else:
+                        source = torch.from_numpy(reader.read(name, box).reshape(-1))
+                    shard[kind][where] = source
+    attrs = reader.attrs
+    trainer.step = int(attrs["step"])
+    opt.step_count = int(attrs["optimizer_step"])
+    trainer.batches.load_state_dict(attrs["sampler"])
+    if trainer.scaler.enabled and attrs.get("loss_scaler"):
+        trainer.scaler.load_state_dict(attrs["loss_scaler"])
+    rng_shape = reader.shape("rng/torch_cpu")
+    if rng_shape is not None and rng_shape[0] == trainer.grid.info.size:
+        row = reader.read("rng/torch_cpu", Box((trainer.grid.info.rank, 0), (1, rng_shape[1])))
+        torch.set_rng_state(torch.from_numpy(row.reshape(-1).copy()))

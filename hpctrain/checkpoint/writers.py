@@ -1,0 +1,124 @@
+"""Two writers of the same logical checkpoint (a ``Snapshot`` per rank -> one global-view file).
+
+mpio    one ``checkpoint.h5`` written by all ranks with ``driver='mpio'``: datasets and attributes are
+        created collectively (same order, same values on every rank), and each dataset gets exactly
+        ONE collective H5Dwrite per rank — the union of the rank's boxes, or an empty selection when
+        it has nothing to write. The low-level call is used on purpose: it always reaches H5Dwrite,
+        so no rank can skip a collective (the hang of h5py #965).
+shards  each rank writes ``shards/shard-RRRRR.h5`` with serial h5py; rank 0 then writes
+        ``checkpoint.h5`` whose datasets are HDF5 virtual datasets mapping every box to its shard
+        (relative paths: the directory can be renamed and moved).
+
+Both run on ``comm`` (a duplicate of the world communicator reserved for checkpoints) and return
+after every rank's data is in the files (not yet fsynced or verified: the manager does that).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+import h5py
+import numpy as np
+
+from hpctrain.checkpoint.format import MASTER_FILE, Box, crc32, encode_json
+from hpctrain.checkpoint.reader import JSON_ATTRS
+from hpctrain.checkpoint.state import WriteItem
+
+
+def has_parallel_h5py() -> bool:
+    return bool(h5py.get_config().mpi)
+
+
+def union_datasets(comm, snapshot) -> list[tuple[str, tuple, str]]:
+    merged = {}
+    for part in comm.allgather(snapshot.datasets):
+        merged.update(part)
+    return [(name, tuple(shape), dtype) for name, (shape, dtype) in sorted(merged.items())]
+
+
+def _manifest(entries_per_rank) -> dict:
+    manifest = defaultdict(list)
+    for entries in entries_per_rank:
+        for name, offset, shape, crc, *_ in entries:
+            manifest[name].append([list(offset), list(shape), crc])
+    return {name: sorted(boxes) for name, boxes in manifest.items()}
+
+
+def _set_attrs(f, attrs: dict) -> None:
+    for key, value in sorted(attrs.items()):
+        f.attrs[key] = json.dumps(value, sort_keys=True) if key in JSON_ATTRS else value
+
+
+def _collective_write(dataset, items) -> None:
+    """One collective H5Dwrite of the union of ``items``' boxes (possibly none) into ``dataset``."""
+    fspace = dataset.id.get_space()
+    if items:
+        for i, item in enumerate(items):
+            op = h5py.h5s.SELECT_SET if i == 0 else h5py.h5s.SELECT_OR
+            fspace.select_hyperslab(item.box.offset, item.box.shape, op=op)
+        data = np.concatenate([item.data.reshape(-1) for item in items])
+        mspace = h5py.h5s.create_simple((data.size,))
+    else:
+        fspace.select_none()
+        data = np.zeros(1, dtype=dataset.dtype)
+        mspace = h5py.h5s.create_simple((1,))
+        mspace.select_none()
+    dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
+    dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE)
+    dataset.id.write(mspace, fspace, np.ascontiguousarray(data, dtype=dataset.dtype), dxpl=dxpl)
+
+
+def write_mpio(comm, directory: str, snapshot) -> list[str]:
+    """Collective parallel-HDF5 write; returns the files this rank should fsync."""
+    datasets = union_datasets(comm, snapshot)
+    entries = [(it.dataset, it.box.offset, it.box.shape, crc32(it.data)) for it in snapshot.items]
+    manifest = encode_json(_manifest(comm.allgather(entries)))
+    by_dataset = defaultdict(list)
+    for item in snapshot.items:  # items of one dataset come in increasing local (= file) order
+        by_dataset[item.dataset].append(item)
+    path = os.path.join(directory, MASTER_FILE)
+    with h5py.File(path, "w", driver="mpio", comm=comm) as f:
+        for name, shape, dtype in datasets:
+            f.create_dataset(name, shape=shape, dtype=np.dtype(dtype))
+        f.create_dataset("manifest", shape=manifest.shape, dtype=np.uint8)
+        for name, _, _ in datasets:
+            _collective_write(f[name], by_dataset.get(name, []))
+        mine = [WriteItem("manifest", Box((0,), manifest.shape), manifest)] if comm.Get_rank() == 0 else []
+        _collective_write(f["manifest"], mine)
+        _set_attrs(f, {**snapshot.attrs, "writer": "mpio"})
+    return [path] if comm.Get_rank() == 0 else []
+
+
+def write_shards(comm, directory: str, snapshot) -> list[str]:
+    """Per-rank shard files plus a virtual-dataset master on rank 0; returns files to fsync."""
+    datasets = union_datasets(comm, snapshot)
+    rank = comm.Get_rank()
+    relative = f"shards/shard-{rank:05d}.h5"
+    entries, written = [], []
+    if snapshot.items:
+        path = os.path.join(directory, relative)
+        with h5py.File(path, "w") as f:
+            for k, item in enumerate(snapshot.items):
+                f.create_dataset(f"b{k}", data=item.data)
+                entries.append((item.dataset, item.box.offset, item.box.shape, crc32(item.data), relative, f"b{k}"))
+        written.append(path)
+    gathered = comm.gather(entries, root=0)
+    if rank != 0:
+        return written
+    sources = defaultdict(list)
+    for rank_entries in gathered:
+        for name, offset, shape, _, rel, key in rank_entries:
+            sources[name].append((offset, shape, rel, key))
+    path = os.path.join(directory, MASTER_FILE)
+    with h5py.File(path, "w") as f:
+        for name, shape, dtype in datasets:
+            dtype = np.dtype(dtype)
+            layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
+            for offset, box_shape, rel, key in sources.get(name, []):
+                index = tuple(slice(o, o + n) for o, n in zip(offset, box_shape))
+                layout[index] = h5py.VirtualSource(rel, key, shape=tuple(box_shape), dtype=dtype)
+            f.create_virtual_dataset(name, layout, fillvalue=np.nan if dtype.kind == "f" else 0)
+        f["manifest"] = encode_json(_manifest(gathered))
+        _set_attrs(f, {**snapshot.attrs, "writer": "shards"})
+    return written + [path]

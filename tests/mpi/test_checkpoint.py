@@ -1,0 +1,159 @@
+"""Checkpoints end to end through `hpctrain train` and `hpctrain ckpt` on real ranks and real HDF5 files.
+
+- exact resume: N steps + resume + N steps == 2N steps (same losses, bitwise-equal parameters);
+- resharding: a chain of runs, each resuming the previous in ANOTHER layout (dp, tp, pp, ZeRO, SP,
+  schedule, world size 1..8), matches one uninterrupted single-process run to 1e-10 (float64);
+- bad input: missing, truncated, bit-flipped, other-shape checkpoints, unwritable directory.
+The writer is the default one of this environment (shards with PyPI h5py, mpio with parallel h5py);
+tests/mpi/test_checkpoint_writers.py compares both writers where h5py has MPI.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import h5py
+import pytest
+
+from mpirun import ROOT, mpi_env, run_mpi
+
+F64 = ["data.max_bytes=300000", "train.seq_len=16", "train.global_batch=8", "model.n_heads=8", "model.n_kv_heads=4",
+       "model.n_layers=4", "parallel.microbatches=2", "train.dtype=float64", "train.warmup_steps=1",
+       "train.lr=1e-2", "train.steps=16", "train.lr_schedule=cosine", "train.min_lr=1e-3"]
+F32 = ["data.max_bytes=300000", "train.seq_len=32", "train.global_batch=8", "model.n_layers=2", "train.steps=8",
+       "parallel.microbatches=2"]
+
+
+def train(nprocs, run_dir, *args, check=True, timeout=240):
+    return run_mpi(nprocs, "hpctrain.cli", "train", f"train.run_dir={run_dir}", *args, module=True,
+                   timeout=timeout, check=check)
+
+
+def ckpt(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "hpctrain.cli", "ckpt", *args], capture_output=True, text=True,
+                          env=mpi_env(), cwd=ROOT, timeout=120)
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))}
+
+
+@pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"],
+                                    ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1"]])
+def test_exact_resume_is_bitwise(tmp_path, layout):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(4, whole, *F32, *layout)
+    train(4, split, *F32, *layout, "--max-steps", "4", "checkpoint.async=false")
+    out = train(4, split, *F32, *layout, "--resume", "auto")
+    assert "resumed from" in out.stdout and "at step 4" in out.stdout
+    assert losses(split) == losses(whole)  # exactly equal, every step
+    ckpt("diff", str(whole), str(split), "--atol", "0")
+
+
+def test_reshard_chain_matches_one_process(tmp_path):
+    reference = tmp_path / "reference"
+    train(1, reference, *F64, "parallel.pp=1", "parallel.tp=1", "parallel.microbatches=1")
+    ref = losses(reference)
+    chain = [  # (ranks, layout) — each segment resumes the previous one's checkpoint
+        (1, ["parallel.tp=1", "parallel.pp=1"]),
+        (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]),
+        (4, ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1"]),  # dp=2
+        (8, ["parallel.tp=2", "parallel.pp=4"]),  # (TP2, PP4) -> (TP4, PP2)
+        (8, ["parallel.tp=4", "parallel.pp=2", "parallel.sequence_parallel=true"]),
+        (8, ["parallel.tp=2", "parallel.pp=2", "parallel.zero=1", "parallel.schedule=gpipe"]),
+        (2, ["parallel.tp=1", "parallel.pp=1"]),  # dp=2, ZeRO off
+        (1, ["parallel.tp=1", "parallel.pp=1"]),
+    ]
+    run_dir = tmp_path / "chain"
+    for i, (ranks, layout) in enumerate(chain):
+        train(ranks, run_dir, *F64, *layout, "--max-steps", "2", "--resume", "auto", timeout=300)
+        got = losses(run_dir)
+        assert sorted(got) == list(range(1, 2 * i + 3)), f"segment {i}: steps {sorted(got)}"
+        for step in (2 * i + 1, 2 * i + 2):
+            assert abs(got[step] - ref[step]) <= 1e-10 * abs(ref[step]), (i, layout, step, got[step], ref[step])
+    ckpt("diff", str(reference), str(run_dir), "--atol", "1e-9")
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A run with checkpoints at steps 2 and 4 (2 ranks, tp=2)."""
+    run_dir = tmp_path_factory.mktemp("good")
+    train(2, run_dir, *F32, "parallel.tp=2", "parallel.pp=1", "--max-steps", "4", "checkpoint.interval=2")
+    return run_dir
+
+
+def _copy(run_dir, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(run_dir, target)
+    return target
+
+
+def _all_ranks_fail(result, nprocs, message):
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hpctrain: error: rank ")]
+    assert len(errors) == nprocs and all(message in line for line in errors), result.stderr
+
+
+def test_ckpt_list_inspect_verify(two_checkpoints):
+    records = json.loads(ckpt("list", str(two_checkpoints), "--json").stdout)
+    assert [(r["step"], r["complete"], r["latest"]) for r in records] == [(2, True, False), (4, True, True)]
+    assert set(records[0]) == {"step", "path", "complete", "latest"}
+    info = json.loads(ckpt("inspect", records[-1]["path"], "--json").stdout)
+    assert info["step"] == 4 and info["layout"]["tp"] == 2
+    names = {t["name"]: t for t in info["tensors"]}
+    assert names["model/embed.weight"]["shape"] == [256, 64] and names["model/embed.weight"]["boxes"] == 2
+    assert "OK" in ckpt("verify", records[-1]["path"]).stdout
+
+
+def test_flipped_byte_is_detected_and_resume_falls_back(two_checkpoints, tmp_path):
+    run_dir = _copy(two_checkpoints, tmp_path)
+    step4 = run_dir / "checkpoints" / "step-00000004"
+    shard = sorted((step4 / "shards").glob("*.h5"))[0] if (step4 / "shards").exists() and \
+        list((step4 / "shards").glob("*.h5")) else step4 / "checkpoint.h5"
+    with h5py.File(shard, "r") as f:  # the file offset of one dataset's raw data
+        name = next(n for n in f if isinstance(f[n], h5py.Dataset) and f[n].size > 100 and f[n].id.get_offset())
+        offset = f[name].id.get_offset() + 17
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+    bad = ckpt("verify", str(step4), check=False)
+    assert bad.returncode != 0 and "checksum mismatch" in bad.stderr and "dataset " in bad.stderr
+    out = train(2, run_dir, *F32, "parallel.tp=2", "parallel.pp=1", "--resume", "auto", "--max-steps", "1")
+    assert "step-00000004 is unusable" in out.stderr and "checksum mismatch" in out.stderr
+    assert "at step 2" in out.stdout  # fell back to the previous complete checkpoint
+
+
+def test_truncated_file_is_a_clear_error(two_checkpoints, tmp_path):
+    run_dir = _copy(two_checkpoints, tmp_path)
+    master = run_dir / "checkpoints" / "step-00000004" / "checkpoint.h5"
+    os.truncate(master, master.stat().st_size // 3)
+    result = train(2, run_dir, *F32, "parallel.tp=2", "--resume", str(master.parent), check=False)
+    _all_ranks_fail(result, 2, "step-00000004")
+    out = train(2, run_dir, *F32, "parallel.tp=2", "--resume", "auto", "--max-steps", "1")
+    assert "unusable" in out.stderr and "at step 2" in out.stdout
+
+
+def test_missing_checkpoint_and_other_model_shape(two_checkpoints, tmp_path):
+    result = train(2, tmp_path / "x", *F32, "--resume", str(tmp_path / "nope"), check=False)
+    _all_ranks_fail(result, 2, "no such checkpoint file")
+    latest = two_checkpoints / "checkpoints" / "step-00000004"
+    result = train(2, tmp_path / "y", *F32, "model.d_ff=512", "--resume", str(latest), check=False)
+    _all_ranks_fail(result, 2, "checkpoint of another model shape")
+
+
+def test_unwritable_checkpoint_dir_fails_on_every_rank_and_keeps_the_good_ones(two_checkpoints, tmp_path):
+    run_dir = _copy(two_checkpoints, tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    result = train(2, run_dir, *F32, "parallel.tp=2", f"checkpoint.dir={blocker}/ckpt", "--max-steps", "1",
+                   check=False)
+    _all_ranks_fail(result, 2, "cannot create")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    assert "OK" in ckpt("verify", str(run_dir)).stdout

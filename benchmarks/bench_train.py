@@ -55,9 +55,9 @@ FIELDS = ["impl", "layout", "ranks", "dp", "tp", "pp", "microbatches", "tokens_p
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per implementation per round (default 10)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per implementation per round (default 6)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first (default 3)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds (implementations alternate; default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds (implementations alternate; default 5)")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -89,8 +89,10 @@ class Phases:
 
     def wrap(self, obj, attr: str, name: str) -> None:
         """Time ``obj.attr(...)`` as phase ``name`` (an instance attribute shadows the method; the
-        object's code is unchanged)."""
-        inner = getattr(obj, attr)
+        object's code is unchanged). A missing attribute is skipped: the phase is then not reported."""
+        inner = getattr(obj, attr, None)
+        if inner is None:
+            return
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -104,7 +106,7 @@ class Phases:
 # --------------------------------------------------------------------------- implementations
 def model_overrides(args) -> list[str]:
     d_ff = args.d_ff or 4 * args.d_model
-    return [f"model.preset=custom", f"model.vocab_size={args.vocab}", f"model.d_model={args.d_model}",
+    return ["model.preset=custom", f"model.vocab_size={args.vocab}", f"model.d_model={args.d_model}",
             f"model.n_layers={args.layers}", f"model.n_heads={args.heads}", f"model.n_kv_heads={args.heads}",
             f"model.d_ff={d_ff}", f"model.max_seq_len={args.seq_len}", "model.tie_embeddings=false",
             "train.dtype=float32", f"train.seq_len={args.seq_len}", f"train.global_batch={args.global_batch}",
@@ -134,7 +136,7 @@ class HpcTrainImpl:
         self.trainer = Trainer(cfg, self.grid, tokens=tokens)
         self.params = count_parameters(self.trainer.model_cfg)
         self.phases = Phases()
-        t, ph = self.trainer, self.phases
+        t, ph = self.trainer, self.phases  # the phases of Trainer.train_step, in order
         ph.wrap(t.batches, "next_batch", "data")
         ph.wrap(t.flat, "start_step", "zero grads")
         ph.wrap(t.executor, "run", "forward+backward")

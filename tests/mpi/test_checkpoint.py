@@ -115,7 +115,10 @@ def test_flipped_byte_is_detected_and_resume_falls_back(two_checkpoints, tmp_pat
     shard = sorted((step4 / "shards").glob("*.h5"))[0] if (step4 / "shards").exists() and \
         list((step4 / "shards").glob("*.h5")) else step4 / "checkpoint.h5"
     with h5py.File(shard, "r") as f:  # the file offset of one dataset's raw data
-        name = next(n for n in f if isinstance(f[n], h5py.Dataset) and f[n].size > 100 and f[n].id.get_offset())
+        names = []
+        f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) and o.size > 100
+                     and n != "manifest" else None)
+        name = next(n for n in names if f[n].id.get_offset())
         offset = f[name].id.get_offset() + 17
     with open(shard, "r+b") as f:
         f.seek(offset)

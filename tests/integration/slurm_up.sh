@@ -1,0 +1,53 @@
+#!/bin/bash
+# A throwaway single-host Slurm "cluster" for tests: slurmctld + two slurmd (nodes n1, n2, 4 CPUs each)
+# on 127.0.0.1, config and state under $SLURM_TEST_DIR (nothing in /etc). Installs slurm + munge from
+# Debian if missing (root). Prints `export SLURM_CONF=...`. Stop with slurm_down.sh.
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+D=${SLURM_TEST_DIR:-/tmp/hpctrain-slurm}
+export SLURM_CONF=$D/slurm.conf
+if ! command -v slurmctld >/dev/null; then
+  apt-get update -qq
+  apt-get -o DPkg::Lock::Timeout=900 install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+fi
+bash "$(dirname "$0")/slurm_down.sh" >/dev/null 2>&1 || true
+rm -rf "$D"; mkdir -p "$D"/{state,spool,log}
+cat > "$SLURM_CONF" <<CONF
+ClusterName=hpctrain-test
+SlurmctldHost=$(hostname)(127.0.0.1)
+SlurmUser=root
+AuthType=auth/munge
+AuthInfo=cred_expire=5
+StateSaveLocation=$D/state
+SlurmdSpoolDir=$D/spool/%n
+SlurmctldPidFile=$D/slurmctld.pid
+SlurmdPidFile=$D/slurmd-%n.pid
+SlurmctldLogFile=$D/log/slurmctld.log
+SlurmdLogFile=$D/log/slurmd-%n.log
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerParameters=sched_interval=2,bf_interval=2
+SlurmdParameters=config_overrides
+MpiDefault=pmi2
+ReturnToService=2
+JobRequeue=1
+KillWait=5
+MinJobAge=300
+NodeName=n[1-2] NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=17001-17002 CPUs=4 RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+CONF
+install -d -o munge -g munge /run/munge
+[ -s /etc/munge/munge.key ] || runuser -u munge -- mungekey -c
+pgrep -x munged >/dev/null || runuser -u munge -- /usr/sbin/munged
+slurmctld
+slurmd -N n1
+slurmd -N n2
+for i in $(seq 1 150); do
+  [ "$(sinfo -h -N -t idle -o %N 2>/dev/null | wc -l)" = 2 ] && break; sleep 0.2
+done
+[ "$(sinfo -h -N -t idle -o %N | wc -l)" = 2 ] || { echo "slurm nodes did not become idle" >&2; sinfo -N >&2; exit 1; }
+echo "export SLURM_CONF=$SLURM_CONF"

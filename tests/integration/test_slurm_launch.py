@@ -1,0 +1,46 @@
+"""Launching under a real Slurm: `srun --mpi=pmi2` works; srun without PMI is a clear error, not N singletons."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mpirun import ROOT, mpi_env
+
+
+def srun(slurm_env, *args, timeout=120):
+    env = mpi_env(slurm_env)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
+    return subprocess.run(["timeout", "-k", "5", str(timeout), "srun", "--immediate=30", *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
+
+
+def info(slurm, *srun_args):
+    result = srun(slurm, "--mpi=pmi2", *srun_args, sys.executable, "-m", "hpctrain.cli", "info", "--tp", "2", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout)
+
+
+def test_srun_pmi2_two_nodes(slurm):
+    doc = info(slurm, "-N2", "--ntasks-per-node=2")
+    assert doc["launcher"] == "slurm" and doc["world_size"] == 4
+    assert doc["nodes"] == 2 and doc["ranks_per_node"] == [2, 2]
+    assert sorted(r["rank"] for r in doc["ranks"]) == [0, 1, 2, 3]
+    for r in doc["ranks"]:  # tp groups stay inside a node
+        assert len({x["node"] for x in doc["ranks"] if x["rank"] in r["tp_group"]}) == 1
+    assert doc["groups_crossing_nodes"] == ["dp"]
+
+
+def test_uneven_placement_is_detected_not_assumed(slurm, tmp_path):
+    """Tasks placed 3 + 1 on two nodes (arbitrary distribution): one tp group must span nodes: say so."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("n1\nn1\nn1\nn2\n")
+    doc = info({**slurm, "SLURM_HOSTFILE": str(hostfile)}, "-n4", "--distribution=arbitrary")
+    assert doc["nodes"] >= 2 and sum(doc["ranks_per_node"]) == 4 and doc["ranks_per_node"] != [2, 2]
+    assert "tp" in doc["groups_crossing_nodes"] and "span nodes" in doc["warnings"][0]
+
+
+def test_srun_without_pmi_is_a_clear_error(slurm):
+    result = srun(slurm, "--mpi=none", "-N1", "-n2", sys.executable, "-m", "hpctrain.cli", "info")
+    assert result.returncode != 0
+    assert "slurm started 2 tasks" in result.stderr and "srun --mpi=pmi2" in result.stderr, result.stderr

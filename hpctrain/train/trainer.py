@@ -64,6 +64,7 @@ class Trainer:
         self.model_cfg = m = resolve_model(cfg.model)
         p, t = cfg.parallel, cfg.train
         self.dtype = DTYPES[t.dtype]
+        torch.manual_seed(t.seed * 100_003 + grid.info.rank)  # derived per rank, never shared by accident
         dp, tp, pp = grid.sizes["dp"], grid.sizes["tp"], grid.sizes["pp"]
         self.local_batch, self.micro_batch = check_batch_layout(cfg, dp, tp)
         stage_rank = grid.coords["pp"]

@@ -25,8 +25,9 @@ def test_mpio_and_shards_write_the_same_checkpoint(tmp_path):
     info_a = json.loads(ckpt("inspect", str(a), "--json").stdout)
     info_b = json.loads(ckpt("inspect", str(b), "--json").stdout)
     assert info_a["writer"] == "mpio" and info_b["writer"] == "shards"
-    assert [(t["name"], t["shape"], t["crc32"]) for t in info_a["tensors"]] == \
-           [(t["name"], t["shape"], t["crc32"]) for t in info_b["tensors"]]
+    def content(info):  # every tensor and its box checksums (RNG rows are per process, not model state)
+        return [(t["name"], t["shape"], t["crc32"]) for t in info["tensors"] if not t["name"].startswith("rng/")]
+    assert content(info_a) == content(info_b) and len(content(info_a)) > 50
     assert "OK" in ckpt("verify", str(a)).stdout
 
 

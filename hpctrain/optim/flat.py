@@ -6,8 +6,9 @@ rank updates everything (identically); with ZeRO-1 each updates its 1/dp slice a
 copies of the owned ranges; float32/float64 models update the parameters in place.
 
 Gradient norm (for clipping and logging) is global: each element is counted by exactly one rank
-(its dp owner — dp rank 0 without ZeRO —, TP rank 0 for TP-replicated weights, never the last
-stage's tied-embedding copy), then summed over the world.
+(the dp rank whose 1/dp slice of the bucket holds it — with or without ZeRO, so the work is split —,
+TP rank 0 for TP-replicated weights, never the last stage's tied-embedding copy), then summed over
+the world.
 """
 from __future__ import annotations
 
@@ -24,17 +25,23 @@ class FlatOptimizer:
                                              else param_dtype)
         self.step_count = 0
         self.shards = []
-        dp_duplicate = not flat.zero and flat.dp_rank != 0  # every dp rank holds the same grads
         for bucket, start, end in flat.owned_ranges():
             params = flat.param_buffer[start:end]
             master = params if param_dtype == self.master_dtype else params.to(self.master_dtype)
+            # the norm counts each element once: this dp rank's 1/dp slice of every bucket (all dp ranks
+            # hold the same reduced grads without ZeRO, so they split the work), TP rank 0 for replicated
+            # weights, never the tied copy
+            n = bucket.size // flat.dp_size
+            count_lo, count_hi = bucket.start + flat.dp_rank * n, bucket.start + (flat.dp_rank + 1) * n
+            counted = flat.param_ranges(
+                start, end, lambda p: not p.spec.tied_copy and (tp_rank == 0 or not p.spec.replicated_over_tp))
             shard = {
                 "bucket": bucket, "start": start, "end": end, "params": params, "master": master,
                 "exp_avg": torch.zeros(end - start, dtype=self.master_dtype),
                 "exp_avg_sq": torch.zeros(end - start, dtype=self.master_dtype),
-                "decay": flat.element_mask(start, end, lambda p: p.dim() >= 2),
-                "norm_mask": flat.element_mask(start, end, lambda p: not dp_duplicate and not p.spec.tied_copy
-                                               and (tp_rank == 0 or not p.spec.replicated_over_tp)),
+                "decay_ranges": flat.param_ranges(start, end, lambda p: p.dim() >= 2),
+                "norm_ranges": [(max(lo, count_lo - start), min(hi, count_hi - start)) for lo, hi in counted
+                                if max(lo, count_lo - start) < min(hi, count_hi - start)],
             }
             self.shards.append(shard)
 
@@ -42,9 +49,11 @@ class FlatOptimizer:
         """This rank's share of the squared global gradient norm (float64)."""
         total = 0.0
         for s in self.shards:
-            g = self.flat.owned_grad(s["bucket"], s["start"], s["end"]).to(torch.float64)
-            total += float((g[s["norm_mask"]] * inv_scale).pow(2).sum())
-        return total
+            grad = self.flat.owned_grad(s["bucket"], s["start"], s["end"])
+            for lo, hi in s["norm_ranges"]:
+                piece = grad[lo:hi]
+                total += float(torch.dot(piece, piece))
+        return total * inv_scale * inv_scale
 
     @torch.no_grad()
     def step(self, lr: float, grad_coef: float = 1.0) -> None:
@@ -55,9 +64,10 @@ class FlatOptimizer:
             grad = self.flat.owned_grad(s["bucket"], s["start"], s["end"]).to(self.master_dtype)
             if grad_coef != 1.0:
                 grad = grad * grad_coef
-            master, decay = s["master"], s["decay"]
+            master = s["master"]
             if c.weight_decay:
-                master.sub_(master * decay * (lr * c.weight_decay))
+                for lo, hi in s["decay_ranges"]:
+                    master[lo:hi].mul_(1 - lr * c.weight_decay)
             if c.name == "adamw":
                 m, v = s["exp_avg"], s["exp_avg_sq"]
                 m.mul_(c.beta1).add_(grad, alpha=1 - c.beta1)

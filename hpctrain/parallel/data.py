@@ -184,12 +184,16 @@ class FlatParams:
         for h in handles:
             h.wait()
 
-    def element_mask(self, start: int, end: int, predicate) -> torch.Tensor:
-        """Bool mask over flat range [start, end): True where ``predicate(param)`` holds (padding False)."""
-        mask = torch.zeros(end - start, dtype=torch.bool)
-        for p in self.params:
+    def param_ranges(self, start: int, end: int, predicate) -> list[tuple[int, int]]:
+        """Sub-ranges of flat [start, end), relative to ``start``, covered by parameters where ``predicate``
+        holds (padding excluded; adjacent ranges merged)."""
+        ranges: list[tuple[int, int]] = []
+        for p in sorted(self.params, key=lambda q: self.offsets[id(q)][0]):
             offset, n = self.offsets[id(p)]
             lo, hi = max(offset, start), min(offset + n, end)
             if lo < hi and predicate(p):
-                mask[lo - start:hi - start] = True
-        return mask
+                if ranges and ranges[-1][1] == lo - start:
+                    ranges[-1] = (ranges[-1][0], hi - start)
+                else:
+                    ranges.append((lo - start, hi - start))
+        return ranges

@@ -125,7 +125,7 @@ def discover(world=None, env: dict | None = None) -> RankInfo:
     return RankInfo(
         rank=rank, size=size, local_rank=local_rank, local_size=local_size,
         node=node_of_rank[rank], num_nodes=len(leaders), hostname=MPI.Get_processor_name(),
-        launcher=launcher, mpi_library=MPI.Get_library_version().splitlines()[0].strip(),
+        launcher=launcher, mpi_library=" ".join(MPI.Get_library_version().splitlines()[0].split()),
         node_of_rank=node_of_rank, local_rank_of_rank=tuple(loc for _, loc in leaders_and_locals))
 
 

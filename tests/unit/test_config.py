@@ -79,7 +79,7 @@ def test_tiny_config_is_the_readme_demo():
     cfg = load_config(str(CONFIGS / "tiny.toml"))
     assert (cfg.model.preset, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp) == ("tiny", 2, 2, 0)
     assert (cfg.parallel.schedule, cfg.parallel.microbatches) == ("1f1b", 4)
-    assert (cfg.train.steps, cfg.train.global_batch, cfg.train.seq_len, cfg.train.lr) == (40, 8, 64, 3e-3)
+    assert (cfg.train.steps, cfg.train.global_batch, cfg.train.seq_len, cfg.train.lr) == (100, 8, 64, 3e-3)
     assert cfg.train.run_dir == "runs/tiny"
 
 

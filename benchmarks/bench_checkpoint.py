@@ -30,12 +30,17 @@ Async save (a real ``Trainer`` of ``--model`` with ZeRO-1 over all ranks, and a 
     sync save   ``manager.save(trainer, sync=True)``: snapshot + write + fsync + verify + publish
     async stall ``manager.save(trainer)`` with ``checkpoint.async=true``: the time the caller is blocked
                 (the host snapshot and starting the background thread); target <= 5% of the sync save
+    background  the background save's own duration while training runs, and ``save`` + ``wait`` with the
+                main thread idle (the thread's cost without competition for CPU and GIL)
     step time   training steps while the background save runs vs steps without one (median each)
 Restart (in the same, already warm, process)
     build       ProcessGrid + Trainer (tokens already loaded)
     resume      ``CheckpointManager.resume`` ("auto": open, distributed verify, load, agree)
     first step  the first ``train_step`` after resume vs the first step of a fresh Trainer
     startup     process start (from /proc) -> imports and MPI initialised, measured once
+
+Diagnosis: ``--switch-interval S`` (Python's GIL hand-over interval), ``--sleeping-waits`` (the manager's
+``agree`` waits in Ibarrier + sleep instead of MPI's busy polling), ``--parts``, ``--writers``.
 
 The package's code is unchanged: phase breakdowns come from wrapping the functions the manager calls
 (``write_*``, ``_fsync``, ``CheckpointReader.verify``, ``crc32``, ``_publish``, ``agree``) from outside.
@@ -105,6 +110,9 @@ def parse_args(argv=None):
                    help="checkpoint.writer of the Trainer's manager (default auto)")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="diagnosis: sys.setswitchinterval(S) (Python's GIL hand-over, default 0.005 s)")
+    p.add_argument("--sleeping-waits", action="store_true",
+                   help="diagnosis: the manager's agree() first waits in Ibarrier + 1 ms sleeps (instead of MPI's "
+                        "busy polling inside its allgather), to measure what polling costs a background save")
     p.add_argument("--dir", help="where to write (default: a new directory under $TMPDIR or /tmp, removed after)")
     p.add_argument("--keep-files", action="store_true", help="do not remove the files written")
     p.add_argument("--json", metavar="FILE", help="write records to FILE (JSON list)")
@@ -191,6 +199,16 @@ PHASE_MPIO_FILE = "  checkpoint.h5 (collective mpio + crc32)"
 PHASE_ORDER = ["snapshot", "write", PHASE_SHARD_FILE, PHASE_MASTER_FILE, PHASE_MPIO_FILE, "  crc32 in writer",
                "fsync", "verify (read-back)", "  crc32 in verify", "publish", "open", "verify", "load",
                "agree (wait for all ranks)"]
+
+
+def sleeping_agree(inner):
+    """``agree`` that reaches its allgather only when every rank has arrived, sleeping meanwhile."""
+    def agree(comm, error, what):
+        request = comm.Ibarrier()
+        while not request.Test():
+            time.sleep(0.001)
+        return inner(comm, error, what)
+    return agree
 
 
 def timed(comm, fn, *args, **kwargs) -> tuple[float, object]:
@@ -628,6 +646,10 @@ def run(args) -> list[dict]:
             base = tempfile.mkdtemp(prefix="hpctrain-bench-ckpt-")
     base = comm.bcast(base, root=0)
     info = discover()
+    if args.sleeping_waits:
+        from hpctrain.checkpoint import manager as manager_module
+
+        manager_module.agree = sleeping_agree(manager_module.agree)
     records = []
     try:
         if "io" in parts:
@@ -713,7 +735,8 @@ def print_tables(records: list[dict], args, ranks: int) -> None:
             table.add_column(name, justify="left")
 
         def fmt(phases):
-            return "  ".join(f"{k.strip()}{' (in)' if k.startswith(' ') else ''} {v:.3f}" for k, v in phases.items() if v)
+            return "  ".join(f"{k.strip()}{' (in)' if k.startswith(' ') else ''} {v:.3f}"
+                             for k, v in phases.items() if v)
         for r in broken:
             table.add_row(r["impl"], r["op"], "max", fmt(r["phases"]))
             if len(r["phases_by_rank"]) > 1:

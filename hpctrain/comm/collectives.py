@@ -26,25 +26,23 @@ BACKEND_CHOICES = ("auto", "mpi", "cuda-mpi", "nccl")
 class Handle:
     """A non-blocking operation in flight. ``wait`` is idempotent; ``test`` never blocks."""
 
-    __slots__ = ("_work", "_comm", "_op", "_token")
+    __slots__ = ("_work", "_watchdog", "_counter", "_token")
 
-    def __init__(self, work, comm: "Communicator", op: str, token: int):
-        self._work, self._comm, self._op, self._token = work, comm, op, token
+    def __init__(self, work, watchdog: Watchdog, counter, token: int):
+        self._work, self._watchdog, self._counter, self._token = work, watchdog, counter, token
 
     def test(self) -> bool:
         done = self._work.test()
         if done:
-            self._comm.watchdog.end(self._token)
+            self._watchdog.end(self._token)
         return done
 
     def wait(self) -> None:
-        if self._work.done:
-            self._comm.watchdog.end(self._token)
-            return
-        start = time.perf_counter()
-        self._work.wait()
-        self._comm.stats.add_time(self._comm.name, self._op, time.perf_counter() - start)
-        self._comm.watchdog.end(self._token)
+        if not self._work.done:
+            start = time.perf_counter()
+            self._work.wait()
+            self._counter.seconds += time.perf_counter() - start
+        self._watchdog.end(self._token)
 
 
 class Communicator:
@@ -64,10 +62,11 @@ class Communicator:
         self.backend_choice = backend
         self._host = MpiBackend(mpi_comm)
         self._device = None  # created on the first CUDA tensor (NCCL init is collective and costly)
+        self._counters = {}  # op -> this group's OpCounter in ``stats``
 
     # ---------------------------------------------------------------- backend choice
     def backend_for(self, tensor: torch.Tensor):
-        if tensor.device.type == "cpu":
+        if not tensor.is_cuda:
             return self._host
         if self._device is None:
             self._device = self._make_device_backend()
@@ -84,51 +83,55 @@ class Communicator:
         return MpiBackend(self.mpi, cuda_aware=True)
 
     # ---------------------------------------------------------------- plumbing
-    def _run(self, op: str, tensor: torch.Tensor, nonblocking: bool, call):
-        nbytes = tensor.numel() * tensor.element_size()
-        self.stats.record(self.name, op, nbytes)
-        token = self.watchdog.begin(f"{op} of {nbytes} bytes on group '{self.name}' (world ranks "
-                                    f"{list(self.members)})")
+    def _run(self, op: str, nbytes: int, nonblocking: bool, method, *args):
+        """Count, watch and time ``method(*args, nonblocking)`` (the hot path: attribute updates only)."""
+        counter = self._counters.get(op)
+        if counter is None:
+            counter = self._counters[op] = self.stats.ops[(self.name, op)]
+        counter.calls += 1
+        counter.bytes += nbytes
+        watchdog = self.watchdog
         if nonblocking:
-            return Handle(call(True), self, op, token)
+            token = watchdog.begin(op, self, nbytes)
+            return Handle(method(*args, True), watchdog, counter, token)
         start = time.perf_counter()
-        call(False)
-        self.stats.add_time(self.name, op, time.perf_counter() - start)
-        self.watchdog.end(token)
+        watchdog.blocking = (op, self, nbytes, start)
+        method(*args, False)
+        watchdog.blocking = None
+        counter.seconds += time.perf_counter() - start
         return None
 
     # ---------------------------------------------------------------- collectives
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", nonblocking: bool = False):
         """In place: every rank's ``tensor`` becomes the sum / average / max over the group."""
-        backend = self.backend_for(tensor)
-        return self._run("allreduce", tensor, nonblocking, lambda nb: backend.allreduce(tensor, op, nb))
+        backend = self._host if not tensor.is_cuda else self.backend_for(tensor)
+        return self._run("allreduce", tensor.nbytes, nonblocking, backend.allreduce, tensor, op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                        nonblocking: bool = False):
         """``input`` (size*n elements, block r for group rank r) reduced; block ``self.rank`` -> ``output`` (n)."""
         backend = self.backend_for(input)
-        return self._run("reduce_scatter", input, nonblocking,
-                         lambda nb: backend.reduce_scatter(output, input, op, nb))
+        return self._run("reduce_scatter", input.nbytes, nonblocking, backend.reduce_scatter, output, input, op)
 
     def allgather(self, output: torch.Tensor, input: torch.Tensor | None = None, nonblocking: bool = False):
         """``output`` (size*n elements) gets every rank's ``input`` (n) in group-rank order.
         ``input=None``: in place, this rank's block of ``output`` already holds its contribution."""
         backend = self.backend_for(output)
-        return self._run("allgather", output, nonblocking, lambda nb: backend.allgather(output, input, nb))
+        return self._run("allgather", output.nbytes, nonblocking, backend.allgather, output, input)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, nonblocking: bool = False):
         """In place: every rank's ``tensor`` becomes group rank ``root``'s."""
         backend = self.backend_for(tensor)
-        return self._run("broadcast", tensor, nonblocking, lambda nb: backend.broadcast(tensor, root, nb))
+        return self._run("broadcast", tensor.nbytes, nonblocking, backend.broadcast, tensor, root)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, nonblocking: bool = False):
         backend = self.backend_for(tensor)
-        return self._run("send", tensor, nonblocking, lambda nb: backend.send(tensor, dst, tag, nb))
+        return self._run("send", tensor.nbytes, nonblocking, backend.send, tensor, dst, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, nonblocking: bool = False):
         """Receive into ``tensor`` (its shape and dtype must match the sender's)."""
         backend = self.backend_for(tensor)
-        return self._run("recv", tensor, nonblocking, lambda nb: backend.recv(tensor, src, tag, nb))
+        return self._run("recv", tensor.nbytes, nonblocking, backend.recv, tensor, src, tag)
 
     def isend(self, tensor, dst, tag=0) -> Handle:
         return self.send(tensor, dst, tag, nonblocking=True)
@@ -137,20 +140,20 @@ class Communicator:
         return self.recv(tensor, src, tag, nonblocking=True)
 
     def barrier(self) -> None:
-        token = self.watchdog.begin(f"barrier on group '{self.name}' (world ranks {list(self.members)})")
+        token = self.watchdog.begin("barrier", self)
         self.mpi.Barrier()
         self.watchdog.end(token)
 
     # ---------------------------------------------------------------- small python objects
     def allgather_object(self, obj) -> list:
         """Pickled allgather for small metadata (not for tensors)."""
-        token = self.watchdog.begin(f"allgather_object on group '{self.name}'")
+        token = self.watchdog.begin("allgather_object", self)
         result = self.mpi.allgather(obj)
         self.watchdog.end(token)
         return result
 
     def broadcast_object(self, obj, root: int = 0):
-        token = self.watchdog.begin(f"broadcast_object on group '{self.name}'")
+        token = self.watchdog.begin("broadcast_object", self)
         result = self.mpi.bcast(obj, root=root)
         self.watchdog.end(token)
         return result

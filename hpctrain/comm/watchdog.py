@@ -1,6 +1,8 @@
 """Watchdog and byte counters for every communication call (invariant: no wait is forever).
 
-Each collective registers itself with ``Watchdog.begin`` and leaves with ``end``. A daemon thread
+A blocking call sets ``Watchdog.blocking`` for its duration; a non-blocking one registers with
+``begin`` and leaves with ``end`` when its handle completes (both cost well under a microsecond:
+the message is only formatted if a call stalls). A daemon thread
 checks the in-flight calls once a second; a call older than ``timeout_s`` prints which operation,
 on which group, of how many bytes, has stalled on which rank, and aborts the MPI job, so a dead or
 diverged peer ends the run with a message instead of hanging it until the batch job's wall time.
@@ -29,14 +31,6 @@ class CommStats:
 
     ops: dict = field(default_factory=lambda: defaultdict(OpCounter))
 
-    def record(self, group: str, op: str, nbytes: int) -> None:
-        counter = self.ops[(group, op)]
-        counter.calls += 1
-        counter.bytes += nbytes
-
-    def add_time(self, group: str, op: str, seconds: float) -> None:
-        self.ops[(group, op)].seconds += seconds
-
     def total_seconds(self) -> float:
         return sum(c.seconds for c in self.ops.values())
 
@@ -55,7 +49,8 @@ class Watchdog:
         self.rank = rank
         self.timeout_s = float(timeout_s)
         self._abort = abort  # callable(exit_code); default: MPI.COMM_WORLD.Abort
-        self._inflight: dict[int, tuple[str, float]] = {}
+        self._inflight: dict[int, tuple] = {}  # non-blocking calls: token -> (op, comm, nbytes, start)
+        self.blocking = None  # the blocking call in flight on the main thread, same tuple (set directly)
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._thread = None
@@ -63,9 +58,10 @@ class Watchdog:
             self._thread = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
             self._thread.start()
 
-    def begin(self, description: str) -> int:
+    def begin(self, op: str, comm, nbytes: int = 0) -> int:
+        """Register a call in flight; cheap (the description is only formatted if it stalls)."""
         token = next(self._ids)
-        self._inflight[token] = (description, time.monotonic())
+        self._inflight[token] = (op, comm, nbytes, time.perf_counter())
         return token
 
     def end(self, token: int) -> None:
@@ -77,10 +73,12 @@ class Watchdog:
     def _watch(self) -> None:
         period = min(1.0, self.timeout_s / 4)
         while not self._stop.wait(period):
-            now = time.monotonic()
-            for description, started in list(self._inflight.values()):
+            now = time.perf_counter()
+            calls = list(self._inflight.values()) + ([self.blocking] if self.blocking else [])
+            for op, comm, nbytes, started in calls:
                 if now - started > self.timeout_s:
-                    self._fire(description, now - started)
+                    size = f" of {nbytes} bytes" if nbytes else ""
+                    self._fire(f"{op}{size} on group '{comm.name}' (world ranks {list(comm.members)})", now - started)
                     return
 
     def _fire(self, description: str, waited: float) -> None:

@@ -1,8 +1,8 @@
 """MPI backend: host tensors as zero-copy numpy views, device tensors through CUDA-aware MPI.
 
 Contract for every method: tensors are contiguous, ``op`` is "sum" | "avg" | "max", and the
-operation runs on ``self.comm`` (one mpi4py communicator = one process group). Each method returns
-a work object with ``test()`` and ``wait()``; blocking callers simply wait at once.
+operation runs on ``self.comm`` (one mpi4py communicator = one process group). Non-blocking calls return
+a work object with ``test()`` and ``wait()``; blocking calls return None when done.
 
 MPI has no bfloat16 (and float16 is optional in MPI 4), so half-precision REDUCTIONS go through a
 float32 staging copy: the sum is computed in float32 and rounded to the half type once, at the end,
@@ -14,20 +14,26 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-_HALF = (torch.bfloat16, torch.float16)
+_HALF = frozenset((torch.bfloat16, torch.float16))  # a set: membership is a hash, not dtype __eq__ calls
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}
 
 
+_MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int64: MPI.INT64_T,
+              torch.int32: MPI.INT32_T, torch.int16: MPI.INT16_T, torch.uint8: MPI.UINT8_T,
+              torch.int8: MPI.INT8_T, torch.bool: MPI.C_BOOL,
+              torch.bfloat16: MPI.INT16_T, torch.float16: MPI.INT16_T}  # 16-bit floats: raw words
+
+
 def mpi_buffer(tensor: torch.Tensor):
-    """A zero-copy buffer over ``tensor``'s storage that mpi4py accepts (numpy view or CUDA array)."""
+    """A zero-copy buffer over ``tensor``'s storage that mpi4py accepts, without building a numpy view
+    (that costs microseconds per call): host memory by address and an explicit MPI datatype; a CUDA
+    tensor as itself (``__cuda_array_interface__``, for CUDA-aware MPI)."""
     if not tensor.is_contiguous():
         raise ValueError(f"collectives need contiguous tensors (zero-copy); got strides {tensor.stride()}")
-    tensor = tensor.detach()
-    if tensor.dtype in _HALF:
-        tensor = tensor.view(torch.int16)
-    if tensor.device.type == "cpu":
-        return tensor.numpy()
-    return tensor  # exposes __cuda_array_interface__; requires a CUDA-aware MPI
+    if tensor.is_cuda:
+        tensor = tensor.detach()
+        return tensor.view(torch.int16) if tensor.dtype in _HALF else tensor
+    return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes), _MPI_TYPES[tensor.dtype]]
 
 
 class MpiWork:
@@ -69,18 +75,21 @@ class MpiBackend:
         self.cuda_aware = cuda_aware
 
     def _ready(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type == "cuda":
+        if tensor.is_cuda:
             if not self.cuda_aware:
                 raise RuntimeError("a CUDA tensor reached the host MPI backend; enable CUDA-aware MPI or NCCL")
             torch.cuda.current_stream(tensor.device).synchronize()  # MPI reads memory, not streams
 
     def _reduction(self, tensor: torch.Tensor, op: str):
-        """(buffer to reduce, finish-callback) for an arithmetic op on ``tensor``."""
+        """(buffer to reduce, finish-callback or None) for an arithmetic op on ``tensor``."""
         if op not in _MPI_OPS:
             raise ValueError(f"unknown reduction op {op!r}; expected sum, avg or max")
+        half = tensor.dtype in _HALF
+        if not half and op != "avg":
+            return tensor, None  # the common case: nothing to do afterwards
         if op == "avg" and not tensor.is_floating_point():
             raise ValueError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}")
-        staging = tensor.float() if tensor.dtype in _HALF else tensor
+        staging = tensor.float() if half else tensor
         scale = self.size if op == "avg" else 1
 
         def finish():
@@ -95,9 +104,11 @@ class MpiBackend:
         staging, finish = self._reduction(tensor, op)
         buf = mpi_buffer(staging)
         if nonblocking:
-            return MpiWork(self.comm.Iallreduce(MPI.IN_PLACE, buf, _MPI_OPS[op]), finish, (buf, staging))
+            return MpiWork(self.comm.Iallreduce(MPI.IN_PLACE, buf, _MPI_OPS[op]), finish, staging)
         self.comm.Allreduce(MPI.IN_PLACE, buf, _MPI_OPS[op])
-        return MpiWork(None, finish)
+        if finish is not None:
+            finish()
+        return None
 
     def reduce_scatter(self, output, input, op="sum", nonblocking=False):
         """input: (size * n,) elements; output: (n,) elements, this rank's reduced block."""
@@ -112,7 +123,9 @@ class MpiBackend:
             req = self.comm.Ireduce_scatter_block(sbuf, rbuf, _MPI_OPS[op])
             return MpiWork(req, finish, (sbuf, rbuf, staging_in, staging_out))
         self.comm.Reduce_scatter_block(sbuf, rbuf, _MPI_OPS[op])
-        return MpiWork(None, finish)
+        if finish is not None:
+            finish()
+        return None
 
     def allgather(self, output, input=None, nonblocking=False):
         """output: (size * n,) elements. ``input`` None = in place: this rank's block of ``output``
@@ -126,7 +139,7 @@ class MpiBackend:
         if nonblocking:
             return MpiWork(self.comm.Iallgather(sbuf, rbuf), None, (sbuf, rbuf))
         self.comm.Allgather(sbuf, rbuf)
-        return MpiWork()
+        return None
 
     def broadcast(self, tensor, root=0, nonblocking=False):
         self._ready(tensor)
@@ -134,7 +147,7 @@ class MpiBackend:
         if nonblocking:
             return MpiWork(self.comm.Ibcast(buf, root), None, buf)
         self.comm.Bcast(buf, root)
-        return MpiWork()
+        return None
 
     def send(self, tensor, dst, tag=0, nonblocking=False):
         self._ready(tensor)
@@ -142,7 +155,7 @@ class MpiBackend:
         if nonblocking:
             return MpiWork(self.comm.Isend(buf, dst, tag), None, buf)
         self.comm.Send(buf, dst, tag)
-        return MpiWork()
+        return None
 
     def recv(self, tensor, src, tag=0, nonblocking=False):
         self._ready(tensor)
@@ -150,7 +163,7 @@ class MpiBackend:
         if nonblocking:
             return MpiWork(self.comm.Irecv(buf, src, tag), None, buf)
         self.comm.Recv(buf, src, tag)
-        return MpiWork()
+        return None
 
     def barrier(self):
         self.comm.Barrier()

@@ -6,14 +6,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 NP ?= 4
 
-# The demo job. To switch it (e.g. to training), change DEMO here or pass it: make demo DEMO="train --config configs/tiny.toml"
-DEMO ?= bench comm --sizes 1K,1M,16M
+# The demo job: a 4-rank tp=2 x pp=2 training run of the tiny GPT on the embedded corpus (about a minute).
+# Another job: make demo DEMO="bench comm --sizes 1K,1M,16M"
+DEMO ?= train --config configs/tiny.toml
 
 # One torch thread per rank; MPICH polls less when ranks outnumber cores (oversubscribed laptops/CI).
 export OMP_NUM_THREADS ?= 1
 export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= 1
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-parallel-hdf5 clean
 
 setup:
 	scripts/setup.sh
@@ -21,8 +22,14 @@ setup:
 demo: setup
 	$(BIN)/mpiexec -n $(NP) $(BIN)/hpctrain $(DEMO)
 
+# The default environment (PyPI MPICH, serial h5py), then the cluster-like one (Debian MPICH + parallel
+# HDF5, collective MPI-IO checkpoints) where this machine can build it (root + apt-get), else a notice.
 test: setup
 	$(BIN)/python -m pytest tests -v --timeout 900
+	scripts/test_parallel_hdf5.sh --if-possible
+
+test-parallel-hdf5:
+	scripts/test_parallel_hdf5.sh
 
 clean:
 	rm -rf $(VENV) hpctrain.egg-info .pytest_cache

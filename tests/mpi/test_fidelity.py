@@ -38,8 +38,8 @@ def test_float32_losses_match():
     fidelity(4, "1,2,2;2,1,2", "1f1b,sp", "--dtype", "float32", "--rtol", "1e-5")
 
 
-def test_microbatches_fewer_than_stages():
-    fidelity(4, "1,1,4", "1f1b/gpipe", *F64, "parallel.microbatches=1")
+def test_microbatches_fewer_than_stages_with_recomputation():
+    fidelity(4, "1,1,4;1,2,2", "1f1b/gpipe,sp", *F64, "parallel.microbatches=1", "train.recompute=true")
 
 
 @pytest.mark.full_matrix

@@ -4,7 +4,7 @@ A checkpoint is a directory ``step-NNNNNNNN/`` holding ``checkpoint.h5`` (and, f
 ``shards/shard-RRRRR.h5`` files that ``checkpoint.h5`` stitches together with virtual datasets) and a
 ``COMPLETE`` marker written last. Every tensor is stored at its GLOBAL shape:
 
-    /model/<param name>                 parameters (float32 on disk for bf16/fp16 models; attr torch_dtype)
+    /model/<param name>                 parameters (float32 on disk for bf16/fp16 models: root attr model_dtype)
     /optim/exp_avg/<param name>         AdamW first moment (or SGD momentum), master dtype
     /optim/exp_avg_sq/<param name>      AdamW second moment
     /optim/master/<param name>          float32 master weights (half-precision models only)

@@ -133,6 +133,9 @@ class CheckpointManager:
                 written = (write_mpio if self.writer == "mpio" else write_shards)(self.comm, tmp, snap)
                 for path in written:
                     _fsync(path)
+                if self.rank == 0:  # the new directory entries too
+                    _fsync(os.path.join(tmp, "shards"))
+                    _fsync(tmp)
             except Exception as exc:  # noqa: BLE001 - agreed below
                 error = f"{type(exc).__name__}: {exc}"
             agree(self.comm, error, f"writing checkpoint of step {snap.step} ({self.writer} writer)")

@@ -5,9 +5,10 @@ mpio    one ``checkpoint.h5`` written by all ranks with ``driver='mpio'``: datas
         ONE collective H5Dwrite per rank — the union of the rank's boxes, or an empty selection when
         it has nothing to write. The low-level call is used on purpose: it always reaches H5Dwrite,
         so no rank can skip a collective (the hang of h5py #965).
-shards  each rank writes ``shards/shard-RRRRR.h5`` with serial h5py; rank 0 then writes
-        ``checkpoint.h5`` whose datasets are HDF5 virtual datasets mapping every box to its shard
-        (relative paths: the directory can be renamed and moved).
+shards  each rank writes ``shards/shard-RRRRR.h5`` with serial h5py while the rank with the least
+        data writes ``checkpoint.h5``, whose datasets are HDF5 virtual datasets mapping every box to
+        its shard (relative paths: the directory can be renamed and moved); the manifest of
+        checksums is added to it last.
 
 Both run on ``comm`` (a duplicate of the world communicator reserved for checkpoints) and return
 after every rank's data is in the files (not yet fsynced or verified: the manager does that).
@@ -87,38 +88,48 @@ def write_mpio(comm, directory: str, snapshot) -> list[str]:
         mine = [WriteItem("manifest", Box((0,), manifest.shape), manifest)] if comm.Get_rank() == 0 else []
         _collective_write(f["manifest"], mine)
         _set_attrs(f, {**snapshot.attrs, "writer": "mpio"})
-    return [path] if comm.Get_rank() == 0 else []
+    return [path]  # every rank fsyncs: on a parallel file system each node flushes its own cache
 
 
 def write_shards(comm, directory: str, snapshot) -> list[str]:
-    """Per-rank shard files plus a virtual-dataset master on rank 0; returns files to fsync."""
+    """Per-rank shard files plus a virtual-dataset master; returns the files this rank should fsync.
+
+    The master needs only where each box goes (not its data), so it is built while the shards are
+    written, by the rank with the least data to write; only the manifest (checksums) waits for all.
+    """
     datasets = union_datasets(comm, snapshot)
     rank = comm.Get_rank()
     relative = f"shards/shard-{rank:05d}.h5"
+    boxes = [(item.dataset, item.box.offset, item.box.shape, relative, f"b{k}")
+             for k, item in enumerate(snapshot.items)]
+    everything = comm.allgather((sum(item.data.nbytes for item in snapshot.items), boxes))
+    builder = min(range(len(everything)), key=lambda r: (everything[r][0], -r))
+    path = os.path.join(directory, MASTER_FILE)
+    if rank == builder:
+        sources = defaultdict(list)
+        for _, rank_boxes in everything:
+            for name, offset, shape, rel, key in rank_boxes:
+                sources[name].append((offset, shape, rel, key))
+        with h5py.File(path, "w") as f:
+            for name, shape, dtype in datasets:
+                dtype = np.dtype(dtype)
+                layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
+                for offset, box_shape, rel, key in sources.get(name, []):
+                    index = tuple(slice(o, o + n) for o, n in zip(offset, box_shape))
+                    layout[index] = h5py.VirtualSource(rel, key, shape=tuple(box_shape), dtype=dtype)
+                f.create_virtual_dataset(name, layout, fillvalue=np.nan if dtype.kind == "f" else 0)
+            _set_attrs(f, {**snapshot.attrs, "writer": "shards"})
     entries, written = [], []
     if snapshot.items:
-        path = os.path.join(directory, relative)
-        with h5py.File(path, "w") as f:
+        shard_path = os.path.join(directory, relative)
+        with h5py.File(shard_path, "w") as f:
             for k, item in enumerate(snapshot.items):
                 f.create_dataset(f"b{k}", data=item.data)
-                entries.append((item.dataset, item.box.offset, item.box.shape, crc32(item.data), relative, f"b{k}"))
+                entries.append((item.dataset, item.box.offset, item.box.shape, crc32(item.data)))
+        written.append(shard_path)
+    gathered = comm.gather(entries, root=builder)
+    if rank == builder:
+        with h5py.File(path, "a") as f:
+            f["manifest"] = encode_json(_manifest(gathered))
         written.append(path)
-    gathered = comm.gather(entries, root=0)
-    if rank != 0:
-        return written
-    sources = defaultdict(list)
-    for rank_entries in gathered:
-        for name, offset, shape, _, rel, key in rank_entries:
-            sources[name].append((offset, shape, rel, key))
-    path = os.path.join(directory, MASTER_FILE)
-    with h5py.File(path, "w") as f:
-        for name, shape, dtype in datasets:
-            dtype = np.dtype(dtype)
-            layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
-            for offset, box_shape, rel, key in sources.get(name, []):
-                index = tuple(slice(o, o + n) for o, n in zip(offset, box_shape))
-                layout[index] = h5py.VirtualSource(rel, key, shape=tuple(box_shape), dtype=dtype)
-            f.create_virtual_dataset(name, layout, fillvalue=np.nan if dtype.kind == "f" else 0)
-        f["manifest"] = encode_json(_manifest(gathered))
-        _set_attrs(f, {**snapshot.attrs, "writer": "shards"})
-    return written + [path]
+    return written

@@ -67,7 +67,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
@@ -80,6 +79,8 @@ from contextlib import contextmanager  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
+
+from hpctrain.bench.report import run_benchmark, write_records  # noqa: E402
 
 _STARTUP_S = (_PROCESS_AGE_AT_IMPORT + time.time() - _WALL_AT_IMPORT) if _PROCESS_AGE_AT_IMPORT is not None else None
 
@@ -747,19 +748,6 @@ def print_tables(records: list[dict], args, ranks: int) -> None:
         console.print(f"target: {line}")
 
 
-def write_records(records: list[dict], json_path: str | None, csv_path: str | None) -> None:
-    if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(records, f, indent=1)
-            f.write("\n")
-    if csv_path:
-        with open(csv_path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            writer.writeheader()
-            for r in records:
-                writer.writerow({**{k: r[k] for k in FIELDS}, "phases": json.dumps(r["phases"])})
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     for name in ("repeats", "async_repeats", "tensors", "cols"):
@@ -770,19 +758,9 @@ def main(argv=None) -> int:
     records = run(args)
     if MPI.COMM_WORLD.Get_rank() == 0:
         print_tables(records, args, MPI.COMM_WORLD.Get_size())
-        write_records(records, args.json, args.csv)
+        write_records(records, args.json, args.csv, FIELDS, json_columns=("phases",))
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit:
-        raise
-    except BaseException:  # one failing rank must not leave the others waiting in a collective
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-    sys.exit(code)
+    run_benchmark(main)

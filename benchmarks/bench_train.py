@@ -36,7 +36,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -46,6 +45,8 @@ from datetime import timedelta  # noqa: E402
 
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
+
+from hpctrain.bench.report import run_benchmark, write_records  # noqa: E402
 
 FIELDS = ["impl", "layout", "ranks", "dp", "tp", "pp", "microbatches", "tokens_per_s", "step_ms", "step_ms_min",
           "step_ms_max", "ratio_vs_ddp", "final_loss", "comm_ms", "timed_steps", "global_batch", "seq_len",
@@ -362,19 +363,6 @@ def print_tables(records: list[dict], args, ranks: int) -> None:
     console.print(phases)
 
 
-def write_records(records: list[dict], json_path: str | None, csv_path: str | None) -> None:
-    if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(records, f, indent=1)
-            f.write("\n")
-    if csv_path:
-        with open(csv_path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            writer.writeheader()
-            for r in records:
-                writer.writerow({**{k: r[k] for k in FIELDS}, "phases_ms": json.dumps(r["phases_ms"])})
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     for name in ("steps", "rounds"):
@@ -383,19 +371,9 @@ def main(argv=None) -> int:
     records = run(args)
     if MPI.COMM_WORLD.Get_rank() == 0:
         print_tables(records, args, MPI.COMM_WORLD.Get_size())
-        write_records(records, args.json, args.csv)
+        write_records(records, args.json, args.csv, FIELDS, json_columns=("phases_ms",))
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit:
-        raise
-    except BaseException:  # one failing rank must not leave the others waiting in a collective
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-    sys.exit(code)
+    run_benchmark(main)

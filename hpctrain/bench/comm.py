@@ -20,7 +20,6 @@ Host (CPU) tensors only.
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -31,6 +30,7 @@ from datetime import timedelta
 
 import torch
 
+from hpctrain.bench.report import write_records
 from hpctrain.errors import HpcTrainError
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "sendrecv")
@@ -241,7 +241,7 @@ def run_comm_bench(args) -> int:
         title = (f"hpctrain bench comm: {info.size} ranks on {info.num_nodes} node(s), axis {args.axis} "
                  f"(group size {comm.size}), {args.dtype}, best of {rounds} round(s); {info.mpi_library}")
         print_table(records, title)
-        write_records(records, json_path=args.json, csv_path=args.csv)
+        write_records(records, args.json, args.csv, FIELDS)
     return 0
 
 
@@ -259,15 +259,3 @@ def print_table(records: list[dict], title: str) -> None:
                       f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}", ratio, end_section=last)
     print(title, flush=True)
     Console(width=None if sys.stdout.isatty() else 120).print(table)
-
-
-def write_records(records: list[dict], json_path: str | None = None, csv_path: str | None = None) -> None:
-    if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(records, f, indent=1)
-            f.write("\n")
-    if csv_path:
-        with open(csv_path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows(records)

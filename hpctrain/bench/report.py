@@ -1,0 +1,30 @@
+"""Shared by every benchmark: write records as JSON and CSV, and run an MPI benchmark's main safely."""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+
+def write_records(records: list[dict], json_path: str | None, csv_path: str | None, fields,
+                  json_columns: tuple[str, ...] = ()) -> None:
+    """``records`` to ``json_path`` (a JSON list) and ``csv_path`` (columns ``fields``; the nested values of
+    ``json_columns`` JSON-encoded in their cell). Either path may be None."""
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(records, f, indent=1)
+            f.write("\n")
+    if csv_path:
+        columns = list(fields) + [c for c in json_columns if c not in fields]
+        with open(csv_path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            for r in records:
+                writer.writerow({**r, **{c: json.dumps(r[c]) for c in json_columns if c in r}})
+
+
+def run_benchmark(main) -> None:
+    """``sys.exit(main())``, but an exception on one rank aborts the whole MPI job (never a hang)."""
+    from hpctrain.runtime.errors_exit import run_and_exit
+
+    sys.exit(run_and_exit(lambda _argv: main()))

@@ -20,7 +20,7 @@ from mpirun import ROOT, mpi_env, run_mpi
 
 F64 = ["data.max_bytes=300000", "train.seq_len=16", "train.global_batch=8", "model.n_heads=8", "model.n_kv_heads=4",
        "model.n_layers=4", "parallel.microbatches=2", "train.dtype=float64", "train.warmup_steps=1",
-       "train.lr=1e-2", "train.steps=16", "train.lr_schedule=cosine", "train.min_lr=1e-3"]
+       "train.lr=1e-2", "train.steps=14", "train.lr_schedule=cosine", "train.min_lr=1e-3"]
 F32 = ["data.max_bytes=300000", "train.seq_len=32", "train.global_batch=8", "model.n_layers=2", "train.steps=8",
        "parallel.microbatches=2"]
 
@@ -65,8 +65,7 @@ def test_reshard_chain_matches_one_process(tmp_path):
         (8, ["parallel.tp=2", "parallel.pp=4"]),  # (TP2, PP4) -> (TP4, PP2)
         (8, ["parallel.tp=4", "parallel.pp=2", "parallel.sequence_parallel=true"]),
         (8, ["parallel.tp=2", "parallel.pp=2", "parallel.zero=1", "parallel.schedule=gpipe"]),
-        (2, ["parallel.tp=1", "parallel.pp=1"]),  # dp=2, ZeRO off
-        (1, ["parallel.tp=1", "parallel.pp=1"]),
+        (2, ["parallel.tp=1", "parallel.pp=1"]),  # dp=2, ZeRO off: dp rank 0 writes
     ]
     run_dir = tmp_path / "chain"
     for i, (ranks, layout) in enumerate(chain):

@@ -37,7 +37,11 @@ def mpi_buffer(tensor: torch.Tensor):
 
 
 class MpiWork:
-    """A pending MPI operation; ``finish`` runs once, after completion (averaging, half copy-back)."""
+    """A pending MPI operation; ``finish`` runs once, after completion (averaging, half copy-back).
+
+    ``keepalive`` holds the TENSORS until completion: the MPI buffers are raw addresses, so a temporary
+    tensor (``y.detach().contiguous()`` handed to isend) would otherwise be freed and its memory reused
+    while MPI still reads or writes it."""
 
     __slots__ = ("request", "finish", "keepalive", "done")
 
@@ -137,7 +141,7 @@ class MpiBackend:
             raise ValueError(f"allgather: output has {output.numel()} elements, expected "
                              f"{self.size} x {input.numel()}")
         if nonblocking:
-            return MpiWork(self.comm.Iallgather(sbuf, rbuf), None, (sbuf, rbuf))
+            return MpiWork(self.comm.Iallgather(sbuf, rbuf), None, (output, input))
         self.comm.Allgather(sbuf, rbuf)
         return None
 
@@ -145,7 +149,7 @@ class MpiBackend:
         self._ready(tensor)
         buf = mpi_buffer(tensor)
         if nonblocking:
-            return MpiWork(self.comm.Ibcast(buf, root), None, buf)
+            return MpiWork(self.comm.Ibcast(buf, root), None, tensor)
         self.comm.Bcast(buf, root)
         return None
 
@@ -153,7 +157,7 @@ class MpiBackend:
         self._ready(tensor)
         buf = mpi_buffer(tensor)
         if nonblocking:
-            return MpiWork(self.comm.Isend(buf, dst, tag), None, buf)
+            return MpiWork(self.comm.Isend(buf, dst, tag), None, tensor)
         self.comm.Send(buf, dst, tag)
         return None
 
@@ -161,7 +165,7 @@ class MpiBackend:
         self._ready(tensor)
         buf = mpi_buffer(tensor)
         if nonblocking:
-            return MpiWork(self.comm.Irecv(buf, src, tag), None, buf)
+            return MpiWork(self.comm.Irecv(buf, src, tag), None, tensor)
         self.comm.Recv(buf, src, tag)
         return None
 

@@ -81,6 +81,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from hpctrain.bench.report import run_benchmark, write_records  # noqa: E402
+from hpctrain.checkpoint.manager import _fsync as fsync_path  # noqa: E402
 
 _STARTUP_S = (_PROCESS_AGE_AT_IMPORT + time.time() - _WALL_AT_IMPORT) if _PROCESS_AGE_AT_IMPORT is not None else None
 
@@ -247,14 +248,6 @@ def drop_cache(paths) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def clean_dir(comm, path: str, subdirs=()) -> None:

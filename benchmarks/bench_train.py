@@ -37,15 +37,14 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from datetime import timedelta  # noqa: E402
 
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+from hpctrain.bench.comm import init_gloo_world  # noqa: E402
 from hpctrain.bench.report import run_benchmark, write_records  # noqa: E402
 
 FIELDS = ["impl", "layout", "ranks", "dp", "tp", "pp", "microbatches", "tokens_per_s", "step_ms", "step_ms_min",
@@ -161,23 +160,6 @@ class HpcTrainImpl:
         self.grid.close()
 
 
-def init_gloo(world, info, timeout_s: float = 600.0) -> None:
-    """torch.distributed gloo over the same ranks; rank 0 picks the address and a free port."""
-    import torch.distributed as dist
-
-    endpoint = None
-    if info.rank == 0:
-        addr = os.environ.get("HPCTRAIN_GLOO_ADDR") or "127.0.0.1"
-        if info.num_nodes > 1 and "HPCTRAIN_GLOO_ADDR" not in os.environ:
-            addr = socket.gethostbyname(socket.gethostname())
-        with socket.socket() as s:
-            s.bind((addr, 0))
-            endpoint = (addr, s.getsockname()[1])
-    addr, port = world.bcast(endpoint, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=info.rank, world_size=info.size,
-                            timeout=timedelta(seconds=timeout_s))
-
-
 class DdpImpl:
     def __init__(self, args, info, tokens, total_steps):
         from torch.nn.parallel import DistributedDataParallel
@@ -274,7 +256,7 @@ def build_impls(args, info, tokens, total_steps) -> list:
         elif name == "hpctrain-pp":
             impls.append(HpcTrainImpl(name, args, info, tokens, total_steps, pp=2, microbatches=args.pp_microbatches))
         else:
-            init_gloo(MPI.COMM_WORLD, info)
+            init_gloo_world(MPI.COMM_WORLD, info)
             impls.append(DdpImpl(args, info, tokens, total_steps))
     return impls
 

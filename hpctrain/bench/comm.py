@@ -148,8 +148,10 @@ def gloo_step(op: str, group, members: tuple, b: dict):
     return sendrecv
 
 
-def init_gloo(world, info, comm, timeout_s: float):
-    """torch.distributed gloo over the world; returns the gloo group matching ``comm`` (None = world)."""
+def init_gloo_world(world, info, timeout_s: float = 600.0) -> None:
+    """torch.distributed gloo over the MPI world (the peer of the benchmarks): rank 0 picks the address
+    (``HPCTRAIN_GLOO_ADDR``, else loopback on one node, else its hostname's) and a free port, and
+    broadcasts them over MPI."""
     import torch.distributed as dist
 
     endpoint = None
@@ -166,6 +168,13 @@ def init_gloo(world, info, comm, timeout_s: float):
     addr, port = world.bcast(endpoint, root=0)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=info.rank, world_size=info.size,
                             timeout=timedelta(seconds=timeout_s))
+
+
+def init_gloo(world, info, comm, timeout_s: float):
+    """gloo over the world; returns the gloo group matching ``comm`` (None = world)."""
+    import torch.distributed as dist
+
+    init_gloo_world(world, info, timeout_s)
     if comm.size == info.size:
         return None
     mine = None

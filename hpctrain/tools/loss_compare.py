@@ -21,129 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpctrain.tools.runs import CompareError, parse_run_spec, resolve_launcher, run_training, train_command
+
 EXIT_MATCH, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
-
-
-class CompareError(Exception):
-    """A problem that stops the comparison (bad arguments, a failed run, unreadable metrics): exit 2."""
-
-
-@dataclass
-class RunSpec:
-    label: str
-    nprocs: int
-    overrides: list[str]
-
-
-def parse_run_spec(label: str, text: str) -> RunSpec:
-    """``"NP:OVERRIDES"`` -> RunSpec; OVERRIDES may be empty (``"2:"``)."""
-    nprocs, colon, overrides = text.partition(":")
-    try:
-        n = int(nprocs.strip())
-    except ValueError:
-        n = 0
-    if not colon or n < 1:
-        raise CompareError(f"--{label.lower()} {text!r}: expected NP:OVERRIDES, e.g. "
-                           f"'2:parallel.tp=2 train.lr=1e-3' (NP = number of ranks >= 1)")
-    words = shlex.split(overrides)
-    bad = [w for w in words if "=" not in w or "." not in w.partition("=")[0]]
-    if bad:
-        raise CompareError(f"--{label.lower()}: malformed override(s) {bad}: expected section.key=value")
-    return RunSpec(label, n, words)
-
-
-def resolve_launcher(launcher: str) -> list[str]:
-    """The launcher command as a list; a bare program name is looked up beside ``sys.executable``
-    first (a venv's ``mpiexec`` belongs to the MPI that mpi4py uses), then on PATH."""
-    words = shlex.split(launcher)
-    if not words:
-        raise CompareError("--launcher is empty: give a launcher such as 'mpiexec' or 'srun --mpi=pmi2'")
-    if os.sep not in words[0]:
-        search = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
-        found = shutil.which(words[0], path=search)
-        if found is None:
-            raise CompareError(f"launcher {words[0]!r} not found beside {sys.executable} nor on PATH: install "
-                               f"an MPI (pip install -e '.[mpi]') or pass --launcher with a full path")
-        words[0] = found
-    return words
-
-
-def train_command(launcher: list[str], spec: RunSpec, run_dir: Path, config: str | None, common: list[str],
-                  steps: int | None) -> list[str]:
-    cmd = launcher + ["-n", str(spec.nprocs), sys.executable, "-m", "hpctrain.cli", "train"]
-    if config:
-        cmd += ["--config", config]
-    cmd += common + spec.overrides + [f"train.run_dir={run_dir}"]
-    if steps is not None:
-        cmd.append(f"train.steps={steps}")
-    return cmd
-
-
-def run_training(cmd: list[str], run_dir: Path, timeout: float, label: str, console) -> None:
-    """Run one training job (output to ``<run_dir>/train.log``); raise CompareError if it fails."""
-    fresh_run_dir(run_dir)
-    log_path = run_dir / "train.log"
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    console.print(f"[bold]run {label}[/bold]: {shlex.join(cmd)}", highlight=False, soft_wrap=True)
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)  # own process group: a timeout ends the whole job
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise CompareError(f"run {label} timed out after {timeout:.0f} s (--timeout); its output is in "
-                               f"{log_path}:\n{_tail(log_path)}") from None
-    if code != 0:
-        raise CompareError(f"run {label} failed with exit status {code}; its output is in {log_path}:\n"
-                           f"{_tail(log_path)}")
-
-
-RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "train.log", "checkpoints")
-
-
-def fresh_run_dir(run_dir: Path) -> None:
-    """An empty ``run_dir``: a previous comparison's run there is removed (the metrics file is appended
-    to and a checkpoint could be resumed, so an old run must not survive); anything else is refused."""
-    if run_dir.exists():
-        entries = {p.name for p in run_dir.iterdir()}
-        if entries and not entries & set(RUN_FILES):
-            raise CompareError(f"{run_dir} exists and does not look like a run of this tool; choose another --out")
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return "(no output)"
-    return "\n".join("    " + line for line in text[-lines:]) or "    (no output)"
 
 
 def read_metrics(path: str | Path, key: str = "loss") -> dict[int, float]:

@@ -12,9 +12,16 @@ if ! command -v slurmctld >/dev/null; then
 fi
 bash "$(dirname "$0")/slurm_down.sh" >/dev/null 2>&1 || true
 rm -rf "$D"; mkdir -p "$D"/{state,spool,log}
+# free ports for slurmctld and the two slurmd, so another Slurm on this host cannot collide with this one
+read -r CTLD_PORT N1_PORT N2_PORT < <(python3 -c '
+import socket
+socks = [socket.socket() for _ in range(3)]
+for s in socks: s.bind(("127.0.0.1", 0))
+print(*[s.getsockname()[1] for s in socks])')
 cat > "$SLURM_CONF" <<CONF
 ClusterName=hpctrain-test
 SlurmctldHost=$(hostname)(127.0.0.1)
+SlurmctldPort=$CTLD_PORT
 SlurmUser=root
 AuthType=auth/munge
 AuthInfo=cred_expire=5
@@ -37,7 +44,8 @@ ReturnToService=2
 JobRequeue=1
 KillWait=5
 MinJobAge=300
-NodeName=n[1-2] NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=17001-17002 CPUs=4 RealMemory=4000 State=UNKNOWN
+NodeName=n1 NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$N1_PORT CPUs=4 RealMemory=4000 State=UNKNOWN
+NodeName=n2 NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$N2_PORT CPUs=4 RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
 install -d -o munge -g munge /run/munge
@@ -46,6 +54,10 @@ pgrep -x munged >/dev/null || runuser -u munge -- /usr/sbin/munged
 slurmctld
 slurmd -N n1
 slurmd -N n2
+sleep 0.5
+for f in "$D/slurmctld.pid" "$D/slurmd-n1.pid" "$D/slurmd-n2.pid"; do
+  [ -s "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null || { echo "slurm_up: a daemon did not start ($f); logs in $D/log" >&2; exit 1; }
+done
 for i in $(seq 1 150); do
   [ "$(sinfo -h -N -t idle -o %N 2>/dev/null | wc -l)" = 2 ] && break; sleep 0.2
 done

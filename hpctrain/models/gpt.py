@@ -125,7 +125,7 @@ class GPTStage(nn.Module):
     """
 
     def __init__(self, m, layer_range: tuple[int, int], *, is_first: bool, is_last: bool, tp=None,
-                 sp: bool = False, dtype=torch.float32, seed: int = 0, recompute: bool = False, pp_size: int = 1):
+                 sp: bool = False, dtype=torch.float32, seed: int = 0, recompute: bool = False):
         super().__init__()
         tp_size = 1 if tp is None else tp.size
         check_tp_divisibility(m, tp_size)

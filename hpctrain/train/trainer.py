@@ -72,7 +72,7 @@ class Trainer:
         tp_comm, pp_comm = grid.comm("tp"), grid.comm("pp")
         self.stage = GPTStage(m, ranges[stage_rank], is_first=stage_rank == 0, is_last=stage_rank == pp - 1,
                               tp=tp_comm, sp=p.sequence_parallel, dtype=self.dtype, seed=t.seed,
-                              recompute=t.recompute, pp_size=pp)
+                              recompute=t.recompute)
         if m.tie_embeddings and pp > 1 and stage_rank == 0:
             self.stage.embed.weight.tied_with_last_stage = True
         self.flat = FlatParams(list(self.stage.parameters()), grid.comm("dp"), tp=tp_comm, pp=pp_comm,

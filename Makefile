@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 NP ?= 4
 
-# The demo job: a 4-rank tp=2 x pp=2 training run of the tiny GPT on the embedded corpus (about a minute).
+# The demo job: a 4-rank tp=2 x pp=2 training run of the tiny GPT on the embedded corpus (~20-60 s on 2 cores).
 # Another job: make demo DEMO="bench comm --sizes 1K,1M,16M"
 DEMO ?= train --config configs/tiny.toml
 

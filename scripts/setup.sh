@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install hpctrain (editable) with the PyPI MPICH wheel and the test tools.
 # Idempotent: does nothing when .venv/.hpctrain-installed is newer than setup.py (delete it to force).
-# PYTHON picks the interpreter (default python3, >= 3.10). Used by `make setup` and by .ci/run.
+# PYTHON picks the interpreter (default python3, >= 3.11). Used by `make setup` and by .ci/run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python3}"
@@ -13,8 +13,8 @@ if [[ -f "$STAMP" && "$STAMP" -nt setup.py && -x "$VENV/bin/hpctrain" && -x "$VE
   exit 0
 fi
 if [[ ! -x "$VENV/bin/python" ]]; then
-  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
-    || { echo "setup: $PYTHON is older than Python 3.10; set PYTHON=python3.11" >&2; exit 1; }
+  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+    || { echo "setup: $PYTHON is older than Python 3.11; set PYTHON=python3.11" >&2; exit 1; }
   "$PYTHON" -m venv "$VENV"
 fi
 # torch is pinned in setup.py (an unpinned torch resolves to a multi-GB CUDA build)

@@ -7,7 +7,7 @@ setup(
     description="MPI-native data/tensor/pipeline-parallel training with HDF5 checkpoints and Slurm lifecycle",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.11"  # tomllib,
+    python_requires=">=3.11",  # tomllib
     packages=find_packages(include=["hpctrain", "hpctrain.*"]),
     install_requires=[
         "numpy",

@@ -37,10 +37,6 @@ class CommStats:
     def total_bytes(self) -> int:
         return sum(c.bytes for c in self.ops.values())
 
-    def as_records(self) -> list[dict]:
-        return [{"group": g, "op": o, "calls": c.calls, "bytes": c.bytes, "seconds": c.seconds}
-                for (g, o), c in sorted(self.ops.items())]
-
 
 class Watchdog:
     """Aborts the job when one communication call outlives ``timeout_s`` (0 disables the thread)."""

@@ -45,11 +45,9 @@ class MpiWork:
 
     __slots__ = ("request", "finish", "keepalive", "done")
 
-    def __init__(self, request=None, finish=None, keepalive=None):
+    def __init__(self, request, finish=None, keepalive=None):
         self.request, self.finish, self.keepalive = request, finish, keepalive
-        self.done = request is None
-        if self.done and finish is not None:
-            finish()
+        self.done = False
 
     def test(self) -> bool:
         if not self.done and self.request.Test():

@@ -172,7 +172,7 @@ class DdpImpl:
         self.layout = f"dp={info.size}"
         self.cfg = cfg = load_config(None, model_overrides(args) + [f"train.steps={total_steps}"])
         m = resolve_model(cfg.model)
-        self.model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp=None, dtype=torch.float32,
+        self.model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp_comm=None, dtype=torch.float32,
                               seed=cfg.train.seed)
         self.params = count_parameters(m)
         self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=args.bucket_mb)

@@ -24,7 +24,7 @@ def _add_info(sub) -> None:
 
 
 def _run_info(args) -> int:
-    from hpctrain.runtime.info import run_info
+    from hpctrain.tools.info import run_info
 
     return run_info(tp=args.tp, pp=args.pp, dp=args.dp, strict=args.strict_placement, as_json=args.json)
 

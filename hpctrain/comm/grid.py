@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 
 from hpctrain.comm.collectives import Communicator
 from hpctrain.comm.watchdog import CommStats, Watchdog
@@ -52,30 +51,14 @@ def layout_coordinates(order: list[int], sizes: dict[str, int]) -> dict[int, dic
     return coords
 
 
-@dataclass(frozen=True)
-class Group:
-    axis: str
-    comm: Communicator
-    members: tuple[int, ...]  # world ranks, in group-rank order (= coordinate along the axis)
-    crosses_nodes: bool
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-
 class ProcessGrid:
     """This rank's view of the dp x pp x tp grid. Built collectively by ``ProcessGrid.build``."""
 
     def __init__(self, info: RankInfo, sizes: dict[str, int], coords: dict[str, int],
-                 groups: dict[str, Group], world: Communicator, watchdog: Watchdog, stats: CommStats,
-                 warnings: list[str]):
+                 comms: dict[str, Communicator], crosses_nodes: dict[str, bool], world: Communicator,
+                 watchdog: Watchdog, stats: CommStats, warnings: list[str]):
         self.info, self.sizes, self.coords = info, sizes, coords
-        self.groups, self.world = groups, world
+        self._comms, self.crosses_nodes, self.world = comms, crosses_nodes, world
         self.watchdog, self.stats, self.warnings = watchdog, stats, warnings
 
     @classmethod
@@ -99,7 +82,7 @@ class ProcessGrid:
         watchdog, stats = Watchdog(info.rank, timeout_s), CommStats()
         warnings = []
 
-        groups = {}
+        comms, crosses_nodes = {}, {}
         for axis in AXES:
             others = [a for a in AXES if a != axis]
             key_of = {r: tuple(c[a] for a in others) for r, c in coords_of.items()}
@@ -111,9 +94,8 @@ class ProcessGrid:
             if mpi_comm.Get_rank() != coords_of[info.rank][axis] or mpi_comm.Get_size() != len(members):
                 raise GridError(f"internal: {axis} communicator rank {mpi_comm.Get_rank()} != coordinate "
                                 f"{coords_of[info.rank][axis]}")
-            crosses = len({info.node_of_rank[r] for r in members}) > 1
-            comm = Communicator(mpi_comm, axis, members, watchdog, stats, backend)
-            groups[axis] = Group(axis, comm, members, crosses)
+            crosses_nodes[axis] = len({info.node_of_rank[r] for r in members}) > 1
+            comms[axis] = Communicator(mpi_comm, axis, members, watchdog, stats, backend)
 
         tp_nodes: dict[tuple, set] = {}
         for r, c in coords_of.items():
@@ -131,24 +113,11 @@ class ProcessGrid:
                 print(f"hpctrain: WARNING: {message}", file=stream, flush=True)
 
         world = Communicator(world_mpi, "world", tuple(range(info.size)), watchdog, stats, backend)
-        return cls(info, sizes, coords_of[info.rank], groups, world, watchdog, stats, warnings)
-
-    # convenient accessors ------------------------------------------------------------
-    @property
-    def dp(self) -> Group:
-        return self.groups["dp"]
-
-    @property
-    def pp(self) -> Group:
-        return self.groups["pp"]
-
-    @property
-    def tp(self) -> Group:
-        return self.groups["tp"]
+        return cls(info, sizes, coords_of[info.rank], comms, crosses_nodes, world, watchdog, stats, warnings)
 
     def comm(self, axis: str) -> Communicator:
-        """The communicator of ``axis`` ("dp", "pp", "tp" or "world")."""
-        return self.world if axis == "world" else self.groups[axis].comm
+        """The one accessor for a group's communicator: ``axis`` is "dp", "pp", "tp" or "world"."""
+        return self.world if axis == "world" else self._comms[axis]
 
     def describe(self) -> dict:
         """This rank's record for ``hpctrain info --json``."""
@@ -156,8 +125,8 @@ class ProcessGrid:
                   "local_rank": self.info.local_rank}
         record.update(self.coords)
         for axis in AXES:
-            record[f"{axis}_group"] = list(self.groups[axis].members)
-        record["crosses_nodes"] = [a for a in AXES if self.groups[a].crosses_nodes]
+            record[f"{axis}_group"] = list(self._comms[axis].members)
+        record["crosses_nodes"] = [a for a in AXES if self.crosses_nodes[a]]
         return record
 
     def close(self) -> None:

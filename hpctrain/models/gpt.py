@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.parallel.shard import init_from_global_, make_spec
-from hpctrain.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       vocab_parallel_cross_entropy)
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq
 
@@ -29,9 +29,9 @@ def check_tp_divisibility(m, tp_size: int) -> None:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, name, dim, eps, tp, sp, dtype):
+    def __init__(self, name, dim, eps, tp_comm, sp, dtype):
         super().__init__()
-        spec = make_spec(f"{name}.weight", (dim,), None, tp, sp_partial_grad=bool(sp and tp and tp.size > 1))
+        spec = make_spec(f"{name}.weight", (dim,), None, tp_comm, sp_partial_grad=bool(sp and tp_comm and tp_comm.size > 1))
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
         init_from_global_(self.weight, spec, 0, None)
         self.weight.spec = spec
@@ -57,23 +57,23 @@ def rotary(x, theta: float):
 class Attention(nn.Module):
     """Causal grouped-query attention; this TP rank holds n_heads/tp query and n_kv_heads/tp KV heads."""
 
-    def __init__(self, name, m, tp, sp, dtype, seed):
+    def __init__(self, name, m, tp_comm, sp, dtype, seed):
         super().__init__()
-        tp_size = 1 if tp is None else tp.size
+        tp_size = 1 if tp_comm is None else tp_comm.size
         self.head_dim = m.d_model // m.n_heads
         self.local_heads, self.local_kv = m.n_heads // tp_size, m.n_kv_heads // tp_size
-        self.theta, self.sp, self.tp = m.rope_theta, sp, tp
+        self.theta, self.sp, self.tp_comm = m.rope_theta, sp, tp_comm
         kw = dict(dtype=dtype, seed=seed, std=m.init_std)
         kv_out = m.n_kv_heads * self.head_dim
         kw["input_mode"] = "none"  # forward() gathers/copies x once for q, k and v
-        self.wq = ColumnParallelLinear(f"{name}.wq", m.d_model, m.d_model, tp, **kw)
-        self.wk = ColumnParallelLinear(f"{name}.wk", m.d_model, kv_out, tp, **kw)
-        self.wv = ColumnParallelLinear(f"{name}.wv", m.d_model, kv_out, tp, **kw)
+        self.wq = ColumnParallelLinear(f"{name}.wq", m.d_model, m.d_model, tp_comm, **kw)
+        self.wk = ColumnParallelLinear(f"{name}.wk", m.d_model, kv_out, tp_comm, **kw)
+        self.wv = ColumnParallelLinear(f"{name}.wv", m.d_model, kv_out, tp_comm, **kw)
         del kw["input_mode"]
-        self.wo = RowParallelLinear(f"{name}.wo", m.d_model, m.d_model, tp, sp=sp, **kw)
+        self.wo = RowParallelLinear(f"{name}.wo", m.d_model, m.d_model, tp_comm, sp=sp, **kw)
 
     def forward(self, x):
-        x = gather_seq(x, self.tp) if self.sp else copy_to_tp(x, self.tp)  # one op feeds q, k and v
+        x = gather_seq(x, self.tp_comm) if self.sp else copy_to_tp(x, self.tp_comm)  # one op feeds q, k and v
         seq, batch = x.shape[0], x.shape[1]
         q = self.wq(x).view(seq, batch, self.local_heads, self.head_dim)
         k = self.wk(x).view(seq, batch, self.local_kv, self.head_dim)
@@ -90,26 +90,26 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); gate/up split on d_ff, down reduces over TP."""
 
-    def __init__(self, name, m, tp, sp, dtype, seed):
+    def __init__(self, name, m, tp_comm, sp, dtype, seed):
         super().__init__()
         kw = dict(dtype=dtype, seed=seed, std=m.init_std)
-        self.sp, self.tp = sp, tp
-        self.gate = ColumnParallelLinear(f"{name}.gate", m.d_model, m.d_ff, tp, input_mode="none", **kw)
-        self.up = ColumnParallelLinear(f"{name}.up", m.d_model, m.d_ff, tp, input_mode="none", **kw)
-        self.down = RowParallelLinear(f"{name}.down", m.d_ff, m.d_model, tp, sp=sp, **kw)
+        self.sp, self.tp_comm = sp, tp_comm
+        self.gate = ColumnParallelLinear(f"{name}.gate", m.d_model, m.d_ff, tp_comm, input_mode="none", **kw)
+        self.up = ColumnParallelLinear(f"{name}.up", m.d_model, m.d_ff, tp_comm, input_mode="none", **kw)
+        self.down = RowParallelLinear(f"{name}.down", m.d_ff, m.d_model, tp_comm, sp=sp, **kw)
 
     def forward(self, x):
-        x = gather_seq(x, self.tp) if self.sp else copy_to_tp(x, self.tp)
+        x = gather_seq(x, self.tp_comm) if self.sp else copy_to_tp(x, self.tp_comm)
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, name, m, tp, sp, dtype, seed):
+    def __init__(self, name, m, tp_comm, sp, dtype, seed):
         super().__init__()
-        self.attn_norm = RMSNorm(f"{name}.attn_norm", m.d_model, m.norm_eps, tp, sp, dtype)
-        self.attn = Attention(f"{name}.attn", m, tp, sp, dtype, seed)
-        self.mlp_norm = RMSNorm(f"{name}.mlp_norm", m.d_model, m.norm_eps, tp, sp, dtype)
-        self.mlp = MLP(f"{name}.mlp", m, tp, sp, dtype, seed)
+        self.attn_norm = RMSNorm(f"{name}.attn_norm", m.d_model, m.norm_eps, tp_comm, sp, dtype)
+        self.attn = Attention(f"{name}.attn", m, tp_comm, sp, dtype, seed)
+        self.mlp_norm = RMSNorm(f"{name}.mlp_norm", m.d_model, m.norm_eps, tp_comm, sp, dtype)
+        self.mlp = MLP(f"{name}.mlp", m, tp_comm, sp, dtype, seed)
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
@@ -124,31 +124,31 @@ class GPTStage(nn.Module):
     per-token losses (the trainer divides by the global token count).
     """
 
-    def __init__(self, m, layer_range: tuple[int, int], *, is_first: bool, is_last: bool, tp=None,
+    def __init__(self, m, layer_range: tuple[int, int], *, is_first: bool, is_last: bool, tp_comm=None,
                  sp: bool = False, dtype=torch.float32, seed: int = 0, recompute: bool = False):
         super().__init__()
-        tp_size = 1 if tp is None else tp.size
+        tp_size = 1 if tp_comm is None else tp_comm.size
         check_tp_divisibility(m, tp_size)
-        self.is_first, self.is_last, self.tp, self.sp, self.recompute = is_first, is_last, tp, sp, recompute
+        self.is_first, self.is_last, self.tp_comm, self.sp, self.recompute = is_first, is_last, tp_comm, sp, recompute
         self.layer_range = layer_range
         if is_first:
-            self.embed = VocabParallelEmbedding("embed", m.vocab_size, m.d_model, tp, sp=sp, dtype=dtype,
+            self.embed = VocabParallelEmbedding("embed", m.vocab_size, m.d_model, tp_comm, sp=sp, dtype=dtype,
                                                 seed=seed, std=m.init_std)
-        self.layers = nn.ModuleDict({str(i): Block(f"layers.{i}", m, tp, sp, dtype, seed)
+        self.layers = nn.ModuleDict({str(i): Block(f"layers.{i}", m, tp_comm, sp, dtype, seed)
                                      for i in range(*layer_range)})
         if is_last:
-            self.norm = RMSNorm("norm", m.d_model, m.norm_eps, tp, sp, dtype)
+            self.norm = RMSNorm("norm", m.d_model, m.norm_eps, tp_comm, sp, dtype)
             if m.tie_embeddings and is_first:
-                self.head = ColumnParallelLinear("embed", m.d_model, m.vocab_size, tp, sp=sp, weight=self.embed.weight)
+                self.head = ColumnParallelLinear("embed", m.d_model, m.vocab_size, tp_comm, sp=sp, weight=self.embed.weight)
             elif m.tie_embeddings:  # pp > 1: a copy of the embedding; its grad is summed with stage 0's
-                self.head = ColumnParallelLinear("embed", m.d_model, m.vocab_size, tp, sp=sp, dtype=dtype,
+                self.head = ColumnParallelLinear("embed", m.d_model, m.vocab_size, tp_comm, sp=sp, dtype=dtype,
                                                  seed=seed, std=m.init_std)
                 spec = self.head.weight.spec
                 self.head.weight.spec = type(spec)(**{**spec.__dict__, "tied_copy": True})
             else:
-                self.head = ColumnParallelLinear("head", m.d_model, m.vocab_size, tp, sp=sp, dtype=dtype,
+                self.head = ColumnParallelLinear("head", m.d_model, m.vocab_size, tp_comm, sp=sp, dtype=dtype,
                                                  seed=seed, std=m.init_std)
-            self.vocab_start = (m.vocab_size // tp_size) * (0 if tp is None else tp.rank)
+            self.vocab_start = (m.vocab_size // tp_size) * (0 if tp_comm is None else tp_comm.rank)
 
     def forward(self, x):
         if self.is_first:
@@ -161,7 +161,7 @@ class GPTStage(nn.Module):
 
     def loss_sum(self, logits, targets):
         """Sum over tokens of the cross-entropy; targets [B, S]."""
-        return vocab_parallel_cross_entropy(logits, targets.t().contiguous(), self.tp, self.vocab_start).sum()
+        return vocab_parallel_cross_entropy(logits, targets.t().contiguous(), self.tp_comm, self.vocab_start).sum()
 
 
 def partition_layers(m, pp: int, explicit: list[int] | None = None) -> list[tuple[int, int]]:

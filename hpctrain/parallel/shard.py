@@ -3,7 +3,7 @@
 Every parameter carries ``param.spec``: its global name and shape, and which slab of it this rank
 holds (a split along ``split_dim`` over the TP group, or the whole tensor when replicated).
 Pipeline stages simply do not hold the parameters of other stages; ZeRO shards optimizer state,
-not parameters, and describes its flat ranges separately (``parallel/data.py``).
+not parameters, and describes its flat ranges separately (``parallel/data_parallel.py``).
 """
 from __future__ import annotations
 

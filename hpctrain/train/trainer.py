@@ -1,7 +1,7 @@
 """The training loop: batch -> pipeline forward/backward -> DP reduction -> clip -> optimizer step -> metrics.
 
 ``Trainer(cfg, grid)`` builds this rank's pipeline stage of the GPT (tensor-parallel layers over
-``grid.tp``), its flat buffers and DP reducer (``grid.dp``), the optimizer and the data iterator.
+``grid.comm("tp")``), its flat buffers and DP reducer (``grid.comm("dp")``), the optimizer and the data iterator.
 ``train_step`` runs one global batch; every rank returns the same metrics (loss and grad norm are
 agreed by collectives).
 """
@@ -20,8 +20,8 @@ from hpctrain.errors import HpcTrainError
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
 from hpctrain.optim.flat import FlatOptimizer, lr_at
 from hpctrain.optim.loss_scale import DynamicLossScaler
-from hpctrain.parallel.data import FlatParams
-from hpctrain.parallel.pipeline import PipelineExecutor, bubble_fraction
+from hpctrain.parallel.data_parallel import FlatParams
+from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -71,11 +71,11 @@ class Trainer:
         ranges = partition_layers(m, pp, p.stage_layers)
         tp_comm, pp_comm = grid.comm("tp"), grid.comm("pp")
         self.stage = GPTStage(m, ranges[stage_rank], is_first=stage_rank == 0, is_last=stage_rank == pp - 1,
-                              tp=tp_comm, sp=p.sequence_parallel, dtype=self.dtype, seed=t.seed,
+                              tp_comm=tp_comm, sp=p.sequence_parallel, dtype=self.dtype, seed=t.seed,
                               recompute=t.recompute)
         if m.tie_embeddings and pp > 1 and stage_rank == 0:
             self.stage.embed.weight.tied_with_last_stage = True
-        self.flat = FlatParams(list(self.stage.parameters()), grid.comm("dp"), tp=tp_comm, pp=pp_comm,
+        self.flat = FlatParams(list(self.stage.parameters()), grid.comm("dp"), tp_comm=tp_comm, pp_comm=pp_comm,
                                bucket_mb=p.bucket_mb, zero=p.zero == 1)
         self.optimizer = FlatOptimizer(self.flat, cfg.optim, tp_rank=grid.coords["tp"])
         seq_shard = t.seq_len // tp if p.sequence_parallel else t.seq_len
@@ -128,9 +128,9 @@ class Trainer:
     def _agree_loss(self, stage_loss: float) -> float:
         """The global mean token loss on every rank: from the last stage over pp, summed over dp."""
         value = torch.tensor([stage_loss], dtype=torch.float64)
-        pp = self.grid.comm("pp")
-        if pp.size > 1:
-            pp.broadcast(value, root=pp.size - 1)
+        pp_comm = self.grid.comm("pp")
+        if pp_comm.size > 1:
+            pp_comm.broadcast(value, root=pp_comm.size - 1)
         self.grid.comm("dp").allreduce(value)
         return value.item()
 

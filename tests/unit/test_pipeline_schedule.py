@@ -2,7 +2,7 @@
 import pytest
 
 from hpctrain.optim.loss_scale import DynamicLossScaler
-from hpctrain.parallel.pipeline import bubble_fraction, schedule_actions, simulate
+from hpctrain.parallel.pipeline_parallel import bubble_fraction, schedule_actions, simulate
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
@@ -31,13 +31,13 @@ def test_1f1b_bounds_in_flight_activations():
 
 
 def test_simulate_detects_a_deadlock():
-    import hpctrain.parallel.pipeline as pipeline
-    original = pipeline.schedule_actions
+    import hpctrain.parallel.pipeline_parallel as pipeline_parallel
+    original = pipeline_parallel.schedule_actions
     try:  # a broken schedule: the last stage runs backward of micro-batch 1 before its forward exists
-        pipeline.schedule_actions = lambda kind, s, n, m: ([("B", 0), ("F", 0)] if s == 0 else original(kind, s, n, m))
-        assert not pipeline.simulate("gpipe", 2, 1)
+        pipeline_parallel.schedule_actions = lambda kind, s, n, m: ([("B", 0), ("F", 0)] if s == 0 else original(kind, s, n, m))
+        assert not pipeline_parallel.simulate("gpipe", 2, 1)
     finally:
-        pipeline.schedule_actions = original
+        pipeline_parallel.schedule_actions = original
 
 
 def test_bubble_fraction():

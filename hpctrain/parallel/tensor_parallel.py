@@ -2,7 +2,7 @@
 
 Shapes are sequence-first: inputs ``[S, B, D]``; with sequence parallelism (``sp=True``) the
 activations between blocks are ``[S/tp, B, D]`` and each layer gathers / reduce-scatters them.
-All communication is on the TP group's ``Communicator`` (``tp``); ``tp=None`` or size 1 = no-op.
+All communication is on the TP group's ``Communicator`` (``tp_comm``); ``tp_comm=None`` or size 1 = no-op.
 
     ColumnParallelLinear   W [out/tp, in]   in: replicated (or SP-sharded) -> out: split on last dim
     RowParallelLinear      W [out, in/tp]   in: split on last dim -> out: reduced (or SP reduce-scattered)
@@ -33,13 +33,13 @@ class ColumnParallelLinear(nn.Module):
     those for several layers sharing x, e.g. q/k/v or gate/up).
     """
 
-    def __init__(self, name, in_features, out_features, tp, *, sp=False, dtype=torch.float32, seed=0,
+    def __init__(self, name, in_features, out_features, tp_comm, *, sp=False, dtype=torch.float32, seed=0,
                  std=0.02, weight=None, input_mode=None):
         super().__init__()
-        self.tp = tp
+        self.tp_comm = tp_comm
         self.input_mode = input_mode or ("gather" if sp else "copy")
         if weight is None:  # ``weight``: share an existing [out/tp, in] parameter (tied LM head)
-            weight = _param(make_spec(f"{name}.weight", (out_features, in_features), 0, tp), dtype, seed, std)
+            weight = _param(make_spec(f"{name}.weight", (out_features, in_features), 0, tp_comm), dtype, seed, std)
             self.weight = weight
         else:
             self._shared = [weight]  # not registered: the owner module holds it
@@ -50,56 +50,56 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         if self.input_mode == "gather":
-            x = gather_seq(x, self.tp)
+            x = gather_seq(x, self.tp_comm)
         elif self.input_mode == "copy":
-            x = copy_to_tp(x, self.tp)
+            x = copy_to_tp(x, self.tp_comm)
         return F.linear(x, self.w)
 
 
 class RowParallelLinear(nn.Module):
     """y[..., out] = sum over TP of x_local @ W_local.T (all-reduce, or reduce-scatter on S with SP)."""
 
-    def __init__(self, name, in_features, out_features, tp, *, sp=False, dtype=torch.float32, seed=0,
+    def __init__(self, name, in_features, out_features, tp_comm, *, sp=False, dtype=torch.float32, seed=0,
                  std=0.02):
         super().__init__()
-        self.tp, self.sp = tp, sp
-        self.weight = _param(make_spec(f"{name}.weight", (out_features, in_features), 1, tp), dtype, seed, std)
+        self.tp_comm, self.sp = tp_comm, sp
+        self.weight = _param(make_spec(f"{name}.weight", (out_features, in_features), 1, tp_comm), dtype, seed, std)
 
     def forward(self, x):
         y = F.linear(x, self.weight)
-        return reduce_scatter_seq(y, self.tp) if self.sp else reduce_from_tp(y, self.tp)
+        return reduce_scatter_seq(y, self.tp_comm) if self.sp else reduce_from_tp(y, self.tp_comm)
 
 
 class VocabParallelEmbedding(nn.Module):
     """ids [S, B] -> [S, B, D] (or [S/tp, B, D] with SP); this rank holds rows [start, end) of the vocab."""
 
-    def __init__(self, name, vocab_size, dim, tp, *, sp=False, dtype=torch.float32, seed=0, std=0.02):
+    def __init__(self, name, vocab_size, dim, tp_comm, *, sp=False, dtype=torch.float32, seed=0, std=0.02):
         super().__init__()
-        self.tp, self.sp = tp, sp
-        spec = make_spec(f"{name}.weight", (vocab_size, dim), 0, tp)
+        self.tp_comm, self.sp = tp_comm, sp
+        spec = make_spec(f"{name}.weight", (vocab_size, dim), 0, tp_comm)
         self.weight = _param(spec, dtype, seed, std)
         self.start = spec.local_slices()[0].start or 0
         self.end = self.start + spec.local_shape[0]
 
     def forward(self, ids):
-        if self.tp is None or self.tp.size == 1:
+        if self.tp_comm is None or self.tp_comm.size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_scatter_seq(out, self.tp) if self.sp else reduce_from_tp(out, self.tp)
+        return reduce_scatter_seq(out, self.tp_comm) if self.sp else reduce_from_tp(out, self.tp_comm)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss from logits split over the vocab, without ever gathering full logits."""
 
     @staticmethod
-    def forward(ctx, logits, targets, tp, vocab_start):
+    def forward(ctx, logits, targets, tp_comm, vocab_start):
         ctx.input_dtype = logits.dtype
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         logits_max = logits.max(dim=-1).values
-        if tp is not None and tp.size > 1:
-            tp.allreduce(logits_max, op="max")
+        if tp_comm is not None and tp_comm.size > 1:
+            tp_comm.allreduce(logits_max, op="max")
         shifted = logits - logits_max.unsqueeze(-1)
         n_local = logits.shape[-1]
         outside = (targets < vocab_start) | (targets >= vocab_start + n_local)
@@ -107,9 +107,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        if tp is not None and tp.size > 1:
+        if tp_comm is not None and tp_comm.size > 1:
             both = torch.stack([target_logit, sum_exp]).contiguous()
-            tp.allreduce(both)
+            tp_comm.allreduce(both)
             target_logit, sum_exp = both[0], both[1]
         loss = sum_exp.log() - target_logit
         softmax = exp.div_(sum_exp.unsqueeze(-1))
@@ -124,6 +124,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (grad * grad_loss.unsqueeze(-1)).to(ctx.input_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, tp, vocab_start: int):
+def vocab_parallel_cross_entropy(logits, targets, tp_comm, vocab_start: int):
     """logits [S, B, V/tp] (this rank's vocab rows from ``vocab_start``), targets [S, B] -> loss [S, B]."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, tp, vocab_start)
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp_comm, vocab_start)

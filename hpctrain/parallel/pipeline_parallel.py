@@ -63,14 +63,14 @@ def simulate(kind: str, stages: int, microbatches: int) -> bool:
 class PipelineExecutor:
     """Runs one training step's micro-batches through this rank's stage.
 
-    ``stage``: a GPTStage; ``pp``: the PP Communicator (None when pp == 1); ``flat``: the FlatParams
+    ``stage``: a GPTStage; ``pp_comm``: the PP Communicator (None when pp == 1); ``flat``: the FlatParams
     whose ``last_microbatch`` flag gates the DP bucket reduction. ``act_shape``: [S(/tp), mb, D].
     """
 
-    def __init__(self, stage, pp, flat, kind: str, microbatches: int, act_shape, act_dtype):
-        self.stage, self.pp, self.flat = stage, pp, flat
-        self.stages = 1 if pp is None else pp.size
-        self.rank = 0 if pp is None else pp.rank
+    def __init__(self, stage, pp_comm, flat, kind: str, microbatches: int, act_shape, act_dtype):
+        self.stage, self.pp_comm, self.flat = stage, pp_comm, flat
+        self.stages = 1 if pp_comm is None else pp_comm.size
+        self.rank = 0 if pp_comm is None else pp_comm.rank
         self.microbatches = microbatches
         self.actions = schedule_actions(kind, self.rank, self.stages, microbatches)
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
@@ -87,14 +87,14 @@ class PipelineExecutor:
                     x = inputs[i]
                 else:
                     x = torch.empty(self.act_shape, dtype=self.act_dtype)
-                    self.pp.recv(x, self.rank - 1, tag=ACT_TAG)
+                    self.pp_comm.recv(x, self.rank - 1, tag=ACT_TAG)
                     x.requires_grad_()
                 y = self.stage(x)
                 if last:
                     y = self.stage.loss_sum(y, targets[i]) * loss_scale
                     loss_total += float(y.detach())
                 else:
-                    sends.append(self.pp.isend(y.detach().contiguous(), self.rank + 1, tag=ACT_TAG))
+                    sends.append(self.pp_comm.isend(y.detach().contiguous(), self.rank + 1, tag=ACT_TAG))
                 saved[i] = (x, y)
                 self.flat.progress()
             else:
@@ -104,10 +104,10 @@ class PipelineExecutor:
                     y.backward()
                 else:
                     grad = torch.empty(self.act_shape, dtype=self.act_dtype)
-                    self.pp.recv(grad, self.rank + 1, tag=GRAD_TAG)
+                    self.pp_comm.recv(grad, self.rank + 1, tag=GRAD_TAG)
                     torch.autograd.backward(y, grad)
                 if not first:
-                    sends.append(self.pp.isend(x.grad.contiguous(), self.rank - 1, tag=GRAD_TAG))
+                    sends.append(self.pp_comm.isend(x.grad.contiguous(), self.rank - 1, tag=GRAD_TAG))
         for handle in sends:
             handle.wait()
         return loss_total

@@ -42,11 +42,11 @@ class Bucket:
 class FlatParams:
     """Flat buffers, buckets and the DP gradient reducer of one pipeline stage's parameters."""
 
-    def __init__(self, params: list, dp, *, tp=None, pp=None, bucket_mb: float = 25.0, zero: bool = False,
+    def __init__(self, params: list, dp_comm, *, tp_comm=None, pp_comm=None, bucket_mb: float = 25.0, zero: bool = False,
                  grad_dtype: torch.dtype | None = None):
-        self.params, self.dp, self.tp, self.pp, self.zero = list(params), dp, tp, pp, zero
-        self.dp_size = 1 if dp is None else dp.size
-        self.dp_rank = 0 if dp is None else dp.rank
+        self.params, self.dp_comm, self.tp_comm, self.pp_comm, self.zero = list(params), dp_comm, tp_comm, pp_comm, zero
+        self.dp_size = 1 if dp_comm is None else dp_comm.size
+        self.dp_rank = 0 if dp_comm is None else dp_comm.rank
         param_dtype = self.params[0].dtype
         self.grad_dtype = grad_dtype or (torch.float32 if param_dtype in (torch.float16, torch.bfloat16)
                                          else param_dtype)
@@ -133,9 +133,9 @@ class FlatParams:
             return
         grads = self.grad_buffer[bucket.start:bucket.end]
         if self.zero:
-            bucket.handle = self.dp.reduce_scatter(bucket.shard_grad, grads, nonblocking=True)
+            bucket.handle = self.dp_comm.reduce_scatter(bucket.shard_grad, grads, nonblocking=True)
         else:
-            bucket.handle = self.dp.allreduce(grads, nonblocking=True)
+            bucket.handle = self.dp_comm.allreduce(grads, nonblocking=True)
 
     def finish_reduction(self) -> None:
         """After the last micro-batch's backward: pre-reduce deferred grads, reduce them, wait for all."""
@@ -151,12 +151,12 @@ class FlatParams:
 
     def _pre_reduce(self, bucket: Bucket) -> None:
         for p in bucket.params:
-            if p.spec.sp_partial_grad and self.tp is not None and self.tp.size > 1:
-                self.tp.allreduce(p.main_grad)
+            if p.spec.sp_partial_grad and self.tp_comm is not None and self.tp_comm.size > 1:
+                self.tp_comm.allreduce(p.main_grad)
             if p.spec.tied_copy or self._is_tied_original(p):
-                peer = self.pp.size - 1 if self.pp.rank == 0 else 0
+                peer = self.pp_comm.size - 1 if self.pp_comm.rank == 0 else 0
                 theirs = torch.empty_like(p.main_grad)
-                handles = [self.pp.irecv(theirs, peer, tag=11), self.pp.isend(p.main_grad.contiguous(), peer, tag=11)]
+                handles = [self.pp_comm.irecv(theirs, peer, tag=11), self.pp_comm.isend(p.main_grad.contiguous(), peer, tag=11)]
                 for h in handles:
                     h.wait()
                 p.main_grad.add_(theirs)
@@ -179,7 +179,7 @@ class FlatParams:
         """ZeRO-1: after the owned ranges were updated, all-gather parameters in place over dp."""
         if not self.zero or self.dp_size == 1:
             return
-        handles = [self.dp.allgather(self.param_buffer[b.start:b.end], None, nonblocking=True)
+        handles = [self.dp_comm.allgather(self.param_buffer[b.start:b.end], None, nonblocking=True)
                    for b in self.buckets]
         for h in handles:
             h.wait()

@@ -2,7 +2,8 @@
 
 A ``Communicator`` wraps one mpi4py communicator (a dp, pp, tp or world group). Every call:
 - picks a backend by the tensor's device and the configured choice: host tensors -> MPI;
-  CUDA tensors -> NCCL (CuPy) when available and allowed, else CUDA-aware MPI;
+  CUDA tensors -> the group's device backend, chosen collectively by ``prepare_device``: NCCL (CuPy),
+  CUDA-aware MPI, or MPI with host staging;
 - is zero-copy (the tensor's own storage is the MPI/NCCL buffer; reductions are in place);
 - is counted (bytes, calls, blocked seconds) and watched (``Watchdog``: a stalled call aborts the
   job with a message naming the op and group instead of hanging).
@@ -19,8 +20,13 @@ import torch
 
 from hpctrain.comm.backends.mpi import MpiBackend
 from hpctrain.comm.watchdog import CommStats, Watchdog
+from hpctrain.errors import HpcTrainError
 
 BACKEND_CHOICES = ("auto", "mpi", "cuda-mpi", "nccl")
+
+
+class CommSetupError(HpcTrainError):
+    """The requested collective backend cannot run here (no NCCL, ranks sharing a GPU, ...)."""
 
 
 class Handle:
@@ -69,18 +75,44 @@ class Communicator:
         if not tensor.is_cuda:
             return self._host
         if self._device is None:
-            self._device = self._make_device_backend()
+            raise RuntimeError(f"group {self.name}: a CUDA tensor before prepare_device(); the grid's "
+                               f"use_device() sets up the device backend of every group collectively")
         return self._device
 
-    def _make_device_backend(self):
-        from hpctrain.comm.backends.nccl import NcclBackend, nccl_available
+    def prepare_device(self, device: torch.device) -> str:
+        """Collective over this group: choose and create the backend for CUDA tensors; returns its name.
 
-        ok, reason = nccl_available()
-        if self.backend_choice in ("auto", "nccl") and ok:
-            return NcclBackend(self.mpi)
-        if self.backend_choice == "nccl":
-            raise RuntimeError(f"comm backend 'nccl' requested for group {self.name} but {reason}")
-        return MpiBackend(self.mpi, cuda_aware=True)
+        ``auto``: NCCL (CuPy) when it imports and every rank of the group drives its own GPU, else MPI
+        with host staging (works with any MPI and with ranks sharing a GPU). ``mpi``: host staging.
+        ``cuda-mpi``: device pointers straight to a CUDA-aware MPI. ``nccl``: NCCL or a clear error.
+        Must be called by every rank of the group, in the same order for every group (NCCL init is
+        collective); a host ``device`` needs nothing.
+        """
+        if device.type != "cuda" or self._device is not None:
+            return "mpi" if device.type != "cuda" else self._device.name
+        from hpctrain.comm.backends.nccl import NcclBackend, distinct_gpus, nccl_available
+        from hpctrain.comm.backends.staged import HostStagedBackend
+
+        choice = self.backend_choice
+        if choice in ("auto", "nccl"):
+            ok, reason = nccl_available()
+            if ok:
+                ok, reason = distinct_gpus(self.mpi, device)
+            if ok:
+                self._device = NcclBackend(self.mpi)
+            elif choice == "nccl":
+                raise CommSetupError(f"parallel.backend='nccl' for group {self.name}, but {reason}; use "
+                                     f"parallel.backend='auto' or 'mpi' (host staging) or one GPU per rank")
+        if self._device is None:
+            self._device = MpiBackend(self.mpi, cuda_aware=True) if choice == "cuda-mpi" \
+                else HostStagedBackend(self.mpi)
+        return self._device.name
+
+    def close(self) -> None:
+        """Release the device backend (the NCCL communicator); the MPI communicator stays the grid's."""
+        if self._device is not None and hasattr(self._device, "close"):
+            self._device.close()
+        self._device = None
 
     # ---------------------------------------------------------------- plumbing
     def _run(self, op: str, nbytes: int, nonblocking: bool, method, *args):
@@ -132,6 +164,18 @@ class Communicator:
         """Receive into ``tensor`` (its shape and dtype must match the sender's)."""
         backend = self.backend_for(tensor)
         return self._run("recv", tensor.nbytes, nonblocking, backend.recv, tensor, src, tag)
+
+    def exchange(self, sends=(), recvs=()) -> Handle:
+        """Post sends ``[(tensor, dst, tag)]`` and receives ``[(tensor, src, tag)]`` together; one handle.
+
+        On NCCL they form one group (ncclGroupStart/End), so two neighbours that send to each other at
+        the same time cannot deadlock; on MPI they are non-blocking calls waited together. The pipeline
+        executor posts each schedule step's communication through this.
+        """
+        first = (list(sends) + list(recvs))[0][0]
+        backend = self.backend_for(first)
+        nbytes = sum(t.nbytes for t, _, _ in sends) + sum(t.nbytes for t, _, _ in recvs)
+        return self._run("exchange", nbytes, True, lambda _nb: backend.exchange(sends, recvs))
 
     def isend(self, tensor, dst, tag=0) -> Handle:
         return self.send(tensor, dst, tag, nonblocking=True)

@@ -1,11 +1,12 @@
 """Pipeline parallelism: schedules (GPipe, 1F1B) and their execution with MPI point-to-point on the PP group.
 
 A schedule is a per-stage list of actions ("F", i) / ("B", i) over micro-batches i = 0..M-1.
-Execution: forward of micro-batch i on stage s receives its input from s-1 (blocking wait), sends
-its output to s+1 (non-blocking); backward receives the output grad from s+1 and sends the input
-grad to s-1. Sends are non-blocking and waited at the end of the step, receives block, so any
-schedule whose actions respect the data dependencies is deadlock-free (``simulate`` checks this
-for every (pp, M) in the tests, micro-batches < stages included).
+Execution: forward of micro-batch i on stage s receives its input from s-1, sends its output to s+1;
+backward receives the output grad from s+1 and sends the input grad to s-1, all on the PP group.
+Each receive is posted together with the send deferred from the action before it (one
+``Communicator.exchange``: one NCCL group on GPUs, as Megatron's send_forward_recv_backward), other
+sends go out at once; ``p2p_posts`` is that plan and ``simulate`` proves it deadlock-free under
+NCCL's strict rendezvous for every (pp, M) in the tests, micro-batches < stages included.
 
 Bubble: with equal stage times both schedules idle a fraction (pp-1)/(M+pp-1) of the step; 1F1B
 holds at most pp-s activations on stage s instead of M.
@@ -40,21 +41,63 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
+def receives(op: str, stage: int, stages: int) -> bool:
+    """Whether action ``op`` on ``stage`` first receives (an activation from s-1, or a grad from s+1)."""
+    return stage > 0 if op == "F" else stage < stages - 1
+
+
+def sends(op: str, stage: int, stages: int) -> bool:
+    """Whether action ``op`` on ``stage`` ends by sending (an activation to s+1, or a grad to s-1)."""
+    return stage < stages - 1 if op == "F" else stage > 0
+
+
+def p2p_posts(kind: str, stage: int, stages: int, microbatches: int) -> list[list[tuple]]:
+    """The point-to-point posts of ``stage`` in the order the executor issues them.
+
+    Each post is a list of ("send" | "recv", "F" | "B", micro-batch, peer stage) issued together (one
+    NCCL group). The rule: an action's send is deferred and posted WITH the next action's receive when
+    that action receives (Megatron's send_forward_recv_backward), else posted at once.
+    """
+    actions = schedule_actions(kind, stage, stages, microbatches)
+    posts, pending = [], []
+    for k, (op, i) in enumerate(actions):
+        if receives(op, stage, stages):
+            peer = stage - 1 if op == "F" else stage + 1
+            posts.append(pending + [("recv", op, i, peer)])
+            pending = []
+        if sends(op, stage, stages):
+            send = ("send", op, i, stage + 1 if op == "F" else stage - 1)
+            if k + 1 < len(actions) and receives(actions[k + 1][0], stage, stages):
+                pending = [send]
+            else:
+                posts.append([send])
+    return posts
+
+
 def simulate(kind: str, stages: int, microbatches: int) -> bool:
-    """True if every stage can run its actions with blocking receives (no deadlock)."""
-    plans = [schedule_actions(kind, s, stages, microbatches) for s in range(stages)]
-    pos, done = [0] * stages, set()
+    """True if no stage deadlocks when every post blocks until all its operations have matched.
+
+    The strictest model: NCCL runs a stage's posts in stream order and a send completes only when
+    the peer's receive is posted (MPI may buffer small sends, which can only help). A post completes
+    once the counterpart of each of its operations is in the peer's current or an earlier post.
+    """
+    return posts_complete([p2p_posts(kind, s, stages, microbatches) for s in range(stages)])
+
+
+def posts_complete(plans: list[list[list[tuple]]]) -> bool:
+    """Run per-stage post lists (as ``p2p_posts`` makes them) under the strict model of ``simulate``."""
+    stages, pos = len(plans), [0] * len(plans)
+
+    def matched(s: int, op: tuple) -> bool:
+        kind_, action, i, peer = op
+        twin = ("recv" if kind_ == "send" else "send", action, i, s)
+        return any(twin in post for post in plans[peer][:pos[peer] + 1])
+
     progressed = True
     while progressed:
         progressed = False
         for s in range(stages):
-            while pos[s] < len(plans[s]):
-                op, i = plans[s][pos[s]]
-                need = (("F", s - 1, i) if s > 0 else None) if op == "F" else \
-                       (("B", s + 1, i) if s < stages - 1 else ("F", s, i))
-                if need is not None and need not in done:
-                    break
-                done.add((op, s, i))
+            if pos[s] < len(plans[s]) and all(matched(s, op) for op in plans[s][pos[s]]):
                 pos[s] += 1
                 progressed = True
     return all(pos[s] == len(plans[s]) for s in range(stages))
@@ -67,34 +110,41 @@ class PipelineExecutor:
     whose ``last_microbatch`` flag gates the DP bucket reduction. ``act_shape``: [S(/tp), mb, D].
     """
 
-    def __init__(self, stage, pp_comm, flat, kind: str, microbatches: int, act_shape, act_dtype):
+    def __init__(self, stage, pp_comm, flat, kind: str, microbatches: int, act_shape, act_dtype,
+                 device=None):
         self.stage, self.pp_comm, self.flat = stage, pp_comm, flat
         self.stages = 1 if pp_comm is None else pp_comm.size
         self.rank = 0 if pp_comm is None else pp_comm.rank
         self.microbatches = microbatches
         self.actions = schedule_actions(kind, self.rank, self.stages, microbatches)
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
+        self.device = torch.device("cpu") if device is None else device
+
+    def _receive(self, op: str, pending: list) -> torch.Tensor:
+        """Post the deferred sends with this action's receive (one group) and wait; returns the tensor."""
+        buffer = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+        peer, tag = (self.rank - 1, ACT_TAG) if op == "F" else (self.rank + 1, GRAD_TAG)
+        self.pp_comm.exchange(pending, [(buffer, peer, tag)]).wait()
+        pending.clear()
+        return buffer
 
     def run(self, inputs: list, targets: list, loss_scale: float) -> float:
         """Forward/backward all micro-batches. ``loss_scale`` multiplies each micro-batch's summed
         token loss (1 / global tokens, times the fp16 loss scale). Returns this stage's summed scaled
-        loss (non-zero on the last stage only), unscaled by the fp16 factor by the caller."""
-        saved, sends, loss_total = {}, [], 0.0
+        loss (non-zero on the last stage only), unscaled by the fp16 factor by the caller.
+        Communication follows ``p2p_posts`` (the order ``simulate`` proves deadlock-free)."""
+        saved, outstanding, pending, loss_total = {}, [], [], 0.0
         first, last = self.rank == 0, self.rank == self.stages - 1
-        for op, i in self.actions:
+        for k, (op, i) in enumerate(self.actions):
             if op == "F":
-                if first:
-                    x = inputs[i]
-                else:
-                    x = torch.empty(self.act_shape, dtype=self.act_dtype)
-                    self.pp_comm.recv(x, self.rank - 1, tag=ACT_TAG)
-                    x.requires_grad_()
+                x = inputs[i] if first else self._receive("F", pending).requires_grad_()
                 y = self.stage(x)
                 if last:
                     y = self.stage.loss_sum(y, targets[i]) * loss_scale
                     loss_total += float(y.detach())
+                    send = None
                 else:
-                    sends.append(self.pp_comm.isend(y.detach().contiguous(), self.rank + 1, tag=ACT_TAG))
+                    send = (y.detach().contiguous(), self.rank + 1, ACT_TAG)
                 saved[i] = (x, y)
                 self.flat.progress()
             else:
@@ -103,11 +153,14 @@ class PipelineExecutor:
                 if last:
                     y.backward()
                 else:
-                    grad = torch.empty(self.act_shape, dtype=self.act_dtype)
-                    self.pp_comm.recv(grad, self.rank + 1, tag=GRAD_TAG)
-                    torch.autograd.backward(y, grad)
-                if not first:
-                    sends.append(self.pp_comm.isend(x.grad.contiguous(), self.rank - 1, tag=GRAD_TAG))
-        for handle in sends:
+                    torch.autograd.backward(y, self._receive("B", pending))
+                send = None if first else (x.grad.contiguous(), self.rank - 1, GRAD_TAG)
+            if send is not None:
+                nxt = self.actions[k + 1][0] if k + 1 < len(self.actions) else None
+                if nxt is not None and receives(nxt, self.rank, self.stages):
+                    pending.append(send)  # posted with the next receive, as p2p_posts plans it
+                else:
+                    outstanding.append(self.pp_comm.exchange([send]))
+        for handle in outstanding:
             handle.wait()
         return loss_total

@@ -57,3 +57,28 @@ def test_dynamic_loss_scaler():
     assert not scaler.update(1.0) and scaler.scale == 1024.0
     off = DynamicLossScaler(1024.0, enabled=False)
     assert off.scale == 1.0 and not off.update(float("nan"))
+
+
+def test_grouped_posts_avoid_the_nccl_deadlock_of_ungrouped_sends():
+    """1F1B's steady state: neighbours send to each other at once. Posting each send alone (as plain
+    isend/recv on one NCCL stream would) deadlocks under strict rendezvous; the grouped plan does not."""
+    from hpctrain.parallel.pipeline_parallel import p2p_posts, posts_complete
+
+    def ungrouped(kind, stage, stages, m):
+        return [[op] for post in p2p_posts(kind, stage, stages, m) for op in post]  # sends first, as posted
+
+    for stages, m in ((2, 2), (4, 8)):
+        assert not posts_complete([ungrouped("1f1b", s, stages, m) for s in range(stages)])
+        assert posts_complete([p2p_posts("1f1b", s, stages, m) for s in range(stages)])
+
+
+def test_every_send_has_one_matching_receive():
+    from hpctrain.parallel.pipeline_parallel import p2p_posts
+
+    for kind in ("gpipe", "1f1b"):
+        for stages in (2, 3, 4):
+            for m in (1, 2, 5):
+                ops = {s: [op for post in p2p_posts(kind, s, stages, m) for op in post] for s in range(stages)}
+                sends = sorted((s, peer, a, i) for s in ops for k, a, i, peer in ops[s] if k == "send")
+                recvs = sorted((peer, s, a, i) for s in ops for k, a, i, peer in ops[s] if k == "recv")
+                assert sends == recvs and len(sends) == 2 * m * (stages - 1)

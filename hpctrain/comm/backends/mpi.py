@@ -167,5 +167,30 @@ class MpiBackend:
         self.comm.Recv(buf, src, tag)
         return None
 
+    def exchange(self, sends, recvs):
+        """Post every send ``(tensor, dst, tag)`` and receive ``(tensor, src, tag)`` at once; one work for all."""
+        return GroupWork([self.send(t, peer, tag, True) for t, peer, tag in sends]
+                         + [self.recv(t, peer, tag, True) for t, peer, tag in recvs])
+
     def barrier(self):
         self.comm.Barrier()
+
+
+class GroupWork:
+    """Several works completed together (the point-to-point exchange of a pipeline step)."""
+
+    __slots__ = ("works", "done")
+
+    def __init__(self, works):
+        self.works, self.done = list(works), not works
+
+    def test(self) -> bool:
+        if not self.done:
+            self.done = all([w.test() for w in self.works])  # a list: test every one (drives progress)
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            for w in self.works:
+                w.wait()
+            self.done = True

@@ -10,6 +10,8 @@ Contract as in the MPI backend: contiguous tensors, ``op`` "sum" | "avg" | "max"
 """
 from __future__ import annotations
 
+import socket
+
 import torch
 
 # ncclDataType_t and ncclRedOp_t values from nccl.h (stable ABI); cupy exposes most as NCCL_* names.
@@ -28,6 +30,19 @@ def nccl_available() -> tuple[bool, str]:
     except Exception as exc:  # ImportError, or CUDA/NCCL library load errors
         return False, f"cupy with NCCL is not importable ({exc.__class__.__name__}: {exc})"
     return True, ""
+
+
+def distinct_gpus(mpi_comm, device) -> tuple[bool, str]:
+    """Collective over ``mpi_comm``: (True, "") when every rank drives a different GPU, else (False, why).
+
+    NCCL refuses two ranks of one communicator on the same GPU; ranks are compared by device UUID."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = str(getattr(props, "uuid", "")) or f"{torch.cuda.get_device_name(device)}#{device.index}"
+    seen = mpi_comm.allgather((socket.gethostname(), uuid))
+    if len(set(seen)) == len(seen):
+        return True, ""
+    host, gpu = next(x for x in seen if seen.count(x) > 1)
+    return False, f"{seen.count((host, gpu))} ranks of this group share GPU {gpu} on {host}"
 
 
 def _const(module, table, key):
@@ -131,6 +146,27 @@ class NcclBackend:
     def recv(self, tensor, src, tag=0, nonblocking=False):
         self.comm.recv(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, self._stream())
         return self._work(nonblocking, tensor)
+
+    def exchange(self, sends, recvs):
+        """All sends ``(tensor, dst, tag)`` and receives ``(tensor, src, tag)`` in ONE NCCL group
+        (ncclGroupStart/End): they progress together, so neighbours that send to each other at the same
+        schedule step (1F1B's steady state) cannot deadlock, as two ungrouped sends on one stream would."""
+        nccl, stream = self._nccl, self._stream()
+        nccl.groupStart()
+        try:
+            for tensor, peer, _ in sends:
+                self.comm.send(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), peer, stream)
+            for tensor, peer, _ in recvs:
+                self.comm.recv(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), peer, stream)
+        finally:
+            nccl.groupEnd()
+        return self._work(True, (sends, recvs))
+
+    def close(self) -> None:
+        """Destroy the NCCL communicator (at exit; a later call on this backend fails)."""
+        if self.comm is not None:
+            self.comm.destroy()
+            self.comm = None
 
     def barrier(self):
         one = torch.ones(1, device="cuda")

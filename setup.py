@@ -11,7 +11,10 @@ setup(
     packages=find_packages(include=["hpctrain", "hpctrain.*"]),
     install_requires=[
         "numpy",
-        "torch==2.13.0",  # pinned: a looser pin resolves to a multi-GB CUDA build
+        # a range, so `pip install -e .` on a cluster keeps the site's torch (module, ROCm or CUDA build);
+        # 2.11 (GPU machine) and 2.13 (CPU) are tested. Laptops and CI pin the CPU build through
+        # scripts/constraints.txt (scripts/setup.sh): an unconstrained torch resolves to a multi-GB CUDA build.
+        "torch>=2.11",
         "mpi4py>=4.1",
         "h5py",
         "rich",

@@ -8,7 +8,7 @@ PYTHON="${PYTHON:-python3}"
 VENV=.venv
 STAMP="$VENV/.hpctrain-installed"
 
-if [[ -f "$STAMP" && "$STAMP" -nt setup.py && -x "$VENV/bin/hpctrain" && -x "$VENV/bin/mpiexec" ]]; then
+if [[ -f "$STAMP" && "$STAMP" -nt setup.py && "$STAMP" -nt scripts/constraints.txt && -x "$VENV/bin/hpctrain" && -x "$VENV/bin/mpiexec" ]]; then
   echo "setup: $VENV is up to date (delete $STAMP to reinstall)"
   exit 0
 fi
@@ -17,8 +17,9 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     || { echo "setup: $PYTHON is older than Python 3.11; set PYTHON=python3.11" >&2; exit 1; }
   "$PYTHON" -m venv "$VENV"
 fi
-# torch is pinned in setup.py (an unpinned torch resolves to a multi-GB CUDA build)
-"$VENV/bin/python" -m pip install --progress-bar off -e ".[mpi,test]"
+# torch is pinned to the CPU build by the constraints file (setup.py only asks for a range, which on
+# its own resolves to a multi-GB CUDA build); on a GPU cluster install with the site's torch instead
+"$VENV/bin/python" -m pip install --progress-bar off -c scripts/constraints.txt -e ".[mpi,test]"
 "$VENV/bin/python" -c "import hpctrain, torch, mpi4py.MPI"  # fail here, not in the first test
 touch "$STAMP"
 echo "setup: ready ($VENV/bin/hpctrain, $VENV/bin/mpiexec)"

@@ -1,10 +1,12 @@
 """NCCL backend through CuPy: one ``cupy.cuda.nccl.NcclCommunicator`` per process group.
 
 The NCCL unique id is created on the group's rank 0 and broadcast over the group's MPI
-communicator (no TCP store). Every operation is enqueued on the CURRENT torch CUDA stream, so it is
-ordered after the kernels that produced its input and before those that consume its output, without
-host synchronisation. Non-blocking calls return a work object that records a CUDA event; ``wait``
-makes the current stream wait on it, ``test`` queries it.
+communicator (no TCP store). Stream semantics, with no host synchronisation anywhere: each group has
+its own communication stream; a call first makes that stream wait for everything enqueued so far on
+the CURRENT torch stream (so it reads finished inputs), enqueues the NCCL kernel there and records a
+CUDA event. A blocking call makes the current stream wait on the event at once; a non-blocking one
+returns a work object whose ``wait`` does so and whose ``test`` queries the event. Compute issued
+between the call and ``wait`` overlaps the communication. Tensors are kept alive until ``wait``.
 
 Contract as in the MPI backend: contiguous tensors, ``op`` "sum" | "avg" | "max"; same-rank indices.
 """
@@ -82,6 +84,7 @@ class NcclBackend:
         unique_id = nccl.get_unique_id() if rank == 0 else None
         unique_id = mpi_comm.bcast(unique_id, root=0)
         self.comm = nccl.NcclCommunicator(self.size, unique_id, rank)
+        self.side = torch.cuda.Stream()  # on the current device, which bind_device has set
 
     def _dtype(self, tensor):
         if tensor.dtype not in _NCCL_DTYPES:
@@ -97,16 +100,21 @@ class NcclBackend:
             raise ValueError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}")
         return _const(self._nccl, _NCCL_OPS, op)
 
-    @staticmethod
-    def _stream():
-        return torch.cuda.current_stream().cuda_stream
+    def _stream(self):
+        """This group's communication stream, ordered after all work enqueued so far on the current
+        (compute) stream: the collective sees its producers' results, yet backward keeps computing
+        while it runs (that is what makes bucketed reductions overlap on GPUs)."""
+        self.side.wait_stream(torch.cuda.current_stream())
+        return self.side.cuda_stream
 
     def _work(self, nonblocking, keepalive):
+        """An event after the call on the side stream; blocking calls make the compute stream wait at
+        once (no host synchronisation), non-blocking ones when the handle is waited."""
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
+        event.record(self.side)
         work = NcclWork(event, None, keepalive)
         if not nonblocking:
-            work.done = True  # stream-ordered: later kernels on this stream see the result
+            work.wait()
         return work
 
     def allreduce(self, tensor, op="sum", nonblocking=False):

@@ -42,6 +42,20 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+RETIRED_PREFIX = ".retired-"
+
+
+def retire(path: str) -> None:
+    """Delete a published checkpoint crash-safely: rename it out of the step namespace first (atomic),
+    then delete. A kill midway leaves a ``.retired-*`` directory that no listing shows as a checkpoint
+    and that the next save removes, never a half-deleted ``step-*``."""
+    parent, name = os.path.split(path)
+    retired = os.path.join(parent, RETIRED_PREFIX + name)
+    os.rename(path, retired)
+    _fsync(parent)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
 def list_checkpoints(directory: str) -> list[dict]:
     """Published step directories, oldest first: {step, path, complete, latest}."""
     if not os.path.isdir(directory):
@@ -81,6 +95,7 @@ class CheckpointManager:
         self.comm = grid.world.mpi.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self._thread, self._error = None, None
+        self._cleaned = False
         self.saved_steps: list[int] = []
 
     # ------------------------------------------------------------------ saving
@@ -121,6 +136,7 @@ class CheckpointManager:
         error = None
         if self.rank == 0:
             try:
+                self._remove_leftovers()
                 os.makedirs(self.dir, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(os.path.join(tmp, "shards"))
@@ -189,7 +205,17 @@ class CheckpointManager:
         published = [r for r in list_checkpoints(self.dir) if r["complete"]]
         for record in published[:-self.keep]:
             if not record["latest"]:
-                shutil.rmtree(record["path"], ignore_errors=True)
+                retire(record["path"])
+
+    def _remove_leftovers(self) -> None:
+        """Rank 0, before the first save: delete what crashed earlier saves and prunes left behind
+        (``.tmp-step-*`` never published, ``.retired-*`` half deleted, ``*.replaced``)."""
+        if self._cleaned or not os.path.isdir(self.dir):
+            return
+        self._cleaned = True
+        for name in os.listdir(self.dir):
+            if name.startswith((".tmp-" + STEP_PREFIX, RETIRED_PREFIX)) or name.endswith(".replaced"):
+                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
     # ------------------------------------------------------------------ resuming
     def resume(self, trainer, what: str = "auto") -> str | None:
@@ -205,6 +231,10 @@ class CheckpointManager:
             return what
         records = list_checkpoints(self.dir)
         latest = [r for r in records if r["latest"]]
+        named = read_latest(self.dir)
+        if named and not latest and self.rank == 0:
+            print(f"hpctrain: WARNING: {os.path.join(self.dir, LATEST_POINTER)} names {named}, which does not "
+                  f"exist; looking for the newest complete checkpoint instead", file=sys.stderr, flush=True)
         others = sorted((r for r in records if r["complete"] and not r["latest"]), key=lambda r: -r["step"])
         for record in latest + others:
             problem = self._try_load(record["path"], trainer)

@@ -111,7 +111,9 @@ class TrainConfig:
     lr_schedule: str = _field("cosine", choices=("cosine", "constant", "linear"))
     recompute: bool = False
     log_interval: int = _field(1, min=1)
-    peak_tflops: float = _field(0.0, min=0)  # device peak per rank for MFU; 0 = unknown
+    peak_tflops: float = _field(0.0, min=0)  # device peak per rank for MFU; 0 = the GPU's preset, else unknown
+    device: str = _field("auto", choices=("auto", "cpu", "cuda"))  # auto: this rank's GPU if any, else CPU
+    allow_tf32: bool = True  # TF32 tensor cores for float32 matmuls on NVIDIA GPUs
     loss_scale: float = _field(65536.0, above=0)  # initial dynamic loss scale for float16
     run_dir: str = "runs/default"
     progress: bool = True

@@ -46,8 +46,8 @@ class RMSNorm(nn.Module):
 def rotary(x, theta: float):
     """Rotate pairs of channels of x [S, B, H, hd] by position (positions 0..S-1)."""
     seq, half = x.shape[0], x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(half, dtype=torch.float64) / half)
-    angles = torch.arange(seq, dtype=torch.float64)[:, None] * freqs[None, :]
+    freqs = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
+    angles = torch.arange(seq, dtype=torch.float64, device=x.device)[:, None] * freqs[None, :]
     cos = angles.cos().to(x.dtype)[:, None, None, :]
     sin = angles.sin().to(x.dtype)[:, None, None, :]
     x1, x2 = x[..., :half], x[..., half:]

@@ -60,8 +60,10 @@ MEANINGS: dict[str, str] = {
     "parallel.stage_layers": "Layers per pipeline stage, e.g. `[3, 5]`; pp entries summing to n_layers. Empty = "
                              "balanced by parameter count (embedding and LM head count against their stages).",
     "parallel.strict_placement": "Make a tensor-parallel group that spans nodes an error instead of a warning.",
-    "parallel.backend": "Collective backend: `auto` (MPI for host tensors; NCCL via CuPy for CUDA tensors when "
-                        "available, else CUDA-aware MPI), or force `mpi`, `cuda-mpi` or `nccl`.",
+    "parallel.backend": "How CUDA tensors travel (host tensors always use MPI): `auto` = NCCL via CuPy when it "
+                        "imports and each rank of a group has its own GPU, else MPI with host staging; `mpi` = "
+                        "host staging (any MPI, ranks may share a GPU); `cuda-mpi` = device pointers to a "
+                        "CUDA-aware MPI; `nccl` = NCCL or an error.",
     # [optim]
     "optim.name": "`adamw` (decoupled weight decay) or `sgd` (with optional momentum).",
     "optim.beta1": "AdamW first-moment decay.",
@@ -93,7 +95,15 @@ MEANINGS: dict[str, str] = {
                        "backward (less memory, about a third more compute).",
     "train.log_interval": "In batch logs (no terminal) print a progress line every N steps (and always the last "
                           "and any skipped step). metrics.jsonl always gets every step.",
-    "train.peak_tflops": "Peak TFLOP/s of one rank's device, for the MFU column. 0 = unknown (no MFU).",
+    "train.peak_tflops": "Peak TFLOP/s of one rank's device, for the MFU column. 0 = the published dense peak of "
+                         "a known GPU for the run's dtype (A100, H100, H200, V100, MI250X, MI300X: "
+                         "`hpctrain/runtime/device.py`), else unknown (no MFU).",
+    "train.device": "`auto`: the GPU that this node-local rank binds (`local_rank % visible GPUs`, honouring "
+                    "`CUDA_VISIBLE_DEVICES`) when torch sees CUDA, else the CPU; `cpu`; `cuda` (an error on a "
+                    "rank without a GPU). Parameters, gradients, optimizer state, batches and pipeline "
+                    "buffers all live there.",
+    "train.allow_tf32": "Let float32 matmuls use TF32 tensor cores on NVIDIA GPUs (Ampere and newer): much "
+                        "faster, ~1e-3 relative error per product. Off for bitwise CPU/GPU comparisons.",
     "train.loss_scale": "Initial dynamic loss scale for float16: halved (and the step skipped on every rank) when "
                         "gradients overflow, doubled after 1000 good steps. Unused for other dtypes.",
     "train.run_dir": "Directory of the run: metrics.jsonl, config.json, summary.json, checkpoints/.",

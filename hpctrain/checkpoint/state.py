@@ -57,6 +57,23 @@ def _owned_pieces(trainer):
                 yield p, shard, lo, hi
 
 
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of ``tensors``: device tensors go into pinned buffers with non-blocking copies and ONE
+    synchronisation (the stall of a save from GPUs is this device-to-host copy); host tensors pass as is
+    (the snapshot copies their pieces below)."""
+    if not any(t.is_cuda for t in tensors):
+        return tensors
+    hosts = []
+    for t in tensors:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        hosts.append(host)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream())
+    done.synchronize()
+    return hosts
+
+
 def snapshot(trainer) -> Snapshot:
     """Copy this rank's part of the training state to host memory (the only stall of an async save)."""
     flat, grid = trainer.flat, trainer.grid
@@ -71,15 +88,19 @@ def snapshot(trainer) -> Snapshot:
         for kind in kinds:
             snap.datasets[optim_dataset(kind, p.spec.name)] = (p.spec.global_shape, state_dtype.str)
     tp_rank = grid.coords["tp"]
+    shards = trainer.optimizer.shards
+    host = to_host([flat.param_buffer] + [s[k] for s in shards for k in kinds])
+    param_buffer, per_shard = host[0], len(kinds)
+    host_state = {id(s): dict(zip(kinds, host[1 + i * per_shard:1 + (i + 1) * per_shard])) for i, s in enumerate(shards)}
     for p, shard, lo, hi in _owned_pieces(trainer):
         if p.spec.tied_copy or (p.spec.replicated_over_tp and tp_rank != 0):
             continue
         offset = flat.offsets[id(p)][0]
         for box, a, b in local_range_boxes(p.spec, lo - offset, hi - offset):
-            values = flat.param_buffer[offset + a:offset + b]
+            values = param_buffer[offset + a:offset + b]
             snap.items.append(WriteItem(model_dataset(p.spec.name), box, _host(values, model_dtype, box)))
             for kind in kinds:
-                values = shard[kind][offset + a - shard["start"]:offset + b - shard["start"]]
+                values = host_state[id(shard)][kind][offset + a - shard["start"]:offset + b - shard["start"]]
                 snap.items.append(WriteItem(optim_dataset(kind, p.spec.name), box, _host(values, state_dtype, box)))
     rng = torch.get_rng_state().numpy()
     snap.datasets["rng/torch_cpu"] = ((grid.info.size, rng.size), "|u1")

@@ -119,6 +119,12 @@ class ProcessGrid:
         """The one accessor for a group's communicator: ``axis`` is "dp", "pp", "tp" or "world"."""
         return self.world if axis == "world" else self._comms[axis]
 
+    def use_device(self, device) -> dict[str, str]:
+        """Collective over the world: set up every group's backend for tensors on ``device`` (NCCL
+        communicators are created here, in one fixed order on every rank, never lazily inside a
+        point-to-point call that only two ranks make). Returns {axis: backend name}."""
+        return {axis: self.comm(axis).prepare_device(device) for axis in (*AXES, "world")}
+
     def describe(self) -> dict:
         """This rank's record for ``hpctrain info --json``."""
         record = {"rank": self.info.rank, "node": self.info.node, "hostname": self.info.hostname,
@@ -130,4 +136,6 @@ class ProcessGrid:
         return record
 
     def close(self) -> None:
+        for axis in (*AXES, "world"):
+            self.comm(axis).close()
         self.watchdog.close()

@@ -37,8 +37,8 @@ class FlatOptimizer:
                 start, end, lambda p: not p.spec.tied_copy and (tp_rank == 0 or not p.spec.replicated_over_tp))
             shard = {
                 "bucket": bucket, "start": start, "end": end, "params": params, "master": master,
-                "exp_avg": torch.zeros(end - start, dtype=self.master_dtype),
-                "exp_avg_sq": torch.zeros(end - start, dtype=self.master_dtype),
+                "exp_avg": torch.zeros(end - start, dtype=self.master_dtype, device=params.device),
+                "exp_avg_sq": torch.zeros(end - start, dtype=self.master_dtype, device=params.device),
                 "decay_ranges": flat.param_ranges(start, end, lambda p: p.dim() >= 2),
                 "norm_ranges": [(max(lo, count_lo - start), min(hi, count_hi - start)) for lo, hi in counted
                                 if max(lo, count_lo - start) < min(hi, count_hi - start)],
@@ -47,13 +47,13 @@ class FlatOptimizer:
 
     def grad_norm_sq_local(self, inv_scale: float = 1.0) -> float:
         """This rank's share of the squared global gradient norm (float64)."""
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.flat.param_buffer.device)
         for s in self.shards:
             grad = self.flat.owned_grad(s["bucket"], s["start"], s["end"])
             for lo, hi in s["norm_ranges"]:
                 piece = grad[lo:hi]
-                total += float(torch.dot(piece, piece))
-        return total * inv_scale * inv_scale
+                total += torch.dot(piece, piece).double()  # on the device: one host sync below
+        return float(total) * inv_scale * inv_scale
 
     @torch.no_grad()
     def step(self, lr: float, grad_coef: float = 1.0) -> None:

@@ -52,8 +52,9 @@ class FlatParams:
                                          else param_dtype)
         self.buckets = self._make_buckets(bucket_mb * 2**20 / torch.empty((), dtype=self.grad_dtype).element_size())
         total = self.buckets[-1].end if self.buckets else 0
-        self.param_buffer = torch.zeros(total, dtype=param_dtype)
-        self.grad_buffer = torch.zeros(total, dtype=self.grad_dtype)
+        self.device = device = self.params[0].device  # buffers live where the parameters are
+        self.param_buffer = torch.zeros(total, dtype=param_dtype, device=device)
+        self.grad_buffer = torch.zeros(total, dtype=self.grad_dtype, device=device)
         self.offsets, self.bucket_of = {}, {}
         for bucket in self.buckets:
             offset = bucket.start
@@ -68,7 +69,7 @@ class FlatParams:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
                 offset += n
             if zero:
-                bucket.shard_grad = torch.zeros(bucket.size // self.dp_size, dtype=self.grad_dtype)
+                bucket.shard_grad = torch.zeros(bucket.size // self.dp_size, dtype=self.grad_dtype, device=device)
         self.last_microbatch = False
 
     def _make_buckets(self, bucket_elems: float) -> list[Bucket]:
@@ -156,9 +157,8 @@ class FlatParams:
             if p.spec.tied_copy or self._is_tied_original(p):
                 peer = self.pp_comm.size - 1 if self.pp_comm.rank == 0 else 0
                 theirs = torch.empty_like(p.main_grad)
-                handles = [self.pp_comm.irecv(theirs, peer, tag=11), self.pp_comm.isend(p.main_grad.contiguous(), peer, tag=11)]
-                for h in handles:
-                    h.wait()
+                mine = p.main_grad.contiguous()  # posted together: one NCCL group, no send/recv ordering
+                self.pp_comm.exchange([(mine, peer, 11)], [(theirs, peer, 11)]).wait()
                 p.main_grad.add_(theirs)
 
     # ---------------------------------------------------------------- what this rank owns

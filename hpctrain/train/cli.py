@@ -31,7 +31,8 @@ def run(args) -> int:
     from hpctrain.checkpoint.manager import CheckpointManager
     from hpctrain.comm.grid import ProcessGrid
     from hpctrain.config import config_to_dict, load_config
-    from hpctrain.runtime.launcher import bind_device, discover
+    from hpctrain.runtime.device import describe, select_device
+    from hpctrain.runtime.launcher import discover
     from hpctrain.train.metrics import MetricsLog
     from hpctrain.train.trainer import Trainer
 
@@ -40,11 +41,11 @@ def run(args) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = load_config(args.config, args.overrides)  # identical on every rank: errors are raised everywhere
     info = discover()
-    bind_device(info)
+    device = select_device(cfg.train.device, info)
     p = cfg.parallel
     grid = ProcessGrid.build(info, dp=p.dp, pp=p.pp, tp=p.tp, strict_placement=p.strict_placement,
                              backend=p.backend)
-    trainer = Trainer(cfg, grid)
+    trainer = Trainer(cfg, grid, device=device)
     is_root = info.rank == 0
     if is_root:
         os.makedirs(cfg.train.run_dir, exist_ok=True)
@@ -54,7 +55,9 @@ def run(args) -> int:
         bubble = f", pipeline bubble {trainer.bubble:.0%}" if grid.sizes["pp"] > 1 else ""
         print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
               f"{p.schedule}, {p.microbatches} micro-batches{bubble}, sequence parallel "
-              f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, {cfg.train.dtype}", flush=True)
+              f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, {cfg.train.dtype}, device "
+              f"{describe(device)}" + (f", GPU collectives backend {trainer.backends['dp']}"
+                                       if device.type == "cuda" else ""), flush=True)
     checkpoints = CheckpointManager(cfg.checkpoint, grid, cfg.train.run_dir)
     resumed = checkpoints.resume(trainer, args.resume or default_resume())
     if is_root and resumed:

@@ -22,6 +22,7 @@ from hpctrain.optim.flat import FlatOptimizer, lr_at
 from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
+from hpctrain.runtime.device import configure_matmul, peak_tflops
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -59,8 +60,14 @@ def check_batch_layout(cfg, dp: int, tp: int) -> tuple[int, int]:
 
 
 class Trainer:
-    def __init__(self, cfg, grid, tokens=None):
+    """One rank's share of the training step. ``device``: where parameters, gradients, optimizer state,
+    batches and pipeline buffers live (default CPU); collective over the world (``grid.use_device``)."""
+
+    def __init__(self, cfg, grid, tokens=None, device=None):
         self.cfg, self.grid = cfg, grid
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.backends = grid.use_device(self.device)
+        configure_matmul(self.device, cfg.train.allow_tf32)
         self.model_cfg = m = resolve_model(cfg.model)
         p, t = cfg.parallel, cfg.train
         self.dtype = DTYPES[t.dtype]
@@ -75,12 +82,14 @@ class Trainer:
                               recompute=t.recompute)
         if m.tie_embeddings and pp > 1 and stage_rank == 0:
             self.stage.embed.weight.tied_with_last_stage = True
+        self.stage.to(self.device)  # initialised on the host from the global generator, then moved
         self.flat = FlatParams(list(self.stage.parameters()), grid.comm("dp"), tp_comm=tp_comm, pp_comm=pp_comm,
                                bucket_mb=p.bucket_mb, zero=p.zero == 1)
         self.optimizer = FlatOptimizer(self.flat, cfg.optim, tp_rank=grid.coords["tp"])
         seq_shard = t.seq_len // tp if p.sequence_parallel else t.seq_len
         self.executor = PipelineExecutor(self.stage, pp_comm if pp > 1 else None, self.flat, p.schedule,
-                                         p.microbatches, (seq_shard, self.micro_batch, m.d_model), self.dtype)
+                                         p.microbatches, (seq_shard, self.micro_batch, m.d_model), self.dtype,
+                                         device=self.device)
         self.scaler = DynamicLossScaler(t.loss_scale, enabled=self.dtype == torch.float16)
         if tokens is None:
             tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes)
@@ -91,12 +100,13 @@ class Trainer:
         self.step = 0
         self.flops_per_token = flops_per_token(m, t.seq_len)
         self.bubble = bubble_fraction(pp, p.microbatches) if pp > 1 else 0.0
+        self.peak_tflops = t.peak_tflops or peak_tflops(self.device, self.dtype, t.allow_tf32)
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepMetrics:
         t, grid = self.cfg.train, self.grid
         start, comm_before = time.perf_counter(), grid.stats.total_seconds()
-        inputs, targets = self.batches.next_batch()
+        inputs, targets = self._to_device(*self.batches.next_batch())
         mb = self.micro_batch
         inputs_mb = [inputs[i * mb:(i + 1) * mb] for i in range(self.cfg.parallel.microbatches)]
         targets_mb = [targets[i * mb:(i + 1) * mb] for i in range(self.cfg.parallel.microbatches)]
@@ -120,10 +130,16 @@ class Trainer:
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens_per_s = global_tokens / elapsed
-        peak = self.cfg.train.peak_tflops
+        peak = self.peak_tflops
         mfu = (self.flops_per_token * tokens_per_s / (peak * 1e12 * grid.info.size)) if peak > 0 else None
         return StepMetrics(self.step, loss, lr, grad_norm, tokens_per_s, elapsed,
                            grid.stats.total_seconds() - comm_before, mfu, self.scaler.scale, skipped)
+
+    def _to_device(self, *batch: torch.Tensor) -> list[torch.Tensor]:
+        """Host batches to the device: pinned memory, non-blocking copies ordered on the current stream."""
+        if self.device.type != "cuda":
+            return list(batch)
+        return [b.pin_memory().to(self.device, non_blocking=True) for b in batch]
 
     def _agree_loss(self, stage_loss: float) -> float:
         """The global mean token loss on every rank: from the last stage over pp, summed over dp."""
@@ -146,7 +162,8 @@ class Trainer:
             for p in self.stage.parameters():
                 if not p.spec.tied_copy:
                     index = [(s.start, s.stop) for s in p.spec.local_slices()]
-                    pieces.append((p.spec.name, p.spec.global_shape, index, p.detach().to(torch.float64).numpy().copy()))
+                    pieces.append((p.spec.name, p.spec.global_shape, index,
+                                   p.detach().to("cpu", torch.float64).numpy().copy()))
         gathered = self.grid.world.mpi.gather(pieces, root=0)
         if gathered is None:
             return None

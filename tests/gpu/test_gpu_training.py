@@ -16,7 +16,7 @@ from mpirun import run_mpi
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device is visible to torch")
 NCCL_OK, NCCL_REASON = nccl_backend.nccl_available() if torch.cuda.is_available() else (False, "no CUDA")
 FAST = ["data.max_bytes=300000", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2",
-        "train.lr=3e-3", "model.n_layers=2", "train.progress=false"]
+        "train.lr=3e-3", "model.n_layers=2", "train.progress=false", "parallel.tp=1", "parallel.pp=1"]
 
 
 def train(nprocs, run_dir, *overrides, check=True):

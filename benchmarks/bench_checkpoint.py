@@ -471,7 +471,7 @@ def new_trainer(cfg, tokens):
     from hpctrain.runtime.launcher import discover
     from hpctrain.train.trainer import Trainer
 
-    grid = ProcessGrid.build(discover(), dp=cfg.parallel.dp, tp=1, pp=1)
+    grid = ProcessGrid.from_config(cfg, discover())
     return Trainer(cfg, grid, tokens=tokens)
 
 

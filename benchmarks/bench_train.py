@@ -124,7 +124,7 @@ class HpcTrainImpl:
 
         world = info.size
         dp = world // (tp * pp)
-        self.impl, self.dp, self.tp, self.pp, self.microbatches = "hpctrain", dp, tp, pp, microbatches
+        self.impl, self.dp_size, self.tp_size, self.pp_size, self.microbatches = "hpctrain", dp, tp, pp, microbatches
         self.name = name
         self.layout = " x ".join(f"{a}={v}" for a, v in (("dp", dp), ("tp", tp), ("pp", pp)) if v > 1 or a == "dp")
         if pp > 1:
@@ -132,7 +132,7 @@ class HpcTrainImpl:
         cfg = load_config(None, model_overrides(args) + [
             f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.microbatches={microbatches}",
             "parallel.schedule=1f1b", f"train.steps={total_steps}", "train.progress=false"])
-        self.grid = ProcessGrid.build(info, dp=dp, tp=tp, pp=pp)
+        self.grid = ProcessGrid.from_config(cfg, info)
         self.trainer = Trainer(cfg, self.grid, tokens=tokens)
         self.params = count_parameters(self.trainer.model_cfg)
         self.phases = Phases()
@@ -168,7 +168,8 @@ class DdpImpl:
         from hpctrain.data.sampler import GlobalBatchIterator, SequenceSampler
         from hpctrain.models.gpt import GPTStage, count_parameters
 
-        self.impl, self.name, self.dp, self.tp, self.pp, self.microbatches = "ddp-gloo", "ddp-gloo", info.size, 1, 1, 1
+        self.impl, self.name, self.dp_size, self.tp_size, self.pp_size, self.microbatches = \
+            "ddp-gloo", "ddp-gloo", info.size, 1, 1, 1
         self.layout = f"dp={info.size}"
         self.cfg = cfg = load_config(None, model_overrides(args) + [f"train.steps={total_steps}"])
         m = resolve_model(cfg.model)
@@ -301,8 +302,8 @@ def run(args) -> list[dict]:
         comm_ms = (world.allreduce(sum(impl.comm_s), op=MPI.SUM) / world.Get_size() / timed * 1e3
                    if impl.impl == "hpctrain" else None)
         median = statistics.median(t)
-        records.append({"impl": impl.impl, "layout": impl.layout, "ranks": info.size, "dp": impl.dp, "tp": impl.tp,
-                        "pp": impl.pp, "microbatches": impl.microbatches, "tokens_per_s": global_tokens / median,
+        records.append({"impl": impl.impl, "layout": impl.layout, "ranks": info.size, "dp": impl.dp_size, "tp": impl.tp_size,
+                        "pp": impl.pp_size, "microbatches": impl.microbatches, "tokens_per_s": global_tokens / median,
                         "step_ms": median * 1e3, "step_ms_min": min(t) * 1e3, "step_ms_max": max(t) * 1e3,
                         "ratio_vs_ddp": None, "final_loss": impl.final_loss(world), "comm_ms": comm_ms,
                         "timed_steps": len(t), "global_batch": args.global_batch, "seq_len": args.seq_len,

@@ -290,10 +290,12 @@ def validate(cfg: Config) -> None:
     _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
              f"n_heads={m.n_heads} not divisible by n_kv_heads={m.n_kv_heads}")
     p, t = cfg.parallel, cfg.train
-    _require(p.pp <= m.n_layers, "parallel.pp", f"pp={p.pp} exceeds model.n_layers={m.n_layers}")
-    layers = p.stage_layers
-    _require(not layers or (len(layers) == p.pp and min(layers) >= 1 and sum(layers) == m.n_layers),
-             "parallel.stage_layers", f"need {p.pp} entries >= 1 summing to n_layers={m.n_layers}, got {layers}")
+    from hpctrain.parallel.layout import check_stages  # the layout rules that need no world size
+
+    try:
+        check_stages(m, p.pp, p.stage_layers)
+    except HpcTrainError as exc:
+        raise ConfigError(f"config: {exc}") from None
     _require(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     _require(cfg.data.source != "", "data.source", 'must be "builtin" or a path, got ""')
     _require(t.run_dir != "", "train.run_dir", "must not be empty")

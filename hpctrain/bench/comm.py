@@ -20,7 +20,6 @@ Host (CPU) tensors only.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket

@@ -31,7 +31,6 @@ MASTER_FILE = "checkpoint.h5"
 COMPLETE_MARKER = "COMPLETE"
 LATEST_POINTER = "latest"
 STEP_PREFIX = "step-"
-STATE_KINDS = ("exp_avg", "exp_avg_sq", "master")
 
 _DISK_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.bfloat16: np.float32,
                 torch.float16: np.float32}

@@ -7,7 +7,7 @@ every parameter and the optimizer state of the ranges it owns NOW — in whateve
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -40,21 +40,15 @@ class Snapshot:
     attrs: dict = field(default_factory=dict)
 
 
-def _separate_master(trainer) -> bool:
-    return trainer.optimizer.master_dtype != trainer.flat.param_buffer.dtype
-
-
-def _owned_pieces(trainer):
-    """(param, shard, flat_lo, flat_hi) for each owned range of each parameter this rank writes."""
+def _written_pieces(trainer):
+    """(ParamPiece, OptimizerShard) this rank writes: each global element exactly once (the ZeRO owner,
+    or dp rank 0 without ZeRO; ``ShardSpec.counted_on`` among tp ranks and tied copies)."""
     flat, grid = trainer.flat, trainer.grid
     if not flat.zero and grid.coords["dp"] != 0:
         return
-    for shard in trainer.optimizer.shards:
-        for p in flat.params:
-            offset, n = flat.offsets[id(p)]
-            lo, hi = max(offset, shard["start"]), min(offset + n, shard["end"])
-            if lo < hi:
-                yield p, shard, lo, hi
+    for piece, shard in trainer.optimizer.owned_pieces():
+        if piece.param.spec.counted_on(grid.coords["tp"]):
+            yield piece, shard
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -77,7 +71,7 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def snapshot(trainer) -> Snapshot:
     """Copy this rank's part of the training state to host memory (the only stall of an async save)."""
     flat, grid = trainer.flat, trainer.grid
-    kinds = ["exp_avg", "exp_avg_sq"] + (["master"] if _separate_master(trainer) else [])
+    kinds = trainer.optimizer.state_kinds
     model_dtype = disk_dtype(flat.param_buffer.dtype)
     state_dtype = disk_dtype(trainer.optimizer.master_dtype)
     snap = Snapshot(trainer.step, {})
@@ -87,21 +81,19 @@ def snapshot(trainer) -> Snapshot:
         snap.datasets[model_dataset(p.spec.name)] = (p.spec.global_shape, model_dtype.str)
         for kind in kinds:
             snap.datasets[optim_dataset(kind, p.spec.name)] = (p.spec.global_shape, state_dtype.str)
-    tp_rank = grid.coords["tp"]
     shards = trainer.optimizer.shards
-    host = to_host([flat.param_buffer] + [s[k] for s in shards for k in kinds])
-    param_buffer, per_shard = host[0], len(kinds)
-    host_state = {id(s): dict(zip(kinds, host[1 + i * per_shard:1 + (i + 1) * per_shard])) for i, s in enumerate(shards)}
-    for p, shard, lo, hi in _owned_pieces(trainer):
-        if p.spec.tied_copy or (p.spec.replicated_over_tp and tp_rank != 0):
-            continue
-        offset = flat.offsets[id(p)][0]
-        for box, a, b in local_range_boxes(p.spec, lo - offset, hi - offset):
+    host = to_host([flat.param_buffer] + [getattr(sh, k) for sh in shards for k in kinds])
+    param_buffer, n = host[0], len(kinds)
+    host_shards = {id(sh): replace(sh, **dict(zip(kinds, host[1 + i * n:1 + (i + 1) * n])))
+                   for i, sh in enumerate(shards)}
+    for piece, shard in _written_pieces(trainer):
+        spec, offset = piece.param.spec, piece.flat_lo - piece.param_lo
+        for box, a, b in local_range_boxes(spec, piece.param_lo, piece.param_hi):
             values = param_buffer[offset + a:offset + b]
-            snap.items.append(WriteItem(model_dataset(p.spec.name), box, _host(values, model_dtype, box)))
+            snap.items.append(WriteItem(model_dataset(spec.name), box, _host(values, model_dtype, box)))
             for kind in kinds:
-                values = host_state[id(shard)][kind][offset + a - shard["start"]:offset + b - shard["start"]]
-                snap.items.append(WriteItem(optim_dataset(kind, p.spec.name), box, _host(values, state_dtype, box)))
+                values = host_shards[id(shard)].state(kind, offset + a, offset + b)
+                snap.items.append(WriteItem(optim_dataset(kind, spec.name), box, _host(values, state_dtype, box)))
     rng = torch.get_rng_state().numpy()
     snap.datasets["rng/torch_cpu"] = ((grid.info.size, rng.size), "|u1")
     snap.items.append(WriteItem("rng/torch_cpu", Box((grid.info.rank, 0), (1, rng.size)), rng.reshape(1, -1).copy()))
@@ -141,20 +133,15 @@ def load_into(trainer, reader) -> None:
     for p in flat.params:
         slab = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.local_shape)
         p.data.copy_(torch.from_numpy(reader.read(model_dataset(p.spec.name), slab)))
-    separate = _separate_master(trainer)
-    for shard in opt.shards:
-        for p in flat.params:
-            offset, n = flat.offsets[id(p)]
-            lo, hi = max(offset, shard["start"]), min(offset + n, shard["end"])
-            for box, a, b in local_range_boxes(p.spec, lo - offset, hi - offset):
-                where = slice(offset + a - shard["start"], offset + b - shard["start"])
-                for kind in ("exp_avg", "exp_avg_sq") + (("master",) if separate else ()):
-                    name = optim_dataset(kind, p.spec.name)
-                    if kind == "master" and reader.shape(name) is None:
-                        source = flat.param_buffer[offset + a:offset + b].to(shard[kind].dtype)
-                    else:
-                        source = torch.from_numpy(reader.read(name, box).reshape(-1))
-                    shard[kind][where] = source
+    for piece, shard in opt.owned_pieces():  # the optimizer state of the ranges owned NOW
+        spec, offset = piece.param.spec, piece.flat_lo - piece.param_lo
+        for box, a, b in local_range_boxes(spec, piece.param_lo, piece.param_hi):
+            for kind in opt.state_kinds:
+                name, target = optim_dataset(kind, spec.name), shard.state(kind, offset + a, offset + b)
+                if kind == "master" and reader.shape(name) is None:  # written by a float32 run
+                    target.copy_(flat.param_buffer[offset + a:offset + b])
+                else:
+                    target.copy_(torch.from_numpy(reader.read(name, box).reshape(-1)))
     attrs = reader.attrs
     trainer.step = int(attrs["step"])
     opt.step_count = int(attrs["optimizer_step"])

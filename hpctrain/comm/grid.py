@@ -17,27 +17,10 @@ import sys
 from hpctrain.comm.collectives import Communicator
 from hpctrain.comm.watchdog import CommStats, Watchdog
 from hpctrain.errors import GridError
+from hpctrain.parallel.layout import Layout, resolve_sizes
 from hpctrain.runtime.launcher import RankInfo
 
 AXES = ("dp", "pp", "tp")  # outermost -> innermost
-
-
-def resolve_sizes(world_size: int, dp: int = 0, pp: int = 1, tp: int = 1) -> dict[str, int]:
-    """Validate the requested layout; ``dp=0`` means world_size / (pp*tp). Raises GridError."""
-    for name, value in (("tp", tp), ("pp", pp)):
-        if not isinstance(value, int) or value < 1:
-            raise GridError(f"parallel.{name} must be a positive integer, got {value!r}")
-    if not isinstance(dp, int) or dp < 0:
-        raise GridError(f"parallel.dp must be a positive integer (or 0 for world/(tp*pp)), got {dp!r}")
-    if dp == 0:
-        if world_size % (tp * pp):
-            raise GridError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
-                            f"launch a multiple of {tp * pp} ranks or change tp/pp")
-        dp = world_size // (tp * pp)
-    if dp * pp * tp != world_size:
-        raise GridError(f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} but the job has {world_size} ranks; "
-                        f"launch {dp * pp * tp} ranks or set parallel.dp=0 to derive dp")
-    return {"dp": dp, "pp": pp, "tp": tp}
 
 
 def layout_coordinates(order: list[int], sizes: dict[str, int]) -> dict[int, dict[str, int]]:
@@ -59,7 +42,19 @@ class ProcessGrid:
                  watchdog: Watchdog, stats: CommStats, warnings: list[str]):
         self.info, self.sizes, self.coords = info, sizes, coords
         self._comms, self.crosses_nodes, self.world = comms, crosses_nodes, world
+        self.layout: Layout | None = None  # set by from_config
         self.watchdog, self.stats, self.warnings = watchdog, stats, warnings
+
+    @classmethod
+    def from_config(cls, cfg, info: RankInfo, world_mpi=None, timeout_s: float | None = None) -> "ProcessGrid":
+        """Collective: the grid of ``cfg``'s validated ``Layout`` (``grid.layout``), with its
+        ``parallel.backend`` and ``parallel.strict_placement``."""
+        layout = Layout.from_config(cfg, info.size)
+        p = cfg.parallel
+        grid = cls.build(info, world_mpi, dp=layout.dp_size, pp=layout.pp_size, tp=layout.tp_size,
+                         strict_placement=p.strict_placement, backend=p.backend, timeout_s=timeout_s)
+        grid.layout = layout
+        return grid
 
     @classmethod
     def build(cls, info: RankInfo, world_mpi=None, dp: int = 0, pp: int = 1, tp: int = 1,

@@ -7,25 +7,18 @@ Every parameter's initial value is its slab of a global tensor drawn from (seed,
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hpctrain.errors import HpcTrainError
+from hpctrain.parallel.layout import check_stages, check_tp_divisibility
 from hpctrain.parallel.shard import init_from_global_, make_spec
 from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       vocab_parallel_cross_entropy)
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq
-
-
-def check_tp_divisibility(m, tp_size: int) -> None:
-    """Raise a clear error when the model cannot be split over ``tp_size`` ranks."""
-    for what, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                        ("model.d_ff", m.d_ff), ("model.vocab_size", m.vocab_size)):
-        if value % tp_size:
-            raise HpcTrainError(f"{what}={value} is not divisible by parallel.tp={tp_size}: attention heads, "
-                                f"KV heads, the MLP and the vocabulary are split over tp; choose tp dividing it")
 
 
 class RMSNorm(nn.Module):
@@ -134,6 +127,8 @@ class GPTStage(nn.Module):
         if is_first:
             self.embed = VocabParallelEmbedding("embed", m.vocab_size, m.d_model, tp_comm, sp=sp, dtype=dtype,
                                                 seed=seed, std=m.init_std)
+            if m.tie_embeddings and not is_last:  # pp > 1: the last stage holds a copy
+                self.embed.weight.spec = replace(self.embed.weight.spec, tied="original")
         self.layers = nn.ModuleDict({str(i): Block(f"layers.{i}", m, tp_comm, sp, dtype, seed)
                                      for i in range(*layer_range)})
         if is_last:
@@ -143,8 +138,7 @@ class GPTStage(nn.Module):
             elif m.tie_embeddings:  # pp > 1: a copy of the embedding; its grad is summed with stage 0's
                 self.head = ColumnParallelLinear("embed", m.d_model, m.vocab_size, tp_comm, sp=sp, dtype=dtype,
                                                  seed=seed, std=m.init_std)
-                spec = self.head.weight.spec
-                self.head.weight.spec = type(spec)(**{**spec.__dict__, "tied_copy": True})
+                self.head.weight.spec = replace(self.head.weight.spec, tied="copy")
             else:
                 self.head = ColumnParallelLinear("head", m.d_model, m.vocab_size, tp_comm, sp=sp, dtype=dtype,
                                                  seed=seed, std=m.init_std)
@@ -170,14 +164,10 @@ def partition_layers(m, pp: int, explicit: list[int] | None = None) -> list[tupl
     Blocks are equal, so balancing counts the embedding (stage 0) and LM head (last stage) as
     fractions of a block and gives those stages fewer blocks when they are heavy.
     """
+    check_stages(m, pp, explicit or [])
     if explicit:
-        if len(explicit) != pp or sum(explicit) != m.n_layers or min(explicit) < 1:
-            raise HpcTrainError(f"parallel.stage_layers={explicit} must have pp={pp} entries >= 1 summing to "
-                                f"model.n_layers={m.n_layers}")
         counts = list(explicit)
     else:
-        if m.n_layers < pp:
-            raise HpcTrainError(f"model.n_layers={m.n_layers} < parallel.pp={pp}: every stage needs a layer")
         block = 4 * m.d_model * m.d_model + 3 * m.d_model * m.d_ff
         extra = [0.0] * pp
         extra[0] += m.vocab_size * m.d_model / block

@@ -7,50 +7,82 @@ copies of the owned ranges; float32/float64 models update the parameters in plac
 
 Gradient norm (for clipping and logging) is global: each element is counted by exactly one rank
 (the dp rank whose 1/dp slice of the bucket holds it — with or without ZeRO, so the work is split —,
-TP rank 0 for TP-replicated weights, never the last stage's tied-embedding copy), then summed over
-the world.
+and ``ShardSpec.counted_on``: TP rank 0 for TP-replicated weights, never the last stage's
+tied-embedding copy; the checkpoint writer uses the same predicate), then summed over the world.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+from hpctrain.parallel.data_parallel import intersect
+
+
+@dataclass
+class OptimizerShard:
+    """Optimizer state of one owned flat range [start, end) of ``bucket`` (a whole bucket, or its ZeRO-1
+    slice). ``params`` views the flat parameters; ``master`` is them (float32/64 models) or a float32 copy.
+    ``decay_ranges`` / ``norm_ranges``: sub-ranges, relative to ``start``, that get weight decay / that
+    this rank counts in the global gradient norm."""
+
+    bucket: object
+    start: int
+    end: int
+    params: torch.Tensor
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    decay_ranges: list
+    norm_ranges: list
+
+    def state(self, kind: str, lo: int, hi: int) -> torch.Tensor:
+        """View of state ``kind`` ("master", "exp_avg", "exp_avg_sq") for absolute flat [lo, hi)."""
+        return getattr(self, kind)[lo - self.start:hi - self.start]
 
 
 class FlatOptimizer:
     def __init__(self, flat, cfg_optim, *, tp_rank: int = 0, master_dtype: torch.dtype | None = None):
-        self.flat, self.cfg = flat, cfg_optim
+        self.flat, self.cfg, self.tp_rank = flat, cfg_optim, tp_rank
         param_dtype = flat.param_buffer.dtype
         self.master_dtype = master_dtype or (torch.float32 if param_dtype in (torch.float16, torch.bfloat16)
                                              else param_dtype)
         self.step_count = 0
-        self.shards = []
-        for bucket, start, end in flat.owned_ranges():
-            params = flat.param_buffer[start:end]
-            master = params if param_dtype == self.master_dtype else params.to(self.master_dtype)
-            # the norm counts each element once: this dp rank's 1/dp slice of every bucket (all dp ranks
-            # hold the same reduced grads without ZeRO, so they split the work), TP rank 0 for replicated
-            # weights, never the tied copy
-            n = bucket.size // flat.dp_size
-            count_lo, count_hi = bucket.start + flat.dp_rank * n, bucket.start + (flat.dp_rank + 1) * n
-            counted = flat.param_ranges(
-                start, end, lambda p: not p.spec.tied_copy and (tp_rank == 0 or not p.spec.replicated_over_tp))
-            shard = {
-                "bucket": bucket, "start": start, "end": end, "params": params, "master": master,
-                "exp_avg": torch.zeros(end - start, dtype=self.master_dtype, device=params.device),
-                "exp_avg_sq": torch.zeros(end - start, dtype=self.master_dtype, device=params.device),
-                "decay_ranges": flat.param_ranges(start, end, lambda p: p.dim() >= 2),
-                "norm_ranges": [(max(lo, count_lo - start), min(hi, count_hi - start)) for lo, hi in counted
-                                if max(lo, count_lo - start) < min(hi, count_hi - start)],
-            }
-            self.shards.append(shard)
+        self.shards = [self._make_shard(bucket, start, end) for bucket, start, end in flat.owned_ranges()]
+
+    def _make_shard(self, bucket, start: int, end: int) -> OptimizerShard:
+        flat = self.flat
+        params = flat.param_buffer[start:end]
+        master = params if params.dtype == self.master_dtype else params.to(self.master_dtype)
+        # the norm counts each element once: this dp rank's 1/dp slice of every bucket (all dp ranks hold
+        # the same reduced grads without ZeRO, so they split the work), and counted_on(tp_rank)
+        n = bucket.size // flat.dp_size
+        count_lo, count_hi = bucket.start + flat.dp_rank * n, bucket.start + (flat.dp_rank + 1) * n
+        counted = flat.param_ranges(start, end, lambda p: p.spec.counted_on(self.tp_rank))
+        norm_ranges = [r for lo, hi in counted if (r := intersect(lo, hi, count_lo - start, count_hi - start))]
+        zeros = lambda: torch.zeros(end - start, dtype=self.master_dtype, device=params.device)  # noqa: E731
+        return OptimizerShard(bucket, start, end, params, master, zeros(), zeros(),
+                              flat.param_ranges(start, end, lambda p: p.dim() >= 2), norm_ranges)
+
+    @property
+    def state_kinds(self) -> tuple[str, ...]:
+        """The per-element state a checkpoint holds (the master only when it is a separate copy)."""
+        separate = self.master_dtype != self.flat.param_buffer.dtype
+        return ("exp_avg", "exp_avg_sq") + (("master",) if separate else ())
+
+    def owned_pieces(self):
+        """(ParamPiece, OptimizerShard) for every piece of a parameter inside an owned range."""
+        for shard in self.shards:
+            for piece in self.flat.pieces(shard.start, shard.end):
+                yield piece, shard
 
     def grad_norm_sq_local(self, inv_scale: float = 1.0) -> float:
         """This rank's share of the squared global gradient norm (float64)."""
         total = torch.zeros((), dtype=torch.float64, device=self.flat.param_buffer.device)
         for s in self.shards:
-            grad = self.flat.owned_grad(s["bucket"], s["start"], s["end"])
-            for lo, hi in s["norm_ranges"]:
+            grad = self.flat.owned_grad(s.bucket, s.start, s.end)
+            for lo, hi in s.norm_ranges:
                 piece = grad[lo:hi]
                 total += torch.dot(piece, piece).double()  # on the device: one host sync below
         return float(total) * inv_scale * inv_scale
@@ -61,15 +93,15 @@ class FlatOptimizer:
         self.step_count += 1
         c = self.cfg
         for s in self.shards:
-            grad = self.flat.owned_grad(s["bucket"], s["start"], s["end"]).to(self.master_dtype)
+            grad = self.flat.owned_grad(s.bucket, s.start, s.end).to(self.master_dtype)
             if grad_coef != 1.0:
                 grad = grad * grad_coef
-            master = s["master"]
+            master = s.master
             if c.weight_decay:
-                for lo, hi in s["decay_ranges"]:
+                for lo, hi in s.decay_ranges:
                     master[lo:hi].mul_(1 - lr * c.weight_decay)
             if c.name == "adamw":
-                m, v = s["exp_avg"], s["exp_avg_sq"]
+                m, v = s.exp_avg, s.exp_avg_sq
                 m.mul_(c.beta1).add_(grad, alpha=1 - c.beta1)
                 v.mul_(c.beta2).addcmul_(grad, grad, value=1 - c.beta2)
                 bias1 = 1 - c.beta1 ** self.step_count
@@ -78,17 +110,13 @@ class FlatOptimizer:
                 master.addcdiv_(m, denom, value=-lr / bias1)
             else:  # sgd with optional momentum
                 if c.momentum:
-                    buf = s["exp_avg"].mul_(c.momentum).add_(grad)
+                    buf = s.exp_avg.mul_(c.momentum).add_(grad)
                     master.add_(buf, alpha=-lr)
                 else:
                     master.add_(grad, alpha=-lr)
-            if master is not s["params"]:
-                s["params"].copy_(master)
+            if master is not s.params:
+                s.params.copy_(master)
         self.flat.gather_params()
-
-    def state_tensors(self) -> dict:
-        """Optimizer state of the owned ranges (for checkpoints): name -> list of flat tensors."""
-        return {key: [s[key] for s in self.shards] for key in ("master", "exp_avg", "exp_avg_sq")}
 
 
 def lr_at(step: int, train) -> float:

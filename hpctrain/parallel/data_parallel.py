@@ -23,6 +23,29 @@ from dataclasses import dataclass, field
 
 import torch
 
+TIED_GRAD_TAG = 23  # beside the pipeline's ACT_TAG = 21, GRAD_TAG = 22 on the same pp communicator
+
+
+def intersect(lo: int, hi: int, start: int, end: int) -> tuple[int, int] | None:
+    """The overlap of flat ranges [lo, hi) and [start, end), or None: the one range helper."""
+    a, b = max(lo, start), min(hi, end)
+    return (a, b) if a < b else None
+
+
+@dataclass(frozen=True)
+class ParamPiece:
+    """The part of parameter ``param`` that lies in flat [flat_lo, flat_hi); ``param_lo`` is where that
+    part starts inside the parameter's own flattened slab (so param elements [param_lo, param_hi))."""
+
+    param: torch.nn.Parameter
+    flat_lo: int
+    flat_hi: int
+    param_lo: int
+
+    @property
+    def param_hi(self) -> int:
+        return self.param_lo + self.flat_hi - self.flat_lo
+
 
 @dataclass
 class Bucket:
@@ -55,7 +78,7 @@ class FlatParams:
         self.device = device = self.params[0].device  # buffers live where the parameters are
         self.param_buffer = torch.zeros(total, dtype=param_dtype, device=device)
         self.grad_buffer = torch.zeros(total, dtype=self.grad_dtype, device=device)
-        self.offsets, self.bucket_of = {}, {}
+        self._offsets, self.bucket_of = {}, {}
         for bucket in self.buckets:
             offset = bucket.start
             for p in bucket.params:
@@ -64,7 +87,7 @@ class FlatParams:
                 view.copy_(p.data)
                 p.data = view
                 p.main_grad = self.grad_buffer[offset:offset + n].view_as(p)
-                self.offsets[id(p)] = (offset, n)
+                self._offsets[id(p)] = (offset, n)
                 self.bucket_of[id(p)] = bucket
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
                 offset += n
@@ -74,7 +97,7 @@ class FlatParams:
 
     def _make_buckets(self, bucket_elems: float) -> list[Bucket]:
         def needs_pre_reduction(p):
-            return p.spec.sp_partial_grad or (p.spec.tied_copy or self._is_tied_original(p))
+            return p.spec.sp_partial_grad or bool(p.spec.tied)
 
         ordered = list(reversed(self.params))
         regular = [p for p in ordered if not needs_pre_reduction(p)]
@@ -97,10 +120,6 @@ class FlatParams:
             buckets.append(Bucket(start, start + padded, members, is_deferred))
             start += padded
         return buckets
-
-    def _is_tied_original(self, p) -> bool:
-        """Stage 0's embedding when the last stage holds a tied copy (pp > 1)."""
-        return bool(getattr(p, "tied_with_last_stage", False))
 
     # ---------------------------------------------------------------- one step
     def start_step(self) -> None:
@@ -152,14 +171,23 @@ class FlatParams:
 
     def _pre_reduce(self, bucket: Bucket) -> None:
         for p in bucket.params:
-            if p.spec.sp_partial_grad and self.tp_comm is not None and self.tp_comm.size > 1:
-                self.tp_comm.allreduce(p.main_grad)
-            if p.spec.tied_copy or self._is_tied_original(p):
-                peer = self.pp_comm.size - 1 if self.pp_comm.rank == 0 else 0
-                theirs = torch.empty_like(p.main_grad)
-                mine = p.main_grad.contiguous()  # posted together: one NCCL group, no send/recv ordering
-                self.pp_comm.exchange([(mine, peer, 11)], [(theirs, peer, 11)]).wait()
-                p.main_grad.add_(theirs)
+            if p.spec.sp_partial_grad:
+                self._sum_partial_sp_grad(p)
+            if p.spec.tied:
+                self._sum_tied_embedding_grad(p)
+
+    def _sum_partial_sp_grad(self, p) -> None:
+        """Sequence parallelism: a replicated norm weight saw S/tp tokens per rank; sum over tp."""
+        if self.tp_comm is not None and self.tp_comm.size > 1:
+            self.tp_comm.allreduce(p.main_grad)
+
+    def _sum_tied_embedding_grad(self, p) -> None:
+        """Stage 0's embedding and the last stage's LM-head copy exchange grads over pp and add them."""
+        peer = self.pp_comm.size - 1 if self.pp_comm.rank == 0 else 0
+        theirs = torch.empty_like(p.main_grad)
+        mine = p.main_grad.contiguous()  # posted together: one NCCL group, no send/recv ordering
+        self.pp_comm.exchange([(mine, peer, TIED_GRAD_TAG)], [(theirs, peer, TIED_GRAD_TAG)]).wait()
+        p.main_grad.add_(theirs)
 
     # ---------------------------------------------------------------- what this rank owns
     def owned_ranges(self) -> list[tuple[Bucket, int, int]]:
@@ -184,16 +212,29 @@ class FlatParams:
         for h in handles:
             h.wait()
 
+    def offset_of(self, p) -> tuple[int, int]:
+        """(start in the flat buffers, number of elements) of parameter ``p``."""
+        return self._offsets[id(p)]
+
+    def pieces(self, start: int, end: int) -> list[ParamPiece]:
+        """The pieces of parameters inside flat [start, end), in flat order (padding has no piece)."""
+        found = []
+        for p in self.params:
+            offset, n = self._offsets[id(p)]
+            overlap = intersect(offset, offset + n, start, end)
+            if overlap:
+                found.append(ParamPiece(p, overlap[0], overlap[1], overlap[0] - offset))
+        return sorted(found, key=lambda piece: piece.flat_lo)
+
     def param_ranges(self, start: int, end: int, predicate) -> list[tuple[int, int]]:
         """Sub-ranges of flat [start, end), relative to ``start``, covered by parameters where ``predicate``
         holds (padding excluded; adjacent ranges merged)."""
         ranges: list[tuple[int, int]] = []
-        for p in sorted(self.params, key=lambda q: self.offsets[id(q)][0]):
-            offset, n = self.offsets[id(p)]
-            lo, hi = max(offset, start), min(offset + n, end)
-            if lo < hi and predicate(p):
-                if ranges and ranges[-1][1] == lo - start:
-                    ranges[-1] = (ranges[-1][0], hi - start)
+        for piece in self.pieces(start, end):
+            if predicate(piece.param):
+                lo, hi = piece.flat_lo - start, piece.flat_hi - start
+                if ranges and ranges[-1][1] == lo:
+                    ranges[-1] = (ranges[-1][0], hi)
                 else:
-                    ranges.append((lo - start, hi - start))
+                    ranges.append((lo, hi))
         return ranges

@@ -2,7 +2,8 @@
 
 Every parameter carries ``param.spec``: its global name and shape, and which slab of it this rank
 holds (a split along ``split_dim`` over the TP group, or the whole tensor when replicated).
-Pipeline stages simply do not hold the parameters of other stages; ZeRO shards optimizer state,
+Pipeline stages simply do not hold the parameters of other stages (except the tied embedding's
+copy, marked by ``tied``); ZeRO shards optimizer state,
 not parameters, and describes its flat ranges separately (``parallel/data_parallel.py``).
 """
 from __future__ import annotations
@@ -21,7 +22,14 @@ class ShardSpec:
     tp_rank: int = 0
     tp_size: int = 1
     sp_partial_grad: bool = False  # replicated weight whose grad is partial per TP rank (sequence parallel)
-    tied_copy: bool = False  # the last stage's copy of a tied embedding (pp > 1): not saved, not counted twice
+    # tied embeddings across pipeline stages (pp > 1): "original" on stage 0, "copy" on the last stage
+    # (its LM head); the two grads are summed before the dp reduction; the copy is never saved or
+    # counted twice. "" = not tied across stages (a tie inside one stage is one shared Parameter).
+    tied: str = ""
+
+    @property
+    def tied_copy(self) -> bool:
+        return self.tied == "copy"
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -41,6 +49,12 @@ class ShardSpec:
     @property
     def replicated_over_tp(self) -> bool:
         return self.split_dim is None
+
+    def counted_on(self, tp_rank: int) -> bool:
+        """Whether the rank at ``tp_rank`` is the one that counts (grad norm) and saves (checkpoint) this
+        parameter's elements among its tp group and the tied copies: never the tied copy; for
+        TP-replicated weights tp rank 0 only. (The dp owner is decided by the caller's flat ranges.)"""
+        return not self.tied_copy and (tp_rank == 0 or not self.replicated_over_tp)
 
 
 def make_spec(name: str, global_shape, split_dim, tp_comm, **flags) -> ShardSpec:

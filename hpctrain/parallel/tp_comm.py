@@ -6,10 +6,8 @@ contiguous: all-gather and reduce-scatter then work on the tensor's own storage.
     op                     forward                      backward
     copy_to_tp             identity                     allreduce(grad)
     reduce_from_tp         allreduce(x)                 identity
-    gather_from_tp         all-gather on the last dim   keep own slice
     gather_seq             all-gather on dim 0 (SP)     reduce-scatter on dim 0
     reduce_scatter_seq     reduce-scatter on dim 0 (SP) all-gather on dim 0
-    split_seq              keep own dim-0 chunk (SP)    all-gather on dim 0
 """
 from __future__ import annotations
 
@@ -31,13 +29,6 @@ def _reduce_scatter_dim0(x: torch.Tensor, comm) -> torch.Tensor:
     out = torch.empty((x.shape[0] // comm.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     comm.reduce_scatter(out, x)
     return out
-
-
-def _chunk_dim0(x: torch.Tensor, comm) -> torch.Tensor:
-    if x.shape[0] % comm.size:
-        raise ValueError(f"sequence length {x.shape[0]} is not divisible by tp={comm.size}")
-    n = x.shape[0] // comm.size
-    return x[comm.rank * n:(comm.rank + 1) * n].contiguous()
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -65,21 +56,6 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    """[..., n] on each rank -> [..., tp * n] (rank order)."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        moved = x.movedim(-1, 0)
-        return _allgather_dim0(moved, comm).movedim(0, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        n = grad.shape[-1] // ctx.comm.size
-        return grad[..., ctx.comm.rank * n:(ctx.comm.rank + 1) * n].contiguous(), None
-
-
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
@@ -102,17 +78,6 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return _allgather_dim0(grad, ctx.comm), None
 
 
-class _SplitSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _chunk_dim0(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _allgather_dim0(grad, ctx.comm), None
-
-
 def _skip(comm) -> bool:
     return comm is None or comm.size == 1
 
@@ -125,17 +90,9 @@ def reduce_from_tp(x, comm):
     return x if _skip(comm) else _ReduceFromTP.apply(x, comm)
 
 
-def gather_from_tp(x, comm):
-    return x if _skip(comm) else _GatherFromTP.apply(x, comm)
-
-
 def gather_seq(x, comm):
     return x if _skip(comm) else _GatherSeq.apply(x, comm)
 
 
 def reduce_scatter_seq(x, comm):
     return x if _skip(comm) else _ReduceScatterSeq.apply(x, comm)
-
-
-def split_seq(x, comm):
-    return x if _skip(comm) else _SplitSeq.apply(x, comm)

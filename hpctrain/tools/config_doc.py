@@ -109,7 +109,9 @@ MEANINGS: dict[str, str] = {
     "train.run_dir": "Directory of the run: metrics.jsonl, config.json, summary.json, checkpoints/.",
     "train.progress": "Show a live progress bar when stdout is a terminal.",
     # [checkpoint]
-    "checkpoint.interval": "Save every N steps. 0 = only at the end of the run (and on preemption).",
+    "checkpoint.interval": "Save every N steps. 0 = only at the end of the run (or of a `--max-steps` job). "
+                           "Saving on a scheduler signal is not implemented yet: a killed job resumes from "
+                           "the last interval checkpoint.",
     "checkpoint.keep": "Complete checkpoints to keep; older ones are deleted after a newer one is published.",
     "checkpoint.async": "Write in a background thread after a host snapshot, while training continues "
                         "(the next save or the end of the run waits for it).",

@@ -43,8 +43,7 @@ def run(args) -> int:
     info = discover()
     device = select_device(cfg.train.device, info)
     p = cfg.parallel
-    grid = ProcessGrid.build(info, dp=p.dp, pp=p.pp, tp=p.tp, strict_placement=p.strict_placement,
-                             backend=p.backend)
+    grid = ProcessGrid.from_config(cfg, info)
     trainer = Trainer(cfg, grid, device=device)
     is_root = info.rank == 0
     if is_root:

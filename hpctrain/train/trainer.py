@@ -21,6 +21,7 @@ from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
 from hpctrain.optim.flat import FlatOptimizer, lr_at
 from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.parallel.data_parallel import FlatParams
+from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
 from hpctrain.runtime.device import configure_matmul, peak_tflops
 
@@ -45,62 +46,59 @@ class StepMetrics:
         return dict(self.__dict__)
 
 
-def check_batch_layout(cfg, dp: int, tp: int) -> tuple[int, int]:
-    """(local batch, micro-batch size) per dp rank, or a clear error."""
-    t, p = cfg.train, cfg.parallel
-    if t.global_batch % dp:
-        raise HpcTrainError(f"train.global_batch={t.global_batch} is not divisible by dp={dp}")
-    local = t.global_batch // dp
-    if local % p.microbatches:
-        raise HpcTrainError(f"the per-replica batch {local} (train.global_batch/dp) is not divisible by "
-                            f"parallel.microbatches={p.microbatches}")
-    if p.sequence_parallel and t.seq_len % tp:
-        raise HpcTrainError(f"sequence parallelism needs train.seq_len={t.seq_len} divisible by tp={tp}")
-    return local, local // p.microbatches
-
-
 class Trainer:
     """One rank's share of the training step. ``device``: where parameters, gradients, optimizer state,
     batches and pipeline buffers live (default CPU); collective over the world (``grid.use_device``)."""
 
     def __init__(self, cfg, grid, tokens=None, device=None):
         self.cfg, self.grid = cfg, grid
+        self.layout = grid.layout or Layout.from_config(cfg, grid.info.size)  # validated before anything runs
+        if self.layout.sizes != grid.sizes:
+            raise HpcTrainError(f"the grid {grid.sizes} does not match the configured layout {self.layout.sizes}")
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.backends = grid.use_device(self.device)
         configure_matmul(self.device, cfg.train.allow_tf32)
-        self.model_cfg = m = resolve_model(cfg.model)
-        p, t = cfg.parallel, cfg.train
-        self.dtype = DTYPES[t.dtype]
-        torch.manual_seed(t.seed * 100_003 + grid.info.rank)  # derived per rank, never shared by accident
-        dp, tp, pp = grid.sizes["dp"], grid.sizes["tp"], grid.sizes["pp"]
-        self.local_batch, self.micro_batch = check_batch_layout(cfg, dp, tp)
-        stage_rank = grid.coords["pp"]
-        ranges = partition_layers(m, pp, p.stage_layers)
+        self.model_cfg = resolve_model(cfg.model)
+        self.dtype = DTYPES[cfg.train.dtype]
+        torch.manual_seed(cfg.train.seed * 100_003 + grid.info.rank)  # derived per rank, never shared by accident
+        self.local_batch, self.micro_batch = self.layout.local_batch, self.layout.micro_batch
+        self._build_model()
+        self._build_data(tokens)
+        self.step = 0
+        self.flops_per_token = flops_per_token(self.model_cfg, cfg.train.seq_len)
+        pp_size = self.layout.pp_size
+        self.bubble = bubble_fraction(pp_size, self.layout.microbatches) if pp_size > 1 else 0.0
+        self.peak_tflops = cfg.train.peak_tflops or peak_tflops(self.device, self.dtype, cfg.train.allow_tf32)
+
+    def _build_model(self) -> None:
+        """This rank's stage (TP layers over tp), its flat buffers and DP reducer, optimizer, executor."""
+        m, p, t, grid, layout = self.model_cfg, self.cfg.parallel, self.cfg.train, self.grid, self.layout
+        stage_rank, pp_size = grid.coords["pp"], layout.pp_size
+        ranges = partition_layers(m, pp_size, list(layout.stage_layers))
         tp_comm, pp_comm = grid.comm("tp"), grid.comm("pp")
-        self.stage = GPTStage(m, ranges[stage_rank], is_first=stage_rank == 0, is_last=stage_rank == pp - 1,
-                              tp_comm=tp_comm, sp=p.sequence_parallel, dtype=self.dtype, seed=t.seed,
+        self.stage = GPTStage(m, ranges[stage_rank], is_first=stage_rank == 0, is_last=stage_rank == pp_size - 1,
+                              tp_comm=tp_comm, sp=layout.sequence_parallel, dtype=self.dtype, seed=t.seed,
                               recompute=t.recompute)
-        if m.tie_embeddings and pp > 1 and stage_rank == 0:
-            self.stage.embed.weight.tied_with_last_stage = True
         self.stage.to(self.device)  # initialised on the host from the global generator, then moved
         self.flat = FlatParams(list(self.stage.parameters()), grid.comm("dp"), tp_comm=tp_comm, pp_comm=pp_comm,
-                               bucket_mb=p.bucket_mb, zero=p.zero == 1)
-        self.optimizer = FlatOptimizer(self.flat, cfg.optim, tp_rank=grid.coords["tp"])
-        seq_shard = t.seq_len // tp if p.sequence_parallel else t.seq_len
-        self.executor = PipelineExecutor(self.stage, pp_comm if pp > 1 else None, self.flat, p.schedule,
-                                         p.microbatches, (seq_shard, self.micro_batch, m.d_model), self.dtype,
-                                         device=self.device)
+                               bucket_mb=p.bucket_mb, zero=layout.zero == 1)
+        self.optimizer = FlatOptimizer(self.flat, self.cfg.optim, tp_rank=grid.coords["tp"])
+        self.executor = PipelineExecutor(self.stage, pp_comm if pp_size > 1 else None, self.flat, layout.schedule,
+                                         layout.microbatches, (layout.seq_shard, self.micro_batch, m.d_model),
+                                         self.dtype, device=self.device)
         self.scaler = DynamicLossScaler(t.loss_scale, enabled=self.dtype == torch.float16)
+
+    def _build_data(self, tokens) -> None:
+        """The corpus (read by rank 0, broadcast) and this dp rank's (seed, index) batch iterator."""
+        cfg, grid = self.cfg, self.grid
         if tokens is None:
             tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes)
-        if int(tokens.max()) >= m.vocab_size:
-            raise HpcTrainError(f"the corpus has token id {int(tokens.max())} >= model.vocab_size={m.vocab_size}")
-        self.sampler = SequenceSampler(tokens, t.seq_len, t.seed)
-        self.batches = GlobalBatchIterator(self.sampler, t.global_batch, dp, grid.coords["dp"])
-        self.step = 0
-        self.flops_per_token = flops_per_token(m, t.seq_len)
-        self.bubble = bubble_fraction(pp, p.microbatches) if pp > 1 else 0.0
-        self.peak_tflops = t.peak_tflops or peak_tflops(self.device, self.dtype, t.allow_tf32)
+        if int(tokens.max()) >= self.model_cfg.vocab_size:
+            raise HpcTrainError(f"the corpus has token id {int(tokens.max())} >= "
+                                f"model.vocab_size={self.model_cfg.vocab_size}")
+        self.sampler = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed)
+        self.batches = GlobalBatchIterator(self.sampler, cfg.train.global_batch, self.layout.dp_size,
+                                           grid.coords["dp"])
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepMetrics:

@@ -19,14 +19,14 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NCCL_H_DTYPES = {"NCCL_INT8": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_UINT32": 3, "NCCL_INT64": 4,
                  "NCCL_UINT64": 5, "NCCL_FLOAT16": 6, "NCCL_FLOAT32": 7, "NCCL_FLOAT64": 8, "NCCL_BFLOAT16": 9}
 NCCL_H_OPS = {"NCCL_SUM": 0, "NCCL_PROD": 1, "NCCL_MAX": 2, "NCCL_MIN": 3, "NCCL_AVG": 4}
-# the dtypes the host (MPI) path is tested with in tests/mpi/scripts/check_collectives.py
+# the dtypes tests/mpi/scripts/check_collectives.py runs (host and device)
 HOST_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64]
 
 
 @pytest.mark.skipif(NCCL_OK and GPUS < 2, reason=f"NCCL needs one GPU per rank: 2 ranks, {GPUS} visible GPU(s)")
 @pytest.mark.skipif(not NCCL_OK, reason=f"NCCL backend unavailable: {NCCL_REASON}")
 def test_collectives_on_cuda_through_nccl():
-    result = run_mpi(2, "check_collectives_cuda.py", "--backend", "nccl", timeout=300)
+    result = run_mpi(2, "check_collectives.py", "--device", "cuda", "--backend", "nccl", timeout=300)
     assert "OK" in result.stdout and "backend nccl" in result.stdout
 
 
@@ -35,8 +35,22 @@ def test_collectives_on_cuda_through_nccl():
                            "accepts device pointers (the PyPI MPICH wheel does not)")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device is visible to torch")
 def test_collectives_on_cuda_through_cuda_aware_mpi():
-    result = run_mpi(2, "check_collectives_cuda.py", "--backend", "cuda-mpi", timeout=300)
-    assert "OK" in result.stdout and "backend cuda-mpi" in result.stdout
+    result = run_mpi(2, "check_collectives.py", "--device", "cuda", "--backend", "cuda-mpi", timeout=300)
+    assert "OK" in result.stdout and "backend mpi" in result.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device is visible to torch")
+def test_collectives_on_cuda_through_host_staged_mpi():
+    """Any MPI, ranks may share one GPU: every collective on CUDA tensors staged through host memory."""
+    result = run_mpi(2, "check_collectives.py", "--device", "cuda", "--backend", "mpi", "--tp", "2", timeout=300)
+    assert "OK" in result.stdout and "backend mpi-staged" in result.stdout
+
+
+@pytest.mark.skipif(not NCCL_OK, reason=f"NCCL backend unavailable: {NCCL_REASON}")
+def test_collectives_on_one_gpu_through_nccl():
+    """A one-rank NCCL communicator: the CuPy calls (groups, streams, events) run for real on one GPU."""
+    result = run_mpi(1, "check_collectives.py", "--device", "cuda", "--backend", "nccl", timeout=300)
+    assert "OK" in result.stdout and "backend nccl" in result.stdout
 
 
 def test_nccl_dtype_table_matches_nccl_h():

@@ -1,5 +1,6 @@
 """`hpctrain train` end to end on real ranks: metrics, precision modes, and clear errors."""
 import json
+import math
 
 import pytest
 
@@ -35,9 +36,9 @@ def test_tiny_demo_layout_trains_and_logs(tmp_path):
 def test_half_precision_trains(tmp_path, dtype):
     train(4, tmp_path, "train.steps=8", f"train.dtype={dtype}", "parallel.zero=1", "parallel.tp=1",
           "parallel.sequence_parallel=false")
-    records = read_metrics(tmp_path)
-    assert all(r["loss"] == r["loss"] for r in records)  # finite, no NaN
-    assert records[-1]["loss"] < records[0]["loss"]
+    losses = [r["loss"] for r in read_metrics(tmp_path)]
+    assert all(math.isfinite(v) for v in losses), losses  # no NaN, no infinity
+    assert losses[-1] < losses[0] - 0.2, losses  # it learns (ln 256 = 5.55 -> about 4.9 in 8 steps)
 
 
 def test_float16_overflow_skips_the_step_and_says_so(tmp_path):

@@ -1,7 +1,8 @@
 """Launcher detection and the grid's pure placement logic (single process)."""
 import pytest
 
-from hpctrain.comm.grid import layout_coordinates, resolve_sizes
+from hpctrain.comm.grid import layout_coordinates
+from hpctrain.parallel.layout import resolve_sizes
 from hpctrain.errors import GridError, LaunchError
 from hpctrain.runtime.launcher import check_launcher_agreement, read_launcher_env
 

@@ -1,4 +1,5 @@
-"""MPI backend: host tensors as zero-copy numpy views, device tensors through CUDA-aware MPI.
+"""MPI backend: host tensors by address (zero-copy, explicit MPI datatypes), device tensors through
+CUDA-aware MPI (``__cuda_array_interface__``); ``staged.py`` wraps it for CUDA tensors on plain MPI.
 
 Contract for every method: tensors are contiguous, ``op`` is "sum" | "avg" | "max", and the
 operation runs on ``self.comm`` (one mpi4py communicator = one process group). Non-blocking calls return

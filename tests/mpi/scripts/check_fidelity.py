@@ -22,8 +22,7 @@ from hpctrain.train.trainer import Trainer
 
 def train(cfg, world_mpi, tokens, steps):
     info = discover(world_mpi)
-    grid = ProcessGrid.build(info, world_mpi=world_mpi, dp=cfg.parallel.dp, tp=cfg.parallel.tp,
-                             pp=cfg.parallel.pp, timeout_s=120)
+    grid = ProcessGrid.from_config(cfg, info, world_mpi=world_mpi, timeout_s=120)
     trainer = Trainer(cfg, grid, tokens=tokens)
     losses = [trainer.train_step().loss for _ in range(steps)]
     params = trainer.global_parameters()

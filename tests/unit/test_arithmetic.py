@@ -1,0 +1,145 @@
+"""The arithmetic under every layout, one process, no MPI: slabs, checkpoint boxes, stage split, lr.
+
+Expected values are derived independently (by hand or by a direct construction), not read back
+from the code under test.
+"""
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from hpctrain.checkpoint.format import local_range_boxes
+from hpctrain.config import load_config, resolve_model
+from hpctrain.models.gpt import partition_layers
+from hpctrain.optim.flat import lr_at
+from hpctrain.parallel.shard import ShardSpec, init_from_global_, make_spec
+
+
+# ---------------------------------------------------------------- slabs (ShardSpec)
+@pytest.mark.parametrize("split_dim, tp_size", [(0, 2), (1, 2), (0, 4), (1, 3), (None, 4)])
+def test_slabs_of_all_tp_ranks_reassemble_the_global_tensor(split_dim, tp_size):
+    shape = (12, 6)
+    full = torch.empty(shape, dtype=torch.float64)
+    seen = torch.zeros(shape, dtype=torch.int64)
+    for rank in range(tp_size):
+        spec = ShardSpec("w", shape, split_dim, rank, tp_size)
+        slab = torch.empty(spec.local_shape, dtype=torch.float64)
+        init_from_global_(slab, spec, seed=7, std=0.5)
+        full[spec.local_slices()] = slab
+        seen[spec.local_slices()] += 1
+    expected_cover = tp_size if split_dim is None else 1  # replicated: every rank holds everything
+    assert bool((seen == expected_cover).all())
+    reference = torch.empty(shape, dtype=torch.float64)
+    init_from_global_(reference, ShardSpec("w", shape), seed=7, std=0.5)
+    assert torch.equal(full, reference)
+
+
+def test_local_shape_and_slices_by_hand():
+    spec = ShardSpec("w", (8, 6), split_dim=1, tp_rank=2, tp_size=3)
+    assert spec.local_shape == (8, 2)
+    assert spec.local_slices() == (slice(None), slice(4, 6))
+    assert ShardSpec("b", (8,), None, 1, 2).local_shape == (8,)
+
+
+def test_make_spec_rejects_an_indivisible_split():
+    comm = SimpleNamespace(size=3, rank=0)
+    with pytest.raises(ValueError, match="not divisible by tp=3"):
+        make_spec("w", (8, 6), 0, comm)
+    assert make_spec("w", (9, 6), 0, comm).local_shape == (3, 6)
+
+
+# ---------------------------------------------------------------- checkpoint boxes
+def cover(spec, a, b):
+    """Mark the global elements that local_range_boxes(a, b) maps to; check each piece's own bounds."""
+    marks = np.zeros(spec.global_shape, dtype=np.int64)
+    total = 0
+    for box, lo, hi in local_range_boxes(spec, a, b):
+        assert box.size == hi - lo and a <= lo < hi <= b
+        marks[box.slices()] += 1
+        total += hi - lo
+    return marks, total
+
+
+@pytest.mark.parametrize("split_dim, tp_rank", [(0, 1), (1, 1), (None, 0)])
+@pytest.mark.parametrize("a, b", [(0, 24), (3, 17), (4, 8), (5, 6), (0, 1), (23, 24), (7, 7)])
+def test_boxes_cover_exactly_the_flat_range(split_dim, tp_rank, a, b):
+    spec = ShardSpec("w", (8, 8) if split_dim == 1 else (6, 4) if split_dim is None else (12, 4), split_dim,
+                     tp_rank, 1 if split_dim is None else 2)
+    marks, total = cover(spec, a, b)
+    assert total == b - a and marks.max(initial=0) <= 1  # every element once, none twice
+    # the same elements, found directly: the local slab in C order, elements a..b-1
+    local = np.arange(int(np.prod(spec.local_shape))).reshape(spec.local_shape)
+    expected = np.zeros(spec.global_shape, dtype=np.int64)
+    expected[spec.local_slices()] = (local >= a) & (local < b)
+    assert np.array_equal(marks, expected)
+
+
+def test_one_dimensional_box():
+    spec = ShardSpec("norm", (10,))
+    (box, lo, hi), = local_range_boxes(spec, 2, 9)
+    assert (box.offset, box.shape, lo, hi) == ((2,), (7,), 2, 9)
+
+
+def test_a_mid_row_range_is_three_boxes():
+    spec = ShardSpec("w", (4, 5))
+    boxes = [(b.offset, b.shape) for b, _, _ in local_range_boxes(spec, 3, 17)]
+    assert boxes == [((0, 3), (1, 2)), ((1, 0), (2, 5)), ((3, 0), (1, 2))]
+
+
+# ---------------------------------------------------------------- pipeline stages
+def model(*overrides):
+    return resolve_model(load_config("configs/tiny.toml", list(overrides)).model)
+
+
+def test_explicit_stage_layers_are_taken_as_given():
+    assert partition_layers(model("model.n_layers=6", "parallel.pp=3"), 3, [1, 3, 2]) == [(0, 1), (1, 4), (4, 6)]
+
+
+def test_one_layer_per_stage_when_pp_equals_layers():
+    assert partition_layers(model(), 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_balanced_split_gives_heavy_end_stages_fewer_blocks():
+    # d_model 64, d_ff 256: a block is 4*64*64 + 3*64*256 = 65536 params; an embedding of 256*64 = 1/4 block.
+    # With vocab 8192 the embedding and the untied head weigh 8 blocks each: ends get 1 block, the middle the rest.
+    m = model("model.vocab_size=8192", "model.n_layers=8")
+    assert partition_layers(m, 3) == [(0, 1), (1, 7), (7, 8)]
+    # a small vocabulary barely weighs: as even as 8 blocks over 3 stages can be, lightest stages first
+    counts = [b - a for a, b in partition_layers(model("model.n_layers=8"), 3)]
+    assert sum(counts) == 8 and max(counts) - min(counts) <= 1 and counts[1] >= counts[0]
+
+
+def test_a_tied_head_on_the_last_stage_still_weighs_there():
+    # pp=2, tied: the last stage holds a copy of the 8-block embedding, so both ends weigh the same
+    m = model("model.vocab_size=8192", "model.n_layers=8", "model.tie_embeddings=true")
+    assert partition_layers(m, 2) == [(0, 4), (4, 8)]
+    # untied with a light head (tiny vocab): still even
+    assert partition_layers(model("model.n_layers=8"), 2) == [(0, 4), (4, 8)]
+
+
+# ---------------------------------------------------------------- learning rate
+def train(**kw):
+    base = dict(lr=1.0, min_lr=0.1, warmup_steps=4, steps=104, lr_schedule="cosine")
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_warmup_is_linear_from_lr_over_warmup():
+    assert [lr_at(s, train()) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_cosine_endpoints_and_midpoint():
+    t = train()
+    assert lr_at(4, t) == pytest.approx(1.0)
+    assert lr_at(54, t) == pytest.approx(0.1 + 0.5 * 0.9 * (1 + math.cos(math.pi / 2)))  # = 0.55
+    assert lr_at(104, t) == pytest.approx(0.1) and lr_at(500, t) == pytest.approx(0.1)
+
+
+def test_linear_and_constant():
+    assert lr_at(54, train(lr_schedule="linear")) == pytest.approx(0.55)
+    assert lr_at(80, train(lr_schedule="constant")) == 1.0
+
+
+def test_steps_not_beyond_warmup_keep_the_peak():
+    assert lr_at(10, train(steps=3, warmup_steps=4)) == 1.0

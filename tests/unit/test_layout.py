@@ -1,0 +1,72 @@
+"""Every layout rule's message, without MPI (hpctrain/parallel/layout.py), and the derived sizes."""
+import pytest
+
+from hpctrain.config import ConfigError, load_config
+from hpctrain.errors import GridError, HpcTrainError
+from hpctrain.parallel.layout import Layout, resolve_sizes
+
+
+def layout(world, *overrides):
+    return Layout.from_config(load_config("configs/tiny.toml", list(overrides)), world)
+
+
+@pytest.mark.parametrize("world, overrides, error, fragment", [
+    (6, ["parallel.tp=2", "parallel.pp=2"], GridError, "world size 6 is not divisible by tp*pp = 2*2 = 4"),
+    (8, ["parallel.dp=3", "parallel.tp=2", "parallel.pp=2"], GridError, "dp*pp*tp = 3*2*2 = 12 but the job has 8"),
+    (4, ["parallel.tp=4", "parallel.pp=1", "model.n_kv_heads=2"], HpcTrainError,
+     "model.n_kv_heads=2 is not divisible by parallel.tp=4"),
+    (8, ["parallel.tp=8", "parallel.pp=1"], HpcTrainError, "model.n_heads=4 is not divisible by parallel.tp=8"),
+    (2, ["parallel.tp=2", "parallel.pp=1", "model.d_ff=255"], HpcTrainError, "model.d_ff=255 is not divisible"),
+    (2, ["parallel.tp=2", "parallel.pp=1", "model.vocab_size=257"], HpcTrainError,
+     "model.vocab_size=257 is not divisible by parallel.tp=2"),
+    (4, ["parallel.tp=1", "parallel.pp=1", "train.global_batch=6"], HpcTrainError,
+     "train.global_batch=6 is not divisible by dp=4"),
+    (2, ["parallel.tp=1", "parallel.pp=1", "train.global_batch=8", "parallel.microbatches=3"], HpcTrainError,
+     "the per-replica batch 4 (train.global_batch/dp) is not divisible by parallel.microbatches=3"),
+    (4, ["parallel.sequence_parallel=true", "train.seq_len=33"], HpcTrainError,
+     "sequence parallelism needs train.seq_len=33 divisible by tp=2"),
+])
+def test_each_rule_names_the_problem(world, overrides, error, fragment):
+    with pytest.raises(error) as info:
+        layout(world, *overrides)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(tp=0), "parallel.tp must be a positive integer"), (dict(pp=-1), "parallel.pp must be a positive"),
+    (dict(dp=-2), "parallel.dp must be a positive integer (or 0"), (dict(tp="2"), "parallel.tp must be")])
+def test_bad_sizes(kwargs, fragment):
+    with pytest.raises(GridError, match=fragment.replace("(", r"\(")):
+        resolve_sizes(8, **kwargs)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["parallel.pp=8"], "model.n_layers=4 < parallel.pp=8: every stage needs a layer"),
+    (["parallel.pp=2", "parallel.stage_layers=3,2"], "parallel.stage_layers=[3, 2] must have pp=2 entries >= 1 "
+                                                     "summing to model.n_layers=4"),
+    (["parallel.pp=2", "parallel.stage_layers=4,0"], "must have pp=2 entries >= 1"),
+    (["parallel.pp=1", "parallel.stage_layers=2,2"], "must have pp=1 entries"),
+])
+def test_stage_rules_fail_at_config_time_without_a_world(overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/tiny.toml", overrides)
+    assert fragment in str(info.value)
+
+
+def test_derived_sizes():
+    lay = layout(8, "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "train.global_batch=8",
+                 "parallel.sequence_parallel=true", "train.seq_len=64")
+    assert lay.sizes == {"dp": 2, "pp": 2, "tp": 2}
+    assert (lay.local_batch, lay.micro_batch, lay.seq_shard) == (4, 2, 32)
+    one = ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1"]
+    assert layout(4, *one, "train.seq_len=64").seq_shard == 64
+    assert layout(4, "parallel.dp=4", *one).dp_size == 4
+
+
+def test_layout_imports_neither_mpi_nor_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, hpctrain.parallel.layout; "
+            "print(any(m in sys.modules for m in ('torch', 'mpi4py.MPI')))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

@@ -27,7 +27,7 @@ def check_group(comm, dtype, device, checks: list) -> None:
 
     def expect(name, got, want):
         assert got.device.type == torch.device(device).type, name
-        got = got.cpu()  # a device-to-host copy on the current stream: after the collective
+        got, want = got.cpu(), want.cpu()  # device-to-host copies on the current stream: after the collective
         assert torch.equal(got, want.to(got.dtype)), f"{comm.name} {dtype} {name}: got {got} want {want}"
         checks.append(name)
 

@@ -1,10 +1,11 @@
-"""Shard spec: where each number of a parameter lives. One source of truth for init, checkpoints, tests.
+"""Slab spec (``ShardSpec``): where each number of a parameter lives. One source of truth for init,
+checkpoints and tests.
 
-Every parameter carries ``param.spec``: its global name and shape, and which slab of it this rank
+Every parameter carries ``param.spec``: its global name and shape, and which SLAB of it this rank
 holds (a split along ``split_dim`` over the TP group, or the whole tensor when replicated).
 Pipeline stages simply do not hold the parameters of other stages (except the tied embedding's
-copy, marked by ``tied``); ZeRO shards optimizer state,
-not parameters, and describes its flat ranges separately (``parallel/data_parallel.py``).
+copy, marked by ``tied``). A "shard" in this code base is something else: a ZeRO-1 slice of the
+optimizer state (``optim/flat.py`` ``OptimizerShard``, over flat ranges of ``parallel/data_parallel.py``).
 """
 from __future__ import annotations
 

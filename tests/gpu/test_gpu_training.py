@@ -54,8 +54,9 @@ def test_gpu_float32_close_to_cpu(tmp_path):
     assert max(abs(a - b) for a, b in zip(gpu, cpu)) < 1e-4, (gpu, cpu)
 
 
-def test_bf16_on_gpu_learns_and_reports_mfu(tmp_path):
-    train(1, tmp_path, "train.steps=20", "train.dtype=bfloat16", "train.device=cuda")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_on_gpu_learns_and_reports_mfu(tmp_path, dtype):
+    train(1, tmp_path, "train.steps=20", f"train.dtype={dtype}", "train.device=cuda")
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     values = [r["loss"] for r in records]
     assert all(v == v and abs(v) != float("inf") for v in values)

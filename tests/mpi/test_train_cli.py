@@ -63,3 +63,12 @@ def test_bad_config_fails_clearly_on_every_rank(tmp_path, overrides, message):
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("hpctrain: error: rank ")]
     assert len(errors) == 4 and all(message in line for line in errors), result.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error_that_writes_nothing(tmp_path):
+    result = train(2, tmp_path / "run", "train.device=cuda", "parallel.pp=1", check=False)
+    assert result.returncode == 2
+    for rank in (0, 1):
+        assert f"rank {rank}: train.device='cuda' but torch sees no CUDA device" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Check an hpctrain installation on a GPU node: CUDA as torch sees it, CuPy and NCCL, MPI, the GPU
-# tests (tests/gpu) and a short training run on the GPU. Prints a summary; exit 0 only if all passed.
+# tests (tests/gpu) and a short data-parallel training run on NP ranks. Prints a summary; exit 0 only
+# if all passed. Set HPCTRAIN_TEST_MPIEXEC / MPIEXEC for your launcher (e.g. "srun" inside salloc).
 #   scripts/gpu_check.sh                 # with the python on PATH (activate your environment first)
 #   PYTHON=/path/to/python NP=2 scripts/gpu_check.sh
 # Run it inside an allocation on a GPU node (e.g. `salloc -N1 --gpus-per-node=4` then this script).
@@ -13,7 +14,10 @@ declare -a SUMMARY
 status=0
 check() {  # check NAME COMMAND...: run, record PASS/FAIL
   local name="$1"; shift
-  if "$@" >"$OUT/$name.log" 2>&1; then SUMMARY+=("PASS  $name"); else SUMMARY+=("FAIL  $name (log: $OUT/$name.log)"); status=1; fi
+  if "$@" >"$OUT/$name.log" 2>&1; then SUMMARY+=("PASS  $name"); else
+    SUMMARY+=("FAIL  $name (log: $OUT/$name.log)"); status=1
+    echo "== $name failed; the end of its log:"; tail -n 25 "$OUT/$name.log"
+  fi
 }
 
 "$PYTHON" - <<'EOF' | tee "$OUT/environment.txt"
@@ -30,7 +34,7 @@ try:
 except Exception as exc:
     print(f"cupy/NCCL not importable: {exc.__class__.__name__}: {exc} (CUDA tensors then go through MPI)")
 from mpi4py import MPI
-print("MPI:", MPI.Get_library_version().splitlines()[0])
+print("MPI:", MPI.Get_library_version().strip("\x00 \n").splitlines()[0])
 EOF
 
 check cuda-visible "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'torch sees no GPU'"
@@ -38,7 +42,7 @@ check gpu-tests "$PYTHON" -m pytest tests/gpu -v --timeout 900
 MPIEXEC="${MPIEXEC:-$(dirname "$(command -v "$PYTHON")")/mpiexec}"
 [ -x "$MPIEXEC" ] || MPIEXEC=mpiexec
 check train-gpu "$MPIEXEC" -n "$NP" "$PYTHON" -m hpctrain.cli train --config configs/tiny.toml \
-  train.device=cuda train.dtype=bfloat16 train.steps=30 train.progress=false train.run_dir="$OUT/run"
+  parallel.tp=1 parallel.pp=1 train.device=cuda train.dtype=bfloat16 train.steps=30 train.progress=false train.run_dir="$OUT/run"
 [ -f "$OUT/run/summary.json" ] && { echo "training summary:"; cat "$OUT/run/summary.json"; }
 
 echo

@@ -114,6 +114,10 @@ class TrainConfig:
     peak_tflops: float = _field(0.0, min=0)  # device peak per rank for MFU; 0 = the GPU's preset, else unknown
     device: str = _field("auto", choices=("auto", "cpu", "cuda"))  # auto: this rank's GPU if any, else CPU
     allow_tf32: bool = True  # TF32 tensor cores for float32 matmuls on NVIDIA GPUs
+    exit_signals: list[str] = field(default_factory=lambda: ["USR1", "TERM"])  # stop, save, requeue/exit 75
+    time_limit_s: float = _field(0.0, min=0)  # stop (and save) before this many seconds; 0 = the scheduler's
+    time_limit_margin_s: float = _field(60.0, above=0)  # time kept for the final save until one is measured
+    requeue: str = _field("auto", choices=("auto", "never"))  # auto: scontrol requeue on a signal/time stop
     loss_scale: float = _field(65536.0, above=0)  # initial dynamic loss scale for float16
     run_dir: str = "runs/default"
     progress: bool = True
@@ -171,7 +175,7 @@ def _section_field(section: str, key: str) -> dataclasses.Field:
 
 
 def _type_name(ftype: Any) -> str:
-    return "list[int]" if ftype == list[int] else ftype.__name__
+    return str(ftype) if ftype in (list[int], list[str]) else ftype.__name__
 
 
 def _checked_value(where: str, value: Any, ftype: Any) -> Any:
@@ -181,6 +185,8 @@ def _checked_value(where: str, value: Any, ftype: Any) -> Any:
     if ftype is float and type(value) in (int, float):
         return float(value)
     if ftype == list[int] and isinstance(value, (list, tuple)) and all(type(v) is int for v in value):
+        return list(value)
+    if ftype == list[str] and isinstance(value, (list, tuple)) and all(type(v) is str for v in value):
         return list(value)
     raise _error(where, f"expected {_type_name(ftype)}, got {value!r}")
 
@@ -195,9 +201,10 @@ def _parsed_value(where: str, text: str, ftype: Any) -> Any:
             return ftype(s)
         if ftype is str:
             return s[1:-1] if len(s) >= 2 and s[0] == s[-1] and s[0] in "'\"" else s  # unquote
-        if ftype == list[int]:
+        if ftype in (list[int], list[str]):
             inner = s[1:-1] if s.startswith("[") and s.endswith("]") else s
-            return [int(part) for part in inner.split(",")] if inner.strip() else []
+            parts = [part.strip().strip("'\"") for part in inner.split(",")] if inner.strip() else []
+            return [int(part) for part in parts] if ftype == list[int] else parts
     except ValueError:
         pass
     raise _error(where, f"expected {_type_name(ftype)}, got {text!r}")

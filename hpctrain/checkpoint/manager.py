@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
@@ -97,6 +98,7 @@ class CheckpointManager:
         self._thread, self._error = None, None
         self._cleaned = False
         self.saved_steps: list[int] = []
+        self.last_save_s: float | None = None  # wall time of the last completed write + verify + publish
 
     # ------------------------------------------------------------------ saving
     def save(self, trainer, sync: bool = False) -> None:
@@ -131,6 +133,11 @@ class CheckpointManager:
             self.comm.Free()
 
     def _write_and_publish(self, snap) -> None:
+        started = time.perf_counter()
+        self._write_verify_publish(snap)
+        self.last_save_s = time.perf_counter() - started
+
+    def _write_verify_publish(self, snap) -> None:
         final = os.path.join(self.dir, step_dirname(snap.step))
         tmp = os.path.join(self.dir, f".tmp-{step_dirname(snap.step)}")
         error = None

@@ -102,6 +102,16 @@ MEANINGS: dict[str, str] = {
                     "`CUDA_VISIBLE_DEVICES`) when torch sees CUDA, else the CPU; `cpu`; `cuda` (an error on a "
                     "rank without a GPU). Parameters, gradients, optimizer state, batches and pipeline "
                     "buffers all live there.",
+    "train.exit_signals": "Signals that stop the run cleanly: every rank agrees to stop after the same step, the "
+                          "state is saved synchronously, then the job is requeued (`train.requeue`) or exits "
+                          "with code 75. Slurm's `--signal=USR1@SECONDS` sends the first.",
+    "train.time_limit_s": "Stop (and save) before this many seconds of wall time have passed since start. 0 = the "
+                          "Slurm job's end time (`squeue -o %e`), or no limit outside Slurm. The stop leaves one "
+                          "step plus twice the MEASURED duration of the last save.",
+    "train.time_limit_margin_s": "Time kept for the final save before any save has been measured in this job.",
+    "train.requeue": "`auto`: after a stop by signal or time limit under Slurm, rank 0 runs `scontrol requeue` "
+                     "and every rank exits 0 (the job resumes from the checkpoint); if the job cannot be "
+                     "requeued, or with `never`, the exit code is 75.",
     "train.allow_tf32": "Let float32 matmuls use TF32 tensor cores on NVIDIA GPUs (Ampere and newer): much "
                         "faster, ~1e-3 relative error per product. Off for bitwise CPU/GPU comparisons.",
     "train.loss_scale": "Initial dynamic loss scale for float16: halved (and the step skipped on every rank) when "

@@ -46,6 +46,8 @@ def read_metrics(path: str | Path, key: str = "loss") -> dict[int, float]:
             continue
         try:
             record = json.loads(line)
+            if "event" in record:  # {"event": "stop", ...} lines are not steps
+                continue
             values[int(record["step"])] = float(record[key])
         except (ValueError, KeyError, TypeError) as exc:
             raise CompareError(f"{path}:{number}: not a metrics record with 'step' and {key!r} ({exc})") from None

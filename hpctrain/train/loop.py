@@ -1,0 +1,130 @@
+"""The training run: set up, resume, step until an agreed stop, checkpoint, and leave the right exit code.
+
+``run_training(cfg, resume, max_steps)`` is what ``hpctrain train`` calls on every rank. Before each
+step the ranks agree (``train/stop.py``) on whether to stop: a signal (``train.exit_signals``), the
+scheduler's time limit, the end of the run or ``--max-steps``. Then: wait for an in-flight async
+save, save synchronously (unless this step is already saved), log ``{"event": "stop", ...}`` to
+metrics.jsonl, and:
+
+- finished, or ``--max-steps`` reached: exit 0;
+- signal or time limit, under Slurm with ``train.requeue = "auto"``: rank 0 runs ``scontrol requeue``;
+  if that works every rank exits 0 (the requeued job resumes with ``--resume auto``), else 75;
+- signal or time limit otherwise: exit ``STOPPED_EXIT`` = 75 (EX_TEMPFAIL), for wrapper scripts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from hpctrain.train.stop import StopPolicy, agree
+
+STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
+
+
+def run_training(cfg, resume: str, max_steps: int = 0) -> int:
+    """Collective over the world; returns the process exit code (see the module docstring)."""
+    from hpctrain.checkpoint.manager import CheckpointManager
+    from hpctrain.comm.grid import ProcessGrid
+    from hpctrain.runtime.device import select_device
+    from hpctrain.runtime.launcher import discover
+    from hpctrain.runtime.signals import SignalFlag
+    from hpctrain.train.metrics import MetricsLog
+    from hpctrain.train.trainer import Trainer
+
+    info = discover()
+    flag = SignalFlag(cfg.train.exit_signals)  # early: a signal during start-up is not lost
+    device = select_device(cfg.train.device, info)
+    grid = ProcessGrid.from_config(cfg, info)
+    trainer = Trainer(cfg, grid, device=device)
+    checkpoints = CheckpointManager(cfg.checkpoint, grid, cfg.train.run_dir)
+    resumed = checkpoints.resume(trainer, resume)
+    is_root = info.rank == 0
+    if is_root:
+        _announce(cfg, grid, trainer, device, resumed)
+    last_step = cfg.train.steps if max_steps <= 0 else min(cfg.train.steps, trainer.step + max_steps)
+    deadline = _deadline(cfg, grid)
+    policy = StopPolicy(signal_flag=flag, last_step=last_step, deadline=deadline,
+                        first_margin_s=cfg.train.time_limit_margin_s)
+    log = MetricsLog(cfg.train.run_dir, cfg.train.steps, enabled=is_root, progress=cfg.train.progress,
+                     log_interval=cfg.train.log_interval)
+    interval, save_s, reason = cfg.checkpoint.interval, 0.0, ""
+    try:
+        while not (reason := agree(policy.local_reason(trainer.step), grid.world)):
+            record = trainer.train_step().as_dict()
+            policy.record_step(record["step_time_s"])
+            log.log(record)
+            if interval and trainer.step % interval == 0 and trainer.step < last_step:
+                checkpoints.save(trainer)
+                policy.record_save(checkpoints.last_save_s or 0.0)
+        start = time.perf_counter()
+        if trainer.step not in checkpoints.saved_steps and (resumed is None or trainer.step > 0):
+            checkpoints.save(trainer, sync=True)
+        checkpoints.close()  # waits for an async save still in flight
+        save_s = time.perf_counter() - start
+    finally:
+        flag.restore()
+        summary = log.close()
+    code = _finish(cfg, grid, reason, trainer.step, save_s, is_root)
+    if is_root and summary:
+        with open(os.path.join(cfg.train.run_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+    grid.close()
+    return code
+
+
+def _deadline(cfg, grid) -> float | None:
+    """``train.time_limit_s`` from now, or the scheduler's end time (rank 0 asks, all agree)."""
+    from hpctrain.runtime.signals import scheduler_deadline
+
+    if cfg.train.time_limit_s > 0:
+        mine = time.time() + cfg.train.time_limit_s
+    else:
+        mine = scheduler_deadline() if grid.info.rank == 0 else None
+    return grid.world.broadcast_object(mine, root=0)
+
+
+def _finish(cfg, grid, reason: str, step: int, save_s: float, is_root: bool) -> int:
+    """Log the stop, requeue if asked and possible; the exit code of every rank."""
+    from hpctrain.runtime.signals import requeue_slurm_job, slurm_job_to_requeue
+
+    early = reason.startswith("signal") or reason == "time limit"
+    job = slurm_job_to_requeue() if early and cfg.train.requeue == "auto" else None
+    problem = None
+    if job:
+        problem = requeue_slurm_job(job) if is_root else None
+        problem = grid.world.broadcast_object(problem, root=0)
+    if is_root:
+        event = {"event": "stop", "reason": reason, "step": step, "save_s": round(save_s, 3),
+                 "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                 "requeued": bool(job) and problem is None}
+        with open(os.path.join(cfg.train.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
+        if early:
+            after = (f"requeued Slurm job {job}" if event["requeued"] else
+                     f"exit {STOPPED_EXIT}" + (f" ({problem})" if problem else "") + "; continue with --resume auto")
+            print(f"hpctrain train: stopped at step {step} ({reason}); checkpoint saved in {save_s:.1f} s; {after}",
+                  flush=True)
+    if not early or (job and problem is None):
+        return 0
+    return STOPPED_EXIT
+
+
+def _announce(cfg, grid, trainer, device, resumed) -> None:
+    from hpctrain.config import config_to_dict
+    from hpctrain.runtime.device import describe
+
+    info, p = grid.info, cfg.parallel
+    os.makedirs(cfg.train.run_dir, exist_ok=True)
+    with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config_to_dict(cfg), f, indent=1)
+    layout = " x ".join(f"{a}={grid.sizes[a]}" for a in ("dp", "pp", "tp"))
+    bubble = f", pipeline bubble {trainer.bubble:.0%}" if grid.sizes["pp"] > 1 else ""
+    print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
+          f"{p.schedule}, {p.microbatches} micro-batches{bubble}, sequence parallel "
+          f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, {cfg.train.dtype}, device "
+          f"{describe(device)}" + (f", GPU collectives backend {trainer.backends['dp']}"
+                                   if device.type == "cuda" else ""), flush=True)
+    if resumed:
+        print(f"hpctrain train: resumed from {resumed} at step {trainer.step} "
+              f"(sample {trainer.batches.consumed})", flush=True)

@@ -1,0 +1,74 @@
+"""Stopping on a signal or a time limit: all ranks agree, save, exit 75; the resumed run ends bit for bit
+equal to an uninterrupted one. Real ranks, real signals (SIGUSR1 to mpiexec, which forwards it)."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from mpirun import ROOT, mpi_env, mpiexec, run_mpi
+
+FAST = ["--config", "configs/tiny.toml", "data.max_bytes=300000", "train.seq_len=32", "train.global_batch=8",
+        "train.warmup_steps=2", "model.n_layers=2", "train.progress=false", "parallel.tp=1", "parallel.pp=2",
+        "parallel.microbatches=2", "checkpoint.async=false"]
+
+
+def records(run_dir):
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def start(run_dir, *overrides):
+    cmd = mpiexec() + ["-n", "2", sys.executable, "-m", "hpctrain.cli", "train", *FAST,
+                       f"train.run_dir={run_dir}", *overrides]
+    return subprocess.Popen(cmd, cwd=str(ROOT), env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+
+
+def finish(proc, timeout=180):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"hung: {out[-2000:]}\n{err[-2000:]}")
+    return proc.returncode, out, err
+
+
+def test_usr1_stops_saves_and_the_resumed_run_is_bitwise_equal(tmp_path):
+    run, whole, steps = tmp_path / "run", tmp_path / "whole", 300
+    proc = start(run, f"train.steps={steps}")
+    deadline = time.time() + 120
+    while len([r for r in records(run) if "event" not in r]) < 5 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)  # hydra's mpiexec forwards it to every rank
+    code, out, err = finish(proc)
+    stop = records(run)[-1]
+    assert code == 75, (code, out[-2000:], err[-2000:])
+    assert stop["event"] == "stop" and stop["reason"] == "signal USR1" and 5 <= stop["step"] < steps, stop
+    assert (run / "checkpoints" / f"step-{stop['step']:08d}" / "COMPLETE").exists()
+    assert f"stopped at step {stop['step']} (signal USR1)" in out
+    resumed = run_mpi(2, "hpctrain.cli", "train", *FAST, f"train.run_dir={run}", f"train.steps={steps}",
+                      "--resume", "auto", module=True, timeout=240)
+    assert f"resumed from" in resumed.stdout and records(run)[-1]["reason"] == "max steps"
+    run_mpi(2, "hpctrain.cli", "train", *FAST, f"train.run_dir={whole}", f"train.steps={steps}", module=True,
+            timeout=240)
+    diff = run_mpi(1, "hpctrain.cli", "ckpt", "diff", str(run), str(whole), "--atol", "0", module=True,
+                   check=False)
+    assert diff.returncode == 0, diff.output
+
+
+def test_time_limit_stops_in_time_with_a_checkpoint(tmp_path):
+    began = time.time()
+    proc = start(tmp_path, "train.steps=1000000", "train.time_limit_s=8", "train.time_limit_margin_s=2")
+    code, out, err = finish(proc)
+    stop = records(tmp_path)[-1]
+    assert code == 75 and stop["reason"] == "time limit", (code, stop, err[-2000:])
+    assert (tmp_path / "checkpoints" / f"step-{stop['step']:08d}" / "COMPLETE").exists()
+    assert time.time() - began < 8 + 30  # start-up (imports, corpus) comes on top of the 8 s of training
+
+
+def test_a_bad_signal_name_is_a_clear_error(tmp_path):
+    result = run_mpi(2, "hpctrain.cli", "train", *FAST, f"train.run_dir={tmp_path}", "train.exit_signals=USR9",
+                     module=True, check=False)
+    assert result.returncode == 2 and "train.exit_signals: unknown signal 'USR9'" in result.stderr

@@ -1,0 +1,57 @@
+"""The stop decision: signals, time limit with a measured save margin, max steps; the agreed code."""
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from hpctrain.errors import HpcTrainError
+from hpctrain.runtime.signals import SignalFlag, scheduler_deadline, slurm_job_to_requeue
+from hpctrain.train.stop import StopPolicy, decode, encode
+
+
+def test_a_handler_only_sets_a_flag_and_the_first_signal_wins():
+    flag = SignalFlag(["USR1", "TERM"])
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled too: the process is still here
+        assert flag.received == "USR1"
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_unknown_signal_is_named():
+    with pytest.raises(HpcTrainError, match="unknown signal 'NOPE'"):
+        SignalFlag(["NOPE"])
+
+
+def test_time_limit_uses_the_measured_save_after_the_first():
+    now = [1000.0]
+    policy = StopPolicy(last_step=100, deadline=1100.0, first_margin_s=60.0, clock=lambda: now[0])
+    policy.record_step(5.0)
+    assert policy.local_reason(1) == ""  # 1000 + 5 + 60 < 1100
+    now[0] = 1040.0
+    assert policy.local_reason(2) == "time limit"  # 1040 + 65 > 1100
+    policy.record_save(10.0)  # measured: margin = 5 + 2 * 10
+    assert policy.margin_s() == 25.0 and policy.local_reason(2) == ""
+    now[0] = 1080.0
+    assert policy.local_reason(3) == "time limit"
+
+
+def test_signal_beats_time_beats_max_steps_and_codes_round_trip():
+    policy = StopPolicy(signal_flag=SimpleNamespace(received="TERM"), last_step=5, deadline=0.0)
+    assert policy.local_reason(5) == "signal TERM"
+    assert StopPolicy(last_step=5).local_reason(5) == "max steps"
+    assert StopPolicy(last_step=5).local_reason(4) == ""
+    for reason in ("", "max steps", "time limit", "signal USR1", "signal TERM"):
+        assert decode(encode(reason)) == reason
+    assert encode("signal USR1") > encode("time limit") > encode("max steps") > encode("")
+
+
+def test_slurm_ids():
+    assert scheduler_deadline({}) is None
+    assert scheduler_deadline({"SLURM_JOB_END_TIME": "1790000000"}) == 1790000000.0
+    assert slurm_job_to_requeue({"SLURM_JOB_ID": "12"}) == "12"
+    assert slurm_job_to_requeue({"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "2"}) == "10_2"
+    assert slurm_job_to_requeue({}) is None

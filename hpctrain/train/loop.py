@@ -65,12 +65,10 @@ def run_training(cfg, resume: str, max_steps: int = 0) -> int:
     finally:
         flag.restore()
         summary = log.close()
-    code = _finish(cfg, grid, reason, trainer.step, save_s, is_root)
     if is_root and summary:
         with open(os.path.join(cfg.train.run_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1)
-    grid.close()
-    return code
+    return _finish(cfg, grid, reason, trainer.step, save_s, is_root)  # closes the grid
 
 
 def _deadline(cfg, grid) -> float | None:
@@ -85,29 +83,36 @@ def _deadline(cfg, grid) -> float | None:
 
 
 def _finish(cfg, grid, reason: str, step: int, save_s: float, is_root: bool) -> int:
-    """Log the stop, requeue if asked and possible; the exit code of every rank."""
+    """Log the stop, close the grid, then requeue if asked: ``scontrol requeue`` kills the job's tasks
+    at once, so everything is on disk and MPI is finalised first (a task killed inside MPI leaves
+    shared-memory segments that the requeued attempt, with the same step id, would attach to).
+    Returns this rank's exit code: 0, or 75 where the job stops without a requeue."""
     from hpctrain.runtime.signals import requeue_slurm_job, slurm_job_to_requeue
 
     early = reason.startswith("signal") or reason == "time limit"
     job = slurm_job_to_requeue() if early and cfg.train.requeue == "auto" else None
-    problem = None
-    if job:
-        problem = requeue_slurm_job(job) if is_root else None
-        problem = grid.world.broadcast_object(problem, root=0)
     if is_root:
         event = {"event": "stop", "reason": reason, "step": step, "save_s": round(save_s, 3),
-                 "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-                 "requeued": bool(job) and problem is None}
+                 "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0), "requeue": job}
         with open(os.path.join(cfg.train.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
             f.write(json.dumps(event) + "\n")
         if early:
-            after = (f"requeued Slurm job {job}" if event["requeued"] else
-                     f"exit {STOPPED_EXIT}" + (f" ({problem})" if problem else "") + "; continue with --resume auto")
-            print(f"hpctrain train: stopped at step {step} ({reason}); checkpoint saved in {save_s:.1f} s; {after}",
-                  flush=True)
-    if not early or (job and problem is None):
-        return 0
-    return STOPPED_EXIT
+            print(f"hpctrain train: stopped at step {step} ({reason}); checkpoint saved in {save_s:.1f} s"
+                  + (f"; requeueing Slurm job {job}" if job else ""), flush=True)
+    grid.world.barrier()
+    grid.close()
+    if not job:
+        if is_root and early:
+            print(f"hpctrain train: exit {STOPPED_EXIT}; continue with --resume auto", flush=True)
+        return STOPPED_EXIT if early else 0
+    from mpi4py import MPI
+
+    MPI.Finalize()
+    problem = requeue_slurm_job(job) if is_root else None
+    if problem:  # this rank's 75 makes the job's exit code 75; the others exit 0
+        print(f"hpctrain train: {problem}; exit {STOPPED_EXIT}; continue with --resume auto", flush=True)
+        return STOPPED_EXIT
+    return 0
 
 
 def _announce(cfg, grid, trainer, device, resumed) -> None:

@@ -44,6 +44,9 @@ ReturnToService=2
 JobRequeue=1
 KillWait=5
 MinJobAge=300
+# fresh job ids per instance: MPICH names its shared-memory segments after jobid.stepid, and a task that
+# was killed leaves its segment behind, which a later job with the same id would attach to
+FirstJobId=$(( (RANDOM << 15 | RANDOM) % 50000000 + 1000 ))
 NodeName=n1 NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$N1_PORT CPUs=4 RealMemory=4000 State=UNKNOWN
 NodeName=n2 NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$N2_PORT CPUs=4 RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP

@@ -36,3 +36,69 @@ def test_sbatch_template_trains_and_resumes(slurm, tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "event" not in r]
     assert steps == [1, 2, 3, 4]
+
+
+def submit(slurm_env, run_dir, *args, requeue=True):
+    """sbatch (no --wait): returns the job id."""
+    env = mpi_env(slurm_env)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
+    out = run_dir.parent / f"{run_dir.name}-%j.out"
+    cmd = ["sbatch", "--parsable", f"--output={out}", "--ntasks-per-node=2", "--time=10",
+           "--requeue" if requeue else "--no-requeue", str(ROOT / "slurm" / "train.sbatch"),
+           *FAST[:-2], "parallel.pp=1", f"train.run_dir={run_dir}", *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().split(";")[0], env
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def events(run_dir):
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r for r in map(json.loads, lines)]
+
+
+def signal_after_steps(env, job, run_dir, steps=3):
+    wait_for(lambda: len([r for r in events(run_dir) if "event" not in r]) >= steps, 120, f"{steps} steps")
+    subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)  # to the ranks
+
+
+def test_usr1_saves_requeues_resumes_and_matches_an_uninterrupted_run(slurm, tmp_path):
+    run_dir, whole = tmp_path / "run", tmp_path / "whole"
+    job, env = submit(slurm, run_dir, "train.steps=200")
+    signal_after_steps(env, job, run_dir)
+    done = wait_for(lambda: [e for e in events(run_dir) if e.get("reason") == "max steps"], 240, "the requeued job")
+    stops = [e for e in events(run_dir) if e.get("event") == "stop"]
+    assert stops[0]["reason"] == "signal USR1" and stops[0]["requeue"] == job, stops
+    assert done[0]["restart_count"] >= 1 and done[0]["step"] == 200
+    wait_for(lambda: subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
+                                    text=True).stdout.strip() == "", 60, "the job to leave the queue")
+    sbatch_and_wait(slurm, whole, "train.steps=200")
+    diff = subprocess.run([sys.executable, "-m", "hpctrain.cli", "ckpt", "diff", str(run_dir), str(whole),
+                           "--atol", "0"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert diff.returncode == 0, diff.stdout + diff.stderr
+
+
+def test_a_job_that_cannot_be_requeued_exits_75(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    job, env = submit(slurm, run_dir, "train.steps=100000", requeue=False)
+    signal_after_steps(env, job, run_dir)
+    stop = wait_for(lambda: [e for e in events(run_dir) if e.get("event") == "stop"], 120, "the stop")[0]
+    assert stop["reason"] == "signal USR1"
+
+    def finished():
+        out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+        return out if "JobState=RUNNING" not in out and "JobState=PENDING" not in out else None
+    record = wait_for(finished, 90, "the job to end")
+    assert "ExitCode=75:0" in record, record  # not requeueable: the documented exit code
+    log = next(tmp_path.glob("run-*.out")).read_text()
+    assert "exit 75" in log and "Restarts=0" in record

@@ -47,7 +47,7 @@ def test_usr1_stops_saves_and_the_resumed_run_is_bitwise_equal(tmp_path):
     assert code == 75, (code, out[-2000:], err[-2000:])
     assert stop["event"] == "stop" and stop["reason"] == "signal USR1" and 5 <= stop["step"] < steps, stop
     assert (run / "checkpoints" / f"step-{stop['step']:08d}" / "COMPLETE").exists()
-    assert f"stopped at step {stop['step']} (signal USR1)" in out
+    assert f"stopped at step {stop['step']} (signal USR1)" in out and "exit 75" in out
     resumed = run_mpi(2, "hpctrain.cli", "train", *FAST, f"train.run_dir={run}", f"train.steps={steps}",
                       "--resume", "auto", module=True, timeout=240)
     assert f"resumed from" in resumed.stdout and records(run)[-1]["reason"] == "max steps"

@@ -29,6 +29,7 @@ def default_resume() -> str:
 def run(args) -> int:
     """Parse the config (identical on every rank, so errors are raised everywhere) and train."""
     import torch
+    from mpi4py import MPI  # noqa: F401  initialised first: a config error then names its rank and ends the job
 
     from hpctrain.config import load_config
     from hpctrain.train.loop import run_training

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 from hpctrain.train.stop import StopPolicy, agree
@@ -24,18 +25,28 @@ STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with
 
 def run_training(cfg, resume: str, max_steps: int = 0) -> int:
     """Collective over the world; returns the process exit code (see the module docstring)."""
-    from hpctrain.checkpoint.manager import CheckpointManager
     from hpctrain.comm.grid import ProcessGrid
     from hpctrain.runtime.device import select_device
     from hpctrain.runtime.launcher import discover
     from hpctrain.runtime.signals import SignalFlag
-    from hpctrain.train.metrics import MetricsLog
-    from hpctrain.train.trainer import Trainer
 
     info = discover()
     flag = SignalFlag(cfg.train.exit_signals)  # early: a signal during start-up is not lost
     device = select_device(cfg.train.device, info)
     grid = ProcessGrid.from_config(cfg, info)
+    lock = _lock_run_dir(cfg, grid)
+    try:
+        return _train(cfg, grid, device, resume, max_steps, flag, lock)
+    finally:
+        lock.release()  # also on errors: a failed start leaves no lock behind
+
+
+def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
+    from hpctrain.checkpoint.manager import CheckpointManager
+    from hpctrain.train.metrics import MetricsLog
+    from hpctrain.train.trainer import Trainer
+
+    info = grid.info
     trainer = Trainer(cfg, grid, device=device)
     checkpoints = CheckpointManager(cfg.checkpoint, grid, cfg.train.run_dir)
     resumed = checkpoints.resume(trainer, resume)
@@ -53,6 +64,7 @@ def run_training(cfg, resume: str, max_steps: int = 0) -> int:
         while not (reason := agree(policy.local_reason(trainer.step), grid.world)):
             record = trainer.train_step().as_dict()
             policy.record_step(record["step_time_s"])
+            lock.heartbeat()
             log.log(record)
             if interval and trainer.step % interval == 0 and trainer.step < last_step:
                 checkpoints.save(trainer)
@@ -68,7 +80,24 @@ def run_training(cfg, resume: str, max_steps: int = 0) -> int:
     if is_root and summary:
         with open(os.path.join(cfg.train.run_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1)
-    return _finish(cfg, grid, reason, trainer.step, save_s, is_root)  # closes the grid
+    return _finish(cfg, grid, reason, trainer.step, save_s, is_root, lock)  # closes the grid
+
+
+def _lock_run_dir(cfg, grid):
+    """Collective: rank 0 takes the run directory's lock; every rank raises if it is in use."""
+    from hpctrain.train.run_lock import RunDirInUse, RunLock
+
+    lock, problem = RunLock(cfg.train.run_dir, enabled=grid.info.rank == 0), None
+    try:
+        warning = lock.acquire()
+        if warning:
+            print(f"hpctrain: WARNING: {warning}", file=sys.stderr, flush=True)
+    except (RunDirInUse, OSError) as exc:
+        problem = str(exc)
+    problem = grid.world.broadcast_object(problem, root=0)
+    if problem:
+        raise RunDirInUse(problem)
+    return lock
 
 
 def _deadline(cfg, grid) -> float | None:
@@ -82,7 +111,7 @@ def _deadline(cfg, grid) -> float | None:
     return grid.world.broadcast_object(mine, root=0)
 
 
-def _finish(cfg, grid, reason: str, step: int, save_s: float, is_root: bool) -> int:
+def _finish(cfg, grid, reason: str, step: int, save_s: float, is_root: bool, lock) -> int:
     """Log the stop, close the grid, then requeue if asked: ``scontrol requeue`` kills the job's tasks
     at once, so everything is on disk and MPI is finalised first (a task killed inside MPI leaves
     shared-memory segments that the requeued attempt, with the same step id, would attach to).
@@ -100,6 +129,7 @@ def _finish(cfg, grid, reason: str, step: int, save_s: float, is_root: bool) -> 
             print(f"hpctrain train: stopped at step {step} ({reason}); checkpoint saved in {save_s:.1f} s"
                   + (f"; requeueing Slurm job {job}" if job else ""), flush=True)
     grid.world.barrier()
+    lock.release()  # before a requeue: the next attempt must find the directory free
     grid.close()
     if not job:
         if is_root and early:

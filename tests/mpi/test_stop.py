@@ -72,3 +72,27 @@ def test_a_bad_signal_name_is_a_clear_error(tmp_path):
     result = run_mpi(2, "hpctrain.cli", "train", *FAST, f"train.run_dir={tmp_path}", "train.exit_signals=USR9",
                      module=True, check=False)
     assert result.returncode == 2 and "train.exit_signals: unknown signal 'USR9'" in result.stderr
+
+
+def test_a_second_job_on_a_live_run_directory_is_refused_and_changes_nothing(tmp_path):
+    first = start(tmp_path, "train.steps=100000", "train.time_limit_s=20", "train.time_limit_margin_s=1")
+    deadline = time.time() + 120
+    while not any("event" not in r for r in records(tmp_path)) and time.time() < deadline:
+        time.sleep(0.2)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    second = run_mpi(2, "hpctrain.cli", "train", *FAST, f"train.run_dir={tmp_path}", "train.steps=5",
+                     module=True, check=False)
+    assert second.returncode == 2 and "is in use by pid" in second.stderr, second.output[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    code, out, err = finish(first)
+    assert code == 75 and records(tmp_path)[-1]["reason"] == "time limit", err[-2000:]
+    assert not (tmp_path / ".hpctrain.lock").exists()  # released at the end
+
+
+def test_the_lock_of_a_dead_job_is_taken_over(tmp_path):
+    import socket
+
+    (tmp_path / ".hpctrain.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7}))
+    result = run_mpi(2, "hpctrain.cli", "train", *FAST, f"train.run_dir={tmp_path}", "train.steps=2",
+                     module=True)
+    assert "took over the stale lock" in result.stderr and records(tmp_path)[-1]["reason"] == "max steps"

@@ -55,3 +55,29 @@ def test_slurm_ids():
     assert slurm_job_to_requeue({"SLURM_JOB_ID": "12"}) == "12"
     assert slurm_job_to_requeue({"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "2"}) == "10_2"
     assert slurm_job_to_requeue({}) is None
+
+
+def test_run_lock_live_stale_and_release(tmp_path):
+    import json
+    import socket
+    import time as clock
+
+    from hpctrain.train.run_lock import STALE_S, RunDirInUse, RunLock
+
+    mine = RunLock(str(tmp_path), enabled=True)
+    assert mine.acquire() is None and (tmp_path / ".hpctrain.lock").exists()
+    with pytest.raises(RunDirInUse, match="is in use by pid"):
+        RunLock(str(tmp_path), enabled=True).acquire()  # this very process is alive
+    mine.release()
+    assert not (tmp_path / ".hpctrain.lock").exists()
+    lock = tmp_path / ".hpctrain.lock"
+    lock.write_text(json.dumps({"host": "other-node", "pid": 1, "job": "77"}))
+    with pytest.raises(RunDirInUse, match="job 77, pid 1 on other-node"):
+        RunLock(str(tmp_path), enabled=True).acquire()  # another host, fresh heartbeat
+    old = clock.time() - STALE_S - 10
+    os.utime(lock, (old, old))
+    taker = RunLock(str(tmp_path), enabled=True)
+    assert "took over the stale lock of job 77" in taker.acquire()
+    assert json.loads(lock.read_text())["host"] == socket.gethostname()
+    taker.release()
+    assert RunLock(str(tmp_path), enabled=False).acquire() is None and not lock.exists()

@@ -15,6 +15,8 @@ import tempfile
 
 import numpy as np
 
+from hpctrain.errors import HpcTrainError
+
 BUILTIN_SOURCE = "builtin"
 BYTE_VOCAB_SIZE = 256
 FILE_SEPARATOR = b"\n\n"
@@ -23,8 +25,8 @@ SKIPPED_STDLIB_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "_
 CACHE_FORMAT_TAG = "hpctrain-builtin-v1"
 
 
-class DataError(ValueError):
-    """A corpus could not be loaded; the message names the path and the problem."""
+class DataError(HpcTrainError, ValueError):
+    """A corpus could not be loaded; the message names the path and the problem (a user error: exit 2)."""
 
 
 def default_cache_dir() -> str:

@@ -12,6 +12,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hpctrain.errors import HpcTrainError
+
+
+class SamplerError(HpcTrainError, ValueError):
+    """The corpus or a saved sampler state does not fit this run (a user error: exit 2)."""
+
 _UINT64_MASK = (1 << 64) - 1
 _GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MIX_MUL_1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -50,7 +56,7 @@ class SequenceSampler:
             raise ValueError(f"tokens must be a 1-D integer array, got dtype {tokens.dtype} "
                              f"shape {tokens.shape}")
         if len(tokens) <= seq_len + 1:
-            raise ValueError(f"corpus too short: {len(tokens)} tokens, need more than "
+            raise SamplerError(f"corpus too short: {len(tokens)} tokens, need more than "
                              f"seq_len + 1 = {seq_len + 1} (use a bigger corpus or a smaller seq_len)")
         self.tokens = tokens
         self.seq_len = int(seq_len)
@@ -143,14 +149,14 @@ class GlobalBatchIterator:
         """Resume at ``state["consumed"]``; seed and seq_len must match this sampler's."""
         missing = [k for k in ("consumed", "seed", "seq_len") if k not in state]
         if missing:
-            raise ValueError(f"data sampler state is missing keys {missing}")
+            raise SamplerError(f"data sampler state is missing keys {missing}")
         if int(state["seed"]) != self.sampler.seed:
-            raise ValueError(f"data sampler seed mismatch: checkpoint has seed={int(state['seed'])}, "
+            raise SamplerError(f"data sampler seed mismatch: checkpoint has seed={int(state['seed'])}, "
                              f"this run uses seed={self.sampler.seed}")
         if int(state["seq_len"]) != self.sampler.seq_len:
-            raise ValueError(f"data sampler seq_len mismatch: checkpoint has "
+            raise SamplerError(f"data sampler seq_len mismatch: checkpoint has "
                              f"seq_len={int(state['seq_len'])}, this run uses "
                              f"seq_len={self.sampler.seq_len}")
         if int(state["consumed"]) < 0:
-            raise ValueError(f"data sampler state has consumed={state['consumed']}, must be >= 0")
+            raise SamplerError(f"data sampler state has consumed={state['consumed']}, must be >= 0")
         self.consumed = int(state["consumed"])

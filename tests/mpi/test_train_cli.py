@@ -58,12 +58,15 @@ def test_float16_overflow_skips_the_step_and_says_so(tmp_path):
     (["model.n_heads=6", "model.n_kv_heads=6", "model.d_model=48", "parallel.pp=1", "parallel.tp=4"],
      "model.n_heads=6 is not divisible by parallel.tp=4"),
     (["train.global_batch=6", "parallel.tp=1", "parallel.pp=1"], "not divisible by dp=4"),
+    (["data.source=/nonexistent/corpus.txt"], "data source '/nonexistent/corpus.txt': path does not exist"),
+    (["data.source=README.md", "data.max_bytes=20"], "corpus too short: 20 tokens"),
 ])
 def test_bad_config_fails_clearly_on_every_rank(tmp_path, overrides, message):
     result = train(4, tmp_path, "train.steps=2", *overrides, check=False, timeout=90)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("hpctrain: error: rank ")]
     assert len(errors) == 4 and all(message in line for line in errors), result.stderr
+    assert "internal error" not in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")

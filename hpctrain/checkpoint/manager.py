@@ -23,7 +23,7 @@ import time
 
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
-from hpctrain.checkpoint.state import CheckpointError, load_into, snapshot
+from hpctrain.checkpoint.state import ANOTHER_MODEL, CheckpointError, load_into, snapshot
 from hpctrain.checkpoint.writers import has_parallel_h5py, write_mpio, write_shards
 
 
@@ -245,6 +245,10 @@ class CheckpointManager:
         others = sorted((r for r in records if r["complete"] and not r["latest"]), key=lambda r: -r["step"])
         for record in latest + others:
             problem = self._try_load(record["path"], trainer)
+            if problem and ANOTHER_MODEL in problem:  # a config typo must not start over and prune this run
+                raise CheckpointError(f"--resume auto: the newest checkpoint of {self.dir} was {ANOTHER_MODEL} "
+                                      f"than this config ({problem}). Nothing was changed. Make model.* match "
+                                      f"the run's config.json, or use another train.run_dir, or --resume none")
             if not problem:
                 if record is not (latest + others)[0] and self.rank == 0:
                     print(f"hpctrain: resumed from the older checkpoint {record['path']}", file=sys.stderr, flush=True)

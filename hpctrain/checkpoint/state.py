@@ -112,16 +112,19 @@ def _host(values: torch.Tensor, dtype, box: Box) -> np.ndarray:
         .astype(dtype, copy=True).reshape(box.shape)
 
 
+ANOTHER_MODEL = "written for another model"  # in every incompatibility message: resume tells it from damage
+
+
 def check_compatible(trainer, reader) -> None:
     """Raise CheckpointError if this rank's parameters are missing or shaped differently in the checkpoint."""
     for p in trainer.flat.params:
         name = model_dataset(p.spec.name)
         shape = reader.shape(name)
         if shape is None:
-            raise CheckpointError(f"{reader.path}: checkpoint has no dataset {name}: it was written by another "
-                                  f"model (check model.* settings against its config)")
+            raise CheckpointError(f"{reader.path}: {ANOTHER_MODEL}: it has no dataset {name} (check model.* "
+                                  f"settings against its config)")
         if tuple(shape) != tuple(p.spec.global_shape):
-            raise CheckpointError(f"{reader.path}: checkpoint of another model shape: {name} is {tuple(shape)} "
+            raise CheckpointError(f"{reader.path}: checkpoint of another model shape ({ANOTHER_MODEL}): {name} is {tuple(shape)} "
                                   f"in the checkpoint but {tuple(p.spec.global_shape)} in this model")
 
 

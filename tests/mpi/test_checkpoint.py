@@ -150,6 +150,15 @@ def test_missing_checkpoint_and_other_model_shape(two_checkpoints, tmp_path):
     _all_ranks_fail(result, 2, "checkpoint of another model shape")
 
 
+def test_resume_auto_with_another_model_is_an_error_that_changes_nothing(two_checkpoints, tmp_path):
+    """A config typo must not start the run over and prune its trained checkpoints."""
+    run_dir = _copy(two_checkpoints, tmp_path)
+    state = {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    result = train(2, run_dir, *F32, "model.d_ff=512", "--resume", "auto", check=False)
+    _all_ranks_fail(result, 2, "Nothing was changed")
+    assert {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*")} == state
+
+
 def test_unwritable_checkpoint_dir_fails_on_every_rank_and_keeps_the_good_ones(two_checkpoints, tmp_path):
     run_dir = _copy(two_checkpoints, tmp_path)
     blocker = tmp_path / "a-file"

@@ -39,7 +39,10 @@ def test_half_precision_trains(tmp_path, dtype):
           "parallel.sequence_parallel=false")
     losses = [r["loss"] for r in read_metrics(tmp_path)]
     assert all(math.isfinite(v) for v in losses), losses  # no NaN, no infinity
-    assert losses[-1] < losses[0] - 0.2, losses  # it learns (ln 256 = 5.55 -> about 4.9 in 8 steps)
+    assert len(losses) == 8, losses
+    # it learns: ln 256 = 5.55 at step 1, about 4.26 at step 8 in both dtypes (no step skipped); the
+    # margin is half that drop, so a few skipped or noisier steps still pass but a stalled run does not
+    assert losses[-1] < losses[0] - 0.6, losses
 
 
 def test_float16_overflow_skips_the_step_and_says_so(tmp_path):

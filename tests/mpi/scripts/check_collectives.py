@@ -74,9 +74,18 @@ def check_group(comm, dtype, device, checks: list) -> None:
     # ring send/recv, non-blocking both ways (no deadlock whatever the size)
     right, left = (comm.rank + 1) % size, (comm.rank - 1) % size
     send_buf, recv_buf = data(me, n, dtype, device), torch.empty(n, dtype=dtype, device=device)
-    if torch.device(device).type == "cpu":  # on NCCL, separate calls could deadlock: exchange() below
+    if torch.device(device).type == "cpu":
         for h in [comm.irecv(recv_buf, left, tag=7), comm.isend(send_buf, right, tag=7)]:
             h.wait()
+        expect("sendrecv-ring", recv_buf, data(members[left], n, torch.float64))
+    elif size % 2 == 0:
+        # blocking send/recv ordered by parity: NCCL point-to-point calls made separately are not
+        # grouped, so two neighbours that both receive first would deadlock on the GPU
+        first, second = ((lambda: comm.send(send_buf, right), lambda: comm.recv(recv_buf, left))
+                         if comm.rank % 2 == 0 else
+                         (lambda: comm.recv(recv_buf, left), lambda: comm.send(send_buf, right)))
+        first()
+        second()
         expect("sendrecv-ring", recv_buf, data(members[left], n, torch.float64))
     # the pipeline's grouped exchange: send right and receive from the left in one post
     exchanged = torch.empty(n, dtype=dtype, device=device)
@@ -95,6 +104,7 @@ def main():
     args = parser.parse_args()
     info = discover()
     device = torch.device("cpu") if args.device == "cpu" else bind_device(info)
+    assert device.type == args.device, f"--device {args.device}, but the rank got {device} (no CUDA device?)"
     grid = ProcessGrid.build(info, tp=args.tp, pp=args.pp, backend=args.backend, timeout_s=120)
     backends = grid.use_device(device)
     checks = []

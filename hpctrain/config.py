@@ -78,6 +78,13 @@ class ParallelConfig:
 
 
 @dataclass
+class CommConfig:
+    """Communication watchdog and debugging ($HPCTRAIN_COMM_TIMEOUT, when set, overrides timeout_s)."""
+    timeout_s: float = _field(600.0, min=0)  # a call older than this ends the job with a hang report; 0 = off
+    check: bool = False  # debug: every collective's op, size and dtype compared across its group first
+
+
+@dataclass
 class OptimConfig:
     """Optimizer hyperparameters (learning rate and schedule live in TrainConfig)."""
     name: str = _field("adamw", choices=("adamw", "sgd"))
@@ -138,6 +145,7 @@ class Config:
     """The whole run configuration, one attribute per TOML section."""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

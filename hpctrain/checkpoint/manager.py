@@ -9,8 +9,9 @@ Save protocol (invariant: ``latest`` only ever names a complete, verified checkp
 Any failure on any rank is agreed on by all ranks (allgather of errors), the temporary directory is
 removed, and CheckpointError names the failing rank and cause: nothing published is touched.
 
-All checkpoint communication runs on a duplicate of the world communicator, so a background
-(async) save never interleaves with the training step's collectives.
+All checkpoint communication runs on a ``Communicator`` named "checkpoint" over a duplicate of the
+world communicator, so a background (async) save never interleaves with the training step's
+collectives, and every checkpoint exchange is watched (a rank stopped mid-save is named).
 """
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PRE
 from hpctrain.checkpoint.reader import CheckpointReader
 from hpctrain.checkpoint.state import ANOTHER_MODEL, CheckpointError, load_into, snapshot
 from hpctrain.checkpoint.writers import has_parallel_h5py, write_mpio, write_shards
+from hpctrain.comm.collectives import Communicator
+from hpctrain.runtime.faults import FaultInjector
 
 
 def agree(comm, error: str | None, what: str) -> None:
     """Collective: raise CheckpointError on every rank if any rank reported an error."""
-    errors = [(r, e) for r, e in enumerate(comm.allgather(error)) if e]
+    errors = [(r, e) for r, e in enumerate(comm.allgather_object(error)) if e]
     if errors:
         details = "; ".join(f"rank {r}: {e}" for r, e in errors[:4])
         raise CheckpointError(f"{what} failed: {details}" + (f" (and {len(errors) - 4} more)" if len(errors) > 4 else ""))
@@ -93,8 +96,11 @@ class CheckpointManager:
         if self.writer == "mpio" and not has_parallel_h5py():
             raise CheckpointError("checkpoint.writer='mpio' needs h5py built with MPI (h5py.get_config().mpi is "
                                   "False); use writer='shards' or 'auto', or see docs/checkpoint-format.md")
-        self.comm = grid.world.mpi.Dup()
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        world = grid.world
+        self.comm = Communicator(world.mpi.Dup(), "checkpoint", world.members, grid.watchdog, grid.stats,
+                                 check=world.check)
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self.faults = FaultInjector.from_env(self.rank)
         self._thread, self._error = None, None
         self._cleaned = False
         self.saved_steps: list[int] = []
@@ -130,7 +136,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            self.comm.Free()
+            self.comm.mpi.Free()
 
     def _write_and_publish(self, snap) -> None:
         started = time.perf_counter()
@@ -153,6 +159,7 @@ class CheckpointManager:
         try:
             error = None
             try:
+                self.faults.hit("write", snap.step)
                 written = (write_mpio if self.writer == "mpio" else write_shards)(self.comm, tmp, snap)
                 for path in written:
                     _fsync(path)
@@ -163,6 +170,7 @@ class CheckpointManager:
                 error = f"{type(exc).__name__}: {exc}"
             agree(self.comm, error, f"writing checkpoint of step {snap.step} ({self.writer} writer)")
             problems = []
+            self.faults.hit("verify", snap.step)
             try:
                 with CheckpointReader(tmp) as reader:
                     problems = reader.verify(self.rank, self.size)
@@ -192,6 +200,7 @@ class CheckpointManager:
                 os.rename(final, replaced)
             os.rename(tmp, final)
             _fsync(self.dir)
+            self.faults.hit("publish", step)  # published, but `latest` still names the previous one
             pointer = os.path.join(self.dir, LATEST_POINTER)
             with open(pointer + ".tmp", "w", encoding="utf-8") as f:
                 f.write(os.path.basename(final) + "\n")

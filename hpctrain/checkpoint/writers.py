@@ -10,8 +10,9 @@ shards  each rank writes ``shards/shard-RRRRR.h5`` with serial h5py while the ra
         its shard (relative paths: the directory can be renamed and moved); the manifest of
         checksums is added to it last.
 
-Both run on ``comm`` (a duplicate of the world communicator reserved for checkpoints) and return
-after every rank's data is in the files (not yet fsynced or verified: the manager does that).
+Both run on ``comm``, a ``Communicator`` on a duplicate of the world communicator reserved for
+checkpoints (so every exchange is numbered and watched, the parallel-HDF5 section included), and
+return after every rank's data is in the files (not yet fsynced or verified: the manager does that).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def has_parallel_h5py() -> bool:
 
 def union_datasets(comm, snapshot) -> list[tuple[str, tuple, str]]:
     merged = {}
-    for part in comm.allgather(snapshot.datasets):
+    for part in comm.allgather_object(snapshot.datasets):
         merged.update(part)
     return [(name, tuple(shape), dtype) for name, (shape, dtype) in sorted(merged.items())]
 
@@ -74,18 +75,18 @@ def write_mpio(comm, directory: str, snapshot) -> list[str]:
     """Collective parallel-HDF5 write; returns the files this rank should fsync."""
     datasets = union_datasets(comm, snapshot)
     entries = [(it.dataset, it.box.offset, it.box.shape, crc32(it.data)) for it in snapshot.items]
-    manifest = encode_json(_manifest(comm.allgather(entries)))
+    manifest = encode_json(_manifest(comm.allgather_object(entries)))
     by_dataset = defaultdict(list)
     for item in snapshot.items:  # items of one dataset come in increasing local (= file) order
         by_dataset[item.dataset].append(item)
     path = os.path.join(directory, MASTER_FILE)
-    with h5py.File(path, "w", driver="mpio", comm=comm) as f:
+    with comm.watched("mpio write"), h5py.File(path, "w", driver="mpio", comm=comm.mpi) as f:
         for name, shape, dtype in datasets:
             f.create_dataset(name, shape=shape, dtype=np.dtype(dtype))
         f.create_dataset("manifest", shape=manifest.shape, dtype=np.uint8)
         for name, _, _ in datasets:
             _collective_write(f[name], by_dataset.get(name, []))
-        mine = [WriteItem("manifest", Box((0,), manifest.shape), manifest)] if comm.Get_rank() == 0 else []
+        mine = [WriteItem("manifest", Box((0,), manifest.shape), manifest)] if comm.rank == 0 else []
         _collective_write(f["manifest"], mine)
         _set_attrs(f, {**snapshot.attrs, "writer": "mpio"})
     return [path]  # every rank fsyncs: on a parallel file system each node flushes its own cache
@@ -98,11 +99,11 @@ def write_shards(comm, directory: str, snapshot) -> list[str]:
     written, by the rank with the least data to write; only the manifest (checksums) waits for all.
     """
     datasets = union_datasets(comm, snapshot)
-    rank = comm.Get_rank()
+    rank = comm.rank
     relative = f"shards/shard-{rank:05d}.h5"
     boxes = [(item.dataset, item.box.offset, item.box.shape, relative, f"b{k}")
              for k, item in enumerate(snapshot.items)]
-    everything = comm.allgather((sum(item.data.nbytes for item in snapshot.items), boxes))
+    everything = comm.allgather_object((sum(item.data.nbytes for item in snapshot.items), boxes))
     builder = min(range(len(everything)), key=lambda r: (everything[r][0], -r))
     path = os.path.join(directory, MASTER_FILE)
     if rank == builder:
@@ -127,7 +128,7 @@ def write_shards(comm, directory: str, snapshot) -> list[str]:
                 f.create_dataset(f"b{k}", data=item.data)
                 entries.append((item.dataset, item.box.offset, item.box.shape, crc32(item.data)))
         written.append(shard_path)
-    gathered = comm.gather(entries, root=builder)
+    gathered = comm.gather_object(entries, root=builder)
     if rank == builder:
         with h5py.File(path, "a") as f:
             f["manifest"] = encode_json(_manifest(gathered))

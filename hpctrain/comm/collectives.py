@@ -5,8 +5,11 @@ A ``Communicator`` wraps one mpi4py communicator (a dp, pp, tp or world group). 
   CUDA tensors -> the group's device backend, chosen collectively by ``prepare_device``: NCCL (CuPy),
   CUDA-aware MPI, or MPI with host staging;
 - is zero-copy (the tensor's own storage is the MPI/NCCL buffer; reductions are in place);
-- is counted (bytes, calls, blocked seconds) and watched (``Watchdog``: a stalled call aborts the
-  job with a message naming the op and group instead of hanging).
+- is counted (bytes, calls, blocked seconds) and watched (``Watchdog``: collectives are numbered per
+  group; a stalled call aborts the job with a report naming the ranks that never reached it);
+- with ``check`` on (``comm.check = true``), is preceded by a fingerprint exchange: every member must
+  call the same collective with the same size and type, else ``CommCheckError`` names the first
+  divergence (a debugging mode: one extra small allgather per call).
 
 Blocking calls return None; ``nonblocking=True`` returns a ``Handle`` to ``wait()`` or ``test()``
 (calling ``test`` between pieces of work drives MPI progress and gives overlap: see
@@ -27,6 +30,10 @@ BACKEND_CHOICES = ("auto", "mpi", "cuda-mpi", "nccl")
 
 class CommSetupError(HpcTrainError):
     """The requested collective backend cannot run here (no NCCL, ranks sharing a GPU, ...)."""
+
+
+class CommCheckError(HpcTrainError):
+    """comm.check: the members of a group called different collectives (a bug in the caller)."""
 
 
 class Handle:
@@ -55,7 +62,7 @@ class Communicator:
     """Collectives on one group. ``members``: the world ranks of the group, in group-rank order."""
 
     def __init__(self, mpi_comm, name: str, members: tuple[int, ...], watchdog: Watchdog,
-                 stats: CommStats, backend: str = "auto"):
+                 stats: CommStats, backend: str = "auto", check: bool = False):
         if backend not in BACKEND_CHOICES:
             raise ValueError(f"unknown comm backend {backend!r}; expected one of {BACKEND_CHOICES}")
         self.mpi = mpi_comm
@@ -69,6 +76,10 @@ class Communicator:
         self._host = MpiBackend(mpi_comm)
         self._device = None  # created on the first CUDA tensor (NCCL init is collective and costly)
         self._counters = {}  # op -> this group's OpCounter in ``stats``
+        self.check = check
+        self.seq = self.p2p_seq = 0  # collectives / point-to-point calls started on this group (Watchdog)
+        self.done_seq, self.done_op, self.done_at = 0, None, None  # the last collective completed
+        watchdog.groups.append(self)
 
     # ---------------------------------------------------------------- backend choice
     def backend_for(self, tensor: torch.Tensor):
@@ -115,55 +126,89 @@ class Communicator:
         self._device = None
 
     # ---------------------------------------------------------------- plumbing
-    def _run(self, op: str, nbytes: int, nonblocking: bool, method, *args):
-        """Count, watch and time ``method(*args, nonblocking)`` (the hot path: attribute updates only)."""
+    def _run(self, op: str, nbytes: int, nonblocking: bool, method, *args, peer=None, fingerprint=None):
+        """Count, watch and time ``method(*args, nonblocking)`` (the hot path: attribute updates only).
+        ``peer``: the group rank of a point-to-point call; ``fingerprint``: what comm.check compares."""
         counter = self._counters.get(op)
         if counter is None:
             counter = self._counters[op] = self.stats.ops[(self.name, op)]
         counter.calls += 1
         counter.bytes += nbytes
+        if self.check and peer is None:
+            self.check_same_call(op, fingerprint)
         watchdog = self.watchdog
+        token = watchdog.begin(op, self, nbytes, peer)
         if nonblocking:
-            token = watchdog.begin(op, self, nbytes)
             return Handle(method(*args, True), watchdog, counter, token)
         start = time.perf_counter()
-        watchdog.blocking = (op, self, nbytes, start)
-        method(*args, False)
-        watchdog.blocking = None
+        try:
+            method(*args, False)
+        finally:  # a failed call must not look stalled later
+            watchdog.end(token)
         counter.seconds += time.perf_counter() - start
         return None
+
+    def check_same_call(self, op: str, fingerprint) -> None:
+        """Collective (comm.check): every member must be about to make the same call; else raise
+        ``CommCheckError`` on every member, naming the call and the first rank that differs."""
+        mine = (op, fingerprint)
+        token = self.watchdog.begin(f"comm.check before {op}", self, seq=self.seq + 1)
+        try:
+            calls = self.mpi.allgather(mine)
+        finally:
+            self.watchdog.end(token)
+        for group_rank, theirs in enumerate(calls):
+            if theirs != calls[0]:
+                raise CommCheckError(
+                    f"comm.check: collective #{self.seq + 1} on group '{self.name}' (world ranks "
+                    f"{list(self.members)}): world rank {self.members[0]} calls {_show(calls[0])}, but world rank "
+                    f"{self.members[group_rank]} calls {_show(theirs)}")
+
+    def _watched(self, op: str, call, *args, **kwargs):
+        """A collective made outside ``_run`` (python objects, barriers), numbered and watched too."""
+        if self.check:
+            self.check_same_call(op, None)
+        token = self.watchdog.begin(op, self)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.watchdog.end(token)
 
     # ---------------------------------------------------------------- collectives
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", nonblocking: bool = False):
         """In place: every rank's ``tensor`` becomes the sum / average / max over the group."""
         backend = self._host if not tensor.is_cuda else self.backend_for(tensor)
-        return self._run("allreduce", tensor.nbytes, nonblocking, backend.allreduce, tensor, op)
+        return self._run("allreduce", tensor.nbytes, nonblocking, backend.allreduce, tensor, op,
+                         fingerprint=(op, tensor.dtype, tensor.numel()))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                        nonblocking: bool = False):
         """``input`` (size*n elements, block r for group rank r) reduced; block ``self.rank`` -> ``output`` (n)."""
         backend = self.backend_for(input)
-        return self._run("reduce_scatter", input.nbytes, nonblocking, backend.reduce_scatter, output, input, op)
+        return self._run("reduce_scatter", input.nbytes, nonblocking, backend.reduce_scatter, output, input, op,
+                         fingerprint=(op, input.dtype, input.numel()))
 
     def allgather(self, output: torch.Tensor, input: torch.Tensor | None = None, nonblocking: bool = False):
         """``output`` (size*n elements) gets every rank's ``input`` (n) in group-rank order.
         ``input=None``: in place, this rank's block of ``output`` already holds its contribution."""
         backend = self.backend_for(output)
-        return self._run("allgather", output.nbytes, nonblocking, backend.allgather, output, input)
+        return self._run("allgather", output.nbytes, nonblocking, backend.allgather, output, input,
+                         fingerprint=(output.dtype, output.numel()))
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, nonblocking: bool = False):
         """In place: every rank's ``tensor`` becomes group rank ``root``'s."""
         backend = self.backend_for(tensor)
-        return self._run("broadcast", tensor.nbytes, nonblocking, backend.broadcast, tensor, root)
+        return self._run("broadcast", tensor.nbytes, nonblocking, backend.broadcast, tensor, root,
+                         fingerprint=(root, tensor.dtype, tensor.numel()))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, nonblocking: bool = False):
         backend = self.backend_for(tensor)
-        return self._run("send", tensor.nbytes, nonblocking, backend.send, tensor, dst, tag)
+        return self._run("send", tensor.nbytes, nonblocking, backend.send, tensor, dst, tag, peer=dst)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, nonblocking: bool = False):
         """Receive into ``tensor`` (its shape and dtype must match the sender's)."""
         backend = self.backend_for(tensor)
-        return self._run("recv", tensor.nbytes, nonblocking, backend.recv, tensor, src, tag)
+        return self._run("recv", tensor.nbytes, nonblocking, backend.recv, tensor, src, tag, peer=src)
 
     def exchange(self, sends=(), recvs=()) -> Handle:
         """Post sends ``[(tensor, dst, tag)]`` and receives ``[(tensor, src, tag)]`` together; one handle.
@@ -175,7 +220,8 @@ class Communicator:
         first = (list(sends) + list(recvs))[0][0]
         backend = self.backend_for(first)
         nbytes = sum(t.nbytes for t, _, _ in sends) + sum(t.nbytes for t, _, _ in recvs)
-        return self._run("exchange", nbytes, True, lambda _nb: backend.exchange(sends, recvs))
+        peer = (list(recvs) + list(sends))[0][1]  # the report names the rank it waits on first
+        return self._run("exchange", nbytes, True, lambda _nb: backend.exchange(sends, recvs), peer=peer)
 
     def isend(self, tensor, dst, tag=0) -> Handle:
         return self.send(tensor, dst, tag, nonblocking=True)
@@ -184,23 +230,41 @@ class Communicator:
         return self.recv(tensor, src, tag, nonblocking=True)
 
     def barrier(self) -> None:
-        token = self.watchdog.begin("barrier", self)
-        self.mpi.Barrier()
-        self.watchdog.end(token)
+        self._watched("barrier", self.mpi.Barrier)
 
     # ---------------------------------------------------------------- small python objects
     def allgather_object(self, obj) -> list:
         """Pickled allgather for small metadata (not for tensors)."""
-        token = self.watchdog.begin("allgather_object", self)
-        result = self.mpi.allgather(obj)
-        self.watchdog.end(token)
-        return result
+        return self._watched("allgather_object", self.mpi.allgather, obj)
+
+    def gather_object(self, obj, root: int = 0) -> list | None:
+        return self._watched("gather_object", self.mpi.gather, obj, root=root)
 
     def broadcast_object(self, obj, root: int = 0):
-        token = self.watchdog.begin("broadcast_object", self)
-        result = self.mpi.bcast(obj, root=root)
-        self.watchdog.end(token)
-        return result
+        return self._watched("broadcast_object", self.mpi.bcast, obj, root=root)
+
+    def watched(self, op: str):
+        """``with comm.watched("mpio write"):`` a collective section made by another library on
+        ``self.mpi`` (parallel HDF5), numbered and watched like one call."""
+        return _WatchedSection(self, op)
 
     def __repr__(self) -> str:
         return f"Communicator({self.name}, rank {self.rank}/{self.size}, members={list(self.members)})"
+
+
+class _WatchedSection:
+    def __init__(self, comm: Communicator, op: str):
+        self.comm, self.op = comm, op
+
+    def __enter__(self):
+        self.token = self.comm.watchdog.begin(self.op, self.comm)
+        return self
+
+    def __exit__(self, *exc):
+        self.comm.watchdog.end(self.token)
+        return False
+
+
+def _show(call) -> str:
+    op, fingerprint = call
+    return op + (f" {fingerprint}" if fingerprint is not None else "")

@@ -48,23 +48,27 @@ class ProcessGrid:
     @classmethod
     def from_config(cls, cfg, info: RankInfo, world_mpi=None, timeout_s: float | None = None) -> "ProcessGrid":
         """Collective: the grid of ``cfg``'s validated ``Layout`` (``grid.layout``), with its
-        ``parallel.backend`` and ``parallel.strict_placement``."""
+        ``parallel.backend``, ``parallel.strict_placement``, ``comm.timeout_s`` (``$HPCTRAIN_COMM_TIMEOUT``
+        overrides it when set; an explicit ``timeout_s`` overrides both) and ``comm.check``."""
         layout = Layout.from_config(cfg, info.size)
         p = cfg.parallel
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("HPCTRAIN_COMM_TIMEOUT") or cfg.comm.timeout_s)
         grid = cls.build(info, world_mpi, dp=layout.dp_size, pp=layout.pp_size, tp=layout.tp_size,
-                         strict_placement=p.strict_placement, backend=p.backend, timeout_s=timeout_s)
+                         strict_placement=p.strict_placement, backend=p.backend, timeout_s=timeout_s,
+                         check=cfg.comm.check)
         grid.layout = layout
         return grid
 
     @classmethod
     def build(cls, info: RankInfo, world_mpi=None, dp: int = 0, pp: int = 1, tp: int = 1,
               strict_placement: bool = False, backend: str = "auto", timeout_s: float | None = None,
-              stream=sys.stderr) -> "ProcessGrid":
+              check: bool = False, stream=sys.stderr) -> "ProcessGrid":
         """Collective over the world: split it into dp/pp/tp communicators and verify placement.
 
         Every rank validates the same inputs, so a bad layout raises GridError on every rank with no
         communication (nothing can hang). ``timeout_s`` (default ``$HPCTRAIN_COMM_TIMEOUT`` or 600)
-        bounds every communication call of this grid.
+        bounds every communication call of this grid; ``check`` turns on comm.check fingerprints.
         """
         from mpi4py import MPI
 
@@ -74,7 +78,9 @@ class ProcessGrid:
             timeout_s = float(os.environ.get("HPCTRAIN_COMM_TIMEOUT", "600"))
         order = sorted(range(info.size), key=lambda r: (info.node_of_rank[r], info.local_rank_of_rank[r]))
         coords_of = layout_coordinates(order, sizes)
-        watchdog, stats = Watchdog(info.rank, timeout_s), CommStats()
+        peers = world_mpi.allgather((info.hostname, info.node, os.getpid()))  # named in hang reports
+        watchdog = Watchdog(info.rank, timeout_s, status_comm=world_mpi.Dup(), peers=peers)
+        stats = CommStats()
         warnings = []
 
         comms, crosses_nodes = {}, {}
@@ -90,7 +96,7 @@ class ProcessGrid:
                 raise GridError(f"internal: {axis} communicator rank {mpi_comm.Get_rank()} != coordinate "
                                 f"{coords_of[info.rank][axis]}")
             crosses_nodes[axis] = len({info.node_of_rank[r] for r in members}) > 1
-            comms[axis] = Communicator(mpi_comm, axis, members, watchdog, stats, backend)
+            comms[axis] = Communicator(mpi_comm, axis, members, watchdog, stats, backend, check)
 
         tp_nodes: dict[tuple, set] = {}
         for r, c in coords_of.items():
@@ -107,7 +113,7 @@ class ProcessGrid:
             if info.rank == 0:
                 print(f"hpctrain: WARNING: {message}", file=stream, flush=True)
 
-        world = Communicator(world_mpi, "world", tuple(range(info.size)), watchdog, stats, backend)
+        world = Communicator(world_mpi, "world", tuple(range(info.size)), watchdog, stats, backend, check)
         return cls(info, sizes, coords_of[info.rank], comms, crosses_nodes, world, watchdog, stats, warnings)
 
     def comm(self, axis: str) -> Communicator:

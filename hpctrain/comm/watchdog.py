@@ -1,17 +1,26 @@
 """Watchdog and byte counters for every communication call (invariant: no wait is forever).
 
-A blocking call sets ``Watchdog.blocking`` for its duration; a non-blocking one registers with
-``begin`` and leaves with ``end`` when its handle completes (both cost well under a microsecond:
-the message is only formatted if a call stalls). A daemon thread
-checks the in-flight calls once a second; a call older than ``timeout_s`` prints which operation,
-on which group, of how many bytes, has stalled on which rank, and aborts the MPI job, so a dead or
-diverged peer ends the run with a message instead of hanging it until the batch job's wall time.
-mpi4py releases the GIL inside MPI calls, so the thread runs while the main thread is blocked.
+Every call made through a ``Communicator`` is registered here while it is in flight, with its group
+and a per-group sequence number: collectives are numbered 1, 2, ... on each group (every member makes
+them in the same order, so ``allreduce #57 on dp`` is one call on every member), point-to-point
+calls separately, with their peer. Registering costs well under a microsecond: a description is
+only formatted if a call stalls.
+
+A daemon thread (mpi4py releases the GIL inside MPI calls, so it runs while the main thread waits)
+does two things once a period:
+- answers status queries from other ranks (``hang_report.answer``) on its own duplicate of the
+  world communicator, a channel that does not depend on any stuck collective;
+- checks this rank's calls: one older than ``timeout_s`` starts a hang report
+  (``hang_report.investigate``): ask every rank where it is, name the ranks that never reached the
+  call (a rank that does not answer is stopped, dead or stuck in C code: its process state is read
+  from ``/proc`` when it runs on this node), print ONE report job-wide, then abort the MPI job (exit
+  code 3).
 """
 from __future__ import annotations
 
+import atexit
 import itertools
-import sys
+import os
 import threading
 import time
 from collections import defaultdict
@@ -38,51 +47,115 @@ class CommStats:
         return sum(c.bytes for c in self.ops.values())
 
 
-class Watchdog:
-    """Aborts the job when one communication call outlives ``timeout_s`` (0 disables the thread)."""
+class Call:
+    """One call in flight: ``op`` on ``comm`` (a Communicator), collective number ``seq`` on that group
+    (or, for point-to-point, this rank's ``seq``-th message with group rank ``peer``)."""
 
-    def __init__(self, rank: int, timeout_s: float = 600.0, abort=None):
+    __slots__ = ("op", "comm", "nbytes", "seq", "peer", "start", "numbered")
+
+    def __init__(self, op: str, comm, nbytes: int, seq: int, peer: int | None = None):
+        self.op, self.comm, self.nbytes, self.seq, self.peer = op, comm, nbytes, seq, peer
+        self.numbered = True
+        self.start = time.monotonic()
+
+    def describe(self) -> str:
+        size = f" of {self.nbytes} bytes" if self.nbytes else ""
+        peer = f" with group rank {self.peer} (world rank {self.comm.members[self.peer]})" if self.peer is not None else ""
+        return f"{self.op} #{self.seq}{size}{peer} on group '{self.comm.name}' (world ranks {list(self.comm.members)})"
+
+
+class Watchdog:
+    """Aborts the job with a hang report when a call outlives ``timeout_s`` (0 disables the thread).
+
+    ``peers``: [(hostname, node, pid)] per world rank and ``status_comm`` (a duplicate of the world
+    communicator, used only by the watchdog threads) make the report job-wide; without them (a
+    watchdog built by hand) the report covers this rank only. ``abort(code)``: how to end the job
+    (default ``MPI.COMM_WORLD.Abort``); ``report_path``: a file that also gets the report (the run
+    directory's ``hang-report.txt``), since an abort can cut a pipe before it is flushed.
+    """
+
+    def __init__(self, rank: int, timeout_s: float = 600.0, abort=None, status_comm=None, peers=None):
         self.rank = rank
         self.timeout_s = float(timeout_s)
-        self._abort = abort  # callable(exit_code); default: MPI.COMM_WORLD.Abort
-        self._inflight: dict[int, tuple] = {}  # non-blocking calls: token -> (op, comm, nbytes, start)
-        self.blocking = None  # the blocking call in flight on the main thread, same tuple (set directly)
+        self.status_comm, self.peers = status_comm, peers
+        self._abort = abort
+        self.report_path: str | None = None
+        self.groups: list = []  # every Communicator on this watchdog (their sequence numbers)
+        self._inflight: dict[int, Call] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self.noticed: Call | None = None  # the stalled call this rank is reporting on
         self._thread = None
+        self.period = min(1.0, self.timeout_s / 4) if self.timeout_s > 0 else 1.0
         if self.timeout_s > 0:
             self._thread = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
             self._thread.start()
+            atexit.register(self.close)  # runs before mpi4py's MPI_Finalize (registered earlier)
 
-    def begin(self, op: str, comm, nbytes: int = 0) -> int:
-        """Register a call in flight; cheap (the description is only formatted if it stalls)."""
+    # ---------------------------------------------------------------- the hot path
+    def begin(self, op: str, comm, nbytes: int = 0, peer: int | None = None, seq: int | None = None) -> int:
+        """Register a call on ``comm`` (numbered on its group, unless ``seq`` is given: a preliminary of
+        call ``seq``, as comm.check's exchange); returns the token for ``end``."""
+        if seq is not None:
+            peer = -1  # not a numbered call: ``end`` does not record it as completed
+        elif peer is None:
+            comm.seq += 1
+            seq = comm.seq
+        else:
+            comm.p2p_seq += 1
+            seq = comm.p2p_seq
         token = next(self._ids)
-        self._inflight[token] = (op, comm, nbytes, time.perf_counter())
+        self._inflight[token] = Call(op, comm, nbytes, seq, peer if peer != -1 else None)
+        if peer == -1:
+            self._inflight[token].numbered = False
         return token
 
     def end(self, token: int) -> None:
-        self._inflight.pop(token, None)
+        call = self._inflight.pop(token, None)
+        if call is not None and call.peer is None and call.numbered and call.seq > call.comm.done_seq:
+            comm = call.comm
+            comm.done_seq, comm.done_op, comm.done_at = call.seq, call.op, time.monotonic()
+
+    def inflight(self) -> list[Call]:
+        return list(self._inflight.values())
 
     def close(self) -> None:
+        """Stop the thread and wait for it (it must not be inside MPI when MPI is finalised)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread() and self.noticed is None:
+            self._thread.join(timeout=self.period + 5)
 
+    # ---------------------------------------------------------------- the thread
     def _watch(self) -> None:
-        period = min(1.0, self.timeout_s / 4)
-        while not self._stop.wait(period):
-            now = time.perf_counter()
-            calls = list(self._inflight.values()) + ([self.blocking] if self.blocking else [])
-            for op, comm, nbytes, started in calls:
-                if now - started > self.timeout_s:
-                    size = f" of {nbytes} bytes" if nbytes else ""
-                    self._fire(f"{op}{size} on group '{comm.name}' (world ranks {list(comm.members)})", now - started)
-                    return
+        from hpctrain.comm import hang_report
 
-    def _fire(self, description: str, waited: float) -> None:
-        sys.stderr.write(
-            f"hpctrain: rank {self.rank}: {description} did not complete in {waited:.0f} s "
-            f"(timeout {self.timeout_s:.0f} s): a peer rank died, hangs, or skipped this call. "
-            f"Aborting the job. Raise comm timeout (HPCTRAIN_COMM_TIMEOUT) only if the call is legitimately slow.\n")
+        while not self._stop.wait(self.period):
+            if self.status_comm is not None:
+                hang_report.answer(self)
+            now = time.monotonic()
+            stalled = [c for c in self.inflight() if now - c.start > self.timeout_s]
+            if stalled:
+                self.noticed = min(stalled, key=lambda c: c.start)
+                report = hang_report.investigate(self, self.noticed)
+                if report is not None:
+                    self.fire(report)
+                return
+
+    def fire(self, report: str) -> None:
+        """Print ``report`` (stderr and ``report_path``), give the launcher time to forward it, abort."""
+        import sys
+
+        sys.stderr.write(report if report.endswith("\n") else report + "\n")
         sys.stderr.flush()
+        if self.report_path:
+            try:
+                with open(self.report_path, "a", encoding="utf-8") as f:
+                    f.write(report + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError:
+                pass
+        time.sleep(float(os.environ.get("HPCTRAIN_ERROR_GRACE_S", "1.0")) + 1.0)  # the pipe, then the abort
         if self._abort is not None:
             self._abort(3)
         else:

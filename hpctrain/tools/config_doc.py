@@ -65,6 +65,12 @@ MEANINGS: dict[str, str] = {
                         "host staging (any MPI, ranks may share a GPU); `cuda-mpi` = device pointers to a "
                         "CUDA-aware MPI; `nccl` = NCCL or an error.",
     # [optim]
+    # [comm]
+    "comm.timeout_s": "Seconds a communication call (collective, point-to-point, checkpoint exchange) may take "
+                      "before the job ends with a hang report that names the ranks that never reached the call "
+                      "(exit 3). 0 = no watchdog. `HPCTRAIN_COMM_TIMEOUT`, when set, overrides it.",
+    "comm.check": "Debugging: before every collective the group's members compare op, size and dtype; a mismatch "
+                  "ends the job naming the first differing rank (one extra small allgather per call).",
     "optim.name": "`adamw` (decoupled weight decay) or `sgd` (with optional momentum).",
     "optim.beta1": "AdamW first-moment decay.",
     "optim.beta2": "AdamW second-moment decay.",

@@ -35,6 +35,7 @@ def run_training(cfg, resume: str, max_steps: int = 0) -> int:
     device = select_device(cfg.train.device, info)
     grid = ProcessGrid.from_config(cfg, info)
     lock = _lock_run_dir(cfg, grid)
+    grid.watchdog.report_path = os.path.join(cfg.train.run_dir, "hang-report.txt")  # survives a cut pipe
     try:
         return _train(cfg, grid, device, resume, max_steps, flag, lock)
     finally:

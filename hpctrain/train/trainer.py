@@ -24,6 +24,7 @@ from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
 from hpctrain.runtime.device import configure_matmul, peak_tflops
+from hpctrain.runtime.faults import FaultInjector
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -69,6 +70,7 @@ class Trainer:
         pp_size = self.layout.pp_size
         self.bubble = bubble_fraction(pp_size, self.layout.microbatches) if pp_size > 1 else 0.0
         self.peak_tflops = cfg.train.peak_tflops or peak_tflops(self.device, self.dtype, cfg.train.allow_tf32)
+        self.faults = FaultInjector.from_env(grid.info.rank)  # test-only (HPCTRAIN_FAULT)
 
     def _build_model(self) -> None:
         """This rank's stage (TP layers over tp), its flat buffers and DP reducer, optimizer, executor."""
@@ -112,7 +114,9 @@ class Trainer:
 
         self.stage.train()
         self.flat.start_step()
+        self.faults.hit("forward", self.step + 1)
         scaled_loss = self.executor.run(inputs_mb, targets_mb, self.scaler.scale / global_tokens)
+        self.faults.hit("backward", self.step + 1)
         self.flat.finish_reduction()
         loss = self._agree_loss(scaled_loss / self.scaler.scale)
 
@@ -121,6 +125,7 @@ class Trainer:
         grad_norm = math.sqrt(norm_sq.item()) if math.isfinite(norm_sq.item()) else float("inf")
         skipped = self.scaler.update(grad_norm)  # same decision on every rank: grad_norm is global
         lr = lr_at(self.step, t)
+        self.faults.hit("optimizer", self.step + 1)
         if not skipped:
             clip = self.cfg.optim.grad_clip
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0

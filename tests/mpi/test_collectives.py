@@ -20,5 +20,17 @@ def test_watchdog_aborts_a_stalled_collective_with_a_message():
     """Rank 1 skips an allreduce: the others must not hang; the job ends naming the op and group."""
     result = run_mpi(2, "stall_collective.py", timeout=60, check=False, env={"HPCTRAIN_COMM_TIMEOUT": "3"})
     assert result.returncode != 0
-    assert "allreduce of 16 bytes on group 'world'" in result.stderr
-    assert "did not complete" in result.stderr
+    report = result.stderr
+    assert report.count("hpctrain: hang report from rank 0") == 1, report
+    assert "allreduce #1 of 16 bytes on group 'world' (world ranks [0, 1]) has not completed" in report
+    assert "rank 1 (node 0" in report and "has not entered allreduce #1 on group world [0, 1]" in report
+    assert "stall_collective.py:14 in <module>" in report  # where the missing rank is instead (time.sleep)
+
+
+def test_comm_check_names_a_mismatched_collective():
+    result = run_mpi(2, "mismatch_collective.py", timeout=60, check=False)
+    assert result.returncode == 2 and "not detected" not in result.stdout, result.output
+    for rank in (0, 1):
+        assert (f"hpctrain: error: rank {rank}: comm.check: collective #2 on group 'world' (world ranks [0, 1]): "
+                f"world rank 0 calls allreduce ('sum', torch.float32, 4), but world rank 1 calls allreduce "
+                f"('sum', torch.float32, 8)") in result.stderr, result.stderr

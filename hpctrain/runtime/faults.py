@@ -1,0 +1,65 @@
+"""Test-only fault injection: one rank dies, stops or stalls at a named point of a named step.
+
+Set ``HPCTRAIN_FAULT`` to ``rank=R,step=N,phase=P,action=A`` (the tests in ``tests/mpi/test_faults.py``
+and ``tests/mpi/test_hang_report.py`` do):
+
+- ``phase``: ``forward`` (before the step's pipeline forward/backward), ``backward`` (after it, before
+  the data-parallel reduction completes), ``optimizer`` (before the update) of training step N
+  (counted from 1); ``write``, ``verify``, ``publish`` of the checkpoint of step N (``publish``: on
+  rank 0 after the step directory is renamed into place, before ``latest`` is updated);
+- ``action``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself), ``sleep:S`` (stall S seconds in
+  Python, the watchdog thread still alive), ``exit`` (``os._exit(9)``: dies without MPI_Finalize).
+
+Without the variable every hook is one attribute test. Nothing in a real run sets it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+PHASES = ("forward", "backward", "optimizer", "write", "verify", "publish")
+ENV = "HPCTRAIN_FAULT"
+
+
+@dataclass(frozen=True)
+class FaultInjector:
+    rank: int = -1  # -1: inactive
+    step: int = 0
+    phase: str = ""
+    action: str = ""
+
+    @classmethod
+    def from_env(cls, my_rank: int, environ=os.environ) -> "FaultInjector":
+        spec = environ.get(ENV, "")
+        if not spec:
+            return cls()
+        try:
+            fields = dict(part.split("=", 1) for part in spec.split(","))
+            fault = cls(int(fields["rank"]), int(fields["step"]), fields["phase"], fields["action"])
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"{ENV}={spec!r}: expected rank=R,step=N,phase=P,action=A ({exc})") from None
+        if fault.phase not in PHASES or fault.action.split(":")[0] not in ("kill", "stop", "sleep", "exit"):
+            raise ValueError(f"{ENV}={spec!r}: phase must be one of {PHASES}; action kill, stop, sleep:S or exit")
+        return fault if fault.rank == my_rank else cls()
+
+    def __bool__(self) -> bool:
+        return self.rank >= 0
+
+    def hit(self, phase: str, step: int) -> None:
+        """Called at each named point; acts once the (phase, step) matches on the chosen rank."""
+        if self.rank < 0 or phase != self.phase or step != self.step:
+            return
+        sys.stderr.write(f"hpctrain: fault injection: rank {self.rank} {self.action} at {phase} of step {step}\n")
+        sys.stderr.flush()
+        action, _, argument = self.action.partition(":")
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif action == "exit":
+            os._exit(9)
+        else:
+            time.sleep(float(argument or 3600))

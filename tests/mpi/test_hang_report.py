@@ -1,0 +1,65 @@
+"""A rank that stops (SIGSTOP) or stalls in Python, in training or in a checkpoint save: the job ends
+within comm.timeout_s + 30 s with ONE report that names that rank, its node and pid. Real ranks."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from mpirun import ROOT, mpi_env, mpiexec
+
+TIMEOUT_S = 8
+FAST = ["--config", "configs/tiny.toml", "data.max_bytes=300000", "train.seq_len=32", "train.global_batch=8",
+        "model.n_layers=2", "train.progress=false", "parallel.tp=1", "parallel.pp=2", "parallel.microbatches=2",
+        "train.steps=30", "checkpoint.interval=2", f"comm.timeout_s={TIMEOUT_S}"]
+
+
+def run_with_fault(run_dir, fault: str, *overrides):
+    """Run 4 ranks (dp=2 x pp=2) with ``HPCTRAIN_FAULT=fault``; (exit code, stderr, seconds from the
+    fault to the job's end). Kills whatever is left (a stopped rank) at the end."""
+    cmd = ["timeout", "-k", "5", "150"] + mpiexec() + ["-n", "4", sys.executable, "-m", "hpctrain.cli", "train",
+                                                        *FAST, f"train.run_dir={run_dir}", *overrides]
+    proc = subprocess.Popen(cmd, cwd=str(ROOT), env=mpi_env({"HPCTRAIN_FAULT": fault}), text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    lines, fault_at = [], []
+
+    def read():
+        for line in proc.stderr:
+            if "fault injection" in line:
+                fault_at.append(time.monotonic())
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    code = proc.wait(timeout=170)
+    ended = time.monotonic()
+    reader.join(timeout=10)
+    stderr = "".join(lines)
+    for pid in re.findall(r"pid (\d+)\)", stderr):  # never leave a stopped rank behind
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    assert fault_at, stderr[-3000:]
+    return code, stderr, ended - fault_at[0]
+
+
+@pytest.mark.parametrize("fault,overrides,where", [
+    ("rank=3,step=3,phase=forward,action=stop", [], "stopped (SIGSTOP"),
+    ("rank=3,step=2,phase=write,action=stop", ["checkpoint.async=false"], "stopped (SIGSTOP"),
+    ("rank=3,step=2,phase=write,action=stop", ["checkpoint.async=true"], "stopped (SIGSTOP"),
+    ("rank=3,step=3,phase=forward,action=sleep:300", [], "main thread at hpctrain/runtime/faults.py"),
+], ids=["stopped-in-training", "stopped-in-sync-save", "stopped-in-async-save", "sleeping-in-python"])
+def test_the_report_names_the_missing_rank(tmp_path, fault, overrides, where):
+    code, stderr, seconds = run_with_fault(tmp_path / "run", fault, *overrides)
+    assert code == 3, stderr[-3000:]
+    assert seconds < TIMEOUT_S + 30, (seconds, stderr[-3000:])
+    assert stderr.count("hpctrain: hang report from") == 1, stderr  # one report per job
+    cause = re.search(r"  cause: rank 3 \(node 0 \S+, pid \d+\): (.*)", stderr)
+    assert cause and where in cause.group(1), stderr
+    report = (tmp_path / "run" / "hang-report.txt").read_text()  # also on disk, whatever the pipe did
+    assert "cause: rank 3" in report

@@ -17,6 +17,8 @@ from hpctrain.errors import HpcTrainError
 
 
 class ConfigError(HpcTrainError, ValueError):
+    everywhere = True  # every rank reads and validates the same configuration
+
     """Invalid configuration; the message names the offending key."""
 
 

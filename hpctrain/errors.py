@@ -4,9 +4,19 @@
 class HpcTrainError(RuntimeError):
     """An error caused by the user's input or environment (config, launch, checkpoint).
 
-    The CLI prints ``str(error)`` once per rank, prefixed with the rank, and exits with status 2.
-    Programming errors stay ordinary exceptions with a traceback.
+    The CLI prints ``str(error)`` prefixed with the rank and exits with status 2. ``everywhere``: the
+    error is raised identically on every rank (the same input validated everywhere, or an outcome the
+    ranks agreed on by a collective), so rank 0 alone prints it, once per job. Programming errors stay
+    ordinary exceptions with a traceback.
     """
+
+    everywhere = False
+
+
+def everywhere(error: HpcTrainError) -> HpcTrainError:
+    """Mark ``error`` as raised identically on every rank (printed once per job, by rank 0)."""
+    error.everywhere = True
+    return error
 
 
 class LaunchError(HpcTrainError):
@@ -15,6 +25,8 @@ class LaunchError(HpcTrainError):
 
 class GridError(HpcTrainError):
     """The requested dp x pp x tp layout cannot be built on this world."""
+
+    everywhere = True  # every rank validates the same layout
 
 
 class CommTimeout(HpcTrainError):

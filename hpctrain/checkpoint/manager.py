@@ -27,6 +27,7 @@ from hpctrain.checkpoint.reader import CheckpointReader
 from hpctrain.checkpoint.state import ANOTHER_MODEL, CheckpointError, load_into, snapshot
 from hpctrain.checkpoint.writers import has_parallel_h5py, write_mpio, write_shards
 from hpctrain.comm.collectives import Communicator
+from hpctrain.errors import everywhere
 from hpctrain.runtime.faults import FaultInjector
 
 
@@ -35,7 +36,8 @@ def agree(comm, error: str | None, what: str) -> None:
     errors = [(r, e) for r, e in enumerate(comm.allgather_object(error)) if e]
     if errors:
         details = "; ".join(f"rank {r}: {e}" for r, e in errors[:4])
-        raise CheckpointError(f"{what} failed: {details}" + (f" (and {len(errors) - 4} more)" if len(errors) > 4 else ""))
+        raise everywhere(CheckpointError(f"{what} failed: {details}"
+                                         + (f" (and {len(errors) - 4} more)" if len(errors) > 4 else "")))
 
 
 def _fsync(path: str) -> None:
@@ -243,7 +245,7 @@ class CheckpointManager:
         if what != "auto":
             problem = self._try_load(what, trainer)
             if problem:
-                raise CheckpointError(f"cannot resume from {what}: {problem}")
+                raise everywhere(CheckpointError(f"cannot resume from {what}: {problem}"))
             return what
         records = list_checkpoints(self.dir)
         latest = [r for r in records if r["latest"]]
@@ -255,9 +257,9 @@ class CheckpointManager:
         for record in latest + others:
             problem = self._try_load(record["path"], trainer)
             if problem and ANOTHER_MODEL in problem:  # a config typo must not start over and prune this run
-                raise CheckpointError(f"--resume auto: the newest checkpoint of {self.dir} was {ANOTHER_MODEL} "
+                raise everywhere(CheckpointError(f"--resume auto: the newest checkpoint of {self.dir} was {ANOTHER_MODEL} "
                                       f"than this config ({problem}). Nothing was changed. Make model.* match "
-                                      f"the run's config.json, or use another train.run_dir, or --resume none")
+                                      f"the run's config.json, or use another train.run_dir, or --resume none"))
             if not problem:
                 if record is not (latest + others)[0] and self.rank == 0:
                     print(f"hpctrain: resumed from the older checkpoint {record['path']}", file=sys.stderr, flush=True)

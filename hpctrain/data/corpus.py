@@ -15,7 +15,7 @@ import tempfile
 
 import numpy as np
 
-from hpctrain.errors import HpcTrainError
+from hpctrain.errors import HpcTrainError, everywhere
 
 BUILTIN_SOURCE = "builtin"
 BYTE_VOCAB_SIZE = 256
@@ -80,7 +80,7 @@ def load_tokens_collective(comm, source: str = BUILTIN_SOURCE, cache_dir: str = 
             status = {"ok": False, "message": message}
     status = comm.bcast(status, root=0)
     if not status["ok"]:
-        raise DataError(status["message"]) from root_error
+        raise everywhere(DataError(status["message"])) from root_error
     if rank == 0:
         return tokens
     try:

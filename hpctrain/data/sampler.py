@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hpctrain.errors import HpcTrainError
+from hpctrain.errors import HpcTrainError, everywhere
 
 
 class SamplerError(HpcTrainError, ValueError):
@@ -56,8 +56,8 @@ class SequenceSampler:
             raise ValueError(f"tokens must be a 1-D integer array, got dtype {tokens.dtype} "
                              f"shape {tokens.shape}")
         if len(tokens) <= seq_len + 1:
-            raise SamplerError(f"corpus too short: {len(tokens)} tokens, need more than "
-                             f"seq_len + 1 = {seq_len + 1} (use a bigger corpus or a smaller seq_len)")
+            raise everywhere(SamplerError(f"corpus too short: {len(tokens)} tokens, need more than "
+                             f"seq_len + 1 = {seq_len + 1} (use a bigger corpus or a smaller seq_len)"))
         self.tokens = tokens
         self.seq_len = int(seq_len)
         self.seed = int(seed)

@@ -20,6 +20,12 @@ from dataclasses import dataclass, field
 from hpctrain.errors import GridError, HpcTrainError
 
 
+class LayoutError(HpcTrainError):
+    """The model, batch or stage split does not fit the layout (the same on every rank)."""
+
+    everywhere = True
+
+
 def resolve_sizes(world_size: int, dp: int = 0, pp: int = 1, tp: int = 1) -> dict[str, int]:
     """Validate the requested factorisation; ``dp=0`` means world_size / (pp*tp). Raises GridError."""
     for name, value in (("tp", tp), ("pp", pp)):
@@ -43,7 +49,7 @@ def check_tp_divisibility(m, tp_size: int) -> None:
     for what, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
                         ("model.d_ff", m.d_ff), ("model.vocab_size", m.vocab_size)):
         if value % tp_size:
-            raise HpcTrainError(f"{what}={value} is not divisible by parallel.tp={tp_size}: attention heads, "
+            raise LayoutError(f"{what}={value} is not divisible by parallel.tp={tp_size}: attention heads, "
                                 f"KV heads, the MLP and the vocabulary are split over tp; choose tp dividing it")
 
 
@@ -51,22 +57,22 @@ def check_stages(m, pp_size: int, stage_layers: list[int]) -> None:
     """Every pipeline stage needs at least one layer; explicit stage sizes must add up."""
     if stage_layers:
         if len(stage_layers) != pp_size or sum(stage_layers) != m.n_layers or min(stage_layers) < 1:
-            raise HpcTrainError(f"parallel.stage_layers={stage_layers} must have pp={pp_size} entries >= 1 "
+            raise LayoutError(f"parallel.stage_layers={stage_layers} must have pp={pp_size} entries >= 1 "
                                 f"summing to model.n_layers={m.n_layers}")
     elif m.n_layers < pp_size:
-        raise HpcTrainError(f"model.n_layers={m.n_layers} < parallel.pp={pp_size}: every stage needs a layer")
+        raise LayoutError(f"model.n_layers={m.n_layers} < parallel.pp={pp_size}: every stage needs a layer")
 
 
 def check_batch(global_batch: int, microbatches: int, seq_len: int, dp_size: int, tp_size: int,
                 sequence_parallel: bool) -> None:
     """The global batch splits over dp replicas, then into micro-batches; SP splits the sequence over tp."""
     if global_batch % dp_size:
-        raise HpcTrainError(f"train.global_batch={global_batch} is not divisible by dp={dp_size}")
+        raise LayoutError(f"train.global_batch={global_batch} is not divisible by dp={dp_size}")
     if (global_batch // dp_size) % microbatches:
-        raise HpcTrainError(f"the per-replica batch {global_batch // dp_size} (train.global_batch/dp) is not "
+        raise LayoutError(f"the per-replica batch {global_batch // dp_size} (train.global_batch/dp) is not "
                             f"divisible by parallel.microbatches={microbatches}")
     if sequence_parallel and seq_len % tp_size:
-        raise HpcTrainError(f"sequence parallelism needs train.seq_len={seq_len} divisible by tp={tp_size}")
+        raise LayoutError(f"sequence parallelism needs train.seq_len={seq_len} divisible by tp={tp_size}")
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,11 @@ def run_and_exit(main, argv=None) -> int:
     is aborted with exit code 2, so a rank that failed alone cannot leave its peers waiting forever in a
     collective. Any other exception prints its traceback and aborts with exit code 1.
     """
+    exc_value = None
     try:
         return main(argv) or 0
     except HpcTrainError as exc:
-        code, text = USER_ERROR_EXIT, str(exc)
+        code, text, exc_value = USER_ERROR_EXIT, str(exc), exc
     except KeyboardInterrupt:
         code, text = 130, "interrupted"
     except BrokenPipeError:
@@ -40,8 +41,12 @@ def run_and_exit(main, argv=None) -> int:
         code, text = INTERNAL_ERROR_EXIT, "internal error:\n" + traceback.format_exc()
     rank, size, world = _world()
     prefix = f"rank {rank}: " if size > 1 else ""
-    sys.stderr.write(f"hpctrain: error: {prefix}{text}\n")
-    sys.stderr.flush()
+    if code == USER_ERROR_EXIT and size > 1 and getattr(exc_value, "everywhere", False):
+        prefix = f"all {size} ranks: "  # the same error on every rank: printed once, by rank 0
+        text = text if rank == 0 else ""
+    if text:
+        sys.stderr.write(f"hpctrain: error: {prefix}{text}\n")
+        sys.stderr.flush()
     sys.stdout.flush()
     if world is not None and size > 1:
         time.sleep(float(os.environ.get("HPCTRAIN_ERROR_GRACE_S", "1.0")))

@@ -86,18 +86,24 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
 
 def _lock_run_dir(cfg, grid):
     """Collective: rank 0 takes the run directory's lock; every rank raises if it is in use."""
-    from hpctrain.train.run_lock import RunDirInUse, RunLock
+    from hpctrain.errors import everywhere
+    from hpctrain.train.run_lock import RunDirInUse, RunLock, unusable_directory
 
     lock, problem = RunLock(cfg.train.run_dir, enabled=grid.info.rank == 0), None
+    if grid.info.rank == 0:
+        problem = unusable_directory(cfg.train.run_dir, "train.run_dir") or (
+            unusable_directory(cfg.checkpoint.dir, "checkpoint.dir") if cfg.checkpoint.dir else None)
     try:
-        warning = lock.acquire()
+        warning = None if problem else lock.acquire()
         if warning:
             print(f"hpctrain: WARNING: {warning}", file=sys.stderr, flush=True)
-    except (RunDirInUse, OSError) as exc:
+    except RunDirInUse as exc:
         problem = str(exc)
+    except OSError as exc:
+        problem = f"train.run_dir={cfg.train.run_dir}: cannot create the run directory: {exc.strerror or exc}"
     problem = grid.world.broadcast_object(problem, root=0)
     if problem:
-        raise RunDirInUse(problem)
+        raise everywhere(RunDirInUse(problem))
     return lock
 
 

@@ -43,6 +43,23 @@ def _describe(owner: dict) -> str:
     return f"{job}pid {owner.get('pid')} on {owner.get('host')}"
 
 
+def unusable_directory(path: str, key: str) -> str | None:
+    """Why ``path`` cannot be (or become) a writable directory, or None. Creates nothing: the nearest
+    existing ancestor must be a writable directory."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        what = "is" if probe == os.path.abspath(path) else f"is inside {probe}, which is"
+        return f"{key}={path} {what} a regular file, not a directory; choose another path"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{key}={path}: {probe} is not writable by this user (or is on a read-only file system)"
+    return None
+
+
 class RunLock:
     """Rank 0's lock on a run directory (other ranks hold a disabled one)."""
 

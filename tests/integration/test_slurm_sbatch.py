@@ -38,13 +38,14 @@ def test_sbatch_template_trains_and_resumes(slurm, tmp_path):
     assert steps == [1, 2, 3, 4]
 
 
-def submit(slurm_env, run_dir, *args, requeue=True):
-    """sbatch (no --wait): returns the job id."""
+def submit(slurm_env, run_dir, *args, requeue=True, extra=()):
+    """sbatch (no --wait): returns the job id. ``extra``: more sbatch options (they override the
+    template's #SBATCH lines)."""
     env = mpi_env(slurm_env)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
     out = run_dir.parent / f"{run_dir.name}-%j.out"
     cmd = ["sbatch", "--parsable", f"--output={out}", "--ntasks-per-node=2", "--time=10",
-           "--requeue" if requeue else "--no-requeue", str(ROOT / "slurm" / "train.sbatch"),
+           "--requeue" if requeue else "--no-requeue", *extra, str(ROOT / "slurm" / "train.sbatch"),
            *FAST[:-2], "parallel.pp=1", f"train.run_dir={run_dir}", *args]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -102,3 +103,22 @@ def test_a_job_that_cannot_be_requeued_exits_75(slurm, tmp_path):
     assert "ExitCode=75:0" in record, record  # not requeueable: the documented exit code
     log = next(tmp_path.glob("run-*.out")).read_text()
     assert "exit 75" in log and "Restarts=0" in record
+
+
+def test_a_one_minute_job_stops_and_saves_before_its_time_limit(slurm, tmp_path):
+    """--time=1: the ranks read the job's end time from squeue and stop with train.time_limit_margin_s
+    to spare (or on the --signal, whichever comes first: Slurm may send it up to 60 s early); the
+    checkpoint is complete and the job ends with 75 before Slurm would kill it (never TIMEOUT)."""
+    run_dir = tmp_path / "run"
+    job, env = submit(slurm, run_dir, "train.steps=1000000", "train.time_limit_margin_s=20", requeue=False,
+                      extra=["--time=1", "--signal=USR1@30"])
+
+    def finished():
+        out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+        return out if "JobState=RUNNING" not in out and "JobState=PENDING" not in out else None
+    record = wait_for(finished, 150, "the one-minute job to end")
+    assert "JobState=TIMEOUT" not in record and "ExitCode=75:0" in record, record
+    stop = [e for e in events(run_dir) if e.get("event") == "stop"]
+    assert len(stop) == 1 and stop[0]["reason"] in ("time limit", "signal USR1"), stop
+    step_dir = run_dir / "checkpoints" / f"step-{stop[0]['step']:08d}"
+    assert (step_dir / "COMPLETE").exists() and stop[0]["step"] >= 1

@@ -1,0 +1,60 @@
+"""The hang report's reasoning without MPI: who waits for whom, and what the report says of each rank."""
+import os
+
+from hpctrain.comm.hang_report import format_report, process_state, wait_chain
+from hpctrain.comm.watchdog import Call, Watchdog
+
+
+class FakeComm:
+    def __init__(self, name, members):
+        self.name, self.members = name, tuple(members)
+        self.seq = self.p2p_seq = self.done_seq = 0
+        self.done_op = self.done_at = None
+
+
+def call_info(group, members, op, seq, peer=None, age=20.0):
+    return {"group": f"{group}{list(members)}", "name": group, "members": list(members), "op": op, "seq": seq,
+            "peer": peer, "peer_world": None if peer is None else members[peer], "age": age,
+            "text": f"{op} #{seq} on group '{group}'"}
+
+
+def answer(rank, inflight=(), blocked=True, done=None, where="x.py:1 in f"):
+    return {"rank": rank, "noticed": False, "inflight": list(inflight), "blocked": blocked and bool(inflight),
+            "done": done or {}, "started": {}, "where": {"main thread": where}}
+
+
+def test_the_chain_leads_past_a_waiting_rank_to_the_silent_one():
+    # rank 0 waits in dp allreduce #5 with rank 2; rank 2 waits in a pp exchange for rank 3; 3 is silent
+    answers = {0: answer(0, [call_info("dp", [0, 2], "allreduce", 5)]),
+               2: answer(2, [call_info("pp", [2, 3], "exchange", 7, peer=1)])}
+    causes, waits = wait_chain(answers, [2])
+    assert causes == [3] and list(waits) == [2]
+
+
+def test_a_rank_busy_in_python_is_the_cause_even_with_calls_posted():
+    answers = {1: answer(1, [call_info("dp", [0, 1], "allreduce", 3)], blocked=False, where="data.py:9 in load")}
+    assert wait_chain(answers, [1]) == ([1], {})
+
+
+def test_report_names_the_missing_rank_its_node_pid_and_last_call():
+    peers = [("h0", 0, 100), ("h1", 1, 101)]
+    watchdog = Watchdog(0, timeout_s=0, peers=peers)
+    dp = FakeComm("dp", [0, 1])
+    stalled = Call("allreduce", dp, 64, 5)
+    answers = {0: answer(0, [call_info("dp", [0, 1], "allreduce", 5)]),
+               1: answer(1, [], done={"dp[0, 1]": ("allreduce", 4, 3.5)}, where="loader.py:12 in next")}
+    report = format_report(watchdog, stalled, answers, window_s=4)
+    assert "allreduce #5 of 64 bytes on group 'dp' (world ranks [0, 1]) has not completed" in report
+    assert "cause: rank 1 (node 1 h1, pid 101): it is in no communication call; main thread at loader.py:12" in report
+    assert "rank 1 (node 1 h1, pid 101) has not entered allreduce #5 on group dp [0, 1]; its last completed " \
+           "call there: allreduce #4, 3.5 s ago" in report
+
+
+def test_a_silent_rank_on_another_host_and_a_stopped_one_here():
+    peers = [("elsewhere", 1, 1), ("here", 0, os.getpid())]
+    assert "on host elsewhere" in process_state(0, peers)
+    import socket
+    peers[1] = (socket.gethostname(), 0, os.getpid())
+    assert process_state(1, peers).startswith("running")  # this very process: alive, state R
+    peers[1] = (socket.gethostname(), 0, 2 ** 22 + 12345)
+    assert process_state(1, peers) == "dead (no such process)"

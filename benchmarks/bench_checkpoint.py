@@ -2,7 +2,7 @@
 """Checkpoint I/O: hpctrain's writers and reader vs dd and torch.save/torch.load; async-save stall; restart time.
 
     mpiexec -n 4 python benchmarks/bench_checkpoint.py --mib-per-rank 64 --json ckpt_4.json --csv ckpt_4.csv
-    # with parallel HDF5 (adds the collective mpio writer; see scripts/setup_parallel_hdf5.sh):
+    # with parallel HDF5 (adds the mpio writer; see scripts/setup_parallel_hdf5.sh):
     PYTHONPATH=$PWD mpiexec.mpich -n 4 ~/.cache/hpctrain/venv-mpi/bin/python benchmarks/bench_checkpoint.py
 
 One MPI job measures, on the same ranks and the same directory (``--dir``, default a new directory under
@@ -197,7 +197,7 @@ class H5pyTimingProxy:
 
 PHASE_SHARD_FILE = "  shard file (h5py + crc32)"
 PHASE_MASTER_FILE = "  master file (VDS + manifest, rank 0)"
-PHASE_MPIO_FILE = "  checkpoint.h5 (collective mpio + crc32)"
+PHASE_MPIO_FILE = "  checkpoint.h5 (mpio: collective create, independent writes)"
 PHASE_ORDER = ["snapshot", "write", PHASE_SHARD_FILE, PHASE_MASTER_FILE, PHASE_MPIO_FILE, "  crc32 in writer",
                "fsync", "verify (read-back)", "  crc32 in verify", "publish", "open", "verify", "load",
                "agree (wait for all ranks)"]
@@ -206,7 +206,7 @@ PHASE_ORDER = ["snapshot", "write", PHASE_SHARD_FILE, PHASE_MASTER_FILE, PHASE_M
 def sleeping_agree(inner):
     """``agree`` that reaches its allgather only when every rank has arrived, sleeping meanwhile."""
     def agree(comm, error, what):
-        request = comm.Ibarrier()
+        request = comm.mpi.Ibarrier()  # the manager's Communicator; its raw mpi4py communicator
         while not request.Test():
             time.sleep(0.001)
         return inner(comm, error, what)

@@ -35,7 +35,8 @@ Async save (a real ``Trainer`` of ``--model`` with ZeRO-1 over all ranks, and a 
     step time   training steps while the background save runs vs steps without one (median each)
 Restart (in the same, already warm, process)
     build       ProcessGrid + Trainer (tokens already loaded)
-    resume      ``CheckpointManager.resume`` ("auto": open, distributed verify, load, agree)
+    resume      ``CheckpointManager.resume`` ("auto": open, read + CRC of the bytes loaded, verify
+                of boxes no rank loaded, apply, agree: every byte read once)
     first step  the first ``train_step`` after resume vs the first step of a fresh Trainer
     startup     process start (from /proc) -> imports and MPI initialised, measured once
 
@@ -199,7 +200,7 @@ PHASE_SHARD_FILE = "  shard file (h5py + crc32)"
 PHASE_MASTER_FILE = "  master file (VDS + manifest, rank 0)"
 PHASE_MPIO_FILE = "  checkpoint.h5 (mpio: collective create, independent writes)"
 PHASE_ORDER = ["snapshot", "write", PHASE_SHARD_FILE, PHASE_MASTER_FILE, PHASE_MPIO_FILE, "  crc32 in writer",
-               "fsync", "verify (read-back)", "  crc32 in verify", "publish", "open", "verify", "load",
+               "fsync", "verify (read-back)", "  crc32 in verify", "publish", "open", "read + CRC", "verify", "apply",
                "agree (wait for all ranks)"]
 
 
@@ -569,7 +570,8 @@ def run_restart(args, comm, cfg, tokens, ckpt_bytes) -> list[dict]:
     resume_phases = []
     phases = Phases()
     targets = [(manager_module, "CheckpointReader", "open"), (reader_module.CheckpointReader, "verify", "verify"),
-               (manager_module, "load_into", "load"), (manager_module, "agree", "agree (wait for all ranks)")]
+               (manager_module, "read_state", "read + CRC"),
+               (manager_module, "apply_state", "apply"), (manager_module, "agree", "agree (wait for all ranks)")]
     for rnd in range(args.repeats):
         for mode in (("fresh", "resume") if rnd % 2 == 0 else ("resume", "fresh")):
             seconds, trainer = timed(comm, new_trainer, cfg, tokens)
@@ -593,7 +595,7 @@ def run_restart(args, comm, cfg, tokens, ckpt_bytes) -> list[dict]:
     both = [a + b for a, b in zip(resume, first_resumed)]
     records = [
         record("hpctrain", "restart: build grid + Trainer", size, 0, build),
-        record("hpctrain", "restart: resume (open+verify+load)", size, ckpt_bytes, resume,
+        record("hpctrain", "restart: resume (open+read+CRC+apply)", size, ckpt_bytes, resume,
                phase_runs=resume_phases),
         record("hpctrain", "restart: first step after resume", size, 0, first_resumed,
                ratio=statistics.median(first_resumed) / fresh_med, ratio_to="first step, no resume"),

@@ -24,7 +24,7 @@ import time
 
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
-from hpctrain.checkpoint.state import ANOTHER_MODEL, CheckpointError, load_into, snapshot
+from hpctrain.checkpoint.state import ANOTHER_MODEL, CheckpointError, apply_state, read_state, snapshot
 from hpctrain.checkpoint.writers import has_parallel_h5py, write_mpio, write_shards
 from hpctrain.comm.collectives import Communicator
 from hpctrain.errors import everywhere
@@ -273,8 +273,10 @@ class CheckpointManager:
         return None
 
     def _try_load(self, path: str, trainer) -> str | None:
-        """Collective; returns the agreed problem (None = loaded)."""
-        reader, error = None, None
+        """Collective; returns the agreed problem (None = loaded). Phases, agreed between: open; read
+        what this rank needs, checking CRCs on those bytes (the trainer is untouched); verify the
+        boxes no rank read; then apply. Every byte is read once."""
+        reader, error, staged = None, None, None
         try:
             reader = CheckpointReader(path)
             if not reader.complete:
@@ -282,15 +284,18 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001
             error = str(exc)
         try:
-            for phase in ("open", "verify", "load"):
-                if error is None and phase == "verify":
-                    problems = reader.verify(self.rank, self.size)
-                    error = "; ".join(problems[:3]) or None
-                elif error is None and phase == "load":
+            for phase in ("open", "read", "verify"):
+                if error is None and phase == "read":
                     try:
-                        load_into(trainer, reader)
+                        staged = read_state(trainer, reader)
                     except CheckpointError as exc:
                         error = str(exc)
+                elif phase == "verify":
+                    read_by_anyone = self.comm.allgather_object(sorted(reader.checked) if error is None else [])
+                    if error is None:
+                        skip = set().union(*map(set, read_by_anyone))
+                        problems = reader.problems + reader.verify(self.rank, self.size, skip=skip)
+                        error = "; ".join(problems[:3]) or None
                 try:
                     agree(self.comm, error, "")
                 except CheckpointError as exc:
@@ -298,4 +303,5 @@ class CheckpointManager:
         finally:
             if reader is not None:
                 reader.close()
+        apply_state(trainer, staged)
         return None

@@ -3,7 +3,9 @@
 Writing: a rank writes the boxes of the flat ranges its optimizer owns (its ZeRO shard, or everything
 on dp rank 0 without ZeRO), skipping TP-replicated weights on tp ranks > 0 and the tied-embedding
 copy, so every global element is written exactly once. Loading: a rank reads its whole local slab of
-every parameter and the optimizer state of the ranges it owns NOW — in whatever layout it runs.
+every parameter and the optimizer state of the ranges it owns NOW — in whatever layout it runs —
+all into host memory first (checking CRCs on the bytes it reads), then into the trainer, so a bad
+checkpoint changes nothing.
 """
 from __future__ import annotations
 
@@ -128,30 +130,63 @@ def check_compatible(trainer, reader) -> None:
                                   f"in the checkpoint but {tuple(p.spec.global_shape)} in this model")
 
 
-@torch.no_grad()
-def load_into(trainer, reader) -> None:
-    """Fill the trainer (any layout) from a checkpoint reader; restores step, sampler, scaler, optimizer."""
+@dataclass
+class StagedState:
+    """What a load read, on the host, before anything in the trainer changes: (target tensor, source)
+    copies in order (source: a numpy array, or a view of the parameter buffer for master weights
+    written by a float32 run, taken after the parameters are copied), plus the root attributes."""
+
+    copies: list = field(default_factory=list)
+    attrs: dict = field(default_factory=dict)
+    rng_row: np.ndarray | None = None
+
+
+def read_state(trainer, reader) -> StagedState:
+    """Read (through ``reader.read_checked``: each byte once, CRCs checked on the way) everything this
+    rank needs from a checkpoint of any layout: its whole local slab of every parameter and the
+    optimizer state of the ranges it owns NOW. Changes nothing in the trainer."""
     check_compatible(trainer, reader)
     flat, opt = trainer.flat, trainer.optimizer
+    staged = StagedState(attrs=reader.attrs)
     for p in flat.params:
         slab = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.local_shape)
-        p.data.copy_(torch.from_numpy(reader.read(model_dataset(p.spec.name), slab)))
-    for piece, shard in opt.owned_pieces():  # the optimizer state of the ranges owned NOW
+        staged.copies.append((p.data, reader.read_checked(model_dataset(p.spec.name), slab)))
+    for piece, shard in opt.owned_pieces():
         spec, offset = piece.param.spec, piece.flat_lo - piece.param_lo
         for box, a, b in local_range_boxes(spec, piece.param_lo, piece.param_hi):
             for kind in opt.state_kinds:
                 name, target = optim_dataset(kind, spec.name), shard.state(kind, offset + a, offset + b)
                 if kind == "master" and reader.shape(name) is None:  # written by a float32 run
-                    target.copy_(flat.param_buffer[offset + a:offset + b])
+                    staged.copies.append((target, flat.param_buffer[offset + a:offset + b]))
                 else:
-                    target.copy_(torch.from_numpy(reader.read(name, box).reshape(-1)))
-    attrs = reader.attrs
+                    staged.copies.append((target, reader.read_checked(name, box).reshape(-1)))
+    rng_shape = reader.shape("rng/torch_cpu")
+    if rng_shape is not None and rng_shape[0] == trainer.grid.info.size:
+        row = reader.read_checked("rng/torch_cpu", Box((trainer.grid.info.rank, 0), (1, rng_shape[1])))
+        staged.rng_row = row.reshape(-1).copy()
+    reader.drop_cache()
+    return staged
+
+
+@torch.no_grad()
+def apply_state(trainer, staged: StagedState) -> None:
+    """Copy a staged checkpoint into the trainer; restores step, sampler, scaler, optimizer, RNG."""
+    for target, source in staged.copies:
+        target.copy_(torch.from_numpy(source) if isinstance(source, np.ndarray) else source)
+    attrs = staged.attrs
     trainer.step = int(attrs["step"])
-    opt.step_count = int(attrs["optimizer_step"])
+    trainer.optimizer.step_count = int(attrs["optimizer_step"])
     trainer.batches.load_state_dict(attrs["sampler"])
     if trainer.scaler.enabled and attrs.get("loss_scaler"):
         trainer.scaler.load_state_dict(attrs["loss_scaler"])
-    rng_shape = reader.shape("rng/torch_cpu")
-    if rng_shape is not None and rng_shape[0] == trainer.grid.info.size:
-        row = reader.read("rng/torch_cpu", Box((trainer.grid.info.rank, 0), (1, rng_shape[1])))
-        torch.set_rng_state(torch.from_numpy(row.reshape(-1).copy()))
+    if staged.rng_row is not None:
+        torch.set_rng_state(torch.from_numpy(staged.rng_row))
+
+
+def load_into(trainer, reader) -> None:
+    """Read, check and apply a checkpoint in one go (raises CheckpointError on a problem, before the
+    trainer changes). The manager splits these phases to agree between them across ranks."""
+    staged = read_state(trainer, reader)
+    if reader.problems:
+        raise CheckpointError(f"{reader.path}: " + "; ".join(reader.problems[:3]))
+    apply_state(trainer, staged)

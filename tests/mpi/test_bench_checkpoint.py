@@ -22,7 +22,7 @@ def test_bench_checkpoint_writes_positive_records(tmp_path):
     assert io <= ops, ops
     assert {("hpctrain", op) for op in ("sync save (Trainer)", "async save: stall", "async save: background write",
                                         "async save + wait, no training", "train step, no save pending",
-                                        "restart: build grid + Trainer", "restart: resume (open+verify+load)",
+                                        "restart: build grid + Trainer", "restart: resume (open+read+CRC+apply)",
                                         "restart: first step after resume", "restart: resume + first step",
                                         "first step, no resume")} <= ops, ops
     for r in records:

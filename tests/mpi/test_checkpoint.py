@@ -134,6 +134,39 @@ def test_flipped_byte_is_detected_and_resume_falls_back(two_checkpoints, tmp_pat
     assert "at step 2" in out.stdout  # fell back to the previous complete checkpoint
 
 
+def test_resume_reads_each_byte_once_and_checks_it(two_checkpoints, tmp_path):
+    """read_checked (the resume path) serves requests in ANOTHER layout from whole manifest boxes: the
+    result equals a plain read, every stored byte is read exactly once, every box's CRC is checked on
+    those bytes, and a flipped byte shows up as a problem (without raising)."""
+    from hpctrain.checkpoint.format import Box
+    from hpctrain.checkpoint.reader import CheckpointReader
+
+    path = two_checkpoints / "checkpoints" / "step-00000004"
+    with CheckpointReader(str(path)) as reader:
+        plain = {name: reader.read(name, Box((0,) * len(reader.shape(name)), reader.shape(name)))
+                 for name in reader.manifest}
+        read_bytes = []
+        real_read = reader.read
+        reader.read = lambda name, box: read_bytes.append(box.size * plain[name].itemsize) or real_read(name, box)
+        for name, whole in plain.items():  # two requests per dataset, split along the LAST dimension
+            cut = whole.shape[-1] // 2 if whole.ndim else 0
+            for lo, hi in ((0, cut), (cut, whole.shape[-1] if whole.ndim else 0)):
+                if whole.ndim == 0 or hi == lo:
+                    continue
+                box = Box((0,) * (whole.ndim - 1) + (lo,), whole.shape[:-1] + (hi - lo,))
+                assert (reader.read_checked(name, box) == whole[..., lo:hi]).all(), name
+        assert sum(read_bytes) == sum(a.nbytes for a in plain.values())  # once each, no second pass
+        assert reader.checked == set(range(len(reader.boxes()))) and reader.problems == []
+        assert reader.verify(skip=reader.checked) == []
+    damaged = _copy(two_checkpoints, tmp_path) / "checkpoints" / "step-00000004"
+    name, box, _ = CheckpointReader(str(damaged)).boxes()[0]
+    with h5py.File(damaged / "checkpoint.h5", "r+") as f:  # through the virtual dataset when shards
+        f[name][box.slices()] = f[name][box.slices()] + 1
+    with CheckpointReader(str(damaged)) as reader:
+        reader.read_checked(name, box)
+        assert any("checksum mismatch" in p and name in p for p in reader.problems), reader.problems
+
+
 def test_truncated_file_is_a_clear_error(two_checkpoints, tmp_path):
     run_dir = _copy(two_checkpoints, tmp_path)
     master = run_dir / "checkpoints" / "step-00000004" / "checkpoint.h5"

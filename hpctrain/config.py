@@ -37,12 +37,13 @@ PRESETS: dict[str, dict] = {
     **{name: dict(vocab_size=50257, d_model=d, n_layers=n, n_heads=h, n_kv_heads=h, d_ff=4 * d, max_seq_len=s)
        for name, (d, n, h, s) in _GPT_SHAPES.items()},
 }
-_COMPARISONS = {"min": (">=", operator.ge), "above": (">", operator.gt), "below": ("<", operator.lt)}
+_COMPARISONS = {"min": (">=", operator.ge), "above": (">", operator.gt), "below": ("<", operator.lt),
+                "max": ("<=", operator.le)}
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def _field(default: Any, **rule: Any) -> Any:
-    """Dataclass field with a validation rule: choices=(...), min=x (>=), above=x (>), below=x (<)."""
+    """Dataclass field with a validation rule: choices=(...), min=x (>=), above=x (>), below=x (<), max=x (<=)."""
     return field(default=default, metadata=rule)
 
 
@@ -84,6 +85,20 @@ class CommConfig:
     """Communication watchdog and debugging ($HPCTRAIN_COMM_TIMEOUT, when set, overrides timeout_s)."""
     timeout_s: float = _field(600.0, min=0)  # a call older than this ends the job with a hang report; 0 = off
     check: bool = False  # debug: every collective's op, size and dtype compared across its group first
+
+
+@dataclass
+class CompressionConfig:
+    """Gradient compression of the data-parallel reduction (docs/compression.md)."""
+    method: str = _field("none", choices=("none", "fp16", "bf16", "int8", "topk", "randomk", "powersgd",
+                                          "onebit", "zfp"))
+    density: float = _field(0.01, above=0, max=1)  # topk/randomk: fraction of elements sent
+    rank: int = _field(4, min=1)  # powersgd: rank of the low-rank approximation
+    error_feedback: bool = True  # add what compression dropped to the next step's gradient
+    warmup_steps: int = _field(0, min=0)  # dense steps before compression starts
+    scope: str = _field("all", choices=("all", "inter-node"))  # inter-node: dense inside a node
+    min_numel: int = _field(0, min=0)  # buckets (powersgd: matrices) with fewer elements go dense
+    zfp_rate: float = _field(8.0, above=0, max=32)  # zfp: bits per value (fixed-rate mode)
 
 
 @dataclass
@@ -148,6 +163,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -291,7 +291,9 @@ class CheckpointManager:
                     except CheckpointError as exc:
                         error = str(exc)
                 elif phase == "verify":
-                    read_by_anyone = self.comm.allgather_object(sorted(reader.checked) if error is None else [])
+                    mine = (sorted(reader.checked), staged.compression_note) if error is None else ([], None)
+                    read_by_anyone, notes = zip(*self.comm.allgather_object(mine))
+                    note = next((n for n in notes if n), None)
                     if error is None:
                         skip = set().union(*map(set, read_by_anyone))
                         problems = reader.problems + reader.verify(self.rank, self.size, skip=skip)
@@ -304,4 +306,7 @@ class CheckpointManager:
             if reader is not None:
                 reader.close()
         apply_state(trainer, staged)
+        if note and self.rank == 0:
+            print(f"hpctrain: WARNING: compression state (error-feedback residuals, PowerSGD Q) not restored: "
+                  f"{note}; it starts from zero (docs/compression.md)", file=sys.stderr, flush=True)
         return None

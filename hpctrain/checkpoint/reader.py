@@ -54,10 +54,15 @@ class CheckpointReader:
     def read(self, name: str, box: Box) -> np.ndarray:
         return self.file[name][box.slices()]
 
-    def datasets(self) -> list[str]:
+    def datasets(self, prefix: str = "") -> list[str]:
+        """Every dataset's full name (under the group ``prefix`` when given), sorted."""
+        group = prefix.rstrip("/")
+        if group and group not in self.file:
+            return []
+        root = self.file[group] if group else self.file
         names = []
-        self.file.visititems(lambda n, obj: names.append(n) if isinstance(obj, h5py.Dataset) and n != "manifest"
-                             else None)
+        root.visititems(lambda n, obj: names.append(f"{group}/{n}" if group else n)
+                        if isinstance(obj, h5py.Dataset) and n != "manifest" else None)
         return sorted(names)
 
     def boxes(self) -> list[tuple[str, Box, int]]:

@@ -9,14 +9,15 @@ checkpoint changes nothing.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 import hpctrain
-from hpctrain.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, Box, disk_dtype, local_range_boxes,
-                                        model_dataset, optim_dataset)
+from hpctrain.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, Box, decode_json, disk_dtype, encode_json,
+                                        local_range_boxes, model_dataset, optim_dataset)
 from hpctrain.config import config_to_dict
 from hpctrain.errors import HpcTrainError
 
@@ -99,6 +100,7 @@ def snapshot(trainer) -> Snapshot:
     rng = torch.get_rng_state().numpy()
     snap.datasets["rng/torch_cpu"] = ((grid.info.size, rng.size), "|u1")
     snap.items.append(WriteItem("rng/torch_cpu", Box((grid.info.rank, 0), (1, rng.size)), rng.reshape(1, -1).copy()))
+    _snapshot_compression(trainer, snap)
     snap.attrs = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "hpctrain_version": hpctrain.__version__,
         "step": trainer.step, "config": config_to_dict(trainer.cfg),
@@ -107,6 +109,53 @@ def snapshot(trainer) -> Snapshot:
         "optimizer_step": trainer.optimizer.step_count, "model_dtype": trainer.cfg.train.dtype,
     }
     return snap
+
+
+def compression_group(rank: int) -> str:
+    return f"compression/rank{rank:05d}"
+
+
+def _snapshot_compression(trainer, snap: Snapshot) -> None:
+    """The reducer's state (error-feedback residuals, PowerSGD Q) as this world rank's own 1-D datasets
+    ``compression/rankRRRRR/<key>``, with the reducer's signature beside them (JSON bytes)."""
+    reducer, rank = trainer.flat.reducer, trainer.grid.info.rank
+    state = reducer.state_dict()
+    if not state and not reducer.signature():
+        return
+    group = compression_group(rank)
+    host = to_host(list(state.values()))
+    for key, value in zip(state, host):
+        array = value.detach().to("cpu").numpy().reshape(-1).copy()
+        snap.datasets[f"{group}/{key}"] = ((array.size,), array.dtype.str)
+        snap.items.append(WriteItem(f"{group}/{key}", Box((0,), (array.size,)), array))
+    signature = encode_json(reducer.signature())
+    snap.datasets[f"{group}/signature"] = ((signature.size,), "|u1")
+    snap.items.append(WriteItem(f"{group}/signature", Box((0,), (signature.size,)), signature))
+
+
+def _read_compression(trainer, reader, staged) -> None:
+    """Stage this rank's reducer state if the checkpoint holds state of the SAME reducer signature (same
+    method, layout, buckets, node split); otherwise the reducer starts fresh and ``staged.compression_note``
+    says why (the documented rule: docs/compression.md)."""
+    reducer, rank = trainer.flat.reducer, trainer.grid.info.rank
+    mine = reducer.signature()
+    group = compression_group(rank)
+    shape = reader.shape(f"{group}/signature")
+    if not mine:
+        return
+    if shape is None:
+        staged.compression_note = "the checkpoint has no compression state for this rank"
+        return
+    theirs = decode_json(reader.read_checked(f"{group}/signature", Box((0,), shape)))
+    if theirs != json.loads(json.dumps(mine)) or reader.attrs["layout"].get("world") != trainer.grid.info.size:
+        staged.compression_note = "it was written by another compression method, layout or bucket split"
+        return
+    state = {}
+    for name in reader.datasets(prefix=group + "/"):
+        key = name[len(group) + 1:]
+        if key != "signature":
+            state[key] = torch.from_numpy(reader.read_checked(name, Box((0,), reader.shape(name))).copy())
+    staged.compression = state
 
 
 def _host(values: torch.Tensor, dtype, box: Box) -> np.ndarray:
@@ -139,6 +188,8 @@ class StagedState:
     copies: list = field(default_factory=list)
     attrs: dict = field(default_factory=dict)
     rng_row: np.ndarray | None = None
+    compression: dict = field(default_factory=dict)  # the reducer's state_dict, when restorable
+    compression_note: str | None = None  # why the reducer's state was not restored
 
 
 def read_state(trainer, reader) -> StagedState:
@@ -164,6 +215,7 @@ def read_state(trainer, reader) -> StagedState:
     if rng_shape is not None and rng_shape[0] == trainer.grid.info.size:
         row = reader.read_checked("rng/torch_cpu", Box((trainer.grid.info.rank, 0), (1, rng_shape[1])))
         staged.rng_row = row.reshape(-1).copy()
+    _read_compression(trainer, reader, staged)
     reader.drop_cache()
     return staged
 
@@ -181,6 +233,7 @@ def apply_state(trainer, staged: StagedState) -> None:
         trainer.scaler.load_state_dict(attrs["loss_scaler"])
     if staged.rng_row is not None:
         torch.set_rng_state(torch.from_numpy(staged.rng_row))
+    trainer.flat.reducer.load_state_dict(staged.compression)
 
 
 def load_into(trainer, reader) -> None:

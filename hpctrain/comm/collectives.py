@@ -5,11 +5,16 @@ A ``Communicator`` wraps one mpi4py communicator (a dp, pp, tp or world group). 
   CUDA tensors -> the group's device backend, chosen collectively by ``prepare_device``: NCCL (CuPy),
   CUDA-aware MPI, or MPI with host staging;
 - is zero-copy (the tensor's own storage is the MPI/NCCL buffer; reductions are in place);
-- is counted (bytes, calls, blocked seconds) and watched (``Watchdog``: collectives are numbered per
+- is counted (bytes, bytes sent on the wire, calls, blocked seconds) and watched (``Watchdog``: collectives are numbered per
   group; a stalled call aborts the job with a report naming the ranks that never reached it);
 - with ``check`` on (``comm.check = true``), is preceded by a fingerprint exchange: every member must
   call the same collective with the same size and type, else ``CommCheckError`` names the first
   divergence (a debugging mode: one extra small allgather per call).
+
+Bytes on the wire (``OpCounter.sent``) follow the bandwidth-optimal algorithms MPI and NCCL use for
+large messages, per rank of a group of p: allreduce 2(p-1)/p x n, reduce-scatter / allgather /
+alltoall / broadcast (p-1)/p x n (n = the full buffer), send n; at p = 2 that is exact for any
+algorithm, and tests/integration/test_two_hosts.py checks it against a veth link's byte counters.
 
 Blocking calls return None; ``nonblocking=True`` returns a ``Handle`` to ``wait()`` or ``test()``
 (calling ``test`` between pieces of work drives MPI progress and gives overlap: see
@@ -126,14 +131,17 @@ class Communicator:
         self._device = None
 
     # ---------------------------------------------------------------- plumbing
-    def _run(self, op: str, nbytes: int, nonblocking: bool, method, *args, peer=None, fingerprint=None):
+    def _run(self, op: str, nbytes: int, nonblocking: bool, method, *args, peer=None, fingerprint=None,
+             wire: float | None = None):
         """Count, watch and time ``method(*args, nonblocking)`` (the hot path: attribute updates only).
-        ``peer``: the group rank of a point-to-point call; ``fingerprint``: what comm.check compares."""
+        ``peer``: the group rank of a point-to-point call; ``fingerprint``: what comm.check compares;
+        ``wire``: bytes sent per byte of ``nbytes`` (default (p-1)/p)."""
         counter = self._counters.get(op)
         if counter is None:
             counter = self._counters[op] = self.stats.ops[(self.name, op)]
         counter.calls += 1
         counter.bytes += nbytes
+        counter.sent += int(nbytes * (wire if wire is not None else (self.size - 1) / self.size))
         if self.check and peer is None:
             self.check_same_call(op, fingerprint)
         watchdog = self.watchdog
@@ -179,7 +187,7 @@ class Communicator:
         """In place: every rank's ``tensor`` becomes the sum / average / max over the group."""
         backend = self._host if not tensor.is_cuda else self.backend_for(tensor)
         return self._run("allreduce", tensor.nbytes, nonblocking, backend.allreduce, tensor, op,
-                         fingerprint=(op, tensor.dtype, tensor.numel()))
+                         fingerprint=(op, tensor.dtype, tensor.numel()), wire=2 * (self.size - 1) / self.size)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                        nonblocking: bool = False):
@@ -195,6 +203,16 @@ class Communicator:
         return self._run("allgather", output.nbytes, nonblocking, backend.allgather, output, input,
                          fingerprint=(output.dtype, output.numel()))
 
+    def alltoall(self, output: torch.Tensor, input: torch.Tensor, nonblocking: bool = False):
+        """``input`` (size*n elements): block j goes to group rank j; ``output`` (size*n): block j came
+        from group rank j. Any dtype (raw data movement: compressed payloads are uint8)."""
+        if input.numel() != output.numel() or input.numel() % self.size:
+            raise ValueError(f"alltoall: input {input.numel()} and output {output.numel()} elements must be "
+                             f"equal and divisible by the group size {self.size}")
+        backend = self.backend_for(input)
+        return self._run("alltoall", input.nbytes, nonblocking, backend.alltoall, output, input,
+                         fingerprint=(input.dtype, input.numel()))
+
     def broadcast(self, tensor: torch.Tensor, root: int = 0, nonblocking: bool = False):
         """In place: every rank's ``tensor`` becomes group rank ``root``'s."""
         backend = self.backend_for(tensor)
@@ -203,12 +221,12 @@ class Communicator:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, nonblocking: bool = False):
         backend = self.backend_for(tensor)
-        return self._run("send", tensor.nbytes, nonblocking, backend.send, tensor, dst, tag, peer=dst)
+        return self._run("send", tensor.nbytes, nonblocking, backend.send, tensor, dst, tag, peer=dst, wire=1.0)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, nonblocking: bool = False):
         """Receive into ``tensor`` (its shape and dtype must match the sender's)."""
         backend = self.backend_for(tensor)
-        return self._run("recv", tensor.nbytes, nonblocking, backend.recv, tensor, src, tag, peer=src)
+        return self._run("recv", tensor.nbytes, nonblocking, backend.recv, tensor, src, tag, peer=src, wire=0.0)
 
     def exchange(self, sends=(), recvs=()) -> Handle:
         """Post sends ``[(tensor, dst, tag)]`` and receives ``[(tensor, src, tag)]`` together; one handle.
@@ -219,9 +237,11 @@ class Communicator:
         """
         first = (list(sends) + list(recvs))[0][0]
         backend = self.backend_for(first)
-        nbytes = sum(t.nbytes for t, _, _ in sends) + sum(t.nbytes for t, _, _ in recvs)
+        sent = sum(t.nbytes for t, _, _ in sends)
+        nbytes = sent + sum(t.nbytes for t, _, _ in recvs)
         peer = (list(recvs) + list(sends))[0][1]  # the report names the rank it waits on first
-        return self._run("exchange", nbytes, True, lambda _nb: backend.exchange(sends, recvs), peer=peer)
+        return self._run("exchange", nbytes, True, lambda _nb: backend.exchange(sends, recvs), peer=peer,
+                         wire=sent / nbytes if nbytes else 0.0)
 
     def isend(self, tensor, dst, tag=0) -> Handle:
         return self.send(tensor, dst, tag, nonblocking=True)

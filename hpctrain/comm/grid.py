@@ -44,6 +44,8 @@ class ProcessGrid:
         self._comms, self.crosses_nodes, self.world = comms, crosses_nodes, world
         self.layout: Layout | None = None  # set by from_config
         self.watchdog, self.stats, self.warnings = watchdog, stats, warnings
+        self.device = None  # set by use_device
+        self._extra: list[Communicator] = []  # sub-groups split off later (node_split)
 
     @classmethod
     def from_config(cls, cfg, info: RankInfo, world_mpi=None, timeout_s: float | None = None) -> "ProcessGrid":
@@ -120,10 +122,41 @@ class ProcessGrid:
         """The one accessor for a group's communicator: ``axis`` is "dp", "pp", "tp" or "world"."""
         return self.world if axis == "world" else self._comms[axis]
 
+    def node_split(self, axis: str):
+        """Collective over the ``axis`` group: ((intra, inter), problem). ``intra``: the group's members
+        on this node; ``inter``: the members with the same position inside their node, one per node.
+        Returns (None, reason) when the split does not apply (one node; nodes holding different
+        numbers of the group's members)."""
+        comm, info = self.comm(axis), self.info
+        node_of = [info.node_of_rank[r] for r in comm.members]
+        nodes = sorted(set(node_of))
+        counts = {n: node_of.count(n) for n in nodes}
+        if len(nodes) == 1:
+            return None, f"the {axis} group lies on one node"
+        if len(set(counts.values())) > 1:
+            return None, f"the {axis} group's nodes hold different numbers of its ranks ({counts})"
+        mine = node_of[comm.rank]
+        position = [r for r, n in zip(comm.members, node_of) if n == mine].index(info.rank)
+        intra_members = tuple(r for r, n in zip(comm.members, node_of) if n == mine)
+        inter_members = tuple(r for r, n in zip(comm.members, node_of)
+                              if [q for q, m in zip(comm.members, node_of) if m == n].index(r) == position)
+        intra_mpi = comm.mpi.Split(color=nodes.index(mine), key=comm.rank)
+        inter_mpi = comm.mpi.Split(color=position, key=comm.rank)
+        intra = Communicator(intra_mpi, f"{axis}-intra", intra_members, self.watchdog, self.stats,
+                             comm.backend_choice, comm.check)
+        inter = Communicator(inter_mpi, f"{axis}-inter", inter_members, self.watchdog, self.stats,
+                             comm.backend_choice, comm.check)
+        if comm._device is not None:  # the device backends of the sub-groups, in the same order everywhere
+            for sub in (intra, inter):
+                sub.prepare_device(self.device)
+        self._extra.extend((intra, inter))
+        return (intra, inter), None
+
     def use_device(self, device) -> dict[str, str]:
         """Collective over the world: set up every group's backend for tensors on ``device`` (NCCL
         communicators are created here, in one fixed order on every rank, never lazily inside a
         point-to-point call that only two ranks make). Returns {axis: backend name}."""
+        self.device = device
         return {axis: self.comm(axis).prepare_device(device) for axis in (*AXES, "world")}
 
     def describe(self) -> dict:
@@ -137,6 +170,6 @@ class ProcessGrid:
         return record
 
     def close(self) -> None:
-        for axis in (*AXES, "world"):
-            self.comm(axis).close()
+        for comm in [self.comm(axis) for axis in (*AXES, "world")] + self._extra:
+            comm.close()
         self.watchdog.close()

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 class OpCounter:
     calls: int = 0
     bytes: int = 0  # payload bytes handed to the network by this rank (the tensor's size)
+    sent: int = 0  # bytes this rank puts on the wire for them (bandwidth-optimal algorithms; Communicator)
     seconds: float = 0.0  # time blocked in this op (blocking calls and waits)
 
 
@@ -45,6 +46,10 @@ class CommStats:
 
     def total_bytes(self) -> int:
         return sum(c.bytes for c in self.ops.values())
+
+    def total_sent(self) -> int:
+        """Bytes this rank sent on all groups (metrics.jsonl ``bytes_sent`` is its per-step difference)."""
+        return sum(c.sent for c in self.ops.values())
 
 
 class Call:

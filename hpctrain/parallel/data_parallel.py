@@ -9,8 +9,10 @@ whole bucket without ZeRO, its 1/dp slice with ZeRO-1. The optimizer updates own
 
 Reduction. A backward hook per parameter adds its grad into the main-grad view; on the last
 micro-batch, once every parameter of a bucket has reported, the bucket's non-blocking reduction
-starts (all-reduce SUM, or reduce-scatter into ``shard_grads`` with ZeRO) while backward continues;
-hooks call ``test()`` on pending handles to drive MPI progress. ``finish_reduction`` waits for all.
+starts through ``self.reducer`` (a ``hpctrain.compression.GradReducer``: dense all-reduce SUM, or
+reduce-scatter into ``shard_grads`` with ZeRO, by default; a compressed reducer with
+``[compression]``) while backward continues; hooks call ``test()`` on pending handles to drive MPI
+progress. ``finish_reduction`` completes all.
 Gradients are SUMMED over dp: the loss is already divided by the global token count.
 
 Deferred bucket. Grads that need a reduction over ANOTHER group first (sequence-parallel norm weights:
@@ -22,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from hpctrain.compression.reducer import DenseReducer
 
 TIED_GRAD_TAG = 23  # beside the pipeline's ACT_TAG = 21, GRAD_TAG = 22 on the same pp communicator
 
@@ -56,6 +60,7 @@ class Bucket:
     pending: int = 0
     handle: object = None
     shard_grad: torch.Tensor | None = None  # ZeRO: this rank's reduced slice
+    index: int = 0  # position in FlatParams.buckets (the reducer's key for per-bucket state)
 
     @property
     def size(self) -> int:
@@ -94,6 +99,8 @@ class FlatParams:
             if zero:
                 bucket.shard_grad = torch.zeros(bucket.size // self.dp_size, dtype=self.grad_dtype, device=device)
         self.last_microbatch = False
+        self.check_finite = False  # float16 runs: compressed reducers flag inf/NaN (GradReducer.overflow)
+        self.reducer = DenseReducer(self)  # the Trainer swaps in a compressed one (build_reducer)
 
     def _make_buckets(self, bucket_elems: float) -> list[Bucket]:
         def needs_pre_reduction(p):
@@ -117,7 +124,7 @@ class FlatParams:
         for members, is_deferred in groups:
             n = sum(p.numel() for p in members)
             padded = -(-n // self.dp_size) * self.dp_size
-            buckets.append(Bucket(start, start + padded, members, is_deferred))
+            buckets.append(Bucket(start, start + padded, members, is_deferred, index=len(buckets)))
             start += padded
         return buckets
 
@@ -151,11 +158,7 @@ class FlatParams:
             if self.zero:
                 bucket.shard_grad.copy_(self.grad_buffer[bucket.start:bucket.end])
             return
-        grads = self.grad_buffer[bucket.start:bucket.end]
-        if self.zero:
-            bucket.handle = self.dp_comm.reduce_scatter(bucket.shard_grad, grads, nonblocking=True)
-        else:
-            bucket.handle = self.dp_comm.allreduce(grads, nonblocking=True)
+        bucket.handle = self.reducer.start(bucket)
 
     def finish_reduction(self) -> None:
         """After the last micro-batch's backward: pre-reduce deferred grads, reduce them, wait for all."""
@@ -167,7 +170,7 @@ class FlatParams:
                 self._launch(bucket)  # a bucket whose hooks did not all fire (unused parameters)
         for bucket in self.buckets:
             if bucket.handle is not None:
-                bucket.handle.wait()
+                self.reducer.finish(bucket)
 
     def _pre_reduce(self, bucket: Bucket) -> None:
         for p in bucket.params:

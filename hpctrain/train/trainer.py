@@ -18,6 +18,7 @@ from hpctrain.data.corpus import load_tokens_collective
 from hpctrain.data.sampler import GlobalBatchIterator, SequenceSampler
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
+from hpctrain.compression import build_reducer
 from hpctrain.optim.flat import FlatOptimizer, lr_at
 from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.parallel.data_parallel import FlatParams
@@ -42,6 +43,9 @@ class StepMetrics:
     mfu: float | None
     loss_scale: float
     skipped: bool
+    bytes_sent: int = 0  # bytes this rank sent on all groups this step (Communicator's wire model)
+    compression_ratio: float = 1.0  # gradient traffic: dense bytes / bytes sent
+    compress_s: float = 0.0  # seconds in compress + decompress
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -84,6 +88,8 @@ class Trainer:
         self.stage.to(self.device)  # initialised on the host from the global generator, then moved
         self.flat = FlatParams(list(self.stage.parameters()), grid.comm("dp"), tp_comm=tp_comm, pp_comm=pp_comm,
                                bucket_mb=p.bucket_mb, zero=layout.zero == 1)
+        self.flat.check_finite = self.dtype == torch.float16
+        self.flat.reducer = build_reducer(self.cfg.compression, self.flat, grid, seed=t.seed)
         self.optimizer = FlatOptimizer(self.flat, self.cfg.optim, tp_rank=grid.coords["tp"])
         self.executor = PipelineExecutor(self.stage, pp_comm if pp_size > 1 else None, self.flat, layout.schedule,
                                          layout.microbatches, (layout.seq_shard, self.micro_batch, m.d_model),
@@ -105,7 +111,7 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepMetrics:
         t, grid = self.cfg.train, self.grid
-        start, comm_before = time.perf_counter(), grid.stats.total_seconds()
+        start, comm_before, sent_before = time.perf_counter(), grid.stats.total_seconds(), grid.stats.total_sent()
         inputs, targets = self._to_device(*self.batches.next_batch())
         mb = self.micro_batch
         inputs_mb = [inputs[i * mb:(i + 1) * mb] for i in range(self.cfg.parallel.microbatches)]
@@ -114,6 +120,8 @@ class Trainer:
 
         self.stage.train()
         self.flat.start_step()
+        reducer = self.flat.reducer
+        reducer.begin_step(self.step)
         self.faults.hit("forward", self.step + 1)
         scaled_loss = self.executor.run(inputs_mb, targets_mb, self.scaler.scale / global_tokens)
         self.faults.hit("backward", self.step + 1)
@@ -121,9 +129,13 @@ class Trainer:
         loss = self._agree_loss(scaled_loss / self.scaler.scale)
 
         norm_sq = torch.tensor([self.optimizer.grad_norm_sq_local(1.0 / self.scaler.scale)], dtype=torch.float64)
+        if reducer.overflow:  # inf/NaN a compressor may have dropped (random-k): every rank must skip
+            norm_sq.fill_(float("inf"))
         grid.world.allreduce(norm_sq)
         grad_norm = math.sqrt(norm_sq.item()) if math.isfinite(norm_sq.item()) else float("inf")
+        old_scale = self.scaler.scale
         skipped = self.scaler.update(grad_norm)  # same decision on every rank: grad_norm is global
+        reducer.after_step(skipped, self.scaler.scale / old_scale)
         lr = lr_at(self.step, t)
         self.faults.hit("optimizer", self.step + 1)
         if not skipped:
@@ -136,7 +148,8 @@ class Trainer:
         peak = self.peak_tflops
         mfu = (self.flops_per_token * tokens_per_s / (peak * 1e12 * grid.info.size)) if peak > 0 else None
         return StepMetrics(self.step, loss, lr, grad_norm, tokens_per_s, elapsed,
-                           grid.stats.total_seconds() - comm_before, mfu, self.scaler.scale, skipped)
+                           grid.stats.total_seconds() - comm_before, mfu, self.scaler.scale, skipped,
+                           grid.stats.total_sent() - sent_before, **reducer.step_stats())
 
     def _to_device(self, *batch: torch.Tensor) -> list[torch.Tensor]:
         """Host batches to the device: pinned memory, non-blocking copies ordered on the current stream."""

@@ -144,6 +144,16 @@ class MpiBackend:
         self.comm.Allgather(sbuf, rbuf)
         return None
 
+    def alltoall(self, output, input, nonblocking=False):
+        """input/output: (size * n,) elements; block j of input goes to rank j, block j of output came
+        from rank j. Raw data movement (any dtype)."""
+        self._ready(input)
+        sbuf, rbuf = mpi_buffer(input), mpi_buffer(output)
+        if nonblocking:
+            return MpiWork(self.comm.Ialltoall(sbuf, rbuf), None, (input, output))
+        self.comm.Alltoall(sbuf, rbuf)
+        return None
+
     def broadcast(self, tensor, root=0, nonblocking=False):
         self._ready(tensor)
         buf = mpi_buffer(tensor)

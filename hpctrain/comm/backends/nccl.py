@@ -142,6 +142,21 @@ class NcclBackend:
         self.comm.allGather(send_ptr, output.data_ptr(), count, self._dtype(output), self._stream())
         return self._work(nonblocking, (input, output))
 
+    def alltoall(self, output, input, nonblocking=False):
+        """Block j of ``input`` to rank j, block j of ``output`` from rank j: one NCCL group of
+        send/recv pairs (NCCL has no all-to-all primitive; this is how its docs build one)."""
+        nccl, stream = self._nccl, self._stream()
+        count, dtype = input.numel() // self.size, self._dtype(input)
+        step = count * input.element_size()
+        nccl.groupStart()
+        try:
+            for peer in range(self.size):
+                self.comm.send(input.data_ptr() + peer * step, count, dtype, peer, stream)
+                self.comm.recv(output.data_ptr() + peer * step, count, dtype, peer, stream)
+        finally:
+            nccl.groupEnd()
+        return self._work(nonblocking, (input, output))
+
     def broadcast(self, tensor, root=0, nonblocking=False):
         ptr = tensor.data_ptr()
         self.comm.broadcast(ptr, ptr, tensor.numel(), self._dtype(tensor), root, self._stream())

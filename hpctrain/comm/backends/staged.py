@@ -83,6 +83,11 @@ class HostStagedBackend:
         work = self.host.allgather(host_out, host_in, nonblocking)
         return self._done(work, output, host_out, nonblocking)
 
+    def alltoall(self, output, input, nonblocking=False):
+        host_out = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
+        work = self.host.alltoall(host_out, _to_host(input), nonblocking)
+        return self._done(work, output, host_out, nonblocking)
+
     def broadcast(self, tensor, root=0, nonblocking=False):
         host = _to_host(tensor)
         return self._done(self.host.broadcast(host, root, nonblocking), tensor, host, nonblocking)

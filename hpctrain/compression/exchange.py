@@ -1,0 +1,118 @@
+"""Compressed sums over one group: payloads MPI can move but not add, summed after decompression in the
+gradient's dtype (float32 main grads; float64 in float64 runs). Each class launches its first exchange
+non-blocking in the constructor (so backward overlaps it) and completes in ``finish``:
+
+- ``AlltoallSum`` (quantizers): compressed reduce-scatter by all-to-all (chunk j of every rank ->
+  rank j), then, unless only this rank's chunk is wanted (ZeRO-1), the summed chunk is compressed
+  again (with its own error feedback: the "server side" of 1-bit Adam) and all-gathered.
+- ``AllgatherSum`` (top-k): every rank's payload to every rank; the sum of all decompressed payloads.
+- ``SharedIndexSum`` (random-k): the same k indices on every rank; an all-reduce of k values.
+
+``local`` is what this rank's contribution looks like after compression (for error feedback);
+``finish()`` returns the whole sum (n elements) or, with ``shard_only``, this rank's chunk (n / p).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class Stopwatch:
+    """Seconds spent compressing and decompressing (metrics.jsonl ``compress_s``)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __enter__(self):
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.seconds += time.perf_counter() - self._start
+
+
+class AlltoallSum:
+    def __init__(self, comm, compressor, x, *, shard_only, server_memory, server_key, clock, **_):
+        self.comm, self.compressor, self.dtype, self.clock = comm, compressor, x.dtype, clock
+        self.shard_only, self.memory, self.key = shard_only, server_memory, server_key
+        p = comm.size
+        self.chunk = x.numel() // p
+        with clock:
+            self.payload = torch.stack([compressor.compress(piece) for piece in x.view(p, self.chunk)])
+            self.local = torch.cat([self._decompress(row) for row in self.payload])
+        self.received = torch.empty_like(self.payload)
+        self.handle = comm.alltoall(self.received.view(-1), self.payload.view(-1), nonblocking=True)
+
+    def _decompress(self, row):
+        return self.compressor.decompress(row, self.chunk, self.dtype)
+
+    def test(self) -> bool:
+        return self.handle.test()
+
+    def finish(self) -> torch.Tensor:
+        self.handle.wait()
+        with self.clock:
+            partial = torch.zeros(self.chunk, dtype=self.dtype, device=self.payload.device)
+            for row in self.received:
+                partial += self._decompress(row)
+        if self.shard_only:
+            return partial
+        with self.clock:
+            if self.memory is not None:
+                partial = self.memory.corrected(self.key, partial)
+            mine = self.compressor.compress(partial)
+            if self.memory is not None:
+                self.memory.remember(self.key, partial, self._decompress(mine))
+        gathered = torch.empty((self.comm.size, mine.numel()), dtype=torch.uint8, device=mine.device)
+        self.comm.allgather(gathered.view(-1), mine)
+        with self.clock:
+            return torch.cat([self._decompress(row) for row in gathered])
+
+
+class AllgatherSum:
+    def __init__(self, comm, compressor, x, *, shard_only, clock, **_):
+        self.comm, self.compressor, self.n, self.dtype, self.clock = comm, compressor, x.numel(), x.dtype, clock
+        self.shard_only = shard_only
+        with clock:
+            payload = compressor.compress(x)
+            self.local = compressor.decompress(payload, self.n, self.dtype)
+        self.gathered = torch.empty((comm.size, payload.numel()), dtype=torch.uint8, device=payload.device)
+        self.handle = comm.allgather(self.gathered.view(-1), payload, nonblocking=True)
+
+    def test(self) -> bool:
+        return self.handle.test()
+
+    def finish(self) -> torch.Tensor:
+        self.handle.wait()
+        with self.clock:
+            total = torch.zeros(self.n, dtype=self.dtype, device=self.gathered.device)
+            for row in self.gathered:  # the same order on every rank: bitwise-identical sums
+                total += self.compressor.decompress(row, self.n, self.dtype)
+        return _shard(total, self.comm) if self.shard_only else total
+
+
+class SharedIndexSum:
+    def __init__(self, comm, compressor, x, *, shard_only, key, clock, **_):
+        self.comm, self.n, self.shard_only = comm, x.numel(), shard_only
+        with clock:
+            self.index = compressor.indices(self.n, key, x.device)
+            self.values = x[self.index].contiguous()
+            self.local = torch.zeros_like(x).index_copy_(0, self.index, self.values)
+        self.handle = comm.allreduce(self.values, nonblocking=True)
+
+    def test(self) -> bool:
+        return self.handle.test()
+
+    def finish(self) -> torch.Tensor:
+        self.handle.wait()
+        total = torch.zeros(self.n, dtype=self.values.dtype, device=self.values.device)
+        total.index_copy_(0, self.index, self.values)
+        return _shard(total, self.comm) if self.shard_only else total
+
+
+def _shard(total: torch.Tensor, comm) -> torch.Tensor:
+    n = total.numel() // comm.size
+    return total[comm.rank * n:(comm.rank + 1) * n]
+
+
+STRATEGIES = {"alltoall": AlltoallSum, "allgather": AllgatherSum, "shared": SharedIndexSum}

@@ -1,0 +1,196 @@
+"""The gradient-reduction seam of the data-parallel engine (``FlatParams`` calls it per bucket).
+
+Contract. On every rank of the dp group, in the same bucket order, once per step and bucket:
+``start(bucket)`` when the bucket's main grads (``flat.grad_buffer[bucket.start:bucket.end]``, summed
+over micro-batches) are final, returning a handle with ``test()`` (drive progress, never block) and
+``wait()``; ``finish(bucket)`` after which the SUM over the dp group is in place: the bucket's main grads
+without ZeRO, ``bucket.shard_grad`` (this rank's 1/dp block) with ZeRO-1. ``begin_step`` /
+``after_step`` bracket a step; ``state_dict`` is what a checkpoint must keep for an exact resume
+(error-feedback residuals, PowerSGD's Q); ``step_stats`` feeds metrics.jsonl.
+
+``DenseReducer``: all-reduce (or ZeRO-1 reduce-scatter) in the main grads' dtype, non-blocking.
+``CompressedReducer``: a compressor + error feedback + a strategy from ``exchange.py``, on the dp group
+(``scope = "all"``) or, with ``scope = "inter-node"``, dense reduce-scatter inside each node, the
+compressed sum across nodes on 1/L of the bucket (L ranks per node), then an all-gather inside the node.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from hpctrain.compression.base import REGISTRY
+from hpctrain.compression.exchange import STRATEGIES, Stopwatch
+from hpctrain.compression.memory import ErrorFeedback
+
+
+class Done:
+    """The handle of a reduction already complete."""
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+class GradReducer:
+    def __init__(self, flat):
+        self.flat, self.comm = flat, flat.dp_comm
+        self.step = 0
+        self.dense_bytes = self.sent_bytes = 0  # this step: what dense would send / what was sent
+        self.clock = Stopwatch()
+        self.overflow = False  # a bucket had inf/NaN (float16 runs check; the trainer skips the step)
+
+    def begin_step(self, step: int) -> None:
+        self.step, self.overflow = step, False
+        self.dense_bytes = self.sent_bytes = 0
+        self.clock.seconds = 0.0
+
+    def start(self, bucket):
+        before = self.comm.stats.total_sent()
+        handle = self._start(bucket)
+        self.sent_bytes += self.comm.stats.total_sent() - before
+        p, nbytes = self.comm.size, bucket.size * self.flat.grad_buffer.element_size()
+        self.dense_bytes += int(nbytes * (p - 1) / p * (1 if self.flat.zero else 2))
+        return handle
+
+    def finish(self, bucket) -> None:
+        before = self.comm.stats.total_sent()
+        self._finish(bucket)
+        self.sent_bytes += self.comm.stats.total_sent() - before
+
+    def after_step(self, skipped: bool, scale_ratio: float = 1.0) -> None:
+        """After the optimizer decision: a skipped step's compression memory is dropped; a changed
+        loss scale rescales it."""
+
+    def step_stats(self) -> dict:
+        ratio = self.dense_bytes / self.sent_bytes if self.sent_bytes else 1.0
+        return {"compression_ratio": ratio, "compress_s": self.clock.seconds}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def signature(self) -> dict:
+        """What must match for ``state_dict`` to be restored as is (see docs/compression.md)."""
+        return {}
+
+    def grads(self, bucket) -> torch.Tensor:
+        return self.flat.grad_buffer[bucket.start:bucket.end]
+
+    def _start(self, bucket):
+        raise NotImplementedError
+
+    def _finish(self, bucket) -> None:
+        raise NotImplementedError
+
+
+class DenseReducer(GradReducer):
+    def _start(self, bucket):
+        if self.flat.zero:
+            return self.comm.reduce_scatter(bucket.shard_grad, self.grads(bucket), nonblocking=True)
+        return self.comm.allreduce(self.grads(bucket), nonblocking=True)
+
+    def _finish(self, bucket) -> None:
+        bucket.handle.wait()
+
+
+class CompressedReducer(GradReducer):
+    """``compressor`` (a ``base.Compressor``) with error feedback when ``cfg.error_feedback``."""
+
+    def __init__(self, flat, cfg, compressor, *, seed: int = 0, node_comms=None):
+        super().__init__(flat)
+        self.cfg, self.compressor, self.seed = cfg, compressor, seed
+        self.dense = DenseReducer(flat)
+        self.memory = ErrorFeedback() if cfg.error_feedback else None
+        self.intra, self.inter = node_comms if node_comms else (None, self.comm)
+        self.strategy = STRATEGIES[compressor.strategy] if compressor is not None else None
+        self._running = {}  # bucket index -> reduction in flight (None: dense this step)
+
+    def _dense_now(self, bucket) -> bool:
+        return self.step < self.cfg.warmup_steps or bucket.size < self.cfg.min_numel or self.inter.size == 1
+
+    def _start(self, bucket):
+        if self._dense_now(bucket):
+            self._running[bucket.index] = None
+            return self.dense._start(bucket)
+        x = self.grads(bucket)
+        if self.intra is not None:  # dense inside the node first: this rank sums 1/L of the bucket
+            part = torch.empty(x.numel() // self.intra.size, dtype=x.dtype, device=x.device)
+            self.intra.reduce_scatter(part, x)
+            x = part
+        if self.flat.check_finite and not bool(torch.isfinite(x).all()):
+            self.overflow = True
+        key = f"worker/{bucket.index}"
+        corrected = self.memory.corrected(key, x) if self.memory is not None else x
+        reduction = self.strategy(self.inter, self.compressor, corrected, clock=self.clock,
+                                  shard_only=self.flat.zero and self.intra is None,
+                                  server_memory=self.memory, server_key=f"server/{bucket.index}",
+                                  key=(self.seed, self.step, bucket.index))
+        if self.memory is not None:
+            self.memory.remember(key, corrected, reduction.local)
+        self._running[bucket.index] = reduction
+        return reduction
+
+    def _finish(self, bucket) -> None:
+        reduction = self._running.pop(bucket.index)
+        if reduction is None:
+            return self.dense._finish(bucket)
+        result = reduction.finish()
+        if self.intra is not None:
+            full = torch.empty(bucket.size, dtype=result.dtype, device=result.device)
+            self.intra.allgather(full, result.contiguous())
+            result = full
+        if self.flat.zero:
+            n = bucket.size // self.comm.size
+            if result.numel() != n:
+                result = result[self.comm.rank * n:(self.comm.rank + 1) * n]
+            bucket.shard_grad.copy_(result)
+        else:
+            self.grads(bucket).copy_(result)
+
+    def after_step(self, skipped: bool, scale_ratio: float = 1.0) -> None:
+        if self.memory is None:
+            return
+        if skipped:
+            self.memory.clear()
+        elif scale_ratio != 1.0:
+            self.memory.rescale(scale_ratio)
+
+    def state_dict(self):
+        return dict(self.memory.residuals) if self.memory is not None else {}
+
+    def load_state_dict(self, state):
+        if self.memory is not None:
+            self.memory.residuals = {k: v.to(self.flat.device) for k, v in state.items()}
+
+    def signature(self) -> dict:
+        c = self.cfg
+        return {"method": c.method, "scope": c.scope, "error_feedback": c.error_feedback,
+                "buckets": [(b.start, b.end) for b in self.flat.buckets], "dp": self.comm.size,
+                "node_split": None if self.intra is None else [self.intra.size, self.inter.size]}
+
+
+def build_reducer(cfg, flat, grid, seed: int = 0, stream=sys.stderr) -> GradReducer:
+    """Collective over the dp group when ``cfg.scope == "inter-node"`` (node sub-groups are split off).
+    ``cfg``: the ``[compression]`` section."""
+    if cfg.method == "none" or flat.dp_comm is None or flat.dp_size == 1:
+        return DenseReducer(flat)
+    node_comms = None
+    if cfg.scope == "inter-node":
+        node_comms, problem = grid.node_split("dp")
+        if problem and grid.info.rank == 0:
+            print(f"hpctrain: WARNING: compression.scope='inter-node': {problem}; compressing every dp link "
+                  f"instead", file=stream, flush=True)
+    if cfg.method == "powersgd":
+        from hpctrain.compression.powersgd import PowerSGDReducer
+
+        return PowerSGDReducer(flat, cfg, seed=seed, node_comms=node_comms)
+    import hpctrain.compression.quantize  # noqa: F401  (registers the methods)
+    import hpctrain.compression.sparse  # noqa: F401
+    import hpctrain.compression.zfp  # noqa: F401
+
+    return CompressedReducer(flat, cfg, REGISTRY[cfg.method](cfg), seed=seed, node_comms=node_comms)

@@ -41,6 +41,8 @@ class PowerSGDReducer(CompressedReducer):
         if name not in self.q:
             generator = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
             self.q[name] = torch.randn(cols, self.cfg.rank, generator=generator, dtype=dtype).to(device)
+        elif self.q[name].dim() == 1:  # restored from a checkpoint (stored flat)
+            self.q[name] = self.q[name].view(cols, self.cfg.rank)
         return self.q[name]
 
     def _start(self, bucket):

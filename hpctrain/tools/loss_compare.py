@@ -15,6 +15,9 @@ Steps agree when ``|a - b| <= atol + rtol * max(|a|, |b|)``. Exit status: 0 if e
 run failed, timed out, or the arguments are wrong.
 
 ``--metrics A.jsonl B.jsonl`` compares two existing metrics files without training.
+
+Tolerance mode, ``--final K``: compare only the mean of the last K steps of each run (a convergence
+check, e.g. a compressed run against the dense one: ``--final 5 --rtol 0.02``), not every step.
 """
 from __future__ import annotations
 
@@ -155,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
     p.add_argument("--metric", default="loss", help="metrics field to compare (default loss)")
+    p.add_argument("--final", type=int, default=0, metavar="K",
+                   help="tolerance mode: compare the mean of the last K steps only (convergence; default 0 = "
+                        "every step)")
     p.add_argument("--launcher", default="mpiexec",
                    help="launcher command, called as '<launcher> -n NP python ...' (default mpiexec: the one "
                         "beside this Python first, then PATH)")
@@ -220,6 +226,8 @@ def _main(args, console) -> int:
 
 
 def _report(a, b, names, title, args, console) -> int:
+    if args.final:
+        return _report_final(a, b, args, console)
     rows = compare(a, b, args.rtol, args.atol)
     print_table(rows, names, args.metric, title, args.max_rows, console)
     bad = first_bad(rows)
@@ -232,6 +240,25 @@ def _report(a, b, names, title, args, console) -> int:
     console.print(f"MISMATCH: {n_bad} of {len(rows)} steps differ; first at "
                   f"{describe_failure(bad, names, args.rtol, args.atol)}", highlight=False, soft_wrap=True)
     return EXIT_MISMATCH
+
+
+def final_mean(values: dict[int, float], k: int) -> float:
+    last = [values[s] for s in sorted(values)[-k:]]
+    return sum(last) / len(last)
+
+
+def _report_final(a, b, args, console) -> int:
+    if args.final < 1:
+        raise CompareError(f"--final must be >= 1, got {args.final}")
+    if max(a) != max(b):
+        raise CompareError(f"the runs end at different steps ({max(a)} and {max(b)})")
+    ma, mb = final_mean(a, args.final), final_mean(b, args.final)
+    diff, scale = abs(ma - mb), max(abs(ma), abs(mb))
+    ok = diff <= args.atol + args.rtol * scale
+    console.print(f"{'MATCH' if ok else 'MISMATCH'}: mean {args.metric} of the last {args.final} steps: "
+                  f"A {ma:.6g}, B {mb:.6g}, rel diff {diff / scale if scale else 0.0:.3e} "
+                  f"({'<=' if ok else '>'} rtol {args.rtol:g}, atol {args.atol:g})", highlight=False)
+    return EXIT_MATCH if ok else EXIT_MISMATCH
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""Gradient compression on real ranks: the strategies against references, convergence of every method
+against dense training, exact resume with error-feedback state, ZeRO-1 / pp / tp / float16 / inter-node
+scope, and the byte counts in metrics.jsonl. (Bytes on a real shaped link: tests/integration/test_two_hosts.py.)
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpirun import ROOT, mpi_env, run_mpi
+
+STEPS = 60
+SGD = ["data.max_bytes=300000", "train.progress=false", f"train.steps={STEPS}", "optim.name=sgd",
+       "train.lr=0.3", "train.min_lr=0.03", "compression.density=0.01"]
+
+
+def train(run_dir, *args, nprocs=2, timeout=240, **kw):
+    return run_mpi(nprocs, "hpctrain.cli", "train", f"train.run_dir={run_dir}", *args, module=True,
+                   timeout=timeout, **kw)
+
+
+def records(run_dir):
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"event"' not in line]
+
+
+def final_loss(run_dir, k=5):
+    return sum(r["loss"] for r in records(run_dir)[-k:]) / k
+
+
+def test_strategies_equal_their_references_on_4_ranks():
+    assert "OK 30 checks" in run_mpi(4, "check_compression.py", timeout=120).stdout
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """Dense SGD reference runs: plain (momentum 0) and with momentum 0.9 (for 1-bit)."""
+    base = tmp_path_factory.mktemp("dense")
+    train(base / "plain", *SGD, "optim.momentum=0")
+    train(base / "momentum", *SGD, "optim.momentum=0.9")
+    return {"plain": final_loss(base / "plain"), "momentum": final_loss(base / "momentum"), "dir": base}
+
+
+# (method overrides, momentum, stated tolerance on the mean loss of the last 5 of 60 steps, relative)
+METHODS = [(["compression.method=fp16"], 0, 0.02), (["compression.method=bf16"], 0, 0.02),
+           (["compression.method=int8"], 0, 0.02), (["compression.method=zfp"], 0, 0.02),
+           (["compression.method=powersgd"], 0, 0.02), (["compression.method=topk"], 0, 0.03),
+           (["compression.method=randomk", "compression.density=0.1"], 0, 0.15),
+           (["compression.method=onebit"], 0.9, 0.08)]
+
+
+@pytest.mark.parametrize("overrides,momentum,rtol", METHODS, ids=[m[0][0].split("=")[1] for m in METHODS])
+def test_each_method_converges_near_dense(dense, tmp_path, overrides, momentum, rtol):
+    train(tmp_path, *SGD, f"optim.momentum={momentum}", *overrides)
+    reference = dense["momentum" if momentum else "plain"]
+    loss = final_loss(tmp_path)
+    assert abs(loss - reference) <= rtol * reference, (overrides, loss, reference)
+    last = records(tmp_path)[-1]
+    assert last["compression_ratio"] > 1.9 and last["compress_s"] > 0 and last["bytes_sent"] > 0
+
+
+def test_error_feedback_is_what_makes_topk_converge(dense, tmp_path):
+    """TopK at 1%: without error feedback the run ends measurably worse than with it (measured: 3.29 vs
+    3.20, dense 3.25), and the loss_compare tolerance mode says so."""
+    train(tmp_path / "ef", *SGD, "optim.momentum=0", "compression.method=topk")
+    train(tmp_path / "no_ef", *SGD, "optim.momentum=0", "compression.method=topk", "compression.error_feedback=false")
+    with_ef, without = final_loss(tmp_path / "ef"), final_loss(tmp_path / "no_ef")
+    assert without - with_ef >= 0.03, (with_ef, without)
+
+    def compare(other):
+        return subprocess.run([sys.executable, "-m", "hpctrain.tools.loss_compare", "--metrics",
+                               str(dense["dir"] / "plain" / "metrics.jsonl"), str(other / "metrics.jsonl"),
+                               "--final", "5", "--rtol", "0.02"], capture_output=True, text=True,
+                              env=mpi_env(), cwd=ROOT, timeout=60)
+    good, bad = compare(tmp_path / "ef"), compare(tmp_path / "no_ef")
+    assert good.returncode == 0 and "MATCH: mean loss of the last 5 steps" in good.stdout, good.stdout + good.stderr
+    assert bad.returncode == 1 and "MISMATCH" in bad.stdout, bad.stdout + bad.stderr
+
+
+@pytest.mark.parametrize("method,layout", [
+    ("topk", ["parallel.zero=1"]),
+    ("onebit", ["parallel.tp=2", "parallel.pp=2", "parallel.zero=1", "parallel.microbatches=2"]),
+    ("powersgd", ["parallel.pp=2", "parallel.microbatches=2"]),
+])
+def test_exact_resume_keeps_compression_state(tmp_path, method, layout):
+    """N steps + resume + N steps == 2N steps, bit for bit: the residuals (and PowerSGD's Q) are in the
+    checkpoint. 4 ranks; ZeRO-1 (compressed reduce-scatter), tp, pp, gradient accumulation."""
+    common = ["data.max_bytes=300000", "train.progress=false", "train.seq_len=32", "model.n_layers=2",
+              "train.steps=8", f"compression.method={method}", "compression.density=0.05", *layout]
+    train(tmp_path / "whole", *common, nprocs=4)
+    train(tmp_path / "split", *common, "--max-steps", "4", "checkpoint.async=false", nprocs=4)
+    out = train(tmp_path / "split", *common, "--resume", "auto", nprocs=4)
+    assert "not restored" not in out.stderr
+    whole, split = records(tmp_path / "whole"), records(tmp_path / "split")
+    assert [r["loss"] for r in whole] == [r["loss"] for r in split]
+    subprocess.run([sys.executable, "-m", "hpctrain.cli", "ckpt", "diff", str(tmp_path / "whole"),
+                    str(tmp_path / "split"), "--atol", "0"], check=True, env=mpi_env(), cwd=ROOT, timeout=120)
+    # another layout: the documented rule (state starts from zero, with a warning), not an error
+    other = train(tmp_path / "split", *common, "train.steps=10", "parallel.tp=1", "parallel.pp=1", "--resume", "auto",
+                  nprocs=2)
+    assert "compression state (error-feedback residuals, PowerSGD Q) not restored" in other.stderr
+
+
+def test_float16_with_compression_does_not_overflow(tmp_path):
+    train(tmp_path, "data.max_bytes=300000", "train.progress=false", "train.steps=12", "train.dtype=float16",
+          "compression.method=bf16")
+    rows = records(tmp_path)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5 and sum(r["skipped"] for r in rows) <= 2
+
+
+def test_inter_node_scope_compresses_only_across_nodes(tmp_path):
+    """2 emulated nodes x 2 ranks (UTS namespaces): scope=inter-node sends the same gradient bytes
+    inside a node as dense would, and compresses the rest; both runs train to a similar loss."""
+    common = ["data.max_bytes=300000", "train.progress=false", "train.steps=10", "compression.method=int8"]
+    train(tmp_path / "all", *common, nprocs=4, fake_nodes=["n0", "n1"])
+    train(tmp_path / "inter", *common, "compression.scope=inter-node", nprocs=4, fake_nodes=["n0", "n1"])
+    every, inter = records(tmp_path / "all")[-1], records(tmp_path / "inter")[-1]
+    assert 3.5 < every["compression_ratio"] < 4.1  # int8 everywhere
+    assert 1.0 < inter["compression_ratio"] < every["compression_ratio"]  # the intra-node part is dense
+    assert abs(inter["loss"] - every["loss"]) < 0.05 * every["loss"]

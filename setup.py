@@ -24,6 +24,7 @@ setup(
         "mpi": ["mpich"],  # PyPI MPICH wheel: laptops and CI; clusters bring their own MPI
         "gpu": ["cupy"],  # pick the cupy-cudaXXx wheel that matches your CUDA instead where needed
         "test": ["pytest", "pytest-timeout"],
+        "compression": ["zfpy"],  # compression.method = "zfp" (a manylinux wheel)
     },
     entry_points={"console_scripts": ["hpctrain=hpctrain.cli:main"]},
 )

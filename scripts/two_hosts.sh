@@ -29,7 +29,7 @@ DEV=eth1
 die() { echo "two_hosts.sh: $*" >&2; exit 1; }
 
 preflight() {
-    [ "$(id -u)" = 0 ] || die "needs root (network namespaces, veth and tc need CAP_NET_ADMIN); run as root"
+    [ "${EUID:-$(id -u)}" = 0 ] || die "needs root (network namespaces, veth and tc need CAP_NET_ADMIN); run as root"
     local missing=()
     command -v ip >/dev/null || missing+=(ip)
     command -v tc >/dev/null || missing+=(tc)
@@ -45,10 +45,10 @@ preflight() {
     ip netns list >/dev/null 2>&1 || die "\`ip netns\` is unavailable: $(ip netns list 2>&1 | head -1)"
 }
 
+LOCK=${HPCTRAIN_NS_LOCK:-/tmp/hpctrain-two-hosts.lock}  # the namespace names are global: one lock for all dirs
 lock() {  # serialize up/down/rate of concurrent callers
-    mkdir -p "$(dirname "$D")"
-    exec 9>"$D.lock"
-    flock -w 60 9 || die "timed out waiting for the lock $D.lock"
+    exec 9>"$LOCK"
+    flock -w 60 9 || die "timed out waiting for the lock $LOCK"
 }
 
 ns_exists() { ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$1"; }

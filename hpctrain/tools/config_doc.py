@@ -71,6 +71,20 @@ MEANINGS: dict[str, str] = {
                       "(exit 3). 0 = no watchdog. `HPCTRAIN_COMM_TIMEOUT`, when set, overrides it.",
     "comm.check": "Debugging: before every collective the group's members compare op, size and dtype; a mismatch "
                   "ends the job naming the first differing rank (one extra small allgather per call).",
+    # [compression]
+    "compression.method": "Gradient compression of the data-parallel reduction: `none` (dense all-reduce), `fp16`, `bf16`, "
+                          "`int8` (scale per 256 values), `topk`, `randomk` (keep `density` of the values), "
+                          "`powersgd` (rank-`rank` matrices), `onebit` (sign + scale), `zfp` (fixed rate "
+                          "`zfp_rate`, needs zfpy). See docs/compression.md for costs and when each pays.",
+    "compression.density": "topk / randomk: fraction of each bucket's values sent (0.01 = 1%).",
+    "compression.rank": "powersgd: rank r of the approximation P Q^T; a matrix is compressed only if 2 (m+n) r <= m n.",
+    "compression.error_feedback": "Keep what compression dropped and add it to the next step's gradient (also "
+                                  "on the summed side for the quantizers). Saved in checkpoints.",
+    "compression.warmup_steps": "Dense steps before compression starts.",
+    "compression.scope": "`all`: compress every dp link. `inter-node`: dense reduce-scatter inside each node, "
+                         "compressed sum across nodes, all-gather inside the node (from the process grid's node map).",
+    "compression.min_numel": "Buckets (powersgd: matrices) with fewer elements than this go dense.",
+    "compression.zfp_rate": "zfp: bits per value in ZFP's fixed-rate mode (8 = 4x smaller than float32).",
     "optim.name": "`adamw` (decoupled weight decay) or `sgd` (with optional momentum).",
     "optim.beta1": "AdamW first-moment decay.",
     "optim.beta2": "AdamW second-moment decay.",

@@ -31,7 +31,14 @@ class Stopwatch:
         self.seconds += time.perf_counter() - self._start
 
 
-class AlltoallSum:
+class _InFlight:
+    """A reduction whose first exchange (``self.handle``) is in flight."""
+
+    def test(self) -> bool:
+        return self.handle.test()
+
+
+class AlltoallSum(_InFlight):
     def __init__(self, comm, compressor, x, *, shard_only, server_memory, server_key, clock, **_):
         self.comm, self.compressor, self.dtype, self.clock = comm, compressor, x.dtype, clock
         self.shard_only, self.memory, self.key = shard_only, server_memory, server_key
@@ -45,9 +52,6 @@ class AlltoallSum:
 
     def _decompress(self, row):
         return self.compressor.decompress(row, self.chunk, self.dtype)
-
-    def test(self) -> bool:
-        return self.handle.test()
 
     def finish(self) -> torch.Tensor:
         self.handle.wait()
@@ -69,7 +73,7 @@ class AlltoallSum:
             return torch.cat([self._decompress(row) for row in gathered])
 
 
-class AllgatherSum:
+class AllgatherSum(_InFlight):
     def __init__(self, comm, compressor, x, *, shard_only, clock, **_):
         self.comm, self.compressor, self.n, self.dtype, self.clock = comm, compressor, x.numel(), x.dtype, clock
         self.shard_only = shard_only
@@ -79,19 +83,16 @@ class AllgatherSum:
         self.gathered = torch.empty((comm.size, payload.numel()), dtype=torch.uint8, device=payload.device)
         self.handle = comm.allgather(self.gathered.view(-1), payload, nonblocking=True)
 
-    def test(self) -> bool:
-        return self.handle.test()
-
     def finish(self) -> torch.Tensor:
         self.handle.wait()
         with self.clock:
             total = torch.zeros(self.n, dtype=self.dtype, device=self.gathered.device)
             for row in self.gathered:  # the same order on every rank: bitwise-identical sums
                 total += self.compressor.decompress(row, self.n, self.dtype)
-        return _shard(total, self.comm) if self.shard_only else total
+        return own_block(total, self.comm) if self.shard_only else total
 
 
-class SharedIndexSum:
+class SharedIndexSum(_InFlight):
     def __init__(self, comm, compressor, x, *, shard_only, key, clock, **_):
         self.comm, self.n, self.shard_only = comm, x.numel(), shard_only
         with clock:
@@ -100,17 +101,15 @@ class SharedIndexSum:
             self.local = torch.zeros_like(x).index_copy_(0, self.index, self.values)
         self.handle = comm.allreduce(self.values, nonblocking=True)
 
-    def test(self) -> bool:
-        return self.handle.test()
-
     def finish(self) -> torch.Tensor:
         self.handle.wait()
         total = torch.zeros(self.n, dtype=self.values.dtype, device=self.values.device)
         total.index_copy_(0, self.index, self.values)
-        return _shard(total, self.comm) if self.shard_only else total
+        return own_block(total, self.comm) if self.shard_only else total
 
 
-def _shard(total: torch.Tensor, comm) -> torch.Tensor:
+def own_block(total: torch.Tensor, comm) -> torch.Tensor:
+    """Group rank r's block r of ``total`` (its ZeRO-1 shard): the one place that slices it."""
     n = total.numel() // comm.size
     return total[comm.rank * n:(comm.rank + 1) * n]
 

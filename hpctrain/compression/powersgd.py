@@ -15,7 +15,7 @@ import zlib
 
 import torch
 
-from hpctrain.compression.memory import ErrorFeedback
+from hpctrain.compression.exchange import own_block
 from hpctrain.compression.reducer import CompressedReducer, Done
 
 
@@ -29,7 +29,6 @@ def compressible(shape, rank: int, min_numel: int) -> bool:
 class PowerSGDReducer(CompressedReducer):
     def __init__(self, flat, cfg, *, seed: int = 0, node_comms=None):
         super().__init__(flat, cfg, compressor=None, seed=seed, node_comms=node_comms)
-        self.memory = ErrorFeedback() if cfg.error_feedback else None
         self.q: dict[str, torch.Tensor] = {}
         if node_comms:  # PowerSGD's sums are all-reduces; the node split would need P and Q per part
             self.intra, self.inter = None, self.comm
@@ -85,8 +84,7 @@ class PowerSGDReducer(CompressedReducer):
                 self.q[name] = q.clone()
                 target.copy_(p @ q.t())
         if flat.zero:
-            n = bucket.size // comm.size
-            bucket.shard_grad.copy_(grads[comm.rank * n:(comm.rank + 1) * n])
+            bucket.shard_grad.copy_(own_block(grads, comm))
         self._running[bucket.index] = "done"
         return Done()
 

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from hpctrain.compression.base import REGISTRY
-from hpctrain.compression.exchange import STRATEGIES, Stopwatch
+from hpctrain.compression.exchange import STRATEGIES, Stopwatch, own_block
 from hpctrain.compression.memory import ErrorFeedback
 
 
@@ -145,10 +145,8 @@ class CompressedReducer(GradReducer):
             self.intra.allgather(full, result.contiguous())
             result = full
         if self.flat.zero:
-            n = bucket.size // self.comm.size
-            if result.numel() != n:
-                result = result[self.comm.rank * n:(self.comm.rank + 1) * n]
-            bucket.shard_grad.copy_(result)
+            bucket.shard_grad.copy_(result if result.numel() == bucket.shard_grad.numel()
+                                    else own_block(result, self.comm))
         else:
             self.grads(bucket).copy_(result)
 

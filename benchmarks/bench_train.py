@@ -87,21 +87,6 @@ class Phases:
         if self.active:
             self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
-    def wrap(self, obj, attr: str, name: str) -> None:
-        """Time ``obj.attr(...)`` as phase ``name`` (an instance attribute shadows the method; the
-        object's code is unchanged). A missing attribute is skipped: the phase is then not reported."""
-        inner = getattr(obj, attr, None)
-        if inner is None:
-            return
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.add(name, time.perf_counter() - start)
-        setattr(obj, attr, timed)
-
 
 # --------------------------------------------------------------------------- implementations
 def model_overrides(args) -> list[str]:
@@ -135,16 +120,7 @@ class HpcTrainImpl:
         self.grid = ProcessGrid.from_config(cfg, info)
         self.trainer = Trainer(cfg, self.grid, tokens=tokens)
         self.params = count_parameters(self.trainer.model_cfg)
-        self.phases = Phases()
-        t, ph = self.trainer, self.phases  # the phases of Trainer.train_step, in order
-        ph.wrap(t.batches, "next_batch", "data")
-        ph.wrap(t.flat, "start_step", "zero grads")
-        ph.wrap(t.executor, "run", "forward+backward")
-        ph.wrap(t.flat, "finish_reduction", "dp reduce wait")
-        ph.wrap(t, "_agree_loss", "loss agree")
-        ph.wrap(t.optimizer, "grad_norm_sq_local", "grad norm")
-        ph.wrap(t.grid.world, "allreduce", "grad norm allreduce")
-        ph.wrap(t.optimizer, "step", "optimizer")
+        self.phases = Phases()  # from the trainer's own phase timers (metrics.jsonl ``time_s``)
         self.loss, self.comm_s = float("nan"), []
 
     def step(self) -> None:
@@ -152,6 +128,8 @@ class HpcTrainImpl:
         self.loss = metrics.loss
         if self.phases.active:
             self.comm_s.append(metrics.comm_time_s)
+            for name, seconds in metrics.time_s.items():
+                self.phases.add(name, seconds)
 
     def final_loss(self, world) -> float:
         return self.loss  # already the global mean, agreed on every rank

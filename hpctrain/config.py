@@ -145,6 +145,8 @@ class TrainConfig:
     loss_scale: float = _field(65536.0, above=0)  # initial dynamic loss scale for float16
     run_dir: str = "runs/default"
     progress: bool = True
+    trace: bool = False  # per-rank Chrome trace of phases and collectives in <run_dir>/trace/ (hpctrain trace)
+    trace_steps: int = _field(5, min=1)  # steps traced, from the second step of the run on
 
 
 @dataclass

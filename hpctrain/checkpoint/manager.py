@@ -28,6 +28,7 @@ from hpctrain.checkpoint.state import ANOTHER_MODEL, CheckpointError, apply_stat
 from hpctrain.checkpoint.writers import has_parallel_h5py, write_mpio, write_shards
 from hpctrain.comm.collectives import Communicator
 from hpctrain.errors import everywhere
+from hpctrain.profiling.timers import NULL_TIMER
 from hpctrain.runtime.faults import FaultInjector
 
 
@@ -110,14 +111,18 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
     def save(self, trainer, sync: bool = False) -> None:
-        """Checkpoint the trainer at its current step (collective). Async unless ``sync`` or config says no."""
-        self.wait()
-        snap = snapshot(trainer)
-        if self.async_save and not sync:
-            self._thread = threading.Thread(target=self._run_async, args=(snap,), name="hpctrain-ckpt", daemon=True)
-            self._thread.start()
-        else:
-            self._write_and_publish(snap)
+        """Checkpoint the trainer at its current step (collective). Async unless ``sync`` or config says no.
+        The blocking part (waiting for the previous save, the snapshot, a synchronous write) is the
+        ``checkpoint`` phase of ``trainer.timer``."""
+        with getattr(trainer, "timer", NULL_TIMER).phase("checkpoint"):
+            self.wait()
+            snap = snapshot(trainer)
+            if self.async_save and not sync:
+                self._thread = threading.Thread(target=self._run_async, args=(snap,), name="hpctrain-ckpt",
+                                                daemon=True)
+                self._thread.start()
+            else:
+                self._write_and_publish(snap)
 
     def _run_async(self, snap) -> None:
         try:

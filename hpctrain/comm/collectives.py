@@ -42,25 +42,40 @@ class CommCheckError(HpcTrainError):
 
 
 class Handle:
-    """A non-blocking operation in flight. ``wait`` is idempotent; ``test`` never blocks."""
+    """A non-blocking operation in flight. ``wait`` is idempotent; ``test`` never blocks.
+    ``traced``: (recorder, group, op, bytes, sent, start) when a trace is recording, else None."""
 
-    __slots__ = ("_work", "_watchdog", "_counter", "_token")
+    __slots__ = ("_work", "_watchdog", "_counter", "_token", "_traced")
 
-    def __init__(self, work, watchdog: Watchdog, counter, token: int):
+    def __init__(self, work, watchdog: Watchdog, counter, token: int, traced=None):
         self._work, self._watchdog, self._counter, self._token = work, watchdog, counter, token
+        self._traced = traced
 
     def test(self) -> bool:
         done = self._work.test()
         if done:
             self._watchdog.end(self._token)
+            if self._traced is not None:
+                self._trace_done(time.perf_counter())
         return done
 
     def wait(self) -> None:
         if not self._work.done:
             start = time.perf_counter()
             self._work.wait()
-            self._counter.seconds += time.perf_counter() - start
+            end = time.perf_counter()
+            self._counter.seconds += end - start
+            if self._traced is not None:
+                recorder, group, op, nbytes, sent, _ = self._traced
+                recorder.comm(group, "wait " + op, nbytes, sent, start, end, blocked=True)
+        if self._traced is not None:
+            self._trace_done(time.perf_counter())
         self._watchdog.end(self._token)
+
+    def _trace_done(self, end: float) -> None:
+        recorder, group, op, nbytes, sent, start = self._traced
+        recorder.comm(group, op, nbytes, sent, start, end, blocked=False)
+        self._traced = None
 
 
 class Communicator:
@@ -82,6 +97,7 @@ class Communicator:
         self._device = None  # created on the first CUDA tensor (NCCL init is collective and costly)
         self._counters = {}  # op -> this group's OpCounter in ``stats``
         self.check = check
+        self.trace = None  # a TraceRecorder (train.trace): every call recorded while it is active
         self.seq = self.p2p_seq = 0  # collectives / point-to-point calls started on this group (Watchdog)
         self.done_seq, self.done_op, self.done_at = 0, None, None  # the last collective completed
         watchdog.groups.append(self)
@@ -139,21 +155,26 @@ class Communicator:
         counter = self._counters.get(op)
         if counter is None:
             counter = self._counters[op] = self.stats.ops[(self.name, op)]
+        sent = int(nbytes * (wire if wire is not None else (self.size - 1) / self.size))
         counter.calls += 1
         counter.bytes += nbytes
-        counter.sent += int(nbytes * (wire if wire is not None else (self.size - 1) / self.size))
+        counter.sent += sent
         if self.check and peer is None:
             self.check_same_call(op, fingerprint)
-        watchdog = self.watchdog
+        watchdog, trace = self.watchdog, self.trace
         token = watchdog.begin(op, self, nbytes, peer)
-        if nonblocking:
-            return Handle(method(*args, True), watchdog, counter, token)
         start = time.perf_counter()
+        if nonblocking:
+            traced = (trace, self.name, op, nbytes, sent, start) if trace is not None and trace.active else None
+            return Handle(method(*args, True), watchdog, counter, token, traced)
         try:
             method(*args, False)
         finally:  # a failed call must not look stalled later
             watchdog.end(token)
-        counter.seconds += time.perf_counter() - start
+        end = time.perf_counter()
+        counter.seconds += end - start
+        if trace is not None and trace.active:
+            trace.comm(self.name, op, nbytes, sent, start, end, blocked=True)
         return None
 
     def check_same_call(self, op: str, fingerprint) -> None:

@@ -146,6 +146,7 @@ class ProcessGrid:
                              comm.backend_choice, comm.check)
         inter = Communicator(inter_mpi, f"{axis}-inter", inter_members, self.watchdog, self.stats,
                              comm.backend_choice, comm.check)
+        intra.trace = inter.trace = comm.trace
         if comm._device is not None:  # the device backends of the sub-groups, in the same order everywhere
             for sub in (intra, inter):
                 sub.prepare_device(self.device)
@@ -169,7 +170,16 @@ class ProcessGrid:
         record["crosses_nodes"] = [a for a in AXES if self.crosses_nodes[a]]
         return record
 
+    def communicators(self) -> list[Communicator]:
+        """Every communicator of this grid: the axes, the world, and node splits made since."""
+        return [self.comm(axis) for axis in (*AXES, "world")] + self._extra
+
+    def set_trace(self, recorder) -> None:
+        """Record every call of every group into ``recorder`` (a TraceRecorder; None stops)."""
+        for comm in self.communicators():
+            comm.trace = recorder
+
     def close(self) -> None:
-        for comm in [self.comm(axis) for axis in (*AXES, "world")] + self._extra:
+        for comm in self.communicators():
             comm.close()
         self.watchdog.close()

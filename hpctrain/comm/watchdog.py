@@ -51,6 +51,15 @@ class CommStats:
         """Bytes this rank sent on all groups (metrics.jsonl ``bytes_sent`` is its per-step difference)."""
         return sum(c.sent for c in self.ops.values())
 
+    def by_group(self) -> dict[str, tuple[float, int]]:
+        """{group: (blocked seconds, bytes sent)} summed over ops (metrics.jsonl ``groups``: per-step
+        differences)."""
+        out: dict[str, tuple[float, int]] = {}
+        for (group, _op), c in self.ops.items():
+            seconds, sent = out.get(group, (0.0, 0))
+            out[group] = (seconds + c.seconds, sent + c.sent)
+        return out
+
 
 class Call:
     """One call in flight: ``op`` on ``comm`` (a Communicator), collective number ``seq`` on that group

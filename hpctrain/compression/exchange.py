@@ -17,18 +17,23 @@ import time
 
 import torch
 
+from hpctrain.profiling.timers import NULL_TIMER
+
 
 class Stopwatch:
-    """Seconds spent compressing and decompressing (metrics.jsonl ``compress_s``)."""
+    """Seconds spent compressing and decompressing (metrics.jsonl ``compress_s``); also the
+    ``compress`` phase of ``timer`` (a PhaseTimer)."""
 
-    def __init__(self):
-        self.seconds = 0.0
+    def __init__(self, timer=NULL_TIMER):
+        self.seconds, self.timer = 0.0, timer
 
     def __enter__(self):
+        self.timer.begin("compress")
         self._start = time.perf_counter()
 
     def __exit__(self, *exc):
         self.seconds += time.perf_counter() - self._start
+        self.timer.end()
 
 
 class _InFlight:

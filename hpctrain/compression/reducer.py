@@ -39,7 +39,7 @@ class GradReducer:
         self.flat, self.comm = flat, flat.dp_comm
         self.step = 0
         self.dense_bytes = self.sent_bytes = 0  # this step: what dense would send / what was sent
-        self.clock = Stopwatch()
+        self.clock = Stopwatch(flat.timer)
         self.overflow = False  # a bucket had inf/NaN (float16 runs check; the trainer skips the step)
 
     def begin_step(self, step: int) -> None:

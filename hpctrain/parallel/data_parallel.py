@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hpctrain.compression.reducer import DenseReducer
+from hpctrain.profiling.timers import NULL_TIMER
 
 TIED_GRAD_TAG = 23  # beside the pipeline's ACT_TAG = 21, GRAD_TAG = 22 on the same pp communicator
 
@@ -73,6 +74,7 @@ class FlatParams:
     def __init__(self, params: list, dp_comm, *, tp_comm=None, pp_comm=None, bucket_mb: float = 25.0, zero: bool = False,
                  grad_dtype: torch.dtype | None = None):
         self.params, self.dp_comm, self.tp_comm, self.pp_comm, self.zero = list(params), dp_comm, tp_comm, pp_comm, zero
+        self.timer = NULL_TIMER  # the trainer's PhaseTimer (set before the reducer is built)
         self.dp_size = 1 if dp_comm is None else dp_comm.size
         self.dp_rank = 0 if dp_comm is None else dp_comm.rank
         param_dtype = self.params[0].dtype

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from hpctrain.profiling.timers import NULL_TIMER
+
 ACT_TAG, GRAD_TAG = 21, 22
 
 
@@ -108,11 +110,12 @@ class PipelineExecutor:
 
     ``stage``: a GPTStage; ``pp_comm``: the PP Communicator (None when pp == 1); ``flat``: the FlatParams
     whose ``last_microbatch`` flag gates the DP bucket reduction. ``act_shape``: [S(/tp), mb, D].
+    ``timer``: a PhaseTimer; phases ``forward``, ``backward``, ``pp_wait`` (receives, send completion).
     """
 
     def __init__(self, stage, pp_comm, flat, kind: str, microbatches: int, act_shape, act_dtype,
-                 device=None):
-        self.stage, self.pp_comm, self.flat = stage, pp_comm, flat
+                 device=None, timer=NULL_TIMER):
+        self.stage, self.pp_comm, self.flat, self.timer = stage, pp_comm, flat, timer
         self.stages = 1 if pp_comm is None else pp_comm.size
         self.rank = 0 if pp_comm is None else pp_comm.rank
         self.microbatches = microbatches
@@ -124,7 +127,8 @@ class PipelineExecutor:
         """Post the deferred sends with this action's receive (one group) and wait; returns the tensor."""
         buffer = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
         peer, tag = (self.rank - 1, ACT_TAG) if op == "F" else (self.rank + 1, GRAD_TAG)
-        self.pp_comm.exchange(pending, [(buffer, peer, tag)]).wait()
+        with self.timer.phase("pp_wait"):
+            self.pp_comm.exchange(pending, [(buffer, peer, tag)]).wait()
         pending.clear()
         return buffer
 
@@ -134,26 +138,26 @@ class PipelineExecutor:
         loss (non-zero on the last stage only), unscaled by the fp16 factor by the caller.
         Communication follows ``p2p_posts`` (the order ``simulate`` proves deadlock-free)."""
         saved, outstanding, pending, loss_total = {}, [], [], 0.0
-        first, last = self.rank == 0, self.rank == self.stages - 1
+        first, last, timer = self.rank == 0, self.rank == self.stages - 1, self.timer
         for k, (op, i) in enumerate(self.actions):
             if op == "F":
                 x = inputs[i] if first else self._receive("F", pending).requires_grad_()
-                y = self.stage(x)
-                if last:
-                    y = self.stage.loss_sum(y, targets[i]) * loss_scale
-                    loss_total += float(y.detach())
-                    send = None
-                else:
-                    send = (y.detach().contiguous(), self.rank + 1, ACT_TAG)
+                with timer.phase("forward"):
+                    y = self.stage(x)
+                    if last:
+                        y = self.stage.loss_sum(y, targets[i]) * loss_scale
+                        loss_total += float(y.detach())
+                        send = None
+                    else:
+                        send = (y.detach().contiguous(), self.rank + 1, ACT_TAG)
                 saved[i] = (x, y)
                 self.flat.progress()
             else:
                 x, y = saved.pop(i)
                 self.flat.last_microbatch = i == self.microbatches - 1
-                if last:
-                    y.backward()
-                else:
-                    torch.autograd.backward(y, self._receive("B", pending))
+                grad = None if last else self._receive("B", pending)
+                with timer.phase("backward"):
+                    torch.autograd.backward(y, grad)
                 send = None if first else (x.grad.contiguous(), self.rank - 1, GRAD_TAG)
             if send is not None:
                 nxt = self.actions[k + 1][0] if k + 1 < len(self.actions) else None
@@ -161,6 +165,7 @@ class PipelineExecutor:
                     pending.append(send)  # posted with the next receive, as p2p_posts plans it
                 else:
                     outstanding.append(self.pp_comm.exchange([send]))
-        for handle in outstanding:
-            handle.wait()
+        with timer.phase("pp_wait"):
+            for handle in outstanding:
+                handle.wait()
         return loss_total

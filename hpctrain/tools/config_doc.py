@@ -138,6 +138,11 @@ MEANINGS: dict[str, str] = {
                         "gradients overflow, doubled after 1000 good steps. Unused for other dtypes.",
     "train.run_dir": "Directory of the run: metrics.jsonl, config.json, summary.json, checkpoints/.",
     "train.progress": "Show a live progress bar when stdout is a terminal.",
+    "train.trace": "Write a Chrome-trace / Perfetto JSON per rank into <run_dir>/trace/: every phase and every "
+                   "collective (group, op, bytes, start, end) of the traced steps; `hpctrain trace RUN_DIR` "
+                   "merges them and says where each rank's time went (docs/scaling.md).",
+    "train.trace_steps": "How many steps `train.trace` records, from the second step of the run on (the first "
+                         "opens connections and warms caches).",
     # [checkpoint]
     "checkpoint.interval": "Save every N steps. 0 = only at the end of the run (or of a `--max-steps` job). "
                            "Saving on a scheduler signal is not implemented yet: a killed job resumes from "

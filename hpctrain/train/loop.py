@@ -60,16 +60,18 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
                         first_margin_s=cfg.train.time_limit_margin_s)
     log = MetricsLog(cfg.train.run_dir, cfg.train.steps, enabled=is_root, progress=cfg.train.progress,
                      log_interval=cfg.train.log_interval)
+    trace = _start_trace(cfg, grid, trainer)
     interval, save_s, reason = cfg.checkpoint.interval, 0.0, ""
     try:
-        while not (reason := agree(policy.local_reason(trainer.step), grid.world)):
+        while not (reason := _agree_to_go_on(policy, trainer, grid)):
             record = trainer.train_step().as_dict()
             policy.record_step(record["step_time_s"])
             lock.heartbeat()
-            log.log(record)
             if interval and trainer.step % interval == 0 and trainer.step < last_step:
                 checkpoints.save(trainer)
                 policy.record_save(checkpoints.last_save_s or 0.0)
+                record["time_s"]["checkpoint"] = round(trainer.timer.take("checkpoint"), 6)
+            log.log(record)
         start = time.perf_counter()
         if trainer.step not in checkpoints.saved_steps and (resumed is None or trainer.step > 0):
             checkpoints.save(trainer, sync=True)
@@ -78,10 +80,35 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     finally:
         flag.restore()
         summary = log.close()
+        if trace is not None:
+            trace.close()
     if is_root and summary:
         with open(os.path.join(cfg.train.run_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1)
     return _finish(cfg, grid, reason, trainer.step, save_s, is_root, lock)  # closes the grid
+
+
+def _agree_to_go_on(policy, trainer, grid) -> str:
+    """Collective over the world: "" to train another step, else why every rank stops (``sync`` phase)."""
+    with trainer.timer.phase("sync"):
+        return agree(policy.local_reason(trainer.step), grid.world)
+
+
+def _start_trace(cfg, grid, trainer):
+    """Collective when ``train.trace``: a TraceRecorder on the trainer's timer and every group."""
+    if not cfg.train.trace:
+        return None
+    from hpctrain.profiling.trace import TraceRecorder
+
+    first = trainer.step + 2  # the run's first step opens connections: trace the ones after it
+    recorder = TraceRecorder(grid.info.rank, os.path.join(cfg.train.run_dir, "trace"), first,
+                             first + cfg.train.trace_steps - 1,
+                             meta={"world_size": grid.info.size, "hostname": grid.info.hostname,
+                                   "node": grid.info.node, **{f"{a}_rank": c for a, c in grid.coords.items()}})
+    recorder.sync(grid.world.mpi)
+    trainer.timer.trace = recorder
+    grid.set_trace(recorder)
+    return recorder
 
 
 def _lock_run_dir(cfg, grid):

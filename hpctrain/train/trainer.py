@@ -24,6 +24,7 @@ from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
+from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime.device import configure_matmul, peak_tflops
 from hpctrain.runtime.faults import FaultInjector
 
@@ -46,6 +47,8 @@ class StepMetrics:
     bytes_sent: int = 0  # bytes this rank sent on all groups this step (Communicator's wire model)
     compression_ratio: float = 1.0  # gradient traffic: dense bytes / bytes sent
     compress_s: float = 0.0  # seconds in compress + decompress
+    time_s: dict = None  # {phase: seconds} of this rank (hpctrain/profiling/timers.py), exclusive
+    groups: dict = None  # {group: {"comm_s": blocked seconds, "bytes_sent": bytes}} of this rank
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -61,6 +64,7 @@ class Trainer:
         if self.layout.sizes != grid.sizes:
             raise HpcTrainError(f"the grid {grid.sizes} does not match the configured layout {self.layout.sizes}")
         self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.timer = PhaseTimer()  # where the step's time goes; a TraceRecorder may be attached (train.trace)
         self.backends = grid.use_device(self.device)
         configure_matmul(self.device, cfg.train.allow_tf32)
         self.model_cfg = resolve_model(cfg.model)
@@ -88,12 +92,13 @@ class Trainer:
         self.stage.to(self.device)  # initialised on the host from the global generator, then moved
         self.flat = FlatParams(list(self.stage.parameters()), grid.comm("dp"), tp_comm=tp_comm, pp_comm=pp_comm,
                                bucket_mb=p.bucket_mb, zero=layout.zero == 1)
+        self.flat.timer = self.timer
         self.flat.check_finite = self.dtype == torch.float16
         self.flat.reducer = build_reducer(self.cfg.compression, self.flat, grid, seed=t.seed)
         self.optimizer = FlatOptimizer(self.flat, self.cfg.optim, tp_rank=grid.coords["tp"])
         self.executor = PipelineExecutor(self.stage, pp_comm if pp_size > 1 else None, self.flat, layout.schedule,
                                          layout.microbatches, (layout.seq_shard, self.micro_batch, m.d_model),
-                                         self.dtype, device=self.device)
+                                         self.dtype, device=self.device, timer=self.timer)
         self.scaler = DynamicLossScaler(t.loss_scale, enabled=self.dtype == torch.float16)
 
     def _build_data(self, tokens) -> None:
@@ -110,9 +115,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepMetrics:
-        t, grid = self.cfg.train, self.grid
-        start, comm_before, sent_before = time.perf_counter(), grid.stats.total_seconds(), grid.stats.total_sent()
-        inputs, targets = self._to_device(*self.batches.next_batch())
+        t, grid, timer = self.cfg.train, self.grid, self.timer
+        if timer.trace is not None:
+            timer.trace.begin_step(self.step + 1)
+        start, groups_before = time.perf_counter(), grid.stats.by_group()
+        with timer.phase("data"):
+            inputs, targets = self._to_device(*self.batches.next_batch())
         mb = self.micro_batch
         inputs_mb = [inputs[i * mb:(i + 1) * mb] for i in range(self.cfg.parallel.microbatches)]
         targets_mb = [targets[i * mb:(i + 1) * mb] for i in range(self.cfg.parallel.microbatches)]
@@ -125,13 +133,17 @@ class Trainer:
         self.faults.hit("forward", self.step + 1)
         scaled_loss = self.executor.run(inputs_mb, targets_mb, self.scaler.scale / global_tokens)
         self.faults.hit("backward", self.step + 1)
-        self.flat.finish_reduction()
-        loss = self._agree_loss(scaled_loss / self.scaler.scale)
+        with timer.phase("dp_wait"):
+            self.flat.finish_reduction()
+        with timer.phase("loss"):
+            loss = self._agree_loss(scaled_loss / self.scaler.scale)
 
-        norm_sq = torch.tensor([self.optimizer.grad_norm_sq_local(1.0 / self.scaler.scale)], dtype=torch.float64)
-        if reducer.overflow:  # inf/NaN a compressor may have dropped (random-k): every rank must skip
-            norm_sq.fill_(float("inf"))
-        grid.world.allreduce(norm_sq)
+        with timer.phase("grad_norm"):
+            norm_sq = torch.tensor([self.optimizer.grad_norm_sq_local(1.0 / self.scaler.scale)],
+                                   dtype=torch.float64)
+            if reducer.overflow:  # inf/NaN a compressor may have dropped (random-k): every rank must skip
+                norm_sq.fill_(float("inf"))
+            grid.world.allreduce(norm_sq)
         grad_norm = math.sqrt(norm_sq.item()) if math.isfinite(norm_sq.item()) else float("inf")
         old_scale = self.scaler.scale
         skipped = self.scaler.update(grad_norm)  # same decision on every rank: grad_norm is global
@@ -141,15 +153,18 @@ class Trainer:
         if not skipped:
             clip = self.cfg.optim.grad_clip
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
-            self.optimizer.step(lr, coef / self.scaler.scale if self.scaler.enabled else coef)
+            with timer.phase("optimizer"):
+                self.optimizer.step(lr, coef / self.scaler.scale if self.scaler.enabled else coef)
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens_per_s = global_tokens / elapsed
         peak = self.peak_tflops
         mfu = (self.flops_per_token * tokens_per_s / (peak * 1e12 * grid.info.size)) if peak > 0 else None
+        groups = _group_deltas(groups_before, grid.stats.by_group())
         return StepMetrics(self.step, loss, lr, grad_norm, tokens_per_s, elapsed,
-                           grid.stats.total_seconds() - comm_before, mfu, self.scaler.scale, skipped,
-                           grid.stats.total_sent() - sent_before, **reducer.step_stats())
+                           sum(g["comm_s"] for g in groups.values()), mfu, self.scaler.scale, skipped,
+                           sum(g["bytes_sent"] for g in groups.values()), **reducer.step_stats(),
+                           time_s={k: round(v, 6) for k, v in timer.collect(elapsed).items()}, groups=groups)
 
     def _to_device(self, *batch: torch.Tensor) -> list[torch.Tensor]:
         """Host batches to the device: pinned memory, non-blocking copies ordered on the current stream."""
@@ -189,3 +204,13 @@ class Trainer:
                 full = result.setdefault(name, torch.full(shape, float("nan"), dtype=torch.float64))
                 full[tuple(slice(a, b) for a, b in index)] = torch.from_numpy(array)
         return result
+
+
+def _group_deltas(before: dict, after: dict) -> dict:
+    """Per-group blocked seconds and bytes sent between two ``CommStats.by_group`` readings."""
+    out = {}
+    for group, (seconds, sent) in after.items():
+        s0, b0 = before.get(group, (0.0, 0))
+        if seconds > s0 or sent > b0:
+            out[group] = {"comm_s": round(seconds - s0, 6), "bytes_sent": sent - b0}
+    return out

@@ -69,3 +69,32 @@ def test_allreduce_crosses_the_shaped_wire(hosts):
     for host in ("h1", "h2"):
         assert n <= wire[host]["tx_bytes"] <= 1.2 * n, wire
     assert wire["h1"]["tx_bytes"] == wire["h2"]["rx_bytes"] and wire["h2"]["tx_bytes"] == wire["h1"]["rx_bytes"]
+
+
+BENCH = ROOT / "benchmarks" / "bench_compression.py"
+
+
+def train_on_wire(hosts, method, steps=6):
+    """A few training steps of the compression benchmark's model across the wire (one rank per host): per
+    step, the bytes hpctrain counted (``bytes_sent``) and the bytes that left each host's eth1."""
+    out = run(hosts, 2, 1, sys.executable, str(BENCH), "--worker", f"--method={method}", f"--max-steps={steps}",
+              timeout=120)
+    doc = json.loads(next(line[6:] for line in out.splitlines() if line.startswith("BENCH ")))
+    assert doc["nodes"] == 2 and sorted(r["host"] for r in doc["ranks"]) == ["h1", "h2"], doc
+    steps_after_first = [s for r in doc["ranks"] for s in r["steps"][1:]]  # step 1 also opens connections
+    return {"model": sum(s["sent"] for s in steps_after_first), "wire": sum(s["wire"] for s in steps_after_first),
+            "ratio": doc["ranks"][0]["steps"][-1]["ratio"]}
+
+
+def test_compression_cuts_the_bytes_on_a_100mbit_link(hosts):
+    """The gradient bytes that really cross a 100 Mbit/s link drop by the compression ratio, and hpctrain's
+    own byte count agrees with the veth counters."""
+    hosts.up("1gbit")
+    hosts.set_rate("100mbit")
+    dense, int8, topk = (train_on_wire(hosts, m) for m in ("none", "int8", "topk"))
+    for name, r in (("dense", dense), ("int8", int8), ("topk", topk)):
+        assert abs(r["wire"] / r["model"] - 1) < 0.03, (name, r)  # the wire model is the wire
+    assert dense["ratio"] == 1.0 and 3.8 < int8["ratio"] < 4.0 and topk["ratio"] > 45, (int8, topk)
+    # the whole step's traffic (gradients plus the loss/norm scalars) shrinks by about the gradient ratio
+    assert 3.5 < dense["wire"] / int8["wire"] <= 4.0, (dense, int8)
+    assert dense["wire"] / topk["wire"] > 30, (dense, topk)

@@ -51,3 +51,28 @@ def test_sizes_and_formulas():
     assert bus_factor("allreduce", 4) == 1.5 and bus_factor("allgather", 4) == 0.75
     assert bus_factor("broadcast", 4) == bus_factor("sendrecv", 4) == 1.0
     assert default_iters(1024) == 200 and default_iters(256 << 20) == 5
+
+
+def test_link_profile_fits_each_level_of_two_nodes(tmp_path):
+    """4 ranks on 2 emulated nodes: the profile has an intra-node and an inter-node level, each collective
+    fitted (alpha >= 0, beta > 0) from the sizes measured, in the JSON ``hpctrain plan --profile`` reads."""
+    out = tmp_path / "profile.json"
+    run_mpi(4, "hpctrain.cli", "bench", "comm", "--profile", str(out), "--sizes", "4K,64K,1M", "--rounds", "1",
+            "--iters", "5", "--ops", "allreduce,allgather", module=True, timeout=150, fake_nodes=["nA", "nB"])
+    doc = json.loads(out.read_text())
+    assert doc["nodes"] == 2 and doc["ranks"] == 4 and set(doc["levels"]) == {"intra", "inter"}, doc
+    for level, lv in doc["levels"].items():
+        assert lv["ranks"] == 2 and lv["groups"] == 2 and lv["alpha_s"] >= 0 and lv["beta_s_per_byte"] > 0, lv
+        assert lv["fit_error"] >= 0 and lv["bandwidth_GBps"] > 0
+    for op in ("allreduce", "allgather"):
+        for level in ("intra", "inter"):
+            c = doc["collectives"][op][level]
+            assert [p[0] for p in c["points"]] == [4096, 65536, 2**20] and all(p[1] > 0 for p in c["points"])
+            assert c["beta_s_per_byte"] > 0
+
+
+def test_link_profile_of_one_rank_says_what_to_launch(tmp_path):
+    result = run_mpi(1, "hpctrain.cli", "bench", "comm", "--profile", str(tmp_path / "p.json"), module=True,
+                     timeout=60, check=False)
+    assert result.returncode != 0 and "launch at least 2 ranks" in result.stdout + result.stderr
+    assert not (tmp_path / "p.json").exists()

@@ -104,3 +104,17 @@ def test_report_errors_name_the_problem(tmp_path):
     (tmp_path / "trace" / "rank00001.json").write_text("{not json")
     with pytest.raises(TraceError, match="rank00001.json is not a trace"):
         load_traces(str(tmp_path))
+
+
+def test_alpha_beta_fit_recovers_a_known_link():
+    from hpctrain.bench.profile import fit_alpha_beta, wire_bytes
+
+    alpha, beta = 20e-6, 1 / 5e9  # 20 us, 5 GB/s
+    points = [(w, alpha + beta * w) for w in (4e3, 6.4e4, 1e6, 1.6e7)]
+    fit = fit_alpha_beta(points)
+    assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6) and fit["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
+    assert fit["fit_error"] < 1e-9
+    noisy = [(w, t * (1.1 if i % 2 else 0.9)) for i, (w, t) in enumerate(points)]
+    assert 0.05 < fit_alpha_beta(noisy)["fit_error"] < 0.15
+    assert wire_bytes("allreduce", 100, 4) == 150 and wire_bytes("allgather", 100, 4) == 75
+    assert wire_bytes("sendrecv", 100, 4) == 100

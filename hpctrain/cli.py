@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_info(sub)
     _add_bench(sub)
-    for extra in ("hpctrain.train.cli", "hpctrain.checkpoint.cli", "hpctrain.profiling.cli"):
+    for extra in ("hpctrain.train.cli", "hpctrain.checkpoint.cli", "hpctrain.profiling.cli",
+                  "hpctrain.sweep.cli"):
         if importlib.util.find_spec(extra) is not None:  # subcommands of later layers
             importlib.import_module(extra).add_parser(sub)
     return parser

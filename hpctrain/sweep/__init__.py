@@ -1,0 +1,1 @@
+"""Scaling studies: runs over rank counts and layouts, one CSV, plots (hpctrain sweep)."""

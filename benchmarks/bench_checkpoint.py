@@ -43,8 +43,9 @@ Restart (in the same, already warm, process)
 Diagnosis: ``--switch-interval S`` (Python's GIL hand-over interval), ``--sleeping-waits`` (the manager's
 ``agree`` waits in Ibarrier + sleep instead of MPI's busy polling), ``--parts``, ``--writers``.
 
-The package's code is unchanged: phase breakdowns come from wrapping the functions the manager calls
-(``write_*``, ``_fsync``, ``CheckpointReader.verify``, ``crc32``, ``_publish``, ``agree``) from outside.
+Phase breakdowns come from the package's own timers: ``CheckpointManager.last_phases`` (prepare, write,
+fsync, verify, publish, agree of a save; open, read + CRC, verify, apply, agree of a resume) and the
+trainer's ``checkpoint`` phase (the blocking part of a save); nothing in the package is patched.
 Rank 0 prints the tables and writes ``--json`` / ``--csv`` records: impl, op, ranks, bytes, seconds,
 GBps, ratio_vs_dd (I/O rows), ratio + ratio_to (other rows), min/max, phases.
 """
@@ -68,14 +69,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from collections import defaultdict  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -124,84 +123,8 @@ def parse_args(argv=None):
 
 
 # --------------------------------------------------------------------------- helpers
-class Phases:
-    """Seconds per named phase, accumulated by wrappers installed around functions (restored on exit)."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    def reset(self) -> dict:
-        done, self.seconds = dict(self.seconds), defaultdict(float)
-        return done
-
-    @contextmanager
-    def wrapped(self, targets):
-        """``targets``: (object, attribute, phase name[, factory]); the attribute is replaced by a timed
-        wrapper (or by ``factory(original, self)``) and restored on exit. The package's code is unchanged."""
-        saved = []
-        for obj, attr, name, *factory in targets:
-            inner = getattr(obj, attr)
-            saved.append((obj, attr, inner))
-            setattr(obj, attr, factory[0](inner, self) if factory else self._timed(inner, name))
-        try:
-            yield self
-        finally:
-            for obj, attr, inner in reversed(saved):
-                setattr(obj, attr, inner)
-
-    def _timed(self, inner, name):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - start
-        return timed
-
-
-class _TimedH5File:
-    """An open ``h5py.File`` whose with-block (open to close) is added to a phase."""
-
-    def __init__(self, phases, name, opener):
-        self.phases, self.name, self.start = phases, name, time.perf_counter()
-        self.file = opener()
-
-    def __enter__(self):
-        return self.file.__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return self.file.__exit__(*exc)
-        finally:
-            self.phases.seconds[self.name] += time.perf_counter() - self.start
-
-
-class H5pyTimingProxy:
-    """Stands in for the ``h5py`` module inside hpctrain.checkpoint.writers: each file the writer opens is
-    timed from open to close, by kind (a shard, the virtual-dataset master, the collective mpio file)."""
-
-    def __init__(self, real, phases):
-        self._real, self._phases = real, phases
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def File(self, path, *args, **kwargs):  # noqa: N802 - h5py's name
-        if kwargs.get("driver") == "mpio":
-            name = PHASE_MPIO_FILE
-        elif f"{os.sep}shards{os.sep}" in str(path):
-            name = PHASE_SHARD_FILE
-        else:
-            name = PHASE_MASTER_FILE
-        return _TimedH5File(self._phases, name, lambda: self._real.File(path, *args, **kwargs))
-
-
-PHASE_SHARD_FILE = "  shard file (h5py + crc32)"
-PHASE_MASTER_FILE = "  master file (VDS + manifest, rank 0)"
-PHASE_MPIO_FILE = "  checkpoint.h5 (mpio: collective create, independent writes)"
-PHASE_ORDER = ["snapshot", "write", PHASE_SHARD_FILE, PHASE_MASTER_FILE, PHASE_MPIO_FILE, "  crc32 in writer",
-               "fsync", "verify (read-back)", "  crc32 in verify", "publish", "open", "read + CRC", "verify", "apply",
-               "agree (wait for all ranks)"]
+PHASE_ORDER = ["stall (wait + snapshot)", "prepare", "write", "fsync", "verify", "publish", "open", "read + CRC",
+               "apply", "agree", "other"]  # CheckpointManager.last_phases (hpctrain/checkpoint/manager.py)
 
 
 def sleeping_agree(inner):
@@ -376,19 +299,6 @@ def record(impl, op, ranks, nbytes, times, *, phase_runs=None, ratio=None, ratio
             "repeats": len(times), "phases": phases, "phases_by_rank": by_rank}
 
 
-def save_targets():
-    """What CheckpointManager.save calls, to be timed (see Phases.wrapped)."""
-    from hpctrain.checkpoint import manager as manager_module
-    from hpctrain.checkpoint import reader as reader_module
-    from hpctrain.checkpoint import writers as writer_module
-
-    return [(manager_module, "write_shards", "write"), (manager_module, "write_mpio", "write"),
-            (writer_module, "h5py", "", H5pyTimingProxy), (writer_module, "crc32", "  crc32 in writer"),
-            (manager_module, "_fsync", "fsync"), (reader_module.CheckpointReader, "verify", "verify (read-back)"),
-            (reader_module, "crc32", "  crc32 in verify"), (manager_module.CheckpointManager, "_publish", "publish"),
-            (manager_module, "agree", "agree (wait for all ranks)"), (manager_module, "snapshot", "snapshot")]
-
-
 def run_io(args, comm, grid, base_dir, writers) -> list[dict]:
     from hpctrain.checkpoint.manager import CheckpointManager
     from hpctrain.config import CheckpointConfig
@@ -409,7 +319,6 @@ def run_io(args, comm, grid, base_dir, writers) -> list[dict]:
               f"{total / MiB:.0f} MiB per write, {args.repeats} rounds, in {base_dir}", file=sys.stderr, flush=True)
     times = defaultdict(list)
     save_phases = defaultdict(list)
-    phases = Phases()
     for rnd in range(args.repeats):
         k = rnd % len(impls)
         order = impls[k:] + impls[:k]
@@ -432,11 +341,9 @@ def run_io(args, comm, grid, base_dir, writers) -> list[dict]:
             # the full protocol: what CheckpointManager.save does after the snapshot
             mgr = managers[writer]
             snap.step = rnd + 1
-            phases.reset()
-            with phases.wrapped(save_targets()):
-                seconds, _ = timed(comm, mgr._write_and_publish, snap)
+            seconds, _ = timed(comm, mgr._write_and_publish, snap)
             times[(f"hpctrain-{writer}", "save")].append(seconds)
-            save_phases[writer].append(gather_phases(comm, phases.reset()))
+            save_phases[writer].append(gather_phases(comm, mgr.last_phases))
         if rank == 0:
             done = ", ".join(f"{impl} {op} {total / statistics.median(t) / 1e9:.2f} GB/s"
                              for (impl, op), t in times.items())
@@ -496,48 +403,36 @@ def run_async(args, comm, cfg, tokens) -> tuple[list[dict], object]:
               file=sys.stderr, flush=True)
     for _ in range(2):  # warm-up
         timed_step(comm, trainer)
-    phases = Phases()
-    background: list[float] = []
-    inner_publish = mgr._write_and_publish
-
-    def publish_timed(snap):  # the background thread's whole save (instance attribute shadows the method)
-        start = time.perf_counter()
-        try:
-            return inner_publish(snap)
-        finally:
-            background.append(time.perf_counter() - start)
-    mgr._write_and_publish = publish_timed
     sync_s, stall_s, base_steps, overlap_steps, bg_s, idle_s = [], [], [], [], [], []
     sync_phases, stall_phases, bg_phases = [], [], []
-    with phases.wrapped(save_targets()):
-        for rnd in range(args.async_repeats):
-            base_steps += [timed_step(comm, trainer) for _ in range(args.base_steps)]
-            phases.reset()
-            seconds, _ = timed(comm, mgr.save, trainer, sync=True)
-            sync_s.append(seconds)
-            sync_phases.append(gather_phases(comm, phases.reset()))
-            background.clear()
-            timed_step(comm, trainer)  # a step between the saves (a new step number)
-            phases.reset()
-            seconds, _ = timed(comm, mgr.save, trainer)  # returns once the snapshot is taken
-            stall_s.append(seconds)
-            stall_phases.append(gather_phases(comm, {"snapshot": phases.seconds.get("snapshot", 0.0)}))
-            n = 0
-            while n < args.max_overlap_steps:
-                pending = mgr._thread is not None and mgr._thread.is_alive()
-                if not comm.allreduce(int(pending), op=MPI.MAX):
-                    break
-                overlap_steps.append(timed_step(comm, trainer))
-                n += 1
-            mgr.wait()
-            bg_s.append(comm.allreduce(background[-1] if background else 0.0, op=MPI.MAX))
-            bg_phases.append(gather_phases(comm, {k: v for k, v in phases.reset().items() if k != "snapshot"}))
-            timed_step(comm, trainer)
-            idle_s.append(timed(comm, lambda: (mgr.save(trainer), mgr.wait()))[0])  # the thread alone
-            if rank == 0:
-                print(f"bench_checkpoint: async round {rnd + 1}/{args.async_repeats}: sync save {sync_s[-1]:.3f} s, "
-                      f"async stall {stall_s[-1] * 1e3:.1f} ms, background save {bg_s[-1]:.3f} s over {n} steps",
-                      file=sys.stderr, flush=True)
+    timer = trainer.timer  # the save's blocking part is its "checkpoint" phase; the rest: mgr.last_phases
+    for rnd in range(args.async_repeats):
+        base_steps += [timed_step(comm, trainer) for _ in range(args.base_steps)]
+        seconds, _ = timed(comm, mgr.save, trainer, sync=True)
+        timer.take("checkpoint")
+        sync_s.append(seconds)
+        sync_phases.append(gather_phases(comm, mgr.last_phases))
+        timed_step(comm, trainer)  # a step between the saves (a new step number)
+        seconds, _ = timed(comm, mgr.save, trainer)  # returns once the snapshot is taken
+        stall_s.append(seconds)
+        stall_phases.append(gather_phases(comm, {"stall (wait + snapshot)": timer.take("checkpoint")}))
+        n = 0
+        while n < args.max_overlap_steps:
+            pending = mgr._thread is not None and mgr._thread.is_alive()
+            if not comm.allreduce(int(pending), op=MPI.MAX):
+                break
+            overlap_steps.append(timed_step(comm, trainer))
+            n += 1
+        mgr.wait()
+        bg_s.append(comm.allreduce(mgr.last_save_s or 0.0, op=MPI.MAX))  # the background thread's whole save
+        bg_phases.append(gather_phases(comm, mgr.last_phases))
+        timed_step(comm, trainer)
+        idle_s.append(timed(comm, lambda: (mgr.save(trainer), mgr.wait()))[0])  # the thread alone
+        timer.take("checkpoint")
+        if rank == 0:
+            print(f"bench_checkpoint: async round {rnd + 1}/{args.async_repeats}: sync save {sync_s[-1]:.3f} s, "
+                  f"async stall {stall_s[-1] * 1e3:.1f} ms, background save {bg_s[-1]:.3f} s over {n} steps",
+                  file=sys.stderr, flush=True)
     sync = record("hpctrain", "sync save (Trainer)", size, ckpt_bytes, sync_s,
                   phase_runs=sync_phases)
     stall = record("hpctrain", "async save: stall", size, ckpt_bytes, stall_s,
@@ -561,30 +456,22 @@ def run_async(args, comm, cfg, tokens) -> tuple[list[dict], object]:
 
 
 def run_restart(args, comm, cfg, tokens, ckpt_bytes) -> list[dict]:
-    from hpctrain.checkpoint import manager as manager_module
-    from hpctrain.checkpoint import reader as reader_module
     from hpctrain.checkpoint.manager import CheckpointManager
 
-    size, rank = comm.Get_size(), comm.Get_rank()
+    size = comm.Get_size()
     build, first_fresh, resume, first_resumed = [], [], [], []
     resume_phases = []
-    phases = Phases()
-    targets = [(manager_module, "CheckpointReader", "open"), (reader_module.CheckpointReader, "verify", "verify"),
-               (manager_module, "read_state", "read + CRC"),
-               (manager_module, "apply_state", "apply"), (manager_module, "agree", "agree (wait for all ranks)")]
     for rnd in range(args.repeats):
         for mode in (("fresh", "resume") if rnd % 2 == 0 else ("resume", "fresh")):
             seconds, trainer = timed(comm, new_trainer, cfg, tokens)
             build.append(seconds)
             if mode == "resume":
                 mgr = CheckpointManager(cfg.checkpoint, trainer.grid, cfg.train.run_dir)
-                phases.reset()
-                with phases.wrapped(targets):
-                    seconds, path = timed(comm, mgr.resume, trainer, "auto")
+                seconds, path = timed(comm, mgr.resume, trainer, "auto")
                 if path is None:
                     raise RuntimeError("resume found no checkpoint")
                 resume.append(seconds)
-                resume_phases.append(gather_phases(comm, phases.reset()))
+                resume_phases.append(gather_phases(comm, mgr.last_phases))
                 first_resumed.append(timed_step(comm, trainer))
                 mgr.close()
             else:
@@ -726,7 +613,7 @@ def print_tables(records: list[dict], args, ranks: int) -> None:
     broken = [r for r in records if r["phases"]]
     if broken:
         table = Table(title="where the time goes: seconds per phase, median over rounds; 'max' = max over ranks "
-                            "(ranks overlap, so phases add up to more than the total); (in) = part of the phase before")
+                            "(ranks overlap, so phases add up to more than the total)")
         for name in ("impl", "op", "ranks", "phases"):
             table.add_column(name, justify="left")
 

@@ -28,7 +28,7 @@ from hpctrain.checkpoint.state import ANOTHER_MODEL, CheckpointError, apply_stat
 from hpctrain.checkpoint.writers import has_parallel_h5py, write_mpio, write_shards
 from hpctrain.comm.collectives import Communicator
 from hpctrain.errors import everywhere
-from hpctrain.profiling.timers import NULL_TIMER
+from hpctrain.profiling.timers import NULL_TIMER, PhaseTimer
 from hpctrain.runtime.faults import FaultInjector
 
 
@@ -108,6 +108,9 @@ class CheckpointManager:
         self._cleaned = False
         self.saved_steps: list[int] = []
         self.last_save_s: float | None = None  # wall time of the last completed write + verify + publish
+        # the last save's or resume's phases (prepare, write, fsync, verify, publish, agree; open, read + CRC,
+        # verify, apply, agree), in seconds: one save or resume runs at a time, on one thread
+        self.timer, self.last_phases = PhaseTimer(), {}
 
     # ------------------------------------------------------------------ saving
     def save(self, trainer, sync: bool = False) -> None:
@@ -145,47 +148,58 @@ class CheckpointManager:
         finally:
             self.comm.mpi.Free()
 
+    def _agree(self, error: str | None, what: str) -> None:
+        with self.timer.phase("agree"):
+            agree(self.comm, error, what)
+
     def _write_and_publish(self, snap) -> None:
         started = time.perf_counter()
+        self.timer.collect(0.0)
         self._write_verify_publish(snap)
         self.last_save_s = time.perf_counter() - started
+        self.last_phases = self.timer.collect(self.last_save_s)
 
     def _write_verify_publish(self, snap) -> None:
         final = os.path.join(self.dir, step_dirname(snap.step))
         tmp = os.path.join(self.dir, f".tmp-{step_dirname(snap.step)}")
         error = None
+        timer = self.timer
         if self.rank == 0:
             try:
-                self._remove_leftovers()
-                os.makedirs(self.dir, exist_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)
-                os.makedirs(os.path.join(tmp, "shards"))
+                with timer.phase("prepare"):
+                    self._remove_leftovers()
+                    os.makedirs(self.dir, exist_ok=True)
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    os.makedirs(os.path.join(tmp, "shards"))
             except OSError as exc:
                 error = f"cannot create {tmp}: {exc.strerror or exc}"
-        agree(self.comm, error, f"checkpoint of step {snap.step} in {self.dir}")
+        self._agree(error, f"checkpoint of step {snap.step} in {self.dir}")
         try:
             error = None
             try:
                 self.faults.hit("write", snap.step)
-                written = (write_mpio if self.writer == "mpio" else write_shards)(self.comm, tmp, snap)
-                for path in written:
-                    _fsync(path)
-                if self.rank == 0:  # the new directory entries too
-                    _fsync(os.path.join(tmp, "shards"))
-                    _fsync(tmp)
+                with timer.phase("write"):
+                    written = (write_mpio if self.writer == "mpio" else write_shards)(self.comm, tmp, snap)
+                with timer.phase("fsync"):
+                    for path in written:
+                        _fsync(path)
+                    if self.rank == 0:  # the new directory entries too
+                        _fsync(os.path.join(tmp, "shards"))
+                        _fsync(tmp)
             except Exception as exc:  # noqa: BLE001 - agreed below
                 error = f"{type(exc).__name__}: {exc}"
-            agree(self.comm, error, f"writing checkpoint of step {snap.step} ({self.writer} writer)")
+            self._agree(error, f"writing checkpoint of step {snap.step} ({self.writer} writer)")
             problems = []
             self.faults.hit("verify", snap.step)
             try:
-                with CheckpointReader(tmp) as reader:
+                with timer.phase("verify"), CheckpointReader(tmp) as reader:
                     problems = reader.verify(self.rank, self.size)
             except Exception as exc:  # noqa: BLE001
                 problems = [f"{type(exc).__name__}: {exc}"]
-            agree(self.comm, "; ".join(problems[:3]) or None, f"verifying checkpoint of step {snap.step}")
-            error = self._publish(tmp, final, snap.step) if self.rank == 0 else None
-            agree(self.comm, error, f"publishing checkpoint of step {snap.step}")
+            self._agree("; ".join(problems[:3]) or None, f"verifying checkpoint of step {snap.step}")
+            with timer.phase("publish"):
+                error = self._publish(tmp, final, snap.step) if self.rank == 0 else None
+            self._agree(error, f"publishing checkpoint of step {snap.step}")
         except CheckpointError:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -281,9 +295,12 @@ class CheckpointManager:
         """Collective; returns the agreed problem (None = loaded). Phases, agreed between: open; read
         what this rank needs, checking CRCs on those bytes (the trainer is untouched); verify the
         boxes no rank read; then apply. Every byte is read once."""
-        reader, error, staged = None, None, None
+        reader, error, staged, timer = None, None, None, self.timer
+        started = time.perf_counter()
+        timer.collect(0.0)
         try:
-            reader = CheckpointReader(path)
+            with timer.phase("open"):
+                reader = CheckpointReader(path)
             if not reader.complete:
                 error = f"no {COMPLETE_MARKER} marker: partial checkpoint"
         except Exception as exc:  # noqa: BLE001
@@ -292,25 +309,30 @@ class CheckpointManager:
             for phase in ("open", "read", "verify"):
                 if error is None and phase == "read":
                     try:
-                        staged = read_state(trainer, reader)
+                        with timer.phase("read + CRC"):
+                            staged = read_state(trainer, reader)
                     except CheckpointError as exc:
                         error = str(exc)
                 elif phase == "verify":
                     mine = (sorted(reader.checked), staged.compression_note) if error is None else ([], None)
-                    read_by_anyone, notes = zip(*self.comm.allgather_object(mine))
+                    with timer.phase("agree"):
+                        read_by_anyone, notes = zip(*self.comm.allgather_object(mine))
                     note = next((n for n in notes if n), None)
                     if error is None:
                         skip = set().union(*map(set, read_by_anyone))
-                        problems = reader.problems + reader.verify(self.rank, self.size, skip=skip)
+                        with timer.phase("verify"):
+                            problems = reader.problems + reader.verify(self.rank, self.size, skip=skip)
                         error = "; ".join(problems[:3]) or None
                 try:
-                    agree(self.comm, error, "")
+                    self._agree(error, "")
                 except CheckpointError as exc:
                     return str(exc).removeprefix(" failed: ")
         finally:
             if reader is not None:
                 reader.close()
-        apply_state(trainer, staged)
+        with timer.phase("apply"):
+            apply_state(trainer, staged)
+        self.last_phases = timer.collect(time.perf_counter() - started)
         if note and self.rank == 0:
             print(f"hpctrain: WARNING: compression state (error-feedback residuals, PowerSGD Q) not restored: "
                   f"{note}; it starts from zero (docs/compression.md)", file=sys.stderr, flush=True)

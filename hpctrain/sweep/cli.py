@@ -14,7 +14,6 @@ directory is renamed aside, never deleted); without it an existing run directory
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os

@@ -25,6 +25,7 @@ setup(
         "gpu": ["cupy"],  # pick the cupy-cudaXXx wheel that matches your CUDA instead where needed
         "test": ["pytest", "pytest-timeout"],
         "compression": ["zfpy"],  # compression.method = "zfp" (a manylinux wheel)
+        "data": ["tokenizers"],  # data.tokenizer = a tokenizer.json; hpctrain data train-tokenizer
     },
     entry_points={"console_scripts": ["hpctrain=hpctrain.cli:main"]},
 )

@@ -117,6 +117,7 @@ class OptimConfig:
 class DataConfig:
     """Corpus: "builtin" (embedded) or a path to a text file, folder, .npy or .h5."""
     source: str = "builtin"
+    tokenizer: str = "bytes"  # or a tokenizer.json (hpctrain data train-tokenizer); needs a prepared corpus
     cache_dir: str = ""  # empty = default cache
     max_bytes: int = _field(0, min=0)  # 0 = no cap
 

@@ -63,6 +63,10 @@ def load_tokens_collective(comm, source: str = BUILTIN_SOURCE, cache_dir: str = 
     read the cache (memory-mapped) or the source itself. Uses only ``comm.Get_rank``
     and ``comm.bcast``.
     """
+    from hpctrain.data.prepared import PreparedCorpus, is_prepared
+
+    if is_prepared(source):  # `hpctrain data prepare` output: every rank opens it and reads its own windows
+        return PreparedCorpus(source)
     if comm is None:
         return load_tokens(source, cache_dir, max_bytes)
     rank = comm.Get_rank()
@@ -206,8 +210,8 @@ def _is_text_file(path: str) -> bool:
         return False
 
 
-def _read_folder(folder: str, max_bytes: int) -> bytes:
-    """All text-like files under folder (recursive, sorted, hidden entries skipped), joined."""
+def folder_text_files(folder: str) -> list[str]:
+    """The text-like files under ``folder`` (recursive, sorted, hidden entries and binary files skipped)."""
     paths = []
     for current, subfolders, names in os.walk(folder):
         subfolders[:] = [d for d in subfolders if not d.startswith(".")]
@@ -216,7 +220,27 @@ def _read_folder(folder: str, max_bytes: int) -> bytes:
     if not text_paths:
         raise DataError(f"data source {folder!r}: folder holds no text files "
                         "(binary files, with a NUL byte in the first 8 KiB, are skipped)")
-    return _join_files(text_paths, max_bytes)
+    return text_paths
+
+
+def text_documents(sources: list[str]) -> list[str]:
+    """The files behind ``sources`` (``builtin``, folders, files), in order: one document each."""
+    files = []
+    for source in sources:
+        if source == BUILTIN_SOURCE:
+            files += builtin_source_files()
+        elif os.path.isdir(source):
+            files += folder_text_files(source)
+        elif os.path.isfile(source):
+            files.append(source)
+        else:
+            raise DataError(f"input {source!r} does not exist (give files, folders or 'builtin')")
+    return files
+
+
+def _read_folder(folder: str, max_bytes: int) -> bytes:
+    """All text-like files under folder (recursive, sorted, hidden entries skipped), joined."""
+    return _join_files(folder_text_files(folder), max_bytes)
 
 
 def _join_files(paths: list[str], max_bytes: int) -> bytes:

@@ -51,7 +51,7 @@ class SequenceSampler:
             raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
         if not isinstance(seed, (int, np.integer)):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        tokens = np.asarray(tokens) if not isinstance(tokens, np.ndarray) else tokens
+        tokens = tokens if hasattr(tokens, "dtype") else np.asarray(tokens)  # arrays, memmaps, PreparedCorpus
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise ValueError(f"tokens must be a 1-D integer array, got dtype {tokens.dtype} "
                              f"shape {tokens.shape}")

@@ -95,7 +95,11 @@ MEANINGS: dict[str, str] = {
     # [data]
     "data.source": "`builtin` (the Python standard library's sources, byte-level, cached on first use), or a "
                    "path: a text file, a folder of text files, a `.npy` token array, or a `.h5`/`.hdf5` file "
-                   "with a `tokens` dataset.",
+                   "with a `tokens` dataset. A corpus made by `hpctrain data prepare` is read by slabs: each rank "
+                   "reads only the windows it trains on.",
+    "data.tokenizer": "`bytes` (every byte a token, vocabulary 256) or the path of a Hugging Face "
+                      "`tokenizer.json` (e.g. from `hpctrain data train-tokenizer`). Training checks that the "
+                      "corpus was prepared with this tokenizer; nothing is downloaded.",
     "data.cache_dir": "Where the builtin corpus is cached. Empty = `$HPCTRAIN_CACHE`, else `~/.cache/hpctrain`.",
     "data.max_bytes": "Keep only the first N tokens (= bytes for byte-level sources). 0 = the whole corpus.",
     # [train]

@@ -15,6 +15,7 @@ import torch
 
 from hpctrain.config import resolve_model
 from hpctrain.data.corpus import load_tokens_collective
+from hpctrain.data.prepared import check_corpus
 from hpctrain.data.sampler import GlobalBatchIterator, SequenceSampler
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
@@ -106,9 +107,7 @@ class Trainer:
         cfg, grid = self.cfg, self.grid
         if tokens is None:
             tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes)
-        if int(tokens.max()) >= self.model_cfg.vocab_size:
-            raise HpcTrainError(f"the corpus has token id {int(tokens.max())} >= "
-                                f"model.vocab_size={self.model_cfg.vocab_size}")
+        check_corpus(tokens, cfg.data.tokenizer, self.model_cfg.vocab_size, cfg.data.source)
         self.sampler = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed)
         self.batches = GlobalBatchIterator(self.sampler, cfg.train.global_batch, self.layout.dp_size,
                                            grid.coords["dp"])

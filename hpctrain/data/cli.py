@@ -1,0 +1,69 @@
+"""``hpctrain data``: train a tokenizer offline, and prepare a tokenized corpus in parallel.
+
+    hpctrain data train-tokenizer --vocab-size 1024 --out tokenizer.json          # on the embedded corpus
+    mpiexec -n 4 hpctrain data prepare --input docs/ notes.txt --tokenizer tokenizer.json --out tokens.h5
+"""
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("data", help="tokenizers and prepared corpora")
+    dsub = p.add_subparsers(dest="data_what", required=True)
+    t = dsub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer.json offline (tokenizers)")
+    t.add_argument("--vocab-size", type=int, required=True, help="vocabulary size (>= 257)")
+    t.add_argument("--input", nargs="+", default=["builtin"],
+                   help="files, folders or 'builtin' (the embedded corpus; default)")
+    t.add_argument("--max-bytes", type=int, default=0, help="train on at most this many bytes (0 = all)")
+    t.add_argument("--out", required=True, help="the tokenizer.json to write")
+    t.add_argument("--force", action="store_true", help="replace --out if it exists")
+    t.set_defaults(func=_train_tokenizer)
+    q = dsub.add_parser("prepare", help="tokenize files in parallel (each MPI rank a share) into one HDF5 file")
+    q.add_argument("--input", nargs="+", required=True, help="files, folders or 'builtin'")
+    q.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json (default bytes)")
+    q.add_argument("--out", required=True, help="the .h5 file to write")
+    q.add_argument("--force", action="store_true", help="replace --out if it exists")
+    q.set_defaults(func=_prepare)
+
+
+def _train_tokenizer(args) -> int:
+    import os
+
+    from hpctrain.data.corpus import DataError, text_documents
+    from hpctrain.data.tokenizer import train_bpe
+
+    if os.path.exists(args.out) and not args.force:
+        raise DataError(f"{args.out} exists: choose another --out or pass --force to replace it")
+    files, used = text_documents(args.input), []
+
+    def texts():
+        total = 0
+        for path in files:
+            used.append(path)
+            with open(path, "rb") as f:
+                data = f.read()
+            if args.max_bytes:
+                data = data[:max(0, args.max_bytes - total)]
+            total += len(data)
+            yield data.decode("utf-8", errors="replace")
+            if args.max_bytes and total >= args.max_bytes:
+                return
+    train_bpe(texts(), args.vocab_size, args.out)
+    print(f"tokenizer with {args.vocab_size} tokens trained on {len(used)} file(s) written to {args.out}")
+    return 0
+
+
+def _prepare(args) -> int:
+    from mpi4py import MPI
+
+    from hpctrain.data.prepared import prepare
+    from hpctrain.data.tokenizer import load_tokenizer
+
+    comm = MPI.COMM_WORLD
+    summary = prepare(comm, args.input, load_tokenizer(args.tokenizer), args.out, force=args.force)
+    if comm.Get_rank() == 0:
+        print(f"prepared {summary['documents']} documents, {summary['tokens']} tokens ({summary['dtype']}, "
+              f"vocabulary {summary['vocab_size']}, tokenizer {summary['tokenizer']}) on {comm.Get_size()} "
+              f"rank(s): {summary['path']}")
+        print(f"train on it: hpctrain train data.source={summary['path']} data.tokenizer={args.tokenizer} "
+              f"model.vocab_size={summary['vocab_size']}")
+    return 0

@@ -118,6 +118,7 @@ class DataConfig:
     """Corpus: "builtin" (embedded) or a path to a text file, folder, .npy or .h5."""
     source: str = "builtin"
     tokenizer: str = "bytes"  # or a tokenizer.json (hpctrain data train-tokenizer); needs a prepared corpus
+    valid_fraction: float = _field(0.0, min=0, below=1)  # held out for validation (the corpus's last part)
     cache_dir: str = ""  # empty = default cache
     max_bytes: int = _field(0, min=0)  # 0 = no cap
 
@@ -146,6 +147,8 @@ class TrainConfig:
     loss_scale: float = _field(65536.0, above=0)  # initial dynamic loss scale for float16
     run_dir: str = "runs/default"
     progress: bool = True
+    eval_interval: int = _field(0, min=0)  # steps between validation losses (needs data.valid_fraction); 0 = off
+    eval_steps: int = _field(4, min=1)  # global batches per validation (the same ones every time)
     trace: bool = False  # per-rank Chrome trace of phases and collectives in <run_dir>/trace/ (hpctrain trace)
     trace_steps: int = _field(5, min=1)  # steps traced, from the second step of the run on
 
@@ -335,3 +338,5 @@ def validate(cfg: Config) -> None:
     _require(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     _require(cfg.data.source != "", "data.source", 'must be "builtin" or a path, got ""')
     _require(t.run_dir != "", "train.run_dir", "must not be empty")
+    _require(t.eval_interval == 0 or cfg.data.valid_fraction > 0, "train.eval_interval",
+             f"{t.eval_interval} needs held-out data: set data.valid_fraction (e.g. 0.05)")

@@ -43,10 +43,11 @@ def sample_hashes(seed: int, indices: np.ndarray) -> np.ndarray:
 class SequenceSampler:
     """Windows of ``seq_len + 1`` tokens at offsets keyed by (seed, global sample index).
 
-    tokens: 1-D integer array (may be memory-mapped), ``len(tokens) > seq_len + 1``.
+    tokens: 1-D integer array (may be memory-mapped, or a lazily read PreparedCorpus); windows lie in
+    ``tokens[lo:hi]`` (default: all), which must hold more than seq_len + 1 tokens.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, lo: int = 0, hi: int | None = None):
         if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
             raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
         if not isinstance(seed, (int, np.integer)):
@@ -55,13 +56,14 @@ class SequenceSampler:
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise ValueError(f"tokens must be a 1-D integer array, got dtype {tokens.dtype} "
                              f"shape {tokens.shape}")
-        if len(tokens) <= seq_len + 1:
-            raise everywhere(SamplerError(f"corpus too short: {len(tokens)} tokens, need more than "
+        self.lo, self.hi = int(lo), len(tokens) if hi is None else int(hi)
+        if self.hi - self.lo <= seq_len + 1:
+            raise everywhere(SamplerError(f"corpus too short: {self.hi - self.lo} tokens, need more than "
                              f"seq_len + 1 = {seq_len + 1} (use a bigger corpus or a smaller seq_len)"))
         self.tokens = tokens
         self.seq_len = int(seq_len)
         self.seed = int(seed)
-        self.num_windows = len(tokens) - self.seq_len  # valid start offsets 0..num_windows-1
+        self.num_windows = self.hi - self.lo - self.seq_len  # valid start offsets lo..lo+num_windows-1
 
     def offsets(self, start: int, count: int) -> np.ndarray:
         """int64 start offsets (count,) of samples start..start+count-1."""
@@ -70,7 +72,7 @@ class SequenceSampler:
                              f"got start={start}, count={count}")
         indices = np.arange(start, start + count, dtype=np.uint64)
         hashes = sample_hashes(self.seed, indices)
-        return (hashes % np.uint64(self.num_windows)).astype(np.int64)
+        return (hashes % np.uint64(self.num_windows)).astype(np.int64) + self.lo
 
     def windows(self, start: int, count: int) -> np.ndarray:
         """int64 windows (count, seq_len + 1) of samples start..start+count-1."""
@@ -93,6 +95,24 @@ class SequenceSampler:
         inputs = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
         targets = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
         return inputs, targets
+
+
+def validation_split(tokens, fraction: float, seq_len: int) -> int:
+    """The token index where the held-out validation part (the last ``fraction`` of the corpus) begins:
+    at the document boundary nearest to it when the corpus records documents (a prepared corpus's
+    ``doc_offsets``), else at that position. Both parts must hold a window. 0 -> len(tokens)."""
+    n = len(tokens)
+    if fraction <= 0:
+        return n
+    target = int(round((1 - fraction) * n))
+    offsets = getattr(tokens, "doc_offsets", None)
+    if offsets is not None and len(offsets) > 2:
+        inner = np.asarray(offsets[1:-1], dtype=np.int64)
+        target = int(inner[np.argmin(np.abs(inner - target))])
+    if min(target, n - target) <= seq_len + 1:
+        raise everywhere(SamplerError(f"data.valid_fraction={fraction} splits the corpus of {n} tokens at {target}: "
+                                      f"each part needs more than seq_len + 1 = {seq_len + 1} tokens"))
+    return target
 
 
 def rank_slice(global_batch: int, dp_size: int, dp_rank: int) -> tuple[int, int]:

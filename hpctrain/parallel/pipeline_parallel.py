@@ -169,3 +169,19 @@ class PipelineExecutor:
             for handle in outstanding:
                 handle.wait()
         return loss_total
+
+    @torch.no_grad()
+    def evaluate(self, inputs: list, targets: list, loss_scale: float) -> float:
+        """Forward only (validation): every micro-batch through the pipeline in order, activations sent on
+        as they are made. Returns this stage's summed scaled loss (non-zero on the last stage only)."""
+        first, last, outstanding, loss_total = self.rank == 0, self.rank == self.stages - 1, [], 0.0
+        for i in range(self.microbatches):
+            x = inputs[i] if first else self._receive("F", [])
+            y = self.stage(x)
+            if last:
+                loss_total += float(self.stage.loss_sum(y, targets[i]) * loss_scale)
+            else:
+                outstanding.append(self.pp_comm.exchange([(y.contiguous(), self.rank + 1, ACT_TAG)]))
+        for handle in outstanding:
+            handle.wait()
+        return loss_total

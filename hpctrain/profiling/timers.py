@@ -18,6 +18,7 @@ The phases the package records (docs/scaling.md):
   optimizer  the optimizer update
   checkpoint the blocking part of the checkpoint save after the step (a stall outside ``step_time_s``;
              the training loop adds it to the step's record)
+  eval       after the step: the validation loss (``train.eval_interval``), outside ``step_time_s``
   sync       before the step: all ranks agree whether to go on (signals, time limit; outside
              ``step_time_s``: a rank that arrives late shows here on the others)
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import time
 
-BETWEEN_STEPS = ("checkpoint", "sync")  # phases the training loop runs outside ``Trainer.train_step``
+BETWEEN_STEPS = ("checkpoint", "sync", "eval")  # phases the training loop runs outside ``Trainer.train_step``
 
 
 class PhaseTimer:

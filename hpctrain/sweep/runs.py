@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.parallel.layout import Layout
+from hpctrain.profiling.timers import BETWEEN_STEPS
 
 # how metrics.jsonl phases fold into the sweep's breakdown (hpctrain/profiling/timers.py names them)
 COMM_PHASES = ("dp_wait", "loss", "grad_norm")
 BUBBLE_PHASES = ("pp_wait",)
-NOT_STEP = ("checkpoint", "sync")  # outside step_time_s
 
 
 class SweepError(HpcTrainError):
@@ -124,7 +124,7 @@ def summarize(run: SweepRun, run_dir: str, warmup: int) -> dict:
     step = statistics.median(r["step_time_s"] for r in steady)
     comm = sum(phases.get(p, 0.0) for p in COMM_PHASES)
     bubble = sum(phases.get(p, 0.0) for p in BUBBLE_PHASES)
-    inside = sum(v for k, v in phases.items() if k not in NOT_STEP)
+    inside = sum(v for k, v in phases.items() if k not in BETWEEN_STEPS)
     return {**row, "steps": len(records), "step_s": step,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
             "compute_s": max(0.0, inside - comm - bubble), "comm_s": comm, "bubble_s": bubble,

@@ -100,6 +100,8 @@ MEANINGS: dict[str, str] = {
     "data.tokenizer": "`bytes` (every byte a token, vocabulary 256) or the path of a Hugging Face "
                       "`tokenizer.json` (e.g. from `hpctrain data train-tokenizer`). Training checks that the "
                       "corpus was prepared with this tokenizer; nothing is downloaded.",
+    "data.valid_fraction": "Hold out the last fraction of the corpus for validation (at a document boundary for a "
+                           "prepared corpus); training never samples from it. 0 = no validation data.",
     "data.cache_dir": "Where the builtin corpus is cached. Empty = `$HPCTRAIN_CACHE`, else `~/.cache/hpctrain`.",
     "data.max_bytes": "Keep only the first N tokens (= bytes for byte-level sources). 0 = the whole corpus.",
     # [train]
@@ -142,6 +144,10 @@ MEANINGS: dict[str, str] = {
                         "gradients overflow, doubled after 1000 good steps. Unused for other dtypes.",
     "train.run_dir": "Directory of the run: metrics.jsonl, config.json, summary.json, checkpoints/.",
     "train.progress": "Show a live progress bar when stdout is a terminal.",
+    "train.eval_interval": "Every N steps (and at the last step) compute the validation loss over "
+                           "`train.eval_steps` held-out global batches: `val_loss` in metrics.jsonl and on the "
+                           "progress line. Needs `data.valid_fraction`. 0 = off.",
+    "train.eval_steps": "Global batches per validation; the same held-out batches every time and in every layout.",
     "train.trace": "Write a Chrome-trace / Perfetto JSON per rank into <run_dir>/trace/: every phase and every "
                    "collective (group, op, bytes, start, end) of the traced steps; `hpctrain trace RUN_DIR` "
                    "merges them and says where each rank's time went (docs/scaling.md).",

@@ -67,6 +67,9 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
             record = trainer.train_step().as_dict()
             policy.record_step(record["step_time_s"])
             lock.heartbeat()
+            if cfg.train.eval_interval and (trainer.step % cfg.train.eval_interval == 0 or trainer.step == last_step):
+                record["val_loss"] = trainer.evaluate()
+                record["time_s"]["eval"] = round(trainer.timer.take("eval"), 6)
             if interval and trainer.step % interval == 0 and trainer.step < last_step:
                 checkpoints.save(trainer)
                 policy.record_save(checkpoints.last_save_s or 0.0)

@@ -39,7 +39,9 @@ class MetricsLog:
         self.records.append(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        status = (f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s"
+        status = (f"loss {record['loss']:.4f}  "
+                  + (f"val_loss {record['val_loss']:.4f}  " if "val_loss" in record else "")
+                  + f"lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s"
                   + ("  SKIPPED (inf/NaN grads, loss scale lowered)" if record.get("skipped") else ""))
         if self._bar is not None:
             self._bar.update(self._task, completed=record["step"], status=status)

@@ -16,7 +16,7 @@ import torch
 from hpctrain.config import resolve_model
 from hpctrain.data.corpus import load_tokens_collective
 from hpctrain.data.prepared import check_corpus
-from hpctrain.data.sampler import GlobalBatchIterator, SequenceSampler
+from hpctrain.data.sampler import GlobalBatchIterator, SequenceSampler, rank_slice, validation_split
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
 from hpctrain.compression import build_reducer
@@ -108,9 +108,12 @@ class Trainer:
         if tokens is None:
             tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes)
         check_corpus(tokens, cfg.data.tokenizer, self.model_cfg.vocab_size, cfg.data.source)
-        self.sampler = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed)
+        split = validation_split(tokens, cfg.data.valid_fraction, cfg.train.seq_len)
+        self.sampler = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed, hi=split)
         self.batches = GlobalBatchIterator(self.sampler, cfg.train.global_batch, self.layout.dp_size,
                                            grid.coords["dp"])
+        self.valid_sampler = None if split == len(tokens) else \
+            SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed + 1, lo=split)
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepMetrics:
@@ -164,6 +167,23 @@ class Trainer:
                            sum(g["comm_s"] for g in groups.values()), mfu, self.scaler.scale, skipped,
                            sum(g["bytes_sent"] for g in groups.values()), **reducer.step_stats(),
                            time_s={k: round(v, 6) for k, v in timer.collect(elapsed).items()}, groups=groups)
+
+    def evaluate(self) -> float:
+        """Collective: the mean token loss over the validation batches (``train.eval_steps`` global batches
+        of held-out samples 0, 1, ...: the same every time and in every layout); forward only."""
+        t, mb, n_mb = self.cfg.train, self.micro_batch, self.cfg.parallel.microbatches
+        offset, count = rank_slice(t.global_batch, self.layout.dp_size, self.grid.coords["dp"])
+        self.stage.eval()
+        total = 0.0
+        with self.timer.phase("eval"):
+            for k in range(t.eval_steps):
+                inputs, targets = self._to_device(*self.valid_sampler.batch(k * t.global_batch + offset, count))
+                stage_loss = self.executor.evaluate([inputs[i * mb:(i + 1) * mb] for i in range(n_mb)],
+                                                    [targets[i * mb:(i + 1) * mb] for i in range(n_mb)],
+                                                    1.0 / (t.global_batch * t.seq_len))
+                total += self._agree_loss(stage_loss)
+        self.stage.train()
+        return total / t.eval_steps
 
     def _to_device(self, *batch: torch.Tensor) -> list[torch.Tensor]:
         """Host batches to the device: pinned memory, non-blocking copies ordered on the current stream."""

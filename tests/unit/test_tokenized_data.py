@@ -76,3 +76,19 @@ def test_prepare_never_overwrites_and_names_missing_inputs(tmp_path):
     summary = prepare(MPI.COMM_SELF, [str(tmp_path / "docs")], ByteTokenizer(), str(out), force=True,
                       progress=False)
     assert summary["vocab_size"] == 256 and PreparedCorpus(str(out)).max() < 256
+
+
+def test_validation_split_at_a_document_boundary(tmp_path):
+    from hpctrain.data.sampler import SamplerError, validation_split
+
+    assert validation_split(np.zeros(1000, dtype=np.uint16), 0.0, 8) == 1000
+    assert validation_split(np.zeros(1000, dtype=np.uint16), 0.1, 8) == 900
+
+    class Docs:
+        doc_offsets = np.array([0, 300, 650, 870, 1000])
+
+        def __len__(self):
+            return 1000
+    assert validation_split(Docs(), 0.1, 8) == 870  # the boundary nearest to 900
+    with pytest.raises(SamplerError, match="valid_fraction=0.999"):
+        validation_split(np.zeros(1000, dtype=np.uint16), 0.999, 8)

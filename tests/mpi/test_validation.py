@@ -1,0 +1,41 @@
+"""Validation loss (data.valid_fraction, train.eval_interval): the same in every layout, in float64."""
+import json
+
+import pytest
+
+from mpirun import run_mpi
+
+COMMON = ["--config", "configs/tiny.toml", "data.valid_fraction=0.1", "train.eval_interval=2", "train.eval_steps=2",
+          "train.steps=4", "train.dtype=float64", "train.progress=false", "data.max_bytes=300000"]
+LAYOUTS = [(1, ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1"]),
+           (2, ["parallel.tp=1", "parallel.pp=2", "parallel.microbatches=2"]),
+           (4, ["parallel.tp=2", "parallel.pp=1", "parallel.sequence_parallel=true", "parallel.zero=1",
+                "parallel.microbatches=1"]),
+           (4, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=gpipe"])]
+
+
+def val_losses(run_dir):
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"event"' not in line]
+    return {r["step"]: r["val_loss"] for r in records if "val_loss" in r}, records
+
+
+def test_validation_loss_is_the_same_in_every_layout(tmp_path):
+    results = []
+    for i, (n, layout) in enumerate(LAYOUTS):
+        out = run_mpi(n, "hpctrain.cli", "train", *COMMON, *layout, f"train.run_dir={tmp_path / str(i)}",
+                      module=True, timeout=120)
+        assert "val_loss" in out.stdout
+        results.append(val_losses(tmp_path / str(i)))
+    reference, records = results[0]
+    assert sorted(reference) == [2, 4] and reference[4] < reference[2]
+    assert all("eval" in r["time_s"] for r in records if r["step"] in (2, 4))
+    for (losses, _), (n, layout) in zip(results[1:], LAYOUTS[1:]):
+        assert sorted(losses) == [2, 4]
+        for step in (2, 4):
+            assert losses[step] == pytest.approx(reference[step], abs=1e-10, rel=0), (n, layout, losses, reference)
+
+
+def test_eval_without_held_out_data_is_a_config_error(tmp_path):
+    out = run_mpi(2, "hpctrain.cli", "train", "train.eval_interval=5", f"train.run_dir={tmp_path}", module=True,
+                  timeout=60, check=False)
+    assert out.returncode == 2 and "train.eval_interval" in out.stderr and "data.valid_fraction" in out.stderr

@@ -37,20 +37,9 @@ def _resolve_dir(path: str) -> str:
 
 
 def _open(path: str):
-    from hpctrain.checkpoint.manager import read_latest
-    from hpctrain.checkpoint.reader import CheckpointReader
+    from hpctrain.checkpoint.weights import open_checkpoint
 
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "checkpoint.h5")):
-        directory = _resolve_dir(path)
-        latest = read_latest(directory)
-        if latest is None:
-            raise HpcTrainError(f"{path}: neither a checkpoint nor a directory with a 'latest' checkpoint")
-        path = os.path.join(directory, latest)
-    try:
-        return CheckpointReader(path)
-    except (OSError, ValueError) as exc:
-        raise HpcTrainError(str(exc)) from None
-
+    return open_checkpoint(path)
 
 def _list(args) -> int:
     from hpctrain.checkpoint.manager import list_checkpoints

@@ -1,0 +1,62 @@
+"""A checkpoint's model on ONE process, whatever layout wrote it (the global view): for generation,
+export and inspection. No MPI.
+
+    reader = open_checkpoint("runs/tiny")            # a run dir, checkpoints dir or step dir
+    cfg, model = load_model(reader, dtype=torch.float64)
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from hpctrain.errors import HpcTrainError
+
+
+def open_checkpoint(path: str):
+    """The CheckpointReader of ``path``: a step directory or its checkpoint.h5, a checkpoints directory
+    (its ``latest``), or a run directory (its ``checkpoints/latest``). Raises HpcTrainError."""
+    from hpctrain.checkpoint.manager import read_latest
+    from hpctrain.checkpoint.reader import CheckpointReader
+
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "checkpoint.h5")):
+        checkpoints = os.path.join(path, "checkpoints")
+        directory = checkpoints if os.path.isdir(checkpoints) else path
+        latest = read_latest(directory)
+        if latest is None:
+            raise HpcTrainError(f"{path}: neither a checkpoint nor a directory with a 'latest' checkpoint")
+        path = os.path.join(directory, latest)
+    try:
+        return CheckpointReader(path)
+    except (OSError, ValueError) as exc:
+        raise HpcTrainError(str(exc)) from None
+
+
+def config_of(reader):
+    """The run's Config as the checkpoint recorded it."""
+    from hpctrain.config import config_from_dict
+
+    raw = reader.attrs["config"]
+    return config_from_dict(raw if isinstance(raw, dict) else json.loads(raw))
+
+
+def load_model(reader, dtype: torch.dtype | None = None):
+    """(cfg, GPTStage holding every layer, no tp) with the checkpoint's weights, in eval mode. ``dtype``:
+    default the run's (float32 for bf16/fp16 runs: their weights are stored in float32)."""
+    from hpctrain.config import resolve_model
+    from hpctrain.models.gpt import GPTStage
+
+    cfg = config_of(reader)
+    m = resolve_model(cfg.model)
+    if dtype is None:
+        dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
+    model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp_comm=None, dtype=dtype, seed=cfg.train.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            dataset = f"model/{name}"
+            if reader.shape(dataset) != tuple(param.shape):
+                raise HpcTrainError(f"{reader.path}: {dataset} has shape {reader.shape(dataset)}, the model "
+                                    f"{tuple(param.shape)}: the checkpoint does not match its own config")
+            param.copy_(torch.from_numpy(reader.file[dataset][()]))
+    return cfg, model.eval()

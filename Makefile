@@ -19,8 +19,12 @@ export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= 1
 setup:
 	scripts/setup.sh
 
+# After the default demo job, a sample from the model it trained (one process, any layout's checkpoint).
+SAMPLE ?= generate runs/tiny --prompt "def " --max-new-tokens 160 --seed 0
+
 demo: setup
 	$(BIN)/mpiexec -n $(NP) $(BIN)/hpctrain $(DEMO)
+	@if [ "$(DEMO)" = "train --config configs/tiny.toml" ] && [ -n '$(SAMPLE)' ]; then $(BIN)/hpctrain $(SAMPLE); fi
 
 # The default environment (PyPI MPICH, serial h5py), then the cluster-like one (Debian MPICH + parallel
 # HDF5, collective MPI-IO checkpoints) where this machine can build it (root + apt-get), else a notice.

@@ -22,6 +22,9 @@ def add_parser(sub) -> None:
     q.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json (default bytes)")
     q.add_argument("--out", required=True, help="the .h5 file to write")
     q.add_argument("--force", action="store_true", help="replace --out if it exists")
+    q.add_argument("--comm-timeout", type=float, default=3600.0,
+                   help="seconds a rank may wait for the others before the job ends with a hang report naming "
+                        "the missing rank (default 3600: shares are balanced by bytes, not by time; 0 = never)")
     q.set_defaults(func=_prepare)
 
 
@@ -53,16 +56,20 @@ def _train_tokenizer(args) -> int:
 
 
 def _prepare(args) -> int:
-    from mpi4py import MPI
-
+    from hpctrain.comm.grid import ProcessGrid
     from hpctrain.data.prepared import prepare
     from hpctrain.data.tokenizer import load_tokenizer
+    from hpctrain.runtime.launcher import discover
 
-    comm = MPI.COMM_WORLD
-    summary = prepare(comm, args.input, load_tokenizer(args.tokenizer), args.out, force=args.force)
-    if comm.Get_rank() == 0:
+    grid = ProcessGrid.build(discover(), timeout_s=args.comm_timeout)
+    comm = grid.world
+    try:
+        summary = prepare(comm, args.input, load_tokenizer(args.tokenizer), args.out, force=args.force)
+    finally:
+        grid.close()
+    if comm.rank == 0:
         print(f"prepared {summary['documents']} documents, {summary['tokens']} tokens ({summary['dtype']}, "
-              f"vocabulary {summary['vocab_size']}, tokenizer {summary['tokenizer']}) on {comm.Get_size()} "
+              f"vocabulary {summary['vocab_size']}, tokenizer {summary['tokenizer']}) on {comm.size} "
               f"rank(s): {summary['path']}")
         print(f"train on it: hpctrain train data.source={summary['path']} data.tokenizer={args.tokenizer} "
               f"model.vocab_size={summary['vocab_size']}")

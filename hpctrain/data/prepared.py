@@ -99,10 +99,12 @@ def _shares(sizes: list[int], nranks: int) -> list[list[int]]:
 
 
 def prepare(comm, inputs: list[str], tokenizer, out: str, force: bool = False, progress: bool = True) -> dict:
-    """Collective over ``comm``: tokenize ``inputs`` (files, folders, ``builtin``) into ``out``; returns
-    the summary (on every rank). Errors (a missing input, an unreadable file, an existing ``out``) are
-    raised on every rank."""
-    rank, size = comm.Get_rank(), comm.Get_size()
+    """Collective over ``comm`` (an hpctrain Communicator: its calls are watched, so a stopped or dead rank
+    ends the job with a hang report; or any object with ``rank``, ``size``, ``broadcast_object``,
+    ``allgather_object``, ``barrier``): tokenize ``inputs`` (files, folders, ``builtin``) into ``out``;
+    returns the summary (on every rank). Errors (a missing input, an unreadable file, an existing
+    ``out``) are raised on every rank."""
+    rank, size = comm.rank, comm.size
     problem, docs = None, []
     if rank == 0:
         try:
@@ -112,14 +114,14 @@ def prepare(comm, inputs: list[str], tokenizer, out: str, force: bool = False, p
             os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
         except (DataError, OSError) as exc:
             problem = str(exc)
-    problem, docs = comm.bcast((problem, docs), root=0)
+    problem, docs = comm.broadcast_object((problem, docs), root=0)
     if problem:
         raise everywhere(DataError(problem))
     parts = f"{out}.parts"
     if rank == 0:
         shutil.rmtree(parts, ignore_errors=True)
         os.makedirs(parts)
-    comm.Barrier()
+    comm.barrier()
     mine = _shares([os.path.getsize(p) for p in docs], size)[rank]
     lengths, problem = {}, None
     try:
@@ -133,12 +135,12 @@ def prepare(comm, inputs: list[str], tokenizer, out: str, force: bool = False, p
                 np.concatenate(chunks).astype(dtype) if chunks else np.empty(0, dtype=dtype))
     except (DataError, OSError) as exc:
         problem = f"rank {rank}: {exc}"
-    problems = [p for p in comm.allgather(problem) if p]
+    problems = [p for p in comm.allgather_object(problem) if p]
     if problems:
         if rank == 0:
             shutil.rmtree(parts, ignore_errors=True)
         raise everywhere(DataError("; ".join(problems[:3])))
-    all_lengths = {d: n for part in comm.allgather(lengths) for d, n in part.items()}
+    all_lengths = {d: n for part in comm.allgather_object(lengths) for d, n in part.items()}
     summary = None
     if rank == 0:
         try:
@@ -148,7 +150,7 @@ def prepare(comm, inputs: list[str], tokenizer, out: str, force: bool = False, p
             summary = {"error": str(exc)}
         finally:
             shutil.rmtree(parts, ignore_errors=True)
-    summary = comm.bcast(summary, root=0)
+    summary = comm.broadcast_object(summary, root=0)
     if "error" in summary:
         raise everywhere(DataError(summary["error"]))
     return summary

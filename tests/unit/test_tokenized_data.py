@@ -5,10 +5,21 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from hpctrain.comm.grid import ProcessGrid
 from hpctrain.data.corpus import DataError
 from hpctrain.data.prepared import PreparedCorpus, check_corpus, is_prepared, prepare
 from hpctrain.data.sampler import SequenceSampler
 from hpctrain.data.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer, train_bpe
+
+@pytest.fixture(scope="module")
+def solo():
+    """This process alone, as an hpctrain Communicator (what `hpctrain data prepare` passes)."""
+    from hpctrain.runtime.launcher import discover
+
+    grid = ProcessGrid.build(discover(MPI.COMM_SELF), world_mpi=MPI.COMM_SELF, timeout_s=0)
+    yield grid.world
+    grid.close()
+
 
 TEXTS = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "héllo wörld: ünïcode\n"] * 40
 
@@ -40,10 +51,10 @@ def test_bpe_tokenizer_round_trips_and_has_an_identity(tokenizer_json):
         train_bpe(iter(TEXTS), 100, "/tmp/never.json")
 
 
-def test_prepare_writes_documents_in_order_and_reads_by_slabs(tmp_path, tokenizer_json):
+def test_prepare_writes_documents_in_order_and_reads_by_slabs(tmp_path, tokenizer_json, solo):
     tok = load_tokenizer(tokenizer_json)
     out = str(tmp_path / "tokens.h5")
-    summary = prepare(MPI.COMM_SELF, [str(docs(tmp_path))], tok, out, progress=False)
+    summary = prepare(solo, [str(docs(tmp_path))], tok, out, progress=False)
     assert summary["documents"] == 6 and summary["dtype"] == "uint16" and is_prepared(out)
     corpus = PreparedCorpus(out)
     expected = np.concatenate([tok.encode(TEXTS[i % 3] * (i + 2)) for i in range(6)])
@@ -64,16 +75,16 @@ def test_prepare_writes_documents_in_order_and_reads_by_slabs(tmp_path, tokenize
     corpus.close()
 
 
-def test_prepare_never_overwrites_and_names_missing_inputs(tmp_path):
+def test_prepare_never_overwrites_and_names_missing_inputs(tmp_path, solo):
     out = tmp_path / "tokens.h5"
     out.write_text("precious")
     with pytest.raises(DataError, match="exists: choose another --out or pass --force"):
-        prepare(MPI.COMM_SELF, [str(docs(tmp_path))], ByteTokenizer(), str(out), progress=False)
+        prepare(solo, [str(docs(tmp_path))], ByteTokenizer(), str(out), progress=False)
     assert out.read_text() == "precious"
     with pytest.raises(DataError, match="does not exist"):
-        prepare(MPI.COMM_SELF, [str(tmp_path / "nope")], ByteTokenizer(), str(tmp_path / "t.h5"), progress=False)
+        prepare(solo, [str(tmp_path / "nope")], ByteTokenizer(), str(tmp_path / "t.h5"), progress=False)
     assert not os.path.exists(tmp_path / "t.h5") and not os.path.exists(tmp_path / "t.h5.parts")
-    summary = prepare(MPI.COMM_SELF, [str(tmp_path / "docs")], ByteTokenizer(), str(out), force=True,
+    summary = prepare(solo, [str(tmp_path / "docs")], ByteTokenizer(), str(out), force=True,
                       progress=False)
     assert summary["vocab_size"] == 256 and PreparedCorpus(str(out)).max() < 256
 

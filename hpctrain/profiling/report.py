@@ -27,6 +27,7 @@ from collections import defaultdict
 
 from hpctrain.errors import HpcTrainError
 
+BALANCED = 1.05  # a rank whose compute is within 5% of the others' median is not called slow
 COMPUTE_PHASES = ("forward", "backward", "optimizer", "grad_norm", "compress", "loss", "dp_wait", "other")
 
 
@@ -102,6 +103,9 @@ def slowest(rows: list[dict]) -> str:
     worst = max(rows, key=lambda r: r["compute"])
     others = [r for r in rows if r is not worst]
     median_compute = statistics.median(r["compute"] for r in others)
+    if worst["compute"] <= BALANCED * median_compute:
+        return (f"balanced: every rank's compute is within {100 * (BALANCED - 1):.0f}% of the others' median "
+                f"(the most: rank {worst['rank']}, {1e3 * worst['compute']:.1f} ms vs {1e3 * median_compute:.1f} ms)")
     excess = {p: worst["phases"].get(p, 0.0) - statistics.median(r["phases"].get(p, 0.0) for r in others)
               for p in COMPUTE_PHASES}
     phase, extra = max(excess.items(), key=lambda kv: kv[1])

@@ -90,6 +90,8 @@ def test_breakdown_and_the_slowest_rank(tmp_path):
     verdict = slowest(rows)
     assert verdict.startswith("slowest rank: 1 (h2)") and "forward takes 38.0 ms, +28.0 ms" in verdict, verdict
     assert "dp comm" in table(rows)
+    even = [fake_rank(0, forward_ms=20, dp_wait_ms=5), fake_rank(1, forward_ms=20.5, dp_wait_ms=4.5)]
+    assert slowest([breakdown(d) for d in even]).startswith("balanced: every rank's compute is within 5%")
     path = merge(docs, str(tmp_path / "trace.json"))
     assert {e["pid"] for e in json.load(open(path))["traceEvents"]} == {0, 1}
 

@@ -23,9 +23,11 @@ setup(
     extras_require={
         "mpi": ["mpich"],  # PyPI MPICH wheel: laptops and CI; clusters bring their own MPI
         "gpu": ["cupy"],  # pick the cupy-cudaXXx wheel that matches your CUDA instead where needed
-        "test": ["pytest", "pytest-timeout"],
+        # transformers only in tests (logits compared with LlamaForCausalLM); it does not depend on torch
+        "test": ["pytest", "pytest-timeout", "transformers", "safetensors"],
         "compression": ["zfpy"],  # compression.method = "zfp" (a manylinux wheel)
         "data": ["tokenizers"],  # data.tokenizer = a tokenizer.json; hpctrain data train-tokenizer
+        "hf": ["safetensors"],  # hpctrain export --format hf, hpctrain import-hf, model.init_from = an HF directory
     },
     entry_points={"console_scripts": ["hpctrain=hpctrain.cli:main"]},
 )

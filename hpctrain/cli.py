@@ -1,7 +1,8 @@
 """The ``hpctrain`` command: thin argument parsing that calls into the package.
 
 Subcommands: ``info`` (launch and grid report), ``bench comm`` (collective benchmark),
-``train`` (training), ``ckpt`` (checkpoint tools), ``trace`` (where a traced run's time went). Run them under ``mpiexec``/``srun`` for many ranks.
+``train`` (training), ``ckpt`` (checkpoint tools), ``trace`` (where a traced run's time went), ``export`` /
+``import-hf`` (Hugging Face Llama models). Run them under ``mpiexec``/``srun`` for many ranks.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_info(sub)
     _add_bench(sub)
     for extra in ("hpctrain.train.cli", "hpctrain.checkpoint.cli", "hpctrain.profiling.cli",
-                  "hpctrain.sweep.cli", "hpctrain.data.cli", "hpctrain.models.cli"):
+                  "hpctrain.sweep.cli", "hpctrain.data.cli", "hpctrain.models.cli", "hpctrain.interop.cli"):
         if importlib.util.find_spec(extra) is not None:  # subcommands of later layers
             importlib.import_module(extra).add_parser(sub)
     return parser

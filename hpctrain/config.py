@@ -30,12 +30,31 @@ _GPT_SHAPES = {
     "gpt3-13b": (5120, 40, 40, 2048),  # the paper's 5140 is not divisible by its 40 heads
     "gpt3-175b": (12288, 96, 96, 2048),
 }
+# Megatron-LM PTD-P weak-scaling models (Narayanan et al., SC21, Table 1; NVIDIA/Megatron-LM
+# examples/sc21/run_table_1.sh): (d_model, n_layers, n_heads); all with vocabulary 51200 and sequence 2048.
+# Their MLP is GELU with 4 * d_model; ours is SwiGLU (three matrices), so d_ff = 8/3 d_model rounded to a
+# multiple of 128 keeps the parameters and FLOPs of the paper's model (within 0.3%) and divides by any tp <= 128.
+_PTDP_SHAPES = {
+    "gpt-1.7b": (2304, 24, 24), "gpt-3.6b": (3072, 30, 32), "gpt-7.5b": (4096, 36, 32),
+    "gpt-18b": (6144, 40, 48), "gpt-39b": (8192, 48, 64), "gpt-76b": (10240, 60, 80),
+    "gpt-145b": (12288, 80, 96), "gpt-310b": (16384, 96, 128), "gpt-530b": (20480, 105, 128),
+    "gpt-1t": (25600, 128, 160),
+}
+
+
+def _swiglu_ff(d_model: int) -> int:
+    """The SwiGLU width with the parameters of a 4 * d_model GELU MLP: 8/3 d_model, a multiple of 128."""
+    return 128 * round(8 * d_model / 3 / 128)
+
+
 # Model shapes by preset name (read-only by convention); a preset's vocab_size applies only when vocab_size=0.
 PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=256, max_seq_len=256),
     "small": dict(vocab_size=256, d_model=256, n_layers=6, n_heads=8, n_kv_heads=4, d_ff=1024, max_seq_len=512),
     **{name: dict(vocab_size=50257, d_model=d, n_layers=n, n_heads=h, n_kv_heads=h, d_ff=4 * d, max_seq_len=s)
        for name, (d, n, h, s) in _GPT_SHAPES.items()},
+    **{name: dict(vocab_size=51200, d_model=d, n_layers=n, n_heads=h, n_kv_heads=h, d_ff=_swiglu_ff(d),
+                  max_seq_len=2048) for name, (d, n, h) in _PTDP_SHAPES.items()},
 }
 _COMPARISONS = {"min": (">=", operator.ge), "above": (">", operator.gt), "below": ("<", operator.lt),
                 "max": ("<=", operator.le)}
@@ -62,6 +81,7 @@ class ModelConfig:
     rope_theta: float = _field(10000.0, above=0)
     norm_eps: float = _field(1e-5, above=0)
     init_std: float = _field(0.02, above=0)
+    init_from: str = ""  # HF Llama dir or hpctrain checkpoint: its weights at step 0 (not on resume); "" = random
 
 
 @dataclass
@@ -293,6 +313,20 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
     cfg = apply_overrides(cfg, overrides)
     validate(cfg)
     return cfg
+
+
+# The keys that define the function a model computes (and its weights' shapes): two configs that agree on
+# these hold interchangeable weights (max_seq_len, init_std, init_from and preset do not matter).
+ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings",
+                     "rope_theta", "norm_eps")
+
+
+def architecture_differences(theirs: ModelConfig, ours: ModelConfig) -> list[str]:
+    """``model.KEY is X there, Y here`` for each architecture key on which two model configs differ
+    (both resolved or not: presets are resolved here)."""
+    a, b = resolve_model(theirs), resolve_model(ours)
+    return [f"model.{k} is {getattr(a, k)!r} there, {getattr(b, k)!r} here" for k in ARCHITECTURE_KEYS
+            if getattr(a, k) != getattr(b, k)]
 
 
 def resolve_model(m: ModelConfig) -> ModelConfig:

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PREFIX, step_dirname
+from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, MASTER_FILE, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
 from hpctrain.checkpoint.state import ANOTHER_MODEL, CheckpointError, apply_state, read_state, snapshot
 from hpctrain.checkpoint.writers import has_parallel_h5py, write_mpio, write_shards
@@ -79,6 +79,17 @@ def list_checkpoints(directory: str) -> list[dict]:
             records.append({"step": step, "path": path, "complete": os.path.exists(os.path.join(path, COMPLETE_MARKER)),
                             "latest": name == latest})
     return sorted(records, key=lambda r: r["step"])
+
+
+def resolve_latest(path: str) -> str:
+    """``path`` itself, or, for a checkpoints directory (or a run directory with ``checkpoints/``) without a
+    checkpoint.h5 of its own, the step directory its ``latest`` names (e.g. what ``hpctrain import-hf`` wrote)."""
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, MASTER_FILE)):
+        return path
+    checkpoints = os.path.join(path, "checkpoints")
+    directory = checkpoints if os.path.isdir(checkpoints) else path
+    latest = read_latest(directory)
+    return os.path.join(directory, latest) if latest else path
 
 
 def read_latest(directory: str) -> str | None:
@@ -262,6 +273,7 @@ class CheckpointManager:
         if what == "none":
             return None
         if what != "auto":
+            what = resolve_latest(what)
             problem = self._try_load(what, trainer)
             if problem:
                 raise everywhere(CheckpointError(f"cannot resume from {what}: {problem}"))

@@ -167,7 +167,15 @@ ANOTHER_MODEL = "written for another model"  # in every incompatibility message:
 
 
 def check_compatible(trainer, reader) -> None:
-    """Raise CheckpointError if this rank's parameters are missing or shaped differently in the checkpoint."""
+    """Raise CheckpointError if this rank's parameters are missing or shaped differently in the checkpoint
+    (a weights-only checkpoint: also if any architecture key of its model config differs)."""
+    if is_weights_only(reader.attrs):
+        from hpctrain.config import architecture_differences, config_from_dict
+
+        differences = architecture_differences(config_from_dict(reader.attrs["config"]).model, trainer.model_cfg)
+        if differences:
+            raise CheckpointError(f"{reader.path}: weights-only checkpoint {ANOTHER_MODEL} than this config: "
+                                  f"{'; '.join(differences)}")
     for p in trainer.flat.params:
         name = model_dataset(p.spec.name)
         shape = reader.shape(name)
@@ -192,11 +200,19 @@ class StagedState:
     compression_note: str | None = None  # why the reducer's state was not restored
 
 
+def is_weights_only(attrs: dict) -> bool:
+    """A weights-only checkpoint (root attribute ``weights_only``, e.g. from ``hpctrain import-hf``) holds
+    ``/model`` alone: it loads as a fresh start from those weights (zero optimizer moments, the run's own
+    sampler, loss scaler and RNG), in any layout, and its model config must match the run's exactly."""
+    return bool(attrs.get("weights_only", False))
+
+
 def read_state(trainer, reader) -> StagedState:
     """Read (through ``reader.read_checked``: each byte once, CRCs checked on the way) everything this
     rank needs from a checkpoint of any layout: its whole local slab of every parameter and the
     optimizer state of the ranges it owns NOW. Changes nothing in the trainer."""
     check_compatible(trainer, reader)
+    weights_only = is_weights_only(reader.attrs)
     flat, opt = trainer.flat, trainer.optimizer
     staged = StagedState(attrs=reader.attrs)
     for p in flat.params:
@@ -207,15 +223,18 @@ def read_state(trainer, reader) -> StagedState:
         for box, a, b in local_range_boxes(spec, piece.param_lo, piece.param_hi):
             for kind in opt.state_kinds:
                 name, target = optim_dataset(kind, spec.name), shard.state(kind, offset + a, offset + b)
-                if kind == "master" and reader.shape(name) is None:  # written by a float32 run
+                if kind == "master" and reader.shape(name) is None:  # written by a float32 run, or weights only
                     staged.copies.append((target, flat.param_buffer[offset + a:offset + b]))
+                elif weights_only:  # fresh moments
+                    staged.copies.append((target, torch.zeros_like(target)))
                 else:
                     staged.copies.append((target, reader.read_checked(name, box).reshape(-1)))
     rng_shape = reader.shape("rng/torch_cpu")
     if rng_shape is not None and rng_shape[0] == trainer.grid.info.size:
         row = reader.read_checked("rng/torch_cpu", Box((trainer.grid.info.rank, 0), (1, rng_shape[1])))
         staged.rng_row = row.reshape(-1).copy()
-    _read_compression(trainer, reader, staged)
+    if not weights_only:  # else the reducer starts fresh, as in a new run
+        _read_compression(trainer, reader, staged)
     reader.drop_cache()
     return staged
 
@@ -228,6 +247,8 @@ def apply_state(trainer, staged: StagedState) -> None:
     attrs = staged.attrs
     trainer.step = int(attrs["step"])
     trainer.optimizer.step_count = int(attrs["optimizer_step"])
+    if is_weights_only(attrs):  # the run's own data order, loss scale and RNG, from the start
+        return
     trainer.batches.load_state_dict(attrs["sampler"])
     if trainer.scaler.enabled and attrs.get("loss_scaler"):
         trainer.scaler.load_state_dict(attrs["loss_scaler"])

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hpctrain.parallel.layout import check_stages, check_tp_divisibility
+from hpctrain.models.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
+from hpctrain.parallel.layout import check_tp_divisibility
 from hpctrain.parallel.shard import init_from_global_, make_spec
 from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       vocab_parallel_cross_entropy)
@@ -156,43 +157,3 @@ class GPTStage(nn.Module):
     def loss_sum(self, logits, targets):
         """Sum over tokens of the cross-entropy; targets [B, S]."""
         return vocab_parallel_cross_entropy(logits, targets.t().contiguous(), self.tp_comm, self.vocab_start).sum()
-
-
-def partition_layers(m, pp: int, explicit: list[int] | None = None) -> list[tuple[int, int]]:
-    """Layer ranges per pipeline stage: ``explicit`` counts, or balanced by parameter count.
-
-    Blocks are equal, so balancing counts the embedding (stage 0) and LM head (last stage) as
-    fractions of a block and gives those stages fewer blocks when they are heavy.
-    """
-    check_stages(m, pp, explicit or [])
-    if explicit:
-        counts = list(explicit)
-    else:
-        block = 4 * m.d_model * m.d_model + 3 * m.d_model * m.d_ff
-        extra = [0.0] * pp
-        extra[0] += m.vocab_size * m.d_model / block
-        extra[-1] += (0 if m.tie_embeddings and pp == 1 else m.vocab_size * m.d_model) / block
-        counts = [1] * pp
-        for _ in range(m.n_layers - pp):  # give the next block to the lightest stage
-            loads = [c + e for c, e in zip(counts, extra)]
-            counts[loads.index(min(loads))] += 1
-    bounds, start = [], 0
-    for c in counts:
-        bounds.append((start, start + c))
-        start += c
-    return bounds
-
-
-def flops_per_token(m, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward): 6 * matmul params + causal attention scores."""
-    kv = m.n_kv_heads * (m.d_model // m.n_heads)
-    per_layer = 2 * m.d_model * m.d_model + 2 * m.d_model * kv + 3 * m.d_model * m.d_ff
-    params = m.n_layers * per_layer + m.vocab_size * m.d_model  # LM head matmul
-    return 6.0 * params + 6.0 * m.n_layers * m.d_model * seq_len  # 12*L*d*S/2: causal half
-
-
-def count_parameters(m) -> int:
-    kv = m.n_kv_heads * (m.d_model // m.n_heads)
-    per_layer = 2 * m.d_model * m.d_model + 2 * m.d_model * kv + 3 * m.d_model * m.d_ff + 2 * m.d_model
-    head = 0 if m.tie_embeddings else m.vocab_size * m.d_model
-    return m.vocab_size * m.d_model + m.n_layers * per_layer + m.d_model + head

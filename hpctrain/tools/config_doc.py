@@ -39,6 +39,12 @@ MEANINGS: dict[str, str] = {
     "model.rope_theta": "Base of the rotary position embedding frequencies.",
     "model.norm_eps": "Epsilon of RMSNorm.",
     "model.init_std": "Standard deviation of the normal initialisation of every matrix (norm weights start at 1).",
+    "model.init_from": "Start a fresh run from these weights instead of a random initialisation: a Hugging Face "
+                       "Llama directory (config.json + safetensors) or an hpctrain checkpoint (step, checkpoints or "
+                       "run directory). Any layout; each rank reads only its slabs. The model.* keys must describe "
+                       "the same model (an error lists the differences). Applies only when nothing is resumed, so a "
+                       "requeued job continues from its own checkpoint. Optimizer state starts fresh. See "
+                       "docs/models-and-data.md.",
     # [parallel]
     "parallel.dp": "Data-parallel replicas. 0 = world size / (tp x pp); otherwise dp x tp x pp must equal the "
                    "number of ranks.",

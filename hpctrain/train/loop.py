@@ -51,6 +51,10 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     trainer = Trainer(cfg, grid, device=device)
     checkpoints = CheckpointManager(cfg.checkpoint, grid, cfg.train.run_dir)
     resumed = checkpoints.resume(trainer, resume)
+    if resumed is None and cfg.model.init_from:  # a fresh start (not a resume) from given weights
+        from hpctrain.interop.sources import init_weights
+
+        init_weights(trainer, cfg.model.init_from)
     is_root = info.rank == 0
     if is_root:
         _announce(cfg, grid, trainer, device, resumed)
@@ -200,3 +204,5 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
     if resumed:
         print(f"hpctrain train: resumed from {resumed} at step {trainer.step} "
               f"(sample {trainer.batches.consumed})", flush=True)
+    elif cfg.model.init_from:
+        print(f"hpctrain train: weights initialised from {cfg.model.init_from} (model.init_from)", flush=True)

@@ -1,0 +1,115 @@
+"""Global weights by hpctrain parameter name, from a Hugging Face Llama directory or an hpctrain checkpoint,
+and ``model.init_from``: a fresh run starts from those weights, each rank reading only its slabs, in any
+layout (dp/tp/pp/ZeRO, sequence parallelism).
+
+A source has ``model`` (its resolved ModelConfig), ``dtype`` (``float32``, ``bfloat16``, ...), ``read(name,
+index=None)`` (a torch tensor: the global tensor, or its ``index`` slab) and ``close()``.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from hpctrain.config import architecture_differences, resolve_model
+from hpctrain.errors import HpcTrainError, everywhere
+from hpctrain.interop.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFModelDir, parameter_shapes
+
+
+class CheckpointSource:
+    """The model weights of an hpctrain checkpoint (step, checkpoints or run directory), every read
+    CRC-checked; only complete (published) checkpoints are accepted."""
+
+    def __init__(self, path: str):
+        from hpctrain.checkpoint.weights import config_of, open_checkpoint
+
+        self.reader = open_checkpoint(path)
+        self.dir = self.reader.dir
+        try:
+            if not self.reader.complete:
+                raise HpcTrainError(f"{self.reader.dir}: no COMPLETE marker: a partial checkpoint, never published")
+            cfg = config_of(self.reader)
+        except BaseException:
+            self.reader.close()
+            raise
+        self.config, self.model = cfg, resolve_model(cfg.model)
+        self.dtype = str(self.reader.attrs.get("model_dtype", cfg.train.dtype))
+        self.attrs = self.reader.attrs
+        self.shapes = parameter_shapes(self.model)
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        from hpctrain.checkpoint.format import Box, model_dataset
+
+        dataset, shape = model_dataset(name), self.shapes.get(name)
+        if shape is None or self.reader.shape(dataset) != shape:
+            raise HpcTrainError(f"{self.reader.path}: {dataset} has shape {self.reader.shape(dataset)}, its config "
+                                f"implies {shape}: the checkpoint does not match its own config")
+        index = index or tuple(slice(None) for _ in shape)
+        offset = tuple(s.start or 0 for s in index)
+        box = Box(offset, tuple((n if s.stop is None else s.stop) - o for s, o, n in zip(index, offset, shape)))
+        data = self.reader.read_checked(dataset, box)
+        if self.reader.problems:
+            raise HpcTrainError(f"{self.reader.path} is corrupt: " + "; ".join(self.reader.problems[:3]))
+        return torch.from_numpy(data)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def open_source(path: str):
+    """An HFModelDir when ``path`` holds a config.json, else a CheckpointSource; HpcTrainError otherwise."""
+    if not path or not os.path.exists(path):
+        raise HpcTrainError(f"{path!r}: no such Hugging Face model directory or hpctrain checkpoint")
+    return HFModelDir(path) if is_hf_dir(path) else CheckpointSource(path)
+
+
+def is_hf_dir(path: str) -> bool:
+    """A directory with an HF config.json (not the config.json of an hpctrain run directory)."""
+    config = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config):
+        return False
+    if any(os.path.exists(os.path.join(path, name)) for name in (WEIGHTS_FILE, INDEX_FILE)):
+        return True
+    try:
+        with open(config, encoding="utf-8") as f:
+            return "model_type" in json.load(f)
+    except (OSError, ValueError):
+        return True  # HFModelDir says what is wrong with it
+
+
+def check_same_model(source_model, ours, where: str) -> None:
+    """HpcTrainError listing every architecture key (heads, sizes, rope_theta, ...) that differs."""
+    differences = architecture_differences(source_model, ours)
+    if differences:
+        raise HpcTrainError(f"{where} holds another model than this run's config: {'; '.join(differences)}. Set "
+                            f"model.* as there (`hpctrain import-hf` prints the [model] section of an HF model)")
+
+
+def init_weights(trainer, path: str) -> None:
+    """Collective over the world: copy ``path``'s weights (HF dir or hpctrain checkpoint) into a fresh trainer.
+    Each rank reads its slab of every parameter it holds; the ranks agree before anything changes, so an
+    error (missing file, other model, corrupt checkpoint) is raised on every rank with the model untouched.
+    Optimizer state stays fresh; half-precision runs take their float32 master weights from the new values."""
+    staged, problem, source = [], None, None
+    try:
+        source = open_source(path)
+        check_same_model(source.model, trainer.model_cfg, path)
+        for p in trainer.flat.params:
+            staged.append((p, source.read(p.spec.name, p.spec.local_slices())))
+    except (HpcTrainError, OSError) as exc:
+        problem = str(exc)
+    finally:
+        if source is not None:
+            source.close()
+    problems = [(r, e) for r, e in enumerate(trainer.grid.world.allgather_object(problem)) if e]
+    if problems:
+        rank, message = problems[0]
+        others = f" (rank {rank}; {len(problems)} rank(s) failed)" if len(problems) < trainer.grid.world.size else ""
+        raise everywhere(HpcTrainError(f"model.init_from={path}: {message}{others}"))
+    with torch.no_grad():
+        for p, values in staged:
+            p.data.copy_(values)
+        for shard in trainer.optimizer.shards:
+            if shard.master is not shard.params:
+                shard.master.copy_(shard.params)

@@ -1,0 +1,74 @@
+"""Hugging Face export of a multi-rank run, and training from an imported HF model in several layouts (float64)."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from hf_helpers import float64_exact_transformers, hf_logits, random_llama  # noqa: E402
+from mpirun import run_mpi  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+
+from hpctrain.checkpoint.weights import load_model, open_checkpoint  # noqa: E402
+from hpctrain.cli import _main  # noqa: E402
+
+COMMON = ["train.dtype=float64", "train.progress=false", "data.max_bytes=300000", "parallel.microbatches=1",
+          "train.seq_len=32", "checkpoint.async=false"]
+
+
+def train(nprocs, run_dir, *overrides, config="configs/tiny.toml", check=True):
+    return run_mpi(nprocs, "hpctrain.cli", "train", "--config", str(config), *COMMON, f"train.run_dir={run_dir}",
+                   *map(str, overrides), module=True, timeout=90, check=check)
+
+
+def losses(run_dir):
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+
+def test_a_tp2_run_exports_to_transformers_with_the_same_logits(tmp_path):
+    run = tmp_path / "run"
+    train(2, run, "parallel.tp=2", "parallel.pp=1", "parallel.sequence_parallel=true", "model.tie_embeddings=true",
+          "train.steps=2")
+    assert _main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    reader = open_checkpoint(str(run))
+    assert reader.attrs["step"] == 2 and reader.attrs["layout"]["tp"] == 2
+    _, model = load_model(reader)  # hpctrain's one-process forward of the same global weights
+    reader.close()
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    with float64_exact_transformers(), torch.no_grad():
+        hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64).eval()
+        theirs, ours = hf_logits(hf, ids), model(ids).permute(1, 0, 2)
+    assert theirs.dtype == torch.float64 and hf.config.tie_word_embeddings
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-10)
+
+
+def test_an_imported_model_trains_the_same_in_every_layout(tmp_path):
+    hf = random_llama(tmp_path / "hf", vocab=256, kv_heads=2)
+    assert _main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    model_toml = tmp_path / "ckpt" / "model.toml"  # the [model] section of the HF model: a valid config file
+    steps = ["train.steps=1"]
+    train(1, tmp_path / "one", *steps, "--resume", tmp_path / "ckpt", config=model_toml)
+    train(2, tmp_path / "tp2", *steps, "parallel.tp=2", "--resume", tmp_path / "ckpt", config=model_toml)
+    train(2, tmp_path / "pp2", *steps, "parallel.pp=2", f"model.init_from={tmp_path / 'hf'}", config=model_toml)
+    first = [losses(tmp_path / name)[0] for name in ("one", "tp2", "pp2")]
+
+    # the loss of the first step is the HF model's on the same batch
+    from hpctrain.config import load_config
+    from hpctrain.data.corpus import load_tokens
+    from hpctrain.data.sampler import SequenceSampler
+
+    cfg = load_config(str(model_toml), COMMON)
+    tokens = load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes)
+    inputs, targets = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed).batch(0, cfg.train.global_batch)
+    with float64_exact_transformers():
+        expected = F.cross_entropy(hf_logits(hf, inputs).reshape(-1, 256), targets.reshape(-1)).item()
+    assert first == pytest.approx([expected] * 3, rel=1e-10, abs=0)
+
+    # a config whose model differs only in rope_theta (same shapes) is refused, not silently trained
+    wrong = train(1, tmp_path / "wrong", *steps, "model.rope_theta=10000.0", "--resume", tmp_path / "ckpt",
+                  config=model_toml, check=False)
+    assert wrong.returncode != 0 and "model.rope_theta is 500.0 there, 10000.0 here" in wrong.output

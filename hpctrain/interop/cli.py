@@ -61,7 +61,9 @@ def staged_output(out: str, force: bool):
         os.chmod(tmp, 0o777 & ~umask)
         for root, _, files in os.walk(tmp):
             for name in files:
-                with open(os.path.join(root, name), "rb") as f:
+                path = os.path.join(root, name)
+                os.chmod(path, 0o666 & ~umask)  # safetensors (0.8) writes its files 0600
+                with open(path, "rb") as f:
                     os.fsync(f.fileno())
         old = None
         if os.path.isdir(out):

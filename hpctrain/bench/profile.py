@@ -21,7 +21,19 @@ The JSON (read by ``hpctrain plan --profile``, ``hpctrain/plan/machine.py``)::
      "levels": {"intra": {"alpha_s": .., "beta_s_per_byte": .., "bandwidth_GBps": .., "fit_error": ..,
                           "ranks": 2, "groups": 2}, "inter": {...}},
      "collectives": {"allreduce": {"intra": {"alpha_s": .., "beta_s_per_byte": .., "fit_error": ..,
-                                             "points": [[bytes, seconds], ...]}, ...}, ...}}
+                                             "points": [[bytes, seconds], ...]}, ...}, ...},
+     "device": {"name": "cpu", "peak_tflops": .., "efficiency": .., "hbm_gbps": .., "matmul_tflops": ..,
+                "ranks_per_node": 2, "cores_per_node": 2}}
+
+``device``: what one rank's device does while every rank computes at once (so ranks that share cores
+or a GPU see their share): ``matmul_tflops``, the rate of square ``--dtype`` matrix products of
+``DEVICE_MATMUL`` (given to the planner as ``peak_tflops``), ``efficiency``: the share of that rate a
+transformer block reaches (one ``hpctrain.models.gpt.Block`` of ``BLOCK_SHAPE`` timed forward +
+backward: ``block_s``, read through the planner's own cost formula), ``optimizer_s_per_param``, the seconds of hpctrain's AdamW update
+(``hpctrain.optim.flat.adamw_update_``) per parameter, and ``hbm_gbps``, the bytes per second of an element-wise update (read + write),
+the slowest rank's; ``cores_per_node`` (CPU runs) lets the planner rescale the rate to another number
+of ranks per node (ranks beyond the cores share them). ``name`` is ``cpu`` or ``cuda``'s device name (``hpctrain plan`` then takes the
+preset of that name: give ``--device`` when it is not one).
 """
 from __future__ import annotations
 
@@ -34,9 +46,114 @@ import torch
 
 from hpctrain.bench.comm import (DTYPES, OPS, _choices, default_iters, format_size, hpctrain_step, make_buffers,
                                  parse_size, time_step)
+from hpctrain.config import OptimConfig
 from hpctrain.errors import HpcTrainError
+from hpctrain.optim.flat import adamw_update_
 
 DEFAULT_SIZES = "4K,64K,256K,1M,4M,16M"
+DEVICE_MATMUL = 512  # square matrix size of the device measurement (a transformer block's GEMMs are this order)
+
+
+def _rate(work, seconds: float, sync, rounds: int = 3) -> float:
+    """Calls of ``work`` per second: the best of ``rounds`` rounds of about ``seconds / rounds`` each,
+    after a warm-up call (the best round: ranks sharing cores are descheduled now and then)."""
+    import time
+
+    work()
+    sync()
+    best = 0.0
+    for _ in range(rounds):
+        calls, start = 0, time.perf_counter()
+        while True:
+            work()
+            calls += 1
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds / rounds:
+                break
+        best = max(best, calls / elapsed)
+    return best
+
+
+def measure_device(world, device: torch.device, dtype, seconds: float = 1.0) -> dict:
+    """Per-rank matmul TFLOP/s and element-wise GB/s with every rank of ``world`` busy at once (the
+    slowest rank's); see the module docstring."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n = DEVICE_MATMUL
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    x = torch.randn(16 * 2**20, dtype=dtype, device=device)  # 64 MiB in float32: past the caches
+    world.Barrier()
+    matmul = 2.0 * n**3 * _rate(lambda: torch.mm(a, b), seconds, sync) / 1e12
+    world.Barrier()
+    stream = 2.0 * x.numel() * x.element_size() * _rate(lambda: x.mul_(1.0), seconds, sync) / 1e9
+    world.Barrier()
+    n_adam = 8 * 2**20  # 4 x 32 MiB in float32: a model's optimizer state is far past the caches
+    master, grad, m, v = (torch.randn(n_adam, dtype=dtype, device=device).abs() for _ in range(4))
+    adam = OptimConfig()
+    step = 1.0 / (n_adam * _rate(lambda: adamw_update_(master, grad, m, v, 1e-9, 1, adam), seconds, sync))
+    del master, grad, m, v
+    world.Barrier()
+    block_s = 1.0 / _rate(_block_step(device, dtype), seconds, sync)
+    name = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).lower()
+    slowest = {"matmul": world.allreduce(matmul, op=_min()), "stream": world.allreduce(stream, op=_min()),
+               "adamw": world.allreduce(step, op=_max()), "block": world.allreduce(block_s, op=_max())}
+    return {"name": name, "peak_tflops": slowest["matmul"], "hbm_gbps": slowest["stream"],
+            "efficiency": block_efficiency(slowest["block"], slowest["matmul"], slowest["stream"], dtype),
+            "matmul_tflops": slowest["matmul"], "matmul_size": n, "optimizer_s_per_param": slowest["adamw"],
+            "block_s": slowest["block"], "block_shape": dict(BLOCK_SHAPE)}
+
+
+# The transformer block timed by the device measurement (hpctrain.models.gpt.Block, forward + backward).
+BLOCK_SHAPE = {"d_model": 256, "n_heads": 8, "n_kv_heads": 4, "d_ff": 1024, "seq_len": 128, "micro_batch": 4}
+
+
+def _block_model():
+    from hpctrain.config import ModelConfig, resolve_model
+
+    shape = {k: v for k, v in BLOCK_SHAPE.items() if k not in ("seq_len", "micro_batch")}
+    return resolve_model(ModelConfig(preset="custom", vocab_size=256, n_layers=1, **shape))
+
+
+def _block_step(device: torch.device, dtype):
+    """One forward + backward of one Block of BLOCK_SHAPE (its input [S, B, D])."""
+    from hpctrain.models.gpt import Block
+
+    block = Block("block", _block_model(), None, False, dtype, 0).to(device)
+    x = torch.randn(BLOCK_SHAPE["seq_len"], BLOCK_SHAPE["micro_batch"], BLOCK_SHAPE["d_model"], dtype=dtype,
+                    device=device, requires_grad=True)
+
+    def step():
+        block(x).sum().backward()
+    return step
+
+
+def block_efficiency(block_s: float, peak_tflops: float, hbm_gbps: float, dtype) -> float:
+    """The matmul efficiency that makes the performance model (hpctrain/plan/cost.py: forward = FLOPs /
+    (peak x efficiency) + 2 x activation bytes / bandwidth, backward twice that) reproduce the measured
+    ``block_s``; capped to [0.05, 1]."""
+    from hpctrain.models.arithmetic import block_matmul_parameters
+    from hpctrain.plan.stages import layer_activation_bytes
+
+    m, b, seq = _block_model(), BLOCK_SHAPE["micro_batch"], BLOCK_SHAPE["seq_len"]
+    nbytes = torch.tensor([], dtype=dtype).element_size()
+    flops = 2.0 * b * seq * block_matmul_parameters(m) + 2.0 * b * seq * seq * m.d_model  # causal (flash)
+    memory_s = 2 * layer_activation_bytes(m, b, seq, 1, False, True, nbytes) / (hbm_gbps * 1e9)
+    compute_s = block_s / 3 - memory_s
+    if compute_s <= 0:
+        return 1.0
+    return min(1.0, max(0.05, flops / compute_s / (peak_tflops * 1e12)))
+
+
+def _min():
+    from mpi4py import MPI
+
+    return MPI.MIN
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
 
 
 def wire_bytes(op: str, nbytes: int, p: int) -> float:
@@ -119,6 +236,11 @@ def run_link_profile(args) -> int:
             groups = world.allreduce(1 if comm.rank == 0 else 0)
             doc["levels"][level] = {**fit, "bandwidth_GBps": 1 / fit["beta_s_per_byte"] / 1e9
                                     if fit["beta_s_per_byte"] > 0 else None, "ranks": comm.size, "groups": groups}
+        from hpctrain.runtime.device import select_device
+
+        device = select_device(getattr(args, "device", "auto") or "auto", info)
+        doc["device"] = {**measure_device(world, device, dtype), "ranks_per_node": info.local_size,
+                         "cores_per_node": len(os.sched_getaffinity(0)) if device.type == "cpu" else None}
     finally:
         grid.close()
     if info.rank == 0:
@@ -147,3 +269,7 @@ def print_profile(doc: dict) -> None:
                 print(f"{level:>6} {op:>15} {c['alpha_s'] * 1e6:>9.1f} {bw:>8.3f} {c['fit_error']:>8.1%}")
         bw = lv["bandwidth_GBps"] or float("inf")
         print(f"{level:>6} {'(all pooled)':>15} {lv['alpha_s'] * 1e6:>9.1f} {bw:>8.3f} {lv['fit_error']:>8.1%}")
+    dev = doc.get("device")
+    if dev:
+        print(f"device {dev['name']}: {dev['matmul_tflops'] * 1e3:.1f} GFLOP/s matmul, {dev['hbm_gbps']:.1f} GB/s "
+              f"element-wise per rank, {dev['ranks_per_node']} ranks per node busy at once")

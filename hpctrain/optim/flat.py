@@ -101,13 +101,7 @@ class FlatOptimizer:
                 for lo, hi in s.decay_ranges:
                     master[lo:hi].mul_(1 - lr * c.weight_decay)
             if c.name == "adamw":
-                m, v = s.exp_avg, s.exp_avg_sq
-                m.mul_(c.beta1).add_(grad, alpha=1 - c.beta1)
-                v.mul_(c.beta2).addcmul_(grad, grad, value=1 - c.beta2)
-                bias1 = 1 - c.beta1 ** self.step_count
-                bias2 = 1 - c.beta2 ** self.step_count
-                denom = (v.sqrt() / math.sqrt(bias2)).add_(c.eps)
-                master.addcdiv_(m, denom, value=-lr / bias1)
+                adamw_update_(master, grad, s.exp_avg, s.exp_avg_sq, lr, self.step_count, c)
             else:  # sgd with optional momentum
                 if c.momentum:
                     buf = s.exp_avg.mul_(c.momentum).add_(grad)
@@ -117,6 +111,18 @@ class FlatOptimizer:
             if master is not s.params:
                 s.params.copy_(master)
         self.flat.gather_params()
+
+
+def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  lr: float, step: int, c) -> None:
+    """Adam's moment updates and the parameter step, in place on 1-D tensors of one length (``c``: the
+    ``[optim]`` config; weight decay is applied by the caller). Also timed by ``bench comm --profile``."""
+    exp_avg.mul_(c.beta1).add_(grad, alpha=1 - c.beta1)
+    exp_avg_sq.mul_(c.beta2).addcmul_(grad, grad, value=1 - c.beta2)
+    bias1 = 1 - c.beta1 ** step
+    bias2 = 1 - c.beta2 ** step
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(c.eps)
+    master.addcdiv_(exp_avg, denom, value=-lr / bias1)
 
 
 def lr_at(step: int, train) -> float:

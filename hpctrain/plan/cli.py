@@ -1,0 +1,122 @@
+"""``hpctrain plan``: rank the layouts of a model on a machine by predicted tokens/s (no MPI, one process).
+
+    hpctrain plan --model gpt-1t --nodes 384 --gpus-per-node 8 --device a100 --intra-gbps 2400 --inter-gbps 200
+    hpctrain plan --model configs/tiny.toml --nodes 1 --gpus-per-node 4 --profile link.json --json
+
+``--model`` is a preset name (``hpctrain/config.py`` PRESETS) or a TOML config (its model, seq_len,
+global batch, dtype and schedule are the defaults of the flags). Links come from a measured profile
+(``hpctrain bench comm --profile``) or from ``--intra-gbps`` / ``--inter-gbps`` (Gbit/s per rank).
+``--json`` prints ``{"plans": [...], "infeasible": [...]}``, best first (cli fields: planner.Prediction.to_dict).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+DEFAULT_INTRA_GBPS = {"a100": 2400.0, "h100": 3600.0, "h200": 3600.0, "mi250x": 800.0, "mi250x-gcd": 800.0,
+                      "v100": 1200.0, "cpu": 24.0}  # NVLink / Infinity Fabric per GPU; shared memory on a CPU
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="rank the dp x tp x pp layouts of a model on a machine by predicted "
+                                    "tokens/s (the performance and memory model, hpctrain/plan)")
+    p.add_argument("--model", required=True, help="a model preset (e.g. gpt-1t, gpt3-175b, tiny) or a TOML config")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node")
+    p.add_argument("--profile", default="", help="link profile JSON from `hpctrain bench comm --profile`")
+    p.add_argument("--device", default="", help="device preset: a100, h100, h200, mi250x, mi250x-gcd, v100, cpu "
+                                                "(default: the profile's, else a100)")
+    p.add_argument("--intra-gbps", type=float, default=0.0,
+                   help="per-rank bandwidth inside a node, Gbit/s (default: the device's NVLink figure)")
+    p.add_argument("--inter-gbps", type=float, default=0.0, help="per-rank bandwidth between nodes, Gbit/s")
+    p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's, else 512)")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: config's, else 2048)")
+    p.add_argument("--dtype", default="", help="bfloat16 (default for presets), float16, float32, float64")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="override the device's peak (TFLOP/s)")
+    p.add_argument("--efficiency", type=float, default=0.0, help="override the device's matmul efficiency")
+    p.add_argument("--memory-gib", type=float, default=0.0, help="override the device's memory (GiB)")
+    p.add_argument("--no-zero", action="store_true", help="do not consider ZeRO-1")
+    p.add_argument("--no-sequence-parallel", action="store_true", help="do not consider sequence parallelism")
+    p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
+                   help="activation recomputation: try both (auto), always, never")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="", help="pipeline schedule (default 1f1b)")
+    p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=run_plan)
+
+
+def _model_and_defaults(spec: str):
+    """(resolved ModelConfig, defaults dict) for a preset name or a TOML path."""
+    from hpctrain.config import PRESETS, ModelConfig, load_config, resolve_model
+    from hpctrain.plan.devices import PlanError
+
+    if spec in PRESETS:
+        return resolve_model(ModelConfig(preset=spec, vocab_size=0)), {
+            "global_batch": 512, "seq_len": min(2048, PRESETS[spec]["max_seq_len"]), "dtype": "bfloat16",
+            "schedule": "1f1b", "bucket_mb": 25.0}
+    if spec.endswith(".toml") or os.path.exists(spec):
+        if not os.path.isfile(spec):
+            raise PlanError(f"--model {spec}: no such config file")
+        cfg = load_config(spec)
+        return resolve_model(cfg.model), {"global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
+                                          "dtype": cfg.train.dtype, "schedule": cfg.parallel.schedule,
+                                          "bucket_mb": cfg.parallel.bucket_mb}
+    raise PlanError(f"--model {spec!r}: neither a preset ({', '.join(PRESETS)}) nor a TOML config file")
+
+
+def _machine(args):
+    from hpctrain.plan.machine import (Machine, device_from_profile, device_preset, links_from_bandwidth,
+                                       load_profile)
+    from hpctrain.plan.devices import PlanError
+
+    if args.profile:
+        links = load_profile(args.profile)
+        dev = device_from_profile(links, args.device, args.gpus_per_node)
+        if args.peak_tflops or args.memory_gib or args.efficiency:
+            from dataclasses import replace
+
+            over = device_preset(dev.name, args.peak_tflops, args.memory_gib, args.efficiency)
+            dev = replace(dev, peak_tflops=over.peak_tflops if args.peak_tflops else dev.peak_tflops,
+                          memory_gib=over.memory_gib if args.memory_gib else dev.memory_gib,
+                          efficiency=over.efficiency if args.efficiency else dev.efficiency)
+    else:
+        dev = device_preset(args.device or "a100", args.peak_tflops, args.memory_gib, args.efficiency)
+        if args.nodes > 1 and not args.inter_gbps:
+            raise PlanError(f"{args.nodes} nodes: give --inter-gbps (per-rank bandwidth between nodes, Gbit/s; "
+                            f"e.g. 200 for one HDR InfiniBand NIC per GPU) or a measured --profile")
+        intra = args.intra_gbps or DEFAULT_INTRA_GBPS.get(dev.name, 24.0)
+        links = links_from_bandwidth(intra, args.inter_gbps or None)
+    return Machine(dev, links, args.nodes, args.gpus_per_node)
+
+
+def run_plan(args) -> int:
+    from hpctrain.plan.cost import Options
+    from hpctrain.plan.devices import PlanError
+    from hpctrain.plan.planner import SearchSpace, plan
+
+    model, defaults = _model_and_defaults(args.model)
+    for name in ("global_batch", "seq_len", "top"):
+        if getattr(args, name, 0) < 0 or (name == "top" and args.top < 1):
+            raise PlanError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    machine = _machine(args)
+    global_batch = args.global_batch or defaults["global_batch"]
+    seq_len = args.seq_len or defaults["seq_len"]
+    if seq_len > model.max_seq_len:
+        raise PlanError(f"--seq-len {seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+    options = Options(dtype=args.dtype or defaults["dtype"], bucket_mb=defaults["bucket_mb"])
+    space = SearchSpace(zero=(0,) if args.no_zero else (0, 1),
+                        sequence_parallel=(False,) if args.no_sequence_parallel else (False, True),
+                        recompute={"auto": (False, True), "on": (True,), "off": (False,)}[args.recompute],
+                        schedule=args.schedule or defaults["schedule"])
+    result = plan(model, machine, global_batch, seq_len, options, space)
+    if args.json:
+        print(json.dumps({"model": args.model, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
+                          "device": machine.device.name, "global_batch": global_batch, "seq_len": seq_len,
+                          "dtype": options.dtype, "evaluated": result.evaluated,
+                          "plans": [p.to_dict() for p in result.plans[:args.top]],
+                          "infeasible": [i.to_dict() for i in result.infeasible]}, indent=1))
+    else:
+        from hpctrain.plan.report import print_plans
+
+        print_plans(result, machine, model, args.model, global_batch, seq_len, options, args.top)
+    return 0 if result.plans else 2

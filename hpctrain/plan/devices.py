@@ -1,0 +1,91 @@
+"""Device presets for the performance model: published peaks, memory, and achievable efficiency.
+
+Units: TFLOP/s (1e12 FLOP/s), GiB (2**30 bytes), GB/s (1e9 bytes/s). No torch: hpctrain/runtime/device.py
+holds the same peaks for the trainer's MFU (keep the two in step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hpctrain.errors import HpcTrainError
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+class PlanError(HpcTrainError):
+    """A planning request that cannot be answered (unknown device, bad profile, missing link level)."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """One rank's accelerator.
+
+    ``peak_tflops``: published dense peak per training dtype (tensor cores; TF32 for float32), TFLOP/s.
+    ``efficiency``: the fraction of that peak the matrix multiplications of a transformer layer reach
+    end to end (the only calibrated constant; see DEVICES). ``hbm_gbps``: memory bandwidth, GB/s, for the
+    memory-bound element-wise work. ``memory_gib``: capacity per rank, GiB (None: the host's memory
+    shared by the ranks of a node, for ``cpu``).
+    """
+
+    name: str
+    peak_tflops: dict[str, float]
+    memory_gib: float | None
+    efficiency: float
+    hbm_gbps: float
+    note: str = ""
+    optimizer_s_per_param: float = 0.0  # measured AdamW seconds per parameter (0: from bytes / hbm_gbps)
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak for ``dtype`` in TFLOP/s; PlanError when the device has none for it."""
+        if dtype not in self.peak_tflops:
+            raise PlanError(f"device {self.name} has no published {dtype} peak (it has "
+                            f"{', '.join(self.peak_tflops)}); choose another --dtype or give --peak-tflops")
+        return self.peak_tflops[dtype]
+
+
+# Dense peaks from the vendors' data sheets (the same numbers as hpctrain/runtime/device.py's GPU_PEAKS,
+# which needs torch; keep the two in step). ``efficiency``:
+#   a100: 0.65, calibrated ONCE against the Megatron-LM PTD-P weak-scaling table (Narayanan et al., SC21,
+#         Table 1; tests/unit/test_plan_ptdp.py, docs/scaling.md) with this model's bubble, memory-bound
+#         and communication terms (mean error 3%, max 7%); 0.65 of 312 = 203 TFLOP/s, below the ~250 TFLOP/s cuBLAS reaches on
+#         one large isolated GEMM because it also absorbs what the model leaves out (kernel launches,
+#         the optimizer step, imperfect overlap).
+#   h100, h200, mi250x, v100, cpu: assumptions, not calibrated: a measured run is better.
+#         h100/h200 0.50: end-to-end MFU reports of ~40-50% for large GPT models in bf16 (the memory-bound
+#         term is modelled separately, so this is the matmul share). v100 0.55: Megatron-LM v1.0 reached
+#         48% of peak end to end on a 1.2B GPT. mi250x 0.45: lower GEMM efficiency of the ROCm stack.
+DEVICES: dict[str, Device] = {
+    "a100": Device("a100", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0, "float64": 19.5},
+                   80.0, 0.65, 2039.0, "A100 SXM 80 GB"),
+    "h100": Device("h100", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.0, "float64": 67.0},
+                   80.0, 0.50, 3350.0, "H100 SXM 80 GB"),
+    "h200": Device("h200", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.0, "float64": 67.0},
+                   141.0, 0.50, 4800.0, "H200 SXM 141 GB (nvidia-smi: ~140 GiB)"),
+    "mi250x": Device("mi250x", {"bfloat16": 383.0, "float16": 383.0, "float32": 47.9, "float64": 95.7},
+                     128.0, 0.45, 3277.0, "whole package = 2 GCDs; one rank usually drives one GCD: mi250x-gcd"),
+    "mi250x-gcd": Device("mi250x-gcd", {"bfloat16": 191.5, "float16": 191.5, "float32": 23.9, "float64": 47.9},
+                         64.0, 0.45, 1638.0, "one GCD of an MI250X (Frontier, LUMI: one rank per GCD)"),
+    "v100": Device("v100", {"float16": 125.0, "float32": 15.7, "float64": 7.8}, 32.0, 0.55, 900.0,
+                   "V100 SXM2 32 GB; no bfloat16"),
+    # One rank on one CPU core: a conservative constant (AVX2/AVX-512 cores reach 0.05-0.2 TFLOP/s in
+    # float32 GEMMs); give --peak-tflops from a measurement (e.g. a numpy matmul) for better numbers.
+    "cpu": Device("cpu", {"bfloat16": 0.05, "float16": 0.05, "float32": 0.1, "float64": 0.05}, None, 0.5, 10.0,
+                  "one core per rank; memory: the host's RAM divided by the ranks per node"),
+}
+
+
+def device_preset(name: str, peak_tflops: float = 0.0, memory_gib: float = 0.0,
+                  efficiency: float = 0.0, optimizer_s_per_param: float = 0.0) -> Device:
+    """The preset ``name`` with optional overrides (a peak override applies to every dtype)."""
+    if name not in DEVICES:
+        raise PlanError(f"unknown device {name!r}; known devices: {', '.join(DEVICES)}")
+    d = DEVICES[name]
+    if peak_tflops > 0:
+        d = replace(d, peak_tflops={k: peak_tflops for k in DTYPE_BYTES})
+    if memory_gib > 0:
+        d = replace(d, memory_gib=memory_gib)
+    if efficiency > 0:
+        d = replace(d, efficiency=efficiency)
+    if optimizer_s_per_param > 0:
+        d = replace(d, optimizer_s_per_param=optimizer_s_per_param)
+    return d

@@ -1,0 +1,173 @@
+"""Enumerate the layouts of a model on a machine, keep those that fit, rank them by predicted tokens/s.
+
+Feasibility has two sources, each reported with its reason: the layout rules, checked only by
+``Layout(...).validate(model)`` (hpctrain/parallel/layout.py: the ``LayoutError``/``GridError`` message
+is the reason), and memory (memory.py) against the device's capacity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpctrain.errors import HpcTrainError
+from hpctrain.models.arithmetic import flops_per_token
+from hpctrain.parallel.layout import Layout
+from hpctrain.plan.cost import Candidate, Options, StepTime, step_time
+from hpctrain.plan.memory import Memory, memory
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The choices enumerated for every (dp, tp, pp): ``microbatches`` empty = every divisor of the
+    replica batch; ZeRO-1 only with dp > 1, sequence parallelism only with tp > 1."""
+
+    zero: tuple[int, ...] = (0, 1)
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    recompute: tuple[bool, ...] = (False, True)
+    microbatches: tuple[int, ...] = ()
+    schedule: str = "1f1b"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A feasible layout with its predicted step time and memory."""
+
+    candidate: Candidate
+    time: StepTime
+    memory: Memory
+    devices: int
+    peak_tflops: float
+    model_flops_per_token: float
+    placement: dict
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.time.tokens / self.time.step_s
+
+    @property
+    def tflops_per_device(self) -> float:
+        """Executed FLOP/s per device in TFLOP/s (recomputation included: Megatron's convention)."""
+        return self.time.executed_flops / self.time.step_s / self.devices / 1e12
+
+    @property
+    def model_tflops_per_device(self) -> float:
+        """Model FLOP/s per device in TFLOP/s (``flops_per_token``: the trainer's MFU count)."""
+        return self.model_flops_per_token * self.tokens_per_s / self.devices / 1e12
+
+    def to_dict(self) -> dict:
+        lay = self.candidate.layout
+        ideal = self.time.compute_s + self.time.tp_comm_s + self.time.pp_comm_s
+        return {
+            "dp": lay.dp_size, "tp": lay.tp_size, "pp": lay.pp_size, "microbatches": lay.microbatches,
+            "micro_batch": lay.micro_batch, "global_batch": lay.global_batch, "seq_len": lay.seq_len,
+            "schedule": lay.schedule, "zero": lay.zero, "sequence_parallel": lay.sequence_parallel,
+            "recompute": self.candidate.recompute,
+            "predicted_step_s": self.time.step_s, "predicted_tokens_per_s": self.tokens_per_s,
+            "predicted_tflops_per_device": self.tflops_per_device,
+            "model_tflops_per_device": self.model_tflops_per_device,
+            "mfu": self.model_tflops_per_device / self.peak_tflops if self.peak_tflops else None,
+            "memory_gib_per_device": self.memory.total_gib,
+            "memory_gib": self.memory.breakdown(),
+            "breakdown_s": self.time.breakdown(),
+            "bubble_fraction": self.time.bubble_s / ideal if ideal else 0.0,
+            "placement": self.placement,
+        }
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    layout: dict
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout, "reason": self.reason}
+
+
+@dataclass
+class PlanResult:
+    """Feasible predictions best first, and why the others are not feasible."""
+
+    plans: list[Prediction] = field(default_factory=list)
+    infeasible: list[Infeasible] = field(default_factory=list)
+    evaluated: int = 0
+
+
+def predict(model, layout, machine, recompute: bool = False, options: Options = Options()) -> Prediction:
+    """Time and memory of one validated ``layout`` (raises its LayoutError/GridError if it is not valid)."""
+    layout.validate(model)
+    cand = Candidate(layout, recompute)
+    t, p = layout.tp_size, layout.pp_size
+    placement = {axis: machine.placement(stride, size).level
+                 for axis, stride, size in (("tp", 1, t), ("pp", t, p), ("dp", t * p, layout.dp_size))}
+    return Prediction(cand, step_time(model, cand, machine, options), memory(model, layout, recompute, options),
+                      machine.devices, machine.device.peak(options.dtype),
+                      flops_per_token(model, layout.seq_len), placement)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _describe(lay: Layout, recompute: bool | None = None) -> dict:
+    d = {"dp": lay.dp_size, "tp": lay.tp_size, "pp": lay.pp_size, "microbatches": lay.microbatches}
+    if lay.sequence_parallel:
+        d["sequence_parallel"] = True
+    if lay.zero:
+        d["zero"] = lay.zero
+    if recompute:
+        d["recompute"] = True
+    return d
+
+
+def plan(model, machine, global_batch: int, seq_len: int, options: Options = Options(),
+         space: SearchSpace = SearchSpace()) -> PlanResult:
+    """Every (dp, tp, pp) of ``machine.devices`` ranks x the choices of ``space``, ranked best first."""
+    world, capacity = machine.devices, machine.memory_gib()
+    result = PlanResult()
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            base = Layout(world, dp, pp, tp, 1, global_batch, seq_len, False, 0, space.schedule)
+            try:
+                base.validate(model)
+            except HpcTrainError as exc:
+                result.infeasible.append(Infeasible({"dp": dp, "tp": tp, "pp": pp}, str(exc)))
+                continue
+            _search(model, machine, base, capacity, options, space, result)
+    result.plans.sort(key=lambda pr: (-pr.tokens_per_s, pr.memory.total_gib))
+    return result
+
+
+def _search(model, machine, base: Layout, capacity: float, options: Options, space: SearchSpace,
+            result: PlanResult) -> None:
+    """The choices of one valid (dp, tp, pp): feasible ones into ``result.plans``; if none fits in memory,
+    one entry (its least-memory choice) into ``result.infeasible``; rule violations once per reason."""
+    local = base.global_batch // base.dp_size
+    reasons: set[str] = set()
+    fitted, smallest = False, None
+    for mb in space.microbatches or tuple(_divisors(local)):
+        for sp in space.sequence_parallel if base.tp_size > 1 else (False,):
+            for zero in space.zero if base.dp_size > 1 else (0,):
+                lay = Layout(base.world_size, base.dp_size, base.pp_size, base.tp_size, mb, base.global_batch,
+                             base.seq_len, sp, zero, space.schedule)
+                try:
+                    lay.validate(model)
+                except HpcTrainError as exc:
+                    if str(exc) not in reasons:
+                        reasons.add(str(exc))
+                        result.infeasible.append(Infeasible(_describe(lay), str(exc)))
+                    continue
+                for recompute in space.recompute:
+                    result.evaluated += 1
+                    mem = memory(model, lay, recompute, options)
+                    if mem.total_gib > capacity:
+                        if smallest is None or mem.total_gib < smallest[0].total_gib:
+                            smallest = (mem, lay, recompute)
+                        continue
+                    fitted = True
+                    result.plans.append(predict(model, lay, machine, recompute, options))
+    if not fitted and smallest is not None:
+        mem, lay, recompute = smallest
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in mem.breakdown().items())
+        result.infeasible.append(Infeasible(_describe(lay, recompute), (
+            f"memory: needs {mem.total_gib:.1f} GiB per device > {capacity:.1f} GiB ({parts} GiB, stage "
+            f"{mem.stage}) even with its least-memory choice")))

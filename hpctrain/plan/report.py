@@ -1,0 +1,45 @@
+"""The text report of ``hpctrain plan``: the best layouts, where their time goes, why others do not fit."""
+from __future__ import annotations
+
+from hpctrain.models.arithmetic import count_parameters
+
+
+def _layout(p: dict) -> str:
+    extras = [name for name, on in (("zero1", p["zero"]), ("sp", p["sequence_parallel"]),
+                                    ("recompute", p["recompute"])) if on]
+    return f"dp={p['dp']} tp={p['tp']} pp={p['pp']} M={p['microbatches']}" + (f" +{'+'.join(extras)}" if extras else "")
+
+
+def print_plans(result, machine, model, name: str, global_batch: int, seq_len: int, options, top: int) -> None:
+    dev = machine.device
+    print(f"plan: {name} ({count_parameters(model) / 1e9:.2f}B parameters), global batch {global_batch} x "
+          f"{seq_len} tokens, {options.dtype}")
+    print(f"machine: {machine.nodes} node(s) x {machine.gpus_per_node} {dev.name} "
+          f"({dev.peak(options.dtype):g} TFLOP/s peak x {dev.efficiency:.2f}, {machine.memory_gib():.0f} GiB); "
+          f"links: {machine.links.source or 'given'}")
+    print(f"evaluated {result.evaluated} layouts, {len(result.plans)} fit\n")
+    if result.plans:
+        print(f"{'#':>2} {'layout':<38} {'step s':>8} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>5} "
+              f"{'GiB/dev':>8} {'bubble':>6}")
+        for i, pred in enumerate(result.plans[:top], 1):
+            p = pred.to_dict()
+            mfu = f"{p['mfu']:.0%}" if p["mfu"] is not None else "-"
+            print(f"{i:>2} {_layout(p):<38} {p['predicted_step_s']:>8.3g} {p['predicted_tokens_per_s']:>10.4g} "
+                  f"{p['predicted_tflops_per_device']:>11.1f} {mfu:>5} {p['memory_gib_per_device']:>8.1f} "
+                  f"{p['bubble_fraction']:>6.1%}")
+        print("\nwhere the time goes (seconds per step; tp inside a node, pp and dp where the grid places them):")
+        for i, pred in enumerate(result.plans[:min(top, 3)], 1):
+            p = pred.to_dict()
+            parts = ", ".join(f"{k} {v:.3g}" for k, v in p["breakdown_s"].items() if v > 0)
+            mem = ", ".join(f"{k} {v:.1f}" for k, v in p["memory_gib"].items() if v > 0)
+            place = " ".join(f"{k}:{v}" for k, v in p["placement"].items())
+            print(f"{i:>2} {parts}\n   memory GiB: {mem}; placement {place}")
+    else:
+        print("no layout fits: see the reasons below")
+    if result.infeasible:
+        print("\nnot feasible:")
+        for item in result.infeasible[:12]:
+            lay = " ".join(f"{k}={v}" for k, v in item.layout.items())
+            print(f"  {lay}: {item.reason}")
+        if len(result.infeasible) > 12:
+            print(f"  ... and {len(result.infeasible) - 12} more (--json lists all)")

@@ -1,0 +1,60 @@
+"""The performance model's prediction for one sweep run (``hpctrain sweep`` adds it next to the measurement).
+
+``predict_run(cfg, row, device, profile)`` builds the run's ``Layout`` from the sweep row (ranks, dp, tp,
+pp, microbatches, global_batch) and the config (model, seq_len, schedule, ZeRO, sequence parallelism,
+dtype), a ``Machine`` of ``row["nodes"]`` nodes (1 for local mpiexec sweeps) and asks hpctrain/plan for
+the step time. With a link profile (``hpctrain bench comm --profile``) the links and, where it measured
+them, the device's rates come from it; without one, the ``device`` preset and ``DEFAULT_INTRA_GBPS`` /
+``DEFAULT_INTER_GBPS`` are used. The fields it returns are the sweep CSV's ``predicted_*`` columns.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hpctrain.errors import HpcTrainError
+from hpctrain.parallel.layout import Layout
+
+DEFAULT_INTRA_GBPS = 24.0  # shared-memory MPI between the ranks of one host, ~3 GB/s
+DEFAULT_INTER_GBPS = 10.0  # 10 Gbit Ethernet
+
+
+def machine_for(cfg, ranks: int, nodes: int, device: str, profile: str | None):
+    """The Machine of a run of ``ranks`` ranks on ``nodes`` nodes."""
+    from hpctrain.plan.machine import Machine, device_from_profile, device_preset, links_from_bandwidth, load_profile
+
+    per_node = max(1, ranks // max(1, nodes))
+    if profile:
+        links = load_profile(profile)
+        dev = device_from_profile(links, device if device != "auto" else "", per_node)
+    else:
+        links = links_from_bandwidth(DEFAULT_INTRA_GBPS, DEFAULT_INTER_GBPS if nodes > 1 else None)
+        dev = device_preset(device)
+    if dev.memory_gib is None:
+        dev = replace(dev, memory_gib=1e9)  # a sweep runs what it was given: do not judge host memory here
+    return Machine(dev, links, max(1, nodes), per_node)
+
+
+def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None) -> dict | None:
+    """``predicted_step_s``, ``predicted_tokens_per_s``, ``predicted_compute_s``, ``predicted_comm_s``
+    (tp + pp + exposed dp + optimizer's reductions) and ``predicted_bubble_s`` for one sweep row; None
+    when the model cannot tell (an invalid layout)."""
+    from hpctrain.config import resolve_model
+    from hpctrain.plan.cost import Options
+    from hpctrain.plan.planner import predict
+
+    p, t = cfg.parallel, cfg.train
+    model = resolve_model(cfg.model)
+    layout = Layout(row["ranks"], row["dp"], row["pp"], row["tp"], row["microbatches"], row["global_batch"],
+                    t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers))
+    try:
+        layout.validate(model)
+        machine = machine_for(cfg, row["ranks"], int(row.get("nodes") or 1), device, profile)
+        options = Options(dtype=t.dtype, flash_attention=True, bucket_mb=p.bucket_mb, reserve_gib=0.0)
+        pred = predict(model, layout, machine, recompute=bool(getattr(t, "recompute", False)), options=options)
+    except HpcTrainError:
+        return None
+    parts = pred.time
+    return {"predicted_step_s": parts.step_s, "predicted_tokens_per_s": pred.tokens_per_s,
+            "predicted_compute_s": parts.compute_s + parts.optimizer_s,
+            "predicted_comm_s": parts.tp_comm_s + parts.pp_comm_s + parts.dp_comm_s,
+            "predicted_bubble_s": parts.bubble_s}

@@ -69,6 +69,9 @@ def test_link_profile_fits_each_level_of_two_nodes(tmp_path):
             c = doc["collectives"][op][level]
             assert [p[0] for p in c["points"]] == [4096, 65536, 2**20] and all(p[1] > 0 for p in c["points"])
             assert c["beta_s_per_byte"] > 0
+    dev = doc["device"]  # measured with every rank busy: what `hpctrain plan --profile` uses for compute
+    assert dev["name"] == "cpu" and dev["ranks_per_node"] == 2 and dev["peak_tflops"] > 0
+    assert 0.05 <= dev["efficiency"] <= 1 and dev["optimizer_s_per_param"] > 0 and dev["block_s"] > 0
 
 
 def test_link_profile_of_one_rank_says_what_to_launch(tmp_path):

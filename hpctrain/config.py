@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import difflib
 import operator
+import os
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -311,6 +312,9 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
         except ConfigError as exc:
             raise ConfigError(f"{exc} (in {path})") from None
     cfg = apply_overrides(cfg, overrides)
+    if cfg.data.tokenizer != "bytes" and cfg.data.tokenizer and not os.path.isabs(cfg.data.tokenizer):
+        # the run's config.json is read later from other directories (generate, export): keep it findable
+        cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)
     validate(cfg)
     return cfg
 

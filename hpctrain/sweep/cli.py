@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-FIELDS = ["name", "ranks", "dp", "tp", "pp", "microbatches", "global_batch", "status", "steps", "step_s",
+FIELDS = ["name", "ranks", "nodes", "dp", "tp", "pp", "microbatches", "global_batch", "status", "steps", "step_s",
           "tokens_per_s", "speedup", "efficiency", "compute_s", "comm_s", "bubble_s", "bytes_sent", "final_loss",
           "predicted_step_s", "predicted_tokens_per_s", "predicted_compute_s", "predicted_comm_s",
           "predicted_bubble_s", "prediction_error"]
@@ -43,7 +43,8 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="reuse the finished runs already in --out")
     p.add_argument("--timeout", type=float, default=0,
                    help="seconds per run with mpiexec (default 600), for all jobs with sbatch (default 3600)")
-    p.add_argument("--ranks-per-node", type=int, default=0, help="sbatch: ranks per node (--nodes from it)")
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="ranks per node: sbatch --nodes/--ntasks-per-node from it; mpiexec -ppn (MPICH/hydra)")
     p.add_argument("--sbatch-arg", action="append", default=[], help="sbatch: an extra sbatch option (repeat)")
     p.add_argument("--mpiexec", default="", help="mpiexec: the launcher (default: the venv's, else PATH)")
     p.add_argument("--device", default="cpu", help="the performance model's device preset (default cpu)")
@@ -108,7 +109,7 @@ def _launcher(args):
         return SbatchLauncher(args.timeout or 3600, args.ranks_per_node, args.sbatch_arg)
     venv_mpiexec = Path(sys.executable).parent / "mpiexec"
     mpiexec = args.mpiexec or (str(venv_mpiexec) if venv_mpiexec.exists() else "mpiexec")
-    return MpiexecLauncher(mpiexec, args.timeout or 600)
+    return MpiexecLauncher(mpiexec, args.timeout or 600, ranks_per_node=args.ranks_per_node)
 
 
 def _add_predictions(rows: list[dict], cfg, args) -> None:

@@ -29,15 +29,18 @@ def _tail(path: str, n: int = 2000) -> str:
 
 
 class MpiexecLauncher:
-    def __init__(self, mpiexec: str = "mpiexec", timeout_s: float = 600, extra_args: list[str] | None = None):
+    def __init__(self, mpiexec: str = "mpiexec", timeout_s: float = 600, extra_args: list[str] | None = None,
+                 ranks_per_node: int = 0):
         self.mpiexec = shutil.which(mpiexec) or mpiexec
         self.timeout_s, self.extra_args = timeout_s, list(extra_args or [])
+        self.ranks_per_node = ranks_per_node  # > 0: hydra's -ppn (ranks in blocks of that many per host)
 
     def run(self, run, run_dir: str, train_args: list[str]) -> str:
         os.makedirs(run_dir, exist_ok=True)
         log = os.path.join(run_dir, "sweep.log")
+        ppn = ["-ppn", str(min(run.ranks, self.ranks_per_node))] if self.ranks_per_node else []
         cmd = ["timeout", "-k", "10", str(self.timeout_s), self.mpiexec, *self.extra_args, "-n", str(run.ranks),
-               sys.executable, "-m", "hpctrain.cli", "train", *train_args]
+               *ppn, sys.executable, "-m", "hpctrain.cli", "train", *train_args]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         with open(log, "w", encoding="utf-8") as out:
             code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -125,6 +125,11 @@ def summarize(run: SweepRun, run_dir: str, warmup: int) -> dict:
     comm = sum(phases.get(p, 0.0) for p in COMM_PHASES)
     bubble = sum(phases.get(p, 0.0) for p in BUBBLE_PHASES)
     inside = sum(v for k, v in phases.items() if k not in BETWEEN_STEPS)
+    try:  # the nodes the job really ran on (the grid's count; hpctrain train writes it at the end)
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+            row["nodes"] = int(json.load(f).get("nodes", 1))
+    except (OSError, ValueError):
+        pass
     return {**row, "steps": len(records), "step_s": step,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
             "compute_s": max(0.0, inside - comm - bubble), "comm_s": comm, "bubble_s": bubble,

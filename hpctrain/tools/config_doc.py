@@ -109,7 +109,8 @@ MEANINGS: dict[str, str] = {
     "data.valid_fraction": "Hold out the last fraction of the corpus for validation (at a document boundary for a "
                            "prepared corpus); training never samples from it. 0 = no validation data.",
     "data.cache_dir": "Where the builtin corpus is cached. Empty = `$HPCTRAIN_CACHE`, else `~/.cache/hpctrain`.",
-    "data.max_bytes": "Keep only the first N tokens (= bytes for byte-level sources). 0 = the whole corpus.",
+    "data.max_bytes": "Keep only the first N tokens (= bytes) of a byte-level source (text, folder, builtin, .npy); "
+                      "a prepared token file (hpctrain data prepare) is always used whole. 0 = the whole corpus.",
     # [train]
     "train.steps": "Optimizer steps of the run (also the length of the learning-rate schedule).",
     "train.seed": "Seed of the initial weights (each parameter drawn globally from (seed, name), so every layout "

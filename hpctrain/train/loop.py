@@ -90,6 +90,7 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
         if trace is not None:
             trace.close()
     if is_root and summary:
+        summary.update(ranks=grid.info.size, nodes=grid.info.num_nodes, **{k: v for k, v in grid.sizes.items()})
         with open(os.path.join(cfg.train.run_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1)
     return _finish(cfg, grid, reason, trainer.step, save_s, is_root, lock)  # closes the grid

@@ -25,7 +25,7 @@ def print_plans(result, machine, model, name: str, global_batch: int, seq_len: i
             p = pred.to_dict()
             mfu = f"{p['mfu']:.0%}" if p["mfu"] is not None else "-"
             print(f"{i:>2} {_layout(p):<38} {p['predicted_step_s']:>8.3g} {p['predicted_tokens_per_s']:>10.4g} "
-                  f"{p['predicted_tflops_per_device']:>11.1f} {mfu:>5} {p['memory_gib_per_device']:>8.1f} "
+                  f"{p['predicted_tflops_per_device']:>11.4g} {mfu:>5} {p['memory_gib_per_device']:>8.1f} "
                   f"{p['bubble_fraction']:>6.1%}")
         print("\nwhere the time goes (seconds per step; tp inside a node, pp and dp where the grid places them):")
         for i, pred in enumerate(result.plans[:min(top, 3)], 1):

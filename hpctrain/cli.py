@@ -50,6 +50,9 @@ def _add_bench(sub) -> None:
     c.add_argument("--rounds", type=int, default=3, help="rounds per size; the best round is reported (default 3)")
     c.add_argument("--json", metavar="FILE", help="write records to FILE (JSON list)")
     c.add_argument("--csv", metavar="FILE", help="write records to FILE (CSV)")
+    c.add_argument("--comm-timeout", type=float, default=120.0,
+                   help="seconds one collective may wait before the job ends with a hang report naming the "
+                        "rank it waits for (default 120)")
     c.add_argument("--profile", metavar="OUT.json",
                    help="instead: fit latency and bandwidth per link level (intra-node, inter-node) and per "
                         "collective, write them to OUT.json (input of `hpctrain plan --profile`)")

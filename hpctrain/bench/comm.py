@@ -20,6 +20,8 @@ Host (CPU) tensors only.
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 import re
 import socket
@@ -184,17 +186,22 @@ def init_gloo(world, info, comm, timeout_s: float):
     return mine
 
 
-def time_step(step, iters: int, warmup: int, group_mpi, world) -> float:
-    """Seconds per iteration: max over ranks of the mean over ``iters`` (after warmup and a barrier)."""
+def time_step(step, iters: int, warmup: int, group_mpi, world, watch=None) -> float:
+    """Seconds per iteration: max over ranks of the mean over ``iters`` (after warmup and a barrier).
+    ``watch``: a Communicator whose watchdog covers the raw barrier and the reduction of the result (a
+    stopped or dead rank then ends the job with a hang report instead of a hang)."""
     from mpi4py import MPI
 
     for _ in range(warmup):
         step()
-    group_mpi.Barrier()
+    with watch.watched("bench barrier") if watch is not None else contextlib.nullcontext():
+        group_mpi.Barrier()
     start = time.perf_counter()
     for _ in range(iters):
         step()
-    return world.allreduce((time.perf_counter() - start) / iters, op=MPI.MAX)
+    elapsed = (time.perf_counter() - start) / iters
+    with watch.watched("bench result") if watch is not None else contextlib.nullcontext():
+        return world.allreduce(elapsed, op=MPI.MAX)
 
 
 def run_comm_bench(args) -> int:
@@ -206,7 +213,7 @@ def run_comm_bench(args) -> int:
     dtype, rounds = DTYPES[args.dtype], max(1, getattr(args, "rounds", 3))
     torch.set_num_threads(1)
     info = discover()
-    grid = ProcessGrid.build(info, tp=args.tp, pp=args.pp)
+    grid = ProcessGrid.build(info, tp=args.tp, pp=args.pp, timeout_s=args.comm_timeout)
     comm, world = grid.comm(args.axis), grid.world.mpi
     if comm.size < 2:
         grid.close()
@@ -228,7 +235,8 @@ def run_comm_bench(args) -> int:
                 for rnd in range(rounds):
                     k = rnd % len(impls)
                     for impl in impls[k:] + impls[:k]:
-                        best[impl] = min(best[impl], time_step(steps[impl], iters, warmup, comm.mpi, world))
+                        best[impl] = min(best[impl], time_step(steps[impl], iters, warmup, comm.mpi, world,
+                                                                      grid.world))
                 for impl in impls:
                     algbw = nbytes / best[impl] / 1e9
                     records.append({"impl": impl, "op": op, "bytes": nbytes, "time_us": best[impl] * 1e6,

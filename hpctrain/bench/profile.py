@@ -76,27 +76,28 @@ def _rate(work, seconds: float, sync, rounds: int = 3) -> float:
 
 
 def measure_device(world, device: torch.device, dtype, seconds: float = 1.0) -> dict:
-    """Per-rank matmul TFLOP/s and element-wise GB/s with every rank of ``world`` busy at once (the
-    slowest rank's); see the module docstring."""
+    """Per-rank matmul TFLOP/s and element-wise GB/s with every rank of ``world`` (a Communicator: its
+    watchdog covers every wait) busy at once (the slowest rank's); see the module docstring."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     n = DEVICE_MATMUL
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     x = torch.randn(16 * 2**20, dtype=dtype, device=device)  # 64 MiB in float32: past the caches
-    world.Barrier()
+    world.barrier()
     matmul = 2.0 * n**3 * _rate(lambda: torch.mm(a, b), seconds, sync) / 1e12
-    world.Barrier()
+    world.barrier()
     stream = 2.0 * x.numel() * x.element_size() * _rate(lambda: x.mul_(1.0), seconds, sync) / 1e9
-    world.Barrier()
+    world.barrier()
     n_adam = 8 * 2**20  # 4 x 32 MiB in float32: a model's optimizer state is far past the caches
     master, grad, m, v = (torch.randn(n_adam, dtype=dtype, device=device).abs() for _ in range(4))
     adam = OptimConfig()
     step = 1.0 / (n_adam * _rate(lambda: adamw_update_(master, grad, m, v, 1e-9, 1, adam), seconds, sync))
     del master, grad, m, v
-    world.Barrier()
+    world.barrier()
     block_s = 1.0 / _rate(_block_step(device, dtype), seconds, sync)
     name = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).lower()
-    slowest = {"matmul": world.allreduce(matmul, op=_min()), "stream": world.allreduce(stream, op=_min()),
-               "adamw": world.allreduce(step, op=_max()), "block": world.allreduce(block_s, op=_max())}
+    every = world.allgather_object((matmul, stream, step, block_s))
+    slowest = {"matmul": min(r[0] for r in every), "stream": min(r[1] for r in every),
+               "adamw": max(r[2] for r in every), "block": max(r[3] for r in every)}
     return {"name": name, "peak_tflops": slowest["matmul"], "hbm_gbps": slowest["stream"],
             "efficiency": block_efficiency(slowest["block"], slowest["matmul"], slowest["stream"], dtype),
             "matmul_tflops": slowest["matmul"], "matmul_size": n, "optimizer_s_per_param": slowest["adamw"],
@@ -144,17 +145,6 @@ def block_efficiency(block_s: float, peak_tflops: float, hbm_gbps: float, dtype)
     return min(1.0, max(0.05, flops / compute_s / (peak_tflops * 1e12)))
 
 
-def _min():
-    from mpi4py import MPI
-
-    return MPI.MIN
-
-
-def _max():
-    from mpi4py import MPI
-
-    return MPI.MAX
-
 
 def wire_bytes(op: str, nbytes: int, p: int) -> float:
     """Bytes one rank of a group of ``p`` sends for ``op`` on ``nbytes`` (collectives.py's model)."""
@@ -191,14 +181,16 @@ def levels_of(grid) -> dict:
     return {name: comm for name, comm in (("intra", intra), ("inter", inter)) if comm.size > 1}
 
 
-def measure(comm, world, op: str, sizes: list[int], dtype, rounds: int, iters: int) -> list[tuple[int, float]]:
+def measure(comm, world, op: str, sizes: list[int], dtype, rounds: int, iters: int,
+            watch=None) -> list[tuple[int, float]]:
     """[(bytes, seconds)] for ``op`` on every group of a level at once (best round, max over ranks)."""
     points = []
     for size in sizes:
         buffers, nbytes = make_buffers(op, size, comm.size, dtype)
         n = iters or default_iters(nbytes)
         step = hpctrain_step(op, comm, buffers)
-        best = min(time_step(step, n, max(2, min(10, n // 10)), world, world) for _ in range(rounds))
+        best = min(time_step(step, n, max(2, min(10, n // 10)), world, world, watch)
+                   for _ in range(rounds))
         points.append((nbytes, best))
     return points
 
@@ -212,7 +204,7 @@ def run_link_profile(args) -> int:
     dtype, rounds = DTYPES[args.dtype], max(1, args.rounds)
     torch.set_num_threads(1)
     info = discover()
-    grid = ProcessGrid.build(info)
+    grid = ProcessGrid.build(info, timeout_s=args.comm_timeout)
     world = grid.world.mpi
     try:
         levels = levels_of(grid)
@@ -220,12 +212,13 @@ def run_link_profile(args) -> int:
             raise HpcTrainError("one rank: no link to profile; launch at least 2 ranks (2 per node for the "
                                 "intra-node level, 2 nodes for the inter-node level)")
         doc = {"version": 1, "ranks": info.size, "nodes": info.num_nodes, "dtype": args.dtype,
-               "mpi_library": info.mpi_library, "hostnames": sorted(set(world.allgather(info.hostname))),
+               "mpi_library": info.mpi_library,
+               "hostnames": sorted(set(grid.world.allgather_object(info.hostname))),
                "levels": {}, "collectives": {}}
         for level, comm in levels.items():
             pooled = []
             for op in ops:
-                points = measure(comm, world, op, sizes, dtype, rounds, args.iters)
+                points = measure(comm, world, op, sizes, dtype, rounds, args.iters, grid.world)
                 wire = [(wire_bytes(op, b, comm.size), s) for b, s in points]
                 pooled += wire
                 doc["collectives"].setdefault(op, {})[level] = {**fit_alpha_beta(wire), "points": points}
@@ -233,13 +226,13 @@ def run_link_profile(args) -> int:
                     done = ", ".join(f"{format_size(b)} {s * 1e6:.0f} us" for b, s in points)
                     print(f"bench comm --profile: {level} {op}: {done}", file=sys.stderr, flush=True)
             fit = fit_alpha_beta(pooled)
-            groups = world.allreduce(1 if comm.rank == 0 else 0)
+            groups = sum(grid.world.allgather_object(1 if comm.rank == 0 else 0))
             doc["levels"][level] = {**fit, "bandwidth_GBps": 1 / fit["beta_s_per_byte"] / 1e9
                                     if fit["beta_s_per_byte"] > 0 else None, "ranks": comm.size, "groups": groups}
         from hpctrain.runtime.device import select_device
 
         device = select_device(getattr(args, "device", "auto") or "auto", info)
-        doc["device"] = {**measure_device(world, device, dtype), "ranks_per_node": info.local_size,
+        doc["device"] = {**measure_device(grid.world, device, dtype), "ranks_per_node": info.local_size,
                          "cores_per_node": len(os.sched_getaffinity(0)) if device.type == "cpu" else None}
     finally:
         grid.close()

@@ -79,3 +79,52 @@ def test_link_profile_of_one_rank_says_what_to_launch(tmp_path):
                      timeout=60, check=False)
     assert result.returncode != 0 and "launch at least 2 ranks" in result.stdout + result.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_stopped_rank_ends_a_profile_with_a_hang_report(tmp_path):
+    """SIGSTOP one rank while the profile measures: the job ends with the hang report, never hangs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mpirun import ROOT, mpi_env, mpiexec
+
+    out = tmp_path / "stopped-profile.json"
+    cmd = ["timeout", "-k", "5", "120"] + mpiexec() + ["-n", "2", sys.executable, "-m", "hpctrain.cli", "bench",
+                                                        "comm", "--profile", str(out), "--comm-timeout", "5"]
+    proc = subprocess.Popen(cmd, cwd=str(ROOT), env=mpi_env(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks) < 2 and time.monotonic() < deadline:  # the two rank processes (not mpiexec/timeout)
+            time.sleep(0.5)
+            ranks = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_rank(p, str(out))]
+        assert len(ranks) == 2, "the ranks did not start"
+        time.sleep(2)
+        os.kill(max(ranks), signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        output, _ = proc.communicate(timeout=100)
+        took = time.monotonic() - stopped_at
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+    assert proc.returncode not in (0, 124, 137), output[-3000:]
+    assert "hang report" in output and "stopped (SIGSTOP" in output, output[-3000:]
+    assert took < 60 and not out.exists()
+
+
+def _is_rank(pid: str, marker: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return False
+    return marker.encode() in args and b"hpctrain.cli" in args and not any(
+        a.endswith((b"mpiexec", b"mpiexec.hydra", b"timeout", b"hydra_pmi_proxy")) for a in args[:1])

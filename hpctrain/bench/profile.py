@@ -49,6 +49,7 @@ from hpctrain.bench.comm import (DTYPES, OPS, _choices, default_iters, format_si
 from hpctrain.config import OptimConfig
 from hpctrain.errors import HpcTrainError
 from hpctrain.optim.flat import adamw_update_
+from hpctrain.plan.machine import wire_bytes  # the byte model the planner applies the fit with
 
 DEFAULT_SIZES = "4K,64K,256K,1M,4M,16M"
 DEVICE_MATMUL = 512  # square matrix size of the device measurement (a transformer block's GEMMs are this order)
@@ -144,15 +145,6 @@ def block_efficiency(block_s: float, peak_tflops: float, hbm_gbps: float, dtype)
         return 1.0
     return min(1.0, max(0.05, flops / compute_s / (peak_tflops * 1e12)))
 
-
-
-def wire_bytes(op: str, nbytes: int, p: int) -> float:
-    """Bytes one rank of a group of ``p`` sends for ``op`` on ``nbytes`` (collectives.py's model)."""
-    if op == "allreduce":
-        return 2 * (p - 1) / p * nbytes
-    if op == "sendrecv":
-        return float(nbytes)
-    return (p - 1) / p * nbytes
 
 
 def fit_alpha_beta(points: list[tuple[float, float]]) -> dict:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 
-DEFAULT_INTRA_GBPS = {"a100": 2400.0, "h100": 3600.0, "h200": 3600.0, "mi250x": 800.0, "mi250x-gcd": 800.0,
-                      "v100": 1200.0, "cpu": 24.0}  # NVLink / Infinity Fabric per GPU; shared memory on a CPU
 
 
 def add_parser(sub) -> None:
@@ -65,27 +63,19 @@ def _model_and_defaults(spec: str):
 
 
 def _machine(args):
-    from hpctrain.plan.machine import (Machine, device_from_profile, device_preset, links_from_bandwidth,
-                                       load_profile)
-    from hpctrain.plan.devices import PlanError
+    from hpctrain.plan.devices import PlanError, device_preset, with_overrides
+    from hpctrain.plan.machine import Machine, device_from_profile, links_from_bandwidth, load_profile
 
+    overrides = (args.peak_tflops, args.memory_gib, args.efficiency)
     if args.profile:
         links = load_profile(args.profile)
-        dev = device_from_profile(links, args.device, args.gpus_per_node)
-        if args.peak_tflops or args.memory_gib or args.efficiency:
-            from dataclasses import replace
-
-            over = device_preset(dev.name, args.peak_tflops, args.memory_gib, args.efficiency)
-            dev = replace(dev, peak_tflops=over.peak_tflops if args.peak_tflops else dev.peak_tflops,
-                          memory_gib=over.memory_gib if args.memory_gib else dev.memory_gib,
-                          efficiency=over.efficiency if args.efficiency else dev.efficiency)
+        dev = with_overrides(device_from_profile(links, args.device, args.gpus_per_node), *overrides)
     else:
-        dev = device_preset(args.device or "a100", args.peak_tflops, args.memory_gib, args.efficiency)
+        dev = device_preset(args.device or "a100", *overrides)
         if args.nodes > 1 and not args.inter_gbps:
             raise PlanError(f"{args.nodes} nodes: give --inter-gbps (per-rank bandwidth between nodes, Gbit/s; "
                             f"e.g. 200 for one HDR InfiniBand NIC per GPU) or a measured --profile")
-        intra = args.intra_gbps or DEFAULT_INTRA_GBPS.get(dev.name, 24.0)
-        links = links_from_bandwidth(intra, args.inter_gbps or None)
+        links = links_from_bandwidth(args.intra_gbps or dev.intra_gbps, args.inter_gbps or None)
     return Machine(dev, links, args.nodes, args.gpus_per_node)
 
 
@@ -95,9 +85,9 @@ def run_plan(args) -> int:
     from hpctrain.plan.planner import SearchSpace, plan
 
     model, defaults = _model_and_defaults(args.model)
-    for name in ("global_batch", "seq_len", "top"):
-        if getattr(args, name, 0) < 0 or (name == "top" and args.top < 1):
-            raise PlanError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for flag, value in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top - 1)):
+        if value < 0:
+            raise PlanError(f"{flag} must be >= 1")
     machine = _machine(args)
     global_batch = args.global_batch or defaults["global_batch"]
     seq_len = args.seq_len or defaults["seq_len"]

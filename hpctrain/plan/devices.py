@@ -34,6 +34,7 @@ class Device:
     hbm_gbps: float
     note: str = ""
     optimizer_s_per_param: float = 0.0  # measured AdamW seconds per parameter (0: from bytes / hbm_gbps)
+    intra_gbps: float = 24.0  # default per-rank bandwidth inside a node, Gbit/s (NVLink; shared memory on a CPU)
 
     def peak(self, dtype: str) -> float:
         """Dense peak for ``dtype`` in TFLOP/s; PlanError when the device has none for it."""
@@ -56,17 +57,17 @@ class Device:
 #         48% of peak end to end on a 1.2B GPT. mi250x 0.45: lower GEMM efficiency of the ROCm stack.
 DEVICES: dict[str, Device] = {
     "a100": Device("a100", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0, "float64": 19.5},
-                   80.0, 0.65, 2039.0, "A100 SXM 80 GB"),
+                   80.0, 0.65, 2039.0, "A100 SXM 80 GB", intra_gbps=2400.0),
     "h100": Device("h100", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.0, "float64": 67.0},
-                   80.0, 0.50, 3350.0, "H100 SXM 80 GB"),
+                   80.0, 0.50, 3350.0, "H100 SXM 80 GB", intra_gbps=3600.0),
     "h200": Device("h200", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.0, "float64": 67.0},
-                   141.0, 0.50, 4800.0, "H200 SXM 141 GB (nvidia-smi: ~140 GiB)"),
+                   141.0, 0.50, 4800.0, "H200 SXM 141 GB (nvidia-smi: ~140 GiB)", intra_gbps=3600.0),
     "mi250x": Device("mi250x", {"bfloat16": 383.0, "float16": 383.0, "float32": 47.9, "float64": 95.7},
-                     128.0, 0.45, 3277.0, "whole package = 2 GCDs; one rank usually drives one GCD: mi250x-gcd"),
+                     128.0, 0.45, 3277.0, "whole package = 2 GCDs; one rank usually drives one GCD: mi250x-gcd", intra_gbps=800.0),
     "mi250x-gcd": Device("mi250x-gcd", {"bfloat16": 191.5, "float16": 191.5, "float32": 23.9, "float64": 47.9},
-                         64.0, 0.45, 1638.0, "one GCD of an MI250X (Frontier, LUMI: one rank per GCD)"),
+                         64.0, 0.45, 1638.0, "one GCD of an MI250X (Frontier, LUMI: one rank per GCD)", intra_gbps=800.0),
     "v100": Device("v100", {"float16": 125.0, "float32": 15.7, "float64": 7.8}, 32.0, 0.55, 900.0,
-                   "V100 SXM2 32 GB; no bfloat16"),
+                   "V100 SXM2 32 GB; no bfloat16", intra_gbps=1200.0),
     # One rank on one CPU core: a conservative constant (AVX2/AVX-512 cores reach 0.05-0.2 TFLOP/s in
     # float32 GEMMs); give --peak-tflops from a measurement (e.g. a numpy matmul) for better numbers.
     "cpu": Device("cpu", {"bfloat16": 0.05, "float16": 0.05, "float32": 0.1, "float64": 0.05}, None, 0.5, 10.0,
@@ -76,10 +77,15 @@ DEVICES: dict[str, Device] = {
 
 def device_preset(name: str, peak_tflops: float = 0.0, memory_gib: float = 0.0,
                   efficiency: float = 0.0, optimizer_s_per_param: float = 0.0) -> Device:
-    """The preset ``name`` with optional overrides (a peak override applies to every dtype)."""
+    """The preset ``name`` with optional overrides (``with_overrides``)."""
     if name not in DEVICES:
         raise PlanError(f"unknown device {name!r}; known devices: {', '.join(DEVICES)}")
-    d = DEVICES[name]
+    return with_overrides(DEVICES[name], peak_tflops, memory_gib, efficiency, optimizer_s_per_param)
+
+
+def with_overrides(d: Device, peak_tflops: float = 0.0, memory_gib: float = 0.0, efficiency: float = 0.0,
+                   optimizer_s_per_param: float = 0.0) -> Device:
+    """``d`` with each value > 0 replacing its own (a peak override applies to every dtype)."""
     if peak_tflops > 0:
         d = replace(d, peak_tflops={k: peak_tflops for k in DTYPE_BYTES})
     if memory_gib > 0:

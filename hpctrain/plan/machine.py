@@ -262,7 +262,8 @@ class Machine:
 
 
 def wire_bytes(op: str, nbytes: float, p: int) -> float:
-    """Bytes one rank of a group of ``p`` sends for ``op`` on ``nbytes`` (hpctrain/bench/profile.py's model)."""
+    """Bytes one rank of a group of ``p`` sends for ``op`` on ``nbytes`` under the bandwidth-optimal algorithms
+    (the Communicator's count, hpctrain/comm/collectives.py; ``bench comm --profile`` fits with it)."""
     if op == "allreduce":
         return 2 * (p - 1) / p * nbytes
     if op == "sendrecv":

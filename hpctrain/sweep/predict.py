@@ -4,8 +4,8 @@
 pp, microbatches, global_batch) and the config (model, seq_len, schedule, ZeRO, sequence parallelism,
 dtype), a ``Machine`` of ``row["nodes"]`` nodes (1 for local mpiexec sweeps) and asks hpctrain/plan for
 the step time. With a link profile (``hpctrain bench comm --profile``) the links and, where it measured
-them, the device's rates come from it; without one, the ``device`` preset and ``DEFAULT_INTRA_GBPS`` /
-``DEFAULT_INTER_GBPS`` are used. The fields it returns are the sweep CSV's ``predicted_*`` columns.
+them, the device's rates come from it; without one, the ``device`` preset (with its intra-node bandwidth)
+and ``DEFAULT_INTER_GBPS`` are used. The fields it returns are the sweep CSV's ``predicted_*`` columns.
 """
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ from dataclasses import replace
 from hpctrain.errors import HpcTrainError
 from hpctrain.parallel.layout import Layout
 
-DEFAULT_INTRA_GBPS = 24.0  # shared-memory MPI between the ranks of one host, ~3 GB/s
 DEFAULT_INTER_GBPS = 10.0  # 10 Gbit Ethernet
 
 
-def machine_for(cfg, ranks: int, nodes: int, device: str, profile: str | None):
+def machine_for(ranks: int, nodes: int, device: str, profile: str | None):
     """The Machine of a run of ``ranks`` ranks on ``nodes`` nodes."""
     from hpctrain.plan.machine import Machine, device_from_profile, device_preset, links_from_bandwidth, load_profile
 
@@ -27,8 +26,8 @@ def machine_for(cfg, ranks: int, nodes: int, device: str, profile: str | None):
         links = load_profile(profile)
         dev = device_from_profile(links, device if device != "auto" else "", per_node)
     else:
-        links = links_from_bandwidth(DEFAULT_INTRA_GBPS, DEFAULT_INTER_GBPS if nodes > 1 else None)
         dev = device_preset(device)
+        links = links_from_bandwidth(dev.intra_gbps, DEFAULT_INTER_GBPS if nodes > 1 else None)
     if dev.memory_gib is None:
         dev = replace(dev, memory_gib=1e9)  # a sweep runs what it was given: do not judge host memory here
     return Machine(dev, links, max(1, nodes), per_node)
@@ -48,7 +47,7 @@ def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None)
                     t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers))
     try:
         layout.validate(model)
-        machine = machine_for(cfg, row["ranks"], int(row.get("nodes") or 1), device, profile)
+        machine = machine_for(row["ranks"], int(row.get("nodes") or 1), device, profile)
         options = Options(dtype=t.dtype, flash_attention=True, bucket_mb=p.bucket_mb, reserve_gib=0.0)
         pred = predict(model, layout, machine, recompute=bool(getattr(t, "recompute", False)), options=options)
     except HpcTrainError:

@@ -16,8 +16,8 @@ def srun(slurm_env, *args, timeout=120):
 
 
 # Slurm's pmi2 plugin now and then misreads a long key-value put during MPI_Init (the MPICH wheel's UCX
-# address): slurmstepd logs this and MPI_Init fails before hpctrain runs. Seen once in ~10 CI runs on the
-# local Slurm; such a launch is retried once, any other failure is not.
+# address): slurmstepd logs this and MPI_Init fails before hpctrain runs (seen in one fresh-clone CI run on
+# the local Slurm, 2026-11-23, not reproducible); such a launch is retried once, any other failure is not.
 PMI2_TRANSPORT_FAULT = "mpi/pmi2: invalid client request"
 
 

@@ -1,0 +1,1 @@
+"""HDF5 checkpoints: one global, layout-independent view of the training state (docs/checkpoint-format.md)."""

@@ -7,8 +7,10 @@ BIN := $(VENV)/bin
 NP ?= 4
 
 # The demo job: a 4-rank tp=2 x pp=2 training run of the tiny GPT on the embedded corpus (~20-60 s on 2 cores).
-# Another job: make demo DEMO="bench comm --sizes 1K,1M,16M"
-DEMO ?= train --config configs/tiny.toml
+# Another job: make demo DEMO="bench comm --sizes 1K,1M,16M". --resume none: a second `make demo` starts
+# over, moving the first run's files to runs/tiny/superseded/ (hpctrain train refuses a used run
+# directory without --resume).
+DEMO ?= train --config configs/tiny.toml --resume none
 
 # One torch thread per rank; MPICH polls less when ranks outnumber cores (oversubscribed laptops/CI).
 export OMP_NUM_THREADS ?= 1
@@ -24,7 +26,7 @@ SAMPLE ?= generate runs/tiny --prompt "def " --max-new-tokens 160 --seed 0
 
 demo: setup
 	$(BIN)/mpiexec -n $(NP) $(BIN)/hpctrain $(DEMO)
-	@if [ "$(DEMO)" = "train --config configs/tiny.toml" ] && [ -n '$(SAMPLE)' ]; then $(BIN)/hpctrain $(SAMPLE); fi
+	@if [ "$(DEMO)" = "train --config configs/tiny.toml --resume none" ] && [ -n '$(SAMPLE)' ]; then $(BIN)/hpctrain $(SAMPLE); fi
 
 # The default environment (PyPI MPICH, serial h5py), then the cluster-like one (Debian MPICH + parallel
 # HDF5, collective MPI-IO checkpoints) where this machine can build it (root + apt-get), else a notice.

@@ -20,7 +20,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "two_hosts.sh"
+SCRIPT = Path(__file__).resolve().parent / "two_hosts.sh"  # package data (scripts/two_hosts.sh links here)
 HOSTS = ("h1", "h2")
 
 
@@ -41,7 +41,7 @@ class TwoHosts:
     def available() -> tuple[bool, str]:
         """Whether the hosts can be built here: root, ``ip`` and ``tc`` present, a netns can be created."""
         if not SCRIPT.is_file():
-            return False, f"{SCRIPT} not found (two_hosts needs a source checkout of hpctrain)"
+            return False, f"{SCRIPT} not found (a broken hpctrain install: reinstall it)"
         if not hasattr(os, "geteuid") or os.geteuid() != 0:
             return False, "two emulated hosts need root (network namespaces, veth, tc)"
         for tool in ("ip", "tc", "unshare"):

@@ -10,20 +10,14 @@ def add_parser(sub) -> None:
                                    "overridden as section.key=value (e.g. parallel.tp=2 train.steps=10).")
     p.add_argument("--config", help="TOML config (default: built-in defaults, tiny GPT)")
     p.add_argument("--resume", default=None, metavar="auto|PATH|none",
-                   help="auto: newest complete checkpoint of the run (default under a batch scheduler); "
-                        "PATH: a checkpoint directory; none: start fresh (default otherwise)")
+                   help="auto: newest complete checkpoint of the run (default inside a batch job); PATH: a "
+                        "checkpoint directory; none: start fresh, setting an earlier run's files aside in "
+                        "RUN_DIR/superseded/. Not given outside a batch job: start fresh, but refuse a run "
+                        "directory that holds checkpoints")
     p.add_argument("--max-steps", type=int, default=0, metavar="N",
                    help="run at most N steps in this invocation, checkpoint and exit (job chains); 0 = no limit")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     p.set_defaults(func=run)
-
-
-BATCH_JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "COBALT_JOBID", "FLUX_JOB_ID")
-
-
-def default_resume() -> str:
-    """``auto`` inside a batch job (a requeued job must continue), ``none`` elsewhere."""
-    return "auto" if any(v in os.environ for v in BATCH_JOB_VARIABLES) else "none"
 
 
 def run(args) -> int:
@@ -33,7 +27,8 @@ def run(args) -> int:
 
     from hpctrain.config import load_config
     from hpctrain.train.loop import run_training
+    from hpctrain.train.run_dir import default_resume
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = load_config(args.config, args.overrides)
-    return run_training(cfg, args.resume or default_resume(), args.max_steps)
+    return run_training(cfg, args.resume or default_resume(os.environ), args.max_steps)

@@ -23,8 +23,9 @@ from hpctrain.train.stop import StopPolicy, agree
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
 
 
-def run_training(cfg, resume: str, max_steps: int = 0) -> int:
-    """Collective over the world; returns the process exit code (see the module docstring)."""
+def run_training(cfg, resume: str | None, max_steps: int = 0) -> int:
+    """Collective over the world; returns the process exit code (see the module docstring). ``resume``:
+    "auto", "none", a checkpoint path, or None (not given: see ``hpctrain/train/run_dir.py``)."""
     from hpctrain.comm.grid import ProcessGrid
     from hpctrain.runtime.device import select_device
     from hpctrain.runtime.launcher import discover
@@ -34,7 +35,7 @@ def run_training(cfg, resume: str, max_steps: int = 0) -> int:
     flag = SignalFlag(cfg.train.exit_signals)  # early: a signal during start-up is not lost
     device = select_device(cfg.train.device, info)
     grid = ProcessGrid.from_config(cfg, info)
-    lock = _lock_run_dir(cfg, grid)
+    lock, resume = _lock_run_dir(cfg, grid, resume)
     grid.watchdog.report_path = os.path.join(cfg.train.run_dir, "hang-report.txt")  # survives a cut pipe
     try:
         return _train(cfg, grid, device, resume, max_steps, flag, lock)
@@ -119,12 +120,15 @@ def _start_trace(cfg, grid, trainer):
     return recorder
 
 
-def _lock_run_dir(cfg, grid):
-    """Collective: rank 0 takes the run directory's lock; every rank raises if it is in use."""
+def _lock_run_dir(cfg, grid, resume: str | None):
+    """Collective: rank 0 takes the run directory's lock and decides what this start does with an
+    earlier run there (``decide_start``); every rank raises if it is in use or refused. Returns the lock
+    and the agreed resume mode ("auto", "none" or a path)."""
     from hpctrain.errors import everywhere
+    from hpctrain.train.run_dir import RunDirHoldsARun, decide_start
     from hpctrain.train.run_lock import RunDirInUse, RunLock, unusable_directory
 
-    lock, problem = RunLock(cfg.train.run_dir, enabled=grid.info.rank == 0), None
+    lock, problem, decision = RunLock(cfg.train.run_dir, enabled=grid.info.rank == 0), None, None
     if grid.info.rank == 0:
         problem = unusable_directory(cfg.train.run_dir, "train.run_dir") or (
             unusable_directory(cfg.checkpoint.dir, "checkpoint.dir") if cfg.checkpoint.dir else None)
@@ -136,10 +140,21 @@ def _lock_run_dir(cfg, grid):
         problem = str(exc)
     except OSError as exc:
         problem = f"train.run_dir={cfg.train.run_dir}: cannot create the run directory: {exc.strerror or exc}"
-    problem = grid.world.broadcast_object(problem, root=0)
-    if problem:
-        raise everywhere(RunDirInUse(problem))
-    return lock
+    if grid.info.rank == 0 and not problem:
+        try:
+            decision = decide_start(cfg.train.run_dir, cfg.checkpoint.dir or os.path.join(cfg.train.run_dir, "checkpoints"),
+                                    resume)
+        except OSError as exc:
+            decision = None
+            problem = f"train.run_dir={cfg.train.run_dir}: cannot set the earlier run aside: {exc}"
+        if decision and decision.set_aside:
+            print(f"hpctrain train: a fresh start: the earlier run's files in {cfg.train.run_dir} were moved to "
+                  f"{decision.set_aside}", flush=True)
+    problem, decision = grid.world.broadcast_object((problem, decision), root=0)
+    if problem or decision.problem:
+        lock.release()
+        raise everywhere(RunDirInUse(problem) if problem else RunDirHoldsARun(decision.problem))
+    return lock, decision.resume
 
 
 def _deadline(cfg, grid) -> float | None:

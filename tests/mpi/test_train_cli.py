@@ -81,3 +81,22 @@ def test_cuda_device_without_cuda_is_a_clear_error_that_writes_nothing(tmp_path)
     for rank in (0, 1):
         assert f"rank {rank}: train.device='cuda' but torch sees no CUDA device" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_used_run_directory_is_refused_then_set_aside_never_mixed(tmp_path):
+    train(2, tmp_path, "train.steps=2", "parallel.pp=1")
+    first_log = (tmp_path / "metrics.jsonl").read_text()
+    again = train(2, tmp_path, "train.steps=2", "parallel.pp=1", check=False)
+    assert again.returncode == 2, again.output[-2000:]
+    message = [line for line in again.output.splitlines() if "already holds a run" in line]
+    assert len(message) == 1 and "--resume auto" in message[0] and "--resume none" in message[0], again.output
+    assert (tmp_path / "metrics.jsonl").read_text() == first_log  # nothing appended, nothing moved
+
+    fresh = run_mpi(2, "hpctrain.cli", "train", "--resume", "none", "--config", "configs/tiny.toml", *FAST,
+                    f"train.run_dir={tmp_path}", "train.steps=2", "parallel.pp=1", module=True, timeout=240)
+    assert "moved to" in fresh.stdout
+    (aside,) = (tmp_path / "superseded").iterdir()
+    assert (aside / "metrics.jsonl").read_text() == first_log
+    assert (aside / "checkpoints" / "step-00000002" / "COMPLETE").exists()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]  # the new run's log holds the new run only
+    assert (tmp_path / "checkpoints" / "step-00000002" / "COMPLETE").exists()

@@ -8,7 +8,7 @@ PYTHON="${PYTHON:-python3}"
 VENV=.venv
 STAMP="$VENV/.hpctrain-installed"
 
-if [[ -f "$STAMP" && "$STAMP" -nt setup.py && "$STAMP" -nt scripts/constraints.txt && -x "$VENV/bin/hpctrain" && -x "$VENV/bin/mpiexec" ]]; then
+if [[ -f "$STAMP" && "$STAMP" -nt setup.py && "$STAMP" -nt pyproject.toml && "$STAMP" -nt scripts/constraints.txt && -x "$VENV/bin/hpctrain" && -x "$VENV/bin/mpiexec" ]]; then
   echo "setup: $VENV is up to date (delete $STAMP to reinstall)"
   exit 0
 fi

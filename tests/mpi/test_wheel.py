@@ -11,6 +11,7 @@ is a module. Then ``hpctrain train`` (2 ranks), ``ckpt verify`` and ``plan`` run
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -46,8 +47,12 @@ def installed_env(venv: Path) -> dict:
 
 
 def test_the_wheel_holds_every_module_and_trains_installed(tmp_path):
+    source = tmp_path / "source"  # a copy: setuptools builds in-tree and would leave build/ in the checkout
+    shutil.copytree(ROOT / "hpctrain", source / "hpctrain", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     wheels = tmp_path / "wheels"
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", wheels, ROOT], tmp_path, dict(os.environ))
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", wheels, source], tmp_path, dict(os.environ))
     (wheel,) = wheels.glob("hpctrain-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         shipped = {n for n in zf.namelist() if n.startswith("hpctrain/")}

@@ -7,6 +7,7 @@ Subcommands: ``info`` (launch and grid report), ``bench comm`` (collective bench
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import sys
@@ -83,18 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _main(argv) -> int:
+def _main(argv, early_signals=None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # `train` takes section.key=value overrides anywhere on the line, also after options
         if getattr(args, "overrides", None) is None or any(e.startswith("-") or "=" not in e for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
+    args.early_signals = early_signals  # hpctrain train: the SignalFlag made before the imports
     return args.func(args)
 
 
 def main(argv=None) -> int:
-    sys.exit(run_and_exit(_main, argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    early = None
+    if argv[:1] == ["train"]:  # before any heavy import: a scheduler's signal during start-up is recorded
+        from hpctrain.runtime.signals import DEFAULT_EXIT_SIGNALS, SignalFlag
+
+        early = SignalFlag(DEFAULT_EXIT_SIGNALS)
+    sys.exit(run_and_exit(functools.partial(_main, early_signals=early), argv))
 
 
 if __name__ == "__main__":

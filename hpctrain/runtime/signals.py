@@ -5,9 +5,13 @@ nothing else (never checkpoint inside a handler: it runs between two bytecodes o
 was doing, possibly inside MPI). The training loop reads the flag once per step, and the ranks agree
 on it with one collective (``hpctrain/train/stop.py``).
 
-MPICH's ``MPI_Init`` (the PyPI wheel) installs its own SIGUSR1 handler; installing ours after
-``MPI_Init`` replaces it (a C handler cannot be chained from Python). hpctrain relies on none of
-MPICH's SIGUSR1 uses. ``restore()`` puts the previous handlers back.
+Start-up: ``hpctrain train`` creates the flag first thing in its entry point (``hpctrain/cli.py``),
+before the heavy imports (torch, MPI: seconds, tens of seconds on a parallel file system), for
+``DEFAULT_EXIT_SIGNALS``; once the config is read, ``retarget(cfg.train.exit_signals)`` narrows it.
+A signal that arrives during start-up is thus recorded, not fatal (Slurm's ``--signal`` may come up
+to 60 s early), and a recorded signal the config does not list takes its default action then.
+With the PyPI MPICH wheel, ``MPI_Init`` keeps a Python handler installed before it (checked:
+``tests/mpi/test_startup_signal.py``). ``restore()`` puts the previous handlers back.
 
 ``scheduler_deadline()``: the wall-clock time (epoch seconds) at which the batch job will be killed,
 from ``SLURM_JOB_END_TIME`` or ``squeue -h -j $SLURM_JOB_ID -o %e``; None outside Slurm.
@@ -22,6 +26,9 @@ import subprocess
 from hpctrain.errors import HpcTrainError
 
 
+DEFAULT_EXIT_SIGNALS = ("USR1", "TERM")  # train.exit_signals' default
+
+
 class SignalFlag:
     """Records the first of ``names`` (e.g. "USR1", "TERM") that this process receives."""
 
@@ -31,6 +38,21 @@ class SignalFlag:
         for name in names:
             signum = _signum(name)
             self._previous[signum] = signal.signal(signum, self._handle)
+
+    def retarget(self, names) -> "SignalFlag":
+        """Handle exactly ``names`` from now on (validated first). A signal received before that is
+        not among ``names`` takes its default action now (e.g. TERM ends the process), as it would
+        have without this flag."""
+        wanted = {_signum(name) for name in names}
+        for signum in wanted - set(self._previous):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        for signum in set(self._previous) - wanted:
+            handler = self._previous.pop(signum)
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        if self.received and _signum(self.received) not in wanted:
+            early, self.received = self.received, None
+            os.kill(os.getpid(), _signum(early))
+        return self
 
     def _handle(self, signum, _frame) -> None:
         if self.received is None:

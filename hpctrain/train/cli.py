@@ -31,4 +31,5 @@ def run(args) -> int:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = load_config(args.config, args.overrides)
-    return run_training(cfg, args.resume or default_resume(os.environ), args.max_steps)
+    return run_training(cfg, args.resume or default_resume(os.environ), args.max_steps,
+                        early_signals=getattr(args, "early_signals", None))

@@ -23,16 +23,18 @@ from hpctrain.train.stop import StopPolicy, agree
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
 
 
-def run_training(cfg, resume: str | None, max_steps: int = 0) -> int:
+def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None) -> int:
     """Collective over the world; returns the process exit code (see the module docstring). ``resume``:
-    "auto", "none", a checkpoint path, or None (not given: see ``hpctrain/train/run_dir.py``)."""
+    "auto", "none", a checkpoint path, or None (not given: see ``hpctrain/train/run_dir.py``).
+    ``early_signals``: the SignalFlag the entry point made before its imports, if any."""
     from hpctrain.comm.grid import ProcessGrid
     from hpctrain.runtime.device import select_device
     from hpctrain.runtime.launcher import discover
     from hpctrain.runtime.signals import SignalFlag
 
     info = discover()
-    flag = SignalFlag(cfg.train.exit_signals)  # early: a signal during start-up is not lost
+    # a signal during start-up is not lost: the entry point's flag is narrowed to the config's signals
+    flag = early_signals.retarget(cfg.train.exit_signals) if early_signals else SignalFlag(cfg.train.exit_signals)
     device = select_device(cfg.train.device, info)
     grid = ProcessGrid.from_config(cfg, info)
     lock, resume = _lock_run_dir(cfg, grid, resume)

@@ -81,3 +81,25 @@ def test_run_lock_live_stale_and_release(tmp_path):
     assert json.loads(lock.read_text())["host"] == socket.gethostname()
     taker.release()
     assert RunLock(str(tmp_path), enabled=False).acquire() is None and not lock.exists()
+
+
+def test_retarget_keeps_an_early_signal_it_still_handles_and_drops_the_rest():
+    flag = SignalFlag(["USR1", "TERM"])  # the entry point's, before the config is read
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        flag.retarget(["USR1", "USR2"])  # the config's train.exit_signals
+        assert flag.received == "USR1"
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # no longer handled
+        assert signal.getsignal(signal.SIGUSR2) == flag._handle
+    finally:
+        flag.restore()
+
+
+def test_retarget_gives_an_early_signal_the_config_drops_its_default_action():
+    code = ("import os, signal\nfrom hpctrain.runtime.signals import SignalFlag\n"
+            "flag = SignalFlag(['USR1', 'TERM'])\nos.kill(os.getpid(), signal.SIGTERM)\n"
+            "flag.retarget(['USR1'])\nprint('survived')\n")
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == -signal.SIGTERM and "survived" not in result.stdout

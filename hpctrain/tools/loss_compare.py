@@ -51,7 +51,8 @@ def read_metrics(path: str | Path, key: str = "loss") -> dict[int, float]:
             record = json.loads(line)
             if "event" in record:  # {"event": "stop", ...} lines are not steps
                 continue
-            values[int(record["step"])] = float(record[key])
+            value = record[key]  # null: a non-finite value (metrics.jsonl is strict JSON)
+            values[int(record["step"])] = math.nan if value is None else float(value)
         except (ValueError, KeyError, TypeError) as exc:
             raise CompareError(f"{path}:{number}: not a metrics record with 'step' and {key!r} ({exc})") from None
     if not values:

@@ -47,7 +47,7 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
 
 def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     from hpctrain.checkpoint.manager import CheckpointManager
-    from hpctrain.train.metrics import MetricsLog
+    from hpctrain.train.metrics import MetricsLog, finite_or_none
     from hpctrain.train.trainer import Trainer
 
     info = grid.info
@@ -95,7 +95,7 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     if is_root and summary:
         summary.update(ranks=grid.info.size, nodes=grid.info.num_nodes, **{k: v for k, v in grid.sizes.items()})
         with open(os.path.join(cfg.train.run_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
+            json.dump(finite_or_none(summary), f, indent=1, allow_nan=False)
     return _finish(cfg, grid, reason, trainer.step, save_s, is_root, lock)  # closes the grid
 
 

@@ -3,13 +3,37 @@
 Only world rank 0 writes; every rank holds the same numbers (they are agreed by collectives).
 On a terminal the progress is a rich bar with loss and throughput; in batch logs (no TTY) it is
 one plain line every ``log_interval`` steps, which reads well in a Slurm output file.
+
+Every line is strict JSON: a non-finite number (a diverged loss, an overflowed gradient norm) is
+written as ``null`` (``json_line``). Records are streamed to the file, not kept: the summary is made
+from running counts and the timings of the last ``SUMMARY_WINDOW`` steps.
 """
 from __future__ import annotations
 
+import collections
 import json
+import math
 import os
 import sys
 import time
+
+SUMMARY_WINDOW = 10_000  # steps whose timings the summary keeps (3 floats each)
+
+
+def finite_or_none(value):
+    """``value`` with every non-finite float inside (dicts, lists) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def json_line(record: dict) -> str:
+    """One strict-JSON line (no bare NaN/Infinity, which JSON does not have)."""
+    return json.dumps(finite_or_none(record), allow_nan=False) + "\n"
 
 
 class MetricsLog:
@@ -17,7 +41,9 @@ class MetricsLog:
                  log_interval: int = 1, stream=None):
         self.enabled, self.total, self.log_interval = enabled, total_steps, max(1, log_interval)
         self.stream = stream or sys.stdout
-        self.records: list[dict] = []
+        self.steps = self.skipped = 0
+        self.first_loss = self.final_loss = None
+        self.timings = collections.deque(maxlen=SUMMARY_WINDOW)  # (tokens_per_s, step_time_s, comm_time_s)
         self.started = time.perf_counter()
         self._file = self._bar = None
         if not enabled:
@@ -36,8 +62,12 @@ class MetricsLog:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
+        self.steps += 1
+        self.skipped += bool(record.get("skipped"))
+        self.first_loss = record["loss"] if self.first_loss is None else self.first_loss
+        self.final_loss = record["loss"]
+        self.timings.append((record["tokens_per_s"], record["step_time_s"], record["comm_time_s"]))
+        self._file.write(json_line(record))
         self._file.flush()
         status = (f"loss {record['loss']:.4f}  "
                   + (f"val_loss {record['val_loss']:.4f}  " if "val_loss" in record else "")
@@ -57,16 +87,16 @@ class MetricsLog:
         if self._bar is not None:
             self._bar.stop()
         self._file.close()
-        if not self.records:
+        if not self.steps:
             return {}
-        steps = self.records
-        tail = steps[len(steps) // 2:] if len(steps) > 1 else steps  # steady state: skip warm-up half
+        timings = list(self.timings)
+        tail = timings[len(timings) // 2:] if len(timings) > 1 else timings  # steady state: skip warm-up half
         summary = {
-            "steps": len(steps), "first_loss": steps[0]["loss"], "final_loss": steps[-1]["loss"],
-            "mean_tokens_per_s": sum(r["tokens_per_s"] for r in tail) / len(tail),
-            "mean_step_time_s": sum(r["step_time_s"] for r in tail) / len(tail),
-            "comm_fraction": sum(r["comm_time_s"] for r in tail) / max(1e-12, sum(r["step_time_s"] for r in tail)),
-            "skipped_steps": sum(1 for r in steps if r.get("skipped")),
+            "steps": self.steps, "first_loss": self.first_loss, "final_loss": self.final_loss,
+            "mean_tokens_per_s": sum(t[0] for t in tail) / len(tail),
+            "mean_step_time_s": sum(t[1] for t in tail) / len(tail),
+            "comm_fraction": sum(t[2] for t in tail) / max(1e-12, sum(t[1] for t in tail)),
+            "skipped_steps": self.skipped,
             "wall_time_s": time.perf_counter() - self.started,
         }
         print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "

@@ -8,6 +8,7 @@ The field ``CheckpointConfig.async_`` is spelled ``async`` in TOML, overrides an
 import copy
 import dataclasses
 import difflib
+import math
 import operator
 import os
 import tomllib
@@ -350,6 +351,8 @@ def _check_rules(section: str, obj: Any) -> None:
     """Apply each field's ``_field`` rule to its value in obj."""
     for f in dataclasses.fields(obj):
         value, rule, where = getattr(obj, f.name), f.metadata, f"{section}.{_key(f)}"
+        if isinstance(value, float):  # inf and nan pass every comparison rule below (or none)
+            _require(math.isfinite(value), where, f"must be a finite number, got {value}")
         if "choices" in rule:
             choices = ", ".join(map(str, rule["choices"]))
             _require(value in rule["choices"], where, f"expected one of {choices}, got {value!r}")

@@ -316,3 +316,10 @@ def test_resolve_keeps_explicit_sizes_and_copies():
 def test_resolve_unknown_preset():
     with raises_naming("model.preset", "'gpt4'"):
         resolve_model(ModelConfig(preset="gpt4"))
+
+
+@pytest.mark.parametrize("override", ["train.lr=inf", "train.loss_scale=inf", "train.lr=nan", "optim.grad_clip=inf",
+                                      "comm.timeout_s=inf"])
+def test_non_finite_numbers_are_refused_by_name(override):
+    with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}.*finite"):
+        validate(load_config(str(CONFIGS / "tiny.toml"), [override]))

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 
 from hpctrain.errors import HpcTrainError
+from hpctrain.runtime.outputs import mark, why_not_replaceable
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")  # no torch import here: `hpctrain info` stays fast
 
@@ -43,12 +44,16 @@ def add_parser(sub) -> None:
 
 
 @contextlib.contextmanager
-def staged_output(out: str, force: bool):
+def staged_output(out: str, force: bool, tool: str, source: str):
     """Yield a fresh temporary directory beside ``out``; on success it becomes ``out`` (an existing one is
-    replaced only when empty or ``force``), on failure it is removed."""
+    replaced only when empty, or with ``force`` when ``tool`` wrote it: ``runtime/outputs.py``), on failure
+    it is removed. ``out`` may never be, hold or lie inside ``source``."""
     out = os.path.abspath(out.rstrip("/") or out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise HpcTrainError(f"--out {out}: exists and is not a directory")
+    problem = why_not_replaceable(out, f"--out {out}", (source,))
+    if problem:
+        raise HpcTrainError(problem)
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise HpcTrainError(f"--out {out}: exists and is not empty; use --force to replace it")
     parent, base = os.path.split(out)
@@ -56,6 +61,7 @@ def staged_output(out: str, force: bool):
     tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
     try:
         yield tmp
+        mark(tmp, tool)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
@@ -97,7 +103,7 @@ def run_export(args) -> int:
     from hpctrain.interop.sources import CheckpointSource
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    with staged_output(args.out, args.force) as tmp:  # checks --out before reading anything
+    with staged_output(args.out, args.force, "hpctrain export", args.checkpoint) as tmp:  # checks --out first
         source = CheckpointSource(args.checkpoint)
         try:
             m, dtype = source.model, (source.dtype if args.dtype == "auto" else args.dtype)
@@ -184,7 +190,7 @@ def run_import(args) -> int:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     out = os.path.abspath(args.out)
-    with staged_output(args.out, args.force) as tmp:
+    with staged_output(args.out, args.force, "hpctrain import-hf", args.hf_dir) as tmp:
         source = HFModelDir(args.hf_dir)
         try:
             m, dtype = source.model, source.dtype

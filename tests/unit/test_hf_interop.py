@@ -68,7 +68,7 @@ def test_exported_weights_give_transformers_the_same_logits(tmp_path, dtype, tie
     m = model_cfg(tied, kv)
     tensors = random_checkpoint(tmp_path / "ckpt", m, dtype)
     assert hpctrain("export", tmp_path / "ckpt", "--format", "hf", "--out", tmp_path / "hf") == 0
-    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]  # byte-level: no tokenizer
+    assert visible(tmp_path / "hf") == ["config.json", "model.safetensors"]  # byte-level: no tokenizer
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == dtype
     assert config["num_key_value_heads"] == kv and config["tie_word_embeddings"] is tied
@@ -200,16 +200,27 @@ def test_missing_files_and_extra_tensors_are_clear_errors(tmp_path):
     assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "ckpt")
 
 
-def test_out_is_replaced_only_with_force(tmp_path):
+def visible(directory) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if not name.startswith("."))
+
+
+def test_out_is_replaced_only_with_force_and_only_when_hpctrain_wrote_it(tmp_path):
     random_checkpoint(tmp_path / "ckpt", model_cfg())
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "keep.txt").write_text("mine")
-    with pytest.raises(HpcTrainError, match="not empty; use --force"):
-        hpctrain("export", tmp_path / "ckpt", "--format", "hf", "--out", tmp_path / "hf")
+    with pytest.raises(HpcTrainError, match="not written by hpctrain"):  # --force or not: not ours
+        hpctrain("export", tmp_path / "ckpt", "--format", "hf", "--out", tmp_path / "hf", "--force")
     assert os.listdir(tmp_path / "hf") == ["keep.txt"]
-    hpctrain("export", tmp_path / "ckpt", "--format", "hf", "--out", tmp_path / "hf", "--force")
-    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
-    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]
+    hpctrain("export", tmp_path / "ckpt", "--format", "hf", "--out", tmp_path / "new")
+    with pytest.raises(HpcTrainError, match="not empty; use --force"):
+        hpctrain("export", tmp_path / "ckpt", "--format", "hf", "--out", tmp_path / "new")
+    hpctrain("export", tmp_path / "ckpt", "--format", "hf", "--out", tmp_path / "new", "--force")
+    assert visible(tmp_path / "new") == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf", "new"]
+    for out in (tmp_path / "ckpt", tmp_path):  # the source itself, or a directory holding it
+        with pytest.raises(HpcTrainError, match="holds the source"):
+            hpctrain("export", tmp_path / "ckpt", "--format", "hf", "--out", out, "--force")
+        assert (tmp_path / "ckpt").is_dir()
 
 
 def test_a_vocabulary_the_layout_cannot_split_is_a_clear_error(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -95,10 +96,9 @@ class Trainer:
                               recompute=t.recompute)
         self.stage.to(self.device)  # initialised on the host from the global generator, then moved
         self.flat = FlatParams(list(self.stage.parameters()), grid.comm("dp"), tp_comm=tp_comm, pp_comm=pp_comm,
-                               bucket_mb=p.bucket_mb, zero=layout.zero == 1)
-        self.flat.timer = self.timer
-        self.flat.check_finite = self.dtype == torch.float16
-        self.flat.reducer = build_reducer(self.cfg.compression, self.flat, grid, seed=t.seed)
+                               bucket_mb=p.bucket_mb, zero=layout.zero == 1, timer=self.timer,
+                               check_finite=self.dtype == torch.float16,
+                               make_reducer=partial(build_reducer, self.cfg.compression, grid=grid, seed=t.seed))
         self.optimizer = FlatOptimizer(self.flat, self.cfg.optim, tp_rank=grid.coords["tp"])
         self.executor = PipelineExecutor(self.stage, pp_comm if pp_size > 1 else None, self.flat, layout.schedule,
                                          layout.microbatches, (layout.seq_shard, self.micro_batch, m.d_model),

@@ -27,8 +27,8 @@ reported (with min-max). Before every read, the pages of the files to read are e
 cache with ``posix_fadvise(DONTNEED)`` (after fsync), so reads come from the disk, as after a restart.
 
 Async save (a real ``Trainer`` of ``--model`` with ZeRO-1 over all ranks, and a ``CheckpointManager``)
-    sync save   ``manager.save(trainer, sync=True)``: snapshot + write + fsync + verify + publish
-    async stall ``manager.save(trainer)`` with ``checkpoint.async=true``: the time the caller is blocked
+    sync save   ``manager.save(trainer.state, sync=True)``: snapshot + write + fsync + verify + publish
+    async stall ``manager.save(trainer.state)`` with ``checkpoint.async=true``: the time the caller is blocked
                 (the host snapshot and starting the background thread); target <= 5% of the sync save
     background  the background save's own duration while training runs, and ``save`` + ``wait`` with the
                 main thread idle (the thread's cost without competition for CPU and GIL)
@@ -396,7 +396,7 @@ def run_async(args, comm, cfg, tokens) -> tuple[list[dict], object]:
     size, rank = comm.Get_size(), comm.Get_rank()
     trainer = new_trainer(cfg, tokens)
     mgr = CheckpointManager(cfg.checkpoint, trainer.grid, cfg.train.run_dir)
-    ckpt_bytes = comm.allreduce(snapshot_bytes(snapshot(trainer)), op=MPI.SUM)
+    ckpt_bytes = comm.allreduce(snapshot_bytes(snapshot(trainer.state)), op=MPI.SUM)
     if rank == 0:
         print(f"bench_checkpoint: async: Trainer {args.model} ({count_parameters(trainer.model_cfg) / 1e6:.2f} M "
               f"params), ZeRO-1 over {size} ranks, {mgr.writer} writer, checkpoint {ckpt_bytes / MiB:.1f} MiB",
@@ -408,12 +408,12 @@ def run_async(args, comm, cfg, tokens) -> tuple[list[dict], object]:
     timer = trainer.timer  # the save's blocking part is its "checkpoint" phase; the rest: mgr.last_phases
     for rnd in range(args.async_repeats):
         base_steps += [timed_step(comm, trainer) for _ in range(args.base_steps)]
-        seconds, _ = timed(comm, mgr.save, trainer, sync=True)
+        seconds, _ = timed(comm, mgr.save, trainer.state, sync=True)
         timer.take("checkpoint")
         sync_s.append(seconds)
         sync_phases.append(gather_phases(comm, mgr.last_phases))
         timed_step(comm, trainer)  # a step between the saves (a new step number)
-        seconds, _ = timed(comm, mgr.save, trainer)  # returns once the snapshot is taken
+        seconds, _ = timed(comm, mgr.save, trainer.state)  # returns once the snapshot is taken
         stall_s.append(seconds)
         stall_phases.append(gather_phases(comm, {"stall (wait + snapshot)": timer.take("checkpoint")}))
         n = 0
@@ -427,7 +427,7 @@ def run_async(args, comm, cfg, tokens) -> tuple[list[dict], object]:
         bg_s.append(comm.allreduce(mgr.last_save_s or 0.0, op=MPI.MAX))  # the background thread's whole save
         bg_phases.append(gather_phases(comm, mgr.last_phases))
         timed_step(comm, trainer)
-        idle_s.append(timed(comm, lambda: (mgr.save(trainer), mgr.wait()))[0])  # the thread alone
+        idle_s.append(timed(comm, lambda: (mgr.save(trainer.state), mgr.wait()))[0])  # the thread alone
         timer.take("checkpoint")
         if rank == 0:
             print(f"bench_checkpoint: async round {rnd + 1}/{args.async_repeats}: sync save {sync_s[-1]:.3f} s, "
@@ -467,7 +467,7 @@ def run_restart(args, comm, cfg, tokens, ckpt_bytes) -> list[dict]:
             build.append(seconds)
             if mode == "resume":
                 mgr = CheckpointManager(cfg.checkpoint, trainer.grid, cfg.train.run_dir)
-                seconds, path = timed(comm, mgr.resume, trainer, "auto")
+                seconds, path = timed(comm, mgr.resume, trainer.state, "auto")
                 if path is None:
                     raise RuntimeError("resume found no checkpoint")
                 resume.append(seconds)
@@ -553,9 +553,9 @@ def run(args) -> list[dict]:
 
                     trainer = new_trainer(cfg, tokens)
                     trainer.train_step()
-                    ckpt_bytes = comm.allreduce(snapshot_bytes(snapshot(trainer)), op=MPI.SUM)
+                    ckpt_bytes = comm.allreduce(snapshot_bytes(snapshot(trainer.state)), op=MPI.SUM)
                     mgr = CheckpointManager(cfg.checkpoint, trainer.grid, cfg.train.run_dir)
-                    mgr.save(trainer, sync=True)
+                    mgr.save(trainer.state, sync=True)
                     mgr.close()
                     trainer.grid.close()
                 records += run_restart(args, comm, cfg, tokens, ckpt_bytes)

@@ -22,13 +22,14 @@ import sys
 import threading
 import time
 
+from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, MASTER_FILE, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
 from hpctrain.checkpoint.state import ANOTHER_MODEL, CheckpointError, apply_state, read_state, snapshot
 from hpctrain.checkpoint.writers import has_parallel_h5py, write_mpio, write_shards
 from hpctrain.comm.collectives import Communicator
 from hpctrain.errors import everywhere
-from hpctrain.profiling.timers import NULL_TIMER, PhaseTimer
+from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime.faults import FaultInjector
 
 
@@ -124,13 +125,13 @@ class CheckpointManager:
         self.timer, self.last_phases = PhaseTimer(), {}
 
     # ------------------------------------------------------------------ saving
-    def save(self, trainer, sync: bool = False) -> None:
-        """Checkpoint the trainer at its current step (collective). Async unless ``sync`` or config says no.
-        The blocking part (waiting for the previous save, the snapshot, a synchronous write) is the
-        ``checkpoint`` phase of ``trainer.timer``."""
-        with getattr(trainer, "timer", NULL_TIMER).phase("checkpoint"):
+    def save(self, state: TrainState, sync: bool = False) -> None:
+        """Checkpoint the run (``trainer.state``) at its current step (collective). Async unless ``sync`` or
+        config says no. The blocking part (waiting for the previous save, the snapshot, a synchronous
+        write) is the ``checkpoint`` phase of ``state.timer``."""
+        with state.timer.phase("checkpoint"):
             self.wait()
-            snap = snapshot(trainer)
+            snap = snapshot(state)
             if self.async_save and not sync:
                 self._thread = threading.Thread(target=self._run_async, args=(snap,), name="hpctrain-ckpt",
                                                 daemon=True)
@@ -266,15 +267,15 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
     # ------------------------------------------------------------------ resuming
-    def resume(self, trainer, what: str = "auto") -> str | None:
+    def resume(self, state: TrainState, what: str = "auto") -> str | None:
         """Load ``what`` ("auto": newest usable in this run's checkpoint dir; "none"; or a path) into the
-        trainer (collective). Falls back from a corrupt or partial newest checkpoint to the previous
+        run (``trainer.state``; collective). Falls back from a corrupt or partial newest checkpoint to the previous
         complete one, warning on rank 0. Returns the path loaded, or None (fresh start)."""
         if what == "none":
             return None
         if what != "auto":
             what = resolve_latest(what)
-            problem = self._try_load(what, trainer)
+            problem = self._try_load(what, state)
             if problem:
                 raise everywhere(CheckpointError(f"cannot resume from {what}: {problem}"))
             return what
@@ -286,7 +287,7 @@ class CheckpointManager:
                   f"exist; looking for the newest complete checkpoint instead", file=sys.stderr, flush=True)
         others = sorted((r for r in records if r["complete"] and not r["latest"]), key=lambda r: -r["step"])
         for record in latest + others:
-            problem = self._try_load(record["path"], trainer)
+            problem = self._try_load(record["path"], state)
             if problem and ANOTHER_MODEL in problem:  # a config typo must not start over and prune this run
                 raise everywhere(CheckpointError(f"--resume auto: the newest checkpoint of {self.dir} was {ANOTHER_MODEL} "
                                       f"than this config ({problem}). Nothing was changed. Make model.* match "
@@ -303,9 +304,9 @@ class CheckpointManager:
                   file=sys.stderr, flush=True)
         return None
 
-    def _try_load(self, path: str, trainer) -> str | None:
+    def _try_load(self, path: str, state: TrainState) -> str | None:
         """Collective; returns the agreed problem (None = loaded). Phases, agreed between: open; read
-        what this rank needs, checking CRCs on those bytes (the trainer is untouched); verify the
+        what this rank needs, checking CRCs on those bytes (the run is untouched); verify the
         boxes no rank read; then apply. Every byte is read once."""
         reader, error, staged, timer = None, None, None, self.timer
         started = time.perf_counter()
@@ -322,7 +323,7 @@ class CheckpointManager:
                 if error is None and phase == "read":
                     try:
                         with timer.phase("read + CRC"):
-                            staged = read_state(trainer, reader)
+                            staged = read_state(state, reader)
                     except CheckpointError as exc:
                         error = str(exc)
                 elif phase == "verify":
@@ -343,7 +344,7 @@ class CheckpointManager:
             if reader is not None:
                 reader.close()
         with timer.phase("apply"):
-            apply_state(trainer, staged)
+            apply_state(state, staged)
         self.last_phases = timer.collect(time.perf_counter() - started)
         if note and self.rank == 0:
             print(f"hpctrain: WARNING: compression state (error-feedback residuals, PowerSGD Q) not restored: "

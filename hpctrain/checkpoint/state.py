@@ -1,16 +1,17 @@
-"""Between a Trainer and the global checkpoint view: what this rank writes, and how it loads any layout.
+"""Between a run's ``TrainState`` (checkpoint/contract.py) and the global checkpoint view: what this rank
+writes, and how it loads any layout.
 
 Writing: a rank writes the boxes of the flat ranges its optimizer owns (its ZeRO shard, or everything
 on dp rank 0 without ZeRO), skipping TP-replicated weights on tp ranks > 0 and the tied-embedding
 copy, so every global element is written exactly once. Loading: a rank reads its whole local slab of
 every parameter and the optimizer state of the ranges it owns NOW — in whatever layout it runs —
-all into host memory first (checking CRCs on the bytes it reads), then into the trainer, so a bad
-checkpoint changes nothing.
+all into host memory first (checking CRCs on the bytes it reads), then into the run, so a bad
+checkpoint changes nothing. The run is seen only through the contract.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ import torch
 import hpctrain
 from hpctrain.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, Box, decode_json, disk_dtype, encode_json,
                                         local_range_boxes, model_dataset, optim_dataset)
+from hpctrain.checkpoint.contract import TrainState
 from hpctrain.config import config_to_dict
 from hpctrain.errors import HpcTrainError
 
@@ -43,17 +45,6 @@ class Snapshot:
     attrs: dict = field(default_factory=dict)
 
 
-def _written_pieces(trainer):
-    """(ParamPiece, OptimizerShard) this rank writes: each global element exactly once (the ZeRO owner,
-    or dp rank 0 without ZeRO; ``ShardSpec.counted_on`` among tp ranks and tied copies)."""
-    flat, grid = trainer.flat, trainer.grid
-    if not flat.zero and grid.coords["dp"] != 0:
-        return
-    for piece, shard in trainer.optimizer.owned_pieces():
-        if piece.param.spec.counted_on(grid.coords["tp"]):
-            yield piece, shard
-
-
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Host copies of ``tensors``: device tensors go into pinned buffers with non-blocking copies and ONE
     synchronisation (the stall of a save from GPUs is this device-to-host copy); host tensors pass as is
@@ -71,42 +62,40 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return hosts
 
 
-def snapshot(trainer) -> Snapshot:
+def snapshot(state: TrainState) -> Snapshot:
     """Copy this rank's part of the training state to host memory (the only stall of an async save)."""
-    flat, grid = trainer.flat, trainer.grid
-    kinds = trainer.optimizer.state_kinds
-    model_dtype = disk_dtype(flat.param_buffer.dtype)
-    state_dtype = disk_dtype(trainer.optimizer.master_dtype)
-    snap = Snapshot(trainer.step, {})
-    for p in flat.params:
+    tensors, root = state.tensors(), state.root_state()
+    kinds = tensors.state_kinds
+    model_dtype, state_dtype = disk_dtype(tensors.model_dtype), disk_dtype(tensors.state_dtype)
+    snap = Snapshot(root.step, {})
+    for p in tensors.params:
         if p.spec.tied_copy:
             continue
         snap.datasets[model_dataset(p.spec.name)] = (p.spec.global_shape, model_dtype.str)
         for kind in kinds:
             snap.datasets[optim_dataset(kind, p.spec.name)] = (p.spec.global_shape, state_dtype.str)
-    shards = trainer.optimizer.shards
-    host = to_host([flat.param_buffer] + [getattr(sh, k) for sh in shards for k in kinds])
-    param_buffer, n = host[0], len(kinds)
-    host_shards = {id(sh): replace(sh, **dict(zip(kinds, host[1 + i * n:1 + (i + 1) * n])))
-                   for i, sh in enumerate(shards)}
-    for piece, shard in _written_pieces(trainer):
-        spec, offset = piece.param.spec, piece.flat_lo - piece.param_lo
-        for box, a, b in local_range_boxes(spec, piece.param_lo, piece.param_hi):
-            values = param_buffer[offset + a:offset + b]
-            snap.items.append(WriteItem(model_dataset(spec.name), box, _host(values, model_dtype, box)))
-            for kind in kinds:
-                values = host_shards[id(shard)].state(kind, offset + a, offset + b)
-                snap.items.append(WriteItem(optim_dataset(kind, spec.name), box, _host(values, state_dtype, box)))
-    rng = torch.get_rng_state().numpy()
-    snap.datasets["rng/torch_cpu"] = ((grid.info.size, rng.size), "|u1")
-    snap.items.append(WriteItem("rng/torch_cpu", Box((grid.info.rank, 0), (1, rng.size)), rng.reshape(1, -1).copy()))
-    _snapshot_compression(trainer, snap)
+    n = len(kinds) + 1  # per owned range: its parameters, then each state kind
+    host = to_host([t for r in tensors.ranges for t in [r.params] + [r.state[k] for k in kinds]])
+    for piece in tensors.pieces:
+        if not piece.written:
+            continue
+        params, states = host[piece.owner * n], host[piece.owner * n + 1:(piece.owner + 1) * n]
+        name = piece.spec.name
+        for box, a, b in local_range_boxes(piece.spec, piece.lo, piece.hi):
+            snap.items.append(WriteItem(model_dataset(name), box, _host(piece.take(params, a, b), model_dtype, box)))
+            for kind, values in zip(kinds, states):
+                snap.items.append(WriteItem(optim_dataset(kind, name), box,
+                                            _host(piece.take(values, a, b), state_dtype, box)))
+    rng = state.rng_state().numpy()
+    snap.datasets["rng/torch_cpu"] = ((state.world_size, rng.size), "|u1")
+    snap.items.append(WriteItem("rng/torch_cpu", Box((state.rank, 0), (1, rng.size)), rng.reshape(1, -1).copy()))
+    _snapshot_compression(state, snap)
+    cfg = state.config
     snap.attrs = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "hpctrain_version": hpctrain.__version__,
-        "step": trainer.step, "config": config_to_dict(trainer.cfg),
-        "layout": {**grid.sizes, "zero": trainer.cfg.parallel.zero, "world": grid.info.size},
-        "sampler": trainer.batches.state_dict(), "loss_scaler": trainer.scaler.state_dict(),
-        "optimizer_step": trainer.optimizer.step_count, "model_dtype": trainer.cfg.train.dtype,
+        "step": root.step, "config": config_to_dict(cfg), "layout": dict(state.layout),
+        "sampler": root.sampler, "loss_scaler": root.loss_scaler,
+        "optimizer_step": root.optimizer_step, "model_dtype": cfg.train.dtype,
     }
     return snap
 
@@ -115,16 +104,16 @@ def compression_group(rank: int) -> str:
     return f"compression/rank{rank:05d}"
 
 
-def _snapshot_compression(trainer, snap: Snapshot) -> None:
+def _snapshot_compression(state: TrainState, snap: Snapshot) -> None:
     """The reducer's state (error-feedback residuals, PowerSGD Q) as this world rank's own 1-D datasets
     ``compression/rankRRRRR/<key>``, with the reducer's signature beside them (JSON bytes)."""
-    reducer, rank = trainer.flat.reducer, trainer.grid.info.rank
-    state = reducer.state_dict()
-    if not state and not reducer.signature():
+    reducer = state.reducer
+    saved = reducer.state_dict()
+    if not saved and not reducer.signature():
         return
-    group = compression_group(rank)
-    host = to_host(list(state.values()))
-    for key, value in zip(state, host):
+    group = compression_group(state.rank)
+    host = to_host(list(saved.values()))
+    for key, value in zip(saved, host):
         array = value.detach().to("cpu").numpy().reshape(-1).copy()
         snap.datasets[f"{group}/{key}"] = ((array.size,), array.dtype.str)
         snap.items.append(WriteItem(f"{group}/{key}", Box((0,), (array.size,)), array))
@@ -133,12 +122,11 @@ def _snapshot_compression(trainer, snap: Snapshot) -> None:
     snap.items.append(WriteItem(f"{group}/signature", Box((0,), (signature.size,)), signature))
 
 
-def _read_compression(trainer, reader, staged) -> None:
+def _read_compression(state: TrainState, reader, staged) -> None:
     """Stage this rank's reducer state if the checkpoint holds state of the SAME reducer signature (same
     method, layout, buckets, node split); otherwise the reducer starts fresh and ``staged.compression_note``
     says why (the documented rule: docs/compression.md)."""
-    reducer, rank = trainer.flat.reducer, trainer.grid.info.rank
-    mine = reducer.signature()
+    mine, rank = state.reducer.signature(), state.rank
     group = compression_group(rank)
     shape = reader.shape(f"{group}/signature")
     if not mine:
@@ -147,15 +135,13 @@ def _read_compression(trainer, reader, staged) -> None:
         staged.compression_note = "the checkpoint has no compression state for this rank"
         return
     theirs = decode_json(reader.read_checked(f"{group}/signature", Box((0,), shape)))
-    if theirs != json.loads(json.dumps(mine)) or reader.attrs["layout"].get("world") != trainer.grid.info.size:
+    if theirs != json.loads(json.dumps(mine)) or reader.attrs["layout"].get("world") != state.world_size:
         staged.compression_note = "it was written by another compression method, layout or bucket split"
         return
-    state = {}
     for name in reader.datasets(prefix=group + "/"):
         key = name[len(group) + 1:]
         if key != "signature":
-            state[key] = torch.from_numpy(reader.read_checked(name, Box((0,), reader.shape(name))).copy())
-    staged.compression = state
+            staged.compression[key] = torch.from_numpy(reader.read_checked(name, Box((0,), reader.shape(name))).copy())
 
 
 def _host(values: torch.Tensor, dtype, box: Box) -> np.ndarray:
@@ -166,17 +152,17 @@ def _host(values: torch.Tensor, dtype, box: Box) -> np.ndarray:
 ANOTHER_MODEL = "written for another model"  # in every incompatibility message: resume tells it from damage
 
 
-def check_compatible(trainer, reader) -> None:
+def check_compatible(state: TrainState, reader) -> None:
     """Raise CheckpointError if this rank's parameters are missing or shaped differently in the checkpoint
     (a weights-only checkpoint: also if any architecture key of its model config differs)."""
     if is_weights_only(reader.attrs):
         from hpctrain.config import architecture_differences, config_from_dict
 
-        differences = architecture_differences(config_from_dict(reader.attrs["config"]).model, trainer.model_cfg)
+        differences = architecture_differences(config_from_dict(reader.attrs["config"]).model, state.model_config)
         if differences:
             raise CheckpointError(f"{reader.path}: weights-only checkpoint {ANOTHER_MODEL} than this config: "
                                   f"{'; '.join(differences)}")
-    for p in trainer.flat.params:
+    for p in state.tensors().params:
         name = model_dataset(p.spec.name)
         shape = reader.shape(name)
         if shape is None:
@@ -189,9 +175,9 @@ def check_compatible(trainer, reader) -> None:
 
 @dataclass
 class StagedState:
-    """What a load read, on the host, before anything in the trainer changes: (target tensor, source)
-    copies in order (source: a numpy array, or a view of the parameter buffer for master weights
-    written by a float32 run, taken after the parameters are copied), plus the root attributes."""
+    """What a load read, on the host, before anything in the run changes: (target tensor, source)
+    copies in order (source: a numpy array, or a view of the parameters for master weights written by a
+    float32 run, taken after the parameters are copied), plus the root attributes."""
 
     copies: list = field(default_factory=list)
     attrs: dict = field(default_factory=dict)
@@ -207,60 +193,59 @@ def is_weights_only(attrs: dict) -> bool:
     return bool(attrs.get("weights_only", False))
 
 
-def read_state(trainer, reader) -> StagedState:
+def read_state(state: TrainState, reader) -> StagedState:
     """Read (through ``reader.read_checked``: each byte once, CRCs checked on the way) everything this
     rank needs from a checkpoint of any layout: its whole local slab of every parameter and the
-    optimizer state of the ranges it owns NOW. Changes nothing in the trainer."""
-    check_compatible(trainer, reader)
+    optimizer state of the ranges it owns NOW. Changes nothing in the run."""
+    check_compatible(state, reader)
     weights_only = is_weights_only(reader.attrs)
-    flat, opt = trainer.flat, trainer.optimizer
+    tensors = state.tensors()
     staged = StagedState(attrs=reader.attrs)
-    for p in flat.params:
+    for p in tensors.params:
         slab = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.local_shape)
         staged.copies.append((p.data, reader.read_checked(model_dataset(p.spec.name), slab)))
-    for piece, shard in opt.owned_pieces():
-        spec, offset = piece.param.spec, piece.flat_lo - piece.param_lo
-        for box, a, b in local_range_boxes(spec, piece.param_lo, piece.param_hi):
-            for kind in opt.state_kinds:
-                name, target = optim_dataset(kind, spec.name), shard.state(kind, offset + a, offset + b)
+    for piece in tensors.pieces:
+        owned = tensors.ranges[piece.owner]
+        for box, a, b in local_range_boxes(piece.spec, piece.lo, piece.hi):
+            for kind in tensors.state_kinds:
+                name, target = optim_dataset(kind, piece.spec.name), piece.take(owned.state[kind], a, b)
                 if kind == "master" and reader.shape(name) is None:  # written by a float32 run, or weights only
-                    staged.copies.append((target, flat.param_buffer[offset + a:offset + b]))
+                    staged.copies.append((target, piece.take(owned.params, a, b)))
                 elif weights_only:  # fresh moments
                     staged.copies.append((target, torch.zeros_like(target)))
                 else:
                     staged.copies.append((target, reader.read_checked(name, box).reshape(-1)))
     rng_shape = reader.shape("rng/torch_cpu")
-    if rng_shape is not None and rng_shape[0] == trainer.grid.info.size:
-        row = reader.read_checked("rng/torch_cpu", Box((trainer.grid.info.rank, 0), (1, rng_shape[1])))
+    if rng_shape is not None and rng_shape[0] == state.world_size:
+        row = reader.read_checked("rng/torch_cpu", Box((state.rank, 0), (1, rng_shape[1])))
         staged.rng_row = row.reshape(-1).copy()
     if not weights_only:  # else the reducer starts fresh, as in a new run
-        _read_compression(trainer, reader, staged)
+        _read_compression(state, reader, staged)
     reader.drop_cache()
     return staged
 
 
 @torch.no_grad()
-def apply_state(trainer, staged: StagedState) -> None:
-    """Copy a staged checkpoint into the trainer; restores step, sampler, scaler, optimizer, RNG."""
+def apply_state(state: TrainState, staged: StagedState) -> None:
+    """Copy a staged checkpoint into the run; restores step, sampler, scaler, optimizer, RNG, reducer."""
     for target, source in staged.copies:
         target.copy_(torch.from_numpy(source) if isinstance(source, np.ndarray) else source)
     attrs = staged.attrs
-    trainer.step = int(attrs["step"])
-    trainer.optimizer.step_count = int(attrs["optimizer_step"])
+    state.set_steps(int(attrs["step"]), int(attrs["optimizer_step"]))
     if is_weights_only(attrs):  # the run's own data order, loss scale and RNG, from the start
         return
-    trainer.batches.load_state_dict(attrs["sampler"])
-    if trainer.scaler.enabled and attrs.get("loss_scaler"):
-        trainer.scaler.load_state_dict(attrs["loss_scaler"])
+    state.load_sampler(attrs["sampler"])
+    if attrs.get("loss_scaler"):
+        state.load_loss_scaler(attrs["loss_scaler"])
     if staged.rng_row is not None:
-        torch.set_rng_state(torch.from_numpy(staged.rng_row))
-    trainer.flat.reducer.load_state_dict(staged.compression)
+        state.set_rng_state(torch.from_numpy(staged.rng_row))
+    state.reducer.load_state_dict(staged.compression)
 
 
-def load_into(trainer, reader) -> None:
+def load_into(state: TrainState, reader) -> None:
     """Read, check and apply a checkpoint in one go (raises CheckpointError on a problem, before the
-    trainer changes). The manager splits these phases to agree between them across ranks."""
-    staged = read_state(trainer, reader)
+    run changes). The manager splits these phases to agree between them across ranks."""
+    staged = read_state(state, reader)
     if reader.problems:
         raise CheckpointError(f"{reader.path}: " + "; ".join(reader.problems[:3]))
-    apply_state(trainer, staged)
+    apply_state(state, staged)

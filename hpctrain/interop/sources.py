@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from hpctrain.checkpoint.contract import TrainState
 from hpctrain.config import architecture_differences, resolve_model
 from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.interop.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFModelDir, parameter_shapes
@@ -86,30 +87,32 @@ def check_same_model(source_model, ours, where: str) -> None:
                             f"model.* as there (`hpctrain import-hf` prints the [model] section of an HF model)")
 
 
-def init_weights(trainer, path: str) -> None:
-    """Collective over the world: copy ``path``'s weights (HF dir or hpctrain checkpoint) into a fresh trainer.
-    Each rank reads its slab of every parameter it holds; the ranks agree before anything changes, so an
-    error (missing file, other model, corrupt checkpoint) is raised on every rank with the model untouched.
-    Optimizer state stays fresh; half-precision runs take their float32 master weights from the new values."""
+def init_weights(state: TrainState, path: str, world) -> None:
+    """Collective over ``world`` (the world Communicator): copy ``path``'s weights (HF dir or hpctrain
+    checkpoint) into a fresh run (``trainer.state``). Each rank reads its slab of every parameter it holds; the
+    ranks agree before anything changes, so an error (missing file, other model, corrupt checkpoint) is
+    raised on every rank with the model untouched. Optimizer state stays fresh; half-precision runs take
+    their float32 master weights from the new values."""
     staged, problem, source = [], None, None
+    tensors = state.tensors()
     try:
         source = open_source(path)
-        check_same_model(source.model, trainer.model_cfg, path)
-        for p in trainer.flat.params:
-            staged.append((p, source.read(p.spec.name, p.spec.local_slices())))
+        check_same_model(source.model, state.model_config, path)
+        for p in tensors.params:
+            staged.append((p.data, source.read(p.spec.name, p.spec.local_slices())))
     except (HpcTrainError, OSError) as exc:
         problem = str(exc)
     finally:
         if source is not None:
             source.close()
-    problems = [(r, e) for r, e in enumerate(trainer.grid.world.allgather_object(problem)) if e]
+    problems = [(r, e) for r, e in enumerate(world.allgather_object(problem)) if e]
     if problems:
         rank, message = problems[0]
-        others = f" (rank {rank}; {len(problems)} rank(s) failed)" if len(problems) < trainer.grid.world.size else ""
+        others = f" (rank {rank}; {len(problems)} rank(s) failed)" if len(problems) < world.size else ""
         raise everywhere(HpcTrainError(f"model.init_from={path}: {message}{others}"))
     with torch.no_grad():
-        for p, values in staged:
-            p.data.copy_(values)
-        for shard in trainer.optimizer.shards:
-            if shard.master is not shard.params:
-                shard.master.copy_(shard.params)
+        for data, values in staged:
+            data.copy_(values)
+        for owned in tensors.ranges:
+            if "master" in owned.state:  # a separate copy
+                owned.state["master"].copy_(owned.params)

@@ -21,11 +21,12 @@ a last bucket that ``finish_reduction`` starts after those pre-reductions.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from hpctrain.compression.reducer import DenseReducer
+from hpctrain.compression.reducer import DenseReducer, GradReducer
 from hpctrain.profiling.timers import NULL_TIMER
 
 TIED_GRAD_TAG = 23  # beside the pipeline's ACT_TAG = 21, GRAD_TAG = 22 on the same pp communicator
@@ -69,12 +70,18 @@ class Bucket:
 
 
 class FlatParams:
-    """Flat buffers, buckets and the DP gradient reducer of one pipeline stage's parameters."""
+    """Flat buffers, buckets and the DP gradient reducer of one pipeline stage's parameters.
+
+    Everything is fixed at construction: ``timer`` (the trainer's PhaseTimer), ``check_finite`` (float16
+    runs: compressed reducers flag inf/NaN as ``GradReducer.overflow``) and ``reducer``, built LAST by
+    ``make_reducer(self)`` once the buffers, buckets and timer exist (default: the dense reducer; the
+    Trainer passes one of ``hpctrain.compression.build_reducer``)."""
 
     def __init__(self, params: list, dp_comm, *, tp_comm=None, pp_comm=None, bucket_mb: float = 25.0, zero: bool = False,
-                 grad_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None, timer=NULL_TIMER, check_finite: bool = False,
+                 make_reducer: Callable[[FlatParams], GradReducer] = DenseReducer):
         self.params, self.dp_comm, self.tp_comm, self.pp_comm, self.zero = list(params), dp_comm, tp_comm, pp_comm, zero
-        self.timer = NULL_TIMER  # the trainer's PhaseTimer (set before the reducer is built)
+        self.timer, self.check_finite = timer, check_finite
         self.dp_size = 1 if dp_comm is None else dp_comm.size
         self.dp_rank = 0 if dp_comm is None else dp_comm.rank
         param_dtype = self.params[0].dtype
@@ -101,8 +108,7 @@ class FlatParams:
             if zero:
                 bucket.shard_grad = torch.zeros(bucket.size // self.dp_size, dtype=self.grad_dtype, device=device)
         self.last_microbatch = False
-        self.check_finite = False  # float16 runs: compressed reducers flag inf/NaN (GradReducer.overflow)
-        self.reducer = DenseReducer(self)  # the Trainer swaps in a compressed one (build_reducer)
+        self.reducer = make_reducer(self)  # last: it reads the buckets, buffers and timer
 
     def _make_buckets(self, bucket_elems: float) -> list[Bucket]:
         def needs_pre_reduction(p):

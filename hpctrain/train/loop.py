@@ -53,11 +53,11 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     info = grid.info
     trainer = Trainer(cfg, grid, device=device)
     checkpoints = CheckpointManager(cfg.checkpoint, grid, cfg.train.run_dir)
-    resumed = checkpoints.resume(trainer, resume)
+    resumed = checkpoints.resume(trainer.state, resume)
     if resumed is None and cfg.model.init_from:  # a fresh start (not a resume) from given weights
         from hpctrain.interop.sources import init_weights
 
-        init_weights(trainer, cfg.model.init_from)
+        init_weights(trainer.state, cfg.model.init_from, grid.world)
     is_root = info.rank == 0
     if is_root:
         _announce(cfg, grid, trainer, device, resumed)
@@ -78,13 +78,13 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
                 record["val_loss"] = trainer.evaluate()
                 record["time_s"]["eval"] = round(trainer.timer.take("eval"), 6)
             if interval and trainer.step % interval == 0 and trainer.step < last_step:
-                checkpoints.save(trainer)
+                checkpoints.save(trainer.state)
                 policy.record_save(checkpoints.last_save_s or 0.0)
                 record["time_s"]["checkpoint"] = round(trainer.timer.take("checkpoint"), 6)
             log.log(record)
         start = time.perf_counter()
         if trainer.step not in checkpoints.saved_steps and (resumed is None or trainer.step > 0):
-            checkpoints.save(trainer, sync=True)
+            checkpoints.save(trainer.state, sync=True)
         checkpoints.close()  # waits for an async save still in flight
         save_s = time.perf_counter() - start
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -28,6 +29,7 @@ from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fractio
 from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime.device import configure_matmul, peak_tflops
 from hpctrain.runtime.faults import FaultInjector
+from hpctrain.train.state import TrainerState
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -57,7 +59,8 @@ class StepMetrics:
 
 class Trainer:
     """One rank's share of the training step. ``device``: where parameters, gradients, optimizer state,
-    batches and pipeline buffers live (default CPU); collective over the world (``grid.use_device``)."""
+    batches and pipeline buffers live (default CPU); collective over the world (``grid.use_device``).
+    ``state``: what checkpoints and ``model.init_from`` see of it (``TrainState``, hpctrain/train/state.py)."""
 
     def __init__(self, cfg, grid, tokens=None, device=None):
         self.cfg, self.grid = cfg, grid
@@ -80,6 +83,7 @@ class Trainer:
         self.bubble = bubble_fraction(pp_size, self.layout.microbatches) if pp_size > 1 else 0.0
         self.peak_tflops = cfg.train.peak_tflops or peak_tflops(self.device, self.dtype, cfg.train.allow_tf32)
         self.faults = FaultInjector.from_env(grid.info.rank)  # test-only (HPCTRAIN_FAULT)
+        self.state = TrainerState(self)  # what checkpoints save and restore (hpctrain/checkpoint/contract.py)
 
     def _build_model(self) -> None:
         """This rank's stage (TP layers over tp), its flat buffers and DP reducer, optimizer, executor."""
@@ -92,10 +96,9 @@ class Trainer:
                               recompute=t.recompute)
         self.stage.to(self.device)  # initialised on the host from the global generator, then moved
         self.flat = FlatParams(list(self.stage.parameters()), grid.comm("dp"), tp_comm=tp_comm, pp_comm=pp_comm,
-                               bucket_mb=p.bucket_mb, zero=layout.zero == 1)
-        self.flat.timer = self.timer
-        self.flat.check_finite = self.dtype == torch.float16
-        self.flat.reducer = build_reducer(self.cfg.compression, self.flat, grid, seed=t.seed)
+                               bucket_mb=p.bucket_mb, zero=layout.zero == 1, timer=self.timer,
+                               check_finite=self.dtype == torch.float16,
+                               make_reducer=partial(build_reducer, self.cfg.compression, grid=grid, seed=t.seed))
         self.optimizer = FlatOptimizer(self.flat, self.cfg.optim, tp_rank=grid.coords["tp"])
         self.executor = PipelineExecutor(self.stage, pp_comm if pp_size > 1 else None, self.flat, layout.schedule,
                                          layout.microbatches, (layout.seq_shard, self.micro_batch, m.d_model),

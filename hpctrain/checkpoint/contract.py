@@ -1,0 +1,136 @@
+"""The state contract between a training run and the checkpoint code: what a checkpoint saves and restores.
+
+``TrainState`` is ALL that ``hpctrain/checkpoint`` and ``hpctrain/interop`` know of a run; the Trainer's
+implementation is ``hpctrain/train/state.py`` (``trainer.state``), and tests/unit/test_state_contract.py
+fails if code here names anything else of the trainer. Every member is this rank's and local: nothing
+communicates. Tensors are views: copying into them changes the run.
+
+What a checkpoint holds of a rank (docs/checkpoint-format.md):
+  model pieces      ``tensors().params``: the local slab of every parameter this rank holds
+  optimizer pieces  ``tensors().pieces``: the parameter elements whose optimizer state this rank owns,
+                    with ``state_kinds`` per element, inside the owned ``tensors().ranges``
+  reducer state     ``reducer``: error-feedback residuals, PowerSGD's Q (docs/compression.md)
+  root attributes   ``root_state()`` (step, optimizer step, sampler, loss scaler), ``rng_state()``, and
+                    the run's ``config`` and ``layout``; restored through ``set_steps`` and the ``load_*``
+                    / ``set_rng_state`` methods
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from hpctrain.config import Config, ModelConfig
+    from hpctrain.parallel.shard import ShardSpec
+    from hpctrain.profiling.timers import PhaseTimer
+
+
+@dataclass(frozen=True, eq=False)
+class ModelPiece:
+    """One parameter this rank holds: ``data`` is its local slab, shape ``spec.local_shape``, of the global
+    parameter ``spec.name`` (``spec``: its ShardSpec: ``global_shape``, ``local_slices()``, ``tied_copy``)."""
+
+    spec: ShardSpec
+    data: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class OwnedRange:
+    """A flat range whose optimizer state this rank owns (a dp bucket, or its ZeRO-1 1/dp slice): ``params``
+    the parameter values there (model dtype), ``state[kind]`` that optimizer state (state dtype); all 1-D,
+    one length. A separate ``"master"`` copy must follow ``params`` when the parameters change."""
+
+    params: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class OptimizerPiece:
+    """Elements [lo, hi) of the flattened local slab of parameter ``spec.name``; they lie at [at, at + hi - lo)
+    of the tensors of ``TrainTensors.ranges[owner]``. ``written``: this rank writes them to a checkpoint
+    (every global element is written by exactly one rank: its ZeRO-1 owner, or dp rank 0 without ZeRO;
+    among tp ranks and tied copies the one ``ShardSpec.counted_on`` names)."""
+
+    spec: ShardSpec
+    lo: int
+    hi: int
+    owner: int
+    at: int
+    written: bool
+
+    def take(self, tensor: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Slab elements [a, b) (lo <= a <= b <= hi) of this piece in ``tensor``: one of its range's
+        tensors, or a copy of one."""
+        return tensor[self.at + a - self.lo:self.at + b - self.lo]
+
+
+@dataclass(frozen=True)
+class TrainTensors:
+    """This rank's tensors in a checkpoint (views into the run)."""
+
+    params: list[ModelPiece]  # every parameter this rank holds, in model order (tied copy included)
+    ranges: list[OwnedRange]  # the flat ranges whose optimizer state this rank owns
+    pieces: list[OptimizerPiece]  # every parameter piece inside ``ranges``, in flat order
+    state_kinds: tuple[str, ...]  # ("exp_avg", "exp_avg_sq"), + "master" when it is a separate copy
+    model_dtype: torch.dtype  # of the parameters
+    state_dtype: torch.dtype  # of the optimizer state
+
+
+@dataclass(frozen=True)
+class RootState:
+    """The run's scalars a checkpoint saves as root attributes."""
+
+    step: int  # training steps taken: the checkpoint's step
+    optimizer_step: int  # optimizer updates taken (Adam's bias correction): skipped fp16 steps not counted
+    sampler: dict  # the position in the data order (GlobalBatchIterator.state_dict)
+    loss_scaler: dict  # the dynamic loss scale (DynamicLossScaler.state_dict)
+
+
+class ReducerState(Protocol):
+    """The dp gradient reducer's checkpointed state (``hpctrain.compression.GradReducer``)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Named tensors (error-feedback residuals, PowerSGD's Q); empty for a stateless reducer."""
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore ``state_dict()``; an empty dict starts the reducer fresh."""
+
+    def signature(self) -> dict:
+        """What must match for ``state_dict`` to be restored as is (JSON-able); empty: nothing to keep."""
+
+
+@runtime_checkable
+class TrainState(Protocol):
+    """One rank's training state, as checkpoints (checkpoint/state.py) and ``model.init_from``
+    (interop/sources.py) save and restore it."""
+
+    rank: int  # world rank
+    world_size: int
+    config: Config  # the run's config: saved whole (``config``; ``train.dtype`` as ``model_dtype``)
+    model_config: ModelConfig  # resolved: what weights-only checkpoints and init_from must match
+    layout: dict  # saved as ``layout``: {axis: size for each grid axis, "zero": 0 or 1, "world": world_size}
+    timer: PhaseTimer  # the blocking part of a save is its "checkpoint" phase
+    reducer: ReducerState
+
+    def tensors(self) -> TrainTensors:
+        """Model and optimizer pieces of this rank (fixed once the run is built)."""
+
+    def root_state(self) -> RootState:
+        """The scalars now."""
+
+    def set_steps(self, step: int, optimizer_step: int) -> None:
+        """Set the training step and the optimizer's update count (the two differ after skipped steps)."""
+
+    def load_sampler(self, state: dict) -> None:
+        """Restore ``RootState.sampler``: the data order goes on from there."""
+
+    def load_loss_scaler(self, state: dict) -> None:
+        """Restore ``RootState.loss_scaler``; ignored by a run without loss scaling."""
+
+    def rng_state(self) -> torch.Tensor:
+        """This rank's torch CPU generator state (uint8, 1-D)."""
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Restore ``rng_state()``."""

@@ -1,0 +1,58 @@
+"""The Trainer's side of the checkpoint contract (``hpctrain.checkpoint.contract.TrainState``): the one place
+that maps trainer internals (flat buffers, optimizer shards, sampler, loss scaler, dp reducer, step
+counters) to what a checkpoint saves and restores."""
+from __future__ import annotations
+
+import torch
+
+from hpctrain.checkpoint.contract import ModelPiece, OptimizerPiece, OwnedRange, RootState, TrainTensors
+
+
+class TrainerState:
+    """``TrainState`` of one Trainer, on this rank (``trainer.state``, built at the end of its construction)."""
+
+    def __init__(self, trainer):
+        self._trainer = trainer
+        grid, cfg = trainer.grid, trainer.cfg
+        self.rank, self.world_size = grid.info.rank, grid.info.size
+        self.config, self.model_config, self.timer = cfg, trainer.model_cfg, trainer.timer
+        self.layout = {**grid.sizes, "zero": cfg.parallel.zero, "world": grid.info.size}
+        self.reducer = trainer.flat.reducer
+
+    def tensors(self) -> TrainTensors:
+        """Model pieces: ``flat.params``; owned ranges: the optimizer's shards; pieces: ``owned_pieces()``,
+        written by the ZeRO owner (or dp rank 0) where ``ShardSpec.counted_on`` this tp rank."""
+        t = self._trainer
+        flat, opt, coords = t.flat, t.optimizer, t.grid.coords
+        kinds = opt.state_kinds
+        ranges, owner = [], {}
+        for shard in opt.shards:
+            owner[id(shard)] = len(ranges)
+            ranges.append(OwnedRange(shard.params, {kind: getattr(shard, kind) for kind in kinds}))
+        writes = flat.zero or coords["dp"] == 0
+        pieces = [OptimizerPiece(piece.param.spec, piece.param_lo, piece.param_hi, owner[id(shard)],
+                                 piece.flat_lo - shard.start, writes and piece.param.spec.counted_on(coords["tp"]))
+                  for piece, shard in opt.owned_pieces()]
+        return TrainTensors([ModelPiece(p.spec, p.data) for p in flat.params], ranges, pieces, kinds,
+                            flat.param_buffer.dtype, opt.master_dtype)
+
+    def root_state(self) -> RootState:
+        t = self._trainer
+        return RootState(t.step, t.optimizer.step_count, t.batches.state_dict(), t.scaler.state_dict())
+
+    def set_steps(self, step: int, optimizer_step: int) -> None:
+        self._trainer.step = step
+        self._trainer.optimizer.step_count = optimizer_step
+
+    def load_sampler(self, state: dict) -> None:
+        self._trainer.batches.load_state_dict(state)
+
+    def load_loss_scaler(self, state: dict) -> None:
+        if self._trainer.scaler.enabled:
+            self._trainer.scaler.load_state_dict(state)
+
+    def rng_state(self) -> torch.Tensor:
+        return torch.get_rng_state()  # the Trainer seeds torch's global generator per rank
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.set_rng_state(state)

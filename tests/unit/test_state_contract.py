@@ -1,0 +1,193 @@
+"""The state contract (hpctrain/checkpoint/contract.py): checkpoint/ and interop/ see a run only through
+``TrainState``; the Trainer's adapter (hpctrain/train/state.py) maps its internals to it; FlatParams is
+complete at construction. No MPI: fake dp groups and a stand-in trainer."""
+import ast
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from hpctrain.checkpoint import contract
+from hpctrain.checkpoint.contract import OptimizerPiece, TrainState
+from hpctrain.optim.flat import FlatOptimizer
+from hpctrain.parallel.data_parallel import FlatParams
+from hpctrain.parallel.shard import ShardSpec
+from hpctrain.train.state import TrainerState
+
+PACKAGE = Path(contract.__file__).resolve().parents[1]
+CHECKED = sorted((PACKAGE / "checkpoint").glob("*.py")) + sorted((PACKAGE / "interop").glob("*.py"))
+# the trainer-side classes whose attributes checkpoint/ and interop/ must not name: (file, classes)
+INTERNALS = [("train/trainer.py", {"Trainer"}), ("train/state.py", {"TrainerState"}),
+             ("parallel/data_parallel.py", {"FlatParams", "Bucket", "ParamPiece"}),
+             ("optim/flat.py", {"FlatOptimizer", "OptimizerShard"})]
+# names too common to flag anywhere (slices, arrays, configs have them too); on a run itself they still
+# count as outside the contract
+GENERIC = {"start", "end", "size", "index", "dtype", "device", "step", "cfg", "params", "data", "state", "pending"}
+FORBIDDEN_IMPORTS = ("hpctrain.train", "hpctrain.optim", "hpctrain.parallel.data_parallel")
+
+
+def members(proto) -> set[str]:
+    """The attributes and methods a Protocol declares."""
+    return set(proto.__annotations__) | {n for n, v in vars(proto).items() if callable(v) and n[0] != "_"}
+
+
+def contract_names() -> set[str]:
+    """Every name the contract defines: TrainState's and ReducerState's members, the dataclasses' fields
+    and methods."""
+    names = members(contract.TrainState) | members(contract.ReducerState)
+    for cls in (contract.ModelPiece, contract.OwnedRange, contract.OptimizerPiece, contract.TrainTensors,
+                contract.RootState):
+        names |= {f.name for f in dataclasses.fields(cls)} | {n for n, v in vars(cls).items()
+                                                             if callable(v) and n[0] != "_"}
+    return names
+
+
+def internal_names() -> set[str]:
+    """Attributes and methods of the trainer-side classes (``self.x = ...``, fields, defs), minus the
+    contract's and GENERIC names."""
+    names = set()
+    for rel, classes in INTERNALS:
+        for cls in ast.walk(ast.parse((PACKAGE / rel).read_text())):
+            if not (isinstance(cls, ast.ClassDef) and cls.name in classes):
+                continue
+            for node in ast.walk(cls):
+                if isinstance(node, ast.FunctionDef) and node in cls.body:
+                    names.add(node.name)
+                elif isinstance(node, ast.AnnAssign) and node in cls.body and isinstance(node.target, ast.Name):
+                    names.add(node.target.id)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                        and isinstance(node.value, ast.Name) and node.value.id == "self":
+                    names.add(node.attr)
+    return names - contract_names() - GENERIC - {"__init__"}
+
+
+def contract_violations(source: str, filename: str) -> list[str]:
+    """``file:line: what`` for each place ``source`` reaches past the contract: an attribute of a run (a
+    name ``trainer``, or a parameter annotated ``TrainState``; also through get/set/hasattr) that TrainState
+    does not have; anywhere but on ``self``, an attribute only the trainer's internals have
+    (``.param_buffer``, ``.flat_lo``, ``.owned_pieces``, ...); an import of the training side
+    (hpctrain.train, hpctrain.optim, parallel.data_parallel)."""
+    tree, allowed, internals = ast.parse(source), members(contract.TrainState), internal_names()
+    runs = {"trainer"} | {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg) and a.annotation is not None
+                          and "TrainState" in ast.unparse(a.annotation)}
+    outside, found = ": not in the state contract (TrainState)", []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            owner = node.value.id if isinstance(node.value, ast.Name) else None
+            if (owner in runs and node.attr not in allowed) or (owner != "self" and node.attr in internals):
+                found.append((node.lineno, ast.unparse(node) + outside))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.endswith("attr") \
+                and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id in runs \
+                and isinstance(node.args[1], ast.Constant) and node.args[1].value not in allowed:
+            found.append((node.lineno, ast.unparse(node) + outside))  # getattr / setattr / hasattr
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for module in modules:
+                if module.startswith(FORBIDDEN_IMPORTS):
+                    found.append((node.lineno, f"imports {module}: the training side imports checkpoint, "
+                                               f"never the reverse"))
+    return [f"{filename}:{line}: {what}" for line, what in sorted(found)]
+
+
+def test_checkpoint_and_interop_use_only_the_contract():
+    assert len(CHECKED) >= 10 and {"param_buffer", "flat_lo", "owned_pieces", "step_count", "flat"} <= internal_names()
+    problems = [v for path in CHECKED for v in contract_violations(path.read_text(), str(path.relative_to(PACKAGE)))]
+    assert problems == []
+
+
+def test_a_violation_is_reported_with_file_and_line():
+    snippet = ("from hpctrain.optim.flat import FlatOptimizer\n"
+               "def save(state: 'TrainState', reader):\n"
+               "    state.set_steps(1, 1)\n"
+               "    n = state.tensors().pieces[0].lo + reader.shape(1).size\n"
+               "    buf = state.flat.param_buffer\n"
+               "    for piece, shard in other.owned_pieces():\n"
+               "        piece.flat_lo\n"
+               "    trainer.step = 3\n"
+               "    setattr(state, 'step', 4)\n")
+    assert contract_violations(snippet, "checkpoint/bad.py") == [
+        "checkpoint/bad.py:1: imports hpctrain.optim.flat: the training side imports checkpoint, never the reverse",
+        "checkpoint/bad.py:5: state.flat.param_buffer: not in the state contract (TrainState)",
+        "checkpoint/bad.py:5: state.flat: not in the state contract (TrainState)",
+        "checkpoint/bad.py:6: other.owned_pieces: not in the state contract (TrainState)",
+        "checkpoint/bad.py:7: piece.flat_lo: not in the state contract (TrainState)",
+        "checkpoint/bad.py:8: trainer.step: not in the state contract (TrainState)",
+        "checkpoint/bad.py:9: setattr(state, 'step', 4): not in the state contract (TrainState)",
+    ]
+
+
+# ------------------------------------------------------------------ the Trainer's side
+def params(*specs, dtype=torch.float32):
+    out = []
+    for spec in specs:
+        p = nn.Parameter(torch.arange(float(torch.Size(spec.local_shape).numel()), dtype=dtype).view(spec.local_shape))
+        p.spec = spec
+        out.append(p)
+    return out
+
+
+def stand_in_trainer(ps, *, dp_rank, zero, tp_rank=0):
+    """What TrainerState reads of a Trainer, built from real FlatParams and FlatOptimizer over a fake dp group."""
+    flat = FlatParams(ps, SimpleNamespace(size=2, rank=dp_rank), zero=zero)
+    grid = SimpleNamespace(info=SimpleNamespace(rank=3, size=4), sizes={"dp": 2, "tp": 2, "pp": 1},
+                           coords={"dp": dp_rank, "tp": tp_rank, "pp": 0})
+    cfg = SimpleNamespace(parallel=SimpleNamespace(zero=int(zero)))
+    state_dict = lambda: {"position": 7}  # noqa: E731
+    return SimpleNamespace(grid=grid, cfg=cfg, model_cfg="model", timer="timer", flat=flat, step=5,
+                           optimizer=FlatOptimizer(flat, SimpleNamespace(), tp_rank=tp_rank),
+                           batches=SimpleNamespace(state_dict=state_dict),
+                           scaler=SimpleNamespace(state_dict=lambda: {}, enabled=False))
+
+
+def test_trainer_state_maps_owned_pieces_and_who_writes():
+    w, v = params(ShardSpec("w", (2, 3)), ShardSpec("v", (4,), 0, 1, 2))  # w replicated over tp, v split
+    trainer = stand_in_trainer([w, v], dp_rank=1, zero=True, tp_rank=1)  # one bucket [0, 8): v 0..2, w 2..8
+    state = TrainerState(trainer)
+    assert isinstance(state, TrainState)
+    assert state.layout == {"dp": 2, "tp": 2, "pp": 1, "zero": 1, "world": 4} and state.rank == 3
+    tensors = state.tensors()
+    assert [p.spec.name for p in tensors.params] == ["w", "v"] and tensors.params[0].data.data_ptr() == w.data_ptr()
+    (owned,) = tensors.ranges  # ZeRO: dp rank 1 owns [4, 8), all of it inside w (elements 2..6)
+    assert tensors.pieces == [OptimizerPiece(w.spec, 2, 6, 0, 0, False)]  # tp rank 1: w is tp rank 0's to write
+    assert torch.equal(tensors.pieces[0].take(owned.params, 3, 5), w.detach().reshape(-1)[3:5])
+    assert tensors.state_kinds == ("exp_avg", "exp_avg_sq") and owned.state["exp_avg"].numel() == 4
+    w, v = params(ShardSpec("w", (2, 3)), ShardSpec("v", (4,), 0, 0, 2))
+    tp0 = TrainerState(stand_in_trainer([w, v], dp_rank=1, zero=True, tp_rank=0)).tensors()
+    assert [p.written for p in tp0.pieces] == [True]  # ZeRO: the owner writes, on tp rank 0
+    rank0 = TrainerState(stand_in_trainer(params(ShardSpec("w", (2, 3))), dp_rank=0, zero=False)).tensors()
+    assert [p.written for p in rank0.pieces] == [True]  # no ZeRO: dp rank 0 writes everything it counts
+    unowned = TrainerState(stand_in_trainer(params(ShardSpec("w", (2, 3))), dp_rank=1, zero=False)).tensors()
+    assert [p.written for p in unowned.pieces] == [False]
+
+
+def test_trainer_state_root_state_and_step_counters():
+    trainer = stand_in_trainer(params(ShardSpec("w", (2, 2))), dp_rank=0, zero=False)
+    trainer.optimizer.step_count = 4
+    state = TrainerState(trainer)
+    assert state.root_state() == contract.RootState(5, 4, {"position": 7}, {})
+    state.set_steps(11, 9)
+    assert (trainer.step, trainer.optimizer.step_count) == (11, 9)
+    state.load_loss_scaler({"scale": 2.0})  # no loss scaling in this run: ignored
+
+
+def test_half_precision_runs_checkpoint_a_separate_master_copy():
+    trainer = stand_in_trainer(params(ShardSpec("w", (2, 2)), dtype=torch.bfloat16), dp_rank=0, zero=False)
+    tensors = TrainerState(trainer).tensors()
+    assert tensors.state_kinds == ("exp_avg", "exp_avg_sq", "master")
+    assert (tensors.model_dtype, tensors.state_dtype) == (torch.bfloat16, torch.float32)
+
+
+def test_flat_params_is_complete_at_construction():
+    """The reducer is built last, from the finished FlatParams: it sees the timer and buckets passed in."""
+    seen = {}
+
+    def make_reducer(flat):
+        seen.update(timer=flat.timer, check=flat.check_finite, buckets=len(flat.buckets))
+        return "reducer"
+
+    flat = FlatParams(params(ShardSpec("w", (2, 2))), None, timer="timer", check_finite=True,
+                      make_reducer=make_reducer)
+    assert flat.reducer == "reducer" and seen == {"timer": "timer", "check": True, "buckets": 1}
+    assert type(FlatParams(params(ShardSpec("w", (2, 2))), None).reducer).__name__ == "DenseReducer"

@@ -167,6 +167,8 @@ class TrainConfig:
     time_limit_margin_s: float = _field(60.0, above=0)  # time kept for the final save until one is measured
     requeue: str = _field("auto", choices=("auto", "never"))  # auto: scontrol requeue on a signal/time stop
     loss_scale: float = _field(65536.0, above=0)  # initial dynamic loss scale for float16
+    nonfinite: str = _field("stop", choices=("stop", "skip"))  # a non-finite loss/grad norm: stop (exit 4, nothing saved) or skip the step
+    max_skipped_steps: int = _field(20, min=1)  # consecutive skipped steps (any cause, float16 overflow too) before the run stops
     run_dir: str = "runs/default"
     progress: bool = True
     eval_interval: int = _field(0, min=0)  # steps between validation losses (needs data.valid_fraction); 0 = off

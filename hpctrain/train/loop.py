@@ -74,6 +74,10 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
             record = trainer.train_step().as_dict()
             policy.record_step(record["step_time_s"])
             lock.heartbeat()
+            if trainer.diverged:  # identical on every rank; the bad update was not applied, nothing is saved
+                log.log(record)
+                reason = trainer.diverged.stop
+                break
             if cfg.train.eval_interval and (trainer.step % cfg.train.eval_interval == 0 or trainer.step == last_step):
                 record["val_loss"] = trainer.evaluate()
                 record["time_s"]["eval"] = round(trainer.timer.take("eval"), 6)
@@ -83,7 +87,8 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
                 record["time_s"]["checkpoint"] = round(trainer.timer.take("checkpoint"), 6)
             log.log(record)
         start = time.perf_counter()
-        if trainer.step not in checkpoints.saved_steps and (resumed is None or trainer.step > 0):
+        if trainer.diverged is None and trainer.step not in checkpoints.saved_steps and (
+                resumed is None or trainer.step > 0):
             checkpoints.save(trainer.state, sync=True)
         checkpoints.close()  # waits for an async save still in flight
         save_s = time.perf_counter() - start
@@ -96,7 +101,31 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
         summary.update(ranks=grid.info.size, nodes=grid.info.num_nodes, **{k: v for k, v in grid.sizes.items()})
         with open(os.path.join(cfg.train.run_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(finite_or_none(summary), f, indent=1, allow_nan=False)
+    if trainer.diverged:
+        return _diverged(cfg, grid, trainer.diverged, checkpoints, trainer.step, is_root, lock)
     return _finish(cfg, grid, reason, trainer.step, save_s, is_root, lock)  # closes the grid
+
+
+def _diverged(cfg, grid, verdict, checkpoints, step: int, is_root: bool, lock) -> int:
+    """Log the stop and the one line that says why; nothing was saved after the bad step. Returns
+    DIVERGED_EXIT on every rank (the launcher's exit code)."""
+    from hpctrain.checkpoint.manager import list_checkpoints
+    from hpctrain.train.guard import DIVERGED_EXIT
+    from hpctrain.train.metrics import json_line
+
+    if is_root:
+        kept = [r for r in list_checkpoints(checkpoints.dir) if r["complete"]]
+        newest = f"the newest checkpoint is step {kept[-1]['step']} ({kept[-1]['path']})" if kept else "no checkpoint"
+        event = {"event": "stop", "reason": verdict.stop, "step": step, "detail": verdict.detail,
+                 "checkpoint": kept[-1]["path"] if kept else None}
+        with open(os.path.join(cfg.train.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json_line(event))
+        print(f"hpctrain train: stopped at {verdict.detail}; the update was not applied and nothing was saved; "
+              f"{newest}; exit {DIVERGED_EXIT}", flush=True)
+    grid.world.barrier()
+    lock.release()
+    grid.close()
+    return DIVERGED_EXIT
 
 
 def _agree_to_go_on(policy, trainer, grid) -> str:

@@ -23,6 +23,7 @@ from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
 from hpctrain.compression import build_reducer
 from hpctrain.optim.flat import FlatOptimizer, lr_at
 from hpctrain.optim.loss_scale import DynamicLossScaler
+from hpctrain.train.guard import DivergenceGuard
 from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
@@ -104,6 +105,8 @@ class Trainer:
                                          layout.microbatches, (layout.seq_shard, self.micro_batch, m.d_model),
                                          self.dtype, device=self.device, timer=self.timer)
         self.scaler = DynamicLossScaler(t.loss_scale, enabled=self.dtype == torch.float16)
+        self.guard = DivergenceGuard(t.nonfinite, t.max_skipped_steps)
+        self.diverged = None  # the last step's Verdict when the run must stop (non-finite, too many skips)
 
     def _build_data(self, tokens) -> None:
         """The corpus (read by rank 0, broadcast) and this dp rank's (seed, index) batch iterator."""
@@ -151,7 +154,9 @@ class Trainer:
             grid.world.allreduce(norm_sq)
         grad_norm = math.sqrt(norm_sq.item()) if math.isfinite(norm_sq.item()) else float("inf")
         old_scale = self.scaler.scale
-        skipped = self.scaler.update(grad_norm)  # same decision on every rank: grad_norm is global
+        # the same verdict on every rank: loss and grad_norm are global (hpctrain/train/guard.py)
+        verdict = self.guard.judge(self.step + 1, loss, grad_norm, self.scaler)
+        skipped, self.diverged = verdict.skip, (verdict if verdict.stop else None)
         reducer.after_step(skipped, self.scaler.scale / old_scale)
         lr = lr_at(self.step, t)
         self.faults.hit("optimizer", self.step + 1)

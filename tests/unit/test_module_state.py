@@ -56,4 +56,5 @@ def test_the_check_sees_a_registry_filled_at_import(tmp_path):
     source.write_text("REGISTRY = {}\n\n\ndef register(cls):\n    REGISTRY[cls.name] = cls\n    return cls\n\n\n"
                       "def count():\n    global CALLS\n    CALLS += 1\n\n\ndef local():\n    REGISTRY = {}\n"
                       "    REGISTRY['a'] = 1\n")
-    assert writes(source, tmp_path) == ["registry.py:5: writes into module-level REGISTRY", "registry.py:10: global CALLS"]
+    assert writes(source, tmp_path) == ["registry.py:5: writes into module-level REGISTRY",
+                                        "registry.py:10: global CALLS"]

@@ -1,8 +1,8 @@
 """hpctrain: MPI-native training of large models on supercomputers.
 
-Layers, bottom up: ``runtime`` (who am I, which device), ``comm`` (process grid and collectives),
-``parallel`` (the layout rules; tensor / pipeline / data parallelism), ``models``, ``optim``,
-``train``, ``checkpoint``; ``tools``, ``bench`` and ``cli`` on top. Layers import only downward.
-See docs/architecture.md.
+Layers, bottom up: ``runtime``, ``profiling``, ``config`` (configuration and layout rules), ``comm``
+(backends, collectives, grid), ``data``, ``compression``, ``parallel``, ``models``, ``optim``,
+``checkpoint``, ``interop``, ``train``; ``plan``, ``sweep``, ``bench``, ``tools`` and ``cli`` on top.
+Layers import only downward: the table is ``hpctrain/layers.py``, described in docs/architecture.md.
 """
 __version__ = "0.1.0"

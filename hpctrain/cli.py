@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_info(sub)
     _add_bench(sub)
     for extra in ("hpctrain.train.cli", "hpctrain.checkpoint.cli", "hpctrain.profiling.cli",
-                  "hpctrain.sweep.cli", "hpctrain.data.cli", "hpctrain.models.cli", "hpctrain.interop.cli",
+                  "hpctrain.sweep.cli", "hpctrain.data.cli", "hpctrain.tools.cli", "hpctrain.interop.cli",
                   "hpctrain.plan.cli"):
         if importlib.util.find_spec(extra) is not None:  # subcommands of later layers
             importlib.import_module(extra).add_parser(sub)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from hpctrain.errors import HpcTrainError
+from hpctrain.parallel.rules import check_stages  # the layout rules that need no world size
 
 
 class ConfigError(HpcTrainError, ValueError):
@@ -372,8 +373,6 @@ def validate(cfg: Config) -> None:
     _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
              f"n_heads={m.n_heads} not divisible by n_kv_heads={m.n_kv_heads}")
     p, t = cfg.parallel, cfg.train
-    from hpctrain.parallel.layout import check_stages  # the layout rules that need no world size
-
     try:
         check_stages(m, p.pp, p.stage_layers)
     except HpcTrainError as exc:

@@ -17,7 +17,8 @@ import sys
 from hpctrain.comm.collectives import Communicator
 from hpctrain.comm.watchdog import CommStats, Watchdog
 from hpctrain.errors import GridError
-from hpctrain.parallel.layout import Layout, resolve_sizes
+from hpctrain.parallel.layout import Layout
+from hpctrain.parallel.rules import resolve_sizes
 from hpctrain.runtime.launcher import RankInfo
 
 AXES = ("dp", "pp", "tp")  # outermost -> innermost

@@ -1,4 +1,4 @@
-"""The compressor contract and the method registry.
+"""The compressor contract (the methods by name: ``COMPRESSORS`` in ``methods.py``).
 
 A compressor maps a 1-D gradient chunk ``x`` (n elements, float32 or float64) to a uint8 payload of
 ``payload_nbytes(n)`` bytes (fixed for a given n, so payloads of equal chunks line up in one
@@ -15,13 +15,6 @@ all-to-all or all-gather, and a multiple of 8 so any dtype can be viewed inside)
 from __future__ import annotations
 
 import torch
-
-REGISTRY: dict[str, type] = {}
-
-
-def register(cls):
-    REGISTRY[cls.name] = cls
-    return cls
 
 
 def pad8(nbytes: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpctrain.compression.base import Compressor, frame, pad8, register
+from hpctrain.compression.base import Compressor, frame, pad8
 
 INT8_BLOCK = 256
 
@@ -26,19 +26,16 @@ class _Cast(Compressor):
         return payload[:2 * n].view(self.wire_dtype).to(dtype)
 
 
-@register
 class Fp16(_Cast):
     """IEEE half: 10-bit mantissa, overflows above 65504 (a float16 run's loss scaler then skips the step)."""
     name, wire_dtype = "fp16", torch.float16
 
 
-@register
 class Bf16(_Cast):
     """bfloat16: float32's range, 7-bit mantissa."""
     name, wire_dtype = "bf16", torch.bfloat16
 
 
-@register
 class Int8(Compressor):
     """Symmetric int8, one float32 scale (max |x| / 127) per block of 256 values; round to nearest."""
     name = "int8"
@@ -64,7 +61,6 @@ class Int8(Compressor):
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
-@register
 class OneBit(Compressor):
     """Sign bits (x >= 0 -> +1) packed 8 per byte, times one scale per chunk: mean |x|, which
     minimises the L2 error of sign(x) * s. Only useful with error feedback."""

@@ -15,11 +15,8 @@ compressed sum across nodes on 1/L of the bucket (L ranks per node), then an all
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from hpctrain.compression.base import REGISTRY
 from hpctrain.compression.exchange import STRATEGIES, Stopwatch, own_block
 from hpctrain.compression.memory import ErrorFeedback
 
@@ -170,25 +167,3 @@ class CompressedReducer(GradReducer):
         return {"method": c.method, "scope": c.scope, "error_feedback": c.error_feedback,
                 "buckets": [(b.start, b.end) for b in self.flat.buckets], "dp": self.comm.size,
                 "node_split": None if self.intra is None else [self.intra.size, self.inter.size]}
-
-
-def build_reducer(cfg, flat, grid, seed: int = 0, stream=sys.stderr) -> GradReducer:
-    """Collective over the dp group when ``cfg.scope == "inter-node"`` (node sub-groups are split off).
-    ``cfg``: the ``[compression]`` section."""
-    if cfg.method == "none" or flat.dp_comm is None or flat.dp_size == 1:
-        return DenseReducer(flat)
-    node_comms = None
-    if cfg.scope == "inter-node":
-        node_comms, problem = grid.node_split("dp")
-        if problem and grid.info.rank == 0:
-            print(f"hpctrain: WARNING: compression.scope='inter-node': {problem}; compressing every dp link "
-                  f"instead", file=stream, flush=True)
-    if cfg.method == "powersgd":
-        from hpctrain.compression.powersgd import PowerSGDReducer
-
-        return PowerSGDReducer(flat, cfg, seed=seed, node_comms=node_comms)
-    import hpctrain.compression.quantize  # noqa: F401  (registers the methods)
-    import hpctrain.compression.sparse  # noqa: F401
-    import hpctrain.compression.zfp  # noqa: F401
-
-    return CompressedReducer(flat, cfg, REGISTRY[cfg.method](cfg), seed=seed, node_comms=node_comms)

@@ -9,14 +9,13 @@ import math
 
 import torch
 
-from hpctrain.compression.base import Compressor, frame, pad8, register
+from hpctrain.compression.base import Compressor, frame, pad8
 
 
 def kept(n: int, density: float) -> int:
     return max(1, min(n, math.ceil(density * n)))
 
 
-@register
 class TopK(Compressor):
     """Payload: k int32 indices, then k values in the gradient's dtype."""
     name, strategy = "topk", "allgather"
@@ -38,7 +37,6 @@ class TopK(Compressor):
         return torch.zeros(n, dtype=dtype, device=payload.device).index_put_((index,), values, accumulate=True)
 
 
-@register
 class RandomK(Compressor):
     """k = density * n indices drawn without replacement from a generator seeded by (train.seed,
     step, bucket): identical on every rank of the group, different every step."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hpctrain.compression.base import Compressor, frame, pad8, register
+from hpctrain.compression.base import Compressor, frame, pad8
 from hpctrain.errors import HpcTrainError
 
 
@@ -21,7 +21,6 @@ def _zfpy():
     return zfpy
 
 
-@register
 class Zfp(Compressor):
     """Payload: 8 bytes holding the stream length, then zfpy's stream (header + fixed-rate blocks)."""
     name = "zfp"

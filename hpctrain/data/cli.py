@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 def _train_tokenizer(args) -> int:
     import os
 
-    from hpctrain.data.corpus import DataError, text_documents
+    from hpctrain.data.documents import DataError, text_documents
     from hpctrain.data.tokenizer import train_bpe
 
     if os.path.exists(args.out) and not args.force:

@@ -15,18 +15,14 @@ import tempfile
 
 import numpy as np
 
-from hpctrain.errors import HpcTrainError, everywhere
+from hpctrain.data.documents import BINARY_SNIFF_BYTES, BUILTIN_SOURCE, DataError  # noqa: F401 (re-exported)
+from hpctrain.data.documents import builtin_source_files, folder_text_files
+from hpctrain.data.prepared import PreparedCorpus, is_prepared
+from hpctrain.errors import everywhere
 
-BUILTIN_SOURCE = "builtin"
 BYTE_VOCAB_SIZE = 256
 FILE_SEPARATOR = b"\n\n"
-BINARY_SNIFF_BYTES = 8192
-SKIPPED_STDLIB_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "__pycache__"})
 CACHE_FORMAT_TAG = "hpctrain-builtin-v1"
-
-
-class DataError(HpcTrainError, ValueError):
-    """A corpus could not be loaded; the message names the path and the problem (a user error: exit 2)."""
 
 
 def default_cache_dir() -> str:
@@ -63,8 +59,6 @@ def load_tokens_collective(comm, source: str = BUILTIN_SOURCE, cache_dir: str = 
     read the cache (memory-mapped) or the source itself. Uses only ``comm.Get_rank``
     and ``comm.bcast``.
     """
-    from hpctrain.data.prepared import PreparedCorpus, is_prepared
-
     if is_prepared(source):  # `hpctrain data prepare` output: every rank opens it and reads its own windows
         return PreparedCorpus(source)
     if comm is None:
@@ -127,18 +121,6 @@ def _load(source: str, cache_dir: str, max_bytes: int, mmap: bool) -> tuple[np.n
 
 # ---------------------------------------------------------------- builtin corpus
 
-def builtin_source_files() -> list[str]:
-    """Sorted paths of the stdlib ``.py`` files (no site-packages/test/tests/idlelib)."""
-    stdlib_root = sysconfig.get_paths()["stdlib"]
-    if not os.path.isdir(stdlib_root):
-        raise DataError(f"builtin corpus: stdlib folder {stdlib_root!r} does not exist")
-    paths = []
-    for folder, subfolders, names in os.walk(stdlib_root):
-        subfolders[:] = [d for d in subfolders if d not in SKIPPED_STDLIB_DIRS]
-        paths.extend(os.path.join(folder, n) for n in names if n.endswith(".py"))
-    return sorted(paths)
-
-
 def builtin_cache_path(cache_dir: str, files: list[str], max_bytes: int) -> str:
     """Cache file for the builtin corpus; name hashes (python version, #files, size, max_bytes)."""
     total_size = sum(os.path.getsize(p) for p in files)
@@ -199,43 +181,6 @@ def _read_file(path: str, max_bytes: int) -> bytes:
             return handle.read(max_bytes) if max_bytes > 0 else handle.read()
     except OSError as exc:
         raise DataError(f"data source {path!r}: cannot read file: {exc}") from exc
-
-
-def _is_text_file(path: str) -> bool:
-    """False for binary files (a NUL byte in the first 8 KiB) and unreadable ones."""
-    try:
-        with open(path, "rb") as handle:
-            return b"\0" not in handle.read(BINARY_SNIFF_BYTES)
-    except OSError:
-        return False
-
-
-def folder_text_files(folder: str) -> list[str]:
-    """The text-like files under ``folder`` (recursive, sorted, hidden entries and binary files skipped)."""
-    paths = []
-    for current, subfolders, names in os.walk(folder):
-        subfolders[:] = [d for d in subfolders if not d.startswith(".")]
-        paths.extend(os.path.join(current, n) for n in names if not n.startswith("."))
-    text_paths = [p for p in sorted(paths) if os.path.isfile(p) and _is_text_file(p)]
-    if not text_paths:
-        raise DataError(f"data source {folder!r}: folder holds no text files "
-                        "(binary files, with a NUL byte in the first 8 KiB, are skipped)")
-    return text_paths
-
-
-def text_documents(sources: list[str]) -> list[str]:
-    """The files behind ``sources`` (``builtin``, folders, files), in order: one document each."""
-    files = []
-    for source in sources:
-        if source == BUILTIN_SOURCE:
-            files += builtin_source_files()
-        elif os.path.isdir(source):
-            files += folder_text_files(source)
-        elif os.path.isfile(source):
-            files.append(source)
-        else:
-            raise DataError(f"input {source!r} does not exist (give files, folders or 'builtin')")
-    return files
 
 
 def _read_folder(folder: str, max_bytes: int) -> bytes:

@@ -24,7 +24,7 @@ import shutil
 
 import numpy as np
 
-from hpctrain.data.corpus import DataError, text_documents
+from hpctrain.data.documents import DataError, text_documents
 from hpctrain.errors import everywhere
 
 FORMAT = "hpctrain-tokens-v1"

@@ -7,7 +7,7 @@ SwiGLU MLP (gate, up, down: three ``d_model x d_ff`` matrices).
 """
 from __future__ import annotations
 
-from hpctrain.parallel.layout import check_stages
+from hpctrain.parallel.rules import check_stages
 
 
 def block_matmul_parameters(m) -> int:

@@ -1,7 +1,7 @@
 """Enumerate the layouts of a model on a machine, keep those that fit, rank them by predicted tokens/s.
 
 Feasibility has two sources, each reported with its reason: the layout rules, checked only by
-``Layout(...).validate(model)`` (hpctrain/parallel/layout.py: the ``LayoutError``/``GridError`` message
+``Layout(...).validate(model)`` (hpctrain/parallel/rules.py: the ``LayoutError``/``GridError`` message
 is the reason), and memory (memory.py) against the device's capacity.
 """
 from __future__ import annotations

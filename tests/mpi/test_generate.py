@@ -5,7 +5,7 @@ import sys
 import torch
 
 from hpctrain.checkpoint.weights import load_model, open_checkpoint
-from hpctrain.models.generate import generate_ids
+from hpctrain.tools.generate import generate_ids
 from mpirun import ROOT, mpi_env, run_mpi
 
 COMMON = ["--config", "configs/tiny.toml", "train.steps=3", "train.dtype=float64", "train.progress=false",

@@ -1,20 +1,21 @@
 """Each compressor alone: payload size, reconstruction error bounds, and the error-feedback invariant."""
+import dataclasses
 import types
 
 import pytest
 import torch
 
-from hpctrain.compression import quantize, sparse, zfp  # noqa: F401  (register)
-from hpctrain.compression.base import REGISTRY
 from hpctrain.compression.memory import ErrorFeedback
+from hpctrain.compression.methods import COMPRESSORS
 from hpctrain.compression.powersgd import compressible
+from hpctrain.config import CompressionConfig
 
 CFG = types.SimpleNamespace(density=0.01, zfp_rate=8.0)
 N = 10_000
 
 
 def roundtrip(name, x, cfg=CFG):
-    c = REGISTRY[name](cfg)
+    c = COMPRESSORS[name](cfg)
     payload = c.compress(x)
     assert payload.dtype == torch.uint8 and payload.numel() == c.payload_nbytes(x.numel(), x.dtype)
     assert payload.numel() % 8 == 0
@@ -61,7 +62,7 @@ def test_topk_keeps_exactly_the_largest(x):
 
 
 def test_randomk_indices_are_shared_and_change_per_step():
-    c = REGISTRY["randomk"](CFG)
+    c = COMPRESSORS["randomk"](CFG)
     a, b = c.indices(N, (1, 5, 0), "cpu"), c.indices(N, (1, 5, 0), "cpu")
     assert torch.equal(a, b) and a.numel() == 100 and a.unique().numel() == 100
     assert not torch.equal(a, c.indices(N, (1, 6, 0), "cpu"))
@@ -76,7 +77,7 @@ def test_zfp_rate_bounds_size_and_error(x):
 
 @pytest.mark.parametrize("name", ["topk", "onebit", "int8"])
 def test_error_feedback_keeps_transmitted_plus_residual_equal_to_input(name):
-    memory, c = ErrorFeedback(), REGISTRY[name](CFG)
+    memory, c = ErrorFeedback(), COMPRESSORS[name](CFG)
     total_in = torch.zeros(N, dtype=torch.float64)
     total_sent = torch.zeros(N, dtype=torch.float64)
     for step in range(20):
@@ -95,3 +96,10 @@ def test_powersgd_compresses_only_matrices_well_below_full_size():
     assert compressible((256, 256), 4, 0) and not compressible((256,), 4, 0)
     assert not compressible((8, 8), 4, 0)  # 2 (8 + 8) 4 > 64
     assert not compressible((256, 256), 4, 10**6)  # min_numel
+
+
+def test_every_configurable_method_has_a_compressor():
+    """``compression.method`` choices == the table's names + the two methods that are not chunk-wise."""
+    choices = {f.name: f.metadata for f in dataclasses.fields(CompressionConfig)}["method"]["choices"]
+    assert set(choices) == set(COMPRESSORS) | {"none", "powersgd"}
+    assert all(cls.name == name for name, cls in COMPRESSORS.items())

@@ -1,4 +1,4 @@
-"""Every layout rule's message, without MPI (hpctrain/parallel/layout.py), and the derived sizes."""
+"""Every layout rule's message, without MPI (hpctrain/parallel/rules.py, layout.py), and the derived sizes."""
 import pytest
 
 from hpctrain.config import ConfigError, load_config

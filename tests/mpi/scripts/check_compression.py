@@ -14,9 +14,8 @@ import types
 import torch
 
 from hpctrain.comm.grid import ProcessGrid
-from hpctrain.compression import quantize, sparse, zfp  # noqa: F401  (register)
-from hpctrain.compression.base import REGISTRY
 from hpctrain.compression.exchange import STRATEGIES, Stopwatch
+from hpctrain.compression.methods import COMPRESSORS
 from hpctrain.runtime.launcher import discover
 
 info = discover()
@@ -28,7 +27,7 @@ for dtype in (torch.float32, torch.float64):
     n = 64 * p * 5
     inputs = [torch.randn(n, generator=torch.Generator().manual_seed(100 + r), dtype=dtype) for r in range(p)]
     mine = inputs[comm.rank]
-    for name, cls in sorted(REGISTRY.items()):
+    for name, cls in sorted(COMPRESSORS.items()):
         compressor = cls(cfg)
 
         def roundtrip(x):
@@ -59,7 +58,7 @@ for dtype in (torch.float32, torch.float64):
             assert shard_only or all(b == every[0] for b in every), f"{name}: ranks differ"
             checks += 1
     cast = torch.cat([x.to(torch.bfloat16).to(dtype) for x in inputs]).view(p, n).sum(0)  # the DDP bf16 hook
-    reduction = STRATEGIES["alltoall"](comm, REGISTRY["bf16"](cfg), mine.clone(), shard_only=False,
+    reduction = STRATEGIES["alltoall"](comm, COMPRESSORS["bf16"](cfg), mine.clone(), shard_only=False,
                                        server_memory=None, server_key="s", clock=Stopwatch())
     assert torch.equal(reduction.finish(), cast.to(torch.bfloat16).to(dtype)), "bf16 != cast-reduce-cast"
     checks += 1

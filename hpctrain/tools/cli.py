@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
 def _run(args) -> int:
     import sys
 
-    from hpctrain.models.generate import generate_text
+    from hpctrain.tools.generate import generate_text
 
     text, info = generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                                args.seed, args.tokenizer)

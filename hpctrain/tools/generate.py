@@ -1,5 +1,6 @@
-"""Text generation from a checkpoint on one process (``hpctrain generate``): temperature and top-k
-sampling from a seeded generator, so a seed gives the same text every time; temperature 0 is greedy.
+"""``hpctrain generate``: text from a checkpoint on one process, with temperature and top-k sampling from a
+seeded generator, so a seed gives the same text every time; temperature 0 is greedy. A tool above the
+model, the checkpoint reader and the tokenizer it combines.
 
 No KV cache: each new token runs the model over the last ``max_seq_len`` tokens (the models trained
 here are small; a cache would be the next step for big ones).
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from hpctrain.checkpoint.weights import load_model, open_checkpoint
+from hpctrain.config import resolve_model
+from hpctrain.data.tokenizer import load_tokenizer
 from hpctrain.errors import HpcTrainError
 
 
@@ -41,10 +45,6 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 64, temperature:
                   seed: int = 0, tokenizer: str = "") -> tuple[str, dict]:
     """(completion text, info) for ``prompt`` from the checkpoint at ``path`` (any layout), with the run's
     tokenizer (``data.tokenizer``) unless ``tokenizer`` is given."""
-    from hpctrain.checkpoint.weights import load_model, open_checkpoint
-    from hpctrain.config import resolve_model
-    from hpctrain.data.tokenizer import load_tokenizer
-
     torch.set_num_threads(1)
     reader = open_checkpoint(path)
     try:

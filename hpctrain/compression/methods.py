@@ -1,0 +1,33 @@
+"""The compression methods by ``compression.method`` name, and ``build_reducer``, which picks one.
+
+``COMPRESSORS`` is an explicit table (no registration at import), so what a name means does not depend
+on which modules happen to be imported. A new chunk-wise method: its ``Compressor`` class here and its
+name in the ``compression.method`` choices (``hpctrain/config.py``).
+"""
+from __future__ import annotations
+
+import sys
+
+from hpctrain.compression.powersgd import PowerSGDReducer
+from hpctrain.compression.quantize import Bf16, Fp16, Int8, OneBit
+from hpctrain.compression.reducer import CompressedReducer, DenseReducer, GradReducer
+from hpctrain.compression.sparse import RandomK, TopK
+from hpctrain.compression.zfp import Zfp
+
+COMPRESSORS: dict[str, type] = {cls.name: cls for cls in (Fp16, Bf16, Int8, OneBit, TopK, RandomK, Zfp)}
+
+
+def build_reducer(cfg, flat, grid, seed: int = 0, stream=sys.stderr) -> GradReducer:
+    """Collective over the dp group when ``cfg.scope == "inter-node"`` (node sub-groups are split off).
+    ``cfg``: the ``[compression]`` section."""
+    if cfg.method == "none" or flat.dp_comm is None or flat.dp_size == 1:
+        return DenseReducer(flat)
+    node_comms = None
+    if cfg.scope == "inter-node":
+        node_comms, problem = grid.node_split("dp")
+        if problem and grid.info.rank == 0:
+            print(f"hpctrain: WARNING: compression.scope='inter-node': {problem}; compressing every dp link "
+                  f"instead", file=stream, flush=True)
+    if cfg.method == "powersgd":
+        return PowerSGDReducer(flat, cfg, seed=seed, node_comms=node_comms)
+    return CompressedReducer(flat, cfg, COMPRESSORS[cfg.method](cfg), seed=seed, node_comms=node_comms)

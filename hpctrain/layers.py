@@ -1,0 +1,51 @@
+"""The layers of hpctrain, bottom up: the one table that docs/architecture.md ("Layers") describes and
+tests/unit/test_layers.py enforces.
+
+A module may import modules of its own layer and of the layers below it, never above, function-level
+imports included; modules of one layer must not import each other in a cycle. A module belongs to the
+unit (a package or a module) with the longest name that is it or holds it; the root ``hpctrain`` unit
+is ``hpctrain/__init__.py`` alone.
+"""
+from __future__ import annotations
+
+ROOT = "hpctrain"
+
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("hpctrain", "hpctrain.errors", "hpctrain.layers")),
+    ("runtime", ("hpctrain.runtime",)),
+    ("profiling", ("hpctrain.profiling",)),
+    ("config", ("hpctrain.parallel.rules", "hpctrain.config", "hpctrain.parallel.layout",
+                "hpctrain.models.arithmetic")),
+    ("backends", ("hpctrain.comm.backends",)),
+    ("collectives", ("hpctrain.comm",)),
+    ("grid", ("hpctrain.comm.grid",)),
+    ("data", ("hpctrain.data",)),
+    ("compression", ("hpctrain.compression",)),
+    ("parallel", ("hpctrain.parallel",)),
+    ("models", ("hpctrain.models",)),
+    ("optim", ("hpctrain.optim",)),
+    ("checkpoint", ("hpctrain.checkpoint",)),
+    ("interop", ("hpctrain.interop",)),
+    ("train", ("hpctrain.train",)),
+    ("plan", ("hpctrain.plan",)),
+    ("sweep", ("hpctrain.sweep",)),
+    ("bench", ("hpctrain.bench",)),
+    ("tools", ("hpctrain.tools",)),
+    ("cli", ("hpctrain.cli",)),
+)
+
+
+def unit_of(module: str) -> str:
+    """The unit of LAYERS that ``module`` (a dotted name) belongs to; KeyError if none."""
+    units = [unit for _, layer in LAYERS for unit in layer
+             if module == unit or (unit != ROOT and module.startswith(unit + "."))]
+    if not units:
+        raise KeyError(f"{module} is in no layer: add it to LAYERS in hpctrain/layers.py and to the table of "
+                       f"docs/architecture.md")
+    return max(units, key=len)
+
+
+def layer_of(module: str) -> int:
+    """The position of ``module``'s layer in LAYERS (0 = the bottom)."""
+    unit = unit_of(module)
+    return next(i for i, (_, layer) in enumerate(LAYERS) if unit in layer)

@@ -149,6 +149,12 @@ MEANINGS: dict[str, str] = {
                         "faster, ~1e-3 relative error per product. Off for bitwise CPU/GPU comparisons.",
     "train.loss_scale": "Initial dynamic loss scale for float16: halved (and the step skipped on every rank) when "
                         "gradients overflow, doubled after 1000 good steps. Unused for other dtypes.",
+    "train.nonfinite": "A non-finite loss, or (without float16 loss scaling) a non-finite gradient norm, is never "
+                       "applied. `stop`: the run stops at once, saves nothing, logs a stop event and exits 4. "
+                       "`skip`: the step is skipped and training goes on (see max_skipped_steps).",
+    "train.max_skipped_steps": "Consecutive skipped steps (non-finite, or float16 overflow) after which the run "
+                               "stops as with nonfinite = stop (exit 4): a float16 scale at its minimum that still "
+                               "overflows would otherwise skip forever.",
     "train.run_dir": "Directory of the run: metrics.jsonl, config.json, summary.json, checkpoints/.",
     "train.progress": "Show a live progress bar when stdout is a terminal.",
     "train.eval_interval": "Every N steps (and at the last step) compute the validation loss over "

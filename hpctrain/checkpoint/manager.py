@@ -200,6 +200,10 @@ class CheckpointManager:
                         _fsync(tmp)
             except Exception as exc:  # noqa: BLE001 - agreed below
                 error = f"{type(exc).__name__}: {exc}"
+            if error is None and snap.nonfinite:  # a diverged state is never published
+                error = (f"non-finite values (inf/NaN) in {', '.join(snap.nonfinite[:3])}"
+                         + (f" and {len(snap.nonfinite) - 3} more" if len(snap.nonfinite) > 3 else "")
+                         + "; not published, the previous checkpoints are kept")
             self._agree(error, f"writing checkpoint of step {snap.step} ({self.writer} writer)")
             problems = []
             self.faults.hit("verify", snap.step)

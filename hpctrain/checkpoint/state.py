@@ -43,6 +43,7 @@ class Snapshot:
     datasets: dict  # name -> (shape, numpy dtype str): this rank's view; the union is taken at write time
     items: list[WriteItem] = field(default_factory=list)
     attrs: dict = field(default_factory=dict)
+    nonfinite: list[str] = field(default_factory=list)  # datasets of ``items`` with inf/NaN, set by the writer
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

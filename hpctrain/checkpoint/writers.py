@@ -69,21 +69,34 @@ def _independent_write(dataset, items) -> None:
     dataset.id.write(mspace, fspace, np.ascontiguousarray(data, dtype=dataset.dtype), dxpl=dxpl)
 
 
-def checksums_in_background(items):
-    """CRC-32 of every item's data, computed on a thread while the caller writes (zlib releases the
-    GIL): returns a callable that waits and gives the list, in ``items`` order."""
+def _crc_and_finite(item) -> tuple[int, bool]:
+    """CRC-32 of the item's bytes and whether its floats are all finite: one visit of the data while it
+    is in cache (the finite check is what keeps a diverged state from ever being published)."""
+    finite = item.data.dtype.kind != "f" or bool(np.isfinite(item.data).all())
+    return crc32(item.data), finite
+
+
+def checksums_in_background(snapshot):
+    """CRC-32 of every item's data, computed on a thread while the caller writes (zlib and numpy release
+    the GIL): returns a callable that waits and gives the list, in ``items`` order; it also records in
+    ``snapshot.nonfinite`` the datasets holding inf or NaN (the manager refuses to publish those)."""
     from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-crc")
-    future = pool.submit(lambda: [crc32(item.data) for item in items])
+    future = pool.submit(lambda: [_crc_and_finite(item) for item in snapshot.items])
     pool.shutdown(wait=False)
-    return future.result
+
+    def result() -> list[int]:
+        checked = future.result()
+        snapshot.nonfinite = sorted({it.dataset for it, (_, finite) in zip(snapshot.items, checked) if not finite})
+        return [crc for crc, _ in checked]
+    return result
 
 
 def write_mpio(comm, directory: str, snapshot) -> list[str]:
     """Collective parallel-HDF5 write; returns the files this rank should fsync."""
     datasets = union_datasets(comm, snapshot)
-    crcs = checksums_in_background(snapshot.items)
+    crcs = checksums_in_background(snapshot)
     by_dataset = defaultdict(list)
     for item in snapshot.items:  # items of one dataset come in increasing local (= file) order
         by_dataset[item.dataset].append(item)
@@ -132,7 +145,7 @@ def write_shards(comm, directory: str, snapshot) -> list[str]:
             _set_attrs(f, {**snapshot.attrs, "writer": "shards"})
     entries, written = [], []
     if snapshot.items:
-        crcs = checksums_in_background(snapshot.items)
+        crcs = checksums_in_background(snapshot)
         shard_path = os.path.join(directory, relative)
         with h5py.File(shard_path, "w") as f:
             for k, item in enumerate(snapshot.items):

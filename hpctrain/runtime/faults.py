@@ -8,7 +8,9 @@ and ``tests/mpi/test_hang_report.py`` do):
   (counted from 1); ``write``, ``verify``, ``publish`` of the checkpoint of step N (``publish``: on
   rank 0 after the step directory is renamed into place, before ``latest`` is updated);
 - ``action``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself), ``sleep:S`` (stall S seconds in
-  Python, the watchdog thread still alive), ``exit`` (``os._exit(9)``: dies without MPI_Finalize).
+  Python, the watchdog thread still alive), ``exit`` (``os._exit(9)``: dies without MPI_Finalize),
+  ``nan`` (fills the tensor the hook passes, this rank's parameters at ``optimizer``, with NaN: a
+  diverged state, for the divergence guard and the checkpoint writers' finite check).
 
 Without the variable every hook is one attribute test. Nothing in a real run sets it.
 """
@@ -41,15 +43,16 @@ class FaultInjector:
             fault = cls(int(fields["rank"]), int(fields["step"]), fields["phase"], fields["action"])
         except (KeyError, ValueError) as exc:
             raise ValueError(f"{ENV}={spec!r}: expected rank=R,step=N,phase=P,action=A ({exc})") from None
-        if fault.phase not in PHASES or fault.action.split(":")[0] not in ("kill", "stop", "sleep", "exit"):
-            raise ValueError(f"{ENV}={spec!r}: phase must be one of {PHASES}; action kill, stop, sleep:S or exit")
+        if fault.phase not in PHASES or fault.action.split(":")[0] not in ("kill", "stop", "sleep", "exit", "nan"):
+            raise ValueError(f"{ENV}={spec!r}: phase must be one of {PHASES}; action kill, stop, sleep:S, exit or nan")
         return fault if fault.rank == my_rank else cls()
 
     def __bool__(self) -> bool:
         return self.rank >= 0
 
-    def hit(self, phase: str, step: int) -> None:
-        """Called at each named point; acts once the (phase, step) matches on the chosen rank."""
+    def hit(self, phase: str, step: int, tensor=None) -> None:
+        """Called at each named point; acts once the (phase, step) matches on the chosen rank. ``tensor``:
+        what ``nan`` poisons (ignored by the other actions)."""
         if self.rank < 0 or phase != self.phase or step != self.step:
             return
         sys.stderr.write(f"hpctrain: fault injection: rank {self.rank} {self.action} at {phase} of step {step}\n")
@@ -61,5 +64,9 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "exit":
             os._exit(9)
+        elif action == "nan":
+            if tensor is None:
+                raise ValueError(f"{ENV}: action nan needs a hook that passes a tensor (phase optimizer)")
+            tensor.fill_(float("nan"))
         else:
             time.sleep(float(argument or 3600))

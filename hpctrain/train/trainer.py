@@ -159,7 +159,7 @@ class Trainer:
         skipped, self.diverged = verdict.skip, (verdict if verdict.stop else None)
         reducer.after_step(skipped, self.scaler.scale / old_scale)
         lr = lr_at(self.step, t)
-        self.faults.hit("optimizer", self.step + 1)
+        self.faults.hit("optimizer", self.step + 1, self.flat.param_buffer)
         if not skipped:
             clip = self.cfg.optim.grad_clip
             coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0

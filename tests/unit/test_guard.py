@@ -1,0 +1,31 @@
+"""The divergence guard's verdicts (hpctrain/train/guard.py): what is skipped, what stops the run."""
+import math
+
+from hpctrain.optim.loss_scale import DynamicLossScaler
+from hpctrain.train.guard import DivergenceGuard
+
+INF, NAN = math.inf, math.nan
+
+
+def test_without_loss_scaling_a_non_finite_gradient_norm_stops_or_skips():
+    off = DynamicLossScaler(enabled=False)
+    verdict = DivergenceGuard("stop").judge(3, 2.5, INF, off)
+    assert verdict.skip and verdict.stop == "non-finite gradient norm" and verdict.detail.startswith("step 3:")
+    skip = DivergenceGuard("skip", max_skipped_steps=2)
+    assert [skip.judge(s, 2.5, INF, off).stop for s in (1, 2, 3)] == [None, None, "too many skipped steps"]
+    assert skip.judge(4, 2.5, 1.0, off).skip is False and skip.consecutive_skips == 0  # a good step resets
+
+
+def test_a_non_finite_loss_is_divergence_in_every_dtype():
+    for scaler in (DynamicLossScaler(enabled=False), DynamicLossScaler(enabled=True)):
+        verdict = DivergenceGuard("stop").judge(1, NAN, 1.0, scaler)
+        assert verdict.skip and verdict.stop == "non-finite loss" and "nan" in verdict.detail
+
+
+def test_float16_overflow_is_the_scalers_business_until_the_scale_runs_out():
+    scaler = DynamicLossScaler(initial=4.0, enabled=True, min_scale=1.0)
+    guard = DivergenceGuard("stop", max_skipped_steps=4)
+    verdicts = [guard.judge(s, 2.5, INF, scaler) for s in range(1, 6)]
+    assert all(v.skip for v in verdicts) and [v.stop for v in verdicts[:4]] == [None] * 4
+    assert scaler.scale == 1.0 and verdicts[4].stop == "too many skipped steps"
+    assert "(its minimum)" in verdicts[4].detail and "overflow" in verdicts[4].detail

@@ -73,7 +73,6 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
         while not (reason := _agree_to_go_on(policy, trainer, grid)):
             record = trainer.train_step().as_dict()
             policy.record_step(record["step_time_s"])
-            lock.heartbeat()
             if trainer.diverged:  # identical on every rank; the bad update was not applied, nothing is saved
                 log.log(record)
                 reason = trainer.diverged.stop
@@ -159,7 +158,8 @@ def _lock_run_dir(cfg, grid, resume: str | None):
     from hpctrain.train.run_dir import RunDirHoldsARun, decide_start
     from hpctrain.train.run_lock import RunDirInUse, RunLock, unusable_directory
 
-    lock, problem, decision = RunLock(cfg.train.run_dir, enabled=grid.info.rank == 0), None, None
+    lock = RunLock(cfg.train.run_dir, enabled=grid.info.rank == 0, checkpoint_dir=cfg.checkpoint.dir or None)
+    problem, decision = None, None
     if grid.info.rank == 0:
         problem = unusable_directory(cfg.train.run_dir, "train.run_dir") or (
             unusable_directory(cfg.checkpoint.dir, "checkpoint.dir") if cfg.checkpoint.dir else None)

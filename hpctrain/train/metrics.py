@@ -72,7 +72,7 @@ class MetricsLog:
         status = (f"loss {record['loss']:.4f}  "
                   + (f"val_loss {record['val_loss']:.4f}  " if "val_loss" in record else "")
                   + f"lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s"
-                  + ("  SKIPPED (non-finite loss or gradients)" if record.get("skipped") else ""))
+                  + ("  SKIPPED (inf/NaN loss or gradients: update not applied)" if record.get("skipped") else ""))
         if self._bar is not None:
             self._bar.update(self._task, completed=record["step"], status=status)
         elif record["step"] % self.log_interval == 0 or record["step"] == self.total or record.get("skipped"):

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from hpctrain.errors import HpcTrainError
+from hpctrain.train.run_lock import LOCK_NAME
 
 BATCH_JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "COBALT_JOBID", "FLUX_JOB_ID")
 SUPERSEDED = "superseded"
@@ -58,7 +59,8 @@ def _earlier_outputs(run_dir: str, checkpoint_dir: str) -> list[str]:
     """Paths of an earlier run that a fresh start must not append to or replace."""
     found = [os.path.join(run_dir, name) for name in RUN_OUTPUTS if os.path.lexists(os.path.join(run_dir, name))]
     if os.path.isdir(checkpoint_dir):
-        found += [os.path.join(checkpoint_dir, name) for name in os.listdir(checkpoint_dir) if name != SUPERSEDED]
+        found += [os.path.join(checkpoint_dir, name) for name in os.listdir(checkpoint_dir)
+                  if name != SUPERSEDED and not name.startswith(LOCK_NAME)]  # the new run holds the lock
     return found
 
 

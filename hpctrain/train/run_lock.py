@@ -1,13 +1,26 @@
-"""One job per run directory: a lock file that a dead job's successor takes over, a live job's never.
+"""One job per run directory (and per checkpoint directory): a lock that a dead job's successor takes
+over, a live job's never.
 
-``<run_dir>/.hpctrain.lock`` holds JSON {host, pid, job, started}. Rank 0 creates it atomically
-(``O_CREAT | O_EXCL``) and refreshes its modification time while training (``heartbeat``, at most
-every ``HEARTBEAT_S``); ``release`` deletes it. A lock found at start is:
+``<dir>/.hpctrain.lock`` holds JSON {host, pid, job, restart, started, token}; rank 0 holds one in the
+run directory and one in ``checkpoint.dir`` when that lies elsewhere (two runs sharing a checkpoint
+directory would prune each other's checkpoints and flip ``latest``). A lock found at start is:
 
 - **live** (refuse, exit 2, nothing touched): its process runs on this host, or, on another host, its
-  heartbeat is younger than ``STALE_S``;
-- **stale** (taken over, with a warning): its pid is gone on this host, or its heartbeat is older
-  than ``STALE_S`` (a job on another node that was killed, or a node that died).
+  modification time (the heartbeat) is younger than ``STALE_S``;
+- **stale** (taken over, with a warning): its pid is gone on this host; its heartbeat is older than
+  ``STALE_S``; or it belongs to an earlier attempt of THIS Slurm job (same ``SLURM_JOB_ID``, lower
+  ``SLURM_RESTART_COUNT``: Slurm ends an attempt before requeueing it, on whatever node it ran).
+
+Every step is atomic on POSIX file systems, NFS and Lustre alike, using only operations those
+guarantee to be atomic on the server: a lock is created complete (written to a private file, then
+``link()``-ed to the lock name, which fails if it exists), so no reader sees a half-written lock; a
+takeover first creates ``.hpctrain.lock.takeover`` exclusively (one contender wins), re-reads the lock
+and acts only if it is still the owner it judged stale, then ``rename()``-s its own complete file over
+it. ``heartbeat`` and ``release`` act only on a lock whose token is this job's. A background thread
+refreshes the heartbeat every ``HEARTBEAT_S`` (file system calls only, no MPI), so a resume, save or
+evaluation longer than ``STALE_S`` does not look stale from another host. What is relied on: ``link``
+and ``rename`` atomic, modification times set by ``utime`` visible to other clients within
+``STALE_S`` (NFS attribute caching is seconds), and clocks of the nodes within ``STALE_S`` of each other.
 """
 from __future__ import annotations
 
@@ -15,17 +28,21 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
+import uuid
 
 from hpctrain.errors import HpcTrainError
 
 LOCK_NAME = ".hpctrain.lock"
+TAKEOVER_SUFFIX = ".takeover"
 HEARTBEAT_S = 30.0
 STALE_S = 300.0
+TAKEOVER_STALE_S = 60.0  # a takeover file this old was left by a contender that died mid-takeover
 
 
 class RunDirInUse(HpcTrainError):
-    """Another live job trains in this run directory."""
+    """Another live job trains in this run (or checkpoint) directory."""
 
 
 def _alive(pid: int) -> bool:
@@ -60,66 +77,173 @@ def unusable_directory(path: str, key: str) -> str | None:
     return None
 
 
-class RunLock:
-    """Rank 0's lock on a run directory (other ranks hold a disabled one)."""
+def _read(path: str) -> tuple[dict | None, float]:
+    """(owner, age in seconds) of a lock file; (None, 0) if it vanished; ({}, inf) if unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            owner = json.load(f)
+        return owner, time.time() - os.stat(path).st_mtime
+    except FileNotFoundError:
+        return None, 0.0
+    except (OSError, ValueError):
+        return {}, float("inf")
 
-    def __init__(self, run_dir: str, enabled: bool):
-        self.path = os.path.join(run_dir, LOCK_NAME)
-        self.enabled, self.held, self._beat = enabled, False, 0.0
+
+class DirectoryLock:
+    """This job's lock on one directory (``acquire`` / ``heartbeat`` / ``release``)."""
+
+    def __init__(self, directory: str, key: str, environ=None):
+        env = os.environ if environ is None else environ
+        self.directory, self.key = directory, key
+        self.path = os.path.join(directory, LOCK_NAME)
+        self.held = False
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.get("SLURM_JOB_ID"),
+                   "restart": int(env.get("SLURM_RESTART_COUNT") or 0), "started": time.time(),
+                   "token": uuid.uuid4().hex}
 
     def acquire(self) -> str | None:
         """Take the lock; returns a warning when a stale lock was taken over. Raises RunDirInUse."""
-        if not self.enabled:
-            return None
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        warning = None
-        for _ in range(2):
+        os.makedirs(self.directory, exist_ok=True)
+        mine = f"{self.path}.{self.me['token']}"
+        with open(mine, "w", encoding="utf-8") as f:
+            json.dump(self.me, f)
+        try:
+            for _ in range(3):
+                try:
+                    os.link(mine, self.path)  # atomic, complete, fails if a lock exists (NFS-safe)
+                    self.held = True
+                    return None
+                except FileExistsError:
+                    pass
+                owner, age = _read(self.path)
+                if owner is None:
+                    continue  # released meanwhile: try again
+                reason = self._stale_because(owner, age)
+                if reason is None:
+                    raise RunDirInUse(f"{self.key}={self.directory} is in use by {_describe(owner)} (lock {self.path}, "
+                                      f"refreshed {age:.0f} s ago): wait for it, stop it, or use another "
+                                      f"{self.key}. A lock whose job died is taken over automatically (at once on "
+                                      f"the same host or by a requeue of the same Slurm job, after {STALE_S:.0f} s "
+                                      f"elsewhere)")
+                if self._take_over(mine, owner):
+                    self.held = True
+                    return f"took over the stale lock of {_describe(owner)} ({self.path}: {reason})"
+            raise RunDirInUse(f"cannot take the lock {self.path}: other jobs are taking it at the same moment")
+        finally:
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                warning = self._judge_existing()
-                continue
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
-                           "started": time.time()}, f)
-            self.held = True
-            return warning
-        raise RunDirInUse(f"cannot take the lock {self.path}: another job took it at the same moment")
+                os.unlink(mine)
+            except FileNotFoundError:
+                pass
 
-    def _judge_existing(self) -> str:
-        """Remove a stale lock (returning a warning) or raise for a live one."""
+    def _stale_because(self, owner: dict, age: float) -> str | None:
+        if not owner:
+            return "unreadable"
+        if owner.get("job") and owner.get("job") == self.me["job"] and int(owner.get("restart") or 0) < self.me["restart"]:
+            return f"an earlier attempt of this Slurm job (restart {owner.get('restart') or 0})"
+        if owner.get("host") == self.me["host"]:
+            return None if _alive(int(owner.get("pid", -1))) else "its process is gone"
+        return f"no heartbeat for {age:.0f} s" if age >= STALE_S else None
+
+    def _take_over(self, mine: str, judged: dict) -> bool:
+        """Replace the lock ``judged`` stale with ``mine``, atomically against other contenders."""
+        takeover = self.path + TAKEOVER_SUFFIX
         try:
-            with open(self.path, encoding="utf-8") as f:
-                owner = json.load(f)
-            age = time.time() - os.stat(self.path).st_mtime
-        except (OSError, ValueError):
-            owner, age = {}, STALE_S + 1  # unreadable or vanished: treat as stale
-        same_host = owner.get("host") == socket.gethostname()
-        live = _alive(int(owner.get("pid", -1))) if same_host else age < STALE_S
-        if live:
-            raise RunDirInUse(f"run directory {os.path.dirname(self.path)} is in use by {_describe(owner)} "
-                              f"(lock {self.path}, refreshed {age:.0f} s ago): wait for it, stop it, or use "
-                              f"another train.run_dir. A lock whose job died is taken over automatically "
-                              f"(at once on the same host, after {STALE_S:.0f} s elsewhere)")
+            os.link(mine, takeover)  # one contender at a time
+        except FileExistsError:
+            _, age = _read(takeover)
+            if age > TAKEOVER_STALE_S:
+                try:
+                    os.unlink(takeover)
+                except FileNotFoundError:
+                    pass
+            return False
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        return f"took over the stale lock of {_describe(owner)} ({self.path})"
+            owner, _ = _read(self.path)
+            if owner != judged and owner is not None:
+                return False  # someone else took it (or the owner came back): judge again
+            os.rename(mine, self.path) if owner is not None else os.link(mine, self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            try:
+                os.unlink(takeover)
+            except FileNotFoundError:
+                pass
+
+    def _is_mine(self) -> bool:
+        owner, _ = _read(self.path)
+        return bool(owner) and owner.get("token") == self.me["token"]
 
     def heartbeat(self) -> None:
-        now = time.time()
-        if self.held and now - self._beat >= HEARTBEAT_S:
-            self._beat = now
-            try:
-                os.utime(self.path)
-            except OSError as exc:
-                print(f"hpctrain: WARNING: cannot refresh {self.path}: {exc}", file=sys.stderr, flush=True)
+        if self.held and self._is_mine():
+            os.utime(self.path)
+        elif self.held:
+            self.held = False
+            print(f"hpctrain: WARNING: the lock {self.path} was taken over by another job; this job no longer "
+                  f"holds it", file=sys.stderr, flush=True)
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            if self._is_mine():
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+
+
+class RunLock:
+    """Rank 0's locks on the run directory and the checkpoint directory (other ranks hold a disabled
+    one), kept fresh by a heartbeat thread from ``acquire`` to ``release``."""
+
+    def __init__(self, run_dir: str, enabled: bool, checkpoint_dir: str | None = None, environ=None,
+                 heartbeat_s: float = HEARTBEAT_S):
+        self.enabled, self.heartbeat_s = enabled, heartbeat_s
+        self.locks = [DirectoryLock(run_dir, "train.run_dir", environ)]
+        inside = checkpoint_dir is None or os.path.abspath(os.path.dirname(checkpoint_dir.rstrip(os.sep))) == \
+            os.path.abspath(run_dir)
+        if not inside:
+            self.locks.append(DirectoryLock(checkpoint_dir, "checkpoint.dir", environ))
+        self._stop = threading.Event()
+        self._thread = None
+
+    @property
+    def held(self) -> bool:
+        return any(lock.held for lock in self.locks)
+
+    def acquire(self) -> str | None:
+        """Take every lock (releasing those taken if one fails); returns the takeover warnings, or None."""
+        if not self.enabled:
+            return None
+        warnings = []
+        try:
+            for lock in self.locks:
+                warnings.append(lock.acquire())
+        except BaseException:
+            self.release()
+            raise
+        self._thread = threading.Thread(target=self._beat, name="hpctrain-lock-heartbeat", daemon=True)
+        self._thread.start()
+        return "; ".join(w for w in warnings if w) or None
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            for lock in self.locks:
+                try:
+                    lock.heartbeat()
+                except OSError as exc:
+                    print(f"hpctrain: WARNING: cannot refresh {lock.path}: {exc}", file=sys.stderr, flush=True)
+
+    def heartbeat(self) -> None:
+        """Refresh now (the thread does it every HEARTBEAT_S anyway)."""
+        for lock in self.locks:
+            lock.heartbeat()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        for lock in self.locks:
+            lock.release()

@@ -50,7 +50,7 @@ def test_float16_overflow_skips_the_step_and_says_so(tmp_path):
                    "parallel.tp=1", "parallel.pp=2", "parallel.microbatches=2")
     records = read_metrics(tmp_path)
     assert records[0]["skipped"] and records[0]["loss_scale"] < 1e30
-    assert "SKIPPED (inf/NaN grads" in result.stdout
+    assert "SKIPPED (inf/NaN loss or gradients" in result.stdout
 
 
 @pytest.mark.parametrize("overrides,message", [

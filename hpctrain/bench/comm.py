@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 
-import os
 import re
 import socket
 import sys
@@ -33,6 +32,7 @@ import torch
 
 from hpctrain.bench.report import write_records
 from hpctrain.errors import HpcTrainError
+from hpctrain.runtime import env
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "sendrecv")
 IMPLS = ("hpctrain", "mpi4py", "gloo")
@@ -157,8 +157,8 @@ def init_gloo_world(world, info, timeout_s: float = 600.0) -> None:
 
     endpoint = None
     if info.rank == 0:
-        addr = os.environ.get("HPCTRAIN_GLOO_ADDR") or "127.0.0.1"
-        if info.num_nodes > 1 and "HPCTRAIN_GLOO_ADDR" not in os.environ:
+        addr = env.gloo_addr() or "127.0.0.1"
+        if info.num_nodes > 1 and env.gloo_addr() is None:
             try:
                 addr = socket.gethostbyname(socket.gethostname())
             except OSError:

@@ -16,6 +16,7 @@ import tempfile
 import numpy as np
 
 from hpctrain.errors import HpcTrainError, everywhere
+from hpctrain.runtime import env
 
 BUILTIN_SOURCE = "builtin"
 BYTE_VOCAB_SIZE = 256
@@ -31,8 +32,7 @@ class DataError(HpcTrainError, ValueError):
 
 def default_cache_dir() -> str:
     """``$HPCTRAIN_CACHE`` if set, else ``~/.cache/hpctrain``."""
-    return os.environ.get("HPCTRAIN_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "hpctrain")
+    return env.cache_dir()
 
 
 def infer_vocab_size(tokens: np.ndarray) -> int:

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 
 from hpctrain.errors import HpcTrainError
+from hpctrain.runtime import env
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")  # no torch import here: `hpctrain info` stays fast
 
@@ -96,7 +97,7 @@ def run_export(args) -> int:
     from hpctrain.interop.hf import parameter_shapes, write_hf
     from hpctrain.interop.sources import CheckpointSource
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(env.omp_num_threads())
     with staged_output(args.out, args.force) as tmp:  # checks --out before reading anything
         source = CheckpointSource(args.checkpoint)
         try:
@@ -182,7 +183,7 @@ def run_import(args) -> int:
     from hpctrain.config import Config
     from hpctrain.interop.hf import HFModelDir, supported_tp
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(env.omp_num_threads())
     out = os.path.abspath(args.out)
     with staged_output(args.out, args.force) as tmp:
         source = HFModelDir(args.hf_dir)

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpctrain.runtime import env
 from hpctrain.sweep.runs import SweepError
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "scaling_study.sbatch"
@@ -41,10 +42,10 @@ class MpiexecLauncher:
         ppn = ["-ppn", str(min(run.ranks, self.ranks_per_node))] if self.ranks_per_node else []
         cmd = ["timeout", "-k", "10", str(self.timeout_s), self.mpiexec, *self.extra_args, "-n", str(run.ranks),
                *ppn, sys.executable, "-m", "hpctrain.cli", "train", *train_args]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        child = env.child_environ(defaults={"OMP_NUM_THREADS": "1"})
         with open(log, "w", encoding="utf-8") as out:
             code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env=env).returncode
+                                  env=child).returncode
         if code in (124, 137):
             return f"timed out after {self.timeout_s:.0f} s (see {log})"
         return "ok" if code == 0 else f"exit {code}: {_tail(log, 400).strip().splitlines()[-1:] or ''} ({log})"
@@ -74,8 +75,8 @@ class SbatchLauncher:
                        f"--ntasks-per-node={min(run.ranks, self.ranks_per_node)}"]
         cmd = ["sbatch", "--parsable", f"--job-name=sweep-{run.name}", f"--output={run_dir}/slurm-%j.out",
                *layout, *self.sbatch_args, str(TEMPLATE), *train_args]
-        env = dict(os.environ, HPCTRAIN_DIR=str(TEMPLATE.parents[1]), HPCTRAIN_SWEEP_RUN_DIR=run_dir)
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=120)
+        child = env.child_environ({"HPCTRAIN_DIR": str(TEMPLATE.parents[1]), "HPCTRAIN_SWEEP_RUN_DIR": run_dir})
+        done = subprocess.run(cmd, capture_output=True, text=True, env=child, stdin=subprocess.DEVNULL, timeout=120)
         if done.returncode != 0:
             raise SweepError(f"sbatch refused {run.name}: {done.stderr.strip() or done.stdout.strip()}")
         return done.stdout.strip().split(";")[0]

@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpctrain.runtime.env import child_environ
+
 
 class CompareError(Exception):
     """A problem that stops the comparison (bad arguments, a failed run, unreadable metrics): exit 2."""
@@ -47,8 +49,7 @@ def resolve_launcher(launcher: str) -> list[str]:
     if not words:
         raise CompareError("--launcher is empty: give a launcher such as 'mpiexec' or 'srun --mpi=pmi2'")
     if os.sep not in words[0]:
-        search = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
-        found = shutil.which(words[0], path=search)
+        found = shutil.which(words[0], path=str(Path(sys.executable).parent)) or shutil.which(words[0])
         if found is None:
             raise CompareError(f"launcher {words[0]!r} not found beside {sys.executable} nor on PATH: install "
                                f"an MPI (pip install -e '.[mpi]') or pass --launcher with a full path")
@@ -71,9 +72,7 @@ def run_training(cmd: list[str], run_dir: Path, timeout: float, label: str, cons
     """Run one training job (output to ``<run_dir>/train.log``); raise CompareError if it fails."""
     fresh_run_dir(run_dir)
     log_path = run_dir / "train.log"
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
+    env = child_environ(defaults={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     console.print(f"[bold]run {label}[/bold]: {shlex.join(cmd)}", highlight=False, soft_wrap=True)
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

@@ -1,7 +1,7 @@
 """``hpctrain train --config FILE.toml [section.key=value ...]``: run training on the launched ranks."""
 from __future__ import annotations
 
-import os
+from hpctrain.runtime import env
 
 
 def add_parser(sub) -> None:
@@ -18,12 +18,9 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-BATCH_JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "COBALT_JOBID", "FLUX_JOB_ID")
-
-
 def default_resume() -> str:
     """``auto`` inside a batch job (a requeued job must continue), ``none`` elsewhere."""
-    return "auto" if any(v in os.environ for v in BATCH_JOB_VARIABLES) else "none"
+    return "auto" if env.in_batch_job() else "none"
 
 
 def run(args) -> int:
@@ -34,6 +31,6 @@ def run(args) -> int:
     from hpctrain.config import load_config
     from hpctrain.train.loop import run_training
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(env.omp_num_threads())
     cfg = load_config(args.config, args.overrides)
     return run_training(cfg, args.resume or default_resume(), args.max_steps)

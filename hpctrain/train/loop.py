@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from hpctrain.runtime import env
 from hpctrain.train.stop import StopPolicy, agree
 
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
@@ -164,7 +165,7 @@ def _finish(cfg, grid, reason: str, step: int, save_s: float, is_root: bool, loc
     job = slurm_job_to_requeue() if early and cfg.train.requeue == "auto" else None
     if is_root:
         event = {"event": "stop", "reason": reason, "step": step, "save_s": round(save_s, 3),
-                 "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0), "requeue": job}
+                 "restart_count": env.slurm_restart_count(), "requeue": job}
         with open(os.path.join(cfg.train.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
             f.write(json.dumps(event) + "\n")
         if early:

@@ -18,6 +18,7 @@ import sys
 import time
 
 from hpctrain.errors import HpcTrainError
+from hpctrain.runtime import env
 
 LOCK_NAME = ".hpctrain.lock"
 HEARTBEAT_S = 30.0
@@ -80,7 +81,7 @@ class RunLock:
                 warning = self._judge_existing()
                 continue
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
+                json.dump({"host": socket.gethostname(), "pid": os.getpid(), "job": env.slurm_job_id(),
                            "started": time.time()}, f)
             self.held = True
             return warning

@@ -26,6 +26,7 @@ from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
 from hpctrain.profiling.timers import PhaseTimer
+from hpctrain.runtime import env
 from hpctrain.runtime.device import configure_matmul, peak_tflops
 from hpctrain.runtime.faults import FaultInjector
 
@@ -106,7 +107,8 @@ class Trainer:
         """The corpus (read by rank 0, broadcast) and this dp rank's (seed, index) batch iterator."""
         cfg, grid = self.cfg, self.grid
         if tokens is None:
-            tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes)
+            tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, env.cache_dir(cfg.data.cache_dir),
+                                            cfg.data.max_bytes)
         check_corpus(tokens, cfg.data.tokenizer, self.model_cfg.vocab_size, cfg.data.source)
         split = validation_split(tokens, cfg.data.valid_fraction, cfg.train.seq_len)
         self.sampler = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed, hi=split)

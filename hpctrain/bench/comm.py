@@ -33,13 +33,12 @@ import torch
 from hpctrain.bench.report import write_records
 from hpctrain.errors import HpcTrainError
 from hpctrain.runtime import env
+from hpctrain.runtime.dtypes import torch_dtype
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "sendrecv")
 IMPLS = ("hpctrain", "mpi4py", "gloo")
 FIELDS = ("impl", "op", "bytes", "time_us", "algbw_GBps", "busbw_GBps", "ratio_vs_mpi4py", "ranks", "axis",
           "group_size", "dtype", "iters", "rounds")
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -210,7 +209,7 @@ def run_comm_bench(args) -> int:
 
     ops, impls = _choices(args.ops, OPS, "op"), _choices(args.impls, IMPLS, "impl")
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    dtype, rounds = DTYPES[args.dtype], max(1, getattr(args, "rounds", 3))
+    dtype, rounds = torch_dtype(args.dtype), max(1, getattr(args, "rounds", 3))
     torch.set_num_threads(1)
     info = discover()
     grid = ProcessGrid.build(info, tp=args.tp, pp=args.pp, timeout_s=args.comm_timeout)

@@ -44,12 +44,13 @@ import sys
 import numpy as np
 import torch
 
-from hpctrain.bench.comm import (DTYPES, OPS, _choices, default_iters, format_size, hpctrain_step, make_buffers,
+from hpctrain.bench.comm import (OPS, _choices, default_iters, format_size, hpctrain_step, make_buffers,
                                  parse_size, time_step)
 from hpctrain.config import OptimConfig
 from hpctrain.errors import HpcTrainError
 from hpctrain.optim.flat import adamw_update_
 from hpctrain.plan.machine import wire_bytes  # the byte model the planner applies the fit with
+from hpctrain.runtime.dtypes import torch_dtype
 
 DEFAULT_SIZES = "4K,64K,256K,1M,4M,16M"
 DEVICE_MATMUL = 512  # square matrix size of the device measurement (a transformer block's GEMMs are this order)
@@ -193,7 +194,7 @@ def run_link_profile(args) -> int:
 
     ops = _choices(args.ops, OPS, "op")
     sizes = [parse_size(s) for s in (args.sizes or DEFAULT_SIZES).split(",") if s.strip()]
-    dtype, rounds = DTYPES[args.dtype], max(1, args.rounds)
+    dtype, rounds = torch_dtype(args.dtype), max(1, args.rounds)
     torch.set_num_threads(1)
     info = discover()
     grid = ProcessGrid.build(info, timeout_s=args.comm_timeout)

@@ -28,10 +28,8 @@ from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fractio
 from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime import env
 from hpctrain.runtime.device import configure_matmul, peak_tflops
+from hpctrain.runtime.dtypes import torch_dtype
 from hpctrain.runtime.faults import FaultInjector
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
 
 
 @dataclass
@@ -70,7 +68,7 @@ class Trainer:
         self.backends = grid.use_device(self.device)
         configure_matmul(self.device, cfg.train.allow_tf32)
         self.model_cfg = resolve_model(cfg.model)
-        self.dtype = DTYPES[cfg.train.dtype]
+        self.dtype = torch_dtype(cfg.train.dtype)
         torch.manual_seed(cfg.train.seed * 100_003 + grid.info.rank)  # derived per rank, never shared by accident
         self.local_batch, self.micro_batch = self.layout.local_batch, self.layout.micro_batch
         self._build_model()

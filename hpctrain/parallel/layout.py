@@ -44,6 +44,11 @@ def resolve_sizes(world_size: int, dp: int = 0, pp: int = 1, tp: int = 1) -> dic
     return {"dp": dp, "pp": pp, "tp": tp}
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` >= 1, ascending: the sizes an axis of ``n`` ranks can be split into."""
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
 def check_tp_divisibility(m, tp_size: int) -> None:
     """Raise a clear error when the model ``m`` (a resolved ModelConfig) cannot be split over tp."""
     for what, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),

@@ -19,7 +19,7 @@ import sys
 import time
 
 from hpctrain.runtime import env
-from hpctrain.train.stop import StopPolicy, agree
+from hpctrain.train.stop import StopPolicy, agree_stop_reason
 
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
 
@@ -100,7 +100,7 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
 def _agree_to_go_on(policy, trainer, grid) -> str:
     """Collective over the world: "" to train another step, else why every rank stops (``sync`` phase)."""
     with trainer.timer.phase("sync"):
-        return agree(policy.local_reason(trainer.step), grid.world)
+        return agree_stop_reason(policy.local_reason(trainer.step), grid.world)
 
 
 def _start_trace(cfg, grid, trainer):

@@ -174,15 +174,16 @@ def levels_of(grid) -> dict:
     return {name: comm for name, comm in (("intra", intra), ("inter", inter)) if comm.size > 1}
 
 
-def measure(comm, world, op: str, sizes: list[int], dtype, rounds: int, iters: int,
+def measure(comm, mpi_world, op: str, sizes: list[int], dtype, rounds: int, iters: int,
             watch=None) -> list[tuple[int, float]]:
-    """[(bytes, seconds)] for ``op`` on every group of a level at once (best round, max over ranks)."""
+    """[(bytes, seconds)] for ``op`` on ``comm`` (a Communicator), every group of a level at once (best
+    round, max over the ranks of ``mpi_world``, an mpi4py communicator)."""
     points = []
     for size in sizes:
         buffers, nbytes = make_buffers(op, size, comm.size, dtype)
         n = iters or default_iters(nbytes)
         step = hpctrain_step(op, comm, buffers)
-        best = min(time_step(step, n, max(2, min(10, n // 10)), world, world, watch)
+        best = min(time_step(step, n, max(2, min(10, n // 10)), mpi_world, mpi_world, watch)
                    for _ in range(rounds))
         points.append((nbytes, best))
     return points
@@ -198,7 +199,7 @@ def run_link_profile(args) -> int:
     torch.set_num_threads(1)
     info = discover()
     grid = ProcessGrid.build(info, timeout_s=args.comm_timeout)
-    world = grid.world.mpi
+    mpi_world = grid.world.mpi
     try:
         levels = levels_of(grid)
         if not levels:
@@ -211,7 +212,7 @@ def run_link_profile(args) -> int:
         for level, comm in levels.items():
             pooled = []
             for op in ops:
-                points = measure(comm, world, op, sizes, dtype, rounds, args.iters, grid.world)
+                points = measure(comm, mpi_world, op, sizes, dtype, rounds, args.iters, grid.world)
                 wire = [(wire_bytes(op, b, comm.size), s) for b, s in points]
                 pooled += wire
                 doc["collectives"].setdefault(op, {})[level] = {**fit_alpha_beta(wire), "points": points}

@@ -532,7 +532,7 @@ def run(args) -> list[dict]:
     if args.sleeping_waits:
         from hpctrain.checkpoint import manager as manager_module
 
-        manager_module.agree = sleeping_agree(manager_module.agree)
+        manager_module.raise_if_any_failed = sleeping_agree(manager_module.raise_if_any_failed)
     records = []
     try:
         if "io" in parts:

@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import sys
 
+from hpctrain.runtime.dtypes import DTYPE_NAMES
 from hpctrain.runtime.errors_exit import run_and_exit
 
 
@@ -44,7 +45,7 @@ def _add_bench(sub) -> None:
                    help="group to run on (default world)")
     c.add_argument("--tp", type=int, default=1)
     c.add_argument("--pp", type=int, default=1)
-    c.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    c.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     c.add_argument("--impls", default="hpctrain,mpi4py,gloo", help="comma list of hpctrain, mpi4py, gloo")
     c.add_argument("--iters", type=int, default=0,
                    help="timed iterations per size (0 = by size: 200 at <= 1M down to 5 at >= 64M)")

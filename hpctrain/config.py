@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.parallel.rules import check_stages  # the layout rules that need no world size
+from hpctrain.runtime.dtypes import DTYPE_NAMES
 
 
 class ConfigError(HpcTrainError, ValueError):
@@ -151,7 +152,7 @@ class TrainConfig:
     """Training loop, precision, learning-rate schedule and logging."""
     steps: int = _field(50, min=0)
     seed: int = _field(1234, min=0)
-    dtype: str = _field("float32", choices=("float32", "float64", "bfloat16", "float16"))
+    dtype: str = _field("float32", choices=DTYPE_NAMES)
     global_batch: int = _field(8, min=1)  # sequences per step
     seq_len: int = _field(64, min=1)
     lr: float = _field(3e-3, above=0)

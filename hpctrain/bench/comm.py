@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 
-import os
 import re
 import socket
 import sys
@@ -33,13 +32,13 @@ import torch
 
 from hpctrain.bench.report import write_records
 from hpctrain.errors import HpcTrainError
+from hpctrain.runtime import env
+from hpctrain.runtime.dtypes import torch_dtype
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "sendrecv")
 IMPLS = ("hpctrain", "mpi4py", "gloo")
 FIELDS = ("impl", "op", "bytes", "time_us", "algbw_GBps", "busbw_GBps", "ratio_vs_mpi4py", "ranks", "axis",
           "group_size", "dtype", "iters", "rounds")
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -110,20 +109,20 @@ def hpctrain_step(op: str, comm, b: dict):
     return sendrecv
 
 
-def mpi4py_step(op: str, mpi, b: dict):
+def mpi4py_step(op: str, mpi_comm, b: dict):
     from mpi4py import MPI
 
     v = {k: (t.view(torch.int16) if t.dtype in _HALF else t).numpy() for k, t in b.items()}
-    n, r = mpi.Get_size(), mpi.Get_rank()
+    n, r = mpi_comm.Get_size(), mpi_comm.Get_rank()
     if op == "allreduce":
-        return lambda: mpi.Allreduce(MPI.IN_PLACE, v["t"], MPI.SUM)
+        return lambda: mpi_comm.Allreduce(MPI.IN_PLACE, v["t"], MPI.SUM)
     if op == "reduce_scatter":
-        return lambda: mpi.Reduce_scatter_block(v["big"], v["small"], MPI.SUM)
+        return lambda: mpi_comm.Reduce_scatter_block(v["big"], v["small"], MPI.SUM)
     if op == "allgather":
-        return lambda: mpi.Allgather(v["small"], v["big"])
+        return lambda: mpi_comm.Allgather(v["small"], v["big"])
     if op == "broadcast":
-        return lambda: mpi.Bcast(v["t"], 0)
-    return lambda: mpi.Sendrecv(v["send"], (r + 1) % n, 0, v["recv"], (r - 1) % n, 0)
+        return lambda: mpi_comm.Bcast(v["t"], 0)
+    return lambda: mpi_comm.Sendrecv(v["send"], (r + 1) % n, 0, v["recv"], (r - 1) % n, 0)
 
 
 def gloo_step(op: str, group, members: tuple, b: dict):
@@ -149,16 +148,16 @@ def gloo_step(op: str, group, members: tuple, b: dict):
     return sendrecv
 
 
-def init_gloo_world(world, info, timeout_s: float = 600.0) -> None:
-    """torch.distributed gloo over the MPI world (the peer of the benchmarks): rank 0 picks the address
+def init_gloo_world(mpi_world, info, timeout_s: float = 600.0) -> None:
+    """torch.distributed gloo over ``mpi_world`` (the peer of the benchmarks): rank 0 picks the address
     (``HPCTRAIN_GLOO_ADDR``, else loopback on one node, else its hostname's) and a free port, and
     broadcasts them over MPI."""
     import torch.distributed as dist
 
     endpoint = None
     if info.rank == 0:
-        addr = os.environ.get("HPCTRAIN_GLOO_ADDR") or "127.0.0.1"
-        if info.num_nodes > 1 and "HPCTRAIN_GLOO_ADDR" not in os.environ:
+        addr = env.gloo_addr() or "127.0.0.1"
+        if info.num_nodes > 1 and env.gloo_addr() is None:
             try:
                 addr = socket.gethostbyname(socket.gethostname())
             except OSError:
@@ -166,28 +165,29 @@ def init_gloo_world(world, info, timeout_s: float = 600.0) -> None:
         with socket.socket() as s:
             s.bind((addr, 0))
             endpoint = (addr, s.getsockname()[1])
-    addr, port = world.bcast(endpoint, root=0)
+    addr, port = mpi_world.bcast(endpoint, root=0)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=info.rank, world_size=info.size,
                             timeout=timedelta(seconds=timeout_s))
 
 
-def init_gloo(world, info, comm, timeout_s: float):
-    """gloo over the world; returns the gloo group matching ``comm`` (None = world)."""
+def init_gloo(mpi_world, info, comm, timeout_s: float):
+    """gloo over ``mpi_world``; returns the gloo group matching ``comm`` (a Communicator; None = world)."""
     import torch.distributed as dist
 
-    init_gloo_world(world, info, timeout_s)
+    init_gloo_world(mpi_world, info, timeout_s)
     if comm.size == info.size:
         return None
     mine = None
-    for members in sorted(set(world.allgather(comm.members))):  # every rank creates every group, same order
+    for members in sorted(set(mpi_world.allgather(comm.members))):  # every rank creates every group, same order
         group = dist.new_group(list(members))
         if info.rank in members:
             mine = group
     return mine
 
 
-def time_step(step, iters: int, warmup: int, group_mpi, world, watch=None) -> float:
-    """Seconds per iteration: max over ranks of the mean over ``iters`` (after warmup and a barrier).
+def time_step(step, iters: int, warmup: int, mpi_group, mpi_world, watch=None) -> float:
+    """Seconds per iteration: max over ranks (of ``mpi_world``) of the mean over ``iters`` (after warmup and
+    a barrier of ``mpi_group``; both mpi4py communicators).
     ``watch``: a Communicator whose watchdog covers the raw barrier and the reduction of the result (a
     stopped or dead rank then ends the job with a hang report instead of a hang)."""
     from mpi4py import MPI
@@ -195,13 +195,13 @@ def time_step(step, iters: int, warmup: int, group_mpi, world, watch=None) -> fl
     for _ in range(warmup):
         step()
     with watch.watched("bench barrier") if watch is not None else contextlib.nullcontext():
-        group_mpi.Barrier()
+        mpi_group.Barrier()
     start = time.perf_counter()
     for _ in range(iters):
         step()
     elapsed = (time.perf_counter() - start) / iters
     with watch.watched("bench result") if watch is not None else contextlib.nullcontext():
-        return world.allreduce(elapsed, op=MPI.MAX)
+        return mpi_world.allreduce(elapsed, op=MPI.MAX)
 
 
 def run_comm_bench(args) -> int:
@@ -210,16 +210,16 @@ def run_comm_bench(args) -> int:
 
     ops, impls = _choices(args.ops, OPS, "op"), _choices(args.impls, IMPLS, "impl")
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    dtype, rounds = DTYPES[args.dtype], max(1, getattr(args, "rounds", 3))
+    dtype, rounds = torch_dtype(args.dtype), max(1, getattr(args, "rounds", 3))
     torch.set_num_threads(1)
     info = discover()
     grid = ProcessGrid.build(info, tp=args.tp, pp=args.pp, timeout_s=args.comm_timeout)
-    comm, world = grid.comm(args.axis), grid.world.mpi
+    comm, mpi_world = grid.comm(args.axis), grid.world.mpi
     if comm.size < 2:
         grid.close()
         raise HpcTrainError(f"axis {args.axis!r} has {comm.size} rank per group: nothing to benchmark; "
                             f"launch more ranks or pick another axis / --tp / --pp")
-    gloo_group = init_gloo(world, info, comm, grid.watchdog.timeout_s or 600) if "gloo" in impls else None
+    gloo_group = init_gloo(mpi_world, info, comm, grid.watchdog.timeout_s or 600) if "gloo" in impls else None
     builders = {"hpctrain": lambda op, b: hpctrain_step(op, comm, b),
                 "mpi4py": lambda op, b: mpi4py_step(op, comm.mpi, b),
                 "gloo": lambda op, b: gloo_step(op, gloo_group, comm.members, b)}
@@ -235,7 +235,7 @@ def run_comm_bench(args) -> int:
                 for rnd in range(rounds):
                     k = rnd % len(impls)
                     for impl in impls[k:] + impls[:k]:
-                        best[impl] = min(best[impl], time_step(steps[impl], iters, warmup, comm.mpi, world,
+                        best[impl] = min(best[impl], time_step(steps[impl], iters, warmup, comm.mpi, mpi_world,
                                                                       grid.world))
                 for impl in impls:
                     algbw = nbytes / best[impl] / 1e9

@@ -44,12 +44,13 @@ import sys
 import numpy as np
 import torch
 
-from hpctrain.bench.comm import (DTYPES, OPS, _choices, default_iters, format_size, hpctrain_step, make_buffers,
+from hpctrain.bench.comm import (OPS, _choices, default_iters, format_size, hpctrain_step, make_buffers,
                                  parse_size, time_step)
 from hpctrain.config import OptimConfig
 from hpctrain.errors import HpcTrainError
 from hpctrain.optim.flat import adamw_update_
 from hpctrain.plan.machine import wire_bytes  # the byte model the planner applies the fit with
+from hpctrain.runtime.dtypes import torch_dtype
 
 DEFAULT_SIZES = "4K,64K,256K,1M,4M,16M"
 DEVICE_MATMUL = 512  # square matrix size of the device measurement (a transformer block's GEMMs are this order)
@@ -173,15 +174,16 @@ def levels_of(grid) -> dict:
     return {name: comm for name, comm in (("intra", intra), ("inter", inter)) if comm.size > 1}
 
 
-def measure(comm, world, op: str, sizes: list[int], dtype, rounds: int, iters: int,
+def measure(comm, mpi_world, op: str, sizes: list[int], dtype, rounds: int, iters: int,
             watch=None) -> list[tuple[int, float]]:
-    """[(bytes, seconds)] for ``op`` on every group of a level at once (best round, max over ranks)."""
+    """[(bytes, seconds)] for ``op`` on ``comm`` (a Communicator), every group of a level at once (best
+    round, max over the ranks of ``mpi_world``, an mpi4py communicator)."""
     points = []
     for size in sizes:
         buffers, nbytes = make_buffers(op, size, comm.size, dtype)
         n = iters or default_iters(nbytes)
         step = hpctrain_step(op, comm, buffers)
-        best = min(time_step(step, n, max(2, min(10, n // 10)), world, world, watch)
+        best = min(time_step(step, n, max(2, min(10, n // 10)), mpi_world, mpi_world, watch)
                    for _ in range(rounds))
         points.append((nbytes, best))
     return points
@@ -193,11 +195,11 @@ def run_link_profile(args) -> int:
 
     ops = _choices(args.ops, OPS, "op")
     sizes = [parse_size(s) for s in (args.sizes or DEFAULT_SIZES).split(",") if s.strip()]
-    dtype, rounds = DTYPES[args.dtype], max(1, args.rounds)
+    dtype, rounds = torch_dtype(args.dtype), max(1, args.rounds)
     torch.set_num_threads(1)
     info = discover()
     grid = ProcessGrid.build(info, timeout_s=args.comm_timeout)
-    world = grid.world.mpi
+    mpi_world = grid.world.mpi
     try:
         levels = levels_of(grid)
         if not levels:
@@ -210,7 +212,7 @@ def run_link_profile(args) -> int:
         for level, comm in levels.items():
             pooled = []
             for op in ops:
-                points = measure(comm, world, op, sizes, dtype, rounds, args.iters, grid.world)
+                points = measure(comm, mpi_world, op, sizes, dtype, rounds, args.iters, grid.world)
                 wire = [(wire_bytes(op, b, comm.size), s) for b, s in points]
                 pooled += wire
                 doc["collectives"].setdefault(op, {})[level] = {**fit_alpha_beta(wire), "points": points}

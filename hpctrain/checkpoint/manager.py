@@ -33,7 +33,7 @@ from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime.faults import FaultInjector
 
 
-def agree(comm, error: str | None, what: str) -> None:
+def raise_if_any_failed(comm, error: str | None, what: str) -> None:
     """Collective: raise CheckpointError on every rank if any rank reported an error."""
     errors = [(r, e) for r, e in enumerate(comm.allgather_object(error)) if e]
     if errors:
@@ -162,7 +162,7 @@ class CheckpointManager:
 
     def _agree(self, error: str | None, what: str) -> None:
         with self.timer.phase("agree"):
-            agree(self.comm, error, what)
+            raise_if_any_failed(self.comm, error, what)
 
     def _write_and_publish(self, snap) -> None:
         started = time.perf_counter()

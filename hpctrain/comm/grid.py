@@ -19,6 +19,7 @@ from hpctrain.comm.watchdog import CommStats, Watchdog
 from hpctrain.errors import GridError
 from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.rules import resolve_sizes
+from hpctrain.runtime import env
 from hpctrain.runtime.launcher import RankInfo
 
 AXES = ("dp", "pp", "tp")  # outermost -> innermost
@@ -49,40 +50,43 @@ class ProcessGrid:
         self._extra: list[Communicator] = []  # sub-groups split off later (node_split)
 
     @classmethod
-    def from_config(cls, cfg, info: RankInfo, world_mpi=None, timeout_s: float | None = None) -> "ProcessGrid":
+    def from_config(cls, cfg, info: RankInfo, mpi_world=None, timeout_s: float | None = None) -> "ProcessGrid":
         """Collective: the grid of ``cfg``'s validated ``Layout`` (``grid.layout``), with its
         ``parallel.backend``, ``parallel.strict_placement``, ``comm.timeout_s`` (``$HPCTRAIN_COMM_TIMEOUT``
         overrides it when set; an explicit ``timeout_s`` overrides both) and ``comm.check``."""
         layout = Layout.from_config(cfg, info.size)
         p = cfg.parallel
         if timeout_s is None:
-            timeout_s = float(os.environ.get("HPCTRAIN_COMM_TIMEOUT") or cfg.comm.timeout_s)
-        grid = cls.build(info, world_mpi, dp=layout.dp_size, pp=layout.pp_size, tp=layout.tp_size,
+            timeout_s = env.comm_timeout_s(cfg.comm.timeout_s)
+        grid = cls.build(info, mpi_world, dp=layout.dp_size, pp=layout.pp_size, tp=layout.tp_size,
                          strict_placement=p.strict_placement, backend=p.backend, timeout_s=timeout_s,
                          check=cfg.comm.check)
         grid.layout = layout
         return grid
 
     @classmethod
-    def build(cls, info: RankInfo, world_mpi=None, dp: int = 0, pp: int = 1, tp: int = 1,
+    def build(cls, info: RankInfo, mpi_world=None, dp: int = 0, pp: int = 1, tp: int = 1,
               strict_placement: bool = False, backend: str = "auto", timeout_s: float | None = None,
               check: bool = False, stream=sys.stderr) -> "ProcessGrid":
         """Collective over the world: split it into dp/pp/tp communicators and verify placement.
 
         Every rank validates the same inputs, so a bad layout raises GridError on every rank with no
-        communication (nothing can hang). ``timeout_s`` (default ``$HPCTRAIN_COMM_TIMEOUT`` or 600)
-        bounds every communication call of this grid; ``check`` turns on comm.check fingerprints.
+        communication (nothing can hang). ``mpi_world``: the mpi4py communicator to split (default
+        COMM_WORLD). ``timeout_s`` (default ``$HPCTRAIN_COMM_TIMEOUT``, else the ``comm.timeout_s``
+        default) bounds every communication call of this grid; ``check`` turns on comm.check fingerprints.
         """
         from mpi4py import MPI
 
-        world_mpi = MPI.COMM_WORLD if world_mpi is None else world_mpi
+        from hpctrain.config import CommConfig
+
+        mpi_world = MPI.COMM_WORLD if mpi_world is None else mpi_world
         sizes = resolve_sizes(info.size, dp=dp, pp=pp, tp=tp)
         if timeout_s is None:
-            timeout_s = float(os.environ.get("HPCTRAIN_COMM_TIMEOUT", "600"))
+            timeout_s = env.comm_timeout_s(CommConfig.timeout_s)
         order = sorted(range(info.size), key=lambda r: (info.node_of_rank[r], info.local_rank_of_rank[r]))
         coords_of = layout_coordinates(order, sizes)
-        peers = world_mpi.allgather((info.hostname, info.node, os.getpid()))  # named in hang reports
-        watchdog = Watchdog(info.rank, timeout_s, status_comm=world_mpi.Dup(), peers=peers)
+        peers = mpi_world.allgather((info.hostname, info.node, os.getpid()))  # named in hang reports
+        watchdog = Watchdog(info.rank, timeout_s, status_comm=mpi_world.Dup(), peers=peers)
         stats = CommStats()
         warnings = []
 
@@ -94,7 +98,7 @@ class ProcessGrid:
             mine = key_of[info.rank]
             members = tuple(sorted((r for r in range(info.size) if key_of[r] == mine),
                                    key=lambda r: coords_of[r][axis]))
-            mpi_comm = world_mpi.Split(color=colors.index(mine), key=coords_of[info.rank][axis])
+            mpi_comm = mpi_world.Split(color=colors.index(mine), key=coords_of[info.rank][axis])
             if mpi_comm.Get_rank() != coords_of[info.rank][axis] or mpi_comm.Get_size() != len(members):
                 raise GridError(f"internal: {axis} communicator rank {mpi_comm.Get_rank()} != coordinate "
                                 f"{coords_of[info.rank][axis]}")
@@ -116,7 +120,7 @@ class ProcessGrid:
             if info.rank == 0:
                 print(f"hpctrain: WARNING: {message}", file=stream, flush=True)
 
-        world = Communicator(world_mpi, "world", tuple(range(info.size)), watchdog, stats, backend, check)
+        world = Communicator(mpi_world, "world", tuple(range(info.size)), watchdog, stats, backend, check)
         return cls(info, sizes, coords_of[info.rank], comms, crosses_nodes, world, watchdog, stats, warnings)
 
     def comm(self, axis: str) -> Communicator:

@@ -26,6 +26,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from hpctrain.runtime.errors_exit import abort_grace_s
+
 
 @dataclass
 class OpCounter:
@@ -169,7 +171,7 @@ class Watchdog:
                     os.fsync(f.fileno())
             except OSError:
                 pass
-        time.sleep(float(os.environ.get("HPCTRAIN_ERROR_GRACE_S", "1.0")) + 1.0)  # the pipe, then the abort
+        time.sleep(abort_grace_s() + 1.0)  # the pipe, then the abort
         if self._abort is not None:
             self._abort(3)
         else:

@@ -2,7 +2,7 @@
 
 Typical use::
 
-    tokens = load_tokens_collective(comm, "builtin")          # (N,) uint16
+    tokens = load_tokens_collective(mpi_comm, "builtin")      # (N,) uint16
     sampler = SequenceSampler(tokens, seq_len=256, seed=1234)
     batches = GlobalBatchIterator(sampler, global_batch=64, dp_size=dp, dp_rank=r)
     inputs, targets = batches.next_batch()                   # (64 // dp, 256) int64 each

@@ -18,7 +18,8 @@ import numpy as np
 from hpctrain.data.documents import BINARY_SNIFF_BYTES, BUILTIN_SOURCE, DataError  # noqa: F401 (re-exported)
 from hpctrain.data.documents import builtin_source_files, folder_text_files
 from hpctrain.data.prepared import PreparedCorpus, is_prepared
-from hpctrain.errors import everywhere
+from hpctrain.errors import HpcTrainError, everywhere
+from hpctrain.runtime import env
 
 BYTE_VOCAB_SIZE = 256
 FILE_SEPARATOR = b"\n\n"
@@ -27,8 +28,7 @@ CACHE_FORMAT_TAG = "hpctrain-builtin-v1"
 
 def default_cache_dir() -> str:
     """``$HPCTRAIN_CACHE`` if set, else ``~/.cache/hpctrain``."""
-    return os.environ.get("HPCTRAIN_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "hpctrain")
+    return env.cache_dir()
 
 
 def infer_vocab_size(tokens: np.ndarray) -> int:
@@ -50,20 +50,20 @@ def load_tokens(source: str = BUILTIN_SOURCE, cache_dir: str = "", max_bytes: in
     return tokens
 
 
-def load_tokens_collective(comm, source: str = BUILTIN_SOURCE, cache_dir: str = "",
+def load_tokens_collective(mpi_comm, source: str = BUILTIN_SOURCE, cache_dir: str = "",
                            max_bytes: int = 0) -> np.ndarray:
     """Collective ``load_tokens`` over an mpi4py communicator (``None``: single process).
 
     Rank 0 loads (building the builtin cache), then broadcasts success or its error;
     on failure every rank raises DataError with rank 0's message. Other ranks then
-    read the cache (memory-mapped) or the source itself. Uses only ``comm.Get_rank``
-    and ``comm.bcast``.
+    read the cache (memory-mapped) or the source itself. Uses only ``mpi_comm.Get_rank``
+    and ``mpi_comm.bcast``.
     """
     if is_prepared(source):  # `hpctrain data prepare` output: every rank opens it and reads its own windows
         return PreparedCorpus(source)
-    if comm is None:
+    if mpi_comm is None:
         return load_tokens(source, cache_dir, max_bytes)
-    rank = comm.Get_rank()
+    rank = mpi_comm.Get_rank()
     tokens = None
     root_error = None
     status = None
@@ -76,7 +76,7 @@ def load_tokens_collective(comm, source: str = BUILTIN_SOURCE, cache_dir: str = 
             message = str(exc) if isinstance(exc, DataError) else (
                 f"data source {source!r}: {type(exc).__name__}: {exc}")
             status = {"ok": False, "message": message}
-    status = comm.bcast(status, root=0)
+    status = mpi_comm.bcast(status, root=0)
     if not status["ok"]:
         raise everywhere(DataError(status["message"])) from root_error
     if rank == 0:

@@ -8,7 +8,7 @@ File layout (``format = "hpctrain-tokens-v1"``)::
     attrs: format, tokenizer (name), tokenizer_sha256 (the tokenizer file's, or "bytes"), vocab_size,
            max_token, num_tokens, num_docs
 
-``prepare`` (collective over an mpi4py communicator): rank r tokenizes its share of the documents
+``prepare`` (collective over an hpctrain Communicator): rank r tokenizes its share of the documents
 (balanced by size) into ``OUT.parts/rankR.npy`` files, then rank 0 assembles the HDF5 file in document
 order under a temporary name and renames it into place: a failed prepare never leaves a half file
 under the final name, and an existing ``--out`` is never overwritten (unless ``force``).

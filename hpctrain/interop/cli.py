@@ -17,8 +17,9 @@ import tempfile
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.runtime.outputs import mark, why_not_replaceable
+from hpctrain.runtime import env
+from hpctrain.runtime.dtypes import DTYPE_NAMES, torch_dtype  # no torch import here: `hpctrain info` stays fast
 
-DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")  # no torch import here: `hpctrain info` stays fast
 
 
 def add_parser(sub) -> None:
@@ -102,7 +103,7 @@ def run_export(args) -> int:
     from hpctrain.interop.hf import parameter_shapes, write_hf
     from hpctrain.interop.sources import CheckpointSource
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(env.omp_num_threads())
     with staged_output(args.out, args.force, "hpctrain export", args.checkpoint) as tmp:  # checks --out first
         source = CheckpointSource(args.checkpoint)
         try:
@@ -154,12 +155,11 @@ def write_weights_only(directory: str, cfg, tensors: dict, dtype: str, source: s
     from hpctrain.checkpoint.state import Snapshot, WriteItem
     from hpctrain.checkpoint.writers import write_shards
     from hpctrain.config import config_to_dict
-    from hpctrain.interop.hf import DTYPES
 
-    on_disk = disk_dtype(DTYPES[dtype])
+    on_disk = disk_dtype(torch_dtype(dtype))
     snap = Snapshot(0, {})
     for name, t in tensors.items():
-        array = t.to(DTYPES[dtype]).double().numpy().astype(on_disk)  # bf16/fp16 widen exactly
+        array = t.to(torch_dtype(dtype)).double().numpy().astype(on_disk)  # bf16/fp16 widen exactly
         snap.datasets[model_dataset(name)] = (tuple(array.shape), on_disk.str)
         snap.items.append(WriteItem(model_dataset(name), Box((0,) * array.ndim, array.shape), array))
     snap.attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "hpctrain_version": hpctrain.__version__,
@@ -188,7 +188,7 @@ def run_import(args) -> int:
     from hpctrain.config import Config
     from hpctrain.interop.hf import HFModelDir, supported_tp
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(env.omp_num_threads())
     out = os.path.abspath(args.out)
     with staged_output(args.out, args.force, "hpctrain import-hf", args.hf_dir) as tmp:
         source = HFModelDir(args.hf_dir)

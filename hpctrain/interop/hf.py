@@ -20,10 +20,10 @@ import torch
 
 from hpctrain.config import Config, ConfigError, ModelConfig, validate
 from hpctrain.errors import HpcTrainError
+from hpctrain.runtime.dtypes import torch_dtype
 
 ARCHITECTURE = "LlamaForCausalLM"
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64", "BF16": "bfloat16", "F16": "float16"}
 _TOP = {"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"}
 _LAYER = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
@@ -245,7 +245,7 @@ def write_hf(directory: str, m: ModelConfig, tensors: dict[str, torch.Tensor], d
     with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(hf_config(m, dtype, eos), f, indent=2, sort_keys=True)
         f.write("\n")
-    save_file({hf_name(n): t.to(DTYPES[dtype]).contiguous() for n, t in tensors.items()},
+    save_file({hf_name(n): t.to(torch_dtype(dtype)).contiguous() for n, t in tensors.items()},
               os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
     files = [CONFIG_FILE, WEIGHTS_FILE]
     if tokenizer_json:

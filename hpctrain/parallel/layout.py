@@ -14,6 +14,11 @@ from hpctrain.parallel.rules import LayoutError  # noqa: F401 (re-exported)
 from hpctrain.parallel.rules import check_batch, check_stages, check_tp_divisibility, resolve_sizes
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` >= 1, ascending: the sizes an axis of ``n`` ranks can be split into."""
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
 @dataclass(frozen=True)
 class Layout:
     """Sizes of the named axes and how a global batch is cut; ``validate`` checks every rule of ``rules.py``."""

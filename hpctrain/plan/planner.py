@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.arithmetic import flops_per_token
-from hpctrain.parallel.layout import Layout
+from hpctrain.parallel.layout import Layout, divisors
 from hpctrain.plan.cost import Candidate, Options, StepTime, step_time
 from hpctrain.plan.memory import Memory, memory
 
@@ -103,10 +103,6 @@ def predict(model, layout, machine, recompute: bool = False, options: Options = 
                       flops_per_token(model, layout.seq_len), placement)
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def _describe(lay: Layout, recompute: bool | None = None) -> dict:
     d = {"dp": lay.dp_size, "tp": lay.tp_size, "pp": lay.pp_size, "microbatches": lay.microbatches}
     if lay.sequence_parallel:
@@ -123,8 +119,8 @@ def plan(model, machine, global_batch: int, seq_len: int, options: Options = Opt
     """Every (dp, tp, pp) of ``machine.devices`` ranks x the choices of ``space``, ranked best first."""
     world, capacity = machine.devices, machine.memory_gib()
     result = PlanResult()
-    for tp in _divisors(world):
-        for pp in _divisors(world // tp):
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
             dp = world // (tp * pp)
             base = Layout(world, dp, pp, tp, 1, global_batch, seq_len, False, 0, space.schedule)
             try:
@@ -144,7 +140,7 @@ def _search(model, machine, base: Layout, capacity: float, options: Options, spa
     local = base.global_batch // base.dp_size
     reasons: set[str] = set()
     fitted, smallest = False, None
-    for mb in space.microbatches or tuple(_divisors(local)):
+    for mb in space.microbatches or tuple(divisors(local)):
         for sp in space.sequence_parallel if base.tp_size > 1 else (False,):
             for zero in space.zero if base.dp_size > 1 else (0,):
                 lay = Layout(base.world_size, base.dp_size, base.pp_size, base.tp_size, mb, base.global_batch,

@@ -38,9 +38,9 @@ class TraceRecorder:
         self.origin = time.perf_counter()
         self._step: tuple[int, float] | None = None
 
-    def sync(self, comm) -> None:
-        """Collective over ``comm`` (an mpi4py communicator): the common time origin of all ranks."""
-        comm.Barrier()
+    def sync(self, mpi_comm) -> None:
+        """Collective over ``mpi_comm`` (an mpi4py communicator): the common time origin of all ranks."""
+        mpi_comm.Barrier()
         self.origin = time.perf_counter()
         self.meta["origin_unix_s"] = time.time()
 

@@ -13,12 +13,12 @@ reported unless ``train.peak_tflops`` is set).
 """
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
 
 from hpctrain.errors import HpcTrainError
+from hpctrain.runtime import env
 from hpctrain.runtime.launcher import RankInfo, bind_device
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -49,7 +49,8 @@ def select_device(choice: str, info: RankInfo) -> torch.device:
     if not torch.cuda.is_available():
         if choice == "auto":
             return torch.device("cpu")
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        visible = env.cuda_visible_devices()
+        visible = "<unset>" if visible is None else visible
         raise DeviceError(f"train.device='cuda' but torch sees no CUDA device on {socket.gethostname()} "
                           f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}, "
                           f"CUDA_VISIBLE_DEVICES={visible}); use train.device=cpu or auto, or a GPU node")

@@ -1,12 +1,12 @@
 """Turning exceptions into one clear message per rank and a job-wide non-zero exit, never a hang."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 import traceback
 
 from hpctrain.errors import HpcTrainError
+from hpctrain.runtime import env
 
 USER_ERROR_EXIT = 2
 INTERNAL_ERROR_EXIT = 1
@@ -18,6 +18,16 @@ def _world():
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return 0, 1, None
     return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size(), mpi.COMM_WORLD
+
+
+def abort_grace_s() -> float:
+    """``$HPCTRAIN_ERROR_GRACE_S`` for the path to an abort, which must not fail: a bad value is
+    reported on stderr and the default (1 s) used."""
+    try:
+        return env.error_grace_s()
+    except env.EnvError as exc:
+        sys.stderr.write(f"hpctrain: warning: {exc}; using 1 s\n")
+        return 1.0
 
 
 def run_and_exit(main, argv=None) -> int:
@@ -39,7 +49,7 @@ def run_and_exit(main, argv=None) -> int:
         return 0
     except Exception:  # noqa: BLE001 - report, then end the job
         code, text = INTERNAL_ERROR_EXIT, "internal error:\n" + traceback.format_exc()
-    rank, size, world = _world()
+    rank, size, mpi_world = _world()
     prefix = f"rank {rank}: " if size > 1 else ""
     if code == USER_ERROR_EXIT and size > 1 and getattr(exc_value, "everywhere", False):
         prefix = f"all {size} ranks: "  # the same error on every rank: printed once, by rank 0
@@ -48,7 +58,7 @@ def run_and_exit(main, argv=None) -> int:
         sys.stderr.write(f"hpctrain: error: {prefix}{text}\n")
         sys.stderr.flush()
     sys.stdout.flush()
-    if world is not None and size > 1:
-        time.sleep(float(os.environ.get("HPCTRAIN_ERROR_GRACE_S", "1.0")))
-        world.Abort(code)
+    if mpi_world is not None and size > 1:
+        time.sleep(abort_grace_s())
+        mpi_world.Abort(code)
     return code

@@ -22,6 +22,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from hpctrain.runtime import env
+
 PHASES = ("forward", "backward", "optimizer", "write", "verify", "publish")
 ENV = "HPCTRAIN_FAULT"
 
@@ -34,8 +36,9 @@ class FaultInjector:
     action: str = ""
 
     @classmethod
-    def from_env(cls, my_rank: int, environ=os.environ) -> "FaultInjector":
-        spec = environ.get(ENV, "")
+    def from_env(cls, my_rank: int, environ=None) -> "FaultInjector":
+        """This rank's fault from ``$HPCTRAIN_FAULT`` (``environ``: a mapping instead of os.environ)."""
+        spec = env.fault_spec(environ)
         if not spec:
             return cls()
         try:

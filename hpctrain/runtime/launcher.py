@@ -102,24 +102,25 @@ def check_launcher_agreement(mpi_rank: int, mpi_size: int, mpi_local_rank: int, 
     return notes
 
 
-def discover(world=None, env: dict | None = None) -> RankInfo:
-    """Collective over ``world`` (default COMM_WORLD): find rank, node and local rank of every process."""
+def discover(mpi_world=None, env: dict | None = None) -> RankInfo:
+    """Collective over ``mpi_world`` (an mpi4py communicator; default COMM_WORLD): find rank, node and
+    local rank of every process."""
     from mpi4py import MPI
 
-    world = MPI.COMM_WORLD if world is None else world
-    rank, size = world.Get_rank(), world.Get_size()
-    node_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    mpi_world = MPI.COMM_WORLD if mpi_world is None else mpi_world
+    rank, size = mpi_world.Get_rank(), mpi_world.Get_size()
+    node_comm = mpi_world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     try:
         local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
         node_leader = node_comm.allreduce(rank, op=MPI.MIN)
     finally:
         node_comm.Free()
     launcher = read_launcher_env(env)
-    if world is MPI.COMM_WORLD:  # a sub-world (tests' COMM_SELF reference runs) is not the launch
+    if mpi_world is MPI.COMM_WORLD:  # a sub-world (tests' COMM_SELF reference runs) is not the launch
         # every rank checks itself, so a bad launch fails everywhere without communication
         for note in check_launcher_agreement(rank, size, local_rank, launcher):
             warnings.warn(f"rank {rank}: {note}", stacklevel=2)
-    leaders_and_locals = world.allgather((node_leader, local_rank))
+    leaders_and_locals = mpi_world.allgather((node_leader, local_rank))
     leaders = sorted({leader for leader, _ in leaders_and_locals})
     node_of_rank = tuple(leaders.index(leader) for leader, _ in leaders_and_locals)
     return RankInfo(

@@ -17,7 +17,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import sys
 from pathlib import Path
 
 FIELDS = ["name", "ranks", "nodes", "dp", "tp", "pp", "microbatches", "global_batch", "status", "steps", "step_s",
@@ -107,9 +106,7 @@ def _launcher(args):
 
     if args.launcher == "sbatch":
         return SbatchLauncher(args.timeout or 3600, args.ranks_per_node, args.sbatch_arg)
-    venv_mpiexec = Path(sys.executable).parent / "mpiexec"
-    mpiexec = args.mpiexec or (str(venv_mpiexec) if venv_mpiexec.exists() else "mpiexec")
-    return MpiexecLauncher(mpiexec, args.timeout or 600, ranks_per_node=args.ranks_per_node)
+    return MpiexecLauncher(args.mpiexec or "mpiexec", args.timeout or 600, ranks_per_node=args.ranks_per_node)
 
 
 def _add_predictions(rows: list[dict], cfg, args) -> None:

@@ -1,20 +1,22 @@
 """Launching a sweep's runs: one after another with ``mpiexec`` on this machine, or as Slurm jobs.
 
 ``MpiexecLauncher.run(run, run_dir, train_args)`` runs ``mpiexec -n R python -m hpctrain.cli train ...``
-under a hard timeout (killed, never hung) and returns "ok" or why not. ``SbatchLauncher`` submits every
-run as its own job from ``slurm/scaling_study.sbatch`` (``--ntasks=R``, ``--nodes`` from
-``--ranks-per-node``), then polls ``squeue`` until all have left the queue (or the timeout cancels
-them) and reads each run's exit code from its ``exit_code`` file, which the template writes.
+under a hard timeout (killed, never hung: ``runtime/child_job.py``) and returns "ok" or why not.
+``SbatchLauncher`` submits every run as its own job from ``slurm/scaling_study.sbatch`` (``--ntasks=R``,
+``--nodes`` from ``--ranks-per-node``), then polls ``squeue`` until all have left the queue (or the
+timeout cancels them) and reads each run's exit code from its ``exit_code`` file, which the template
+writes.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from hpctrain.runtime import env
+from hpctrain.runtime.child_job import find_launcher, launch_training_job, train_command
 from hpctrain.sweep.runs import SweepError
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "scaling_study.sbatch"
@@ -31,7 +33,7 @@ def _tail(path: str, n: int = 2000) -> str:
 class MpiexecLauncher:
     def __init__(self, mpiexec: str = "mpiexec", timeout_s: float = 600, extra_args: list[str] | None = None,
                  ranks_per_node: int = 0):
-        self.mpiexec = shutil.which(mpiexec) or mpiexec
+        self.mpiexec = find_launcher(mpiexec) or mpiexec
         self.timeout_s, self.extra_args = timeout_s, list(extra_args or [])
         self.ranks_per_node = ranks_per_node  # > 0: hydra's -ppn (ranks in blocks of that many per host)
 
@@ -39,13 +41,9 @@ class MpiexecLauncher:
         os.makedirs(run_dir, exist_ok=True)
         log = os.path.join(run_dir, "sweep.log")
         ppn = ["-ppn", str(min(run.ranks, self.ranks_per_node))] if self.ranks_per_node else []
-        cmd = ["timeout", "-k", "10", str(self.timeout_s), self.mpiexec, *self.extra_args, "-n", str(run.ranks),
-               *ppn, sys.executable, "-m", "hpctrain.cli", "train", *train_args]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        with open(log, "w", encoding="utf-8") as out:
-            code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env=env).returncode
-        if code in (124, 137):
+        cmd = train_command([self.mpiexec, *self.extra_args], run.ranks, train_args, launcher_args=ppn)
+        code = launch_training_job(cmd, Path(log), self.timeout_s)
+        if code is None:
             return f"timed out after {self.timeout_s:.0f} s (see {log})"
         return "ok" if code == 0 else f"exit {code}: {_tail(log, 400).strip().splitlines()[-1:] or ''} ({log})"
 
@@ -74,8 +72,8 @@ class SbatchLauncher:
                        f"--ntasks-per-node={min(run.ranks, self.ranks_per_node)}"]
         cmd = ["sbatch", "--parsable", f"--job-name=sweep-{run.name}", f"--output={run_dir}/slurm-%j.out",
                *layout, *self.sbatch_args, str(TEMPLATE), *train_args]
-        env = dict(os.environ, HPCTRAIN_DIR=str(TEMPLATE.parents[1]), HPCTRAIN_SWEEP_RUN_DIR=run_dir)
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=120)
+        child = env.child_environ({"HPCTRAIN_DIR": str(TEMPLATE.parents[1]), "HPCTRAIN_SWEEP_RUN_DIR": run_dir})
+        done = subprocess.run(cmd, capture_output=True, text=True, env=child, stdin=subprocess.DEVNULL, timeout=120)
         if done.returncode != 0:
             raise SweepError(f"sbatch refused {run.name}: {done.stderr.strip() or done.stdout.strip()}")
         return done.stdout.strip().split(";")[0]

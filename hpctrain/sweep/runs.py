@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from hpctrain.errors import HpcTrainError
-from hpctrain.parallel.layout import Layout
+from hpctrain.parallel.layout import Layout, divisors
 from hpctrain.profiling.timers import BETWEEN_STEPS
 
 # how metrics.jsonl phases fold into the sweep's breakdown (hpctrain/profiling/timers.py names them)
@@ -70,10 +70,6 @@ def parse_layouts(text: str) -> list[dict] | None:
     return layouts
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def plan_runs(cfg, ranks: list[int], layouts: list[dict] | None, mode: str) -> tuple[list[SweepRun], list[str]]:
     """Every (ranks, layout) to run, and why the others are skipped. ``mode``: ``weak`` scales the global
     batch with the ranks (cfg's batch at the smallest rank count), ``strong`` keeps it. ``mb=0`` (and auto)
@@ -83,8 +79,8 @@ def plan_runs(cfg, ranks: list[int], layouts: list[dict] | None, mode: str) -> t
     runs, skipped = [], []
     for world in ranks:
         batch = cfg.train.global_batch * world // ranks[0] if mode == "weak" else cfg.train.global_batch
-        candidates = layouts or [{"tp": tp, "pp": pp, "mb": 0} for tp in _divisors(world)
-                                 for pp in _divisors(world // tp)]
+        candidates = layouts or [{"tp": tp, "pp": pp, "mb": 0} for tp in divisors(world)
+                                 for pp in divisors(world // tp)]
         for spec in candidates:
             tp, pp = spec["tp"], spec["pp"]
             mb = spec["mb"] or (2 * pp if pp > 1 else 1)

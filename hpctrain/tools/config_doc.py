@@ -108,7 +108,8 @@ MEANINGS: dict[str, str] = {
                       "corpus was prepared with this tokenizer; nothing is downloaded.",
     "data.valid_fraction": "Hold out the last fraction of the corpus for validation (at a document boundary for a "
                            "prepared corpus); training never samples from it. 0 = no validation data.",
-    "data.cache_dir": "Where the builtin corpus is cached. Empty = `$HPCTRAIN_CACHE`, else `~/.cache/hpctrain`.",
+    "data.cache_dir": "Where the builtin corpus is cached. Empty = `~/.cache/hpctrain`. `HPCTRAIN_CACHE`, when "
+                      "set, overrides it.",
     "data.max_bytes": "Keep only the first N tokens (= bytes) of a byte-level source (text, folder, builtin, .npy); "
                       "a prepared token file (hpctrain data prepare) is always used whole. 0 = the whole corpus.",
     # [train]

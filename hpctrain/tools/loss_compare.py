@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpctrain.tools.runs import CompareError, parse_run_spec, resolve_launcher, run_training, train_command
+from hpctrain.tools.runs import CompareError, parse_run_spec, resolve_launcher, run_side, side_command
 
 EXIT_MATCH, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
 
@@ -212,8 +212,8 @@ def _main(args, console) -> int:
         paths = []
         for spec in specs:  # one after the other: both may want every core
             run_dir = out / spec.label.lower()
-            cmd = train_command(launcher, spec, run_dir, args.config, common, args.steps)
-            run_training(cmd, run_dir, args.timeout, spec.label, console)  # a failure keeps the logs
+            cmd = side_command(launcher, spec, run_dir, args.config, common, args.steps)
+            run_side(cmd, run_dir, args.timeout, spec.label, console)  # a failure keeps the logs
             paths.append(run_dir / "metrics.jsonl")
         values = [read_metrics(p, args.metric) for p in paths]
         if temporary:

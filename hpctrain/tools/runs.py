@@ -1,15 +1,15 @@
-"""Running ``hpctrain train`` as a child job for tools: one side of a comparison ("NP:OVERRIDES"),
-its launcher command, a fresh run directory, and a hard timeout that kills the whole process group."""
+"""One side of a loss comparison ("NP:OVERRIDES"): its launcher command and a fresh run directory; the
+child job itself runs through ``runtime/child_job.py`` (shared with ``hpctrain sweep``)."""
 from __future__ import annotations
 
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from hpctrain.runtime import child_job
 
 
 class CompareError(Exception):
@@ -47,8 +47,7 @@ def resolve_launcher(launcher: str) -> list[str]:
     if not words:
         raise CompareError("--launcher is empty: give a launcher such as 'mpiexec' or 'srun --mpi=pmi2'")
     if os.sep not in words[0]:
-        search = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
-        found = shutil.which(words[0], path=search)
+        found = child_job.find_launcher(words[0])
         if found is None:
             raise CompareError(f"launcher {words[0]!r} not found beside {sys.executable} nor on PATH: install "
                                f"an MPI (pip install -e '.[mpi]') or pass --launcher with a full path")
@@ -56,34 +55,25 @@ def resolve_launcher(launcher: str) -> list[str]:
     return words
 
 
-def train_command(launcher: list[str], spec: RunSpec, run_dir: Path, config: str | None, common: list[str],
-                  steps: int | None) -> list[str]:
-    cmd = launcher + ["-n", str(spec.nprocs), sys.executable, "-m", "hpctrain.cli", "train"]
-    if config:
-        cmd += ["--config", config]
-    cmd += common + spec.overrides + [f"train.run_dir={run_dir}"]
+def side_command(launcher: list[str], spec: RunSpec, run_dir: Path, config: str | None, common: list[str],
+                 steps: int | None) -> list[str]:
+    """The ``hpctrain train`` command of one side, writing into ``run_dir``."""
+    args = ["--config", config] if config else []
+    args += common + spec.overrides + [f"train.run_dir={run_dir}"]
     if steps is not None:
-        cmd.append(f"train.steps={steps}")
-    return cmd
+        args.append(f"train.steps={steps}")
+    return child_job.train_command(launcher, spec.nprocs, args)
 
 
-def run_training(cmd: list[str], run_dir: Path, timeout: float, label: str, console) -> None:
-    """Run one training job (output to ``<run_dir>/train.log``); raise CompareError if it fails."""
+def run_side(cmd: list[str], run_dir: Path, timeout: float, label: str, console) -> None:
+    """Run one side's training job (output to ``<run_dir>/train.log``); raise CompareError if it fails."""
     fresh_run_dir(run_dir)
     log_path = run_dir / "train.log"
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
     console.print(f"[bold]run {label}[/bold]: {shlex.join(cmd)}", highlight=False, soft_wrap=True)
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)  # own process group: a timeout ends the whole job
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise CompareError(f"run {label} timed out after {timeout:.0f} s (--timeout); its output is in "
-                               f"{log_path}:\n{_tail(log_path)}") from None
+    code = child_job.launch_training_job(cmd, log_path, timeout)
+    if code is None:
+        raise CompareError(f"run {label} timed out after {timeout:.0f} s (--timeout); its output is in "
+                           f"{log_path}:\n{_tail(log_path)}")
     if code != 0:
         raise CompareError(f"run {label} failed with exit status {code}; its output is in {log_path}:\n"
                            f"{_tail(log_path)}")
@@ -101,19 +91,6 @@ def fresh_run_dir(run_dir: Path) -> None:
             raise CompareError(f"{run_dir} exists and does not look like a run of this tool; choose another --out")
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _tail(path: Path, lines: int = 25) -> str:

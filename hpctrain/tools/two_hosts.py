@@ -20,6 +20,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from hpctrain.runtime import env
+
 SCRIPT = Path(__file__).resolve().parent / "two_hosts.sh"  # package data (scripts/two_hosts.sh links here)
 HOSTS = ("h1", "h2")
 
@@ -33,7 +35,7 @@ class TwoHosts:
 
     def __init__(self, rate: str = "1gbit", directory: str | os.PathLike | None = None, timeout: float = 60):
         self.rate = rate
-        self.dir = Path(directory or os.environ.get("HPCTRAIN_NS_DIR", "/tmp/hpctrain-ns"))
+        self.dir = Path(directory or env.ns_dir())
         self.timeout = timeout
 
     # -- probing -------------------------------------------------------------------------------------------
@@ -59,9 +61,9 @@ class TwoHosts:
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def _run(self, *args: str) -> str:
-        env = dict(os.environ, HPCTRAIN_NS_DIR=str(self.dir))
+        child = env.child_environ({"HPCTRAIN_NS_DIR": str(self.dir)})
         try:
-            proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env,
+            proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=child,
                                   timeout=self.timeout, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired as exc:
             raise TwoHostsError(f"two_hosts.sh {' '.join(args)} timed out after {self.timeout} s") from exc

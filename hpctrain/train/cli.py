@@ -1,7 +1,7 @@
 """``hpctrain train --config FILE.toml [section.key=value ...]``: run training on the launched ranks."""
 from __future__ import annotations
 
-import os
+from hpctrain.runtime import env
 
 
 def add_parser(sub) -> None:
@@ -29,7 +29,7 @@ def run(args) -> int:
     from hpctrain.train.loop import run_training
     from hpctrain.train.run_dir import default_resume
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(env.omp_num_threads())
     cfg = load_config(args.config, args.overrides)
-    return run_training(cfg, args.resume or default_resume(os.environ), args.max_steps,
+    return run_training(cfg, args.resume or default_resume(), args.max_steps,
                         early_signals=getattr(args, "early_signals", None))

@@ -18,7 +18,8 @@ import os
 import sys
 import time
 
-from hpctrain.train.stop import StopPolicy, agree
+from hpctrain.runtime import env
+from hpctrain.train.stop import StopPolicy, agree_stop_reason
 
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
 
@@ -130,7 +131,7 @@ def _diverged(cfg, grid, verdict, checkpoints, step: int, is_root: bool, lock) -
 def _agree_to_go_on(policy, trainer, grid) -> str:
     """Collective over the world: "" to train another step, else why every rank stops (``sync`` phase)."""
     with trainer.timer.phase("sync"):
-        return agree(policy.local_reason(trainer.step), grid.world)
+        return agree_stop_reason(policy.local_reason(trainer.step), grid.world)
 
 
 def _start_trace(cfg, grid, trainer):
@@ -210,7 +211,7 @@ def _finish(cfg, grid, reason: str, step: int, save_s: float, is_root: bool, loc
     job = slurm_job_to_requeue() if early and cfg.train.requeue == "auto" else None
     if is_root:
         event = {"event": "stop", "reason": reason, "step": step, "save_s": round(save_s, 3),
-                 "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0), "requeue": job}
+                 "restart_count": env.slurm_restart_count(), "requeue": job}
         with open(os.path.join(cfg.train.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
             f.write(json.dumps(event) + "\n")
         if early:

@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 
 from hpctrain.errors import HpcTrainError
+from hpctrain.runtime import env
 from hpctrain.train.run_lock import LOCK_NAME
 
-BATCH_JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "COBALT_JOBID", "FLUX_JOB_ID")
 SUPERSEDED = "superseded"
 # What a run writes into its run directory (the lock stays: the new run holds it).
 RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "config.json", "hang-report.txt", "trace")
@@ -44,9 +44,9 @@ class StartDecision:
     problem: str | None = None  # refuse to start (identical message on every rank)
 
 
-def default_resume(environ) -> str | None:
+def default_resume(environ=None) -> str | None:
     """``auto`` inside a batch job (a requeued job must continue), else None (decided by the table above)."""
-    return "auto" if any(v in environ for v in BATCH_JOB_VARIABLES) else None
+    return "auto" if env.in_batch_job(environ) else None
 
 
 def _complete_steps(checkpoint_dir: str) -> list[int]:

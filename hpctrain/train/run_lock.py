@@ -33,6 +33,8 @@ import time
 import uuid
 
 from hpctrain.errors import HpcTrainError
+from hpctrain.runtime import env
+from hpctrain.runtime import env
 
 LOCK_NAME = ".hpctrain.lock"
 TAKEOVER_SUFFIX = ".takeover"
@@ -93,12 +95,11 @@ class DirectoryLock:
     """This job's lock on one directory (``acquire`` / ``heartbeat`` / ``release``)."""
 
     def __init__(self, directory: str, key: str, environ=None):
-        env = os.environ if environ is None else environ
         self.directory, self.key = directory, key
         self.path = os.path.join(directory, LOCK_NAME)
         self.held = False
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.get("SLURM_JOB_ID"),
-                   "restart": int(env.get("SLURM_RESTART_COUNT") or 0), "started": time.time(),
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.slurm_job_id(environ),
+                   "restart": env.slurm_restart_count(environ), "started": time.time(),
                    "token": uuid.uuid4().hex}
 
     def acquire(self) -> str | None:

@@ -2,7 +2,7 @@
 
 ``StopPolicy.local_reason(step)`` is what this rank alone sees: ``"signal USR1"`` (a flag set by the
 handler), ``"time limit"`` (the next step plus a save would not finish before the deadline) or
-``"max steps"``. ``agree(reason, world)`` turns the ranks' views into one answer with ONE tiny
+``"max steps"``. ``agree_stop_reason(reason, world)`` turns the ranks' views into one answer with ONE tiny
 all-reduce (max of a 4-byte code), so every rank stops after the same step even if the signal
 reached them at different moments.
 
@@ -59,7 +59,7 @@ def decode(code: int) -> str:
     return f"signal {signal.Signals(code - 100).name.removeprefix('SIG')}" if code >= 100 else REASONS[code]
 
 
-def agree(reason: str, world) -> str:
+def agree_stop_reason(reason: str, world) -> str:
     """Collective over ``world`` (a Communicator): the reason every rank acts on (the highest code)."""
     code = torch.tensor([encode(reason)], dtype=torch.int32)
     if world.size > 1:

@@ -28,12 +28,11 @@ from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
 from hpctrain.profiling.timers import PhaseTimer
+from hpctrain.runtime import env
 from hpctrain.runtime.device import configure_matmul, peak_tflops
+from hpctrain.runtime.dtypes import torch_dtype
 from hpctrain.runtime.faults import FaultInjector
 from hpctrain.train.state import TrainerState
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
 
 
 @dataclass
@@ -73,7 +72,7 @@ class Trainer:
         self.backends = grid.use_device(self.device)
         configure_matmul(self.device, cfg.train.allow_tf32)
         self.model_cfg = resolve_model(cfg.model)
-        self.dtype = DTYPES[cfg.train.dtype]
+        self.dtype = torch_dtype(cfg.train.dtype)
         torch.manual_seed(cfg.train.seed * 100_003 + grid.info.rank)  # derived per rank, never shared by accident
         self.local_batch, self.micro_batch = self.layout.local_batch, self.layout.micro_batch
         self._build_model()
@@ -112,7 +111,8 @@ class Trainer:
         """The corpus (read by rank 0, broadcast) and this dp rank's (seed, index) batch iterator."""
         cfg, grid = self.cfg, self.grid
         if tokens is None:
-            tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes)
+            tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, env.cache_dir(cfg.data.cache_dir),
+                                            cfg.data.max_bytes)
         check_corpus(tokens, cfg.data.tokenizer, self.model_cfg.vocab_size, cfg.data.source)
         split = validation_split(tokens, cfg.data.valid_fraction, cfg.train.seq_len)
         self.sampler = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed, hi=split)

@@ -3,7 +3,7 @@ import pytest
 
 from hpctrain.config import ConfigError, load_config
 from hpctrain.errors import GridError, HpcTrainError
-from hpctrain.parallel.layout import Layout, resolve_sizes
+from hpctrain.parallel.layout import Layout, divisors, resolve_sizes
 
 
 def layout(world, *overrides):
@@ -61,6 +61,10 @@ def test_derived_sizes():
     one = ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1"]
     assert layout(4, *one, "train.seq_len=64").seq_shard == 64
     assert layout(4, "parallel.dp=4", *one).dp_size == 4
+
+
+def test_divisors():
+    assert divisors(1) == [1] and divisors(12) == [1, 2, 3, 4, 6, 12] and divisors(7) == [1, 7]
 
 
 def test_layout_imports_neither_mpi_nor_torch():

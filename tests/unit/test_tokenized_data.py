@@ -16,7 +16,7 @@ def solo():
     """This process alone, as an hpctrain Communicator (what `hpctrain data prepare` passes)."""
     from hpctrain.runtime.launcher import discover
 
-    grid = ProcessGrid.build(discover(MPI.COMM_SELF), world_mpi=MPI.COMM_SELF, timeout_s=0)
+    grid = ProcessGrid.build(discover(MPI.COMM_SELF), mpi_world=MPI.COMM_SELF, timeout_s=0)
     yield grid.world
     grid.close()
 

@@ -72,9 +72,9 @@ class MpiBackend:
 
     name = "mpi"
 
-    def __init__(self, comm, cuda_aware: bool = False):
-        self.comm = comm
-        self.size = comm.Get_size()
+    def __init__(self, mpi_comm, cuda_aware: bool = False):
+        self.comm = mpi_comm  # an mpi4py communicator
+        self.size = mpi_comm.Get_size()
         self.cuda_aware = cuda_aware
 
     def _ready(self, tensor: torch.Tensor) -> None:

@@ -20,9 +20,9 @@ from hpctrain.runtime.launcher import discover
 from hpctrain.train.trainer import Trainer
 
 
-def train(cfg, world_mpi, tokens, steps):
-    info = discover(world_mpi)
-    grid = ProcessGrid.from_config(cfg, info, world_mpi=world_mpi, timeout_s=120)
+def train(cfg, mpi_world, tokens, steps):
+    info = discover(mpi_world)
+    grid = ProcessGrid.from_config(cfg, info, mpi_world=mpi_world, timeout_s=120)
     trainer = Trainer(cfg, grid, tokens=tokens)
     losses = [trainer.train_step().loss for _ in range(steps)]
     params = trainer.global_parameters()

@@ -82,11 +82,14 @@ def test_link_profile_of_one_rank_says_what_to_launch(tmp_path):
 
 
 def test_a_stopped_rank_ends_a_profile_with_a_hang_report(tmp_path):
-    """SIGSTOP one rank while the profile measures: the job ends with the hang report, never hangs."""
+    """SIGSTOP one rank while the profile measures: the job ends with the hang report, never hangs.
+    The stop comes once rank 0 has reported its first measured collective (so every rank is inside the
+    watched measurement loop), not after a guessed delay."""
     import os
     import signal
     import subprocess
     import sys
+    import threading
     import time
 
     from mpirun import ROOT, mpi_env, mpiexec
@@ -96,17 +99,25 @@ def test_a_stopped_rank_ends_a_profile_with_a_hang_report(tmp_path):
                                                         "comm", "--profile", str(out), "--comm-timeout", "5"]
     proc = subprocess.Popen(cmd, cwd=str(ROOT), env=mpi_env(), text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    lines, measuring = [], threading.Event()
+
+    def read_output():  # until EOF; `timeout` ends the job at the latest
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("bench comm --profile: "):  # rank 0 measured a collective: all ranks are in
+                measuring.set()
+
+    reader = threading.Thread(target=read_output, daemon=True)
+    reader.start()
     ranks = []
     try:
-        deadline = time.monotonic() + 60
-        while len(ranks) < 2 and time.monotonic() < deadline:  # the two rank processes (not mpiexec/timeout)
-            time.sleep(0.5)
-            ranks = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_rank(p, str(out))]
-        assert len(ranks) == 2, "the ranks did not start"
-        time.sleep(2)
+        assert measuring.wait(timeout=110), "".join(lines)[-3000:]
+        ranks = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_rank(p, str(out))]
+        assert len(ranks) == 2, ("the two rank processes were not found", ranks)
         os.kill(max(ranks), signal.SIGSTOP)
         stopped_at = time.monotonic()
-        output, _ = proc.communicate(timeout=100)
+        proc.wait(timeout=100)
+        reader.join(timeout=30)
         took = time.monotonic() - stopped_at
     finally:
         for pid in ranks:
@@ -115,6 +126,7 @@ def test_a_stopped_rank_ends_a_profile_with_a_hang_report(tmp_path):
             except ProcessLookupError:
                 pass
         proc.kill()
+    output = "".join(lines)
     assert proc.returncode not in (0, 124, 137), output[-3000:]
     assert "hang report" in output and "stopped (SIGSTOP" in output, output[-3000:]
     assert took < 60 and not out.exists()

@@ -10,14 +10,16 @@ $TMPDIR or /tmp; it must be shared by all ranks when they span nodes):
 
 I/O (a synthetic snapshot of ``--mib-per-rank`` MiB per rank: ``Snapshot`` objects of ``WriteItem``s, exactly
 what the writers consume — 3 x ``--tensors`` float32 datasets (model, exp_avg, exp_avg_sq) of global shape
-[ranks x rows, --cols], each rank owning one block of rows, like a ZeRO-sharded optimizer)
+[ranks x rows, --cols], each rank owning one block of rows, like a ZeRO-sharded optimizer; its root
+attributes are those of a real ``snapshot()`` of a ``--model`` Trainer with dp = ranks, ZeRO-1)
     dd              write  ``dd if=/dev/zero of=FILE bs=16M count=BYTES iflag=count_bytes conv=fdatasync``
                            per rank (same bytes); read ``dd if=FILE of=/dev/null bs=16M``
     torch.save      write  per rank, ``torch.save`` of the same arrays (as tensors) + fsync
     torch.load      read   per rank, ``torch.load`` of that file
     hpctrain-shards write  ``write_shards`` + fsync of every file it returns (the manager's write step)
-                    save   ``CheckpointManager`` sync save minus the snapshot: write + fsync + distributed
-                           verification (read-back + CRC-32) + publish (COMPLETE, rename, ``latest``, prune)
+                    save   ``CheckpointManager.save_snapshot``: the sync save minus the snapshot: write + fsync
+                           + distributed verification (read-back + CRC-32) + publish (COMPLETE, rename,
+                           ``latest``, prune)
                     read   ``CheckpointReader.read`` of every box of the manifest (each rank its own boxes)
     hpctrain-mpio   the same with ``write_mpio`` (only when h5py is built with MPI)
 Every phase starts after a barrier; a phase's time is the max over ranks (the last rank to finish);
@@ -40,12 +42,14 @@ Restart (in the same, already warm, process)
     first step  the first ``train_step`` after resume vs the first step of a fresh Trainer
     startup     process start (from /proc) -> imports and MPI initialised, measured once
 
-Diagnosis: ``--switch-interval S`` (Python's GIL hand-over interval), ``--sleeping-waits`` (the manager's
-``agree`` waits in Ibarrier + sleep instead of MPI's busy polling), ``--parts``, ``--writers``.
+Diagnosis: ``--switch-interval S`` (Python's GIL hand-over interval), ``--sleeping-waits`` (every manager is
+built with ``poll_sleep_s=0.001``: its agreements between ranks wait in Ibarrier + sleep instead of MPI's busy
+polling), ``--parts``, ``--writers``.
 
 Phase breakdowns come from the package's own timers: ``CheckpointManager.last_phases`` (prepare, write,
 fsync, verify, publish, agree of a save; open, read + CRC, verify, apply, agree of a resume) and the
-trainer's ``checkpoint`` phase (the blocking part of a save); nothing in the package is patched.
+trainer's ``checkpoint`` phase (the blocking part of a save); ``CheckpointManager.pending`` says whether a
+background save still runs. The benchmark uses only these public hooks: nothing in the package is patched.
 Rank 0 prints the tables and writes ``--json`` / ``--csv`` records: impl, op, ranks, bytes, seconds,
 GBps, ratio_vs_dd (I/O rows), ratio + ratio_to (other rows), min/max, phases.
 """
@@ -81,7 +85,6 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from hpctrain.bench.report import run_benchmark, write_records  # noqa: E402
-from hpctrain.checkpoint.manager import _fsync as fsync_path  # noqa: E402
 
 _STARTUP_S = (_PROCESS_AGE_AT_IMPORT + time.time() - _WALL_AT_IMPORT) if _PROCESS_AGE_AT_IMPORT is not None else None
 
@@ -113,8 +116,9 @@ def parse_args(argv=None):
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="diagnosis: sys.setswitchinterval(S) (Python's GIL hand-over, default 0.005 s)")
     p.add_argument("--sleeping-waits", action="store_true",
-                   help="diagnosis: the manager's agree() first waits in Ibarrier + 1 ms sleeps (instead of MPI's "
-                        "busy polling inside its allgather), to measure what polling costs a background save")
+                   help="diagnosis: CheckpointManager(poll_sleep_s=0.001): the managers' agreements first wait "
+                        "in Ibarrier + 1 ms sleeps (instead of MPI's busy polling inside their allgather), to "
+                        "measure what polling costs a background save")
     p.add_argument("--dir", help="where to write (default: a new directory under $TMPDIR or /tmp, removed after)")
     p.add_argument("--keep-files", action="store_true", help="do not remove the files written")
     p.add_argument("--json", metavar="FILE", help="write records to FILE (JSON list)")
@@ -127,14 +131,20 @@ PHASE_ORDER = ["stall (wait + snapshot)", "prepare", "write", "fsync", "verify",
                "apply", "agree", "other"]  # CheckpointManager.last_phases (hpctrain/checkpoint/manager.py)
 
 
-def sleeping_agree(inner):
-    """``agree`` that reaches its allgather only when every rank has arrived, sleeping meanwhile."""
-    def agree(comm, error, what):
-        request = comm.mpi.Ibarrier()  # the manager's Communicator; its raw mpi4py communicator
-        while not request.Test():
-            time.sleep(0.001)
-        return inner(comm, error, what)
-    return agree
+def new_manager(args, ckpt_cfg, grid, run_dir):
+    """A CheckpointManager; ``--sleeping-waits`` sets its documented ``poll_sleep_s`` hook."""
+    from hpctrain.checkpoint.manager import CheckpointManager
+
+    return CheckpointManager(ckpt_cfg, grid, run_dir, poll_sleep_s=0.001 if args.sleeping_waits else 0.0)
+
+
+def fsync_path(path: str) -> None:
+    """fsync one file (or directory) by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def timed(comm, fn, *args, **kwargs) -> tuple[float, object]:
@@ -185,10 +195,11 @@ def clean_dir(comm, path: str, subdirs=()) -> None:
 
 
 # --------------------------------------------------------------------------- synthetic snapshot
-def synthetic_snapshot(rank: int, world: int, target_bytes: int, tensors: int, cols: int, step: int = 1):
-    """3 x ``tensors`` float32 datasets [world*rows, cols]; this rank owns rows [rank*rows, (rank+1)*rows)."""
-    import hpctrain
-    from hpctrain.checkpoint.format import FORMAT_NAME, FORMAT_VERSION, Box
+def synthetic_snapshot(rank: int, world: int, target_bytes: int, tensors: int, cols: int, attrs: dict,
+                       step: int = 1):
+    """3 x ``tensors`` float32 datasets [world*rows, cols]; this rank owns rows [rank*rows, (rank+1)*rows).
+    ``attrs``: root attributes of a real snapshot (``checkpoint_attrs``), the step replaced."""
+    from hpctrain.checkpoint.format import Box
     from hpctrain.checkpoint.state import Snapshot, WriteItem
 
     kinds = ("model", "optim/exp_avg", "optim/exp_avg_sq")
@@ -201,11 +212,18 @@ def synthetic_snapshot(rank: int, world: int, target_bytes: int, tensors: int, c
             snap.datasets[name] = ((world * rows, cols), "<f4")
             data = rng.standard_normal((rows, cols), dtype=np.float32)
             snap.items.append(WriteItem(name, Box((rank * rows, 0), (rows, cols)), data))
-    snap.attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "hpctrain_version": hpctrain.__version__,
-                  "step": step, "config": {"benchmark": "synthetic"},
-                  "layout": {"dp": world, "pp": 1, "tp": 1, "zero": 1, "world": world},
-                  "sampler": {}, "loss_scaler": {}, "optimizer_step": step, "model_dtype": "float32"}
+    snap.attrs = {**attrs, "step": step}
     return snap
+
+
+def checkpoint_attrs(cfg, tokens) -> dict:
+    """The root attributes ``hpctrain.checkpoint.state.snapshot`` gives a fresh Trainer of ``cfg`` (collective)."""
+    from hpctrain.checkpoint.state import snapshot
+
+    trainer = new_trainer(cfg, tokens)
+    attrs = dict(snapshot(trainer.state).attrs)
+    trainer.grid.close()
+    return attrs
 
 
 def snapshot_bytes(snap) -> int:
@@ -271,11 +289,9 @@ class HpcTrainImpl:
         clean_dir(comm, self.dir, ["shards"])
 
     def write(self):
-        from hpctrain.checkpoint.manager import _fsync
-
         self.files = self.fn(self.manager.comm, self.dir, self.snap)
         for path in self.files:
-            _fsync(path)
+            fsync_path(path)
         return self.files
 
     def read(self):
@@ -299,17 +315,16 @@ def record(impl, op, ranks, nbytes, times, *, phase_runs=None, ratio=None, ratio
             "repeats": len(times), "phases": phases, "phases_by_rank": by_rank}
 
 
-def run_io(args, comm, grid, base_dir, writers) -> list[dict]:
-    from hpctrain.checkpoint.manager import CheckpointManager
+def run_io(args, comm, grid, base_dir, writers, attrs) -> list[dict]:
     from hpctrain.config import CheckpointConfig
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    snap = synthetic_snapshot(rank, size, int(args.mib_per_rank * MiB), args.tensors, args.cols)
+    snap = synthetic_snapshot(rank, size, int(args.mib_per_rank * MiB), args.tensors, args.cols, attrs)
     mine = snapshot_bytes(snap)
     total = comm.allreduce(mine, op=MPI.SUM)
     io_dir = os.path.join(base_dir, "io")
     clean_dir(comm, io_dir)
-    managers = {w: CheckpointManager(CheckpointConfig(keep=1, async_=False, writer=w,
+    managers = {w: new_manager(args, CheckpointConfig(keep=1, async_=False, writer=w,
                                                       dir=os.path.join(base_dir, f"save-{w}")), grid, base_dir)
                 for w in writers}
     impls = [DdImpl(io_dir, rank, mine), TorchImpl(io_dir, rank, snap)] + \
@@ -341,7 +356,7 @@ def run_io(args, comm, grid, base_dir, writers) -> list[dict]:
             # the full protocol: what CheckpointManager.save does after the snapshot
             mgr = managers[writer]
             snap.step = rnd + 1
-            seconds, _ = timed(comm, mgr._write_and_publish, snap)
+            seconds, _ = timed(comm, mgr.save_snapshot, snap)
             times[(f"hpctrain-{writer}", "save")].append(seconds)
             save_phases[writer].append(gather_phases(comm, mgr.last_phases))
         if rank == 0:
@@ -389,13 +404,12 @@ def timed_step(comm, trainer) -> float:
 
 
 def run_async(args, comm, cfg, tokens) -> tuple[list[dict], object]:
-    from hpctrain.checkpoint.manager import CheckpointManager
     from hpctrain.checkpoint.state import snapshot
     from hpctrain.models.gpt import count_parameters
 
     size, rank = comm.Get_size(), comm.Get_rank()
     trainer = new_trainer(cfg, tokens)
-    mgr = CheckpointManager(cfg.checkpoint, trainer.grid, cfg.train.run_dir)
+    mgr = new_manager(args, cfg.checkpoint, trainer.grid, cfg.train.run_dir)
     ckpt_bytes = comm.allreduce(snapshot_bytes(snapshot(trainer.state)), op=MPI.SUM)
     if rank == 0:
         print(f"bench_checkpoint: async: Trainer {args.model} ({count_parameters(trainer.model_cfg) / 1e6:.2f} M "
@@ -418,8 +432,7 @@ def run_async(args, comm, cfg, tokens) -> tuple[list[dict], object]:
         stall_phases.append(gather_phases(comm, {"stall (wait + snapshot)": timer.take("checkpoint")}))
         n = 0
         while n < args.max_overlap_steps:
-            pending = mgr._thread is not None and mgr._thread.is_alive()
-            if not comm.allreduce(int(pending), op=MPI.MAX):
+            if not comm.allreduce(int(mgr.pending), op=MPI.MAX):
                 break
             overlap_steps.append(timed_step(comm, trainer))
             n += 1
@@ -456,8 +469,6 @@ def run_async(args, comm, cfg, tokens) -> tuple[list[dict], object]:
 
 
 def run_restart(args, comm, cfg, tokens, ckpt_bytes) -> list[dict]:
-    from hpctrain.checkpoint.manager import CheckpointManager
-
     size = comm.Get_size()
     build, first_fresh, resume, first_resumed = [], [], [], []
     resume_phases = []
@@ -466,7 +477,7 @@ def run_restart(args, comm, cfg, tokens, ckpt_bytes) -> list[dict]:
             seconds, trainer = timed(comm, new_trainer, cfg, tokens)
             build.append(seconds)
             if mode == "resume":
-                mgr = CheckpointManager(cfg.checkpoint, trainer.grid, cfg.train.run_dir)
+                mgr = new_manager(args, cfg.checkpoint, trainer.grid, cfg.train.run_dir)
                 seconds, path = timed(comm, mgr.resume, trainer.state, "auto")
                 if path is None:
                     raise RuntimeError("resume found no checkpoint")
@@ -529,32 +540,28 @@ def run(args) -> list[dict]:
             base = tempfile.mkdtemp(prefix="hpctrain-bench-ckpt-")
     base = comm.bcast(base, root=0)
     info = discover()
-    if args.sleeping_waits:
-        from hpctrain.checkpoint import manager as manager_module
-
-        manager_module.raise_if_any_failed = sleeping_agree(manager_module.raise_if_any_failed)
     records = []
     try:
+        tokens = load_tokens_collective(comm, "builtin", "", args.max_bytes)
+        cfg = trainer_config(args, size, os.path.join(base, "run"), args.max_bytes)
         if "io" in parts:
+            attrs = checkpoint_attrs(cfg, tokens)
             grid = ProcessGrid.build(info, dp=size)
-            records += run_io(args, comm, grid, base, writers)
+            records += run_io(args, comm, grid, base, writers, attrs)
             grid.close()
         if parts & {"async", "restart"}:
-            tokens = load_tokens_collective(comm, "builtin", "", args.max_bytes)
-            cfg = trainer_config(args, size, os.path.join(base, "run"), args.max_bytes)
             ckpt_bytes = 0
             if "async" in parts:
                 got, ckpt_bytes = run_async(args, comm, cfg, tokens)
                 records += got
             if "restart" in parts:
                 if "async" not in parts:  # a checkpoint to resume from
-                    from hpctrain.checkpoint.manager import CheckpointManager
                     from hpctrain.checkpoint.state import snapshot
 
                     trainer = new_trainer(cfg, tokens)
                     trainer.train_step()
                     ckpt_bytes = comm.allreduce(snapshot_bytes(snapshot(trainer.state)), op=MPI.SUM)
-                    mgr = CheckpointManager(cfg.checkpoint, trainer.grid, cfg.train.run_dir)
+                    mgr = new_manager(args, cfg.checkpoint, trainer.grid, cfg.train.run_dir)
                     mgr.save(trainer.state, sync=True)
                     mgr.close()
                     trainer.grid.close()

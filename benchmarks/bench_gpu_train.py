@@ -76,10 +76,9 @@ class TorchAmp:
                                       {"params": rest, "weight_decay": 0.0}],
                                      lr=t.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
         self.batches, self.tokens = trainer.batches, t.global_batch * t.seq_len
-        self.trainer = trainer
 
     def train_step(self):
-        inputs, targets = self.trainer._to_device(*self.batches.next_batch())
+        inputs, targets = (b.pin_memory().cuda(non_blocking=True) for b in self.batches.next_batch())
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = self.model.loss_sum(self.model(inputs), targets) / self.tokens
         loss.backward()

@@ -102,7 +102,12 @@ def read_latest(directory: str) -> str | None:
 
 
 class CheckpointManager:
-    def __init__(self, ckpt_cfg, grid, run_dir: str):
+    """Saves and resumes one run's checkpoints (collective). ``poll_sleep_s`` > 0 is a diagnosis hook
+    (``benchmarks/bench_checkpoint.py --sleeping-waits``): every agreement between the ranks first waits
+    in a watched non-blocking barrier, sleeping that long between tests, instead of MPI's busy polling
+    inside its allgather (the wait counts in the ``agree`` phase). Results: ``last_save_s``, ``last_phases``."""
+
+    def __init__(self, ckpt_cfg, grid, run_dir: str, *, poll_sleep_s: float = 0.0):
         self.dir = ckpt_cfg.dir or os.path.join(run_dir, "checkpoints")
         self.keep, self.async_save, self.interval = ckpt_cfg.keep, ckpt_cfg.async_, ckpt_cfg.interval
         self.writer = ckpt_cfg.writer
@@ -116,6 +121,7 @@ class CheckpointManager:
                                  check=world.check)
         self.rank, self.size = self.comm.rank, self.comm.size
         self.faults = FaultInjector.from_env(self.rank)
+        self.poll_sleep_s = poll_sleep_s
         self._thread, self._error = None, None
         self._cleaned = False
         self.saved_steps: list[int] = []
@@ -137,13 +143,18 @@ class CheckpointManager:
                                                 daemon=True)
                 self._thread.start()
             else:
-                self._write_and_publish(snap)
+                self.save_snapshot(snap)
 
     def _run_async(self, snap) -> None:
         try:
-            self._write_and_publish(snap)
+            self.save_snapshot(snap)
         except BaseException as exc:  # reported by wait() on the main thread
             self._error = exc
+
+    @property
+    def pending(self) -> bool:
+        """True while an asynchronous save still runs in the background (this rank's view)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
         """Block until the previous asynchronous save is published; re-raise its error."""
@@ -161,10 +172,22 @@ class CheckpointManager:
             self.comm.mpi.Free()
 
     def _agree(self, error: str | None, what: str) -> None:
+        self._arrive_sleeping()
         with self.timer.phase("agree"):
             raise_if_any_failed(self.comm, error, what)
 
-    def _write_and_publish(self, snap) -> None:
+    def _arrive_sleeping(self) -> None:
+        """With ``poll_sleep_s`` > 0: wait for every rank in a watched Ibarrier, sleeping between tests."""
+        if self.poll_sleep_s <= 0:
+            return
+        with self.timer.phase("agree"), self.comm.watched("sleeping barrier"):
+            request = self.comm.mpi.Ibarrier()
+            while not request.Test():
+                time.sleep(self.poll_sleep_s)
+
+    def save_snapshot(self, snap) -> None:
+        """Write, fsync, verify and publish ``snap`` (a ``Snapshot``), synchronously (collective): what
+        ``save`` does after taking the snapshot. Sets ``last_save_s`` and ``last_phases``."""
         started = time.perf_counter()
         self.timer.collect(0.0)
         self._write_verify_publish(snap)

@@ -3,7 +3,8 @@
 Two ways to verify: ``verify()`` re-reads boxes and recomputes their CRCs (``hpctrain ckpt verify``,
 the check after a save), and ``read_checked()`` serves a load from whole manifest boxes, checking each
 box's CRC on the bytes it reads anyway, so a resume reads every byte once (``checked`` and ``problems``
-record what it saw; ``verify(skip=...)`` then covers only the boxes no rank loaded).
+record what it saw, ``bytes_read`` counts every byte read; ``verify(skip=...)`` then covers only the boxes
+no rank loaded).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class CheckpointReader:
         self._cache: dict[int, np.ndarray] = {}
         self.checked: set[int] = set()  # manifest box indices whose CRC read_checked() has computed
         self.problems: list[str] = []    # what read_checked() found wrong
+        self.bytes_read = 0              # bytes read from the file so far, by read() and all that uses it
 
     @property
     def complete(self) -> bool:
@@ -52,7 +54,9 @@ class CheckpointReader:
         return self.file[name].shape if name in self.file else None
 
     def read(self, name: str, box: Box) -> np.ndarray:
-        return self.file[name][box.slices()]
+        data = self.file[name][box.slices()]
+        self.bytes_read += data.nbytes
+        return data
 
     def datasets(self, prefix: str = "") -> list[str]:
         """Every dataset's full name (under the group ``prefix`` when given), sorted."""

@@ -9,7 +9,8 @@ ROCm builds of torch report AMD GPUs as ``cuda`` too, so the same choices apply 
 
 ``peak_tflops(device, dtype)``: the published dense peak of a known GPU model for the training
 dtype (tensor cores; TF32 for float32 when ``allow_tf32``), or 0.0 when unknown (then MFU is not
-reported unless ``train.peak_tflops`` is set).
+reported unless ``train.peak_tflops`` is set); ``gpu_peak_tflops(name, dtype)`` is that table lookup by
+the GPU's name alone (testable without a GPU).
 """
 from __future__ import annotations
 
@@ -64,7 +65,13 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, allow_tf32: bool = Tru
     key = str(dtype).removeprefix("torch.")
     if key == "float32" and not allow_tf32:
         return 0.0  # plain FP32 peaks are rarely what a run is compared with; set train.peak_tflops
-    name = torch.cuda.get_device_name(device)
+    return gpu_peak_tflops(torch.cuda.get_device_name(device), dtype)
+
+
+def gpu_peak_tflops(name: str, dtype: torch.dtype) -> float:
+    """Published dense peak of the GPU model ``name`` (as ``torch.cuda.get_device_name`` reports it) for
+    ``dtype`` in TFLOP/s (float32: the TF32 peak), or 0.0 when unknown; the first ``GPU_PEAKS`` match wins."""
+    key = str(dtype).removeprefix("torch.")
     for fragment, peaks in GPU_PEAKS:
         if fragment in name:
             return peaks.get(key, 0.0)

@@ -54,7 +54,7 @@ def test_collectives_on_one_gpu_through_nccl():
 
 
 def test_nccl_dtype_table_matches_nccl_h():
-    table = nccl_backend._NCCL_DTYPES
+    table = nccl_backend.NCCL_DTYPES
     for dtype, (name, value) in table.items():
         assert isinstance(dtype, torch.dtype)
         assert NCCL_H_DTYPES.get(name) == value, f"{dtype}: {name}={value} disagrees with nccl.h"
@@ -65,7 +65,7 @@ def test_nccl_dtype_table_matches_nccl_h():
 
 
 def test_nccl_op_table_matches_nccl_h_and_the_collective_contract():
-    table = nccl_backend._NCCL_OPS
+    table = nccl_backend.NCCL_OPS
     assert set(table) == {"sum", "avg", "max"}  # the ops every backend accepts (Communicator.allreduce)
     for op, (name, value) in table.items():
         assert NCCL_H_OPS.get(name) == value, f"{op}: {name}={value} disagrees with nccl.h"
@@ -78,16 +78,16 @@ def test_const_prefers_the_library_constant_and_falls_back_to_nccl_h():
     class WithoutNames:
         pass
 
-    assert nccl_backend._const(WithNames, nccl_backend._NCCL_DTYPES, torch.float32) == 7
-    assert nccl_backend._const(WithoutNames, nccl_backend._NCCL_DTYPES, torch.bfloat16) == 9
-    assert nccl_backend._const(WithoutNames, nccl_backend._NCCL_OPS, "avg") == 4
+    assert nccl_backend.nccl_constant(WithNames, nccl_backend.NCCL_DTYPES, torch.float32) == 7
+    assert nccl_backend.nccl_constant(WithoutNames, nccl_backend.NCCL_DTYPES, torch.bfloat16) == 9
+    assert nccl_backend.nccl_constant(WithoutNames, nccl_backend.NCCL_OPS, "avg") == 4
 
 
 @pytest.mark.skipif(not NCCL_OK, reason=f"NCCL backend unavailable: {NCCL_REASON}")
 def test_nccl_table_names_agree_with_cupy():
     from cupy.cuda import nccl
 
-    for table in (nccl_backend._NCCL_DTYPES, nccl_backend._NCCL_OPS):
+    for table in (nccl_backend.NCCL_DTYPES, nccl_backend.NCCL_OPS):
         for name, value in table.values():
             if hasattr(nccl, name):
                 assert getattr(nccl, name) == value, f"cupy.cuda.nccl.{name} = {getattr(nccl, name)} != {value}"

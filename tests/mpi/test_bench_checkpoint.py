@@ -41,3 +41,14 @@ def test_bench_checkpoint_writes_positive_records(tmp_path):
     assert len(list(csv.DictReader(out_csv.open()))) == len(records)
     assert "vs dd" in result.stdout and "target:" in result.stdout
     assert list(work.iterdir()) == []  # the benchmark's files are removed
+
+
+def test_bench_checkpoint_sleeping_waits_uses_the_managers_hook(tmp_path):
+    """``--sleeping-waits`` builds every manager with ``poll_sleep_s`` (a documented hook, nothing patched):
+    the I/O part still saves, verifies and publishes, and its agreements are timed."""
+    out_json = tmp_path / "bench.json"
+    run_mpi(2, str(ROOT / "benchmarks" / "bench_checkpoint.py"), *TINY, "--parts", "io", "--writers", "shards",
+            "--sleeping-waits", "--dir", str(tmp_path / "work"), "--json", str(out_json), timeout=300)
+    save = next(r for r in json.loads(out_json.read_text()) if r["op"] == "save")
+    assert save["impl"] == "hpctrain-shards" and save["seconds"] > 0, save
+    assert save["phases"]["agree"] > 0 and save["phases"]["publish"] > 0, save

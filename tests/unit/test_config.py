@@ -70,9 +70,20 @@ def test_int_for_float_is_converted():
 
 
 @pytest.mark.parametrize("name", ["tiny.toml", "small.toml"])
-def test_shipped_configs_load(name):
-    cfg = load_config(str(CONFIGS / name))
+def test_shipped_configs_load_every_key_they_set(name):
+    """Each key of the shipped file arrives with its value; every other key keeps its default."""
+    path = CONFIGS / name
+    cfg = load_config(str(path))
     validate(cfg)
+    with open(path, "rb") as f:
+        written = tomllib.load(f)
+    loaded, defaults = config_to_dict(cfg), config_to_dict(Config())
+    assert written and all(set(table) <= set(loaded[section]) for section, table in written.items())
+    for section, table in loaded.items():
+        for key, value in table.items():
+            expected = written.get(section, {}).get(key, defaults[section][key])
+            same_type = type(value) is type(expected) or isinstance(value, float)  # TOML ints for float keys
+            assert value == expected and same_type, (section, key, value, expected)
 
 
 def test_tiny_config_is_the_readme_demo():
@@ -254,8 +265,12 @@ def test_validate_does_not_modify_config():
 
 
 def test_valid_stage_layers_and_edge_values():
-    load_config(None, ["parallel.pp=2", "parallel.stage_layers=3,1", "train.steps=0", "optim.grad_clip=0",
-                       "parallel.zero=1", "parallel.schedule=gpipe", "parallel.backend=cuda-mpi"])
+    cfg = load_config(None, ["parallel.pp=2", "parallel.stage_layers=3,1", "train.steps=0", "optim.grad_clip=0",
+                             "parallel.zero=1", "parallel.schedule=gpipe", "parallel.backend=cuda-mpi"])
+    p = cfg.parallel
+    assert (p.pp, p.stage_layers, p.zero, p.schedule, p.backend) == (2, [3, 1], 1, "gpipe", "cuda-mpi")
+    assert cfg.train.steps == 0 and cfg.optim.grad_clip == 0.0 and type(cfg.optim.grad_clip) is float
+    assert cfg.model == Config().model and cfg.checkpoint == Config().checkpoint  # nothing else changed
 
 
 def test_custom_preset_requires_every_size():

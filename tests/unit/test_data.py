@@ -148,7 +148,7 @@ def test_sampler_rejects_too_short_corpus_and_bad_args():
 
 # ---------------------------------------------------------------- builtin corpus
 
-def test_builtin_corpus_loads_and_is_cached(tmp_path, monkeypatch):
+def test_builtin_corpus_loads_and_is_cached(tmp_path):
     tokens = load_tokens("builtin", cache_dir=str(tmp_path), max_bytes=BUILTIN_MAX_BYTES)
     assert tokens.ndim == 1 and tokens.dtype == np.uint16
     assert len(tokens) == BUILTIN_MAX_BYTES and int(tokens.max()) < 256
@@ -158,11 +158,14 @@ def test_builtin_corpus_loads_and_is_cached(tmp_path, monkeypatch):
     assert len(cached) == 1 and cached[0].startswith("builtin-")
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
 
-    def must_not_rebuild(*args):
-        raise AssertionError("the builtin corpus was rebuilt despite a cache")
-    monkeypatch.setattr(corpus, "_read_builtin_bytes", must_not_rebuild)
     again = load_tokens("builtin", cache_dir=str(tmp_path), max_bytes=BUILTIN_MAX_BYTES)
     assert np.array_equal(tokens, again)
+    # a second load reads the cache, not the stdlib: a marked cache file comes back as is
+    cache = corpus.builtin_cache_path(str(tmp_path), corpus.builtin_source_files(), BUILTIN_MAX_BYTES)
+    assert os.path.basename(cache) == cached[0]
+    marked = np.full(BUILTIN_MAX_BYTES, 7, dtype=np.uint16)
+    np.save(cache, marked)
+    assert np.array_equal(load_tokens("builtin", cache_dir=str(tmp_path), max_bytes=BUILTIN_MAX_BYTES), marked)
 
 
 def test_builtin_cache_key_and_corrupt_cache_rebuild(tmp_path):
@@ -329,12 +332,14 @@ def test_collective_error_on_rank0_raises_same_message_everywhere(tmp_path):
     assert "does not exist" in str(other_error.value)
 
 
-def test_collective_unexpected_error_on_rank0_is_broadcast(tmp_path, monkeypatch):
-    def explode(*args, **kwargs):
-        raise RuntimeError("disk on fire")
-    monkeypatch.setattr(corpus, "_load", explode)
+def test_collective_unexpected_error_on_rank0_is_broadcast(tmp_path):
+    """An error the loaders do not classify (numpy's EOFError on a zero-byte .npy, e.g. a truncated copy)
+    reaches every rank as a DataError naming the source and the exception type."""
+    empty = tmp_path / "truncated.npy"
+    empty.write_bytes(b"")
     root = FakeComm(0)
-    with pytest.raises(DataError, match="RuntimeError: disk on fire"):
-        load_tokens_collective(root, "builtin", str(tmp_path))
-    with pytest.raises(DataError, match="RuntimeError: disk on fire"):
-        load_tokens_collective(FakeComm(1, root.sent[0]), "builtin", str(tmp_path))
+    with pytest.raises(DataError, match="truncated.npy.*EOFError") as root_error:
+        load_tokens_collective(root, str(empty))
+    with pytest.raises(DataError) as other_error:
+        load_tokens_collective(FakeComm(1, root.sent[0]), str(empty))
+    assert str(other_error.value) == str(root_error.value)

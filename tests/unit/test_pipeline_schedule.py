@@ -2,7 +2,8 @@
 import pytest
 
 from hpctrain.optim.loss_scale import DynamicLossScaler
-from hpctrain.parallel.pipeline_parallel import bubble_fraction, schedule_actions, simulate
+from hpctrain.parallel.pipeline_parallel import (bubble_fraction, p2p_posts, posts_complete, schedule_actions,
+                                                 simulate)
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
@@ -30,14 +31,15 @@ def test_1f1b_bounds_in_flight_activations():
         assert peak == min(stages - stage, m)
 
 
-def test_simulate_detects_a_deadlock():
-    import hpctrain.parallel.pipeline_parallel as pipeline_parallel
-    original = pipeline_parallel.schedule_actions
-    try:  # a broken schedule: the last stage runs backward of micro-batch 1 before its forward exists
-        pipeline_parallel.schedule_actions = lambda kind, s, n, m: ([("B", 0), ("F", 0)] if s == 0 else original(kind, s, n, m))
-        assert not pipeline_parallel.simulate("gpipe", 2, 1)
-    finally:
-        pipeline_parallel.schedule_actions = original
+def test_the_strict_model_detects_a_deadlock():
+    """2 stages, 1 micro-batch, stage 0 posting the receive of B0 before it sends F0 (a broken order):
+    each stage waits for the other's first post, which ``posts_complete`` (what ``simulate`` runs)
+    must report; the schedule's own posts for stage 0 complete."""
+    stage1 = p2p_posts("gpipe", 1, 2, 1)
+    assert stage1 == [[("recv", "F", 0, 0)], [("send", "B", 0, 0)]]
+    broken_stage0 = [[("recv", "B", 0, 1)], [("send", "F", 0, 1)]]
+    assert not posts_complete([broken_stage0, stage1])
+    assert posts_complete([p2p_posts("gpipe", 0, 2, 1), stage1]) and simulate("gpipe", 2, 1)
 
 
 def test_bubble_fraction():
@@ -62,8 +64,6 @@ def test_dynamic_loss_scaler():
 def test_grouped_posts_avoid_the_nccl_deadlock_of_ungrouped_sends():
     """1F1B's steady state: neighbours send to each other at once. Posting each send alone (as plain
     isend/recv on one NCCL stream would) deadlocks under strict rendezvous; the grouped plan does not."""
-    from hpctrain.parallel.pipeline_parallel import p2p_posts, posts_complete
-
     def ungrouped(kind, stage, stages, m):
         return [[op] for post in p2p_posts(kind, stage, stages, m) for op in post]  # sends first, as posted
 
@@ -73,8 +73,6 @@ def test_grouped_posts_avoid_the_nccl_deadlock_of_ungrouped_sends():
 
 
 def test_every_send_has_one_matching_receive():
-    from hpctrain.parallel.pipeline_parallel import p2p_posts
-
     for kind in ("gpipe", "1f1b"):
         for stages in (2, 3, 4):
             for m in (1, 2, 5):

@@ -17,10 +17,11 @@ import socket
 import torch
 
 # ncclDataType_t and ncclRedOp_t values from nccl.h (stable ABI); cupy exposes most as NCCL_* names.
-_NCCL_DTYPES = {torch.float32: ("NCCL_FLOAT32", 7), torch.float64: ("NCCL_FLOAT64", 8),
-                torch.float16: ("NCCL_FLOAT16", 6), torch.bfloat16: ("NCCL_BFLOAT16", 9),
-                torch.int64: ("NCCL_INT64", 4), torch.int32: ("NCCL_INT32", 2), torch.uint8: ("NCCL_UINT8", 1)}
-_NCCL_OPS = {"sum": ("NCCL_SUM", 0), "max": ("NCCL_MAX", 2), "avg": ("NCCL_AVG", 4)}
+# Public: tests check them against nccl.h and cupy. torch dtype / op -> (NCCL name, nccl.h value).
+NCCL_DTYPES = {torch.float32: ("NCCL_FLOAT32", 7), torch.float64: ("NCCL_FLOAT64", 8),
+               torch.float16: ("NCCL_FLOAT16", 6), torch.bfloat16: ("NCCL_BFLOAT16", 9),
+               torch.int64: ("NCCL_INT64", 4), torch.int32: ("NCCL_INT32", 2), torch.uint8: ("NCCL_UINT8", 1)}
+NCCL_OPS = {"sum": ("NCCL_SUM", 0), "max": ("NCCL_MAX", 2), "avg": ("NCCL_AVG", 4)}
 
 
 def nccl_available() -> tuple[bool, str]:
@@ -47,7 +48,9 @@ def distinct_gpus(mpi_comm, device) -> tuple[bool, str]:
     return False, f"{seen.count((host, gpu))} ranks of this group share GPU {gpu} on {host}"
 
 
-def _const(module, table, key):
+def nccl_constant(module, table, key):
+    """The NCCL constant for ``key`` in ``table`` (NCCL_DTYPES or NCCL_OPS): ``module``'s attribute of that
+    name (e.g. ``cupy.cuda.nccl``), else nccl.h's value."""
     name, value = table[key]
     return getattr(module, name, value)
 
@@ -87,18 +90,18 @@ class NcclBackend:
         self.side = torch.cuda.Stream()  # on the current device, which bind_device has set
 
     def _dtype(self, tensor):
-        if tensor.dtype not in _NCCL_DTYPES:
+        if tensor.dtype not in NCCL_DTYPES:
             raise TypeError(f"NCCL backend: unsupported dtype {tensor.dtype}")
         if not tensor.is_contiguous() or tensor.device.type != "cuda":
             raise ValueError("NCCL backend needs contiguous CUDA tensors")
-        return _const(self._nccl, _NCCL_DTYPES, tensor.dtype)
+        return nccl_constant(self._nccl, NCCL_DTYPES, tensor.dtype)
 
     def _op(self, op, tensor):
-        if op not in _NCCL_OPS:
+        if op not in NCCL_OPS:
             raise ValueError(f"unknown reduction op {op!r}; expected sum, avg or max")
         if op == "avg" and not tensor.is_floating_point():
             raise ValueError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}")
-        return _const(self._nccl, _NCCL_OPS, op)
+        return nccl_constant(self._nccl, NCCL_OPS, op)
 
     def _stream(self):
         """This group's communication stream, ordered after all work enqueued so far on the current

@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.11",  # tomllib
     packages=find_packages(include=["hpctrain", "hpctrain.*"]),
     # files the package runs besides its modules: the sweep's sbatch template, the two-hosts test network
-    package_data={"hpctrain.tools": ["two_hosts.sh"]},
+    package_data={"hpctrain.tools": ["two_hosts.sh"], "hpctrain.sweep": ["scaling_study.sbatch"]},
     install_requires=[
         "numpy",
         # a range, so `pip install -e .` on a cluster keeps the site's torch (module, ROCm or CUDA build);

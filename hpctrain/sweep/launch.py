@@ -10,6 +10,7 @@ writes.
 from __future__ import annotations
 
 import os
+import sys
 import shutil
 import subprocess
 import time
@@ -19,7 +20,7 @@ from hpctrain.runtime import env
 from hpctrain.runtime.child_job import find_launcher, launch_training_job, train_command
 from hpctrain.sweep.runs import SweepError
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "scaling_study.sbatch"
+TEMPLATE = Path(__file__).resolve().parent / "scaling_study.sbatch"  # package data (slurm/ links to it)
 
 
 def _tail(path: str, n: int = 2000) -> str:
@@ -72,7 +73,8 @@ class SbatchLauncher:
                        f"--ntasks-per-node={min(run.ranks, self.ranks_per_node)}"]
         cmd = ["sbatch", "--parsable", f"--job-name=sweep-{run.name}", f"--output={run_dir}/slurm-%j.out",
                *layout, *self.sbatch_args, str(TEMPLATE), *train_args]
-        child = env.child_environ({"HPCTRAIN_DIR": str(TEMPLATE.parents[1]), "HPCTRAIN_SWEEP_RUN_DIR": run_dir})
+        child = env.child_environ({"HPCTRAIN_DIR": os.getcwd(), "HPCTRAIN_PYTHON": sys.executable,
+                                   "HPCTRAIN_SWEEP_RUN_DIR": run_dir})
         done = subprocess.run(cmd, capture_output=True, text=True, env=child, stdin=subprocess.DEVNULL, timeout=120)
         if done.returncode != 0:
             raise SweepError(f"sbatch refused {run.name}: {done.stderr.strip() or done.stdout.strip()}")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from mpirun import ROOT, mpiexec
 
-PACKAGE_DATA = {"hpctrain/tools/two_hosts.sh"}
+PACKAGE_DATA = {"hpctrain/tools/two_hosts.sh", "hpctrain/sweep/scaling_study.sbatch"}
 
 
 def run(cmd, cwd, env, timeout=240):

@@ -19,7 +19,7 @@ def solo_grid():
     """This process alone as a ProcessGrid (no mpiexec needed)."""
     from hpctrain.runtime.launcher import discover
 
-    grid = ProcessGrid.build(discover(MPI.COMM_SELF), world_mpi=MPI.COMM_SELF, timeout_s=0)
+    grid = ProcessGrid.build(discover(MPI.COMM_SELF), mpi_world=MPI.COMM_SELF, timeout_s=0)
     yield grid
     grid.close()
 

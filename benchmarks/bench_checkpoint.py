@@ -10,7 +10,7 @@ $TMPDIR or /tmp; it must be shared by all ranks when they span nodes):
 
 I/O (a synthetic snapshot of ``--mib-per-rank`` MiB per rank: ``Snapshot`` objects of ``WriteItem``s, exactly
 what the writers consume — 3 x ``--tensors`` float32 datasets (model, exp_avg, exp_avg_sq) of global shape
-[ranks x rows, --cols], each rank owning one block of rows, like a ZeRO-sharded optimizer; its root
+[ranks x rows, --cols], each rank owning one block of rows, like a ZeRO-1 optimizer's slices; its root
 attributes are those of a real ``snapshot()`` of a ``--model`` Trainer with dp = ranks, ZeRO-1)
     dd              write  ``dd if=/dev/zero of=FILE bs=16M count=BYTES iflag=count_bytes conv=fdatasync``
                            per rank (same bytes); read ``dd if=FILE of=/dev/null bs=16M``

@@ -23,16 +23,16 @@ import torch
 
 if TYPE_CHECKING:
     from hpctrain.config import Config, ModelConfig
-    from hpctrain.parallel.shard import ShardSpec
+    from hpctrain.parallel.slab import SlabSpec
     from hpctrain.profiling.timers import PhaseTimer
 
 
 @dataclass(frozen=True, eq=False)
 class ModelPiece:
     """One parameter this rank holds: ``data`` is its local slab, shape ``spec.local_shape``, of the global
-    parameter ``spec.name`` (``spec``: its ShardSpec: ``global_shape``, ``local_slices()``, ``tied_copy``)."""
+    parameter ``spec.name`` (``spec``: its SlabSpec: ``global_shape``, ``local_slices()``, ``tied_copy``)."""
 
-    spec: ShardSpec
+    spec: SlabSpec
     data: torch.Tensor
 
 
@@ -51,9 +51,9 @@ class OptimizerPiece:
     """Elements [lo, hi) of the flattened local slab of parameter ``spec.name``; they lie at [at, at + hi - lo)
     of the tensors of ``TrainTensors.ranges[owner]``. ``written``: this rank writes them to a checkpoint
     (every global element is written by exactly one rank: its ZeRO-1 owner, or dp rank 0 without ZeRO;
-    among tp ranks and tied copies the one ``ShardSpec.counted_on`` names)."""
+    among tp ranks and tied copies the one ``SlabSpec.counted_on`` names)."""
 
-    spec: ShardSpec
+    spec: SlabSpec
     lo: int
     hi: int
     owner: int

@@ -1,7 +1,7 @@
 """Between a run's ``TrainState`` (checkpoint/contract.py) and the global checkpoint view: what this rank
 writes, and how it loads any layout.
 
-Writing: a rank writes the boxes of the flat ranges its optimizer owns (its ZeRO shard, or everything
+Writing: a rank writes the boxes of the flat ranges its optimizer owns (its ZeRO-1 slice, or everything
 on dp rank 0 without ZeRO), skipping TP-replicated weights on tp ranks > 0 and the tied-embedding
 copy, so every global element is written exactly once. Loading: a rank reads its whole local slab of
 every parameter and the optimizer state of the ranges it owns NOW — in whatever layout it runs —

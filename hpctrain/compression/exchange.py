@@ -9,7 +9,7 @@ non-blocking in the constructor (so backward overlaps it) and completes in ``fin
 - ``SharedIndexSum`` (random-k): the same k indices on every rank; an all-reduce of k values.
 
 ``local`` is what this rank's contribution looks like after compression (for error feedback);
-``finish()`` returns the whole sum (n elements) or, with ``shard_only``, this rank's chunk (n / p).
+``finish()`` returns the whole sum (n elements) or, with ``slice_only``, this rank's chunk (n / p).
 """
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ class _InFlight:
 
 
 class AlltoallSum(_InFlight):
-    def __init__(self, comm, compressor, x, *, shard_only, server_memory, server_key, clock, **_):
+    def __init__(self, comm, compressor, x, *, slice_only, server_memory, server_key, clock, **_):
         self.comm, self.compressor, self.dtype, self.clock = comm, compressor, x.dtype, clock
-        self.shard_only, self.memory, self.key = shard_only, server_memory, server_key
+        self.slice_only, self.memory, self.key = slice_only, server_memory, server_key
         p = comm.size
         self.chunk = x.numel() // p
         with clock:
@@ -64,7 +64,7 @@ class AlltoallSum(_InFlight):
             partial = torch.zeros(self.chunk, dtype=self.dtype, device=self.payload.device)
             for row in self.received:
                 partial += self._decompress(row)
-        if self.shard_only:
+        if self.slice_only:
             return partial
         with self.clock:
             if self.memory is not None:
@@ -79,9 +79,9 @@ class AlltoallSum(_InFlight):
 
 
 class AllgatherSum(_InFlight):
-    def __init__(self, comm, compressor, x, *, shard_only, clock, **_):
+    def __init__(self, comm, compressor, x, *, slice_only, clock, **_):
         self.comm, self.compressor, self.n, self.dtype, self.clock = comm, compressor, x.numel(), x.dtype, clock
-        self.shard_only = shard_only
+        self.slice_only = slice_only
         with clock:
             payload = compressor.compress(x)
             self.local = compressor.decompress(payload, self.n, self.dtype)
@@ -94,12 +94,12 @@ class AllgatherSum(_InFlight):
             total = torch.zeros(self.n, dtype=self.dtype, device=self.gathered.device)
             for row in self.gathered:  # the same order on every rank: bitwise-identical sums
                 total += self.compressor.decompress(row, self.n, self.dtype)
-        return own_block(total, self.comm) if self.shard_only else total
+        return own_block(total, self.comm) if self.slice_only else total
 
 
 class SharedIndexSum(_InFlight):
-    def __init__(self, comm, compressor, x, *, shard_only, key, clock, **_):
-        self.comm, self.n, self.shard_only = comm, x.numel(), shard_only
+    def __init__(self, comm, compressor, x, *, slice_only, key, clock, **_):
+        self.comm, self.n, self.slice_only = comm, x.numel(), slice_only
         with clock:
             self.index = compressor.indices(self.n, key, x.device)
             self.values = x[self.index].contiguous()
@@ -110,11 +110,11 @@ class SharedIndexSum(_InFlight):
         self.handle.wait()
         total = torch.zeros(self.n, dtype=self.values.dtype, device=self.values.device)
         total.index_copy_(0, self.index, self.values)
-        return own_block(total, self.comm) if self.shard_only else total
+        return own_block(total, self.comm) if self.slice_only else total
 
 
 def own_block(total: torch.Tensor, comm) -> torch.Tensor:
-    """Group rank r's block r of ``total`` (its ZeRO-1 shard): the one place that slices it."""
+    """Group rank r's block r of ``total`` (its ZeRO-1 slice): the one place that cuts it."""
     n = total.numel() // comm.size
     return total[comm.rank * n:(comm.rank + 1) * n]
 

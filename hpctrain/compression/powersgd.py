@@ -84,7 +84,7 @@ class PowerSGDReducer(CompressedReducer):
                 self.q[name] = q.clone()
                 target.copy_(p @ q.t())
         if flat.zero:
-            bucket.shard_grad.copy_(own_block(grads, comm))
+            bucket.slice_grad.copy_(own_block(grads, comm))
         self._running[bucket.index] = "done"
         return Done()
 

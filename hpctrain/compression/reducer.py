@@ -4,7 +4,7 @@ Contract. On every rank of the dp group, in the same bucket order, once per step
 ``start(bucket)`` when the bucket's main grads (``flat.grad_buffer[bucket.start:bucket.end]``, summed
 over micro-batches) are final, returning a handle with ``test()`` (drive progress, never block) and
 ``wait()``; ``finish(bucket)`` after which the SUM over the dp group is in place: the bucket's main grads
-without ZeRO, ``bucket.shard_grad`` (this rank's 1/dp block) with ZeRO-1. ``begin_step`` /
+without ZeRO, ``bucket.slice_grad`` (this rank's 1/dp block) with ZeRO-1. ``begin_step`` /
 ``after_step`` bracket a step; ``state_dict`` is what a checkpoint must keep for an exact resume
 (error-feedback residuals, PowerSGD's Q); ``step_stats`` feeds metrics.jsonl.
 
@@ -88,7 +88,7 @@ class GradReducer:
 class DenseReducer(GradReducer):
     def _start(self, bucket):
         if self.flat.zero:
-            return self.comm.reduce_scatter(bucket.shard_grad, self.grads(bucket), nonblocking=True)
+            return self.comm.reduce_scatter(bucket.slice_grad, self.grads(bucket), nonblocking=True)
         return self.comm.allreduce(self.grads(bucket), nonblocking=True)
 
     def _finish(self, bucket) -> None:
@@ -124,7 +124,7 @@ class CompressedReducer(GradReducer):
         key = f"worker/{bucket.index}"
         corrected = self.memory.corrected(key, x) if self.memory is not None else x
         reduction = self.strategy(self.inter, self.compressor, corrected, clock=self.clock,
-                                  shard_only=self.flat.zero and self.intra is None,
+                                  slice_only=self.flat.zero and self.intra is None,
                                   server_memory=self.memory, server_key=f"server/{bucket.index}",
                                   key=(self.seed, self.step, bucket.index))
         if self.memory is not None:
@@ -142,7 +142,7 @@ class CompressedReducer(GradReducer):
             self.intra.allgather(full, result.contiguous())
             result = full
         if self.flat.zero:
-            bucket.shard_grad.copy_(result if result.numel() == bucket.shard_grad.numel()
+            bucket.slice_grad.copy_(result if result.numel() == bucket.slice_grad.numel()
                                     else own_block(result, self.comm))
         else:
             self.grads(bucket).copy_(result)

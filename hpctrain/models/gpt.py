@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hpctrain.models.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
 from hpctrain.parallel.rules import check_tp_divisibility
-from hpctrain.parallel.shard import init_from_global_, make_spec
+from hpctrain.parallel.slab import init_from_global_, make_spec
 from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       vocab_parallel_cross_entropy)
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq

@@ -1,4 +1,4 @@
-"""AdamW / SGD over the flat ranges a rank owns (whole buffers, or ZeRO-1 shards), with fp32 masters.
+"""AdamW / SGD over the flat ranges a rank owns (whole buffers, or ZeRO-1 slices), with fp32 masters.
 
 The optimizer never sees modules: it updates ``FlatParams.owned_ranges()``. Without ZeRO every dp
 rank updates everything (identically); with ZeRO-1 each updates its 1/dp slice and
@@ -7,7 +7,7 @@ copies of the owned ranges; float32/float64 models update the parameters in plac
 
 Gradient norm (for clipping and logging) is global: each element is counted by exactly one rank
 (the dp rank whose 1/dp slice of the bucket holds it — with or without ZeRO, so the work is split —,
-and ``ShardSpec.counted_on``: TP rank 0 for TP-replicated weights, never the last stage's
+and ``SlabSpec.counted_on``: TP rank 0 for TP-replicated weights, never the last stage's
 tied-embedding copy; the checkpoint writer uses the same predicate), then summed over the world.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from hpctrain.parallel.data_parallel import intersect
 
 
 @dataclass
-class OptimizerShard:
+class OptimizerSlice:
     """Optimizer state of one owned flat range [start, end) of ``bucket`` (a whole bucket, or its ZeRO-1
     slice). ``params`` views the flat parameters; ``master`` is them (float32/64 models) or a float32 copy.
     ``decay_ranges`` / ``norm_ranges``: sub-ranges, relative to ``start``, that get weight decay / that
@@ -49,9 +49,9 @@ class FlatOptimizer:
         self.master_dtype = master_dtype or (torch.float32 if param_dtype in (torch.float16, torch.bfloat16)
                                              else param_dtype)
         self.step_count = 0
-        self.shards = [self._make_shard(bucket, start, end) for bucket, start, end in flat.owned_ranges()]
+        self.slices = [self._make_slice(bucket, start, end) for bucket, start, end in flat.owned_ranges()]
 
-    def _make_shard(self, bucket, start: int, end: int) -> OptimizerShard:
+    def _make_slice(self, bucket, start: int, end: int) -> OptimizerSlice:
         flat = self.flat
         params = flat.param_buffer[start:end]
         master = params if params.dtype == self.master_dtype else params.to(self.master_dtype)
@@ -62,7 +62,7 @@ class FlatOptimizer:
         counted = flat.param_ranges(start, end, lambda p: p.spec.counted_on(self.tp_rank))
         norm_ranges = [r for lo, hi in counted if (r := intersect(lo, hi, count_lo - start, count_hi - start))]
         zeros = lambda: torch.zeros(end - start, dtype=self.master_dtype, device=params.device)  # noqa: E731
-        return OptimizerShard(bucket, start, end, params, master, zeros(), zeros(),
+        return OptimizerSlice(bucket, start, end, params, master, zeros(), zeros(),
                               flat.param_ranges(start, end, lambda p: p.dim() >= 2), norm_ranges)
 
     @property
@@ -72,15 +72,15 @@ class FlatOptimizer:
         return ("exp_avg", "exp_avg_sq") + (("master",) if separate else ())
 
     def owned_pieces(self):
-        """(ParamPiece, OptimizerShard) for every piece of a parameter inside an owned range."""
-        for shard in self.shards:
-            for piece in self.flat.pieces(shard.start, shard.end):
-                yield piece, shard
+        """(ParamPiece, OptimizerSlice) for every piece of a parameter inside an owned range."""
+        for part in self.slices:
+            for piece in self.flat.pieces(part.start, part.end):
+                yield piece, part
 
     def grad_norm_sq_local(self, inv_scale: float = 1.0) -> float:
         """This rank's share of the squared global gradient norm (float64)."""
         total = torch.zeros((), dtype=torch.float64, device=self.flat.param_buffer.device)
-        for s in self.shards:
+        for s in self.slices:
             grad = self.flat.owned_grad(s.bucket, s.start, s.end)
             for lo, hi in s.norm_ranges:
                 piece = grad[lo:hi]
@@ -92,7 +92,7 @@ class FlatOptimizer:
         """One update with gradients multiplied by ``grad_coef`` (clipping x loss-scale inverse)."""
         self.step_count += 1
         c = self.cfg
-        for s in self.shards:
+        for s in self.slices:
             grad = self.flat.owned_grad(s.bucket, s.start, s.end).to(self.master_dtype)
             if grad_coef != 1.0:
                 grad = grad * grad_coef

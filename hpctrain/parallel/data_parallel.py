@@ -1,5 +1,5 @@
 """Data parallelism: flat parameter/gradient buffers, bucketed gradient reduction overlapped with backward,
-and the ZeRO-1 shard layout. All reductions run on the DP group.
+and the ZeRO-1 slice layout. All reductions run on the DP group.
 
 Layout. A stage's parameters are re-pointed into one flat ``param_buffer``; their gradients are
 accumulated (over micro-batches) into a flat ``grad_buffer`` ("main grads": float32 for half-precision
@@ -10,7 +10,7 @@ whole bucket without ZeRO, its 1/dp slice with ZeRO-1. The optimizer updates own
 Reduction. A backward hook per parameter adds its grad into the main-grad view; on the last
 micro-batch, once every parameter of a bucket has reported, the bucket's non-blocking reduction
 starts through ``self.reducer`` (a ``hpctrain.compression.GradReducer``: dense all-reduce SUM, or
-reduce-scatter into ``shard_grads`` with ZeRO, by default; a compressed reducer with
+reduce-scatter into ``slice_grads`` with ZeRO, by default; a compressed reducer with
 ``[compression]``) while backward continues; hooks call ``test()`` on pending handles to drive MPI
 progress. ``finish_reduction`` completes all.
 Gradients are SUMMED over dp: the loss is already divided by the global token count.
@@ -61,7 +61,7 @@ class Bucket:
     deferred: bool = False
     pending: int = 0
     handle: object = None
-    shard_grad: torch.Tensor | None = None  # ZeRO: this rank's reduced slice
+    slice_grad: torch.Tensor | None = None  # ZeRO: this rank's reduced slice
     index: int = 0  # position in FlatParams.buckets (the reducer's key for per-bucket state)
 
     @property
@@ -106,7 +106,7 @@ class FlatParams:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
                 offset += n
             if zero:
-                bucket.shard_grad = torch.zeros(bucket.size // self.dp_size, dtype=self.grad_dtype, device=device)
+                bucket.slice_grad = torch.zeros(bucket.size // self.dp_size, dtype=self.grad_dtype, device=device)
         self.last_microbatch = False
         self.reducer = make_reducer(self)  # last: it reads the buckets, buffers and timer
 
@@ -164,7 +164,7 @@ class FlatParams:
     def _launch(self, bucket: Bucket) -> None:
         if self.dp_size == 1:
             if self.zero:
-                bucket.shard_grad.copy_(self.grad_buffer[bucket.start:bucket.end])
+                bucket.slice_grad.copy_(self.grad_buffer[bucket.start:bucket.end])
             return
         bucket.handle = self.reducer.start(bucket)
 
@@ -212,7 +212,7 @@ class FlatParams:
         return ranges
 
     def owned_grad(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
-        return bucket.shard_grad if self.zero else self.grad_buffer[start:end]
+        return bucket.slice_grad if self.zero else self.grad_buffer[start:end]
 
     def gather_params(self) -> None:
         """ZeRO-1: after the owned ranges were updated, all-gather parameters in place over dp."""

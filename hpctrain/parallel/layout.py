@@ -69,6 +69,6 @@ class Layout:
         return self.local_batch // self.microbatches
 
     @property
-    def seq_shard(self) -> int:
+    def seq_chunk(self) -> int:
         """Tokens per rank along the sequence between tensor-parallel layers (seq_len / tp with SP)."""
         return self.seq_len // self.tp_size if self.sequence_parallel else self.seq_len

@@ -15,7 +15,7 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
   more in the recomputed forward; the embedding's, the LM head's and the cross-entropy's on the first
   and last stages.
 - pp: a micro-batch's forward input and backward gradient cross each boundary, ``b S h`` bytes
-  (``/ t`` with SP: each tp rank sends its sequence shard), point to point; charged in every pipeline
+  (``/ t`` with SP: each tp rank sends its sequence chunk), point to point; charged in every pipeline
   slot (x virtual stages).
 - A slot is ``forward + backward + tp + pp`` of one micro-batch. Step = ``M x slot_max`` (the slowest
   stage paces the steady state) ``+ (pp - 1) / v x mean slot of the other stages`` (the bubble: fill and

@@ -4,7 +4,7 @@ Per rank of pipeline stage ``s`` holding ``P`` parameters (stages.stage_paramete
 buffers (hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py):
 
 - parameters: ``P x dtype bytes``;
-- gradients: ``P x 4`` (float32 main grads; ``x 8`` in float64), plus with ZeRO-1 the reduced shard
+- gradients: ``P x 4`` (float32 main grads; ``x 8`` in float64), plus with ZeRO-1 the reduced slice
   ``P x 4 / dp``;
 - optimizer (AdamW): two moments in float32 (``8 P``; ``16 P`` in float64), plus float32 master weights
   (``4 P``) in 16-bit training; ZeRO-1 divides all of it by dp. So 18 bytes per parameter in bf16
@@ -74,7 +74,7 @@ def activation_bytes(model, layout, stage, recompute: bool, options) -> float:
 def memory(model, layout, recompute: bool, options) -> Memory:
     """Memory per rank of ``layout`` (validated) for ``model``: the stage that needs the most."""
     nb, d = DTYPE_BYTES[options.dtype], layout.dp_size
-    shard = d if layout.zero == 1 else 1
+    zero_split = d if layout.zero == 1 else 1
     best, seen = None, set()
     for st in stages(model, layout):
         if (st.layers, st.first, st.last) in seen:
@@ -82,7 +82,7 @@ def memory(model, layout, recompute: bool, options) -> Memory:
         seen.add((st.layers, st.first, st.last))
         n = stage_parameters(model, st, layout.tp_size)
         grads = n * max(4, nb) + (n * 4 / d if layout.zero == 1 else 0.0)
-        m = Memory(n * nb / GIB, grads / GIB, n * optimizer_bytes_per_param(options.dtype) / shard / GIB,
+        m = Memory(n * nb / GIB, grads / GIB, n * optimizer_bytes_per_param(options.dtype) / zero_split / GIB,
                    activation_bytes(model, layout, st, recompute, options) / GIB, options.reserve_gib, st.index)
         if best is None or m.total_gib > best.total_gib:
             best = m

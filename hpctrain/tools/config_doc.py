@@ -56,7 +56,7 @@ MEANINGS: dict[str, str] = {
     "parallel.microbatches": "Micro-batches per replica per step: the replica batch (global_batch / dp) is split "
                              "into this many; gradients accumulate over them. The pipeline bubble is "
                              "(pp - 1) / (microbatches + pp - 1).",
-    "parallel.sequence_parallel": "Shard the activations between TP layers along the sequence (norms run on "
+    "parallel.sequence_parallel": "Split the activations between TP layers into sequence chunks (norms run on "
                                   "S/tp tokens; all-reduce becomes reduce-scatter + all-gather). Needs "
                                   "`train.seq_len` divisible by tp.",
     "parallel.zero": "1 = ZeRO-1: each dp rank keeps optimizer state (and fp32 masters) for 1/dp of the "

@@ -1,5 +1,5 @@
 """The Trainer's side of the checkpoint contract (``hpctrain.checkpoint.contract.TrainState``): the one place
-that maps trainer internals (flat buffers, optimizer shards, sampler, loss scaler, dp reducer, step
+that maps trainer internals (flat buffers, optimizer slices, sampler, loss scaler, dp reducer, step
 counters) to what a checkpoint saves and restores."""
 from __future__ import annotations
 
@@ -20,19 +20,19 @@ class TrainerState:
         self.reducer = trainer.flat.reducer
 
     def tensors(self) -> TrainTensors:
-        """Model pieces: ``flat.params``; owned ranges: the optimizer's shards; pieces: ``owned_pieces()``,
-        written by the ZeRO owner (or dp rank 0) where ``ShardSpec.counted_on`` this tp rank."""
+        """Model pieces: ``flat.params``; owned ranges: the optimizer's slices; pieces: ``owned_pieces()``,
+        written by the ZeRO owner (or dp rank 0) where ``SlabSpec.counted_on`` this tp rank."""
         t = self._trainer
         flat, opt, coords = t.flat, t.optimizer, t.grid.coords
         kinds = opt.state_kinds
         ranges, owner = [], {}
-        for shard in opt.shards:
-            owner[id(shard)] = len(ranges)
-            ranges.append(OwnedRange(shard.params, {kind: getattr(shard, kind) for kind in kinds}))
+        for part in opt.slices:
+            owner[id(part)] = len(ranges)
+            ranges.append(OwnedRange(part.params, {kind: getattr(part, kind) for kind in kinds}))
         writes = flat.zero or coords["dp"] == 0
-        pieces = [OptimizerPiece(piece.param.spec, piece.param_lo, piece.param_hi, owner[id(shard)],
-                                 piece.flat_lo - shard.start, writes and piece.param.spec.counted_on(coords["tp"]))
-                  for piece, shard in opt.owned_pieces()]
+        pieces = [OptimizerPiece(piece.param.spec, piece.param_lo, piece.param_hi, owner[id(part)],
+                                 piece.flat_lo - part.start, writes and piece.param.spec.counted_on(coords["tp"]))
+                  for piece, part in opt.owned_pieces()]
         return TrainTensors([ModelPiece(p.spec, p.data) for p in flat.params], ranges, pieces, kinds,
                             flat.param_buffer.dtype, opt.master_dtype)
 

@@ -101,7 +101,7 @@ class Trainer:
                                make_reducer=partial(build_reducer, self.cfg.compression, grid=grid, seed=t.seed))
         self.optimizer = FlatOptimizer(self.flat, self.cfg.optim, tp_rank=grid.coords["tp"])
         self.executor = PipelineExecutor(self.stage, pp_comm if pp_size > 1 else None, self.flat, layout.schedule,
-                                         layout.microbatches, (layout.seq_shard, self.micro_batch, m.d_model),
+                                         layout.microbatches, (layout.seq_chunk, self.micro_batch, m.d_model),
                                          self.dtype, device=self.device, timer=self.timer)
         self.scaler = DynamicLossScaler(t.loss_scale, enabled=self.dtype == torch.float16)
         self.guard = DivergenceGuard(t.nonfinite, t.max_skipped_steps)
@@ -212,7 +212,7 @@ class Trainer:
     def global_parameters(self) -> dict | None:
         """Collective: every parameter at its GLOBAL shape on world rank 0 (None elsewhere).
 
-        Built from the shard specs: TP slabs are placed at their slices; each dp replica holds the same
+        Built from the slab specs: TP slabs are placed at their slices; each dp replica holds the same
         values, so only dp rank 0 contributes; the tied copy is skipped.
         """
         pieces = []

@@ -14,17 +14,17 @@ from hpctrain.checkpoint.format import local_range_boxes
 from hpctrain.config import load_config, resolve_model
 from hpctrain.models.gpt import partition_layers
 from hpctrain.optim.flat import lr_at
-from hpctrain.parallel.shard import ShardSpec, init_from_global_, make_spec
+from hpctrain.parallel.slab import SlabSpec, init_from_global_, make_spec
 
 
-# ---------------------------------------------------------------- slabs (ShardSpec)
+# ---------------------------------------------------------------- slabs (SlabSpec)
 @pytest.mark.parametrize("split_dim, tp_size", [(0, 2), (1, 2), (0, 4), (1, 3), (None, 4)])
 def test_slabs_of_all_tp_ranks_reassemble_the_global_tensor(split_dim, tp_size):
     shape = (12, 6)
     full = torch.empty(shape, dtype=torch.float64)
     seen = torch.zeros(shape, dtype=torch.int64)
     for rank in range(tp_size):
-        spec = ShardSpec("w", shape, split_dim, rank, tp_size)
+        spec = SlabSpec("w", shape, split_dim, rank, tp_size)
         slab = torch.empty(spec.local_shape, dtype=torch.float64)
         init_from_global_(slab, spec, seed=7, std=0.5)
         full[spec.local_slices()] = slab
@@ -32,20 +32,20 @@ def test_slabs_of_all_tp_ranks_reassemble_the_global_tensor(split_dim, tp_size):
     expected_cover = tp_size if split_dim is None else 1  # replicated: every rank holds everything
     assert bool((seen == expected_cover).all())
     reference = torch.empty(shape, dtype=torch.float64)
-    init_from_global_(reference, ShardSpec("w", shape), seed=7, std=0.5)
+    init_from_global_(reference, SlabSpec("w", shape), seed=7, std=0.5)
     assert torch.equal(full, reference)
 
 
 def test_local_shape_and_slices_by_hand():
-    spec = ShardSpec("w", (8, 6), split_dim=1, tp_rank=2, tp_size=3)  # columns 6/3 = 2 each: rank 2 has 4..5
+    spec = SlabSpec("w", (8, 6), split_dim=1, tp_rank=2, tp_size=3)  # columns 6/3 = 2 each: rank 2 has 4..5
     assert spec.local_shape == (8, 2)
     assert spec.local_slices() == (slice(None), slice(4, 6))
-    spec = ShardSpec("w", (8, 6), split_dim=0, tp_rank=1, tp_size=4)  # rows 8/4 = 2 each: rank 1 has 2..3
+    spec = SlabSpec("w", (8, 6), split_dim=0, tp_rank=1, tp_size=4)  # rows 8/4 = 2 each: rank 1 has 2..3
     assert spec.local_shape == (2, 6)
     assert spec.local_slices() == (slice(2, 4), slice(None))
-    spec = ShardSpec("b", (12,), split_dim=0, tp_rank=2, tp_size=3)  # 1-D split: rank 2 has 8..11
+    spec = SlabSpec("b", (12,), split_dim=0, tp_rank=2, tp_size=3)  # 1-D split: rank 2 has 8..11
     assert spec.local_shape == (4,) and spec.local_slices() == (slice(8, 12),)
-    replicated = ShardSpec("b", (8, 3), None, 1, 2)  # every tp rank holds all of it
+    replicated = SlabSpec("b", (8, 3), None, 1, 2)  # every tp rank holds all of it
     assert replicated.local_shape == (8, 3) and replicated.local_slices() == (slice(None), slice(None))
 
 
@@ -85,7 +85,7 @@ def cover(spec, a, b):
 @pytest.mark.parametrize("split_dim, tp_rank", [(0, 1), (1, 1), (None, 0)])
 @pytest.mark.parametrize("a, b", [(0, 24), (3, 17), (4, 8), (5, 6), (0, 1), (23, 24), (7, 7)])
 def test_boxes_cover_exactly_the_flat_range(split_dim, tp_rank, a, b):
-    spec = ShardSpec("w", (8, 8) if split_dim == 1 else (6, 4) if split_dim is None else (12, 4), split_dim,
+    spec = SlabSpec("w", (8, 8) if split_dim == 1 else (6, 4) if split_dim is None else (12, 4), split_dim,
                      tp_rank, 1 if split_dim is None else 2)
     marks, total = cover(spec, a, b)
     assert total == b - a and marks.max(initial=0) <= 1  # every element once, none twice
@@ -97,11 +97,11 @@ def test_boxes_cover_exactly_the_flat_range(split_dim, tp_rank, a, b):
 
 
 def test_one_dimensional_box():
-    spec = ShardSpec("norm", (10,))
+    spec = SlabSpec("norm", (10,))
     (box, lo, hi), = local_range_boxes(spec, 2, 9)
     assert (box.offset, box.shape, lo, hi) == ((2,), (7,), 2, 9)
     # split over tp=3, rank 2: its slab starts at global 8, so local 1..2 are global 9..10
-    spec = ShardSpec("bias", (12,), 0, 2, 3)
+    spec = SlabSpec("bias", (12,), 0, 2, 3)
     (box, lo, hi), = local_range_boxes(spec, 1, 3)
     assert (box.offset, box.shape, lo, hi) == ((9,), (2,), 1, 3)
     marks, total = cover(spec, 0, 4)
@@ -110,17 +110,17 @@ def test_one_dimensional_box():
 
 def test_an_empty_range_is_no_box():
     for a in (0, 5, 24):
-        assert local_range_boxes(ShardSpec("w", (12, 4), 0, 1, 2), a, a) == []
-    assert local_range_boxes(ShardSpec("b", (10,)), 4, 4) == []
+        assert local_range_boxes(SlabSpec("w", (12, 4), 0, 1, 2), a, a) == []
+    assert local_range_boxes(SlabSpec("b", (10,)), 4, 4) == []
 
 
 def test_a_mid_row_range_is_three_boxes():
-    spec = ShardSpec("w", (4, 5))
+    spec = SlabSpec("w", (4, 5))
     boxes = [(b.offset, b.shape) for b, _, _ in local_range_boxes(spec, 3, 17)]
     assert boxes == [((0, 3), (1, 2)), ((1, 0), (2, 5)), ((3, 0), (1, 2))]
     # the same range on tp rank 1 of a (4, 10) weight split on dim 1 (its slab is columns 5..9):
     # 3..16 = row 0 cols 3-4, rows 1-2, row 3 cols 0-1 of the slab, shifted right by 5
-    spec = ShardSpec("w", (4, 10), 1, 1, 2)
+    spec = SlabSpec("w", (4, 10), 1, 1, 2)
     pieces = [(b.offset, b.shape, lo, hi) for b, lo, hi in local_range_boxes(spec, 3, 17)]
     assert pieces == [((0, 8), (1, 2), 3, 5), ((1, 5), (2, 5), 5, 15), ((3, 5), (1, 2), 15, 17)]
     # a range inside one row is one box; one ending at a row's end has no partial last row

@@ -7,7 +7,7 @@ from torch import nn
 
 from hpctrain.optim.flat import FlatOptimizer
 from hpctrain.parallel.data_parallel import FlatParams, intersect
-from hpctrain.parallel.shard import ShardSpec
+from hpctrain.parallel.slab import SlabSpec
 
 
 def params(*specs):
@@ -29,7 +29,7 @@ def test_intersect():
 
 
 def test_buckets_are_reverse_order_padded_to_dp_and_sized():
-    a, b, c = params(ShardSpec("a", (3, 4)), ShardSpec("b", (5,)), ShardSpec("c", (2, 3)))
+    a, b, c = params(SlabSpec("a", (3, 4)), SlabSpec("b", (5,)), SlabSpec("c", (2, 3)))
     # 4-byte elements, bucket_mb so that a bucket closes at >= 8 elements
     flat = flat_of([a, b, c], dp_size=4, bucket_mb=8 * 4 / 2**20)
     assert [[q.spec.name for q in bk.params] for bk in flat.buckets] == [["c", "b"], ["a"]]  # backward order
@@ -40,15 +40,15 @@ def test_buckets_are_reverse_order_padded_to_dp_and_sized():
 
 
 def test_grads_needing_another_group_go_to_a_last_deferred_bucket():
-    ps = params(ShardSpec("w", (4, 4)), ShardSpec("norm", (4,), sp_partial_grad=True),
-                ShardSpec("embed", (8, 4), 0, tied="original"))
+    ps = params(SlabSpec("w", (4, 4)), SlabSpec("norm", (4,), sp_partial_grad=True),
+                SlabSpec("embed", (8, 4), 0, tied="original"))
     flat = flat_of(ps)
     assert [bk.deferred for bk in flat.buckets] == [False, True]
     assert {q.spec.name for q in flat.buckets[-1].params} == {"norm", "embed"}
 
 
 def test_pieces_and_param_ranges_of_a_zero_slice():
-    a, b = params(ShardSpec("a", (2, 3)), ShardSpec("b", (4,)))
+    a, b = params(SlabSpec("a", (2, 3)), SlabSpec("b", (4,)))
     flat = flat_of([a, b], dp_size=2, dp_rank=1, zero=True)  # one bucket [0, 10): b at 0..4, a at 4..10
     (bucket, start, end), = flat.owned_ranges()
     assert (start, end) == (5, 10)
@@ -59,24 +59,24 @@ def test_pieces_and_param_ranges_of_a_zero_slice():
 
 
 def test_counted_once_over_tp_ranks_and_the_tied_copy():
-    split = ShardSpec("w", (4, 4), 0, 1, 2)
-    replicated = ShardSpec("n", (4,), None, 1, 2)
+    split = SlabSpec("w", (4, 4), 0, 1, 2)
+    replicated = SlabSpec("n", (4,), None, 1, 2)
     assert split.counted_on(1) and not replicated.counted_on(1) and replicated.counted_on(0)
-    assert not replace(ShardSpec("embed", (8, 4)), tied="copy").counted_on(0)
-    assert replace(ShardSpec("embed", (8, 4)), tied="original").counted_on(0)
+    assert not replace(SlabSpec("embed", (8, 4)), tied="copy").counted_on(0)
+    assert replace(SlabSpec("embed", (8, 4)), tied="original").counted_on(0)
 
 
-def test_optimizer_shards_describe_owned_state_and_norm_ranges():
-    w, v = params(ShardSpec("w", (2, 2), None, 1, 2), ShardSpec("v", (2, 2), 0, 1, 2))
+def test_optimizer_slices_describe_owned_state_and_norm_ranges():
+    w, v = params(SlabSpec("w", (2, 2), None, 1, 2), SlabSpec("v", (2, 2), 0, 1, 2))
     flat = flat_of([w, v], dp_size=2, dp_rank=0)  # no ZeRO: this rank updates all, counts half
     opt = FlatOptimizer(flat, SimpleNamespace(), tp_rank=1)
-    shard, = opt.shards
-    assert flat.offset_of(v) == (0, 2) and flat.offset_of(w) == (2, 4) and (shard.start, shard.end) == (0, 6)
+    part, = opt.slices
+    assert flat.offset_of(v) == (0, 2) and flat.offset_of(w) == (2, 4) and (part.start, part.end) == (0, 6)
     # tp rank 1: only the TP-split "v" counts (w is replicated: tp rank 0 counts it), inside [0, 3)
-    assert shard.norm_ranges == [(0, 2)]
-    assert FlatOptimizer(flat, SimpleNamespace(), tp_rank=0).shards[0].norm_ranges == [(0, 3)]
+    assert part.norm_ranges == [(0, 2)]
+    assert FlatOptimizer(flat, SimpleNamespace(), tp_rank=0).slices[0].norm_ranges == [(0, 3)]
     assert opt.state_kinds == ("exp_avg", "exp_avg_sq")
-    shard.exp_avg[:] = torch.arange(float(shard.exp_avg.numel()))
-    assert torch.equal(shard.state("exp_avg", 1, 3), torch.tensor([1.0, 2.0]))
+    part.exp_avg[:] = torch.arange(float(part.exp_avg.numel()))
+    assert torch.equal(part.state("exp_avg", 1, 3), torch.tensor([1.0, 2.0]))
     assert [(piece.param.spec.name, piece.flat_lo) for piece, _ in opt.owned_pieces()] == \
         [("v", 0), ("w", 2)]

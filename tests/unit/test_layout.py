@@ -57,9 +57,9 @@ def test_derived_sizes():
     lay = layout(8, "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "train.global_batch=8",
                  "parallel.sequence_parallel=true", "train.seq_len=64")
     assert lay.sizes == {"dp": 2, "pp": 2, "tp": 2}
-    assert (lay.local_batch, lay.micro_batch, lay.seq_shard) == (4, 2, 32)
+    assert (lay.local_batch, lay.micro_batch, lay.seq_chunk) == (4, 2, 32)
     one = ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1"]
-    assert layout(4, *one, "train.seq_len=64").seq_shard == 64
+    assert layout(4, *one, "train.seq_len=64").seq_chunk == 64
     assert layout(4, "parallel.dp=4", *one).dp_size == 4
 
 

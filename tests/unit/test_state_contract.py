@@ -13,7 +13,7 @@ from hpctrain.checkpoint import contract
 from hpctrain.checkpoint.contract import OptimizerPiece, TrainState
 from hpctrain.optim.flat import FlatOptimizer
 from hpctrain.parallel.data_parallel import FlatParams
-from hpctrain.parallel.shard import ShardSpec
+from hpctrain.parallel.slab import SlabSpec
 from hpctrain.train.state import TrainerState
 
 PACKAGE = Path(contract.__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ CHECKED = sorted((PACKAGE / "checkpoint").glob("*.py")) + sorted((PACKAGE / "int
 # the trainer-side classes whose attributes checkpoint/ and interop/ must not name: (file, classes)
 INTERNALS = [("train/trainer.py", {"Trainer"}), ("train/state.py", {"TrainerState"}),
              ("parallel/data_parallel.py", {"FlatParams", "Bucket", "ParamPiece"}),
-             ("optim/flat.py", {"FlatOptimizer", "OptimizerShard"})]
+             ("optim/flat.py", {"FlatOptimizer", "OptimizerSlice"})]
 # names too common to flag anywhere (slices, arrays, configs have them too); on a run itself they still
 # count as outside the contract
 GENERIC = {"start", "end", "size", "index", "dtype", "device", "step", "cfg", "params", "data", "state", "pending"}
@@ -103,7 +103,7 @@ def test_a_violation_is_reported_with_file_and_line():
                "    state.set_steps(1, 1)\n"
                "    n = state.tensors().pieces[0].lo + reader.shape(1).size\n"
                "    buf = state.flat.param_buffer\n"
-               "    for piece, shard in other.owned_pieces():\n"
+               "    for piece, part in other.owned_pieces():\n"
                "        piece.flat_lo\n"
                "    trainer.step = 3\n"
                "    setattr(state, 'step', 4)\n")
@@ -142,7 +142,7 @@ def stand_in_trainer(ps, *, dp_rank, zero, tp_rank=0):
 
 
 def test_trainer_state_maps_owned_pieces_and_who_writes():
-    w, v = params(ShardSpec("w", (2, 3)), ShardSpec("v", (4,), 0, 1, 2))  # w replicated over tp, v split
+    w, v = params(SlabSpec("w", (2, 3)), SlabSpec("v", (4,), 0, 1, 2))  # w replicated over tp, v split
     trainer = stand_in_trainer([w, v], dp_rank=1, zero=True, tp_rank=1)  # one bucket [0, 8): v 0..2, w 2..8
     state = TrainerState(trainer)
     assert isinstance(state, TrainState)
@@ -153,17 +153,17 @@ def test_trainer_state_maps_owned_pieces_and_who_writes():
     assert tensors.pieces == [OptimizerPiece(w.spec, 2, 6, 0, 0, False)]  # tp rank 1: w is tp rank 0's to write
     assert torch.equal(tensors.pieces[0].take(owned.params, 3, 5), w.detach().reshape(-1)[3:5])
     assert tensors.state_kinds == ("exp_avg", "exp_avg_sq") and owned.state["exp_avg"].numel() == 4
-    w, v = params(ShardSpec("w", (2, 3)), ShardSpec("v", (4,), 0, 0, 2))
+    w, v = params(SlabSpec("w", (2, 3)), SlabSpec("v", (4,), 0, 0, 2))
     tp0 = TrainerState(stand_in_trainer([w, v], dp_rank=1, zero=True, tp_rank=0)).tensors()
     assert [p.written for p in tp0.pieces] == [True]  # ZeRO: the owner writes, on tp rank 0
-    rank0 = TrainerState(stand_in_trainer(params(ShardSpec("w", (2, 3))), dp_rank=0, zero=False)).tensors()
+    rank0 = TrainerState(stand_in_trainer(params(SlabSpec("w", (2, 3))), dp_rank=0, zero=False)).tensors()
     assert [p.written for p in rank0.pieces] == [True]  # no ZeRO: dp rank 0 writes everything it counts
-    unowned = TrainerState(stand_in_trainer(params(ShardSpec("w", (2, 3))), dp_rank=1, zero=False)).tensors()
+    unowned = TrainerState(stand_in_trainer(params(SlabSpec("w", (2, 3))), dp_rank=1, zero=False)).tensors()
     assert [p.written for p in unowned.pieces] == [False]
 
 
 def test_trainer_state_root_state_and_step_counters():
-    trainer = stand_in_trainer(params(ShardSpec("w", (2, 2))), dp_rank=0, zero=False)
+    trainer = stand_in_trainer(params(SlabSpec("w", (2, 2))), dp_rank=0, zero=False)
     trainer.optimizer.step_count = 4
     state = TrainerState(trainer)
     assert state.root_state() == contract.RootState(5, 4, {"position": 7}, {})
@@ -173,7 +173,7 @@ def test_trainer_state_root_state_and_step_counters():
 
 
 def test_half_precision_runs_checkpoint_a_separate_master_copy():
-    trainer = stand_in_trainer(params(ShardSpec("w", (2, 2)), dtype=torch.bfloat16), dp_rank=0, zero=False)
+    trainer = stand_in_trainer(params(SlabSpec("w", (2, 2)), dtype=torch.bfloat16), dp_rank=0, zero=False)
     tensors = TrainerState(trainer).tensors()
     assert tensors.state_kinds == ("exp_avg", "exp_avg_sq", "master")
     assert (tensors.model_dtype, tensors.state_dtype) == (torch.bfloat16, torch.float32)
@@ -187,7 +187,7 @@ def test_flat_params_is_complete_at_construction():
         seen.update(timer=flat.timer, check=flat.check_finite, buckets=len(flat.buckets))
         return "reducer"
 
-    flat = FlatParams(params(ShardSpec("w", (2, 2))), None, timer="timer", check_finite=True,
+    flat = FlatParams(params(SlabSpec("w", (2, 2))), None, timer="timer", check_finite=True,
                       make_reducer=make_reducer)
     assert flat.reducer == "reducer" and seen == {"timer": "timer", "check": True, "buckets": 1}
-    assert type(FlatParams(params(ShardSpec("w", (2, 2))), None).reducer).__name__ == "DenseReducer"
+    assert type(FlatParams(params(SlabSpec("w", (2, 2))), None).reducer).__name__ == "DenseReducer"

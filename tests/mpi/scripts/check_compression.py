@@ -2,7 +2,7 @@
 
 Run: mpiexec -n K python -m mpi4py check_compression.py
 - alltoall (quantizers): chunk j of the result == C(sum_r C(x_r chunk j)) where C = decompress(compress(.)),
-  summed in rank order (so fp16/bf16 equal cast -> reduce in float32 -> cast); with ``shard_only`` the
+  summed in rank order (so fp16/bf16 equal cast -> reduce in float32 -> cast); with ``slice_only`` the
   rank's chunk is the inner sum;
 - allgather (top-k): the result == sum_r C(x_r) exactly;
 - shared (random-k): the result == sum_r x_r at the shared indices (to rounding: MPI's order), zero elsewhere;
@@ -33,14 +33,14 @@ for dtype in (torch.float32, torch.float64):
         def roundtrip(x):
             return compressor.decompress(compressor.compress(x), x.numel(), x.dtype)
 
-        for shard_only in (False, True):
-            reduction = STRATEGIES[cls.strategy](comm, compressor, mine.clone(), shard_only=shard_only,
+        for slice_only in (False, True):
+            reduction = STRATEGIES[cls.strategy](comm, compressor, mine.clone(), slice_only=slice_only,
                                                  server_memory=None, server_key="s", key=(7, 3, 1), clock=Stopwatch())
             got = reduction.finish()
             if cls.strategy == "alltoall":
                 c = n // p
                 inner = [sum(roundtrip(x[j * c:(j + 1) * c]) for x in inputs) for j in range(p)]
-                want = inner[comm.rank] if shard_only else torch.cat([roundtrip(s) for s in inner])
+                want = inner[comm.rank] if slice_only else torch.cat([roundtrip(s) for s in inner])
                 assert torch.equal(reduction.local, torch.cat([roundtrip(mine[j * c:(j + 1) * c]) for j in range(p)]))
             elif cls.strategy == "allgather":
                 want = sum(roundtrip(x) for x in inputs)
@@ -49,16 +49,16 @@ for dtype in (torch.float32, torch.float64):
                 index = compressor.indices(n, (7, 3, 1), "cpu")
                 want = torch.zeros(n, dtype=dtype)
                 want[index] = sum(x[index] for x in inputs)
-            if shard_only and cls.strategy != "alltoall":
+            if slice_only and cls.strategy != "alltoall":
                 want = want[comm.rank * (n // p):(comm.rank + 1) * (n // p)]
             same = torch.equal(got, want) if cls.strategy != "shared" else \
                 torch.allclose(got, want, rtol=1e-6, atol=1e-6)  # MPI's all-reduce adds in its own order
-            assert got.dtype == dtype and same, (name, dtype, shard_only, (got - want).abs().max())
+            assert got.dtype == dtype and same, (name, dtype, slice_only, (got - want).abs().max())
             every = comm.mpi.allgather(got.numpy().tobytes())
-            assert shard_only or all(b == every[0] for b in every), f"{name}: ranks differ"
+            assert slice_only or all(b == every[0] for b in every), f"{name}: ranks differ"
             checks += 1
     cast = torch.cat([x.to(torch.bfloat16).to(dtype) for x in inputs]).view(p, n).sum(0)  # the DDP bf16 hook
-    reduction = STRATEGIES["alltoall"](comm, COMPRESSORS["bf16"](cfg), mine.clone(), shard_only=False,
+    reduction = STRATEGIES["alltoall"](comm, COMPRESSORS["bf16"](cfg), mine.clone(), slice_only=False,
                                        server_memory=None, server_key="s", clock=Stopwatch())
     assert torch.equal(reduction.finish(), cast.to(torch.bfloat16).to(dtype)), "bf16 != cast-reduce-cast"
     checks += 1

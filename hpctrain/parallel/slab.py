@@ -1,11 +1,13 @@
-"""Slab spec (``ShardSpec``): where each number of a parameter lives. One source of truth for init,
+"""Slab spec (``SlabSpec``): where each number of a parameter lives. One source of truth for init,
 checkpoints and tests.
 
 Every parameter carries ``param.spec``: its global name and shape, and which SLAB of it this rank
 holds (a split along ``split_dim`` over the TP group, or the whole tensor when replicated).
 Pipeline stages simply do not hold the parameters of other stages (except the tied embedding's
-copy, marked by ``tied``). A "shard" in this code base is something else: a ZeRO-1 slice of the
-optimizer state (``optim/flat.py`` ``OptimizerShard``, over flat ranges of ``parallel/data_parallel.py``).
+copy, marked by ``tied``). Words (one meaning each, docs/architecture.md): a **slab** is this tp
+split of a parameter; a **slice** is a ZeRO-1 owner's part of the flat optimizer state
+(``optim/flat.py`` ``OptimizerSlice``); a **chunk** is a sequence-parallel part of the sequence; a
+**shard** is one rank's checkpoint file (``shards/shard-RRRRR.h5``).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class ShardSpec:
+class SlabSpec:
     name: str  # global parameter name, e.g. "layers.3.attn.wq.weight"
     global_shape: tuple[int, ...]
     split_dim: int | None = None  # dimension split over the TP group; None = replicated over TP
@@ -58,13 +60,13 @@ class ShardSpec:
         return not self.tied_copy and (tp_rank == 0 or not self.replicated_over_tp)
 
 
-def make_spec(name: str, global_shape, split_dim, tp_comm, **flags) -> ShardSpec:
+def make_spec(name: str, global_shape, split_dim, tp_comm, **flags) -> SlabSpec:
     size = 1 if tp_comm is None else tp_comm.size
     rank = 0 if tp_comm is None else tp_comm.rank
     if split_dim is not None and global_shape[split_dim] % size:
         raise ValueError(f"{name}: dimension {split_dim} of global shape {tuple(global_shape)} is not "
                          f"divisible by tp={size}")
-    return ShardSpec(name, tuple(global_shape), split_dim, rank, size, **flags)
+    return SlabSpec(name, tuple(global_shape), split_dim, rank, size, **flags)
 
 
 def global_generator(seed: int, name: str) -> torch.Generator:
@@ -73,7 +75,7 @@ def global_generator(seed: int, name: str) -> torch.Generator:
 
 
 @torch.no_grad()
-def init_from_global_(param: torch.Tensor, spec: ShardSpec, seed: int, std: float | None) -> None:
+def init_from_global_(param: torch.Tensor, spec: SlabSpec, seed: int, std: float | None) -> None:
     """Fill ``param`` with its slab of the GLOBAL tensor N(0, std) (std None: ones)."""
     if std is None:
         param.fill_(1.0)

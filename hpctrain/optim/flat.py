@@ -49,7 +49,7 @@ class FlatOptimizer:
         self.master_dtype = master_dtype or (torch.float32 if param_dtype in (torch.float16, torch.bfloat16)
                                              else param_dtype)
         self.step_count = 0
-        self.slices = [self._make_slice(bucket, start, end) for bucket, start, end in flat.owned_ranges()]
+        self.owned_slices = [self._make_slice(bucket, start, end) for bucket, start, end in flat.owned_ranges()]
 
     def _make_slice(self, bucket, start: int, end: int) -> OptimizerSlice:
         flat = self.flat
@@ -73,14 +73,14 @@ class FlatOptimizer:
 
     def owned_pieces(self):
         """(ParamPiece, OptimizerSlice) for every piece of a parameter inside an owned range."""
-        for part in self.slices:
+        for part in self.owned_slices:
             for piece in self.flat.pieces(part.start, part.end):
                 yield piece, part
 
     def grad_norm_sq_local(self, inv_scale: float = 1.0) -> float:
         """This rank's share of the squared global gradient norm (float64)."""
         total = torch.zeros((), dtype=torch.float64, device=self.flat.param_buffer.device)
-        for s in self.slices:
+        for s in self.owned_slices:
             grad = self.flat.owned_grad(s.bucket, s.start, s.end)
             for lo, hi in s.norm_ranges:
                 piece = grad[lo:hi]
@@ -92,7 +92,7 @@ class FlatOptimizer:
         """One update with gradients multiplied by ``grad_coef`` (clipping x loss-scale inverse)."""
         self.step_count += 1
         c = self.cfg
-        for s in self.slices:
+        for s in self.owned_slices:
             grad = self.flat.owned_grad(s.bucket, s.start, s.end).to(self.master_dtype)
             if grad_coef != 1.0:
                 grad = grad * grad_coef

@@ -26,7 +26,7 @@ class TrainerState:
         flat, opt, coords = t.flat, t.optimizer, t.grid.coords
         kinds = opt.state_kinds
         ranges, owner = [], {}
-        for part in opt.slices:
+        for part in opt.owned_slices:
             owner[id(part)] = len(ranges)
             ranges.append(OwnedRange(part.params, {kind: getattr(part, kind) for kind in kinds}))
         writes = flat.zero or coords["dp"] == 0

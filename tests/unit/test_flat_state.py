@@ -70,11 +70,11 @@ def test_optimizer_slices_describe_owned_state_and_norm_ranges():
     w, v = params(SlabSpec("w", (2, 2), None, 1, 2), SlabSpec("v", (2, 2), 0, 1, 2))
     flat = flat_of([w, v], dp_size=2, dp_rank=0)  # no ZeRO: this rank updates all, counts half
     opt = FlatOptimizer(flat, SimpleNamespace(), tp_rank=1)
-    part, = opt.slices
+    part, = opt.owned_slices
     assert flat.offset_of(v) == (0, 2) and flat.offset_of(w) == (2, 4) and (part.start, part.end) == (0, 6)
     # tp rank 1: only the TP-split "v" counts (w is replicated: tp rank 0 counts it), inside [0, 3)
     assert part.norm_ranges == [(0, 2)]
-    assert FlatOptimizer(flat, SimpleNamespace(), tp_rank=0).slices[0].norm_ranges == [(0, 3)]
+    assert FlatOptimizer(flat, SimpleNamespace(), tp_rank=0).owned_slices[0].norm_ranges == [(0, 3)]
     assert opt.state_kinds == ("exp_avg", "exp_avg_sq")
     part.exp_avg[:] = torch.arange(float(part.exp_avg.numel()))
     assert torch.equal(part.state("exp_avg", 1, 3), torch.tensor([1.0, 2.0]))

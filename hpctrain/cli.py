@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _main(argv, early_signals=None) -> int:
+def dispatch(argv, early_signals=None) -> int:
+    """Run one ``hpctrain`` command in this process and return its exit code; errors are raised, not
+    printed (``main`` prints them and ends the job). Public for tests and embedding."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # `train` takes section.key=value overrides anywhere on the line, also after options
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
         from hpctrain.runtime.signals import DEFAULT_EXIT_SIGNALS, SignalFlag
 
         early = SignalFlag(DEFAULT_EXIT_SIGNALS)
-    sys.exit(run_and_exit(functools.partial(_main, early_signals=early), argv))
+    sys.exit(run_and_exit(functools.partial(dispatch, early_signals=early), argv))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from mpirun import run_mpi  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
 from hpctrain.checkpoint.weights import load_model, open_checkpoint  # noqa: E402
-from hpctrain.cli import _main  # noqa: E402
+from hpctrain.cli import dispatch  # noqa: E402
 
 COMMON = ["train.dtype=float64", "train.progress=false", "data.max_bytes=300000", "parallel.microbatches=1",
           "train.seq_len=32", "checkpoint.async=false"]
@@ -33,7 +33,7 @@ def test_a_tp2_run_exports_to_transformers_with_the_same_logits(tmp_path):
     run = tmp_path / "run"
     train(2, run, "parallel.tp=2", "parallel.pp=1", "parallel.sequence_parallel=true", "model.tie_embeddings=true",
           "train.steps=2")
-    assert _main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert dispatch(["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
     reader = open_checkpoint(str(run))
     assert reader.attrs["step"] == 2 and reader.attrs["layout"]["tp"] == 2
     _, model = load_model(reader)  # hpctrain's one-process forward of the same global weights
@@ -48,7 +48,7 @@ def test_a_tp2_run_exports_to_transformers_with_the_same_logits(tmp_path):
 
 def test_an_imported_model_trains_the_same_in_every_layout(tmp_path):
     hf = random_llama(tmp_path / "hf", vocab=256, kv_heads=2)
-    assert _main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    assert dispatch(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
     model_toml = tmp_path / "ckpt" / "model.toml"  # the [model] section of the HF model: a valid config file
     steps = ["train.steps=1"]
     train(1, tmp_path / "one", *steps, "--resume", tmp_path / "ckpt", config=model_toml)

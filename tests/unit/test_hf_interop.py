@@ -14,7 +14,7 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
 from hpctrain.checkpoint.weights import load_model, open_checkpoint  # noqa: E402
-from hpctrain.cli import _main  # noqa: E402
+from hpctrain.cli import dispatch  # noqa: E402
 from hpctrain.config import Config, ModelConfig  # noqa: E402
 from hpctrain.errors import HpcTrainError  # noqa: E402
 from hpctrain.interop.cli import write_weights_only  # noqa: E402
@@ -46,7 +46,7 @@ def random_checkpoint(directory, m, dtype="float64", seed=0, tokenizer="bytes"):
 
 
 def hpctrain(*argv):
-    return _main([str(a) for a in argv])
+    return dispatch([str(a) for a in argv])
 
 
 def test_names_and_shapes_match_the_model_and_transformers():

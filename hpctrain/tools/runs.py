@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.runtime import child_job
+from hpctrain.runtime.outputs import mark, why_not_replaceable
 
 
 class CompareError(Exception):
@@ -79,18 +80,17 @@ def run_side(cmd: list[str], run_dir: Path, timeout: float, label: str, console)
                            f"{_tail(log_path)}")
 
 
-RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "train.log", "checkpoints")
-
-
 def fresh_run_dir(run_dir: Path) -> None:
-    """An empty ``run_dir``: a previous comparison's run there is removed (the metrics file is appended
-    to and a checkpoint could be resumed, so an old run must not survive); anything else is refused."""
+    """An empty ``run_dir``, marked as this tool's (``runtime/outputs.py``): a previous comparison's run
+    there is removed (the metrics file is appended to and a checkpoint could be resumed, so an old run
+    must not survive); a directory this tool did not write (a training run, anything else) is refused."""
     if run_dir.exists():
-        entries = {p.name for p in run_dir.iterdir()}
-        if entries and not entries & set(RUN_FILES):
-            raise CompareError(f"{run_dir} exists and does not look like a run of this tool; choose another --out")
+        problem = why_not_replaceable(str(run_dir), f"--out: {run_dir}")
+        if problem:
+            raise CompareError(problem)
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
+    mark(str(run_dir), "hpctrain.tools.loss_compare")
 
 
 def _tail(path: Path, lines: int = 25) -> str:

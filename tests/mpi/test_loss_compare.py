@@ -53,3 +53,12 @@ def test_metrics_mode_compares_files_without_training(tmp_path):
     assert main(["--metrics", str(a), str(short)]) == 1  # step 3 missing from B
     assert main(["--metrics", str(a), str(tmp_path / "none.jsonl")]) == 2
     assert main(["--a", "x:train.lr=1"]) == 2  # malformed spec, no --b
+
+
+def test_out_never_deletes_a_run_it_did_not_write(tmp_path):
+    run = tmp_path / "a"  # a real training run's directory where --out would put side a
+    (run / "checkpoints" / "step-00000005").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    result = loss_compare("--a", "1:", "--b", "1:", "--overrides", FAST, "--steps", "1", "--out", str(tmp_path))
+    assert result.returncode == 2 and "not written by hpctrain" in result.stdout + result.stderr
+    assert (run / "checkpoints" / "step-00000005").is_dir() and (run / "metrics.jsonl").exists()

@@ -85,6 +85,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from hpctrain.bench.report import run_benchmark, write_records  # noqa: E402
+from hpctrain.checkpoint.manager import fsync_path  # noqa: E402
 
 _STARTUP_S = (_PROCESS_AGE_AT_IMPORT + time.time() - _WALL_AT_IMPORT) if _PROCESS_AGE_AT_IMPORT is not None else None
 
@@ -136,15 +137,6 @@ def new_manager(args, ckpt_cfg, grid, run_dir):
     from hpctrain.checkpoint.manager import CheckpointManager
 
     return CheckpointManager(ckpt_cfg, grid, run_dir, poll_sleep_s=0.001 if args.sleeping_waits else 0.0)
-
-
-def fsync_path(path: str) -> None:
-    """fsync one file (or directory) by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def timed(comm, fn, *args, **kwargs) -> tuple[float, object]:

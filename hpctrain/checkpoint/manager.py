@@ -42,7 +42,8 @@ def raise_if_any_failed(comm, error: str | None, what: str) -> None:
                                          + (f" (and {len(errors) - 4} more)" if len(errors) > 4 else "")))
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync one file or directory by path (what a save does to every file and directory it writes)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -60,7 +61,7 @@ def retire(path: str) -> None:
     parent, name = os.path.split(path)
     retired = os.path.join(parent, RETIRED_PREFIX + name)
     os.rename(path, retired)
-    _fsync(parent)
+    fsync_path(parent)
     shutil.rmtree(retired, ignore_errors=True)
 
 
@@ -217,10 +218,10 @@ class CheckpointManager:
                     written = (write_mpio if self.writer == "mpio" else write_shards)(self.comm, tmp, snap)
                 with timer.phase("fsync"):
                     for path in written:
-                        _fsync(path)
+                        fsync_path(path)
                     if self.rank == 0:  # the new directory entries too
-                        _fsync(os.path.join(tmp, "shards"))
-                        _fsync(tmp)
+                        fsync_path(os.path.join(tmp, "shards"))
+                        fsync_path(tmp)
             except Exception as exc:  # noqa: BLE001 - agreed below
                 error = f"{type(exc).__name__}: {exc}"
             if error is None and snap.nonfinite:  # a diverged state is never published
@@ -252,14 +253,14 @@ class CheckpointManager:
                 json.dump({"step": step, "writer": self.writer}, f)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync(tmp)
+            fsync_path(tmp)
             replaced = None
             if os.path.exists(final):  # the same step saved again (e.g. preempted right after resuming)
                 replaced = final + ".replaced"
                 shutil.rmtree(replaced, ignore_errors=True)
                 os.rename(final, replaced)
             os.rename(tmp, final)
-            _fsync(self.dir)
+            fsync_path(self.dir)
             self.faults.hit("publish", step)  # published, but `latest` still names the previous one
             pointer = os.path.join(self.dir, LATEST_POINTER)
             with open(pointer + ".tmp", "w", encoding="utf-8") as f:
@@ -267,7 +268,7 @@ class CheckpointManager:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(pointer + ".tmp", pointer)
-            _fsync(self.dir)
+            fsync_path(self.dir)
             if replaced:
                 shutil.rmtree(replaced, ignore_errors=True)
             self._prune()

@@ -123,6 +123,11 @@ class TrainState(Protocol):
     def set_steps(self, step: int, optimizer_step: int) -> None:
         """Set the training step and the optimizer's update count (the two differ after skipped steps)."""
 
+    def check_sampler(self, state: dict) -> None:
+        """Raise (an HpcTrainError naming the mismatch) if ``RootState.sampler`` from a checkpoint cannot
+        continue this run's data order (seed, seq_len); changes nothing. Called while reading, so a
+        mismatch is found before any weight is copied."""
+
     def load_sampler(self, state: dict) -> None:
         """Restore ``RootState.sampler``: the data order goes on from there."""
 

@@ -28,7 +28,7 @@ from hpctrain.checkpoint.reader import CheckpointReader
 from hpctrain.checkpoint.state import ANOTHER_MODEL, CheckpointError, apply_state, read_state, snapshot
 from hpctrain.checkpoint.writers import has_parallel_h5py, write_mpio, write_shards
 from hpctrain.comm.collectives import Communicator
-from hpctrain.errors import everywhere
+from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime.faults import FaultInjector
 
@@ -83,6 +83,24 @@ def list_checkpoints(directory: str) -> list[dict]:
     return sorted(records, key=lambda r: r["step"])
 
 
+REPLACED_SUFFIX = ".replaced"
+
+
+def recover_replaced(directory: str) -> list[str]:
+    """Rank 0: put back a published step directory that a save of the same step moved aside
+    (``step-N.replaced``) when the new copy never took its name (a kill between the two renames).
+    Returns the steps put back."""
+    restored = []
+    if not os.path.isdir(directory):
+        return restored
+    for name in os.listdir(directory):
+        final = os.path.join(directory, name.removesuffix(REPLACED_SUFFIX))
+        if name.startswith(STEP_PREFIX) and name.endswith(REPLACED_SUFFIX) and not os.path.exists(final):
+            os.rename(os.path.join(directory, name), final)
+            restored.append(os.path.basename(final))
+    return restored
+
+
 def resolve_latest(path: str) -> str:
     """``path`` itself, or, for a checkpoints directory (or a run directory with ``checkpoints/``) without a
     checkpoint.h5 of its own, the step directory its ``latest`` names (e.g. what ``hpctrain import-hf`` wrote)."""
@@ -118,7 +136,9 @@ class CheckpointManager:
             raise CheckpointError("checkpoint.writer='mpio' needs h5py built with MPI (h5py.get_config().mpi is "
                                   "False); use writer='shards' or 'auto', or see docs/checkpoint-format.md")
         world = grid.world
-        self.comm = Communicator(world.mpi.Dup(), "checkpoint", world.members, grid.watchdog, grid.stats,
+        with world.watched("checkpoint communicator (Dup)"):  # collective: a missing rank is reported
+            duplicate = world.mpi.Dup()
+        self.comm = Communicator(duplicate, "checkpoint", world.members, grid.watchdog, grid.stats,
                                  check=world.check)
         self.rank, self.size = self.comm.rank, self.comm.size
         self.faults = FaultInjector.from_env(self.rank)
@@ -256,7 +276,7 @@ class CheckpointManager:
             fsync_path(tmp)
             replaced = None
             if os.path.exists(final):  # the same step saved again (e.g. preempted right after resuming)
-                replaced = final + ".replaced"
+                replaced = final + REPLACED_SUFFIX
                 shutil.rmtree(replaced, ignore_errors=True)
                 os.rename(final, replaced)
             os.rename(tmp, final)
@@ -290,15 +310,19 @@ class CheckpointManager:
         if self._cleaned or not os.path.isdir(self.dir):
             return
         self._cleaned = True
+        recover_replaced(self.dir)
         for name in os.listdir(self.dir):
-            if name.startswith((".tmp-" + STEP_PREFIX, RETIRED_PREFIX)) or name.endswith(".replaced"):
+            if name.startswith((".tmp-" + STEP_PREFIX, RETIRED_PREFIX)) or name.endswith(REPLACED_SUFFIX):
                 shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
     # ------------------------------------------------------------------ resuming
     def resume(self, state: TrainState, what: str = "auto") -> str | None:
         """Load ``what`` ("auto": newest usable in this run's checkpoint dir; "none"; or a path) into the
-        run (``trainer.state``; collective). Falls back from a corrupt or partial newest checkpoint to the previous
-        complete one, warning on rank 0. Returns the path loaded, or None (fresh start)."""
+        run (``trainer.state``; collective). "auto": rank 0 lists the directory once (putting back a step
+        directory an interrupted save moved aside) and broadcasts the candidates, newest first; every
+        rank tries them in that order and falls back together from a corrupt, unreadable or partial one,
+        warning on rank 0. If complete checkpoints exist and none loads, raises (never a silent fresh
+        start). Returns the path loaded, or None (fresh start: nothing to resume)."""
         if what == "none":
             return None
         if what != "auto":
@@ -307,29 +331,38 @@ class CheckpointManager:
             if problem:
                 raise everywhere(CheckpointError(f"cannot resume from {what}: {problem}"))
             return what
-        records = list_checkpoints(self.dir)
-        latest = [r for r in records if r["latest"]]
-        named = read_latest(self.dir)
-        if named and not latest and self.rank == 0:
-            print(f"hpctrain: WARNING: {os.path.join(self.dir, LATEST_POINTER)} names {named}, which does not "
-                  f"exist; looking for the newest complete checkpoint instead", file=sys.stderr, flush=True)
-        others = sorted((r for r in records if r["complete"] and not r["latest"]), key=lambda r: -r["step"])
-        for record in latest + others:
-            problem = self._try_load(record["path"], state)
+        choice = None
+        if self.rank == 0:  # one view of the directory, chosen once (ranks may see it at different moments)
+            recover_replaced(self.dir)
+            records = list_checkpoints(self.dir)
+            latest = [r for r in records if r["latest"]]
+            named = read_latest(self.dir)
+            if named and not latest:
+                print(f"hpctrain: WARNING: {os.path.join(self.dir, LATEST_POINTER)} names {named}, which does not "
+                      f"exist; looking for the newest complete checkpoint instead", file=sys.stderr, flush=True)
+            others = sorted((r for r in records if r["complete"] and not r["latest"]), key=lambda r: -r["step"])
+            choice = [r["path"] for r in latest + others]
+        candidates = self.comm.broadcast_object(choice, root=0)
+        failures = []
+        for path in candidates:
+            problem = self._try_load(path, state)
             if problem and ANOTHER_MODEL in problem:  # a config typo must not start over and prune this run
                 raise everywhere(CheckpointError(f"--resume auto: the newest checkpoint of {self.dir} was {ANOTHER_MODEL} "
                                       f"than this config ({problem}). Nothing was changed. Make model.* match "
                                       f"the run's config.json, or use another train.run_dir, or --resume none"))
             if not problem:
-                if record is not (latest + others)[0] and self.rank == 0:
-                    print(f"hpctrain: resumed from the older checkpoint {record['path']}", file=sys.stderr, flush=True)
-                return record["path"]
+                if path != candidates[0] and self.rank == 0:
+                    print(f"hpctrain: resumed from the older checkpoint {path}", file=sys.stderr, flush=True)
+                return path
+            failures.append(f"{os.path.basename(path)}: {problem}")
             if self.rank == 0:
-                print(f"hpctrain: WARNING: checkpoint {record['path']} is unusable ({problem}); "
+                print(f"hpctrain: WARNING: checkpoint {path} is unusable ({problem}); "
                       f"falling back to the previous complete checkpoint", file=sys.stderr, flush=True)
-        if records and self.rank == 0:
-            print(f"hpctrain: WARNING: no usable checkpoint in {self.dir}; starting from step 0",
-                  file=sys.stderr, flush=True)
+        if failures:  # never a silent restart from step 0 over a run whose checkpoints exist
+            raise everywhere(CheckpointError(
+                f"--resume auto: none of the {len(failures)} complete checkpoint(s) in {self.dir} could be loaded "
+                f"({'; '.join(failures[:3])}). Nothing was changed: fix the cause (file system, permissions, "
+                f"config) and run again, or start over with --resume none"))
         return None
 
     def _try_load(self, path: str, state: TrainState) -> str | None:
@@ -352,8 +385,10 @@ class CheckpointManager:
                     try:
                         with timer.phase("read + CRC"):
                             staged = read_state(state, reader)
-                    except CheckpointError as exc:
+                    except HpcTrainError as exc:
                         error = str(exc)
+                    except Exception as exc:  # noqa: BLE001 - a damaged file on one rank (ValueError, OSError,
+                        error = f"{type(exc).__name__}: {exc}"  # KeyError, ...): agreed, then fallen back from
                 elif phase == "verify":
                     mine = (sorted(reader.checked), staged.compression_note) if error is None else ([], None)
                     with timer.phase("agree"):
@@ -361,8 +396,11 @@ class CheckpointManager:
                     note = next((n for n in notes if n), None)
                     if error is None:
                         skip = set().union(*map(set, read_by_anyone))
-                        with timer.phase("verify"):
-                            problems = reader.problems + reader.verify(self.rank, self.size, skip=skip)
+                        try:
+                            with timer.phase("verify"):
+                                problems = reader.problems + reader.verify(self.rank, self.size, skip=skip)
+                        except Exception as exc:  # noqa: BLE001 - agreed below like any other problem
+                            problems = [f"{type(exc).__name__}: {exc}"]
                         error = "; ".join(problems[:3]) or None
                 try:
                     self._agree(error, "")

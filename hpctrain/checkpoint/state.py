@@ -200,6 +200,8 @@ def read_state(state: TrainState, reader) -> StagedState:
     optimizer state of the ranges it owns NOW. Changes nothing in the run."""
     check_compatible(state, reader)
     weights_only = is_weights_only(reader.attrs)
+    if not weights_only:  # a data order this run cannot continue: found before any byte is read
+        state.check_sampler(reader.attrs["sampler"])
     tensors = state.tensors()
     staged = StagedState(attrs=reader.attrs)
     for p in tensors.params:

@@ -167,6 +167,12 @@ class GlobalBatchIterator:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state["consumed"]``; seed and seq_len must match this sampler's."""
+        self.check_state_dict(state)
+        self.consumed = int(state["consumed"])
+
+    def check_state_dict(self, state: dict) -> None:
+        """Raise SamplerError if ``state`` cannot resume this sampler (missing keys, another seed or
+        seq_len, a negative position); changes nothing."""
         missing = [k for k in ("consumed", "seed", "seq_len") if k not in state]
         if missing:
             raise SamplerError(f"data sampler state is missing keys {missing}")
@@ -179,4 +185,3 @@ class GlobalBatchIterator:
                              f"seq_len={self.sampler.seq_len}")
         if int(state["consumed"]) < 0:
             raise SamplerError(f"data sampler state has consumed={state['consumed']}, must be >= 0")
-        self.consumed = int(state["consumed"])

@@ -38,9 +38,10 @@ class TraceRecorder:
         self.origin = time.perf_counter()
         self._step: tuple[int, float] | None = None
 
-    def sync(self, mpi_comm) -> None:
-        """Collective over ``mpi_comm`` (an mpi4py communicator): the common time origin of all ranks."""
-        mpi_comm.Barrier()
+    def sync(self, comm) -> None:
+        """Collective over ``comm`` (a Communicator: its barrier is watched, so a rank that never arrives
+        ends the job with a hang report): the common time origin of all ranks."""
+        comm.barrier()
         self.origin = time.perf_counter()
         self.meta["origin_unix_s"] = time.time()
 

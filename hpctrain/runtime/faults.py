@@ -4,7 +4,8 @@ Set ``HPCTRAIN_FAULT`` to ``rank=R,step=N,phase=P,action=A`` (the tests in ``tes
 and ``tests/mpi/test_hang_report.py`` do):
 
 - ``phase``: ``forward`` (before the step's pipeline forward/backward), ``backward`` (after it, before
-  the data-parallel reduction completes), ``optimizer`` (before the update) of training step N
+  the data-parallel reduction completes), ``optimizer`` (before the update) of training step N; ``corpus``
+  (before the corpus broadcast) and ``trace`` (before the trace's clock sync), both at start-up: step 0
   (counted from 1); ``write``, ``verify``, ``publish`` of the checkpoint of step N (``publish``: on
   rank 0 after the step directory is renamed into place, before ``latest`` is updated);
 - ``action``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself), ``sleep:S`` (stall S seconds in
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from hpctrain.runtime import env
 
-PHASES = ("forward", "backward", "optimizer", "write", "verify", "publish")
+PHASES = ("forward", "backward", "optimizer", "write", "verify", "publish", "corpus", "trace")
 ENV = "HPCTRAIN_FAULT"
 
 

@@ -12,7 +12,7 @@ def collect_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False) ->
     """Collective: build the grid and gather every rank's record on rank 0 (None elsewhere)."""
     info = discover()
     grid = ProcessGrid.build(info, dp=dp, pp=pp, tp=tp, strict_placement=strict)
-    records = grid.world.mpi.gather(grid.describe(), root=0)
+    records = grid.world.gather_object(grid.describe(), root=0)
     if info.rank != 0:
         return None, grid
     ranks_per_node = [info.node_of_rank.count(n) for n in range(info.num_nodes)]

@@ -55,6 +55,7 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     trainer = Trainer(cfg, grid, device=device)
     checkpoints = CheckpointManager(cfg.checkpoint, grid, cfg.train.run_dir)
     resumed = checkpoints.resume(trainer.state, resume)
+    resumed_step = trainer.step if resumed else None  # stopping before a step must not save it again
     if resumed is None and cfg.model.init_from:  # a fresh start (not a resume) from given weights
         from hpctrain.interop.sources import init_weights
 
@@ -83,12 +84,12 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
                 record["time_s"]["eval"] = round(trainer.timer.take("eval"), 6)
             if interval and trainer.step % interval == 0 and trainer.step < last_step:
                 checkpoints.save(trainer.state)
-                policy.record_save(checkpoints.last_save_s or 0.0)
+                policy.record_save(checkpoints.last_save_s)  # None until the first save completes
                 record["time_s"]["checkpoint"] = round(trainer.timer.take("checkpoint"), 6)
             log.log(record)
         start = time.perf_counter()
-        if trainer.diverged is None and trainer.step not in checkpoints.saved_steps and (
-                resumed is None or trainer.step > 0):
+        checkpoints.wait()  # an async save of this very step may still be in flight: never save a step twice
+        if trainer.diverged is None and trainer.step not in checkpoints.saved_steps and trainer.step != resumed_step:
             checkpoints.save(trainer.state, sync=True)
         checkpoints.close()  # waits for an async save still in flight
         save_s = time.perf_counter() - start
@@ -145,7 +146,8 @@ def _start_trace(cfg, grid, trainer):
                              first + cfg.train.trace_steps - 1,
                              meta={"world_size": grid.info.size, "hostname": grid.info.hostname,
                                    "node": grid.info.node, **{f"{a}_rank": c for a, c in grid.coords.items()}})
-    recorder.sync(grid.world.mpi)
+    trainer.faults.hit("trace", 0)  # test-only: a rank stopped here leaves the others in the sync
+    recorder.sync(grid.world)
     trainer.timer.trace = recorder
     grid.set_trace(recorder)
     return recorder

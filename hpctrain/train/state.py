@@ -44,6 +44,9 @@ class TrainerState:
         self._trainer.step = step
         self._trainer.optimizer.step_count = optimizer_step
 
+    def check_sampler(self, state: dict) -> None:
+        self._trainer.batches.check_state_dict(state)
+
     def load_sampler(self, state: dict) -> None:
         self._trainer.batches.load_state_dict(state)
 

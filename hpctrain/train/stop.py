@@ -28,8 +28,11 @@ class StopPolicy:
         self.last_save_s: float | None = None
         self.last_step_s = 0.0
 
-    def record_save(self, seconds: float) -> None:
-        self.last_save_s = seconds
+    def record_save(self, seconds: float | None) -> None:
+        """The last completed save's duration; None (no save measured yet: the first async save may still
+        be running) keeps the previous measurement, or ``first_margin_s`` before any."""
+        if seconds is not None:
+            self.last_save_s = seconds
 
     def record_step(self, seconds: float) -> None:
         self.last_step_s = seconds

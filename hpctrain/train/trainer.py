@@ -69,6 +69,7 @@ class Trainer:
             raise HpcTrainError(f"the grid {grid.sizes} does not match the configured layout {self.layout.sizes}")
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.timer = PhaseTimer()  # where the step's time goes; a TraceRecorder may be attached (train.trace)
+        self.faults = FaultInjector.from_env(grid.info.rank)  # test-only (HPCTRAIN_FAULT)
         self.backends = grid.use_device(self.device)
         configure_matmul(self.device, cfg.train.allow_tf32)
         self.model_cfg = resolve_model(cfg.model)
@@ -82,7 +83,6 @@ class Trainer:
         pp_size = self.layout.pp_size
         self.bubble = bubble_fraction(pp_size, self.layout.microbatches) if pp_size > 1 else 0.0
         self.peak_tflops = cfg.train.peak_tflops or peak_tflops(self.device, self.dtype, cfg.train.allow_tf32)
-        self.faults = FaultInjector.from_env(grid.info.rank)  # test-only (HPCTRAIN_FAULT)
         self.state = TrainerState(self)  # what checkpoints save and restore (hpctrain/checkpoint/contract.py)
 
     def _build_model(self) -> None:
@@ -111,8 +111,12 @@ class Trainer:
         """The corpus (read by rank 0, broadcast) and this dp rank's (seed, index) batch iterator."""
         cfg, grid = self.cfg, self.grid
         if tokens is None:
-            tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, env.cache_dir(cfg.data.cache_dir),
-                                            cfg.data.max_bytes)
+            self.faults.hit("corpus", 0)  # test-only: a rank stopped here leaves the others in the broadcast
+            # rank 0 reads (tokenizes) the corpus while the others wait: watched, so it counts against
+            # comm.timeout_s (prepare a large corpus with `hpctrain data prepare`: every rank reads it)
+            with grid.world.watched("corpus broadcast"):
+                tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, env.cache_dir(cfg.data.cache_dir),
+                                                cfg.data.max_bytes)
         check_corpus(tokens, cfg.data.tokenizer, self.model_cfg.vocab_size, cfg.data.source)
         split = validation_split(tokens, cfg.data.valid_fraction, cfg.train.seq_len)
         self.sampler = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed, hi=split)
@@ -222,7 +226,7 @@ class Trainer:
                     index = [(s.start, s.stop) for s in p.spec.local_slices()]
                     pieces.append((p.spec.name, p.spec.global_shape, index,
                                    p.detach().to("cpu", torch.float64).numpy().copy()))
-        gathered = self.grid.world.mpi.gather(pieces, root=0)
+        gathered = self.grid.world.gather_object(pieces, root=0)
         if gathered is None:
             return None
         result = {}

@@ -203,3 +203,36 @@ def test_unwritable_checkpoint_dir_fails_on_every_rank_and_keeps_the_good_ones(t
     assert not (run_dir / "metrics.jsonl").read_text().count('"step": 5')  # refused before training
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
     assert "OK" in ckpt("verify", str(run_dir)).stdout
+
+
+def test_any_read_error_falls_back_together_and_unreadable_checkpoints_never_restart_from_zero(
+        two_checkpoints, tmp_path):
+    run_dir = _copy(two_checkpoints, tmp_path)
+    for step in ("00000004", "00000002"):
+        with h5py.File(run_dir / "checkpoints" / f"step-{step}" / "checkpoint.h5", "r+") as f:
+            del f.attrs["sampler"]  # a KeyError while reading (it used to end every rank with exit 1)
+        if step == "00000004":
+            kept = tmp_path / "one-damaged"
+            shutil.copytree(run_dir, kept)
+    out = train(2, kept, *F32, "parallel.tp=2", "--resume", "auto", "--max-steps", "1")
+    assert "unusable" in out.stderr and "KeyError" in out.stderr and "at step 2" in out.stdout
+    state = {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    result = train(2, run_dir, *F32, "parallel.tp=2", "--resume", "auto", check=False)
+    _all_ranks_fail(result, 2, "none of the 2 complete checkpoint(s)")
+    assert "--resume none" in result.stderr
+    assert {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*")} == state  # nothing changed
+
+
+def test_a_sampler_mismatch_is_found_before_anything_is_applied(two_checkpoints, tmp_path):
+    run_dir = _copy(two_checkpoints, tmp_path)
+    result = train(2, run_dir, *F32, "parallel.tp=2", "train.seed=99", "--resume", "auto", check=False)
+    _all_ranks_fail(result, 2, "seed mismatch")
+
+
+def test_stopping_right_after_a_resume_saves_nothing_twice(two_checkpoints, tmp_path):
+    run_dir = _copy(two_checkpoints, tmp_path)
+    newest = run_dir / "checkpoints" / "step-00000004" / "COMPLETE"
+    before = newest.stat().st_mtime_ns
+    train(2, run_dir, *F32, "parallel.tp=2", "train.steps=4", "--resume", "auto")  # nothing left to train
+    assert newest.stat().st_mtime_ns == before  # not saved again (it used to go through step-N.replaced)
+    assert not list((run_dir / "checkpoints").glob("*.replaced"))

@@ -53,7 +53,10 @@ def run_with_fault(run_dir, fault: str, *overrides):
     ("rank=3,step=2,phase=write,action=stop", ["checkpoint.async=false"], "stopped (SIGSTOP"),
     ("rank=3,step=2,phase=write,action=stop", ["checkpoint.async=true"], "stopped (SIGSTOP"),
     ("rank=3,step=3,phase=forward,action=sleep:300", [], "main thread at hpctrain/runtime/faults.py"),
-], ids=["stopped-in-training", "stopped-in-sync-save", "stopped-in-async-save", "sleeping-in-python"])
+    ("rank=3,step=0,phase=corpus,action=stop", [], "stopped (SIGSTOP"),
+    ("rank=3,step=0,phase=trace,action=stop", ["train.trace=true"], "stopped (SIGSTOP"),
+], ids=["stopped-in-training", "stopped-in-sync-save", "stopped-in-async-save", "sleeping-in-python",
+        "stopped-in-corpus-broadcast", "stopped-in-trace-sync"])
 def test_the_report_names_the_missing_rank(tmp_path, fault, overrides, where):
     code, stderr, seconds = run_with_fault(tmp_path / "run", fault, *overrides)
     assert code == 3, stderr[-3000:]

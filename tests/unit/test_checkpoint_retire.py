@@ -92,3 +92,14 @@ def test_save_snapshot_publishes_and_prunes_and_reports_its_phases(tmp_path, sol
         assert {"prepare", "write", "fsync", "verify", "publish", "agree"} <= set(mgr.last_phases), mgr.last_phases
         assert mgr.last_save_s > 0 and all(v >= 0 for v in mgr.last_phases.values())
     assert collectives[0.001] > collectives[0.0] > 0, collectives
+
+
+def test_a_step_moved_aside_by_an_interrupted_save_is_put_back(tmp_path):
+    from hpctrain.checkpoint.manager import list_checkpoints, recover_replaced
+
+    (tmp_path / "step-00000004.replaced").mkdir()  # killed between the two renames of a re-save
+    (tmp_path / "step-00000004.replaced" / "COMPLETE").write_text("{}")
+    (tmp_path / "step-00000002.replaced").mkdir()  # its step directory exists: a leftover, not restored
+    (tmp_path / "step-00000002").mkdir()
+    assert recover_replaced(str(tmp_path)) == ["step-00000004"]
+    assert [r["step"] for r in list_checkpoints(str(tmp_path)) if r["complete"]] == [4]

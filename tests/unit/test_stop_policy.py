@@ -103,3 +103,10 @@ def test_retarget_gives_an_early_signal_the_config_drops_its_default_action():
     import sys
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == -signal.SIGTERM and "survived" not in result.stdout
+
+
+def test_an_unmeasured_save_keeps_the_first_margin():
+    policy = StopPolicy(last_step=100, deadline=1100.0, first_margin_s=60.0, clock=lambda: 1000.0)
+    policy.record_step(5.0)
+    policy.record_save(None)  # the first async save is still running: nothing measured yet
+    assert policy.margin_s() == 65.0  # not 5 s: a time-limit stop in this window still has its margin

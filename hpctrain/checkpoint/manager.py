@@ -31,6 +31,7 @@ from hpctrain.comm.collectives import Communicator
 from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime.faults import FaultInjector
+from hpctrain.runtime.launcher import missing_thread_multiple
 
 
 def raise_if_any_failed(comm, error: str | None, what: str) -> None:
@@ -129,6 +130,9 @@ class CheckpointManager:
     def __init__(self, ckpt_cfg, grid, run_dir: str, *, poll_sleep_s: float = 0.0):
         self.dir = ckpt_cfg.dir or os.path.join(run_dir, "checkpoints")
         self.keep, self.async_save, self.interval = ckpt_cfg.keep, ckpt_cfg.async_, ckpt_cfg.interval
+        problem = missing_thread_multiple("checkpoint.async=true (the save runs on a thread while training goes on)")
+        if self.async_save and problem:  # the same on every rank: refused without communication
+            raise everywhere(CheckpointError(problem + "; or set checkpoint.async=false"))
         self.writer = ckpt_cfg.writer
         if self.writer == "auto":
             self.writer = "mpio" if has_parallel_h5py() else "shards"

@@ -16,11 +16,11 @@ import sys
 
 from hpctrain.comm.collectives import Communicator
 from hpctrain.comm.watchdog import CommStats, Watchdog
-from hpctrain.errors import GridError
+from hpctrain.errors import GridError, LaunchError, everywhere
 from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.rules import resolve_sizes
 from hpctrain.runtime import env
-from hpctrain.runtime.launcher import RankInfo
+from hpctrain.runtime.launcher import RankInfo, missing_thread_multiple
 
 AXES = ("dp", "pp", "tp")  # outermost -> innermost
 
@@ -85,6 +85,10 @@ class ProcessGrid:
             timeout_s = env.comm_timeout_s(CommConfig.timeout_s)
         order = sorted(range(info.size), key=lambda r: (info.node_of_rank[r], info.local_rank_of_rank[r]))
         coords_of = layout_coordinates(order, sizes)
+        if timeout_s > 0:  # the watchdog thread polls MPI while the main thread is inside it
+            problem = missing_thread_multiple(f"the communication watchdog (comm.timeout_s={timeout_s:g})")
+            if problem:  # the same on every rank: refused without communication
+                raise everywhere(LaunchError(problem + "; or set comm.timeout_s=0 (no hang detection)"))
         peers = mpi_world.allgather((info.hostname, info.node, os.getpid()))  # named in hang reports
         watchdog = Watchdog(info.rank, timeout_s, status_comm=mpi_world.Dup(), peers=peers)
         stats = CommStats()

@@ -102,6 +102,26 @@ def check_launcher_agreement(mpi_rank: int, mpi_size: int, mpi_local_rank: int, 
     return notes
 
 
+THREAD_LEVEL_HELP = ("Cray MPICH: export MPICH_MAX_THREAD_SAFETY=multiple; Open MPI: use a build with "
+                     "MPI_THREAD_MULTIPLE support (ompi_info | grep -i thread); MPICH and Intel MPI provide it by "
+                     "default; mpi4py requests it unless MPI4PY_RC_THREAD_LEVEL (or mpi4py.rc.thread_level) says "
+                     "otherwise")
+
+
+def missing_thread_multiple(feature: str) -> str | None:
+    """Why ``feature`` (which calls MPI from a helper thread) cannot run, or None: the MPI library gave
+    less than MPI_THREAD_MULTIPLE (``MPI.Query_thread``), so concurrent calls from two threads are
+    undefined. The message names the level provided and how to get MULTIPLE on common MPIs."""
+    from mpi4py import MPI
+
+    provided = MPI.Query_thread()
+    if provided >= MPI.THREAD_MULTIPLE:
+        return None
+    names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
+    return (f"{feature} calls MPI from a helper thread, which needs MPI_THREAD_MULTIPLE, but this MPI "
+            f"provides MPI_THREAD_{names.get(provided, provided)}. {THREAD_LEVEL_HELP}")
+
+
 def discover(mpi_world=None, env: dict | None = None) -> RankInfo:
     """Collective over ``mpi_world`` (an mpi4py communicator; default COMM_WORLD): find rank, node and
     local rank of every process."""

@@ -1,0 +1,24 @@
+"""An MPI that gives less than MPI_THREAD_MULTIPLE: the features that call MPI from helper threads (the
+watchdog, asynchronous saves) are refused by name on every rank (exit 2), and training works without
+them. MPI4PY_RC_THREAD_LEVEL=serialized makes mpi4py ask for (and MPICH give) MPI_THREAD_SERIALIZED,
+the default of Cray MPICH."""
+from mpirun import run_mpi
+
+FAST = ["--config", "configs/tiny.toml", "parallel.pp=1", "train.steps=2", "data.max_bytes=200000",
+        "train.progress=false", "--resume", "none"]
+SERIALIZED = {"MPI4PY_RC_THREAD_LEVEL": "serialized"}
+
+
+def train(run_dir, *extra):
+    return run_mpi(2, "hpctrain.cli", "train", *FAST, f"train.run_dir={run_dir}", *extra, module=True,
+                   timeout=120, env=SERIALIZED, check=False)
+
+
+def test_helper_thread_features_are_refused_by_name_without_thread_multiple(tmp_path):
+    watchdog = train(tmp_path)
+    assert watchdog.returncode == 2 and "MPI_THREAD_SERIALIZED" in watchdog.stderr, watchdog.output[-2000:]
+    assert "comm.timeout_s=0" in watchdog.stderr and "MPICH_MAX_THREAD_SAFETY=multiple" in watchdog.stderr
+    saves = train(tmp_path, "comm.timeout_s=0")
+    assert saves.returncode == 2 and "checkpoint.async=false" in saves.stderr, saves.output[-2000:]
+    plain = train(tmp_path, "comm.timeout_s=0", "checkpoint.async=false")
+    assert plain.returncode == 0 and "done: 2 steps" in plain.stdout, plain.output[-2000:]

@@ -26,7 +26,7 @@ from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, MASTER_FILE, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
 from hpctrain.checkpoint.state import ANOTHER_MODEL, CheckpointError, apply_state, read_state, snapshot
-from hpctrain.checkpoint.writers import has_parallel_h5py, write_mpio, write_shards
+from hpctrain.checkpoint.writers import WriteFailed, has_parallel_h5py, write_mpio, write_shards
 from hpctrain.comm.collectives import Communicator
 from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.profiling.timers import PhaseTimer
@@ -34,13 +34,29 @@ from hpctrain.runtime.faults import FaultInjector
 from hpctrain.runtime.launcher import missing_thread_multiple
 
 
-def raise_if_any_failed(comm, error: str | None, what: str) -> None:
-    """Collective: raise CheckpointError on every rank if any rank reported an error."""
+def raise_if_any_failed(comm, error: str | None, what: str, note: str = "") -> None:
+    """Collective: raise CheckpointError on every rank if any rank reported an error (``note``, e.g.
+    what is still intact, ends the message)."""
     errors = [(r, e) for r, e in enumerate(comm.allgather_object(error)) if e]
     if errors:
         details = "; ".join(f"rank {r}: {e}" for r, e in errors[:4])
         raise everywhere(CheckpointError(f"{what} failed: {details}"
-                                         + (f" (and {len(errors) - 4} more)" if len(errors) > 4 else "")))
+                                         + (f" (and {len(errors) - 4} more)" if len(errors) > 4 else "")
+                                         + (f"; {note}" if note else "")))
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    return ""
+
+
+def free_bytes(path: str) -> int:
+    """Bytes this user may still write on the file system holding ``path`` (``statvfs``)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def fsync_path(path: str) -> None:
@@ -150,6 +166,7 @@ class CheckpointManager:
         self._thread, self._error = None, None
         self._cleaned = False
         self.saved_steps: list[int] = []
+        self._space_warned = False  # the low-space warning is printed once per run
         self.last_save_s: float | None = None  # wall time of the last completed write + verify + publish
         # the last save's or resume's phases (prepare, write, fsync, verify, publish, agree; open, read + CRC,
         # verify, apply, agree), in seconds: one save or resume runs at a time, on one thread
@@ -196,10 +213,28 @@ class CheckpointManager:
         finally:
             self.comm.mpi.Free()
 
-    def _agree(self, error: str | None, what: str) -> None:
+    def _agree(self, error: str | None, what: str, note: str = "") -> None:
         self._arrive_sleeping()
         with self.timer.phase("agree"):
-            raise_if_any_failed(self.comm, error, what)
+            raise_if_any_failed(self.comm, error, what, note)
+
+    def _intact(self) -> str:
+        """What a failed save leaves: the newest published checkpoint, named."""
+        latest = read_latest(self.dir)
+        return (f"the previous checkpoints are intact (latest: {os.path.join(self.dir, latest)})" if latest
+                else "no earlier checkpoint of this run")
+
+    def _space_problem(self, tmp: str, needed: int, step: int) -> str | None:
+        """Rank 0, before writing: the data of every rank must fit in the free space of ``tmp``'s file
+        system (plus 1 MiB of HDF5 metadata); below twice that, warn once."""
+        free = free_bytes(tmp)
+        if needed + (1 << 20) > free:
+            return f"the checkpoint of step {step} needs {_size(needed)}, {_size(free)} are free in {self.dir}"
+        if 2 * needed > free and not self._space_warned:
+            self._space_warned = True
+            print(f"hpctrain: WARNING: {_size(free)} free in {self.dir}, less than twice a checkpoint "
+                  f"({_size(needed)}): the next saves may not fit", file=sys.stderr, flush=True)
+        return None
 
     def _arrive_sleeping(self) -> None:
         """With ``poll_sleep_s`` > 0: wait for every rank in a watched Ibarrier, sleeping between tests."""
@@ -235,24 +270,32 @@ class CheckpointManager:
                 error = f"cannot create {tmp}: {exc.strerror or exc}"
         self._agree(error, f"checkpoint of step {snap.step} in {self.dir}")
         try:
+            with timer.phase("prepare"):
+                needed = sum(self.comm.allgather_object(sum(item.data.nbytes for item in snap.items)))
+                error = self._space_problem(tmp, needed, snap.step) if self.rank == 0 else None
+            self._agree(error, f"saving the checkpoint of step {snap.step}", self._intact())
             error = None
             try:
-                self.faults.hit("write", snap.step)
                 with timer.phase("write"):
-                    written = (write_mpio if self.writer == "mpio" else write_shards)(self.comm, tmp, snap)
+                    written = (write_mpio if self.writer == "mpio" else write_shards)(
+                        self.comm, tmp, snap, before_write=lambda: self.faults.hit("write", snap.step))
                 with timer.phase("fsync"):
                     for path in written:
                         fsync_path(path)
                     if self.rank == 0:  # the new directory entries too
                         fsync_path(os.path.join(tmp, "shards"))
                         fsync_path(tmp)
+            except WriteFailed as exc:  # names the file and the OS error
+                error = str(exc)
+            except OSError as exc:  # fsync
+                error = f"{exc.filename or tmp}: {exc.strerror or exc}"
             except Exception as exc:  # noqa: BLE001 - agreed below
                 error = f"{type(exc).__name__}: {exc}"
             if error is None and snap.nonfinite:  # a diverged state is never published
                 error = (f"non-finite values (inf/NaN) in {', '.join(snap.nonfinite[:3])}"
                          + (f" and {len(snap.nonfinite) - 3} more" if len(snap.nonfinite) > 3 else "")
                          + "; not published, the previous checkpoints are kept")
-            self._agree(error, f"writing checkpoint of step {snap.step} ({self.writer} writer)")
+            self._agree(error, f"writing checkpoint of step {snap.step} ({self.writer} writer)", self._intact())
             problems = []
             self.faults.hit("verify", snap.step)
             try:

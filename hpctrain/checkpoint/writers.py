@@ -12,14 +12,18 @@ shards  each rank writes ``shards/shard-RRRRR.h5`` with serial h5py while the ra
         its shard (relative paths: the directory can be renamed and moved); the manifest of
         checksums is added to it last.
 
-Both run on ``comm``, a ``Communicator`` on a duplicate of the world communicator reserved for
+``before_write`` (test-only fault injection) runs on each rank just before its own writes; an error it
+raises is handled like a write error. Both run on ``comm``, a ``Communicator`` on a duplicate of the world communicator reserved for
 checkpoints (so every exchange is numbered and watched, the parallel-HDF5 section included), and
 return after every rank's data is in the files (not yet fsynced or verified: the manager does that).
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
+import re
+import sys
 from collections import defaultdict
 
 import h5py
@@ -93,7 +97,7 @@ def checksums_in_background(snapshot):
     return result
 
 
-def write_mpio(comm, directory: str, snapshot) -> list[str]:
+def write_mpio(comm, directory: str, snapshot, before_write=None) -> list[str]:
     """Collective parallel-HDF5 write; returns the files this rank should fsync."""
     datasets = union_datasets(comm, snapshot)
     crcs = checksums_in_background(snapshot)
@@ -101,25 +105,32 @@ def write_mpio(comm, directory: str, snapshot) -> list[str]:
     for item in snapshot.items:  # items of one dataset come in increasing local (= file) order
         by_dataset[item.dataset].append(item)
     path = os.path.join(directory, MASTER_FILE)
+    error = write_or_error(path, before_write) if before_write is not None else None  # test-only fault injection
     with comm.watched("mpio write"), h5py.File(path, "w", driver="mpio", comm=comm.mpi) as f:
         for name, shape, dtype in datasets:
             f.create_dataset(name, shape=shape, dtype=np.dtype(dtype))
-        for name, _, _ in datasets:
-            _independent_write(f[name], by_dataset.get(name, []))
+        for name, _, _ in datasets:  # independent: a failing rank keeps its error and stays in step
+            error = error or write_or_error(path, lambda: _independent_write(f[name], by_dataset.get(name, [])))
         entries = [(it.dataset, it.box.offset, it.box.shape, crc) for it, crc in zip(snapshot.items, crcs())]
         manifest = encode_json(_manifest(comm.allgather_object(entries)))
         f.create_dataset("manifest", shape=manifest.shape, dtype=np.uint8)  # collective: same shape everywhere
         if comm.rank == 0:
             _independent_write(f["manifest"], [WriteItem("manifest", Box((0,), manifest.shape), manifest)])
         _set_attrs(f, {**snapshot.attrs, "writer": "mpio"})
+    if error:
+        raise WriteFailed(error)
     return [path]  # every rank fsyncs: on a parallel file system each node flushes its own cache
 
 
-def write_shards(comm, directory: str, snapshot) -> list[str]:
+def write_shards(comm, directory: str, snapshot, before_write=None) -> list[str]:
     """Per-rank shard files plus a virtual-dataset master; returns the files this rank should fsync.
 
     The master needs only where each box goes (not its data), so it is built while the shards are
     written, by the rank with the least data to write; only the manifest (checksums) waits for all.
+    Every rank makes the same collective calls whatever fails: a rank's I/O error (ENOSPC, quota, EIO)
+    is kept, passed along with the checksums, and raised (``WriteFailed``) by every failing rank only
+    after the last collective, so the manager agrees on it at once instead of ranks waiting in
+    different collectives.
     """
     datasets = union_datasets(comm, snapshot)
     rank = comm.rank
@@ -129,32 +140,86 @@ def write_shards(comm, directory: str, snapshot) -> list[str]:
     everything = comm.allgather_object((sum(item.data.nbytes for item in snapshot.items), boxes))
     builder = min(range(len(everything)), key=lambda r: (everything[r][0], -r))
     path = os.path.join(directory, MASTER_FILE)
-    if rank == builder:
-        sources = defaultdict(list)
-        for _, rank_boxes in everything:
-            for name, offset, shape, rel, key in rank_boxes:
-                sources[name].append((offset, shape, rel, key))
-        with h5py.File(path, "w") as f:
-            for name, shape, dtype in datasets:
-                dtype = np.dtype(dtype)
-                layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
-                for offset, box_shape, rel, key in sources.get(name, []):
-                    index = tuple(slice(o, o + n) for o, n in zip(offset, box_shape))
-                    layout[index] = h5py.VirtualSource(rel, key, shape=tuple(box_shape), dtype=dtype)
-                f.create_virtual_dataset(name, layout, fillvalue=np.nan if dtype.kind == "f" else 0)
-            _set_attrs(f, {**snapshot.attrs, "writer": "shards"})
+    shard_path = os.path.join(directory, relative)
+    error = write_or_error(shard_path, before_write) if before_write is not None else None  # test-only fault injection
+    if rank == builder and error is None:
+        error = write_or_error(path, lambda: _write_master(path, datasets, everything, snapshot.attrs))
     entries, written = [], []
     if snapshot.items:
         crcs = checksums_in_background(snapshot)
-        shard_path = os.path.join(directory, relative)
-        with h5py.File(shard_path, "w") as f:
-            for k, item in enumerate(snapshot.items):
-                f.create_dataset(f"b{k}", data=item.data)
+        error = error or write_or_error(shard_path, lambda: _write_shard(shard_path, snapshot.items))
         entries = [(it.dataset, it.box.offset, it.box.shape, crc) for it, crc in zip(snapshot.items, crcs())]
         written.append(shard_path)
-    gathered = comm.gather_object(entries, root=builder)
-    if rank == builder:
-        with h5py.File(path, "a") as f:
-            f["manifest"] = encode_json(_manifest(gathered))
+    gathered = comm.gather_object((entries, error is not None), root=builder)
+    if rank == builder and error is None and not any(failed for _, failed in gathered):
+        error = write_or_error(path, lambda: _add_manifest(path, [e for e, _ in gathered]))
         written.append(path)
+    if error:
+        raise WriteFailed(error)
     return written
+
+
+class WriteFailed(OSError):
+    """A rank's checkpoint file could not be written; the message names the file and the OS error."""
+
+
+def _write_master(path, datasets, everything, attrs) -> None:
+    sources = defaultdict(list)
+    for _, rank_boxes in everything:
+        for name, offset, shape, rel, key in rank_boxes:
+            sources[name].append((offset, shape, rel, key))
+    with h5py.File(path, "w") as f:
+        for name, shape, dtype in datasets:
+            dtype = np.dtype(dtype)
+            layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
+            for offset, box_shape, rel, key in sources.get(name, []):
+                index = tuple(slice(o, o + n) for o, n in zip(offset, box_shape))
+                layout[index] = h5py.VirtualSource(rel, key, shape=tuple(box_shape), dtype=dtype)
+            f.create_virtual_dataset(name, layout, fillvalue=np.nan if dtype.kind == "f" else 0)
+        _set_attrs(f, {**attrs, "writer": "shards"})
+
+
+def _write_shard(path, items) -> None:
+    with h5py.File(path, "w") as f:
+        for k, item in enumerate(items):
+            f.create_dataset(f"b{k}", data=item.data)
+
+
+def _add_manifest(path, entries_per_rank) -> None:
+    with h5py.File(path, "a") as f:
+        f["manifest"] = encode_json(_manifest(entries_per_rank))
+
+
+def write_or_error(path: str, write) -> str | None:
+    """Run ``write`` (h5py calls on ``path``); None, or one line naming the file and the OS error.
+
+    HDF5 reports a failed write of cached data when handles are released, from destructors that
+    Python can only print ("Exception ignored in h5py._objects.ObjectID.__dealloc__", once per
+    object: hundreds of tracebacks for one full disk). Those are collected here instead, and the
+    first one names the error when ``write`` itself raised something vaguer."""
+    ignored = []
+    previous, sys.unraisablehook = sys.unraisablehook, ignored.append
+    try:
+        write()
+        gc.collect()  # release what the write left, while the hook collects
+        problem = None
+    except Exception as exc:  # noqa: BLE001 - reported by the caller after the collectives
+        gc.collect()
+        problem = exc
+    finally:
+        sys.unraisablehook = previous
+    if problem is None and not ignored:
+        return None
+    return f"{path}: {_os_error_text(problem, [str(u.exc_value) for u in ignored])}"
+
+
+def _os_error_text(exc, ignored: list[str]) -> str:
+    """The errno text of ``exc`` or of HDF5's messages ('... errno = 28, error message = 'No space
+    left on device' ...'), else the exception itself."""
+    if isinstance(exc, OSError) and exc.errno:
+        return f"{os.strerror(exc.errno)} (errno {exc.errno})"
+    for text in [str(exc or "")] + ignored:
+        found = re.search(r"errno = (\d+), error message = '([^']*)'", text)
+        if found:
+            return f"{found.group(2)} (errno {found.group(1)})"
+    return f"{type(exc).__name__}: {exc}" if exc else ignored[0].splitlines()[0]

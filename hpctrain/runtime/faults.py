@@ -11,12 +11,14 @@ and ``tests/mpi/test_hang_report.py`` do):
 - ``action``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself), ``sleep:S`` (stall S seconds in
   Python, the watchdog thread still alive), ``exit`` (``os._exit(9)``: dies without MPI_Finalize),
   ``nan`` (fills the tensor the hook passes, this rank's parameters at ``optimizer``, with NaN: a
-  diverged state, for the divergence guard and the checkpoint writers' finite check).
+  diverged state, for the divergence guard and the checkpoint writers' finite check), ``enospc``
+  (at ``write``: this rank's checkpoint write fails with "No space left on device").
 
 Without the variable every hook is one attribute test. Nothing in a real run sets it.
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -47,8 +49,8 @@ class FaultInjector:
             fault = cls(int(fields["rank"]), int(fields["step"]), fields["phase"], fields["action"])
         except (KeyError, ValueError) as exc:
             raise ValueError(f"{ENV}={spec!r}: expected rank=R,step=N,phase=P,action=A ({exc})") from None
-        if fault.phase not in PHASES or fault.action.split(":")[0] not in ("kill", "stop", "sleep", "exit", "nan"):
-            raise ValueError(f"{ENV}={spec!r}: phase must be one of {PHASES}; action kill, stop, sleep:S, exit or nan")
+        if fault.phase not in PHASES or fault.action.split(":")[0] not in ("kill", "stop", "sleep", "exit", "nan", "enospc"):
+            raise ValueError(f"{ENV}={spec!r}: phase must be one of {PHASES}; action kill, stop, sleep:S, exit, nan or enospc")
         return fault if fault.rank == my_rank else cls()
 
     def __bool__(self) -> bool:
@@ -68,6 +70,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "exit":
             os._exit(9)
+        elif action == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"(injected at {phase} of step {step})")
         elif action == "nan":
             if tensor is None:
                 raise ValueError(f"{ENV}: action nan needs a hook that passes a tensor (phase optimizer)")

@@ -412,6 +412,23 @@ class CheckpointManager:
                 f"config) and run again, or start over with --resume none"))
         return None
 
+    def set_aside_newer(self, step: int) -> list[str]:
+        """Rank 0, after resuming at ``step``: move this directory's step directories of later steps
+        (another lineage: a rollback with ``--resume PATH``, or ones that failed to load) into
+        ``superseded/<UTC time>/``, so pruning and a later ``--resume auto`` see only the lineage being
+        trained. Nothing is deleted. Returns the names moved (other ranks: [])."""
+        if self.rank != 0:
+            return []
+        newer = [r for r in list_checkpoints(self.dir) if r["step"] > step]
+        if not newer:
+            return []
+        target = os.path.join(self.dir, "superseded", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+        os.makedirs(target, exist_ok=True)
+        for record in newer:
+            os.rename(record["path"], os.path.join(target, os.path.basename(record["path"])))
+        fsync_path(self.dir)
+        return [os.path.basename(r["path"]) for r in newer]
+
     def _try_load(self, path: str, state: TrainState) -> str | None:
         """Collective; returns the agreed problem (None = loaded). Phases, agreed between: open; read
         what this rank needs, checking CRCs on those bytes (the run is untouched); verify the

@@ -56,6 +56,11 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     checkpoints = CheckpointManager(cfg.checkpoint, grid, cfg.train.run_dir)
     resumed = checkpoints.resume(trainer.state, resume)
     resumed_step = trainer.step if resumed else None  # stopping before a step must not save it again
+    if resumed:
+        moved = checkpoints.set_aside_newer(trainer.step)
+        if moved:
+            print(f"hpctrain train: resumed at step {trainer.step}; the later checkpoints {', '.join(moved)} "
+                  f"were moved to {os.path.join(checkpoints.dir, 'superseded')}/ (another lineage)", flush=True)
     if resumed is None and cfg.model.init_from:  # a fresh start (not a resume) from given weights
         from hpctrain.interop.sources import init_weights
 

@@ -236,3 +236,14 @@ def test_stopping_right_after_a_resume_saves_nothing_twice(two_checkpoints, tmp_
     train(2, run_dir, *F32, "parallel.tp=2", "train.steps=4", "--resume", "auto")  # nothing left to train
     assert newest.stat().st_mtime_ns == before  # not saved again (it used to go through step-N.replaced)
     assert not list((run_dir / "checkpoints").glob("*.replaced"))
+
+
+def test_a_rollback_moves_the_newer_checkpoints_aside(two_checkpoints, tmp_path):
+    run_dir = _copy(two_checkpoints, tmp_path)
+    ckpts = run_dir / "checkpoints"
+    out = train(2, run_dir, *F32, "parallel.tp=2", "--resume", str(ckpts / "step-00000002"), "--max-steps", "1")
+    assert "step-00000004 were moved to" in out.stdout, out.stdout[-2000:]
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000002", "step-00000003"]
+    (aside,) = (ckpts / "superseded").iterdir()
+    assert (aside / "step-00000004" / "COMPLETE").exists()  # kept, out of the lineage being trained
+    assert (ckpts / "latest").read_text().strip() == "step-00000003"

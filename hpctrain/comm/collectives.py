@@ -41,6 +41,16 @@ class CommCheckError(HpcTrainError):
     """comm.check: the members of a group called different collectives (a bug in the caller)."""
 
 
+def _end(watchdog: Watchdog, token: int, work) -> None:
+    """The call's host part is over: end it, or, for device work still queued on a stream (NCCL work
+    has ``device_done``), keep it watched until the device finishes (``Watchdog.end_when``)."""
+    device_done = getattr(work, "device_done", None)
+    if device_done is None:
+        watchdog.end(token)
+    else:
+        watchdog.end_when(token, device_done)
+
+
 class Handle:
     """A non-blocking operation in flight. ``wait`` is idempotent; ``test`` never blocks.
     ``traced``: (recorder, group, op, bytes, sent, start) when a trace is recording, else None."""
@@ -70,7 +80,7 @@ class Handle:
                 recorder.comm(group, "wait " + op, nbytes, sent, start, end, blocked=True)
         if self._traced is not None:
             self._trace_done(time.perf_counter())
-        self._watchdog.end(self._token)
+        _end(self._watchdog, self._token, self._work)
 
     def _trace_done(self, end: float) -> None:
         recorder, group, op, nbytes, sent, start = self._traced
@@ -167,10 +177,11 @@ class Communicator:
         if nonblocking:
             traced = (trace, self.name, op, nbytes, sent, start) if trace is not None and trace.active else None
             return Handle(method(*args, True), watchdog, counter, token, traced)
+        work = None
         try:
-            method(*args, False)
+            work = method(*args, False)
         finally:  # a failed call must not look stalled later
-            watchdog.end(token)
+            _end(watchdog, token, work)
         end = time.perf_counter()
         counter.seconds += end - start
         if trace is not None and trace.active:

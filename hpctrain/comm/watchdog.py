@@ -98,6 +98,7 @@ class Watchdog:
         self.report_path: str | None = None
         self.groups: list = []  # every Communicator on this watchdog (their sequence numbers)
         self._inflight: dict[int, Call] = {}
+        self._device: dict[int, object] = {}  # token -> done(): calls whose host part returned, device work queued
         self._ids = itertools.count()
         self._stop = threading.Event()
         self.noticed: Call | None = None  # the stalled call this rank is reporting on
@@ -132,6 +133,26 @@ class Watchdog:
             comm = call.comm
             comm.done_seq, comm.done_op, comm.done_at = call.seq, call.op, time.monotonic()
 
+    def end_when(self, token: int, done) -> None:
+        """The host part of call ``token`` returned but its device work (an NCCL kernel on a stream) may
+        still be queued: keep it in flight until ``done()`` (a CUDA event query) is true. The watchdog
+        thread polls it every period, so a collective that never completes on the GPU is reported like
+        one that never returns, instead of blocking a later host synchronisation forever."""
+        if done():
+            self.end(token)
+        else:
+            self._device[token] = done
+
+    def _finish_device_calls(self) -> None:
+        for token, done in list(self._device.items()):
+            try:
+                finished = done()
+            except Exception:  # noqa: BLE001 - a broken query must not kill the watchdog; keep watching
+                finished = False
+            if finished:
+                self._device.pop(token, None)
+                self.end(token)
+
     def inflight(self) -> list[Call]:
         return list(self._inflight.values())
 
@@ -148,6 +169,7 @@ class Watchdog:
         while not self._stop.wait(self.period):
             if self.status_comm is not None:
                 hang_report.answer(self)
+            self._finish_device_calls()
             now = time.monotonic()
             stalled = [c for c in self.inflight() if now - c.start > self.timeout_s]
             if stalled:

@@ -66,6 +66,10 @@ class NcclWork:
             self.wait()
         return self.done
 
+    def device_done(self) -> bool:
+        """True once the NCCL kernel has run on the GPU (the watchdog polls this: ``Watchdog.end_when``)."""
+        return self.event.query()
+
     def wait(self) -> None:
         if not self.done:
             torch.cuda.current_stream().wait_event(self.event)

@@ -122,3 +122,27 @@ def test_a_one_minute_job_stops_and_saves_before_its_time_limit(slurm, tmp_path)
     assert len(stop) == 1 and stop[0]["reason"] in ("time limit", "signal USR1"), stop
     step_dir = run_dir / "checkpoints" / f"step-{stop[0]['step']:08d}"
     assert (step_dir / "COMPLETE").exists() and stop[0]["step"] >= 1
+
+
+def test_a_requeue_of_the_same_job_takes_over_the_lock_its_dead_node_left(slurm, tmp_path):
+    """A node dies mid-run and Slurm requeues the job (same SLURM_JOB_ID) onto other nodes: the lock the
+    dead attempt left looks live from the new host (fresh heartbeat, another hostname), yet it is this
+    job's own, so the new attempt takes it over at once and resumes. The dead node is emulated by
+    holding the requeued job and writing the lock a crashed attempt 0 on host "dead-node" leaves."""
+    run_dir = tmp_path / "run"
+    job, env = submit(slurm, run_dir, "train.steps=60", "checkpoint.interval=2")
+    wait_for(lambda: len([r for r in events(run_dir) if "event" not in r]) >= 3, 120, "3 steps")
+    subprocess.run(["scontrol", "requeuehold", job], env=env, check=True, timeout=30)
+    lock = run_dir / ".hpctrain.lock"
+
+    def held_and_released():
+        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True,
+                               text=True).stdout.strip()
+        return state == "PENDING" and not lock.exists()
+    wait_for(held_and_released, 120, "attempt 0 to end and the job to wait, held")
+    lock.write_text(json.dumps({"host": "dead-node", "pid": 1, "job": job, "restart": 0, "token": "dead"}))
+    subprocess.run(["scontrol", "release", job], env=env, check=True, timeout=30)
+    done = wait_for(lambda: [e for e in events(run_dir) if e.get("reason") == "max steps"], 240, "attempt 1")
+    assert done[0]["restart_count"] >= 1 and done[0]["step"] == 60
+    log = next(tmp_path.glob("run-*.out")).read_text()
+    assert "earlier attempt of this Slurm job" in log and "resumed from" in log, log[-3000:]

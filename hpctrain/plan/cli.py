@@ -4,7 +4,10 @@
     hpctrain plan --model configs/tiny.toml --nodes 1 --gpus-per-node 4 --profile link.json --json
 
 ``--model`` is a preset name (``hpctrain/config.py`` PRESETS) or a TOML config (its model, seq_len,
-global batch, dtype and schedule are the defaults of the flags). Links come from a measured profile
+global batch, dtype and schedule are the defaults of the flags; the keys its ``[parallel]`` section sets
+fix those choices, like the flags ``--dp/--tp/--pp/--micro-batch/--zero``: a GIVEN layout is evaluated
+instead of searched). Planning is in bfloat16 unless ``--dtype`` or the TOML's ``train.dtype`` says
+otherwise. Links come from a measured profile
 (``hpctrain bench comm --profile``) or from ``--intra-gbps`` / ``--inter-gbps`` (Gbit/s per rank).
 ``--json`` prints ``{"plans": [...], "infeasible": [...]}``, best first (cli fields: planner.Prediction.to_dict).
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import tomllib
 
 
 
@@ -33,8 +37,20 @@ def add_parser(sub) -> None:
     p.add_argument("--peak-tflops", type=float, default=0.0, help="override the device's peak (TFLOP/s)")
     p.add_argument("--efficiency", type=float, default=0.0, help="override the device's matmul efficiency")
     p.add_argument("--memory-gib", type=float, default=0.0, help="override the device's memory (GiB)")
+    p.add_argument("--dp", type=int, default=0, help="evaluate this data-parallel size only (default: search)")
+    p.add_argument("--tp", type=int, default=0, help="evaluate this tensor-parallel size only (default: search)")
+    p.add_argument("--pp", type=int, default=0, help="evaluate this pipeline-parallel size only (default: search)")
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="sequences per micro-batch (Megatron's --micro-batch-size; default: search)")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per pipeline rank (interleaved 1F1B; default 1)")
+    p.add_argument("--zero", type=int, choices=(0, 1), default=None, help="ZeRO stage (default: try 0 and 1)")
     p.add_argument("--no-zero", action="store_true", help="do not consider ZeRO-1")
+    p.add_argument("--sequence-parallel", action="store_true", help="always use sequence parallelism (tp > 1)")
     p.add_argument("--no-sequence-parallel", action="store_true", help="do not consider sequence parallelism")
+    p.add_argument("--attention", choices=("fused", "unfused"), default="fused",
+                   help="fused: a flash-style kernel (hpctrain's); unfused: the full score matrix stored "
+                        "(Megatron's attention of the PTD-P runs)")
     p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
                    help="activation recomputation: try both (auto), always, never")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="", help="pipeline schedule (default 1f1b)")
@@ -56,9 +72,14 @@ def _model_and_defaults(spec: str):
         if not os.path.isfile(spec):
             raise PlanError(f"--model {spec}: no such config file")
         cfg = load_config(spec)
+        with open(spec, "rb") as f:
+            raw = tomllib.load(f)  # which keys the file SETS: those are given, the rest searched
+        given = {k: v for k, v in raw.get("parallel", {}).items()
+                 if k in ("dp", "tp", "pp", "microbatches", "zero", "sequence_parallel") and v != 0}
         return resolve_model(cfg.model), {"global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
-                                          "dtype": cfg.train.dtype, "schedule": cfg.parallel.schedule,
-                                          "bucket_mb": cfg.parallel.bucket_mb}
+                                          "dtype": raw.get("train", {}).get("dtype", "bfloat16"),
+                                          "schedule": cfg.parallel.schedule, "bucket_mb": cfg.parallel.bucket_mb,
+                                          "given": given}
     raise PlanError(f"--model {spec!r}: neither a preset ({', '.join(PRESETS)}) nor a TOML config file")
 
 
@@ -79,10 +100,31 @@ def _machine(args):
     return Machine(dev, links, args.nodes, args.gpus_per_node)
 
 
+def _space(args, given: dict, schedule: str, devices: int):
+    """The search space: the flags, then the keys a TOML's [parallel] section sets, else everything."""
+    from hpctrain.plan.devices import PlanError
+    from hpctrain.plan.planner import SearchSpace
+
+    def pick(flag, key):
+        return flag if flag else given.get(key, 0)
+    dp, tp, pp = pick(args.dp, "dp"), pick(args.tp, "tp"), pick(args.pp, "pp")
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("micro-batch", args.micro_batch)):
+        if value < 0 or (value and name != "micro-batch" and devices % value):
+            raise PlanError(f"--{name} {value}: must be a positive divisor of the {devices} devices")
+    zero = (args.zero,) if args.zero is not None else (given["zero"],) if "zero" in given else \
+        (0,) if args.no_zero else (0, 1)
+    sp = (True,) if args.sequence_parallel else (False,) if args.no_sequence_parallel else \
+        (bool(given["sequence_parallel"]),) if "sequence_parallel" in given else (False, True)
+    microbatches = (given["microbatches"],) if "microbatches" in given and not args.micro_batch else ()
+    return SearchSpace(dp=dp, tp=tp, pp=pp, micro_batch=args.micro_batch, microbatches=microbatches, zero=zero,
+                       sequence_parallel=sp, schedule=schedule,
+                       recompute={"auto": (False, True), "on": (True,), "off": (False,)}[args.recompute])
+
+
 def run_plan(args) -> int:
     from hpctrain.plan.cost import Options
     from hpctrain.plan.devices import PlanError
-    from hpctrain.plan.planner import SearchSpace, plan
+    from hpctrain.plan.planner import plan
 
     model, defaults = _model_and_defaults(args.model)
     for flag, value in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top - 1)):
@@ -93,11 +135,12 @@ def run_plan(args) -> int:
     seq_len = args.seq_len or defaults["seq_len"]
     if seq_len > model.max_seq_len:
         raise PlanError(f"--seq-len {seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
-    options = Options(dtype=args.dtype or defaults["dtype"], bucket_mb=defaults["bucket_mb"])
-    space = SearchSpace(zero=(0,) if args.no_zero else (0, 1),
-                        sequence_parallel=(False,) if args.no_sequence_parallel else (False, True),
-                        recompute={"auto": (False, True), "on": (True,), "off": (False,)}[args.recompute],
-                        schedule=args.schedule or defaults["schedule"])
+    schedule = args.schedule or defaults["schedule"]
+    if args.virtual_stages < 1 or (args.virtual_stages > 1 and schedule == "gpipe"):
+        raise PlanError(f"--virtual-stages {args.virtual_stages}: must be >= 1, and 1 with the gpipe schedule")
+    options = Options(dtype=args.dtype or defaults["dtype"], bucket_mb=defaults["bucket_mb"],
+                      virtual_stages=args.virtual_stages, flash_attention=args.attention == "fused")
+    space = _space(args, defaults.get("given", {}), schedule, machine.devices)
     result = plan(model, machine, global_batch, seq_len, options, space)
     if args.json:
         print(json.dumps({"model": args.model, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node,

@@ -18,8 +18,14 @@ from hpctrain.plan.memory import Memory, memory
 @dataclass(frozen=True)
 class SearchSpace:
     """The choices enumerated for every (dp, tp, pp): ``microbatches`` empty = every divisor of the
-    replica batch; ZeRO-1 only with dp > 1, sequence parallelism only with tp > 1."""
+    replica batch; ZeRO-1 only with dp > 1, sequence parallelism only with tp > 1. ``dp``/``tp``/``pp``
+    > 0 fix that axis and ``micro_batch`` > 0 fixes the sequences per micro-batch (a GIVEN layout:
+    ``hpctrain plan --tp 8 --pp 16 --micro-batch 1``, or a TOML's ``[parallel]`` section)."""
 
+    dp: int = 0
+    tp: int = 0
+    pp: int = 0
+    micro_batch: int = 0
     zero: tuple[int, ...] = (0, 1)
     sequence_parallel: tuple[bool, ...] = (False, True)
     recompute: tuple[bool, ...] = (False, True)
@@ -70,7 +76,18 @@ class Prediction:
             "breakdown_s": self.time.breakdown(),
             "bubble_fraction": self.time.bubble_s / ideal if ideal else 0.0,
             "placement": self.placement,
+            "warnings": self.warnings(),
         }
+
+    def warnings(self) -> list[str]:
+        """What a user should not miss about this layout (e.g. a bubble larger than the work)."""
+        lay, out = self.candidate.layout, []
+        if lay.pp_size > 1 and lay.microbatches < lay.pp_size:
+            ideal = self.time.compute_s + self.time.tp_comm_s + self.time.pp_comm_s
+            out.append(f"{lay.microbatches} micro-batch(es) < pp={lay.pp_size}: the pipeline bubble is "
+                       f"{self.time.bubble_s / ideal if ideal else 0:.0%} of the ideal step; use at least pp "
+                       f"micro-batches (a larger global batch or a smaller --micro-batch)")
+        return out
 
 
 @dataclass(frozen=True)
@@ -119,9 +136,11 @@ def plan(model, machine, global_batch: int, seq_len: int, options: Options = Opt
     """Every (dp, tp, pp) of ``machine.devices`` ranks x the choices of ``space``, ranked best first."""
     world, capacity = machine.devices, machine.memory_gib()
     result = PlanResult()
-    for tp in divisors(world):
-        for pp in divisors(world // tp):
+    for tp in [t for t in divisors(world) if space.tp in (0, t)]:
+        for pp in [p for p in divisors(world // tp) if space.pp in (0, p)]:
             dp = world // (tp * pp)
+            if space.dp and dp != space.dp:
+                continue
             base = Layout(world, dp, pp, tp, 1, global_batch, seq_len, False, 0, space.schedule)
             try:
                 base.validate(model)
@@ -140,7 +159,21 @@ def _search(model, machine, base: Layout, capacity: float, options: Options, spa
     local = base.global_batch // base.dp_size
     reasons: set[str] = set()
     fitted, smallest = False, None
-    for mb in space.microbatches or tuple(divisors(local)):
+    choices = space.microbatches or tuple(divisors(local))
+    if space.micro_batch:
+        if local % space.micro_batch:
+            result.infeasible.append(Infeasible(_describe(base), f"micro-batch {space.micro_batch} does not divide "
+                                                                 f"the replica batch {local} (global batch / dp)"))
+            return
+        choices = (local // space.micro_batch,)
+    for mb in choices:
+        if options.virtual_stages > 1 and base.pp_size > 1 and mb % base.pp_size:
+            reason = (f"interleaving ({options.virtual_stages} virtual stages) needs the micro-batches ({mb}) to be "
+                      f"a multiple of pp={base.pp_size}")
+            if reason not in reasons:
+                reasons.add(reason)
+                result.infeasible.append(Infeasible({**_describe(base), "microbatches": mb}, reason))
+            continue
         for sp in space.sequence_parallel if base.tp_size > 1 else (False,):
             for zero in space.zero if base.dp_size > 1 else (0,):
                 lay = Layout(base.world_size, base.dp_size, base.pp_size, base.tp_size, mb, base.global_batch,

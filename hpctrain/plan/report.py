@@ -27,6 +27,9 @@ def print_plans(result, machine, model, name: str, global_batch: int, seq_len: i
             print(f"{i:>2} {_layout(p):<38} {p['predicted_step_s']:>8.3g} {p['predicted_tokens_per_s']:>10.4g} "
                   f"{p['predicted_tflops_per_device']:>11.4g} {mfu:>5} {p['memory_gib_per_device']:>8.1f} "
                   f"{p['bubble_fraction']:>6.1%}")
+        warned = [(i, w) for i, pred in enumerate(result.plans[:top], 1) for w in pred.warnings()]
+        for i, warning in warned:
+            print(f"{i:>2} WARNING: {warning}")
         print("\nwhere the time goes (seconds per step; tp inside a node, pp and dp where the grid places them):")
         for i, pred in enumerate(result.plans[:min(top, 3)], 1):
             p = pred.to_dict()

@@ -177,7 +177,36 @@ def test_plan_cli_json_and_table():
     (["--model", "tiny", "--nodes", "1", "--gpus-per-node", "4", "--profile", "/nonexistent.json"],
      "cannot read link profile"),
     (["--model", "gpt-1t", "--nodes", "1", "--gpus-per-node", "8", "--global-batch", "8"], "no layout fits"),
+    (["--model", "tiny", "--nodes", "1", "--gpus-per-node", "4", "--device", "cpu", "--tp", "3"],
+     "--tp 3: must be a positive divisor of the 4 devices"),
+    (["--model", "tiny", "--nodes", "1", "--gpus-per-node", "4", "--device", "cpu", "--virtual-stages", "2",
+      "--schedule", "gpipe"], "1 with the gpipe schedule"),
 ])
 def test_plan_cli_bad_input_is_a_clear_error(args, message):
     out = hpctrain_plan(*args)
     assert out.returncode != 0 and message in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_plan_evaluates_a_given_layout_from_flags_or_a_toml(tmp_path):
+    out = hpctrain_plan("--model", "gpt-18b", "--nodes", "32", "--gpus-per-node", "8", "--device", "a100",
+                        "--inter-gbps", "200", "--tp", "8", "--pp", "2", "--micro-batch", "1", "--global-batch", "1024",
+                        "--virtual-stages", "2", "--zero", "0", "--sequence-parallel", "--recompute", "off", "--json")
+    assert out.returncode == 0, out.stderr
+    plans = json.loads(out.stdout)["plans"]
+    assert {(p["dp"], p["tp"], p["pp"], p["microbatches"], p["zero"], p["sequence_parallel"], p["recompute"])
+            for p in plans} == {(16, 8, 2, 64, 0, True, False)}
+    config = tmp_path / "given.toml"  # [parallel] keys the file sets are given; no train.dtype: bfloat16
+    config.write_text('[model]\npreset = "tiny"\n[parallel]\ntp = 2\npp = 2\nmicrobatches = 4\n'
+                      '[train]\nglobal_batch = 8\nseq_len = 64\n')
+    out = hpctrain_plan("--model", str(config), "--nodes", "1", "--gpus-per-node", "4", "--device", "cpu", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["dtype"] == "bfloat16"
+    assert {(p["dp"], p["tp"], p["pp"], p["microbatches"]) for p in doc["plans"]} == {(1, 2, 2, 4)}
+
+
+def test_fewer_micro_batches_than_stages_is_a_warning():
+    out = hpctrain_plan("--model", "gpt-18b", "--nodes", "4", "--gpus-per-node", "8", "--device", "a100",
+                        "--inter-gbps", "200", "--tp", "8", "--pp", "4", "--micro-batch", "4", "--global-batch", "8")
+    assert out.returncode == 0, out.stderr
+    assert "WARNING: 2 micro-batch(es) < pp=4: the pipeline bubble is" in out.stdout, out.stdout

@@ -372,8 +372,8 @@ class CheckpointManager:
         start). Returns the path loaded, or None (fresh start: nothing to resume)."""
         if what == "none":
             return None
-        if what != "auto":
-            what = resolve_latest(what)
+        if what != "auto":  # rank 0 resolves a run or checkpoints directory to its step: one answer for all
+            what = self.comm.broadcast_object(resolve_latest(what) if self.rank == 0 else None, root=0)
             problem = self._try_load(what, state)
             if problem:
                 raise everywhere(CheckpointError(f"cannot resume from {what}: {problem}"))

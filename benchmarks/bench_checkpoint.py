@@ -85,7 +85,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from hpctrain.bench.report import run_benchmark, write_records  # noqa: E402
-from hpctrain.checkpoint.manager import fsync_path  # noqa: E402
+from hpctrain.checkpoint.directory import fsync_path  # noqa: E402
 
 _STARTUP_S = (_PROCESS_AGE_AT_IMPORT + time.time() - _WALL_AT_IMPORT) if _PROCESS_AGE_AT_IMPORT is not None else None
 

@@ -42,7 +42,7 @@ def _open(path: str):
     return open_checkpoint(path)
 
 def _list(args) -> int:
-    from hpctrain.checkpoint.manager import list_checkpoints
+    from hpctrain.checkpoint.directory import list_checkpoints
 
     directory = _resolve_dir(args.run_dir)
     if not os.path.isdir(directory):

@@ -23,7 +23,9 @@ import threading
 import time
 
 from hpctrain.checkpoint.contract import TrainState
-from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, MASTER_FILE, STEP_PREFIX, step_dirname
+from hpctrain.checkpoint.directory import (REPLACED_SUFFIX, RETIRED_PREFIX, free_bytes, fsync_path, human_size,
+                                           list_checkpoints, read_latest, recover_replaced, resolve_latest, retire)
+from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
 from hpctrain.checkpoint.state import ANOTHER_MODEL, CheckpointError, apply_state, read_state, snapshot
 from hpctrain.checkpoint.writers import WriteFailed, has_parallel_h5py, write_mpio, write_shards
@@ -43,98 +45,6 @@ def raise_if_any_failed(comm, error: str | None, what: str, note: str = "") -> N
         raise everywhere(CheckpointError(f"{what} failed: {details}"
                                          + (f" (and {len(errors) - 4} more)" if len(errors) > 4 else "")
                                          + (f"; {note}" if note else "")))
-
-
-def _size(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
-        nbytes /= 1024
-    return ""
-
-
-def free_bytes(path: str) -> int:
-    """Bytes this user may still write on the file system holding ``path`` (``statvfs``)."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def fsync_path(path: str) -> None:
-    """fsync one file or directory by path (what a save does to every file and directory it writes)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-RETIRED_PREFIX = ".retired-"
-
-
-def retire(path: str) -> None:
-    """Delete a published checkpoint crash-safely: rename it out of the step namespace first (atomic),
-    then delete. A kill midway leaves a ``.retired-*`` directory that no listing shows as a checkpoint
-    and that the next save removes, never a half-deleted ``step-*``."""
-    parent, name = os.path.split(path)
-    retired = os.path.join(parent, RETIRED_PREFIX + name)
-    os.rename(path, retired)
-    fsync_path(parent)
-    shutil.rmtree(retired, ignore_errors=True)
-
-
-def list_checkpoints(directory: str) -> list[dict]:
-    """Published step directories, oldest first: {step, path, complete, latest}."""
-    if not os.path.isdir(directory):
-        return []
-    latest = read_latest(directory)
-    records = []
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if name.startswith(STEP_PREFIX) and os.path.isdir(path):
-            try:
-                step = int(name[len(STEP_PREFIX):])
-            except ValueError:
-                continue
-            records.append({"step": step, "path": path, "complete": os.path.exists(os.path.join(path, COMPLETE_MARKER)),
-                            "latest": name == latest})
-    return sorted(records, key=lambda r: r["step"])
-
-
-REPLACED_SUFFIX = ".replaced"
-
-
-def recover_replaced(directory: str) -> list[str]:
-    """Rank 0: put back a published step directory that a save of the same step moved aside
-    (``step-N.replaced``) when the new copy never took its name (a kill between the two renames).
-    Returns the steps put back."""
-    restored = []
-    if not os.path.isdir(directory):
-        return restored
-    for name in os.listdir(directory):
-        final = os.path.join(directory, name.removesuffix(REPLACED_SUFFIX))
-        if name.startswith(STEP_PREFIX) and name.endswith(REPLACED_SUFFIX) and not os.path.exists(final):
-            os.rename(os.path.join(directory, name), final)
-            restored.append(os.path.basename(final))
-    return restored
-
-
-def resolve_latest(path: str) -> str:
-    """``path`` itself, or, for a checkpoints directory (or a run directory with ``checkpoints/``) without a
-    checkpoint.h5 of its own, the step directory its ``latest`` names (e.g. what ``hpctrain import-hf`` wrote)."""
-    if not os.path.isdir(path) or os.path.exists(os.path.join(path, MASTER_FILE)):
-        return path
-    checkpoints = os.path.join(path, "checkpoints")
-    directory = checkpoints if os.path.isdir(checkpoints) else path
-    latest = read_latest(directory)
-    return os.path.join(directory, latest) if latest else path
-
-
-def read_latest(directory: str) -> str | None:
-    try:
-        with open(os.path.join(directory, LATEST_POINTER), encoding="utf-8") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 class CheckpointManager:
@@ -229,11 +139,11 @@ class CheckpointManager:
         system (plus 1 MiB of HDF5 metadata); below twice that, warn once."""
         free = free_bytes(tmp)
         if needed + (1 << 20) > free:
-            return f"the checkpoint of step {step} needs {_size(needed)}, {_size(free)} are free in {self.dir}"
+            return f"the checkpoint of step {step} needs {human_size(needed)}, {human_size(free)} are free in {self.dir}"
         if 2 * needed > free and not self._space_warned:
             self._space_warned = True
-            print(f"hpctrain: WARNING: {_size(free)} free in {self.dir}, less than twice a checkpoint "
-                  f"({_size(needed)}): the next saves may not fit", file=sys.stderr, flush=True)
+            print(f"hpctrain: WARNING: {human_size(free)} free in {self.dir}, less than twice a checkpoint "
+                  f"({human_size(needed)}): the next saves may not fit", file=sys.stderr, flush=True)
         return None
 
     def _arrive_sleeping(self) -> None:

@@ -17,7 +17,7 @@ from hpctrain.errors import HpcTrainError
 def open_checkpoint(path: str):
     """The CheckpointReader of ``path``: a step directory or its checkpoint.h5, a checkpoints directory
     (its ``latest``), or a run directory (its ``checkpoints/latest``). Raises HpcTrainError."""
-    from hpctrain.checkpoint.manager import read_latest
+    from hpctrain.checkpoint.directory import read_latest
     from hpctrain.checkpoint.reader import CheckpointReader
 
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "checkpoint.h5")):

@@ -115,7 +115,7 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
 def _diverged(cfg, grid, verdict, checkpoints, step: int, is_root: bool, lock) -> int:
     """Log the stop and the one line that says why; nothing was saved after the bad step. Returns
     DIVERGED_EXIT on every rank (the launcher's exit code)."""
-    from hpctrain.checkpoint.manager import list_checkpoints
+    from hpctrain.checkpoint.directory import list_checkpoints
     from hpctrain.train.guard import DIVERGED_EXIT
     from hpctrain.train.metrics import json_line
 

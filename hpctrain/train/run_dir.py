@@ -50,7 +50,7 @@ def default_resume(environ=None) -> str | None:
 
 
 def _complete_steps(checkpoint_dir: str) -> list[int]:
-    from hpctrain.checkpoint.manager import list_checkpoints
+    from hpctrain.checkpoint.directory import list_checkpoints
 
     return [r["step"] for r in list_checkpoints(checkpoint_dir) if r["complete"]]
 

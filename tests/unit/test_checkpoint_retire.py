@@ -7,7 +7,8 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain.checkpoint.format import COMPLETE_MARKER, FORMAT_NAME, FORMAT_VERSION, Box
-from hpctrain.checkpoint.manager import CheckpointManager, list_checkpoints, read_latest, retire
+from hpctrain.checkpoint.directory import list_checkpoints, read_latest, retire
+from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.reader import CheckpointReader
 from hpctrain.checkpoint.state import Snapshot, WriteItem
 from hpctrain.comm.grid import ProcessGrid
@@ -95,7 +96,7 @@ def test_save_snapshot_publishes_and_prunes_and_reports_its_phases(tmp_path, sol
 
 
 def test_a_step_moved_aside_by_an_interrupted_save_is_put_back(tmp_path):
-    from hpctrain.checkpoint.manager import list_checkpoints, recover_replaced
+    from hpctrain.checkpoint.directory import list_checkpoints, recover_replaced
 
     (tmp_path / "step-00000004.replaced").mkdir()  # killed between the two renames of a re-save
     (tmp_path / "step-00000004.replaced" / "COMPLETE").write_text("{}")

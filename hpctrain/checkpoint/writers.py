@@ -201,10 +201,9 @@ def write_or_error(path: str, write) -> str | None:
     previous, sys.unraisablehook = sys.unraisablehook, ignored.append
     try:
         write()
-        gc.collect()  # release what the write left, while the hook collects
-        problem = None
+        problem = None  # the file closed cleanly: nothing left to release (no full GC on the save path)
     except Exception as exc:  # noqa: BLE001 - reported by the caller after the collectives
-        gc.collect()
+        gc.collect()  # release what the failed write left, while the hook collects HDF5's complaints
         problem = exc
     finally:
         sys.unraisablehook = previous

@@ -2,14 +2,19 @@
 
 Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`` (tp rank share):
 
-- compute: each block's forward is ``F / R + A / HBM``: ``F = 2 b S P_block / t + 4 b S^2 h / t`` FLOPs
-  (the score and value products; half with a causal fused kernel that skips the masked half) at
-  ``R = peak x efficiency``, plus the memory-bound element-wise work (norms, activations, softmax,
-  residuals): ``2 A / HBM``, ``A`` = the block's activation bytes (Korthikanti's formula, stages.py),
-  each written by the op that makes it and read by the op that uses it. The backward costs twice the
-  forward (twice the FLOPs; saved bytes read, gradients written and read); full recomputation adds one
-  more forward. The last stage adds the LM head (``2 b S h V / t`` FLOPs, logits and their
-  float32 loss copy as traffic), forward and backward.
+- compute: each block's forward is its matrix multiplications (``shapes.block_gemms``: q, k/v, o, the
+  MLP's two or three matrices, per tp rank), each ``FLOPs / (peak x Device.gemm_efficiency(its smallest
+  dimension on the rank))``: the GEMM curve, so thin tp shards and small GQA projections run slower),
+  plus the score and value products ``4 b S^2 h / t`` (half with a causal fused kernel that skips the
+  masked half) at the efficiency of the sequence dimension, plus the memory-bound element-wise work
+  (norms, activations, softmax, residuals): ``2 A / HBM``, ``A`` = the block's activation bytes
+  (Korthikanti's formula, stages.py), each written by the op that makes it and read by the op that
+  uses it. The backward costs twice the forward (twice the FLOPs; saved bytes read, gradients written
+  and read). Recomputation (``Candidate.recompute``): "full" adds one more forward of every block;
+  "selective" (Korthikanti et al. 2022) only the attention core (score and value products, softmax,
+  dropout: nothing with a fused kernel, which keeps no scores). The last stage adds the LM head over the
+  PADDED vocabulary (``shapes.padded_vocab``: ``2 b S h V_pad / t`` FLOPs, logits and their float32 loss
+  copy as traffic), forward and backward.
 - tp (blocking, fully exposed): per block 2 all-reduces of ``b S h`` in forward and 2 in backward (with
   sequence parallelism a reduce-scatter + an all-gather each: the same bytes, twice the latency), 2
   more in the recomputed forward; the embedding's, the LM head's and the cross-entropy's on the first
@@ -20,7 +25,7 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
 - A slot is ``forward + backward + tp + pp`` of one micro-batch. Step = ``M x slot_max`` (the slowest
   stage paces the steady state) ``+ (pp - 1) / v x mean slot of the other stages`` (the bubble: fill and
   drain; ``(pp - 1) / (v M)`` of the ideal time for equal stages; ``v`` virtual stages of interleaved
-  1F1B, used only to model Megatron runs: hpctrain runs 1F1B and GPipe, ``v = 1``)
+  1F1B, Narayanan et al. 2021 section 2.2.2, whose p2p is ``v`` times as frequent)
   ``+`` exposed dp ``+`` optimizer.
 - dp: gradients in float32 (hpctrain's main grads; ``x compression``) are all-reduced (ZeRO-1:
   reduce-scattered) bucket by bucket during the backward of the last micro-batch only. Stage ``s``
@@ -37,10 +42,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.models.arithmetic import block_matmul_parameters
 from hpctrain.plan.devices import DTYPE_BYTES, PlanError
 from hpctrain.plan.machine import GroupPlacement
-from hpctrain.plan.stages import Stage, layer_activation_bytes, stage_parameters, stages
+from hpctrain.plan.shapes import block_gemms, block_matmul_params, for_tp
+from hpctrain.plan.stages import (Stage, layer_activation_bytes, recompute_kind, score_bytes, stage_parameters,
+                                  stages)
 
 
 @dataclass(frozen=True)
@@ -76,10 +82,14 @@ class Options:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A layout (hpctrain.parallel.layout.Layout, already validated) and whether blocks are recomputed."""
+    """A layout (hpctrain.parallel.layout.Layout, already validated) and its recomputation: "off",
+    "selective" or "full" (True/False are read as "full"/"off")."""
 
     layout: object
-    recompute: bool = False
+    recompute: str = "off"
+
+    def __post_init__(self):
+        object.__setattr__(self, "recompute", recompute_kind(self.recompute))
 
 
 @dataclass(frozen=True)
@@ -101,34 +111,47 @@ class StepTime:
                 "dp_comm": self.dp_comm_s, "bubble": self.bubble_s, "optimizer": self.optimizer_s}
 
 
-def executed_flops_per_token(model, seq_len: int, recompute: bool, flash_attention: bool) -> float:
-    """FLOPs a token costs forward + backward (+ the recomputed forward): what the hardware executes.
-
-    With ``flash_attention=False`` and recompute this is Megatron's count (Narayanan et al. 2021, eq. 3:
-    ``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` per step for a GELU 4h MLP)."""
+def executed_flops_per_token(model, seq_len: int, recompute, flash_attention: bool) -> float:
+    """FLOPs a token costs forward + backward (+ what is recomputed): what the hardware executes, over
+    ``model``'s vocabulary as given (``shapes.for_tp`` pads it). With ``flash_attention=False`` and full
+    recomputation this is Megatron's count (Narayanan et al. 2021, eq. 3: ``96 B s l h^2 (1 + s / 6h + V /
+    16 l h)`` per step for a GELU 4h MLP)."""
+    kind = recompute_kind(recompute)
     h, layers = model.d_model, model.n_layers
-    block_fwd = 2.0 * block_matmul_parameters(model) + 4.0 * seq_len * h * (0.5 if flash_attention else 1.0)
-    return layers * block_fwd * (4 if recompute else 3) + 6.0 * h * model.vocab_size
+    attention = 4.0 * seq_len * h * (0.5 if flash_attention else 1.0)
+    block_fwd = 2.0 * block_matmul_params(model) + attention
+    extra = block_fwd if kind == "full" else attention if kind == "selective" and not flash_attention else 0.0
+    return layers * (3 * block_fwd + extra) + 6.0 * h * model.vocab_size
+
+
+def _gemm_s(dev, peak: float, gemms) -> float:
+    """Seconds of ``gemms`` ((FLOPs, dims) pairs) at the device's GEMM curve."""
+    return sum(f / (peak * dev.gemm_efficiency(min(dims))) for f, dims in gemms)
 
 
 def step_time(model, cand: Candidate, machine, options: Options = Options()) -> StepTime:
-    """Predicted step time of ``cand`` (layout + recompute) for ``model`` (a resolved ModelConfig)."""
+    """Predicted step time of ``cand`` (layout + recompute) for ``model`` (a resolved ModelConfig; its
+    vocabulary is padded for the layout's tp here)."""
     lay, recompute = cand.layout, cand.recompute
     t, p, d, m, v = lay.tp_size, lay.pp_size, lay.dp_size, lay.microbatches, options.virtual_stages
+    model = for_tp(model, t)
     b, seq, h, vocab, sp = lay.micro_batch, lay.seq_len, model.d_model, model.vocab_size, lay.sequence_parallel
-    nb = DTYPE_BYTES[options.dtype]
+    nb, flash = DTYPE_BYTES[options.dtype], options.flash_attention
     dev = machine.device
-    rate = dev.peak(options.dtype) * dev.efficiency * 1e12
+    peak = dev.peak(options.dtype) * 1e12
     hbm = dev.hbm_gbps * 1e9
     tp_at, pp_at, dp_at = machine.placement(1, t), machine.placement(t, p), machine.placement(t * p, d)
 
     def tp_op(op, nbytes):
         return machine.collective_s(op, nbytes, t, tp_at)
 
-    attention = 4.0 * b * seq * seq * h * (0.5 if options.flash_attention else 1.0) / t
-    block_f = (2.0 * b * seq * block_matmul_parameters(model) / t + attention) / rate
-    block_f += 2 * layer_activation_bytes(model, b, seq, t, sp, options.flash_attention, nb) / hbm
-    head_f = 2.0 * b * seq * h * vocab / t / rate + b * seq * vocab / t * (nb + 4) / hbm
+    attention = 4.0 * b * seq * seq * h * (0.5 if flash else 1.0) / t / (peak * dev.gemm_efficiency(seq))
+    block_f = _gemm_s(dev, peak, block_gemms(model, b * seq, t)) + attention
+    block_f += 2 * layer_activation_bytes(model, b, seq, t, sp, flash, nb) / hbm
+    rematerialised = {"off": 0.0, "full": block_f,
+                      "selective": 0.0 if flash else attention + 2 * score_bytes(model, b, seq, t, nb) / hbm}[recompute]
+    head_f = _gemm_s(dev, peak, [(2.0 * b * seq * h * vocab / t, (b * seq, vocab // t, h))])
+    head_f += b * seq * vocab / t * (nb + 4) / hbm
 
     act = float(b * seq * h * nb)
     one = (tp_op("reduce_scatter", act) + tp_op("allgather", act)) if sp else tp_op("allreduce", act)
@@ -142,9 +165,9 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
     def parts(st: Stage) -> tuple[float, float, float, float]:
         """(forward, backward, tp forward, tp backward) seconds of one micro-batch on ``st``."""
         fwd = st.layers * block_f + (head_f if st.last else 0.0)
-        bwd = 2 * fwd + (st.layers * block_f if recompute else 0.0)
+        bwd = 2 * fwd + st.layers * rematerialised
         tpf = st.layers * 2 * one
-        tpb = st.layers * 2 * one * (2 if recompute else 1)
+        tpb = st.layers * 2 * one * (2 if recompute == "full" else 1)
         if t > 1 and st.first:
             tpf += tp_op("reduce_scatter" if sp else "allreduce", act)
             tpb += tp_op("allgather", act) if sp else 0.0
@@ -175,7 +198,7 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
 
     tokens = lay.global_batch * seq
     step = m * slot_k + bubble + dp_s + optimizer
-    flops = executed_flops_per_token(model, seq, recompute, options.flash_attention) * tokens
+    flops = executed_flops_per_token(model, seq, recompute, flash) * tokens
     return StepTime(step, m * (fk + bk), m * (tfk + tbk), m * pp_slot, dp_s, bubble, optimizer, flops, tokens)
 
 

@@ -21,8 +21,11 @@ class Device:
     """One rank's accelerator.
 
     ``peak_tflops``: published dense peak per training dtype (tensor cores; TF32 for float32), TFLOP/s.
-    ``efficiency``: the fraction of that peak the matrix multiplications of a transformer layer reach
-    end to end (the only calibrated constant; see DEVICES). ``hbm_gbps``: memory bandwidth, GB/s, for the
+    ``efficiency``: the fraction of that peak a LARGE matrix multiplication of a transformer layer reaches
+    end to end (calibrated; see DEVICES). ``gemm_half_dim``: the GEMM curve (``gemm_efficiency``): a
+    multiplication whose smallest dimension on the rank is ``n`` runs at ``efficiency x n / (n +
+    gemm_half_dim)`` (0: no curve, every GEMM at ``efficiency``; measured profiles use 0, their
+    efficiency is already the measured block's). ``hbm_gbps``: memory bandwidth, GB/s, for the
     memory-bound element-wise work. ``memory_gib``: capacity per rank, GiB (None: the host's memory
     shared by the ranks of a node, for ``cpu``).
     """
@@ -35,6 +38,7 @@ class Device:
     note: str = ""
     optimizer_s_per_param: float = 0.0  # measured AdamW seconds per parameter (0: from bytes / hbm_gbps)
     intra_gbps: float = 24.0  # default per-rank bandwidth inside a node, Gbit/s (NVLink; shared memory on a CPU)
+    gemm_half_dim: float = 0.0
 
     def peak(self, dtype: str) -> float:
         """Dense peak for ``dtype`` in TFLOP/s; PlanError when the device has none for it."""
@@ -42,6 +46,13 @@ class Device:
             raise PlanError(f"device {self.name} has no published {dtype} peak (it has "
                             f"{', '.join(self.peak_tflops)}); choose another --dtype or give --peak-tflops")
         return self.peak_tflops[dtype]
+
+    def gemm_efficiency(self, smallest_dim: float) -> float:
+        """Fraction of peak a GEMM reaches whose smallest per-rank dimension is ``smallest_dim``: the
+        tile-quantisation and memory-bound tail of thin tensor-parallel shards (Narayanan et al. 2021,
+        Fig. 8-9: throughput per GPU falls as d_model / tp shrinks)."""
+        c = self.gemm_half_dim
+        return self.efficiency * (smallest_dim / (smallest_dim + c) if c > 0 else 1.0)
 
 
 # Dense peaks from the vendors' data sheets (the same numbers as hpctrain/runtime/device.py's GPU_PEAKS,

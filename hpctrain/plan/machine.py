@@ -160,6 +160,8 @@ def device_from_profile(profile: LinkProfile, name: str = "", ranks_per_node: in
             for k in ("peak_tflops", "memory_gib", "efficiency", "hbm_gbps", "optimizer_s_per_param")}
     d = device_preset(str(chosen).lower(), nums["peak_tflops"], nums["memory_gib"], nums["efficiency"],
                       nums["optimizer_s_per_param"])
+    if nums["efficiency"] > 0:  # measured on the profile's own block: no GEMM-size curve on top of it
+        d = replace(d, gemm_half_dim=0.0)
     return replace(d, hbm_gbps=nums["hbm_gbps"]) if nums["hbm_gbps"] > 0 else d
 
 

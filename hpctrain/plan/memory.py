@@ -23,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.plan.devices import DTYPE_BYTES
-from hpctrain.plan.stages import (in_flight, layer_activation_bytes, recompute_layer_bytes, stage_parameters,
-                                  stages)
+from hpctrain.plan.shapes import for_tp
+from hpctrain.plan.stages import (in_flight, layer_activation_bytes, recompute_kind, recompute_layer_bytes,
+                                  stage_parameters, stages)
 
 GIB = 2**30
 
@@ -56,23 +57,28 @@ def optimizer_bytes_per_param(dtype: str) -> int:
     return 2 * max(4, nb) + (4 if nb == 2 else 0)
 
 
-def activation_bytes(model, layout, stage, recompute: bool, options) -> float:
+def activation_bytes(model, layout, stage, recompute, options) -> float:
     """Bytes of activations one rank of ``stage`` holds at its peak (see the module docstring)."""
     nb, t, b, seq = DTYPE_BYTES[options.dtype], layout.tp_size, layout.micro_batch, layout.seq_len
-    sp = layout.sequence_parallel
+    sp, kind = layout.sequence_parallel, recompute_kind(recompute)
     full = layer_activation_bytes(model, b, seq, t, sp, options.flash_attention, nb)
-    if recompute:
-        kept = stage.layers * recompute_layer_bytes(model, b, seq, t, sp, nb) * in_flight(layout, stage) + full
+    held = stage.layers * in_flight(layout, stage, options.virtual_stages)
+    if kind == "full":
+        kept = held * recompute_layer_bytes(model, b, seq, t, sp, nb) + full
+    elif kind == "selective":
+        kept = held * layer_activation_bytes(model, b, seq, t, sp, True, nb) + full
     else:
-        kept = stage.layers * full * in_flight(layout, stage)
+        kept = held * full
     if stage.last:
         logits_in_flight = layout.microbatches if layout.schedule == "gpipe" else 1
         kept += seq * b * model.vocab_size / t * (nb + 4) * logits_in_flight
     return kept
 
 
-def memory(model, layout, recompute: bool, options) -> Memory:
-    """Memory per rank of ``layout`` (validated) for ``model``: the stage that needs the most."""
+def memory(model, layout, recompute, options) -> Memory:
+    """Memory per rank of ``layout`` (validated) for ``model`` (its vocabulary padded for the layout's tp
+    here): the stage that needs the most."""
+    model = for_tp(model, layout.tp_size)
     nb, d = DTYPE_BYTES[options.dtype], layout.dp_size
     zero_split = d if layout.zero == 1 else 1
     best, seen = None, set()

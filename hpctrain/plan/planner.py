@@ -9,16 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hpctrain.errors import HpcTrainError
-from hpctrain.models.arithmetic import flops_per_token
 from hpctrain.parallel.layout import Layout, divisors
 from hpctrain.plan.cost import Candidate, Options, StepTime, step_time
 from hpctrain.plan.memory import Memory, memory
+from hpctrain.plan.shapes import for_tp, model_flops_per_token
 
 
 @dataclass(frozen=True)
 class SearchSpace:
     """The choices enumerated for every (dp, tp, pp): ``microbatches`` empty = every divisor of the
-    replica batch; ZeRO-1 only with dp > 1, sequence parallelism only with tp > 1. ``dp``/``tp``/``pp``
+    replica batch; ZeRO-1 only with dp > 1, sequence parallelism only with tp > 1; ``recompute``: the
+    kinds tried ("selective" is skipped when others are tried too and attention is fused: it is then
+    the same as "off"). ``dp``/``tp``/``pp``
     > 0 fix that axis and ``micro_batch`` > 0 fixes the sequences per micro-batch (a GIVEN layout:
     ``hpctrain plan --tp 8 --pp 16 --micro-batch 1``, or a TOML's ``[parallel]`` section)."""
 
@@ -28,7 +30,7 @@ class SearchSpace:
     micro_batch: int = 0
     zero: tuple[int, ...] = (0, 1)
     sequence_parallel: tuple[bool, ...] = (False, True)
-    recompute: tuple[bool, ...] = (False, True)
+    recompute: tuple = ("off", "selective", "full")
     microbatches: tuple[int, ...] = ()
     schedule: str = "1f1b"
 
@@ -44,6 +46,7 @@ class Prediction:
     peak_tflops: float
     model_flops_per_token: float
     placement: dict
+    virtual_stages: int = 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -66,7 +69,7 @@ class Prediction:
             "dp": lay.dp_size, "tp": lay.tp_size, "pp": lay.pp_size, "microbatches": lay.microbatches,
             "micro_batch": lay.micro_batch, "global_batch": lay.global_batch, "seq_len": lay.seq_len,
             "schedule": lay.schedule, "zero": lay.zero, "sequence_parallel": lay.sequence_parallel,
-            "recompute": self.candidate.recompute,
+            "recompute": self.candidate.recompute, "virtual_stages": self.virtual_stages,
             "predicted_step_s": self.time.step_s, "predicted_tokens_per_s": self.tokens_per_s,
             "predicted_tflops_per_device": self.tflops_per_device,
             "model_tflops_per_device": self.model_tflops_per_device,
@@ -108,26 +111,27 @@ class PlanResult:
     evaluated: int = 0
 
 
-def predict(model, layout, machine, recompute: bool = False, options: Options = Options()) -> Prediction:
-    """Time and memory of one validated ``layout`` (raises its LayoutError/GridError if it is not valid)."""
-    layout.validate(model)
+def predict(model, layout, machine, recompute="off", options: Options = Options()) -> Prediction:
+    """Time and memory of ``layout`` (raises its LayoutError/GridError if it is not valid; the vocabulary
+    is padded for its tp first, as the trainer does); MFU counts the true vocabulary."""
+    layout.validate(for_tp(model, layout.tp_size))
     cand = Candidate(layout, recompute)
     t, p = layout.tp_size, layout.pp_size
     placement = {axis: machine.placement(stride, size).level
                  for axis, stride, size in (("tp", 1, t), ("pp", t, p), ("dp", t * p, layout.dp_size))}
     return Prediction(cand, step_time(model, cand, machine, options), memory(model, layout, recompute, options),
                       machine.devices, machine.device.peak(options.dtype),
-                      flops_per_token(model, layout.seq_len), placement)
+                      model_flops_per_token(model, layout.seq_len), placement, options.virtual_stages)
 
 
-def _describe(lay: Layout, recompute: bool | None = None) -> dict:
+def _describe(lay: Layout, recompute: str = "off") -> dict:
     d = {"dp": lay.dp_size, "tp": lay.tp_size, "pp": lay.pp_size, "microbatches": lay.microbatches}
     if lay.sequence_parallel:
         d["sequence_parallel"] = True
     if lay.zero:
         d["zero"] = lay.zero
-    if recompute:
-        d["recompute"] = True
+    if recompute != "off":
+        d["recompute"] = recompute
     return d
 
 
@@ -143,7 +147,7 @@ def plan(model, machine, global_batch: int, seq_len: int, options: Options = Opt
                 continue
             base = Layout(world, dp, pp, tp, 1, global_batch, seq_len, False, 0, space.schedule)
             try:
-                base.validate(model)
+                base.validate(for_tp(model, tp))
             except HpcTrainError as exc:
                 result.infeasible.append(Infeasible({"dp": dp, "tp": tp, "pp": pp}, str(exc)))
                 continue
@@ -179,13 +183,16 @@ def _search(model, machine, base: Layout, capacity: float, options: Options, spa
                 lay = Layout(base.world_size, base.dp_size, base.pp_size, base.tp_size, mb, base.global_batch,
                              base.seq_len, sp, zero, space.schedule)
                 try:
-                    lay.validate(model)
+                    lay.validate(for_tp(model, lay.tp_size))
                 except HpcTrainError as exc:
                     if str(exc) not in reasons:
                         reasons.add(str(exc))
                         result.infeasible.append(Infeasible(_describe(lay), str(exc)))
                     continue
-                for recompute in space.recompute:
+                kinds = [Candidate(lay, r).recompute for r in space.recompute]
+                if options.flash_attention and len(kinds) > 1:
+                    kinds = [k for k in kinds if k != "selective"]
+                for recompute in kinds:
                     result.evaluated += 1
                     mem = memory(model, lay, recompute, options)
                     if mem.total_gib > capacity:

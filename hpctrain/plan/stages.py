@@ -7,7 +7,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.models.arithmetic import block_matmul_parameters, partition_layers
+from hpctrain.models.arithmetic import partition_layers
+from hpctrain.plan.devices import PlanError
+from hpctrain.plan.shapes import block_matmul_params, position_params
+
+RECOMPUTE = ("off", "selective", "full")
+
+
+def recompute_kind(value) -> str:
+    """"off", "selective" or "full" (booleans: True is "full", hpctrain's ``train.recompute``)."""
+    if isinstance(value, bool) or value is None:
+        return "full" if value else "off"
+    if value not in RECOMPUTE:
+        raise PlanError(f"recompute {value!r}: expected one of {', '.join(RECOMPUTE)}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -30,11 +43,12 @@ def stages(model, layout) -> list[Stage]:
 def stage_parameters(model, stage: Stage, tp: int) -> int:
     """Parameters on one tp rank of ``stage``: its blocks' matrices / tp plus the replicated norm weights;
     the embedding rows / tp on the first stage; the final norm and LM head rows / tp on the last (a tied
-    head is the embedding itself with one stage, a copy that is trained like a parameter with pp > 1)."""
+    head is the embedding itself with one stage, a copy that is trained like a parameter with pp > 1);
+    a learned position table on the first stage. ``model``'s vocabulary as given (padded by the caller)."""
     h, vh = model.d_model, model.vocab_size * model.d_model // tp
-    n = stage.layers * (block_matmul_parameters(model) // tp + 2 * h)
+    n = stage.layers * (block_matmul_params(model) // tp + 2 * h)
     if stage.first:
-        n += vh
+        n += vh + position_params(model)
     if stage.last:
         n += h + (0 if (model.tie_embeddings and stage.first) else vh)
     return n
@@ -57,6 +71,12 @@ def layer_activation_bytes(model, micro_batch: int, seq_len: int, tp: int, seque
     return s * b * h * per * dtype_bytes / 2
 
 
+def score_bytes(model, micro_batch: int, seq_len: int, tp: int, dtype_bytes: int) -> float:
+    """The attention scores one unfused block keeps (softmax output, dropout mask and output: ``5 a s^2 b
+    / t`` at 16 bits): what selective recomputation drops and recomputes (Korthikanti et al. 2022, 4.2)."""
+    return 5.0 * model.n_heads * seq_len * seq_len * micro_batch / tp * dtype_bytes / 2
+
+
 def recompute_layer_bytes(model, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                           dtype_bytes: int) -> float:
     """Bytes one block keeps with full recomputation: only its input ``s b h`` (``/ t`` with SP)."""
@@ -64,8 +84,14 @@ def recompute_layer_bytes(model, micro_batch: int, seq_len: int, tp: int, sequen
     return n / tp if sequence_parallel else float(n)
 
 
-def in_flight(layout, stage: Stage) -> int:
-    """Micro-batches whose activations ``stage`` holds at once: 1F1B ``min(pp - s, M)``, GPipe ``M``."""
+def in_flight(layout, stage: Stage, virtual_stages: int = 1) -> float:
+    """Micro-batches' worth of the stage's layers whose activations ``stage`` holds at once: 1F1B
+    ``min(pp - s, M)``, GPipe ``M``; interleaved 1F1B with ``V`` chunks of ``layers / V`` each holds
+    Megatron's warm-up ``2 (pp - s - 1) + (V - 1) pp`` chunk micro-batches plus one, so
+    ``(2 (pp - s - 1) + (V - 1) pp + 1) / V`` of the stage's layers (at most ``M``)."""
+    p, s, m, v = layout.pp_size, stage.index, layout.microbatches, virtual_stages
     if layout.schedule == "gpipe":
-        return layout.microbatches
-    return min(layout.pp_size - stage.index, layout.microbatches)
+        return m
+    if v > 1 and p > 1:
+        return min((2 * (p - s - 1) + (v - 1) * p + 1) / v, m)
+    return min(p - s, m)

@@ -1,0 +1,101 @@
+"""The model arithmetic the performance model needs beyond ``hpctrain/models/arithmetic.py``: the padded
+vocabulary, the MLP kind, the matrix multiplications of one block per tensor-parallel rank.
+
+Model objects are resolved ``ModelConfig``s or anything with the same fields (``published.py``'s
+``Shape``). Optional fields are read with defaults so the planner works with or without them:
+``mlp`` ("swiglu": gate, up, down, three ``d x d_ff`` matrices; "gelu" or "relu2": up and down, two),
+``positions`` ("rope"; "learned": a ``max_seq_len x d`` table on the first stage), ``vocab_multiple``
+(128, Megatron's ``make_vocab_size_divisible_by``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+DEFAULT_VOCAB_MULTIPLE = 128
+
+
+def mlp_matrices(m) -> int:
+    """``d_model x d_ff`` matrices in one block's MLP: 3 for SwiGLU, 2 for a GELU (or squared-ReLU) MLP."""
+    return 3 if getattr(m, "mlp", "swiglu") == "swiglu" else 2
+
+
+def padded_vocab(m, tp: int) -> int:
+    """Rows of the embedding and LM head over ``tp`` ranks: ``ceil(V / (multiple x tp)) x multiple x tp``."""
+    step = getattr(m, "vocab_multiple", DEFAULT_VOCAB_MULTIPLE) * tp
+    return math.ceil(m.vocab_size / step) * step
+
+
+def for_tp(m, tp: int):
+    """``m`` with its vocabulary padded for ``tp`` (what the ranks hold and compute; FLOPs and memory)."""
+    v = padded_vocab(m, tp)
+    return m if v == m.vocab_size else dataclasses.replace(m, vocab_size=v)
+
+
+def block_matmul_params(m) -> int:
+    """Weights of one block's matrix multiplications: q and o (d x d), k and v (d x kv), the MLP."""
+    kv = m.n_kv_heads * (m.d_model // m.n_heads)
+    return 2 * m.d_model * m.d_model + 2 * m.d_model * kv + mlp_matrices(m) * m.d_model * m.d_ff
+
+
+def position_params(m) -> int:
+    """A learned position table's parameters (0 with rotary positions)."""
+    return m.max_seq_len * m.d_model if getattr(m, "positions", "rope") == "learned" else 0
+
+
+def block_gemms(m, tokens: int, tp: int) -> list[tuple[float, tuple[int, ...]]]:
+    """One block's forward matrix multiplications on one tp rank: (FLOPs, (rows, columns, inner)).
+
+    ``tokens``: rows of the activations (micro-batch x sequence; the full sequence also with sequence
+    parallelism, which all-gathers it first). Column-parallel q/k/v and MLP-in split their columns,
+    row-parallel o and MLP-out their inner dimension."""
+    d, f, t = m.d_model, m.d_ff, tp
+    kv = m.n_kv_heads * (d // m.n_heads)
+    mats = mlp_matrices(m)
+    shapes = [(tokens, d // t, d), (tokens, 2 * kv // t, d), (tokens, d, d // t),
+              (tokens, (mats - 1) * f // t, d), (tokens, d, f // t)]
+    return [(2.0 * r * c * k, (r, c, k)) for r, c, k in shapes]
+
+
+def model_flops_per_token(m, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) on the TRUE vocabulary, causal attention counted
+    half: the trainer's MFU count (``arithmetic.flops_per_token``) with the MLP kind honoured."""
+    params = m.n_layers * block_matmul_params(m) + m.vocab_size * m.d_model
+    return 6.0 * params + 6.0 * m.n_layers * m.d_model * seq_len
+
+
+def megatron_flops_per_token(m, seq_len: int, recompute: str) -> float:
+    """Megatron-LM's count of a step's FLOPs per token (Narayanan et al. 2021 eq. 3, Korthikanti et al.
+    2022 appendix): matmuls + the FULL attention square (no causal halving), the padded vocabulary;
+    ``recompute``: "full" adds a forward (HFU with full recomputation, PTD-P's TFLOP/s), "selective" the
+    attention square once more, "off"/"model": nothing (MFU)."""
+    h, layers = m.d_model, m.n_layers
+    mm, attn = 2.0 * block_matmul_params(m), 4.0 * seq_len * h
+    fwd = {"full": 4, "selective": 3, "off": 3, "model": 3}[recompute]
+    extra = attn if recompute == "selective" else 0.0
+    return layers * ((mm + attn) * fwd + extra) + 6.0 * h * m.vocab_size
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model shape for the validation tables (published runs), read like a resolved ``ModelConfig``
+    (``Layout.validate``, ``partition_layers`` and this package use only these fields), with the MLP kind,
+    positions and vocabulary multiple that a published model needs whether or not ``ModelConfig`` has them."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    max_seq_len: int
+    tie_embeddings: bool = False
+    mlp: str = "swiglu"
+    positions: str = "rope"
+    vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE
+
+
+def gpt_shape(d_model: int, n_layers: int, n_heads: int, vocab_size: int, seq_len: int = 2048) -> Shape:
+    """A GPT-2/GPT-3/Megatron GPT: GELU MLP of 4 d, learned positions, tied embeddings, multi-head."""
+    return Shape(vocab_size, d_model, n_layers, n_heads, n_heads, 4 * d_model, seq_len, True, "gelu", "learned")

@@ -56,23 +56,31 @@ class Device:
 
 
 # Dense peaks from the vendors' data sheets (the same numbers as hpctrain/runtime/device.py's GPU_PEAKS,
-# which needs torch; keep the two in step). ``efficiency``:
-#   a100: 0.65, calibrated ONCE against the Megatron-LM PTD-P weak-scaling table (Narayanan et al., SC21,
-#         Table 1; tests/unit/test_plan_ptdp.py, docs/scaling.md) with this model's bubble, memory-bound
-#         and communication terms (mean error 3%, max 7%); 0.65 of 312 = 203 TFLOP/s, below the ~250 TFLOP/s cuBLAS reaches on
-#         one large isolated GEMM because it also absorbs what the model leaves out (kernel launches,
-#         the optimizer step, imperfect overlap).
-#   h100, h200, mi250x, v100, cpu: assumptions, not calibrated: a measured run is better.
-#         h100/h200 0.50: end-to-end MFU reports of ~40-50% for large GPT models in bf16 (the memory-bound
-#         term is modelled separately, so this is the matmul share). v100 0.55: Megatron-LM v1.0 reached
-#         48% of peak end to end on a 1.2B GPT. mi250x 0.45: lower GEMM efficiency of the ROCm stack.
+# which needs torch; keep the two in step). ``efficiency`` and ``gemm_half_dim`` (the GEMM curve):
+#   a100: 0.70 with gemm_half_dim 128, calibrated on the Megatron-LM PTD-P weak-scaling table (Narayanan
+#         et al., SC21, Table 1: full recomputation, unfused attention; ptdp.py) and on two rows of
+#         Korthikanti et al. 2022 (22B on 8 GPUs, 175B on 64: selective recomputation + SP;
+#         published.py, calibration=True). 128 is the smallest dimension at which a GEMM reaches half
+#         the large-GEMM rate (tile quantisation and the memory-bound tail of thin tp shards: a 2304-wide
+#         model at tp=1 runs its GEMMs at 0.95 of the large rate, a 6144-wide one at tp=8 (768 per rank) at
+#         0.86); 0.70 of 312 = 218 TFLOP/s for large GEMMs, below the ~250 cuBLAS reaches in isolation,
+#         because it also absorbs what the model leaves out (kernel launches, imperfect overlap).
+#   h100: 0.62 with the same curve, calibrated on ONE published H100 run (Nemotron-4 340B on 1536 H100,
+#         NVIDIA 2024 technical report, Table 2: 42.4% MFU with tp 8, pp 12, SP, distributed optimizer);
+#         checked without tuning on Nemotron-4 at 3072/6144 GPUs and Llama 3 405B at 8192/16384 GPUs
+#         (published.py, docs/scaling.md).
+#   h200: the h100's constants (same compute die; more and faster memory): an assumption.
+#   mi250x, v100, cpu: assumptions, not calibrated: a measured run is better. v100 0.55: Megatron-LM
+#         v1.0 reached 48% of peak end to end on a 1.2B GPT. mi250x 0.45: lower GEMM efficiency of the
+#         ROCm stack. No GEMM curve (gemm_half_dim 0) for these.
 DEVICES: dict[str, Device] = {
     "a100": Device("a100", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0, "float64": 19.5},
-                   80.0, 0.65, 2039.0, "A100 SXM 80 GB", intra_gbps=2400.0),
+                   80.0, 0.70, 2039.0, "A100 SXM 80 GB", intra_gbps=2400.0, gemm_half_dim=128.0),
     "h100": Device("h100", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.0, "float64": 67.0},
-                   80.0, 0.50, 3350.0, "H100 SXM 80 GB", intra_gbps=3600.0),
+                   80.0, 0.62, 3350.0, "H100 SXM 80 GB", intra_gbps=3600.0, gemm_half_dim=128.0),
     "h200": Device("h200", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.0, "float64": 67.0},
-                   141.0, 0.50, 4800.0, "H200 SXM 141 GB (nvidia-smi: ~140 GiB)", intra_gbps=3600.0),
+                   141.0, 0.62, 4800.0, "H200 SXM 141 GB (nvidia-smi: ~140 GiB)", intra_gbps=3600.0,
+                   gemm_half_dim=128.0),
     "mi250x": Device("mi250x", {"bfloat16": 383.0, "float16": 383.0, "float32": 47.9, "float64": 95.7},
                      128.0, 0.45, 3277.0, "whole package = 2 GCDs; one rank usually drives one GCD: mi250x-gcd", intra_gbps=800.0),
     "mi250x-gcd": Device("mi250x-gcd", {"bfloat16": 191.5, "float16": 191.5, "float32": 23.9, "float64": 47.9},

@@ -22,9 +22,12 @@ import tomllib
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="rank the dp x tp x pp layouts of a model on a machine by predicted "
                                     "tokens/s (the performance and memory model, hpctrain/plan)")
-    p.add_argument("--model", required=True, help="a model preset (e.g. gpt-1t, gpt3-175b, tiny) or a TOML config")
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node")
+    p.add_argument("--model", default="", help="a model preset (e.g. gpt-1t, gpt3-175b, tiny) or a TOML config")
+    p.add_argument("--nodes", type=int, default=0)
+    p.add_argument("--gpus-per-node", type=int, default=0, help="ranks per node")
+    p.add_argument("--validate", choices=("published", "ptdp"), default="",
+                   help="print the model against published runs instead of planning: published (held-out and "
+                        "calibration runs, hpctrain/plan/published.py) or ptdp (Megatron-LM PTD-P Table 1)")
     p.add_argument("--profile", default="", help="link profile JSON from `hpctrain bench comm --profile`")
     p.add_argument("--device", default="", help="device preset: a100, h100, h200, mi250x, mi250x-gcd, v100, cpu "
                                                 "(default: the profile's, else a100)")
@@ -51,8 +54,10 @@ def add_parser(sub) -> None:
     p.add_argument("--attention", choices=("fused", "unfused"), default="fused",
                    help="fused: a flash-style kernel (hpctrain's); unfused: the full score matrix stored "
                         "(Megatron's attention of the PTD-P runs)")
-    p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
-                   help="activation recomputation: try both (auto), always, never")
+    p.add_argument("--recompute", choices=("auto", "on", "full", "selective", "off"), default="auto",
+                   help="activation recomputation: try each (auto), full (= on: every block's forward again), "
+                        "selective (Korthikanti et al.: only the attention core; with --attention fused the same "
+                        "as off), off")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="", help="pipeline schedule (default 1f1b)")
     p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -79,7 +84,8 @@ def _model_and_defaults(spec: str):
         return resolve_model(cfg.model), {"global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
                                           "dtype": raw.get("train", {}).get("dtype", "bfloat16"),
                                           "schedule": cfg.parallel.schedule, "bucket_mb": cfg.parallel.bucket_mb,
-                                          "given": given}
+                                          "given": given,
+                                          "virtual_stages": int(raw.get("parallel", {}).get("virtual_stages", 1))}
     raise PlanError(f"--model {spec!r}: neither a preset ({', '.join(PRESETS)}) nor a TOML config file")
 
 
@@ -118,7 +124,8 @@ def _space(args, given: dict, schedule: str, devices: int):
     microbatches = (given["microbatches"],) if "microbatches" in given and not args.micro_batch else ()
     return SearchSpace(dp=dp, tp=tp, pp=pp, micro_batch=args.micro_batch, microbatches=microbatches, zero=zero,
                        sequence_parallel=sp, schedule=schedule,
-                       recompute={"auto": (False, True), "on": (True,), "off": (False,)}[args.recompute])
+                       recompute={"auto": ("off", "selective", "full"), "on": ("full",)}.get(args.recompute,
+                                                                                          (args.recompute,)))
 
 
 def run_plan(args) -> int:
@@ -126,6 +133,13 @@ def run_plan(args) -> int:
     from hpctrain.plan.devices import PlanError
     from hpctrain.plan.planner import plan
 
+    if args.validate:
+        from hpctrain.plan import ptdp, validate
+
+        (validate.main if args.validate == "published" else ptdp.main)()
+        return 0
+    if not args.model or args.nodes < 1 or args.gpus_per_node < 1:
+        raise PlanError("give --model, --nodes and --gpus-per-node (>= 1), or --validate published|ptdp")
     model, defaults = _model_and_defaults(args.model)
     for flag, value in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top - 1)):
         if value < 0:
@@ -136,6 +150,10 @@ def run_plan(args) -> int:
     if seq_len > model.max_seq_len:
         raise PlanError(f"--seq-len {seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
     schedule = args.schedule or defaults["schedule"]
+    if schedule == "interleaved":  # parallel.schedule = "interleaved": 1F1B with parallel.virtual_stages chunks
+        schedule = "1f1b"
+        if args.virtual_stages == 1:
+            args.virtual_stages = max(2, defaults.get("virtual_stages", 2))
     if args.virtual_stages < 1 or (args.virtual_stages > 1 and schedule == "gpipe"):
         raise PlanError(f"--virtual-stages {args.virtual_stages}: must be >= 1, and 1 with the gpipe schedule")
     options = Options(dtype=args.dtype or defaults["dtype"], bucket_mb=defaults["bucket_mb"],

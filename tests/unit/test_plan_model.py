@@ -194,7 +194,7 @@ def test_plan_evaluates_a_given_layout_from_flags_or_a_toml(tmp_path):
     assert out.returncode == 0, out.stderr
     plans = json.loads(out.stdout)["plans"]
     assert {(p["dp"], p["tp"], p["pp"], p["microbatches"], p["zero"], p["sequence_parallel"], p["recompute"])
-            for p in plans} == {(16, 8, 2, 64, 0, True, False)}
+            for p in plans} == {(16, 8, 2, 64, 0, True, "off")}
     config = tmp_path / "given.toml"  # [parallel] keys the file sets are given; no train.dtype: bfloat16
     config.write_text('[model]\npreset = "tiny"\n[parallel]\ntp = 2\npp = 2\nmicrobatches = 4\n'
                       '[train]\nglobal_batch = 8\nseq_len = 64\n')

@@ -5,9 +5,9 @@ from hpctrain.plan.ptdp import TABLE_1, plan_row, predict_row
 
 
 @pytest.mark.parametrize("row", TABLE_1, ids=[r.preset for r in TABLE_1])
-def test_predicted_tflops_per_gpu_within_15_percent_of_the_published(row):
+def test_predicted_tflops_per_gpu_within_10_percent_of_the_published(row):
     predicted = predict_row(row).tflops_per_device
-    assert abs(predicted / row.published_tflops - 1) <= 0.15, (row, predicted)
+    assert abs(predicted / row.published_tflops - 1) <= 0.10, (row, predicted)
 
 
 @pytest.mark.parametrize("row", TABLE_1, ids=[r.preset for r in TABLE_1])

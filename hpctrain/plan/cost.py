@@ -8,8 +8,8 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
   residuals): ``2 A / HBM``, ``A`` = the block's activation bytes (Korthikanti's formula, stages.py),
   each written by the op that makes it and read by the op that uses it. The backward costs twice the
   forward (twice the FLOPs; saved bytes read, gradients written and read); full recomputation adds one
-  more forward. The last stage adds the LM head (``2 b S h V / t`` FLOPs, logits and their
-  float32 loss copy as traffic), forward and backward.
+  more forward. The last stage adds the LM head (``2 b S h V / t`` FLOPs, logits and their float32
+  loss copy as traffic; ``V`` the padded vocabulary, ``padded_vocab``), forward and backward.
 - tp (blocking, fully exposed): per block 2 all-reduces of ``b S h`` in forward and 2 in backward (with
   sequence parallelism a reduce-scatter + an all-gather each: the same bytes, twice the latency), 2
   more in the recomputed forward; the embedding's, the LM head's and the cross-entropy's on the first
@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.models.arithmetic import block_matmul_parameters
+from hpctrain.parallel.rules import padded_vocab
 from hpctrain.plan.devices import DTYPE_BYTES, PlanError
 from hpctrain.plan.machine import GroupPlacement
 from hpctrain.plan.stages import Stage, layer_activation_bytes, stage_parameters, stages
@@ -101,21 +102,21 @@ class StepTime:
                 "dp_comm": self.dp_comm_s, "bubble": self.bubble_s, "optimizer": self.optimizer_s}
 
 
-def executed_flops_per_token(model, seq_len: int, recompute: bool, flash_attention: bool) -> float:
+def executed_flops_per_token(model, seq_len: int, recompute: bool, flash_attention: bool, tp: int = 1) -> float:
     """FLOPs a token costs forward + backward (+ the recomputed forward): what the hardware executes.
 
     With ``flash_attention=False`` and recompute this is Megatron's count (Narayanan et al. 2021, eq. 3:
     ``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` per step for a GELU 4h MLP)."""
     h, layers = model.d_model, model.n_layers
     block_fwd = 2.0 * block_matmul_parameters(model) + 4.0 * seq_len * h * (0.5 if flash_attention else 1.0)
-    return layers * block_fwd * (4 if recompute else 3) + 6.0 * h * model.vocab_size
+    return layers * block_fwd * (4 if recompute else 3) + 6.0 * h * padded_vocab(model, tp)  # the LM head's GEMM
 
 
 def step_time(model, cand: Candidate, machine, options: Options = Options()) -> StepTime:
     """Predicted step time of ``cand`` (layout + recompute) for ``model`` (a resolved ModelConfig)."""
     lay, recompute = cand.layout, cand.recompute
     t, p, d, m, v = lay.tp_size, lay.pp_size, lay.dp_size, lay.microbatches, options.virtual_stages
-    b, seq, h, vocab, sp = lay.micro_batch, lay.seq_len, model.d_model, model.vocab_size, lay.sequence_parallel
+    b, seq, h, vocab, sp = lay.micro_batch, lay.seq_len, model.d_model, padded_vocab(model, t), lay.sequence_parallel
     nb = DTYPE_BYTES[options.dtype]
     dev = machine.device
     rate = dev.peak(options.dtype) * dev.efficiency * 1e12
@@ -175,7 +176,7 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
 
     tokens = lay.global_batch * seq
     step = m * slot_k + bubble + dp_s + optimizer
-    flops = executed_flops_per_token(model, seq, recompute, options.flash_attention) * tokens
+    flops = executed_flops_per_token(model, seq, recompute, options.flash_attention, t) * tokens
     return StepTime(step, m * (fk + bk), m * (tfk + tbk), m * pp_slot, dp_s, bubble, optimizer, flops, tokens)
 
 
@@ -198,7 +199,7 @@ def _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p) -> floa
         exposed += machine.collective_s("allgather", max(n for _, n, _ in params) * DTYPE_BYTES[options.dtype],
                                         d, dp_at)
     if model.tie_embeddings and lay.pp_size > 1:
-        emb = model.vocab_size * model.d_model / t * 4.0
+        emb = padded_vocab(model, t) * model.d_model / t * 4.0
         exposed += machine.collective_s("allreduce", emb, 2, pp_at)
         exposed += machine.collective_s(reduce_op, emb * options.dp_compression, d, dp_at)
     return exposed

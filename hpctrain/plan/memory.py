@@ -13,7 +13,7 @@ buffers (hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py):
   in flight, or only its input (``2 s b h``, ``/ t`` with SP) with full recomputation plus, during a
   backward, one block's full activations; micro-batches in flight: ``min(pp - s, M)`` for 1F1B, ``M``
   for GPipe; the last stage adds the logits of a micro-batch in flight and their float32 loss copy,
-  ``s b V / t x (dtype bytes + 4)``;
+  ``s b V / t x (dtype bytes + 4)`` (``V``: the padded vocabulary, ``padded_vocab``);
 - reserve: ``Options.reserve_gib`` (runtime context, communication buffers, fragmentation).
 
 The layout needs the maximum over its stages.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpctrain.parallel.rules import padded_vocab
 from hpctrain.plan.devices import DTYPE_BYTES
 from hpctrain.plan.stages import (in_flight, layer_activation_bytes, recompute_layer_bytes, stage_parameters,
                                   stages)
@@ -67,7 +68,7 @@ def activation_bytes(model, layout, stage, recompute: bool, options) -> float:
         kept = stage.layers * full * in_flight(layout, stage)
     if stage.last:
         logits_in_flight = layout.microbatches if layout.schedule == "gpipe" else 1
-        kept += seq * b * model.vocab_size / t * (nb + 4) * logits_in_flight
+        kept += seq * b * padded_vocab(model, t) / t * (nb + 4) * logits_in_flight
     return kept
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.models.arithmetic import block_matmul_parameters, partition_layers
+from hpctrain.parallel.rules import padded_vocab
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ def stage_parameters(model, stage: Stage, tp: int) -> int:
     """Parameters on one tp rank of ``stage``: its blocks' matrices / tp plus the replicated norm weights;
     the embedding rows / tp on the first stage; the final norm and LM head rows / tp on the last (a tied
     head is the embedding itself with one stage, a copy that is trained like a parameter with pp > 1)."""
-    h, vh = model.d_model, model.vocab_size * model.d_model // tp
+    h, vh = model.d_model, padded_vocab(model, tp) * model.d_model // tp  # the padded vocabulary's rows
     n = stage.layers * (block_matmul_parameters(model) // tp + 2 * h)
     if stage.first:
         n += vh

@@ -14,6 +14,7 @@ from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.rules import padded_vocab
 from hpctrain.parallel.slab import SlabSpec, init_from_global_, make_spec
 from hpctrain.parallel.tensor_parallel import vocab_parallel_cross_entropy
+from hpctrain.tools.generate import generate_ids
 
 
 class _Model:
@@ -132,6 +133,8 @@ def test_padded_logits_never_count_and_padding_rows_get_zero_gradient(tied):
     loss.backward()
     for p in {id(stage.embed.weight): stage.embed.weight, id(stage.head.w): stage.head.w}.values():
         assert p.grad[:251].abs().sum() > 0 and not p.grad[251:].any()
+    sampled = generate_ids(stage.eval(), [1, 2, 3], 40, m.max_seq_len, temperature=50.0, seed=1)
+    assert max(sampled) < 251 and max(sampled[3:]) > 128  # near-uniform sampling over the true vocabulary only
 
 
 def test_any_vocabulary_splits_over_tp_and_vocab_multiple_is_checked():
@@ -141,3 +144,24 @@ def test_any_vocabulary_splits_over_tp_and_vocab_multiple_is_checked():
     with pytest.raises(ConfigError, match="model.vocab_multiple: must be >= 1, got 0"):
         load_config(None, ["model.vocab_multiple=0"])
     assert make_spec("embed.weight", (251, 4), 0, None, padded_dim=251).padded_dim is None  # nothing to pad
+
+
+def test_the_planner_counts_the_padded_vocabulary_and_plans_tp8_for_gpt3():
+    """GPT-3's 50257 tokens: 51200 rows at tp=8 in the LM head's memory and FLOPs; tp=8 layouts fit."""
+    from hpctrain.config import ModelConfig
+    from hpctrain.plan.cost import executed_flops_per_token
+    from hpctrain.plan.devices import device_preset
+    from hpctrain.plan.machine import Machine, links_from_bandwidth
+    from hpctrain.plan.planner import SearchSpace, plan
+    from hpctrain.plan.stages import Stage, stage_parameters
+
+    m = resolve_model(ModelConfig(preset="gpt3-175b", vocab_size=0))
+    head_only = Stage(0, 0, False, True)
+    assert stage_parameters(m, head_only, 8) == m.d_model + 51200 * m.d_model // 8
+    assert executed_flops_per_token(m, 2048, False, True, 8) - executed_flops_per_token(m, 2048, False, True, 1) \
+        == 6.0 * m.d_model * (51200 - 50304)
+    machine = Machine(device_preset("a100"), links_from_bandwidth(2400, 200), 128, 8)
+    result = plan(m, machine, 512, 2048, space=SearchSpace(tp=8, pp=16, zero=(1,), sequence_parallel=(True,),
+                                                           recompute=(True,)))
+    assert result.plans and all(p.candidate.layout.tp_size == 8 for p in result.plans)
+    assert not any("vocab" in i.reason for i in result.infeasible)

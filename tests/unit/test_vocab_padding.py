@@ -135,6 +135,8 @@ def test_padded_logits_never_count_and_padding_rows_get_zero_gradient(tied):
         assert p.grad[:251].abs().sum() > 0 and not p.grad[251:].any()
     sampled = generate_ids(stage.eval(), [1, 2, 3], 40, m.max_seq_len, temperature=50.0, seed=1)
     assert max(sampled) < 251 and max(sampled[3:]) > 128  # near-uniform sampling over the true vocabulary only
+    bytes_only = generate_ids(stage, [1, 2, 3], 40, m.max_seq_len, temperature=50.0, seed=1, vocab_limit=100)
+    assert max(bytes_only) < 100  # and only ids the tokenizer has
 
 
 def test_any_vocabulary_splits_over_tp_and_vocab_multiple_is_checked():

@@ -225,7 +225,8 @@ class Trainer:
                 if not p.spec.tied_copy:
                     index = [(s.start, s.stop) for s in p.spec.local_slices()]
                     real = p.detach()[p.spec.valid_local()]  # without vocabulary padding rows
-                    pieces.append((p.spec.name, p.spec.global_shape, index, real.to("cpu", torch.float64).numpy().copy()))
+                    pieces.append((p.spec.name, p.spec.global_shape, index,
+                                   real.to("cpu", torch.float64).numpy().copy()))
         gathered = self.grid.world.gather_object(pieces, root=0)
         if gathered is None:
             return None

@@ -75,6 +75,7 @@ class ModelConfig:
     """Transformer shape; size fields left at 0 take the preset's value (see resolve_model)."""
     preset: str = _field("tiny", choices=(*PRESETS, "custom"))  # "custom": give every size explicitly
     vocab_size: int = _field(256, above=0)
+    vocab_multiple: int = _field(128, min=1)  # embedding/LM head rows: vocab_size padded to a multiple of this x tp
     d_model: int = _field(0, above=0)
     n_layers: int = _field(0, above=0)
     n_heads: int = _field(0, above=0)

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, eq=False)
 class ModelPiece:
     """One parameter this rank holds: ``data`` is its local slab, shape ``spec.local_shape``, of the global
-    parameter ``spec.name`` (``spec``: its SlabSpec: ``global_shape``, ``local_slices()``, ``tied_copy``)."""
+    parameter ``spec.name`` (``spec``: its SlabSpec: ``global_shape``, ``local_slices()``, ``tied_copy``;
+    a padded vocabulary's slab has zero padding rows past ``spec.valid_local()``, never saved or loaded)."""
 
     spec: SlabSpec
     data: torch.Tensor

@@ -72,10 +72,12 @@ def local_range_boxes(spec, a: int, b: int) -> list[tuple[Box, int, int]]:
 
     Returns (box, a_i, b_i) pieces in increasing local order (which is also the global row-major order
     of those elements, since they lie in one slab): at most 3 for a 2-D tensor (partial first row,
-    full rows, partial last row), 1 for a 1-D tensor.
+    full rows, partial last row), 1 for a 1-D tensor. Padding rows (a padded vocabulary: the slab's
+    elements from ``spec.valid_numel`` on) have no place in the global tensor: they are left out.
     """
     origin = [s.start or 0 for s in spec.local_slices()]
     shape = spec.local_shape
+    a, b = min(a, spec.valid_numel), min(b, spec.valid_numel)
     if a >= b:
         return []
     if len(shape) == 1:

@@ -4,7 +4,8 @@ writes, and how it loads any layout.
 Writing: a rank writes the boxes of the flat ranges its optimizer owns (its ZeRO-1 slice, or everything
 on dp rank 0 without ZeRO), skipping TP-replicated weights on tp ranks > 0 and the tied-embedding
 copy, so every global element is written exactly once. Loading: a rank reads its whole local slab of
-every parameter and the optimizer state of the ranges it owns NOW — in whatever layout it runs —
+every parameter and the optimizer state of the ranges it owns NOW — in whatever layout it runs, the
+padding rows of a padded vocabulary left out both ways (they are zero) —
 all into host memory first (checking CRCs on the bytes it reads), then into the run, so a bad
 checkpoint changes nothing. The run is seen only through the contract.
 """
@@ -204,9 +205,10 @@ def read_state(state: TrainState, reader) -> StagedState:
         state.check_sampler(reader.attrs["sampler"])
     tensors = state.tensors()
     staged = StagedState(attrs=reader.attrs)
-    for p in tensors.params:
-        slab = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.local_shape)
-        staged.copies.append((p.data, reader.read_checked(model_dataset(p.spec.name), slab)))
+    for p in tensors.params:  # the real part of each slab (padding rows stay zero)
+        if p.spec.valid_numel:
+            slab = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.valid_shape)
+            staged.copies.append((p.data[p.spec.valid_local()], reader.read_checked(model_dataset(p.spec.name), slab)))
     for piece in tensors.pieces:
         owned = tensors.ranges[piece.owner]
         for box, a, b in local_range_boxes(piece.spec, piece.lo, piece.hi):

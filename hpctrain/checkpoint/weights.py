@@ -53,10 +53,11 @@ def load_model(reader, dtype: torch.dtype | None = None):
         dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
     model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp_comm=None, dtype=dtype, seed=cfg.train.seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            dataset = f"model/{name}"
-            if reader.shape(dataset) != tuple(param.shape):
+        for param in model.parameters():
+            spec = param.spec  # the global (true-vocabulary) shape; padding rows stay zero
+            dataset = f"model/{spec.name}"
+            if tuple(reader.shape(dataset) or ()) != spec.global_shape:
                 raise HpcTrainError(f"{reader.path}: {dataset} has shape {reader.shape(dataset)}, the model "
-                                    f"{tuple(param.shape)}: the checkpoint does not match its own config")
-            param.copy_(torch.from_numpy(reader.file[dataset][()]))
+                                    f"{spec.global_shape}: the checkpoint does not match its own config")
+            param[spec.valid_local()] = torch.from_numpy(reader.file[dataset][()])
     return cfg, model.eval()

@@ -67,8 +67,9 @@ def parameter_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def supported_tp(m: ModelConfig) -> list[int]:
-    """The tensor-parallel sizes (up to 64) that can split this model (heads, KV heads, d_ff, vocabulary)."""
-    return [t for t in range(1, 65) if not (m.n_heads % t or m.n_kv_heads % t or m.d_ff % t or m.vocab_size % t)]
+    """The tensor-parallel sizes (up to 64) that can split this model (heads, KV heads, d_ff; any vocabulary:
+    it is padded, ``model.vocab_multiple``)."""
+    return [t for t in range(1, 65) if not (m.n_heads % t or m.n_kv_heads % t or m.d_ff % t)]
 
 
 def hf_config(m: ModelConfig, dtype: str, eos_token_id: int | None = None) -> dict:

@@ -99,7 +99,8 @@ def init_weights(state: TrainState, path: str, world) -> None:
         source = open_source(path)
         check_same_model(source.model, state.model_config, path)
         for p in tensors.params:
-            staged.append((p.data, source.read(p.spec.name, p.spec.local_slices())))
+            if p.spec.valid_numel:  # the real rows of a padded vocabulary slab; the padding stays zero
+                staged.append((p.data[p.spec.valid_local()], source.read(p.spec.name, p.spec.local_slices())))
     except (HpcTrainError, OSError) as exc:
         problem = str(exc)
     finally:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hpctrain.models.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
-from hpctrain.parallel.rules import check_tp_divisibility
+from hpctrain.parallel.rules import check_tp_divisibility, padded_vocab
 from hpctrain.parallel.slab import init_from_global_, make_spec
 from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       vocab_parallel_cross_entropy)
@@ -114,8 +114,11 @@ class GPTStage(nn.Module):
     """Layers ``[first_layer, last_layer)`` of the GPT; the first stage embeds, the last computes logits.
 
     forward: first stage ids [B, S] -> hidden; other stages hidden [S(/tp), B, D] -> hidden;
-    the last stage returns vocab-parallel logits [S, B, V/tp]. ``loss_sum`` turns them into the SUM of
-    per-token losses (the trainer divides by the global token count).
+    the last stage returns vocab-parallel logits [S, B, n]: this tp rank's real vocabulary ids
+    [vocab_start, vocab_start + n) (with tp = 1 the whole true vocabulary, [S, B, vocab_size]). The LM
+    head holds ``padded_vocab`` rows; their padding columns are cut off here, before any loss, softmax or
+    sampling sees them (so the padding rows get zero gradient). ``loss_sum`` turns the logits into the SUM
+    of per-token losses (the trainer divides by the global token count).
     """
 
     def __init__(self, m, layer_range: tuple[int, int], *, is_first: bool, is_last: bool, tp_comm=None,
@@ -125,9 +128,10 @@ class GPTStage(nn.Module):
         check_tp_divisibility(m, tp_size)
         self.is_first, self.is_last, self.tp_comm, self.sp, self.recompute = is_first, is_last, tp_comm, sp, recompute
         self.layer_range = layer_range
+        vocab = padded_vocab(m, tp_size)
         if is_first:
             self.embed = VocabParallelEmbedding("embed", m.vocab_size, m.d_model, tp_comm, sp=sp, dtype=dtype,
-                                                seed=seed, std=m.init_std)
+                                                seed=seed, std=m.init_std, padded_vocab=vocab)
             if m.tie_embeddings and not is_last:  # pp > 1: the last stage holds a copy
                 self.embed.weight.spec = replace(self.embed.weight.spec, tied="original")
         self.layers = nn.ModuleDict({str(i): Block(f"layers.{i}", m, tp_comm, sp, dtype, seed)
@@ -138,12 +142,13 @@ class GPTStage(nn.Module):
                 self.head = ColumnParallelLinear("embed", m.d_model, m.vocab_size, tp_comm, sp=sp, weight=self.embed.weight)
             elif m.tie_embeddings:  # pp > 1: a copy of the embedding; its grad is summed with stage 0's
                 self.head = ColumnParallelLinear("embed", m.d_model, m.vocab_size, tp_comm, sp=sp, dtype=dtype,
-                                                 seed=seed, std=m.init_std)
+                                                 seed=seed, std=m.init_std, padded_out=vocab)
                 self.head.weight.spec = replace(self.head.weight.spec, tied="copy")
             else:
                 self.head = ColumnParallelLinear("head", m.d_model, m.vocab_size, tp_comm, sp=sp, dtype=dtype,
-                                                 seed=seed, std=m.init_std)
-            self.vocab_start = (m.vocab_size // tp_size) * (0 if tp_comm is None else tp_comm.rank)
+                                                 seed=seed, std=m.init_std, padded_out=vocab)
+            spec = self.head.w.spec  # head rows: vocabulary ids [vocab_start, + vocab_valid), then padding
+            self.vocab_start, self.vocab_valid = spec.tp_rank * spec.local_shape[0], spec.valid_shape[0]
 
     def forward(self, x):
         if self.is_first:
@@ -152,8 +157,10 @@ class GPTStage(nn.Module):
             x = checkpoint(block, x, use_reentrant=False) if self.recompute and self.training else block(x)
         if self.is_last:
             x = self.head(self.norm(x))
+            if x.shape[-1] > self.vocab_valid:
+                x = x[..., :self.vocab_valid]  # padding columns dropped (a view)
         return x
 
     def loss_sum(self, logits, targets):
-        """Sum over tokens of the cross-entropy; targets [B, S]."""
+        """Sum over tokens of the cross-entropy; targets [B, S]. Talks on tp."""
         return vocab_parallel_cross_entropy(logits, targets.t().contiguous(), self.tp_comm, self.vocab_start).sum()

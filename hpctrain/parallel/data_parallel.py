@@ -15,6 +15,10 @@ reduce-scatter into ``slice_grads`` with ZeRO, by default; a compressed reducer 
 progress. ``finish_reduction`` completes all.
 Gradients are SUMMED over dp: the loss is already divided by the global token count.
 
+Vocabulary padding. The padding rows of the embedding and LM head (``SlabSpec.padded_dim``) sit in the
+buffers like any element; their grads are zero, and are set to zero again after the reduction (a lossy
+compressor could make them noise), so the optimizer never moves them and the grad norm never sees them.
+
 Deferred bucket. Grads that need a reduction over ANOTHER group first (sequence-parallel norm weights:
 partial per TP rank; the last stage's copy of a tied embedding: summed with stage 0 over PP) live in
 a last bucket that ``finish_reduction`` starts after those pre-reductions.
@@ -108,6 +112,10 @@ class FlatParams:
             if zero:
                 bucket.slice_grad = torch.zeros(bucket.size // self.dp_size, dtype=self.grad_dtype, device=device)
         self.last_microbatch = False
+        # vocabulary padding rows inside the owned ranges: their reduced grads are zeroed (a lossy
+        # compressor, e.g. onebit, may turn the zeros into noise), so they stay zero and never count
+        self._owned_padding = [(b, lo, hi, pads) for b, lo, hi in self.owned_ranges()
+                               if (pads := self.padding_ranges(lo, hi))]
         self.reducer = make_reducer(self)  # last: it reads the buckets, buffers and timer
 
     def _make_buckets(self, bucket_elems: float) -> list[Bucket]:
@@ -179,6 +187,10 @@ class FlatParams:
         for bucket in self.buckets:
             if bucket.handle is not None:
                 self.reducer.finish(bucket)
+        for bucket, start, end, pads in self._owned_padding:
+            grad = self.owned_grad(bucket, start, end)
+            for lo, hi in pads:
+                grad[lo:hi].zero_()
 
     def _pre_reduce(self, bucket: Bucket) -> None:
         for p in bucket.params:
@@ -236,6 +248,16 @@ class FlatParams:
             if overlap:
                 found.append(ParamPiece(p, overlap[0], overlap[1], overlap[0] - offset))
         return sorted(found, key=lambda piece: piece.flat_lo)
+
+    def padding_ranges(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Sub-ranges of flat [start, end), relative to ``start``, holding vocabulary padding rows (the slab
+        elements from ``spec.valid_numel`` on: never trained, never saved)."""
+        ranges = []
+        for piece in self.pieces(start, end):
+            first_pad = max(piece.param_lo, piece.param.spec.valid_numel)
+            if first_pad < piece.param_hi:
+                ranges.append((piece.flat_lo + first_pad - piece.param_lo - start, piece.flat_hi - start))
+        return ranges
 
     def param_ranges(self, start: int, end: int, predicate) -> list[tuple[int, int]]:
         """Sub-ranges of flat [start, end), relative to ``start``, covered by parameters where ``predicate``

@@ -8,7 +8,8 @@ the functions take numbers and a resolved ``ModelConfig``-like object (tests/uni
 Rules, in the order ``Layout.validate`` checks them (each raises the message users see; ``GridError``
 for the factorisation of the world, ``LayoutError`` for the rest):
   sizes: tp, pp >= 1; dp >= 0; dp * pp * tp == world (dp = 0 derives it; world divisible by tp * pp)
-  model: n_heads, n_kv_heads, d_ff, vocab_size divisible by tp; pp <= n_layers;
+  model: n_heads, n_kv_heads, d_ff divisible by tp (the vocabulary is padded: ``padded_vocab``);
+         pp <= n_layers;
          stage_layers (if given) has pp entries >= 1 summing to n_layers
   batch: global_batch divisible by dp; the replica batch divisible by micro-batches;
          with sequence parallelism, seq_len divisible by tp
@@ -42,13 +43,22 @@ def resolve_sizes(world_size: int, dp: int = 0, pp: int = 1, tp: int = 1) -> dic
     return {"dp": dp, "pp": pp, "tp": tp}
 
 
+def padded_vocab(m, tp_size: int) -> int:
+    """Rows of the embedding and LM head over all tp ranks: ``model.vocab_size`` rounded up to a multiple
+    of ``model.vocab_multiple * tp`` (Megatron's ``make_vocab_size_divisible_by``), so every tp rank holds
+    the same number of rows, a multiple of ``vocab_multiple``. The rows past ``vocab_size`` are padding:
+    zero, never trained, never saved, masked out of every softmax (docs/parallelism.md)."""
+    step = m.vocab_multiple * tp_size
+    return -(-m.vocab_size // step) * step
+
+
 def check_tp_divisibility(m, tp_size: int) -> None:
-    """Raise a clear error when the model ``m`` (a resolved ModelConfig) cannot be split over tp."""
-    for what, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                        ("model.d_ff", m.d_ff), ("model.vocab_size", m.vocab_size)):
+    """Raise a clear error when the model ``m`` (a resolved ModelConfig) cannot be split over tp (the
+    vocabulary always can: it is padded to ``padded_vocab``)."""
+    for what, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.d_ff", m.d_ff)):
         if value % tp_size:
             raise LayoutError(f"{what}={value} is not divisible by parallel.tp={tp_size}: attention heads, "
-                                f"KV heads, the MLP and the vocabulary are split over tp; choose tp dividing it")
+                                f"KV heads and the MLP are split over tp; choose tp dividing it")
 
 
 def check_stages(m, pp_size: int, stage_layers: list[int]) -> None:

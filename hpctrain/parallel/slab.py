@@ -8,6 +8,12 @@ copy, marked by ``tied``). Words (one meaning each, docs/architecture.md): a **s
 split of a parameter; a **slice** is a ZeRO-1 owner's part of the flat optimizer state
 (``optim/flat.py`` ``OptimizerSlice``); a **chunk** is a sequence-parallel part of the sequence; a
 **shard** is one rank's checkpoint file (``shards/shard-RRRRR.h5``).
+
+Padding (the vocabulary, docs/parallelism.md): ``global_shape`` is always the TRUE tensor (what
+checkpoints and exports hold); ``padded_dim`` is the split dimension's length over all tp ranks when it is
+longer. Rank r then holds padded rows [r n, (r+1) n) (``local_shape``), of which the ones below the true
+length are real: a prefix of its slab (``valid_local()``), at ``local_slices()`` of the global tensor;
+the last rank(s) may hold fewer, or none. The padding rows are zero and stay zero.
 """
 from __future__ import annotations
 
@@ -29,25 +35,68 @@ class SlabSpec:
     # (its LM head); the two grads are summed before the dp reduction; the copy is never saved or
     # counted twice. "" = not tied across stages (a tie inside one stage is one shared Parameter).
     tied: str = ""
+    # length of ``split_dim`` over all tp ranks, padding included (only the vocabulary's dim 0 is ever
+    # padded); None = global_shape[split_dim], no padding
+    padded_dim: int | None = None
+
+    def __post_init__(self):
+        if self.padded_dim is not None and (self.split_dim != 0 or self.padded_dim < self.global_shape[0]):
+            raise ValueError(f"{self.name}: padding is along the split dim 0 and not shorter than "
+                             f"{self.global_shape}, got split_dim={self.split_dim}, padded_dim={self.padded_dim}")
 
     @property
     def tied_copy(self) -> bool:
         return self.tied == "copy"
 
     @property
+    def split_length(self) -> int:
+        """Length of ``split_dim`` over all tp ranks, padding included."""
+        return self.padded_dim if self.padded_dim is not None else self.global_shape[self.split_dim]
+
+    @property
     def local_shape(self) -> tuple[int, ...]:
+        """Shape of this rank's slab (padding rows included)."""
         shape = list(self.global_shape)
         if self.split_dim is not None:
-            shape[self.split_dim] //= self.tp_size
+            shape[self.split_dim] = self.split_length // self.tp_size
         return tuple(shape)
 
+    def _real_rows(self) -> tuple[int, int]:
+        """Global [start, stop) of this rank's real (non-padding) indices along ``split_dim``."""
+        n, true = self.split_length // self.tp_size, self.global_shape[self.split_dim]
+        return min(self.tp_rank * n, true), min((self.tp_rank + 1) * n, true)
+
     def local_slices(self) -> tuple[slice, ...]:
-        """Index of this rank's slab in the global tensor."""
+        """Index in the global tensor of this rank's real elements (its whole slab without padding)."""
         index = [slice(None)] * len(self.global_shape)
         if self.split_dim is not None:
-            n = self.global_shape[self.split_dim] // self.tp_size
-            index[self.split_dim] = slice(self.tp_rank * n, (self.tp_rank + 1) * n)
+            index[self.split_dim] = slice(*self._real_rows())
         return tuple(index)
+
+    def valid_local(self) -> tuple[slice, ...]:
+        """Index in the local slab of its real elements (a prefix along ``split_dim``; all of it unpadded)."""
+        index = [slice(None)] * len(self.global_shape)
+        if self.split_dim is not None:
+            start, stop = self._real_rows()
+            index[self.split_dim] = slice(0, stop - start)
+        return tuple(index)
+
+    @property
+    def valid_shape(self) -> tuple[int, ...]:
+        """Shape of this rank's real elements (``local_shape`` without padding rows; 0 rows possible)."""
+        shape = list(self.local_shape)
+        if self.split_dim is not None:
+            start, stop = self._real_rows()
+            shape[self.split_dim] = stop - start
+        return tuple(shape)
+
+    @property
+    def valid_numel(self) -> int:
+        """Number of real elements: the first ``valid_numel`` of the flattened slab (C order)."""
+        n = 1
+        for d in self.valid_shape:
+            n *= d
+        return n
 
     @property
     def replicated_over_tp(self) -> bool:
@@ -60,13 +109,17 @@ class SlabSpec:
         return not self.tied_copy and (tp_rank == 0 or not self.replicated_over_tp)
 
 
-def make_spec(name: str, global_shape, split_dim, tp_comm, **flags) -> SlabSpec:
+def make_spec(name: str, global_shape, split_dim, tp_comm, padded_dim: int | None = None, **flags) -> SlabSpec:
+    """The spec of ``name`` on this rank of ``tp_comm``; ``padded_dim``: dim 0 padded to that length."""
     size = 1 if tp_comm is None else tp_comm.size
     rank = 0 if tp_comm is None else tp_comm.rank
-    if split_dim is not None and global_shape[split_dim] % size:
-        raise ValueError(f"{name}: dimension {split_dim} of global shape {tuple(global_shape)} is not "
-                         f"divisible by tp={size}")
-    return SlabSpec(name, tuple(global_shape), split_dim, rank, size, **flags)
+    if padded_dim == global_shape[0]:
+        padded_dim = None
+    length = padded_dim if padded_dim is not None else (None if split_dim is None else global_shape[split_dim])
+    if split_dim is not None and length % size:
+        raise ValueError(f"{name}: dimension {split_dim} of global shape {tuple(global_shape)} (padded to "
+                         f"{length}) is not divisible by tp={size}")
+    return SlabSpec(name, tuple(global_shape), split_dim, rank, size, padded_dim=padded_dim, **flags)
 
 
 def global_generator(seed: int, name: str) -> torch.Generator:
@@ -76,10 +129,11 @@ def global_generator(seed: int, name: str) -> torch.Generator:
 
 @torch.no_grad()
 def init_from_global_(param: torch.Tensor, spec: SlabSpec, seed: int, std: float | None) -> None:
-    """Fill ``param`` with its slab of the GLOBAL tensor N(0, std) (std None: ones)."""
+    """Fill ``param`` with its slab of the GLOBAL tensor N(0, std) (std None: ones); padding rows with 0."""
     if std is None:
         param.fill_(1.0)
         return
     full = torch.empty(spec.global_shape, dtype=torch.float64)
     full.normal_(0.0, std, generator=global_generator(seed, spec.name))
-    param.copy_(full[spec.local_slices()])
+    param.zero_()
+    param[spec.valid_local()] = full[spec.local_slices()]

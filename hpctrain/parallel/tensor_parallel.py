@@ -7,6 +7,11 @@ All communication is on the TP group's ``Communicator`` (``tp_comm``); ``tp_comm
     ColumnParallelLinear   W [out/tp, in]   in: replicated (or SP-chunked) -> out: split on last dim
     RowParallelLinear      W [out, in/tp]   in: split on last dim -> out: reduced (or SP reduce-scattered)
     VocabParallelEmbedding W [V/tp, D]      ids -> [S, B, D] reduced (or SP reduce-scattered)
+
+The vocabulary layers (embedding, LM head) hold ``V = padded_vocab`` rows (parallel/rules.py): the
+rows past the true vocabulary are zero padding (``SlabSpec.padded_dim``). Their ids never occur and the
+model drops their logit columns before anything uses them (``GPTStage.forward``), so they get exactly
+zero gradient and stay zero.
 """
 from __future__ import annotations
 
@@ -34,12 +39,14 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, name, in_features, out_features, tp_comm, *, sp=False, dtype=torch.float32, seed=0,
-                 std=0.02, weight=None, input_mode=None):
+                 std=0.02, weight=None, input_mode=None, padded_out=None):
         super().__init__()
         self.tp_comm = tp_comm
         self.input_mode = input_mode or ("gather" if sp else "copy")
         if weight is None:  # ``weight``: share an existing [out/tp, in] parameter (tied LM head)
-            weight = _param(make_spec(f"{name}.weight", (out_features, in_features), 0, tp_comm), dtype, seed, std)
+            # ``padded_out``: out_features padded to that many rows (the LM head over a padded vocabulary)
+            spec = make_spec(f"{name}.weight", (out_features, in_features), 0, tp_comm, padded_dim=padded_out)
+            weight = _param(spec, dtype, seed, std)
             self.weight = weight
         else:
             self._shared = [weight]  # not registered: the owner module holds it
@@ -71,14 +78,16 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """ids [S, B] -> [S, B, D] (or [S/tp, B, D] with SP); this rank holds rows [start, end) of the vocab."""
+    """ids [S, B] -> [S, B, D] (or [S/tp, B, D] with SP); this rank holds rows [start, end) of the vocab
+    padded to ``padded_vocab`` rows (ids are below ``vocab_size``, so padding rows are never looked up)."""
 
-    def __init__(self, name, vocab_size, dim, tp_comm, *, sp=False, dtype=torch.float32, seed=0, std=0.02):
+    def __init__(self, name, vocab_size, dim, tp_comm, *, sp=False, dtype=torch.float32, seed=0, std=0.02,
+                 padded_vocab=None):
         super().__init__()
         self.tp_comm, self.sp = tp_comm, sp
-        spec = make_spec(f"{name}.weight", (vocab_size, dim), 0, tp_comm)
+        spec = make_spec(f"{name}.weight", (vocab_size, dim), 0, tp_comm, padded_dim=padded_vocab)
         self.weight = _param(spec, dtype, seed, std)
-        self.start = spec.local_slices()[0].start or 0
+        self.start = spec.tp_rank * spec.local_shape[0]
         self.end = self.start + spec.local_shape[0]
 
     def forward(self, ids):
@@ -91,20 +100,27 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token loss from logits split over the vocab, without ever gathering full logits."""
+    """Per-token loss from logits split over the vocab, without ever gathering full logits. A rank may hold
+    no column at all (the last tp ranks of a padded vocabulary): it adds nothing but takes part."""
 
     @staticmethod
     def forward(ctx, logits, targets, tp_comm, vocab_start):
         ctx.input_dtype = logits.dtype
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        logits_max = logits.max(dim=-1).values
+        n_local = logits.shape[-1]
+        if n_local:
+            logits_max = logits.max(dim=-1).values
+        else:
+            logits_max = torch.full(targets.shape, float("-inf"), dtype=logits.dtype, device=logits.device)
         if tp_comm is not None and tp_comm.size > 1:
             tp_comm.allreduce(logits_max, op="max")
         shifted = logits - logits_max.unsqueeze(-1)
-        n_local = logits.shape[-1]
         outside = (targets < vocab_start) | (targets >= vocab_start + n_local)
         local_targets = (targets - vocab_start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        if n_local:
+            target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        else:
+            target_logit = torch.zeros_like(logits_max)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         if tp_comm is not None and tp_comm.size > 1:
@@ -120,10 +136,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_targets, outside = ctx.saved_tensors
         grad = softmax.clone()
-        grad.scatter_add_(-1, local_targets.unsqueeze(-1), (~outside).to(grad.dtype).unsqueeze(-1).neg())
+        if grad.shape[-1]:
+            grad.scatter_add_(-1, local_targets.unsqueeze(-1), (~outside).to(grad.dtype).unsqueeze(-1).neg())
         return (grad * grad_loss.unsqueeze(-1)).to(ctx.input_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits, targets, tp_comm, vocab_start: int):
-    """logits [S, B, V/tp] (this rank's vocab rows from ``vocab_start``), targets [S, B] -> loss [S, B]."""
+    """logits [S, B, n] (this rank's vocabulary ids [vocab_start, vocab_start + n); n may be 0), targets
+    [S, B] -> loss [S, B]. Talks on tp (max, then one all-reduce of target logit and sum of exp)."""
     return _VocabParallelCrossEntropy.apply(logits, targets, tp_comm, vocab_start)

@@ -13,7 +13,7 @@ buffers (hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py):
   in flight, or only its input (``2 s b h``, ``/ t`` with SP) with full recomputation plus, during a
   backward, one block's full activations; micro-batches in flight: ``min(pp - s, M)`` for 1F1B, ``M``
   for GPipe; the last stage adds the logits of a micro-batch in flight and their float32 loss copy,
-  ``s b V / t x (dtype bytes + 4)``;
+  ``s b V / t x (dtype bytes + 4)`` (``V``: the padded vocabulary; ``memory`` pads the model with ``shapes.for_tp``);
 - reserve: ``Options.reserve_gib`` (runtime context, communication buffers, fragmentation).
 
 The layout needs the maximum over its stages.

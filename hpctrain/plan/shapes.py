@@ -10,8 +10,9 @@ Model objects are resolved ``ModelConfig``s or anything with the same fields (``
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
+
+from hpctrain.parallel.rules import padded_vocab  # noqa: F401 (the one rule; re-exported for plan/)
 
 DEFAULT_VOCAB_MULTIPLE = 128
 
@@ -19,12 +20,6 @@ DEFAULT_VOCAB_MULTIPLE = 128
 def mlp_matrices(m) -> int:
     """``d_model x d_ff`` matrices in one block's MLP: 3 for SwiGLU, 2 for a GELU (or squared-ReLU) MLP."""
     return 3 if getattr(m, "mlp", "swiglu") == "swiglu" else 2
-
-
-def padded_vocab(m, tp: int) -> int:
-    """Rows of the embedding and LM head over ``tp`` ranks: ``ceil(V / (multiple x tp)) x multiple x tp``."""
-    step = getattr(m, "vocab_multiple", DEFAULT_VOCAB_MULTIPLE) * tp
-    return math.ceil(m.vocab_size / step) * step
 
 
 def for_tp(m, tp: int):

@@ -26,7 +26,14 @@ MEANINGS: dict[str, str] = {
     "model.preset": "Named shape (see Presets below); its size fields fill every size key left at 0. "
                     "`custom`: no preset, give every size key explicitly.",
     "model.vocab_size": "Vocabulary size (token ids must be below it). 256 = byte-level tokens, what the builtin "
-                        "corpus and text sources produce. 0 = the preset's (50257 for the GPT presets).",
+                        "corpus and text sources produce. 0 = the preset's (50257 for the GPT presets). Any size "
+                        "works with any `parallel.tp`: the embedding and LM head are padded (`model.vocab_multiple`).",
+    "model.vocab_multiple": "The embedding and LM head hold `ceil(vocab_size / (vocab_multiple x tp)) x vocab_multiple "
+                            "x tp` rows (Megatron's `make_vocab_size_divisible_by`): every tp rank the same number, a "
+                            "multiple of this (128: tensor-core friendly GEMMs). The padding rows are zero, never "
+                            "trained, masked out of the loss and sampling, and never saved: checkpoints and exports "
+                            "hold the true vocabulary, so a run may change it on resume. 1 = pad only to a multiple "
+                            "of tp. See docs/parallelism.md.",
     "model.d_model": "Hidden size. 0 = the preset's.",
     "model.n_layers": "Transformer blocks. 0 = the preset's. Must be >= `parallel.pp`.",
     "model.n_heads": "Query heads; `d_model` must be divisible by it, and it by `parallel.tp`. 0 = the preset's.",

@@ -17,9 +17,10 @@ from hpctrain.errors import HpcTrainError
 
 @torch.no_grad()
 def generate_ids(model, prompt_ids: list[int], max_new_tokens: int, max_seq_len: int, temperature: float = 1.0,
-                 top_k: int = 0, seed: int = 0) -> list[int]:
+                 top_k: int = 0, seed: int = 0, vocab_limit: int = 0) -> list[int]:
     """``prompt_ids`` followed by ``max_new_tokens`` sampled ids. ``model``: a whole GPTStage (ids [B, S]
-    -> logits [S, B, V])."""
+    -> logits [S, B, V] over the true vocabulary: its padding rows never reach them). ``vocab_limit`` > 0:
+    sample only ids below it (the tokenizer's; a model may have more ids than its tokenizer)."""
     if not prompt_ids:
         raise HpcTrainError("the prompt is empty: give at least one character")
     if temperature < 0 or top_k < 0 or max_new_tokens < 0:
@@ -30,6 +31,8 @@ def generate_ids(model, prompt_ids: list[int], max_new_tokens: int, max_seq_len:
     for _ in range(max_new_tokens):
         context = torch.tensor([ids[-max_seq_len:]], dtype=torch.long)
         logits = model(context)[-1, 0].double()
+        if vocab_limit:
+            logits = logits[:vocab_limit]
         if temperature == 0:
             ids.append(int(logits.argmax()))
             continue
@@ -57,7 +60,7 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 64, temperature:
         raise HpcTrainError(f"tokenizer {tok.name} has {tok.vocab_size} tokens, the model {m.vocab_size}: "
                             f"not the tokenizer this model was trained with")
     prompt_ids = tok.encode(prompt)
-    ids = generate_ids(model, prompt_ids, max_new_tokens, m.max_seq_len, temperature, top_k, seed)
+    ids = generate_ids(model, prompt_ids, max_new_tokens, m.max_seq_len, temperature, top_k, seed, tok.vocab_size)
     info = {"checkpoint": reader.path, "step": reader.attrs.get("step"), "tokenizer": tok.name,
             "prompt_tokens": len(prompt_ids), "new_tokens": len(ids) - len(prompt_ids)}
     return tok.decode(ids[len(prompt_ids):]), info

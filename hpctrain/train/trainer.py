@@ -216,7 +216,7 @@ class Trainer:
     def global_parameters(self) -> dict | None:
         """Collective: every parameter at its GLOBAL shape on world rank 0 (None elsewhere).
 
-        Built from the slab specs: TP slabs are placed at their slices; each dp replica holds the same
+        Built from the slab specs: TP slabs (their real rows) are placed at their slices; each dp replica holds the same
         values, so only dp rank 0 contributes; the tied copy is skipped.
         """
         pieces = []
@@ -224,8 +224,9 @@ class Trainer:
             for p in self.stage.parameters():
                 if not p.spec.tied_copy:
                     index = [(s.start, s.stop) for s in p.spec.local_slices()]
+                    real = p.detach()[p.spec.valid_local()]  # without vocabulary padding rows
                     pieces.append((p.spec.name, p.spec.global_shape, index,
-                                   p.detach().to("cpu", torch.float64).numpy().copy()))
+                                   real.to("cpu", torch.float64).numpy().copy()))
         gathered = self.grid.world.gather_object(pieces, root=0)
         if gathered is None:
             return None

@@ -78,6 +78,27 @@ def test_reshard_chain_matches_one_process(tmp_path):
     ckpt("diff", str(reference), str(run_dir), "--atol", "1e-9")
 
 
+def test_reshard_an_odd_vocabulary_with_tied_embeddings(tmp_path):
+    """257 tokens (padded in memory: 384 rows at tp=1, 512 at tp=2 and tp=4, where the last rank holds no
+    real row; 258 with vocab_multiple=1) save and resume across tp=2 -> 1 -> 4 -> 2 with ZeRO -> pp=2 (the
+    tied copy on the last stage) like one process; the checkpoint holds the true vocabulary."""
+    odd = [*F64, "train.steps=10", "model.vocab_size=257", "model.tie_embeddings=true"]
+    reference = tmp_path / "reference"
+    train(1, reference, *odd, "parallel.microbatches=1")
+    ref = losses(reference)
+    chain = [(2, ["parallel.tp=2"]), (1, []), (4, ["parallel.tp=4", "parallel.sequence_parallel=true"]),
+             (4, ["parallel.tp=2", "parallel.zero=1", "model.vocab_multiple=1"]), (2, ["parallel.pp=2"])]
+    run_dir = tmp_path / "chain"
+    for i, (ranks, layout) in enumerate(chain):
+        train(ranks, run_dir, *odd, *layout, "--max-steps", "2", "--resume", "auto", timeout=300)
+        got = losses(run_dir)
+        for step in (2 * i + 1, 2 * i + 2):
+            assert abs(got[step] - ref[step]) <= 1e-10 * abs(ref[step]), (i, layout, step, got[step], ref[step])
+        with h5py.File(sorted((run_dir / "checkpoints").glob("step-*"))[-1] / "checkpoint.h5", "r") as f:
+            assert f["model/embed.weight"].shape == (257, 64) and f["optim/exp_avg/embed.weight"].shape == (257, 64)
+    ckpt("diff", str(reference), str(run_dir), "--atol", "1e-9")
+
+
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
     """A run with checkpoints at steps 2 and 4 (2 ranks, tp=2)."""

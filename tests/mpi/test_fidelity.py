@@ -35,6 +35,17 @@ def test_eight_ranks_full_grid_deep_pipelines_and_tied_embeddings():
     assert out.count("OK dp=") == 6
 
 
+@pytest.mark.parametrize("tied, layouts, variants", [
+    ("false", "1,4,1;2,2,1;1,2,2;2,1,2", "1f1b,sp/zero1"),
+    ("true", "1,2,2;1,4,1;2,1,2", "sp,zero1/gpipe"),  # tied across pp stages, and inside one stage
+])
+def test_an_odd_vocabulary_in_every_layout_family(tied, layouts, variants):
+    """257 tokens: padded to 384 rows at tp=1 (the reference), 512 at tp=2 (rank 1 holds 1 real row) and
+    tp=4 (rank 3 none); the padding rows stay exactly zero (checked by the script)."""
+    out = fidelity(4, layouts, variants, *F64, "model.vocab_size=257", f"model.tie_embeddings={tied}")
+    assert out.count("OK dp=") == 2 * len(layouts.split(";"))
+
+
 def test_float32_losses_match():
     fidelity(4, "1,2,2;2,1,2", "1f1b,sp", "--dtype", "float32", "--rtol", "1e-5")
 

@@ -30,9 +30,10 @@ def losses(run_dir):
 
 
 def test_a_tp2_run_exports_to_transformers_with_the_same_logits(tmp_path):
+    """257 tokens: 512 padded rows in the tp=2 run, 257 in the checkpoint and in the HF model."""
     run = tmp_path / "run"
     train(2, run, "parallel.tp=2", "parallel.pp=1", "parallel.sequence_parallel=true", "model.tie_embeddings=true",
-          "train.steps=2")
+          "train.steps=2", "model.vocab_size=257")
     assert dispatch(["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
     reader = open_checkpoint(str(run))
     assert reader.attrs["step"] == 2 and reader.attrs["layout"]["tp"] == 2
@@ -42,12 +43,12 @@ def test_a_tp2_run_exports_to_transformers_with_the_same_logits(tmp_path):
     with float64_exact_transformers(), torch.no_grad():
         hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64).eval()
         theirs, ours = hf_logits(hf, ids), model(ids).permute(1, 0, 2)
-    assert theirs.dtype == torch.float64 and hf.config.tie_word_embeddings
+    assert theirs.dtype == torch.float64 and hf.config.tie_word_embeddings and theirs.shape == (2, 48, 257)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-10)
 
 
 def test_an_imported_model_trains_the_same_in_every_layout(tmp_path):
-    hf = random_llama(tmp_path / "hf", vocab=256, kv_heads=2)
+    hf = random_llama(tmp_path / "hf", vocab=257, kv_heads=2)  # an odd vocabulary: padded in memory at any tp
     assert dispatch(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
     model_toml = tmp_path / "ckpt" / "model.toml"  # the [model] section of the HF model: a valid config file
     steps = ["train.steps=1"]
@@ -65,7 +66,7 @@ def test_an_imported_model_trains_the_same_in_every_layout(tmp_path):
     tokens = load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes)
     inputs, targets = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed).batch(0, cfg.train.global_batch)
     with float64_exact_transformers():
-        expected = F.cross_entropy(hf_logits(hf, inputs).reshape(-1, 256), targets.reshape(-1)).item()
+        expected = F.cross_entropy(hf_logits(hf, inputs).reshape(-1, 257), targets.reshape(-1)).item()
     assert first == pytest.approx([expected] * 3, rel=1e-10, abs=0)
 
     # a config whose model differs only in rope_theta (same shapes) is refused, not silently trained

@@ -21,7 +21,6 @@ from hpctrain.interop.cli import write_weights_only  # noqa: E402
 from hpctrain.interop.hf import HFError, HFModelDir, hf_name, parameter_shapes, supported_tp  # noqa: E402
 from hpctrain.models.gpt import GPTStage  # noqa: E402
 from hpctrain.parallel.layout import Layout  # noqa: E402
-from hpctrain.parallel.rules import LayoutError  # noqa: E402
 
 DTYPES = {"float64": (torch.float64, 1e-10), "float32": (torch.float32, 1e-5)}
 IDS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -53,7 +52,7 @@ def test_names_and_shapes_match_the_model_and_transformers():
     for tied in (False, True):
         m = model_cfg(tied)
         stage = GPTStage(m, (0, 2), is_first=True, is_last=True)
-        assert {p.spec.name: tuple(p.shape) for p in stage.parameters()} == parameter_shapes(m)
+        assert {p.spec.name: p.spec.global_shape for p in stage.parameters()} == parameter_shapes(m)
         hf = random_llama(None, tied=tied)
         hf_shapes = {k: tuple(v.shape) for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
         assert {hf_name(n): s for n, s in parameter_shapes(m).items()} == hf_shapes
@@ -224,14 +223,33 @@ def test_out_is_replaced_only_with_force_and_only_when_hpctrain_wrote_it(tmp_pat
         assert (tmp_path / "ckpt").is_dir()
 
 
-def test_a_vocabulary_the_layout_cannot_split_is_a_clear_error(tmp_path):
-    random_llama(tmp_path / "hf", vocab=97)
+def test_an_odd_vocabulary_splits_over_any_tp_and_round_trips_exactly(tmp_path, capsys):
+    """97 tokens: padded to 128 rows at tp=1, 256 at tp=2 in memory; the checkpoint and the export hold 97;
+    logits equal transformers' and export(import(hf)) is bitwise the original."""
+    hf = random_llama(tmp_path / "hf", vocab=97, kv_heads=2)
     source = HFModelDir(str(tmp_path / "hf"))
-    assert supported_tp(source.model) == [1]
+    assert supported_tp(source.model) == [1, 2]  # heads and KV heads decide, not the vocabulary
     cfg = Config(model=source.model)
     cfg.parallel.tp = 2
-    with pytest.raises(LayoutError, match="model.vocab_size=97 is not divisible by parallel.tp=2"):
-        Layout.from_config(cfg, 2)
+    assert Layout.from_config(cfg, 2).tp_size == 2
+    source.close()
+    hpctrain("import-hf", tmp_path / "hf", "--out", tmp_path / "ckpt")
+    assert "tensor-parallel sizes that split it: 1, 2" in capsys.readouterr().out
+    reader = open_checkpoint(str(tmp_path / "ckpt"))
+    assert reader.shape("model/embed.weight") == (97, 32) and reader.shape("model/head.weight") == (97, 32)
+    _, model = load_model(reader)
+    reader.close()
+    assert model.embed.weight.shape == (128, 32) and not model.head.weight[97:].any()
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(2))
+    with float64_exact_transformers(), torch.no_grad():
+        ours = model(ids).permute(1, 0, 2)
+        assert ours.shape == (2, 24, 97)
+        torch.testing.assert_close(ours, hf_logits(hf, ids), rtol=0, atol=1e-10)
+    hpctrain("export", tmp_path / "ckpt", "--format", "hf", "--out", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["vocab_size"] == 97
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
 
 
 def test_sources_read_slabs_of_either_format_and_refuse_another_model(tmp_path):

@@ -17,8 +17,6 @@ def layout(world, *overrides):
      "model.n_kv_heads=2 is not divisible by parallel.tp=4"),
     (8, ["parallel.tp=8", "parallel.pp=1"], HpcTrainError, "model.n_heads=4 is not divisible by parallel.tp=8"),
     (2, ["parallel.tp=2", "parallel.pp=1", "model.d_ff=255"], HpcTrainError, "model.d_ff=255 is not divisible"),
-    (2, ["parallel.tp=2", "parallel.pp=1", "model.vocab_size=257"], HpcTrainError,
-     "model.vocab_size=257 is not divisible by parallel.tp=2"),
     (4, ["parallel.tp=1", "parallel.pp=1", "train.global_batch=6"], HpcTrainError,
      "train.global_batch=6 is not divisible by dp=4"),
     (2, ["parallel.tp=1", "parallel.pp=1", "train.global_batch=8", "parallel.microbatches=3"], HpcTrainError,

@@ -25,6 +25,9 @@ def train(cfg, mpi_world, tokens, steps):
     grid = ProcessGrid.from_config(cfg, info, mpi_world=mpi_world, timeout_s=120)
     trainer = Trainer(cfg, grid, tokens=tokens)
     losses = [trainer.train_step().loss for _ in range(steps)]
+    for p in trainer.stage.parameters():  # vocabulary padding rows: never trained, exactly zero
+        pad = p.spec.valid_shape[0] if p.spec.padded_dim is not None else p.shape[0]
+        assert not p.detach()[pad:].any() and not p.main_grad[pad:].any(), f"{p.spec.name}: padding rows changed"
     params = trainer.global_parameters()
     grid.close()
     return losses, params

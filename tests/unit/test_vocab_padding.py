@@ -155,13 +155,14 @@ def test_the_planner_counts_the_padded_vocabulary_and_plans_tp8_for_gpt3():
     from hpctrain.plan.devices import device_preset
     from hpctrain.plan.machine import Machine, links_from_bandwidth
     from hpctrain.plan.planner import SearchSpace, plan
+    from hpctrain.plan.shapes import for_tp
     from hpctrain.plan.stages import Stage, stage_parameters
 
     m = resolve_model(ModelConfig(preset="gpt3-175b", vocab_size=0))
     head_only = Stage(0, 0, False, True)
-    assert stage_parameters(m, head_only, 8) == m.d_model + 51200 * m.d_model // 8
-    assert executed_flops_per_token(m, 2048, False, True, 8) - executed_flops_per_token(m, 2048, False, True, 1) \
-        == 6.0 * m.d_model * (51200 - 50304)
+    assert stage_parameters(for_tp(m, 8), head_only, 8) == m.d_model + 51200 * m.d_model // 8
+    assert executed_flops_per_token(for_tp(m, 8), 2048, False, True) \
+        - executed_flops_per_token(for_tp(m, 1), 2048, False, True) == 6.0 * m.d_model * (51200 - 50304)
     machine = Machine(device_preset("a100"), links_from_bandwidth(2400, 200), 128, 8)
     result = plan(m, machine, 512, 2048, space=SearchSpace(tp=8, pp=16, zero=(1,), sequence_parallel=(True,),
                                                            recompute=(True,)))

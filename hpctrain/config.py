@@ -39,7 +39,7 @@ def _field(default: Any, **rule: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    """Transformer shape; size fields left at 0 take the preset's value (see resolve_model)."""
+    """Transformer model; keys left unset (0, "auto", not given) take the preset's value (see resolve_model)."""
     preset: str = _field("tiny", choices=(*PRESETS, "custom"))  # "custom": give every size explicitly
     vocab_size: int = _field(0, above=0)  # 0 = the preset's (custom: 256, byte-level tokens)
     d_model: int = _field(0, above=0)

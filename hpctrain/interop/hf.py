@@ -2,13 +2,13 @@
 writing an HF model directory (``config.json`` + ``model.safetensors``, or the sharded
 ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``).
 
-hpctrain's GPT (hpctrain/models/gpt.py) is the Llama architecture: RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU, no biases, optional tied embeddings. Weights map one to one, with the same
-``[out, in]`` layout. Rotary convention: ``rotary()`` rotates channel ``i`` of a head with channel
-``i + head_dim/2`` (the two halves) at frequency ``theta^(-2i/head_dim)``, which is exactly HF's
-``rotate_half``; so q_proj/k_proj rows need NO permutation (the permutation in HF's
-convert_llama_weights_to_hf.py is for Meta's original interleaved-pair checkpoints). The logits tests
-(tests/unit/test_hf_interop.py) prove it to 1e-10 in float64.
+hpctrain's GPT (hpctrain/models/gpt.py) with model.mlp=swiglu and model.positions=rope (the only models
+export and import accept: ``require_llama``) is the Llama architecture: RMSNorm, rotary embeddings, GQA,
+SwiGLU, no biases, optional tied embeddings. Weights map one to one, with the same ``[out, in]`` layout.
+Rotary convention: ``rotary()`` rotates channel ``i`` of a head with channel ``i + head_dim/2`` (the two
+halves) at frequency ``theta^(-2i/head_dim)``, which is exactly HF's ``rotate_half``; so q_proj/k_proj rows
+need NO permutation (the permutation in HF's convert_llama_weights_to_hf.py is for Meta's original
+interleaved-pair checkpoints). The logits tests (tests/unit/test_hf_interop.py) prove it to 1e-10 in float64.
 """
 from __future__ import annotations
 

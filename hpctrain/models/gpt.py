@@ -2,7 +2,8 @@
 
 RMSNorm, grouped-query causal attention, optional tied embeddings; ``model.positions``: rotary ("rope",
 Llama) or a learned absolute table added to the token embedding ("learned", GPT-2/3); ``model.mlp``:
-SwiGLU ("swiglu", Llama) or GELU ("gelu", GPT: up, tanh-approximated GELU as GPT-2 and Megatron, down). Activations are ``[S, B, D]`` (``[S/tp, B, D]`` between blocks with sequence parallelism).
+SwiGLU ("swiglu", Llama) or GELU ("gelu", GPT: up, tanh-approximated GELU as GPT-2 and Megatron, down).
+Activations are ``[S, B, D]`` (``[S/tp, B, D]`` between blocks with sequence parallelism).
 Every parameter's initial value is its slab of a global tensor drawn from (seed, name), so every
 (dp, tp, pp) layout starts from the same model.
 """

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from hpctrain.errors import HpcTrainError
+from hpctrain.models.presets import MODEL_DEFAULTS, PRESET_KEYS, PRESETS  # noqa: F401 (re-exported)
 from hpctrain.parallel.rules import check_stages  # the layout rules that need no world size
 from hpctrain.runtime.dtypes import DTYPE_NAMES
 
@@ -26,40 +27,6 @@ class ConfigError(HpcTrainError, ValueError):
     """Invalid configuration; the message names the offending key."""
 
 
-# Published GPT-2 / GPT-3 shapes: (d_model, n_layers, n_heads, max_seq_len); MHA and d_ff = 4 * d_model.
-_GPT_SHAPES = {
-    "gpt2-small": (768, 12, 12, 1024), "gpt2-medium": (1024, 24, 16, 1024),
-    "gpt2-large": (1280, 36, 20, 1024), "gpt2-xl": (1600, 48, 25, 1024),
-    "gpt3-2.7b": (2560, 32, 32, 2048), "gpt3-6.7b": (4096, 32, 32, 2048),
-    "gpt3-13b": (5120, 40, 40, 2048),  # the paper's 5140 is not divisible by its 40 heads
-    "gpt3-175b": (12288, 96, 96, 2048),
-}
-# Megatron-LM PTD-P weak-scaling models (Narayanan et al., SC21, Table 1; NVIDIA/Megatron-LM
-# examples/sc21/run_table_1.sh): (d_model, n_layers, n_heads); all with vocabulary 51200 and sequence 2048.
-# Their MLP is GELU with 4 * d_model; ours is SwiGLU (three matrices), so d_ff = 8/3 d_model rounded to a
-# multiple of 128 keeps the parameters and FLOPs of the paper's model (within 0.3%) and divides by any tp <= 128.
-_PTDP_SHAPES = {
-    "gpt-1.7b": (2304, 24, 24), "gpt-3.6b": (3072, 30, 32), "gpt-7.5b": (4096, 36, 32),
-    "gpt-18b": (6144, 40, 48), "gpt-39b": (8192, 48, 64), "gpt-76b": (10240, 60, 80),
-    "gpt-145b": (12288, 80, 96), "gpt-310b": (16384, 96, 128), "gpt-530b": (20480, 105, 128),
-    "gpt-1t": (25600, 128, 160),
-}
-
-
-def _swiglu_ff(d_model: int) -> int:
-    """The SwiGLU width with the parameters of a 4 * d_model GELU MLP: 8/3 d_model, a multiple of 128."""
-    return 128 * round(8 * d_model / 3 / 128)
-
-
-# Model shapes by preset name (read-only by convention); a preset's vocab_size applies only when vocab_size=0.
-PRESETS: dict[str, dict] = {
-    "tiny": dict(vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=256, max_seq_len=256),
-    "small": dict(vocab_size=256, d_model=256, n_layers=6, n_heads=8, n_kv_heads=4, d_ff=1024, max_seq_len=512),
-    **{name: dict(vocab_size=50257, d_model=d, n_layers=n, n_heads=h, n_kv_heads=h, d_ff=4 * d, max_seq_len=s)
-       for name, (d, n, h, s) in _GPT_SHAPES.items()},
-    **{name: dict(vocab_size=51200, d_model=d, n_layers=n, n_heads=h, n_kv_heads=h, d_ff=_swiglu_ff(d),
-                  max_seq_len=2048) for name, (d, n, h) in _PTDP_SHAPES.items()},
-}
 _COMPARISONS = {"min": (">=", operator.ge), "above": (">", operator.gt), "below": ("<", operator.lt),
                 "max": ("<=", operator.le)}
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -72,9 +39,9 @@ def _field(default: Any, **rule: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    """Transformer shape; size fields left at 0 take the preset's value (see resolve_model)."""
+    """Transformer model; keys left unset (0, "auto", not given) take the preset's value (see resolve_model)."""
     preset: str = _field("tiny", choices=(*PRESETS, "custom"))  # "custom": give every size explicitly
-    vocab_size: int = _field(256, above=0)
+    vocab_size: int = _field(0, above=0)  # 0 = the preset's (custom: 256, byte-level tokens)
     vocab_multiple: int = _field(128, min=1)  # embedding/LM head rows: vocab_size padded to a multiple of this x tp
     d_model: int = _field(0, above=0)
     n_layers: int = _field(0, above=0)
@@ -82,8 +49,10 @@ class ModelConfig:
     n_kv_heads: int = _field(0, above=0)
     d_ff: int = _field(0, above=0)
     max_seq_len: int = _field(0, above=0)
-    tie_embeddings: bool = False
-    rope_theta: float = _field(10000.0, above=0)
+    tie_embeddings: bool | None = None  # None = the preset's (custom: false)
+    rope_theta: float = _field(0.0, above=0)  # 0 = the preset's (custom: 10000)
+    mlp: str = _field("auto", choices=("auto", "swiglu", "gelu"))  # auto = the preset's (custom: swiglu)
+    positions: str = _field("auto", choices=("auto", "rope", "learned"))  # auto = the preset's (custom: rope)
     norm_eps: float = _field(1e-5, above=0)
     init_std: float = _field(0.02, above=0)
     init_from: str = ""  # HF Llama dir or hpctrain checkpoint: its weights at step 0 (not on resume); "" = random
@@ -233,12 +202,21 @@ def _section_field(section: str, key: str) -> dataclasses.Field:
     raise _error(f"{section}.{key}", _unknown("key", key, [_key(f) for f in fields], f" of [{section}]"))
 
 
+_OPTIONAL_BOOL = bool | None  # a bool whose None means "the preset's" (TOML and overrides give true/false)
+
+
 def _type_name(ftype: Any) -> str:
+    if ftype == _OPTIONAL_BOOL:
+        return "bool"
     return str(ftype) if ftype in (list[int], list[str]) else ftype.__name__
 
 
 def _checked_value(where: str, value: Any, ftype: Any) -> Any:
     """A value from TOML or a dict, type-checked against the field type (int is fine for float)."""
+    if ftype == _OPTIONAL_BOOL:
+        ftype = bool
+        if value is None:  # a config.json of a run whose key was left to the preset
+            return None
     if (ftype in (bool, str) and isinstance(value, ftype)) or (ftype is int and type(value) is int):
         return value
     if ftype is float and type(value) in (int, float):
@@ -253,6 +231,7 @@ def _checked_value(where: str, value: Any, ftype: Any) -> Any:
 def _parsed_value(where: str, text: str, ftype: Any) -> Any:
     """A value parsed from override text by the field type."""
     s = text.strip()
+    ftype = bool if ftype == _OPTIONAL_BOOL else ftype
     try:
         if ftype is bool and s.lower() in _BOOL_WORDS:
             return _BOOL_WORDS[s.lower()]
@@ -328,7 +307,7 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
 # The keys that define the function a model computes (and its weights' shapes): two configs that agree on
 # these hold interchangeable weights (max_seq_len, init_std, init_from and preset do not matter).
 ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings",
-                     "rope_theta", "norm_eps")
+                     "rope_theta", "norm_eps", "mlp", "positions")
 
 
 def architecture_differences(theirs: ModelConfig, ours: ModelConfig) -> list[str]:
@@ -340,11 +319,17 @@ def architecture_differences(theirs: ModelConfig, ours: ModelConfig) -> list[str
 
 
 def resolve_model(m: ModelConfig) -> ModelConfig:
-    """A copy of m with size fields left at 0 taken from its preset ("custom" fills none)."""
+    """A copy of m with every key left unset taken from its preset, else MODEL_DEFAULTS ("custom": sizes none)."""
     if m.preset not in PRESETS and m.preset != "custom":
         raise _error("model.preset", _unknown("preset", m.preset, [*PRESETS, "custom"]))
-    filled = {k: v for k, v in PRESETS.get(m.preset, {}).items() if getattr(m, k) == 0}
+    given = {**MODEL_DEFAULTS, **PRESETS.get(m.preset, {})}
+    filled = {k: v for k, v in given.items() if _unset(getattr(m, k))}
     return dataclasses.replace(m, **filled)
+
+
+def _unset(value: Any) -> bool:
+    """A model key left for the preset: 0 (sizes, rope_theta), "auto" (mlp, positions), None (tie_embeddings)."""
+    return value is None or value == "auto" or (type(value) in (int, float) and value == 0)
 
 
 def _require(ok: bool, where: str, detail: str) -> None:

@@ -156,14 +156,16 @@ ANOTHER_MODEL = "written for another model"  # in every incompatibility message:
 
 def check_compatible(state: TrainState, reader) -> None:
     """Raise CheckpointError if this rank's parameters are missing or shaped differently in the checkpoint
-    (a weights-only checkpoint: also if any architecture key of its model config differs)."""
-    if is_weights_only(reader.attrs):
-        from hpctrain.config import architecture_differences, config_from_dict
+    (a weights-only checkpoint: also if any architecture key of its model config differs; any checkpoint: if
+    model.mlp or model.positions differ, which a GELU MLP's up/down could otherwise take from SwiGLU's)."""
+    from hpctrain.config import architecture_differences, config_from_dict
 
-        differences = architecture_differences(config_from_dict(reader.attrs["config"]).model, state.model_config)
-        if differences:
-            raise CheckpointError(f"{reader.path}: weights-only checkpoint {ANOTHER_MODEL} than this config: "
-                                  f"{'; '.join(differences)}")
+    differences = architecture_differences(config_from_dict(reader.attrs["config"]).model, state.model_config)
+    if not is_weights_only(reader.attrs):
+        differences = [d for d in differences if d.startswith(("model.mlp ", "model.positions "))]
+    if differences:
+        kind = "weights-only checkpoint" if is_weights_only(reader.attrs) else "checkpoint"
+        raise CheckpointError(f"{reader.path}: {kind} {ANOTHER_MODEL} than this config: {'; '.join(differences)}")
     for p in state.tensors().params:
         name = model_dataset(p.spec.name)
         shape = reader.shape(name)

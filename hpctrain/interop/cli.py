@@ -100,7 +100,7 @@ def run_export(args) -> int:
     import torch
 
     from hpctrain.data.tokenizer import load_tokenizer
-    from hpctrain.interop.hf import parameter_shapes, write_hf
+    from hpctrain.interop.hf import parameter_shapes, require_llama, write_hf
     from hpctrain.interop.sources import CheckpointSource
 
     torch.set_num_threads(env.omp_num_threads())
@@ -108,6 +108,7 @@ def run_export(args) -> int:
         source = CheckpointSource(args.checkpoint)
         try:
             m, dtype = source.model, (source.dtype if args.dtype == "auto" else args.dtype)
+            require_llama(m, f"hpctrain export {source.dir}")
             tensors = {name: source.read(name) for name in parameter_shapes(m)}
             step, tokenizer = source.attrs.get("step"), _tokenizer_file(args.tokenizer, source.config.data.tokenizer)
         finally:

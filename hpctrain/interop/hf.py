@@ -2,13 +2,13 @@
 writing an HF model directory (``config.json`` + ``model.safetensors``, or the sharded
 ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``).
 
-hpctrain's GPT (hpctrain/models/gpt.py) is the Llama architecture: RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU, no biases, optional tied embeddings. Weights map one to one, with the same
-``[out, in]`` layout. Rotary convention: ``rotary()`` rotates channel ``i`` of a head with channel
-``i + head_dim/2`` (the two halves) at frequency ``theta^(-2i/head_dim)``, which is exactly HF's
-``rotate_half``; so q_proj/k_proj rows need NO permutation (the permutation in HF's
-convert_llama_weights_to_hf.py is for Meta's original interleaved-pair checkpoints). The logits tests
-(tests/unit/test_hf_interop.py) prove it to 1e-10 in float64.
+hpctrain's GPT (hpctrain/models/gpt.py) with model.mlp=swiglu and model.positions=rope (the only models
+export and import accept: ``require_llama``) is the Llama architecture: RMSNorm, rotary embeddings, GQA,
+SwiGLU, no biases, optional tied embeddings. Weights map one to one, with the same ``[out, in]`` layout.
+Rotary convention: ``rotary()`` rotates channel ``i`` of a head with channel ``i + head_dim/2`` (the two
+halves) at frequency ``theta^(-2i/head_dim)``, which is exactly HF's ``rotate_half``; so q_proj/k_proj rows
+need NO permutation (the permutation in HF's convert_llama_weights_to_hf.py is for Meta's original
+interleaved-pair checkpoints). The logits tests (tests/unit/test_hf_interop.py) prove it to 1e-10 in float64.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import shutil
 
 import torch
 
-from hpctrain.config import Config, ConfigError, ModelConfig, validate
+from hpctrain.config import Config, ConfigError, ModelConfig, resolve_model, validate
 from hpctrain.errors import HpcTrainError
 from hpctrain.runtime.dtypes import torch_dtype
 
@@ -51,19 +51,33 @@ def hf_name(name: str) -> str:
 
 
 def parameter_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every global parameter of the (resolved) model ``m``, hpctrain name -> shape, in model order."""
+    """Every global parameter of the model ``m``, hpctrain name -> shape, in model order."""
+    m = resolve_model(m)
     d, hd = m.d_model, m.d_model // m.n_heads
     kv = m.n_kv_heads * hd
     shapes = {"embed.weight": (m.vocab_size, d)}
+    if m.positions == "learned":
+        shapes["pos_embed.weight"] = (m.max_seq_len, d)
+    gate = (("mlp.gate", (m.d_ff, d)),) if m.mlp == "swiglu" else ()
     for i in range(m.n_layers):
         for key, shape in (("attn_norm", (d,)), ("attn.wq", (d, d)), ("attn.wk", (kv, d)), ("attn.wv", (kv, d)),
-                           ("attn.wo", (d, d)), ("mlp_norm", (d,)), ("mlp.gate", (m.d_ff, d)),
+                           ("attn.wo", (d, d)), ("mlp_norm", (d,)), *gate,
                            ("mlp.up", (m.d_ff, d)), ("mlp.down", (d, m.d_ff))):
             shapes[f"layers.{i}.{key}.weight"] = shape
     shapes["norm.weight"] = (d,)
     if not m.tie_embeddings:
         shapes["head.weight"] = (m.vocab_size, d)
     return shapes
+
+
+def require_llama(m: ModelConfig, what: str) -> None:
+    """HFError unless the model ``m`` is the Llama architecture (SwiGLU, rotary positions)."""
+    m = resolve_model(m)
+    other = [f"model.{k}={getattr(m, k)}" for k, llama in (("mlp", "swiglu"), ("positions", "rope"))
+             if getattr(m, k) != llama]
+    if other:
+        raise HFError(f"{what}: {', '.join(other)}: Hugging Face interop is the Llama architecture only "
+                      f"(model.mlp=swiglu, model.positions=rope)")
 
 
 def supported_tp(m: ModelConfig) -> list[int]:
@@ -75,6 +89,7 @@ def supported_tp(m: ModelConfig) -> list[int]:
 def hf_config(m: ModelConfig, dtype: str, eos_token_id: int | None = None) -> dict:
     """A ``transformers.LlamaConfig``-compatible config.json dict of the resolved model ``m``. The rotary base
     is written both as ``rope_theta`` (transformers 4) and ``rope_parameters`` (transformers 5)."""
+    require_llama(m, "export to Hugging Face")
     return {
         "architectures": [ARCHITECTURE], "model_type": "llama", "vocab_size": m.vocab_size,
         "hidden_size": m.d_model, "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads,
@@ -113,7 +128,8 @@ def model_config_from_hf(d: dict, where: str = CONFIG_FILE) -> ModelConfig:
         raise bad("quantized models are not supported")
     try:
         heads = int(d["num_attention_heads"])
-        m = ModelConfig(preset="custom", vocab_size=int(d["vocab_size"]), d_model=int(d["hidden_size"]),
+        m = ModelConfig(preset="custom", mlp="swiglu", positions="rope", vocab_size=int(d["vocab_size"]),
+                        d_model=int(d["hidden_size"]),
                         n_layers=int(d["num_hidden_layers"]), n_heads=heads,
                         n_kv_heads=int(d.get("num_key_value_heads") or heads), d_ff=int(d["intermediate_size"]),
                         max_seq_len=int(d.get("max_position_embeddings", 2048)),

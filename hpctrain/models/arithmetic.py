@@ -2,18 +2,32 @@
 
 Pure arithmetic on a resolved ``ModelConfig`` (no torch, no MPI), so the model (``gpt.py``, which
 re-exports these), the trainer's MFU and the performance model (``hpctrain/plan``) count the same way.
-The block is ``hpctrain.models.gpt.Block``: RMSNorm, grouped-query attention (q, k, v, o), RMSNorm,
-SwiGLU MLP (gate, up, down: three ``d_model x d_ff`` matrices).
+The block is ``hpctrain.models.gpt.Block``: RMSNorm, grouped-query attention (q, k, v, o), RMSNorm, and
+the MLP: ``model.mlp`` "swiglu" (gate, up, down: three ``d_model x d_ff`` matrices) or "gelu" (up, down:
+two). ``model.positions`` "learned" adds a ``max_seq_len x d_model`` table on the first stage: parameters,
+no matmul FLOPs (rope has neither).
 """
 from __future__ import annotations
 
 from hpctrain.parallel.rules import check_stages
 
 
+def mlp_matrices(m) -> int:
+    """The MLP's ``d_model x d_ff`` matrices: 3 for SwiGLU (gate, up, down), 2 for GELU (up, down)."""
+    if m.mlp not in ("swiglu", "gelu"):
+        raise ValueError(f"model.mlp={m.mlp!r}: resolve the model config first (config.resolve_model)")
+    return 3 if m.mlp == "swiglu" else 2
+
+
+def position_parameters(m) -> int:
+    """The learned position table's parameters (``max_seq_len x d_model``; first stage); 0 with rope."""
+    return m.max_seq_len * m.d_model if m.positions == "learned" else 0
+
+
 def block_matmul_parameters(m) -> int:
-    """Weights of one block's matrix multiplications: q and o (d x d), k and v (d x kv), gate/up/down."""
+    """Weights of one block's matrix multiplications: q and o (d x d), k and v (d x kv), the MLP's matrices."""
     kv = m.n_kv_heads * (m.d_model // m.n_heads)
-    return 2 * m.d_model * m.d_model + 2 * m.d_model * kv + 3 * m.d_model * m.d_ff
+    return 2 * m.d_model * m.d_model + 2 * m.d_model * kv + mlp_matrices(m) * m.d_model * m.d_ff
 
 
 def partition_layers(m, pp: int, explicit: list[int] | None = None) -> list[tuple[int, int]]:
@@ -26,9 +40,9 @@ def partition_layers(m, pp: int, explicit: list[int] | None = None) -> list[tupl
     if explicit:
         counts = list(explicit)
     else:
-        block = 4 * m.d_model * m.d_model + 3 * m.d_model * m.d_ff
+        block = 4 * m.d_model * m.d_model + mlp_matrices(m) * m.d_model * m.d_ff
         extra = [0.0] * pp
-        extra[0] += m.vocab_size * m.d_model / block
+        extra[0] += (m.vocab_size * m.d_model + position_parameters(m)) / block
         extra[-1] += (0 if m.tie_embeddings and pp == 1 else m.vocab_size * m.d_model) / block
         counts = [1] * pp
         for _ in range(m.n_layers - pp):  # give the next block to the lightest stage
@@ -51,4 +65,4 @@ def count_parameters(m) -> int:
     """Every parameter of the model once (a tied LM head is the embedding)."""
     per_layer = block_matmul_parameters(m) + 2 * m.d_model  # + two RMSNorm weights
     head = 0 if m.tie_embeddings else m.vocab_size * m.d_model
-    return m.vocab_size * m.d_model + m.n_layers * per_layer + m.d_model + head
+    return m.vocab_size * m.d_model + position_parameters(m) + m.n_layers * per_layer + m.d_model + head

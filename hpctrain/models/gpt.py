@@ -1,7 +1,9 @@
 """Decoder-only GPT built only from tensor-parallel layers; one pipeline stage per instance.
 
-RMSNorm, rotary position embeddings, grouped-query causal attention, SwiGLU MLP, optional tied
-embeddings. Activations are ``[S, B, D]`` (``[S/tp, B, D]`` between blocks with sequence parallelism).
+RMSNorm, grouped-query causal attention, optional tied embeddings; ``model.positions``: rotary ("rope",
+Llama) or a learned absolute table added to the token embedding ("learned", GPT-2/3); ``model.mlp``:
+SwiGLU ("swiglu", Llama) or GELU ("gelu", GPT: up, tanh-approximated GELU as GPT-2 and Megatron, down).
+Activations are ``[S, B, D]`` (``[S/tp, B, D]`` between blocks with sequence parallelism).
 Every parameter's initial value is its slab of a global tensor drawn from (seed, name), so every
 (dp, tp, pp) layout starts from the same model.
 """
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hpctrain.config import resolve_model
 from hpctrain.models.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
 from hpctrain.parallel.rules import check_tp_divisibility, padded_vocab
 from hpctrain.parallel.slab import init_from_global_, make_spec
@@ -57,6 +60,7 @@ class Attention(nn.Module):
         self.head_dim = m.d_model // m.n_heads
         self.local_heads, self.local_kv = m.n_heads // tp_size, m.n_kv_heads // tp_size
         self.theta, self.sp, self.tp_comm = m.rope_theta, sp, tp_comm
+        self.rope = m.positions == "rope"  # learned positions are added to the embedding instead
         kw = dict(dtype=dtype, seed=seed, std=m.init_std)
         kv_out = m.n_kv_heads * self.head_dim
         kw["input_mode"] = "none"  # forward() gathers/copies x once for q, k and v
@@ -72,7 +76,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(seq, batch, self.local_heads, self.head_dim)
         k = self.wk(x).view(seq, batch, self.local_kv, self.head_dim)
         v = self.wv(x).view(seq, batch, self.local_kv, self.head_dim)
-        q, k = rotary(q, self.theta), rotary(k, self.theta)
+        if self.rope:
+            q, k = rotary(q, self.theta), rotary(k, self.theta)
         group = self.local_heads // self.local_kv
         q = q.permute(1, 2, 0, 3)  # [B, H, S, hd]
         k = k.permute(1, 2, 0, 3).repeat_interleave(group, dim=1)
@@ -82,19 +87,44 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up split on d_ff, down reduces over TP."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), or GELU: down(gelu_tanh(up(x))); gate/up split on d_ff, down
+    reduces over TP (the element-wise activation needs no communication)."""
 
     def __init__(self, name, m, tp_comm, sp, dtype, seed):
         super().__init__()
         kw = dict(dtype=dtype, seed=seed, std=m.init_std)
-        self.sp, self.tp_comm = sp, tp_comm
-        self.gate = ColumnParallelLinear(f"{name}.gate", m.d_model, m.d_ff, tp_comm, input_mode="none", **kw)
+        self.sp, self.tp_comm, self.swiglu = sp, tp_comm, m.mlp == "swiglu"
+        if self.swiglu:
+            self.gate = ColumnParallelLinear(f"{name}.gate", m.d_model, m.d_ff, tp_comm, input_mode="none", **kw)
         self.up = ColumnParallelLinear(f"{name}.up", m.d_model, m.d_ff, tp_comm, input_mode="none", **kw)
         self.down = RowParallelLinear(f"{name}.down", m.d_ff, m.d_model, tp_comm, sp=sp, **kw)
 
     def forward(self, x):
         x = gather_seq(x, self.tp_comm) if self.sp else copy_to_tp(x, self.tp_comm)
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        if self.swiglu:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class LearnedPositions(nn.Module):
+    """GPT's absolute position table ``pos_embed.weight`` [max_seq_len, D], replicated over TP, added to the
+    token embedding on the first stage. With sequence parallelism the embedding is this tp rank's sequence
+    chunk [S/tp, B, D], positions ``tp_rank * S/tp`` onwards, and the table's gradient is partial per tp rank
+    (summed over TP like the norms'); without it every tp rank adds all S positions and gets the whole grad."""
+
+    def __init__(self, m, tp_comm, sp, dtype, seed):
+        super().__init__()
+        split_seq = bool(sp and tp_comm is not None and tp_comm.size > 1)
+        spec = make_spec("pos_embed.weight", (m.max_seq_len, m.d_model), None, tp_comm, sp_partial_grad=split_seq)
+        self.weight = nn.Parameter(torch.empty(spec.local_shape, dtype=dtype))
+        init_from_global_(self.weight, spec, seed, m.init_std)
+        self.weight.spec = spec
+        self.chunk_index = tp_comm.rank if split_seq else 0
+
+    def forward(self, x):
+        """x [S_local, B, D] -> x + the table's rows of this rank's positions."""
+        start = self.chunk_index * x.shape[0]
+        return x + self.weight[start:start + x.shape[0]].unsqueeze(1)
 
 
 class Block(nn.Module):
@@ -124,6 +154,7 @@ class GPTStage(nn.Module):
     def __init__(self, m, layer_range: tuple[int, int], *, is_first: bool, is_last: bool, tp_comm=None,
                  sp: bool = False, dtype=torch.float32, seed: int = 0, recompute: bool = False):
         super().__init__()
+        m = resolve_model(m)  # a preset's mlp/positions/tie_embeddings
         tp_size = 1 if tp_comm is None else tp_comm.size
         check_tp_divisibility(m, tp_size)
         self.is_first, self.is_last, self.tp_comm, self.sp, self.recompute = is_first, is_last, tp_comm, sp, recompute
@@ -134,6 +165,8 @@ class GPTStage(nn.Module):
                                                 seed=seed, std=m.init_std, padded_vocab=vocab)
             if m.tie_embeddings and not is_last:  # pp > 1: the last stage holds a copy
                 self.embed.weight.spec = replace(self.embed.weight.spec, tied="original")
+            if m.positions == "learned":
+                self.pos_embed = LearnedPositions(m, tp_comm, sp, dtype, seed)
         self.layers = nn.ModuleDict({str(i): Block(f"layers.{i}", m, tp_comm, sp, dtype, seed)
                                      for i in range(*layer_range)})
         if is_last:
@@ -153,6 +186,8 @@ class GPTStage(nn.Module):
     def forward(self, x):
         if self.is_first:
             x = self.embed(x.t().contiguous())
+            if hasattr(self, "pos_embed"):
+                x = self.pos_embed(x)
         for block in self.layers.values():
             x = checkpoint(block, x, use_reentrant=False) if self.recompute and self.training else block(x)
         if self.is_last:

@@ -268,3 +268,28 @@ def test_a_rollback_moves_the_newer_checkpoints_aside(two_checkpoints, tmp_path)
     (aside,) = (ckpts / "superseded").iterdir()
     assert (aside / "step-00000004" / "COMPLETE").exists()  # kept, out of the lineage being trained
     assert (ckpts / "latest").read_text().strip() == "step-00000003"
+
+
+def test_gpt_architecture_reshards_exactly_and_another_mlp_is_refused(tmp_path):
+    """GELU + learned positions + tied: the position table is one global dataset like every parameter
+    (written once, whatever the tp/SP/pp/ZeRO layout); a run with another model.mlp (whose GELU up/down would
+    fit SwiGLU's shapes) or other positions is refused by name, changing nothing."""
+    gpt = [*F64, "model.mlp=gelu", "model.positions=learned", "model.tie_embeddings=true", "train.steps=4"]
+    reference = tmp_path / "reference"
+    train(1, reference, *gpt, "parallel.microbatches=1")
+    run_dir = tmp_path / "chain"
+    for ranks, layout in ((4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]),
+                          (2, ["parallel.zero=1"])):  # dp=2
+        train(ranks, run_dir, *gpt, *layout, "--max-steps", "2", "--resume", "auto", timeout=300)
+    ref, got = losses(reference), losses(run_dir)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert all(abs(got[s] - ref[s]) <= 1e-10 * abs(ref[s]) for s in got), (got, ref)
+    ckpt("diff", str(reference), str(run_dir), "--atol", "1e-9")
+    latest = json.loads(ckpt("list", str(run_dir), "--json").stdout)[-1]["path"]
+    tensors = {t["name"]: t for t in json.loads(ckpt("inspect", latest, "--json").stdout)["tensors"]}
+    assert tensors["model/pos_embed.weight"]["shape"] == [256, 64]  # tiny's max_seq_len x d_model
+    assert not any(".mlp.gate." in name for name in tensors)
+    for other, key in (("model.mlp=swiglu", "model.mlp is 'gelu' there, 'swiglu' here"),
+                       ("model.positions=rope", "model.positions is 'learned' there, 'rope' here")):
+        result = train(2, run_dir, *gpt, other, "--resume", "auto", check=False)
+        _all_ranks_fail(result, 2, key)

@@ -63,3 +63,11 @@ def test_microbatches_fewer_than_stages_with_recomputation():
 @pytest.mark.parametrize("tied", ["false", "true"])
 def test_full_matrix(nprocs, layouts, tied):
     fidelity(nprocs, layouts, "all", *F64, f"model.tie_embeddings={tied}", timeout=1200)
+
+
+def test_gpt_architecture_gelu_mlp_and_learned_positions_in_every_layout_family():
+    # learned positions: replicated over tp, each SP rank adds its chunk's rows (partial grad summed over tp),
+    # the table on the first pipeline stage only; tied embeddings as GPT's
+    out = fidelity(4, "2,2,1;1,2,2", "1f1b/sp,zero1", *F64, "model.mlp=gelu", "model.positions=learned",
+                   "model.tie_embeddings=true")
+    assert out.count("OK dp=") == 4

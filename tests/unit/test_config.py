@@ -1,5 +1,6 @@
 """Unit tests for hpctrain.config: TOML loading, overrides, validation, presets, round trips."""
 import contextlib
+import json
 import pathlib
 import tomllib
 
@@ -296,22 +297,25 @@ def test_to_dict_of_section_and_toml_round_trip(tmp_path):
     lines = []
     for section, table in config_to_dict(Config()).items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in table.items()]
+        lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in table.items()
+                  if v is not None]  # TOML has no null: a key left to the preset (tie_embeddings) is left out
     assert load_config(write_toml(tmp_path, "\n".join(lines).replace("'", '"'))) == Config()
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_presets_resolve_and_validate(preset):
     model = resolve_model(ModelConfig(preset=preset))
-    for key, value in PRESETS[preset].items():
-        expected = 256 if key == "vocab_size" else value  # vocab_size defaults to 256, not 0
-        assert getattr(model, key) == expected
+    for key, value in PRESETS[preset].items():  # the preset's vocabulary too: vocab_size defaults to 0
+        assert getattr(model, key) == value
+    assert model.mlp in ("swiglu", "gelu") and model.positions in ("rope", "learned")
+    assert isinstance(model.tie_embeddings, bool) and model.rope_theta > 0
     validate(Config(model=ModelConfig(preset=preset)))
 
 
 def test_preset_shapes():
     assert resolve_model(ModelConfig(preset="tiny")) == ModelConfig(
-        preset="tiny", d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=256, max_seq_len=256)
+        preset="tiny", vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=256, max_seq_len=256,
+        tie_embeddings=False, rope_theta=10000.0, mlp="swiglu", positions="rope")
     small = resolve_model(ModelConfig(preset="small"))
     assert (small.d_model, small.n_layers, small.n_heads, small.n_kv_heads, small.d_ff, small.max_seq_len) == \
         (256, 6, 8, 4, 1024, 512)
@@ -320,6 +324,39 @@ def test_preset_shapes():
         (1600, 48, 25, 25, 6400, 1024, 50257)
     big = resolve_model(ModelConfig(preset="gpt3-175b"))
     assert (big.d_model, big.n_layers, big.n_heads, big.max_seq_len) == (12288, 96, 96, 2048)
+    assert (big.vocab_size, big.d_ff, big.mlp, big.positions, big.tie_embeddings) == (50257, 49152, "gelu",
+                                                                                      "learned", True)
+    llama = resolve_model(load_config(None, ["model.preset=llama-3-8b"]).model)  # the real vocabulary, GQA, theta
+    assert (llama.vocab_size, llama.n_kv_heads, llama.d_ff, llama.rope_theta, llama.mlp, llama.positions,
+            llama.tie_embeddings) == (128256, 8, 14336, 500000.0, "swiglu", "rope", False)
+
+
+def test_keys_given_win_over_the_preset():
+    m = resolve_model(load_config(None, ["model.preset=gpt2-small", "model.tie_embeddings=false", "model.mlp=swiglu",
+                                         "model.positions=rope", "model.vocab_size=256", "model.rope_theta=5e5"]).model)
+    assert (m.tie_embeddings, m.mlp, m.positions, m.vocab_size, m.rope_theta, m.d_model) == (
+        False, "swiglu", "rope", 256, 5e5, 768)
+    tied = resolve_model(load_config(None, ["model.preset=llama-2-7b", "model.tie_embeddings=true"]).model)
+    assert tied.tie_embeddings is True and tied.vocab_size == 32000
+
+
+def test_custom_takes_the_defaults_of_the_non_size_keys():
+    sizes = dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=64)
+    m = resolve_model(load_config(None, ["model.preset=custom"] + [f"model.{k}={v}" for k, v in sizes.items()]).model)
+    assert (m.vocab_size, m.tie_embeddings, m.rope_theta, m.mlp, m.positions) == (256, False, 10000.0, "swiglu",
+                                                                                  "rope")
+
+
+@pytest.mark.parametrize("override", ["model.mlp=relu", "model.positions=alibi"])
+def test_unknown_mlp_or_positions_is_refused_by_name(override):
+    with raises_naming(override.split("=")[0], "expected one of"):
+        load_config(None, [override])
+
+
+def test_a_run_config_json_with_tie_embeddings_left_to_the_preset_reads_back():
+    cfg = load_config(None, ["model.preset=gpt2-small"])
+    again = config_from_dict(json.loads(json.dumps(config_to_dict(cfg))))
+    assert again == cfg and again.model.tie_embeddings is None
 
 
 def test_resolve_keeps_explicit_sizes_and_copies():

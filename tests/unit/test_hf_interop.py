@@ -278,3 +278,26 @@ def test_sources_read_slabs_of_either_format_and_refuse_another_model(tmp_path):
         check_same_model(hf_source.model, other, str(tmp_path / "hf"))
     with pytest.raises(HpcTrainError, match="no such Hugging Face model directory or hpctrain checkpoint"):
         open_source(str(tmp_path / "nothing"))
+
+
+@pytest.mark.parametrize("mlp,positions,named", [("gelu", "learned", "model.mlp=gelu, model.positions=learned"),
+                                                 ("swiglu", "learned", "model.positions=learned"),
+                                                 ("gelu", "rope", "model.mlp=gelu")])
+def test_a_gpt_architecture_is_refused_by_export_and_init_from_naming_the_keys(tmp_path, mlp, positions, named):
+    from hpctrain.interop.sources import check_same_model, open_source
+
+    m = ModelConfig(**{**model_cfg(tied=True).__dict__, "mlp": mlp, "positions": positions})
+    random_checkpoint(tmp_path / "ckpt", m)
+    with pytest.raises(HFError, match=f"{named}: Hugging Face interop is the Llama architecture only"):
+        hpctrain("export", tmp_path / "ckpt", "--format", "hf", "--out", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    source = open_source(str(tmp_path / "ckpt"))  # our own checkpoint of it reads back: init_from works
+    assert set(source.shapes) == set(parameter_shapes(m)) and ("pos_embed.weight" in source.shapes) == (
+        positions == "learned")
+    source.close()
+    random_llama(tmp_path / "llama")
+    llama = open_source(str(tmp_path / "llama"))
+    llama.close()
+    with pytest.raises(HpcTrainError, match=f"model.{'mlp' if mlp == 'gelu' else 'positions'} is "):
+        check_same_model(llama.model, ModelConfig(**{**llama.model.__dict__, "mlp": mlp, "positions": positions}),
+                         "llama")

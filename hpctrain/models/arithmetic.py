@@ -13,8 +13,9 @@ from hpctrain.parallel.rules import check_stages
 
 
 def mlp_matrices(m) -> int:
-    """The MLP's ``d_model x d_ff`` matrices: 3 for SwiGLU (gate, up, down), 2 for GELU (up, down)."""
-    if m.mlp not in ("swiglu", "gelu"):
+    """The MLP's ``d_model x d_ff`` matrices: 3 for SwiGLU (gate, up, down), 2 for GELU (up, down) and
+    for the squared-ReLU MLP of published runs the planner models (``relu2``, Nemotron-4; not trainable)."""
+    if m.mlp not in ("swiglu", "gelu", "relu2"):
         raise ValueError(f"model.mlp={m.mlp!r}: resolve the model config first (config.resolve_model)")
     return 3 if m.mlp == "swiglu" else 2
 

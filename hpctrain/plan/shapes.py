@@ -12,31 +12,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from hpctrain.models.arithmetic import block_matmul_parameters as block_matmul_params  # noqa: F401
+from hpctrain.models.arithmetic import flops_per_token as model_flops_per_token  # noqa: F401
+from hpctrain.models.arithmetic import mlp_matrices  # noqa: F401 (re-exported for plan/)
+from hpctrain.models.arithmetic import position_parameters as position_params  # noqa: F401
 from hpctrain.parallel.rules import padded_vocab  # noqa: F401 (the one rule; re-exported for plan/)
 
 DEFAULT_VOCAB_MULTIPLE = 128
-
-
-def mlp_matrices(m) -> int:
-    """``d_model x d_ff`` matrices in one block's MLP: 3 for SwiGLU, 2 for a GELU (or squared-ReLU) MLP."""
-    return 3 if getattr(m, "mlp", "swiglu") == "swiglu" else 2
 
 
 def for_tp(m, tp: int):
     """``m`` with its vocabulary padded for ``tp`` (what the ranks hold and compute; FLOPs and memory)."""
     v = padded_vocab(m, tp)
     return m if v == m.vocab_size else dataclasses.replace(m, vocab_size=v)
-
-
-def block_matmul_params(m) -> int:
-    """Weights of one block's matrix multiplications: q and o (d x d), k and v (d x kv), the MLP."""
-    kv = m.n_kv_heads * (m.d_model // m.n_heads)
-    return 2 * m.d_model * m.d_model + 2 * m.d_model * kv + mlp_matrices(m) * m.d_model * m.d_ff
-
-
-def position_params(m) -> int:
-    """A learned position table's parameters (0 with rotary positions)."""
-    return m.max_seq_len * m.d_model if getattr(m, "positions", "rope") == "learned" else 0
 
 
 def block_gemms(m, tokens: int, tp: int) -> list[tuple[float, tuple[int, ...]]]:
@@ -51,13 +39,6 @@ def block_gemms(m, tokens: int, tp: int) -> list[tuple[float, tuple[int, ...]]]:
     shapes = [(tokens, d // t, d), (tokens, 2 * kv // t, d), (tokens, d, d // t),
               (tokens, (mats - 1) * f // t, d), (tokens, d, f // t)]
     return [(2.0 * r * c * k, (r, c, k)) for r, c, k in shapes]
-
-
-def model_flops_per_token(m, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) on the TRUE vocabulary, causal attention counted
-    half: the trainer's MFU count (``arithmetic.flops_per_token``) with the MLP kind honoured."""
-    params = m.n_layers * block_matmul_params(m) + m.vocab_size * m.d_model
-    return 6.0 * params + 6.0 * m.n_layers * m.d_model * seq_len
 
 
 def megatron_flops_per_token(m, seq_len: int, recompute: str) -> float:

@@ -59,12 +59,12 @@ def main():
             schedule = next(((w[:11], int(w[11:])) for w in words if w.startswith("interleaved")),
                             ("gpipe", 1) if "gpipe" in words else ("1f1b", 1))
             combos.append((schedule, "sp" in words, 1 if "zero1" in words else 0))
-    cfg0 = load_config(None, base)
+    single = [o for o in base if not o.startswith("parallel.stage_layers")]  # a split for pp > 1 only
+    cfg0 = load_config(None, single)
     tokens = load_tokens_collective(world, cfg0.data.source, cfg0.data.cache_dir, cfg0.data.max_bytes)
     reference = None
     if world.Get_rank() == 0:
-        reference = train(load_config(None, base + ["parallel.microbatches=1", "parallel.stage_layers=[]"]),
-                          MPI.COMM_SELF, tokens, args.steps)
+        reference = train(load_config(None, single + ["parallel.microbatches=1"]), MPI.COMM_SELF, tokens, args.steps)
     world.Barrier()
     checks = 0
     for layout in args.layouts.split(";"):

@@ -197,12 +197,17 @@ def timeline(kind: str, stages: int, microbatches: int, chunks: int = 1, forward
     return out
 
 
-def render_timeline(kind: str, stages: int, microbatches: int, chunks: int = 1) -> str:
-    """A text Gantt chart of ``timeline`` (forward 1 unit, backward 2), one line per pp rank: ``F3`` is the
-    forward of micro-batch 3 (``F3.1``: through chunk 1), ``B3 --`` its backward over two units, ``.`` an
-    idle unit, then the rank's idle fraction; docs/parallelism.md shows it (tests keep them equal)."""
-    rows = timeline(kind, stages, microbatches, chunks)
-    width = 1 + max(len(_label(a, chunks)) for row in rows for _, _, a in row)
+def render_timeline(kind: str, stages: int, microbatches: int, chunks: int = 1, forward: int = 1,
+                    backward: int = 2, cell: int = 0) -> str:
+    """A text Gantt chart of ``timeline`` (a chunk's forward ``forward`` units, its backward ``backward``), one
+    line per pp rank: ``F3`` is the forward of micro-batch 3 (``F3.1``: through chunk 1), ``B3 --`` a
+    backward over several units, ``.`` an idle unit, then the rank's idle share of the step; ``cell``
+    characters a unit (0: the longest label's + 1). To compare schedules at one time scale give 1f1b V times
+    the units of interleaved and both one ``cell``. docs/parallelism.md shows these
+    (tests/unit/test_pipeline_schedule.py keeps them equal)."""
+    rows = timeline(kind, stages, microbatches, chunks, forward, backward)
+    width = cell or 1 + max(len(_label(a, chunks)) for row in rows for _, _, a in row)
+    span = max(end for row in rows for _, end, _ in row)
     lines = []
     for s, row in enumerate(rows):
         text, clock = [], 0
@@ -212,13 +217,18 @@ def render_timeline(kind: str, stages: int, microbatches: int, chunks: int = 1) 
             text.append(label.ljust(width) if end - start == 1 else
                         (label + " ").ljust(width * (end - start) - 1, "-") + " ")
             clock = end
-        span = max(end for r in rows for _, end, _ in r)
         text.append(".".ljust(width) * (span - clock))
         busy = sum(end - start for start, end, _ in row)
-        lines.append(f"rank {s} | {''.join(text).rstrip()} | idle {(span - busy) / span:.0%}")
+        lines.append(f"rank {s} | {''.join(text).rstrip()} | idle {(span - busy) / span:.0%} of the step")
     return "\n".join(lines)
 
 
 def _label(action: tuple, chunks: int) -> str:
     op, i, c = action
     return f"{op}{i}" + (f".{c}" if chunks > 1 else "")
+
+
+if __name__ == "__main__":  # python -m hpctrain.parallel.schedules KIND PP M [V [FORWARD BACKWARD]]
+    import sys
+
+    print(render_timeline(sys.argv[1], *map(int, sys.argv[2:])))

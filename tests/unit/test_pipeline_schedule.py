@@ -159,3 +159,19 @@ def test_the_strict_model_rejects_per_action_posts_for_interleaved_and_out_of_or
     k = next(k for k, post in enumerate(swapped) if sum(op[0] == "recv" for op in post) == 2)
     swapped[k] = [op for op in swapped[k] if op[0] == "send"] + [op for op in swapped[k] if op[0] == "recv"][::-1]
     assert not in_order([swapped, good[1]], 2)
+
+
+def test_the_diagrams_in_the_docs_are_the_schedules_output():
+    """docs/parallelism.md shows ``render_timeline`` of the action lists; regenerate with the command named
+    there when a schedule changes."""
+    import re
+    from pathlib import Path
+
+    from hpctrain.parallel.schedules import render_timeline
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "parallelism.md").read_text()
+    blocks = re.findall(r"<!-- render_timeline: ([\w ]+) -->\n```text\n(.*?)\n```", text, re.S)
+    assert len(blocks) == 2 and {b[0].split()[0] for b in blocks} == {"1f1b", "interleaved"}
+    for args, diagram in blocks:
+        kind, *numbers = args.split()
+        assert diagram == render_timeline(kind, *map(int, numbers)), args

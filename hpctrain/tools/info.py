@@ -70,7 +70,7 @@ def run_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False, as_jso
           f"{document['ranks_per_node']}    layout: {layout}", file=stream)
     if pipeline:
         v = pipeline["virtual_stages"]
-        formula = f"(pp-1)/({'V ' if v > 1 else ''}M)"
+        formula = "(pp-1)/(V M)" if v > 1 else "(pp-1)/M"
         print(f"pipeline: schedule {pipeline['schedule']}" + (f", virtual_stages={v}" if v > 1 else "") +
               f", {pipeline['microbatches']} micro-batches, bubble {formula} = {pipeline['bubble']:.1%} of the "
               f"ideal step", file=stream)

@@ -251,7 +251,8 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
         json.dump(config_to_dict(cfg), f, indent=1)
     layout = " x ".join(f"{a}={grid.sizes[a]}" for a in ("dp", "pp", "tp"))
     schedule = p.schedule + (f" (virtual_stages={p.virtual_stages})" if p.schedule == "interleaved" else "")
-    bubble = (f", pipeline bubble (pp-1)/({'V ' if p.schedule == 'interleaved' else ''}M) = {trainer.bubble:.1%} of "
+    formula = "(pp-1)/(V M)" if p.schedule == "interleaved" else "(pp-1)/M"
+    bubble = (f", pipeline bubble {formula} = {trainer.bubble:.1%} of "
               f"the ideal step" if grid.sizes["pp"] > 1 else "")
     print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
           f"{schedule}, {p.microbatches} micro-batches{bubble}, sequence parallel "

@@ -1,7 +1,8 @@
 """The training loop: batch -> pipeline forward/backward -> DP reduction -> clip -> optimizer step -> metrics.
 
 ``Trainer(cfg, grid)`` builds this rank's pipeline model chunks of the GPT (one, or ``parallel.virtual_stages``
-with the interleaved schedule: ``build_chunks``; tensor-parallel layers over ``grid.comm("tp")``), their flat buffers and DP reducer (``grid.comm("dp")``), the optimizer and the data iterator.
+with the interleaved schedule: ``build_chunks``; tensor-parallel layers over ``grid.comm("tp")``), their flat
+buffers and DP reducer (``grid.comm("dp")``), the optimizer and the data iterator.
 ``train_step`` runs one global batch; every rank returns the same metrics (loss and grad norm are
 agreed by collectives).
 """
@@ -90,9 +91,10 @@ class Trainer:
         m, p, t, grid, layout = self.model_cfg, self.cfg.parallel, self.cfg.train, self.grid, self.layout
         tp_comm, pp_comm = grid.comm("tp"), grid.comm("pp")
         self.chunks = build_chunks(m, layout, grid.coords["pp"], tp_comm, self.dtype, t.seed, t.recompute)
-        self.model = torch.nn.ModuleList(self.chunks)  # train()/eval()/parameters() of every chunk
-        self.model.to(self.device)  # initialised on the host from the global generator, then moved
-        self.flat = FlatParams(list(self.model.parameters()), grid.comm("dp"), tp_comm=tp_comm, pp_comm=pp_comm,
+        self.local_model = torch.nn.ModuleList(self.chunks)  # train()/eval()/parameters() of every chunk
+        self.local_model.to(self.device)  # initialised on the host from the global generator, then moved
+        self.flat = FlatParams(list(self.local_model.parameters()), grid.comm("dp"), tp_comm=tp_comm,
+                               pp_comm=pp_comm,
                                bucket_mb=p.bucket_mb, zero=layout.zero == 1, timer=self.timer,
                                check_finite=self.dtype == torch.float16,
                                make_reducer=partial(build_reducer, self.cfg.compression, grid=grid, seed=t.seed))
@@ -136,7 +138,7 @@ class Trainer:
         targets_mb = [targets[i * mb:(i + 1) * mb] for i in range(self.cfg.parallel.microbatches)]
         global_tokens = t.global_batch * t.seq_len
 
-        self.model.train()
+        self.local_model.train()
         self.flat.start_step()
         reducer = self.flat.reducer
         reducer.begin_step(self.step)
@@ -183,7 +185,7 @@ class Trainer:
         of held-out samples 0, 1, ...: the same every time and in every layout); forward only."""
         t, mb, n_mb = self.cfg.train, self.micro_batch, self.cfg.parallel.microbatches
         offset, count = rank_slice(t.global_batch, self.layout.dp_size, self.grid.coords["dp"])
-        self.model.eval()
+        self.local_model.eval()
         total = 0.0
         with self.timer.phase("eval"):
             for k in range(t.eval_steps):
@@ -192,7 +194,7 @@ class Trainer:
                                                     [targets[i * mb:(i + 1) * mb] for i in range(n_mb)],
                                                     1.0 / (t.global_batch * t.seq_len))
                 total += self._agree_loss(stage_loss)
-        self.model.train()
+        self.local_model.train()
         return total / t.eval_steps
 
     def _to_device(self, *batch: torch.Tensor) -> list[torch.Tensor]:
@@ -219,7 +221,7 @@ class Trainer:
         """
         pieces = []
         if self.grid.coords["dp"] == 0:
-            for p in self.model.parameters():
+            for p in self.local_model.parameters():
                 if not p.spec.tied_copy:
                     index = [(s.start, s.stop) for s in p.spec.local_slices()]
                     pieces.append((p.spec.name, p.spec.global_shape, index,

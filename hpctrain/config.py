@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.presets import MODEL_DEFAULTS, PRESET_KEYS, PRESETS  # noqa: F401 (re-exported)
-from hpctrain.parallel.rules import check_stages  # the layout rules that need no world size
+from hpctrain.parallel.rules import check_schedule, check_stages  # the layout rules that need no world size
 from hpctrain.runtime.dtypes import DTYPE_NAMES
 
 
@@ -64,7 +64,8 @@ class ParallelConfig:
     dp: int = _field(0, min=0)  # 0 = world / (tp * pp)
     tp: int = _field(1, min=1)
     pp: int = _field(1, min=1)
-    schedule: str = _field("1f1b", choices=("gpipe", "1f1b"))
+    schedule: str = _field("1f1b", choices=("gpipe", "1f1b", "interleaved"))
+    virtual_stages: int = _field(1, min=1)  # model chunks per pp rank (interleaved: >= 2)
     microbatches: int = _field(1, min=1)
     sequence_parallel: bool = False
     zero: int = _field(0, choices=(0, 1))
@@ -361,7 +362,8 @@ def validate(cfg: Config) -> None:
              f"n_heads={m.n_heads} not divisible by n_kv_heads={m.n_kv_heads}")
     p, t = cfg.parallel, cfg.train
     try:
-        check_stages(m, p.pp, p.stage_layers)
+        check_schedule(m, p.schedule, p.pp, p.virtual_stages, p.microbatches)
+        check_stages(m, p.pp, p.stage_layers, p.virtual_stages)
     except HpcTrainError as exc:
         raise ConfigError(f"config: {exc}") from None
     _require(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")

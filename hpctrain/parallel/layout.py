@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from hpctrain.config import resolve_model
 from hpctrain.parallel.rules import LayoutError  # noqa: F401 (re-exported)
-from hpctrain.parallel.rules import check_batch, check_stages, check_tp_divisibility, resolve_sizes
+from hpctrain.parallel.rules import (check_batch, check_schedule, check_stages, check_tp_divisibility,
+                                    resolve_sizes)
 
 
 def divisors(n: int) -> list[int]:
@@ -34,6 +35,7 @@ class Layout:
     zero: int = 0
     schedule: str = "1f1b"
     stage_layers: tuple[int, ...] = field(default_factory=tuple)
+    virtual_stages: int = 1  # model chunks per pp rank (interleaved schedule)
 
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "Layout":
@@ -41,7 +43,7 @@ class Layout:
         p, t = cfg.parallel, cfg.train
         sizes = resolve_sizes(world_size, dp=p.dp, pp=p.pp, tp=p.tp)
         layout = cls(world_size, sizes["dp"], sizes["pp"], sizes["tp"], p.microbatches, t.global_batch,
-                     t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers))
+                     t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers), p.virtual_stages)
         layout.validate(resolve_model(cfg.model))
         return layout
 
@@ -50,7 +52,8 @@ class Layout:
         resolve_sizes(self.world_size, self.dp_size, self.pp_size, self.tp_size)
         if model is not None:
             check_tp_divisibility(model, self.tp_size)
-            check_stages(model, self.pp_size, list(self.stage_layers))
+            check_schedule(model, self.schedule, self.pp_size, self.virtual_stages, self.microbatches)
+            check_stages(model, self.pp_size, list(self.stage_layers), self.virtual_stages)
         check_batch(self.global_batch, self.microbatches, self.seq_len, self.dp_size, self.tp_size,
                     self.sequence_parallel)
 

@@ -8,9 +8,11 @@ the functions take numbers and a resolved ``ModelConfig``-like object (tests/uni
 Rules, in the order ``Layout.validate`` checks them (each raises the message users see; ``GridError``
 for the factorisation of the world, ``LayoutError`` for the rest):
   sizes: tp, pp >= 1; dp >= 0; dp * pp * tp == world (dp = 0 derives it; world divisible by tp * pp)
+  schedule: virtual_stages > 1 only with interleaved; interleaved: virtual_stages >= 2, pp >= 2,
+         pp * virtual_stages <= n_layers, micro-batches a multiple of pp
   model: n_heads, n_kv_heads, d_ff divisible by tp (the vocabulary is padded: ``padded_vocab``);
          pp <= n_layers;
-         stage_layers (if given) has pp entries >= 1 summing to n_layers
+         stage_layers (if given) has pp (x virtual_stages) entries >= 1 summing to n_layers
   batch: global_batch divisible by dp; the replica batch divisible by micro-batches;
          with sequence parallelism, seq_len divisible by tp
 """
@@ -61,12 +63,41 @@ def check_tp_divisibility(m, tp_size: int) -> None:
                                 f"KV heads and the MLP are split over tp; choose tp dividing it")
 
 
-def check_stages(m, pp_size: int, stage_layers: list[int]) -> None:
-    """Every pipeline stage needs at least one layer; explicit stage sizes must add up."""
+def check_schedule(m, schedule: str, pp_size: int, virtual_stages: int, microbatches: int) -> None:
+    """Interleaved 1F1B: V >= 2 model chunks per rank (V > 1 with no other schedule), pp >= 2, every virtual
+    stage a layer, micro-batches a multiple of pp (Megatron's rule: they run through the chunks in groups
+    of pp)."""
+    if schedule != "interleaved":
+        if virtual_stages != 1:
+            raise LayoutError(f"parallel.virtual_stages={virtual_stages} needs parallel.schedule=interleaved "
+                              f"(gpipe and 1f1b hold one model chunk per pp rank; use virtual_stages=1)")
+        return
+    if virtual_stages < 2:
+        raise LayoutError(f"parallel.schedule=interleaved needs parallel.virtual_stages >= 2 (model chunks per pp "
+                          f"rank), got {virtual_stages}")
+    if pp_size < 2:
+        raise LayoutError(f"parallel.schedule=interleaved needs parallel.pp >= 2, got pp={pp_size}")
+    if m.n_layers < virtual_stages * pp_size:
+        raise LayoutError(f"parallel.virtual_stages={virtual_stages} is too many for the layers: model.n_layers="
+                          f"{m.n_layers} < pp x virtual_stages = {pp_size * virtual_stages} (every virtual stage "
+                          f"needs a layer)")
+    if microbatches % pp_size:
+        raise LayoutError(f"parallel.microbatches={microbatches} must be a multiple of parallel.pp={pp_size} with "
+                          f"the interleaved schedule (as Megatron requires: micro-batches go through each model "
+                          f"chunk in groups of pp)")
+
+
+def check_stages(m, pp_size: int, stage_layers: list[int], virtual_stages: int = 1) -> None:
+    """Every (virtual) pipeline stage needs at least one layer; explicit stage sizes must add up. With
+    ``virtual_stages`` V > 1 (interleaved) ``stage_layers`` lists the V * pp virtual stages in order."""
+    stages = pp_size * virtual_stages
     if stage_layers:
-        if len(stage_layers) != pp_size or sum(stage_layers) != m.n_layers or min(stage_layers) < 1:
-            raise LayoutError(f"parallel.stage_layers={stage_layers} must have pp={pp_size} entries >= 1 "
-                                f"summing to model.n_layers={m.n_layers}")
+        if len(stage_layers) != stages or sum(stage_layers) != m.n_layers or min(stage_layers) < 1:
+            what = f"pp={pp_size}" if virtual_stages == 1 else \
+                f"pp x virtual_stages = {pp_size}x{virtual_stages} = {stages}"
+            order = "" if virtual_stages == 1 else ", one per virtual stage v = chunk x pp + rank in order"
+            raise LayoutError(f"parallel.stage_layers={stage_layers} must have {what} entries >= 1 "
+                              f"summing to model.n_layers={m.n_layers}{order}")
     elif m.n_layers < pp_size:
         raise LayoutError(f"model.n_layers={m.n_layers} < parallel.pp={pp_size}: every stage needs a layer")
 

@@ -44,11 +44,12 @@ def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None)
     p, t = cfg.parallel, cfg.train
     model = resolve_model(cfg.model)
     layout = Layout(row["ranks"], row["dp"], row["pp"], row["tp"], row["microbatches"], row["global_batch"],
-                    t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers))
+                    t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers), p.virtual_stages)
     try:
         layout.validate(model)
         machine = machine_for(row["ranks"], int(row.get("nodes") or 1), device, profile)
-        options = Options(dtype=t.dtype, flash_attention=True, bucket_mb=p.bucket_mb, reserve_gib=0.0)
+        options = Options(dtype=t.dtype, flash_attention=True, bucket_mb=p.bucket_mb, reserve_gib=0.0,
+                          virtual_stages=p.virtual_stages)
         pred = predict(model, layout, machine, recompute=bool(getattr(t, "recompute", False)), options=options)
     except HpcTrainError:
         return None

@@ -71,11 +71,17 @@ MEANINGS: dict[str, str] = {
     "parallel.tp": "Tensor-parallel ranks per layer (heads, MLP and vocabulary split; Megatron style). Keep it "
                    "within a node.",
     "parallel.pp": "Pipeline stages (consecutive layers per stage).",
-    "parallel.schedule": "Pipeline schedule: `gpipe` (all forwards, then all backwards) or `1f1b` (same bubble, "
-                         "at most pp - s micro-batches of activations held on stage s).",
+    "parallel.schedule": "Pipeline schedule: `gpipe` (all forwards, then all backwards), `1f1b` (same bubble, "
+                         "at most pp - s micro-batches of activations held on stage s) or `interleaved` "
+                         "(Megatron's interleaved 1F1B over `virtual_stages` model chunks per rank: the bubble "
+                         "divided by V; needs pp >= 2 and microbatches a multiple of pp).",
+    "parallel.virtual_stages": "Model chunks per pp rank (V). With `schedule = \"interleaved\"`: >= 2, and "
+                               "pp x V <= n_layers; rank r holds virtual stages r, pp + r, 2 pp + r, ... "
+                               "(Megatron's `--num-layers-per-virtual-pipeline-stage`, counted in chunks). "
+                               "1 with gpipe and 1f1b.",
     "parallel.microbatches": "Micro-batches per replica per step: the replica batch (global_batch / dp) is split "
                              "into this many; gradients accumulate over them. The pipeline bubble is "
-                             "(pp - 1) / (microbatches + pp - 1).",
+                             "(pp - 1) / (virtual_stages x microbatches) of the ideal step.",
     "parallel.sequence_parallel": "Split the activations between TP layers into sequence chunks (norms run on "
                                   "S/tp tokens; all-reduce becomes reduce-scatter + all-gather). Needs "
                                   "`train.seq_len` divisible by tp.",
@@ -83,7 +89,8 @@ MEANINGS: dict[str, str] = {
                      "parameters; gradients are reduce-scattered and updated parameters all-gathered. 0 = off.",
     "parallel.bucket_mb": "Size of a gradient bucket (MiB of main-grad storage). A bucket's dp reduction starts "
                           "as soon as backward has produced all its gradients.",
-    "parallel.stage_layers": "Layers per pipeline stage, e.g. `[3, 5]`; pp entries summing to n_layers. Empty = "
+    "parallel.stage_layers": "Layers per pipeline stage, e.g. `[3, 5]`; pp entries summing to n_layers (interleaved: "
+                             "pp x virtual_stages entries, virtual stage v = chunk x pp + rank in order). Empty = "
                              "balanced by parameter count (embedding and LM head count against their stages).",
     "parallel.strict_placement": "Make a tensor-parallel group that spans nodes an error instead of a warning.",
     "parallel.backend": "How CUDA tensors travel (host tensors always use MPI): `auto` = NCCL via CuPy when it "

@@ -4,12 +4,33 @@ from __future__ import annotations
 import json
 import sys
 
+from types import SimpleNamespace
+
 from hpctrain.comm.grid import AXES, ProcessGrid
+from hpctrain.errors import GridError, HpcTrainError
+from hpctrain.parallel.rules import check_schedule
+from hpctrain.parallel.schedules import bubble_fraction
 from hpctrain.runtime.launcher import discover
 
 
-def collect_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False) -> tuple[dict | None, ProcessGrid]:
-    """Collective: build the grid and gather every rank's record on rank 0 (None elsewhere)."""
+def pipeline_report(pp: int, schedule: str = "1f1b", virtual_stages: int = 1, microbatches: int = 0) -> dict | None:
+    """The pipeline's schedule and bubble, (pp - 1) / (V M) of the ideal step (None without a pipeline).
+    ``microbatches`` 0 = pp. Raises GridError on a schedule rule (the layer rule needs a model: not here)."""
+    if pp == 1:
+        return None
+    m = microbatches or pp
+    try:
+        check_schedule(SimpleNamespace(n_layers=pp * virtual_stages), schedule, pp, virtual_stages, m)
+    except HpcTrainError as exc:
+        raise GridError(str(exc)) from None
+    return {"schedule": schedule, "virtual_stages": virtual_stages, "microbatches": m,
+            "bubble": bubble_fraction(pp, m, virtual_stages)}
+
+
+def collect_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False,
+                 pipeline: dict | None = None) -> tuple[dict | None, ProcessGrid]:
+    """Collective: build the grid and gather every rank's record on rank 0 (None elsewhere). ``pipeline``:
+    ``pipeline_report``'s, reported as is."""
     info = discover()
     grid = ProcessGrid.build(info, dp=dp, pp=pp, tp=tp, strict_placement=strict)
     records = grid.world.gather_object(grid.describe(), root=0)
@@ -26,14 +47,16 @@ def collect_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False) ->
         "layout": dict(grid.sizes),
         "groups_crossing_nodes": sorted({a for r in records for a in r["crosses_nodes"]}),
         "warnings": grid.warnings,
+        "pipeline": pipeline,
         "ranks": records,
     }
     return document, grid
 
 
 def run_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False, as_json: bool = False,
-             stream=sys.stdout) -> int:
-    document, grid = collect_info(tp=tp, pp=pp, dp=dp, strict=strict)
+             stream=sys.stdout, schedule: str = "1f1b", virtual_stages: int = 1, microbatches: int = 0) -> int:
+    pipeline = pipeline_report(pp, schedule, virtual_stages, microbatches)
+    document, grid = collect_info(tp=tp, pp=pp, dp=dp, strict=strict, pipeline=pipeline)
     grid.close()
     if document is None:
         return 0
@@ -45,6 +68,12 @@ def run_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False, as_jso
     print(f"launcher: {document['launcher']}    MPI: {document['mpi_library']}", file=stream)
     print(f"world: {document['world_size']} ranks on {document['nodes']} node(s), ranks per node "
           f"{document['ranks_per_node']}    layout: {layout}", file=stream)
+    if pipeline:
+        v = pipeline["virtual_stages"]
+        formula = "(pp-1)/(V M)" if v > 1 else "(pp-1)/M"
+        print(f"pipeline: schedule {pipeline['schedule']}" + (f", virtual_stages={v}" if v > 1 else "") +
+              f", {pipeline['microbatches']} micro-batches, bubble {formula} = {pipeline['bubble']:.1%} of the "
+              f"ideal step", file=stream)
     if document["groups_crossing_nodes"]:
         print(f"groups crossing nodes: {', '.join(document['groups_crossing_nodes'])}", file=stream)
     header = f"{'rank':>5} {'node':>5} {'local':>5} {'dp':>3} {'pp':>3} {'tp':>3}  dp_group / pp_group / tp_group"

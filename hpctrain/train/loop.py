@@ -250,9 +250,12 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
     with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config_to_dict(cfg), f, indent=1)
     layout = " x ".join(f"{a}={grid.sizes[a]}" for a in ("dp", "pp", "tp"))
-    bubble = f", pipeline bubble {trainer.bubble:.0%}" if grid.sizes["pp"] > 1 else ""
+    schedule = p.schedule + (f" (virtual_stages={p.virtual_stages})" if p.schedule == "interleaved" else "")
+    formula = "(pp-1)/(V M)" if p.schedule == "interleaved" else "(pp-1)/M"
+    bubble = (f", pipeline bubble {formula} = {trainer.bubble:.1%} of "
+              f"the ideal step" if grid.sizes["pp"] > 1 else "")
     print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
-          f"{p.schedule}, {p.microbatches} micro-batches{bubble}, sequence parallel "
+          f"{schedule}, {p.microbatches} micro-batches{bubble}, sequence parallel "
           f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, {cfg.train.dtype}, device "
           f"{describe(device)}" + (f", GPU collectives backend {trainer.backends['dp']}"
                                    if device.type == "cuda" else ""), flush=True)

@@ -1,7 +1,8 @@
 """The training loop: batch -> pipeline forward/backward -> DP reduction -> clip -> optimizer step -> metrics.
 
-``Trainer(cfg, grid)`` builds this rank's pipeline stage of the GPT (tensor-parallel layers over
-``grid.comm("tp")``), its flat buffers and DP reducer (``grid.comm("dp")``), the optimizer and the data iterator.
+``Trainer(cfg, grid)`` builds this rank's pipeline model chunks of the GPT (one, or ``parallel.virtual_stages``
+with the interleaved schedule: ``build_chunks``; tensor-parallel layers over ``grid.comm("tp")``), their flat
+buffers and DP reducer (``grid.comm("dp")``), the optimizer and the data iterator.
 ``train_step`` runs one global batch; every rank returns the same metrics (loss and grad norm are
 agreed by collectives).
 """
@@ -80,28 +81,27 @@ class Trainer:
         self._build_data(tokens)
         self.step = 0
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.train.seq_len)
-        pp_size = self.layout.pp_size
-        self.bubble = bubble_fraction(pp_size, self.layout.microbatches) if pp_size > 1 else 0.0
+        # idle over ideal time with equal stages, (pp - 1) / (V M) (``bubble_fraction``; printed at start-up)
+        self.bubble = bubble_fraction(self.layout.pp_size, self.layout.microbatches, self.layout.virtual_stages)
         self.peak_tflops = cfg.train.peak_tflops or peak_tflops(self.device, self.dtype, cfg.train.allow_tf32)
         self.state = TrainerState(self)  # what checkpoints save and restore (hpctrain/checkpoint/contract.py)
 
     def _build_model(self) -> None:
-        """This rank's stage (TP layers over tp), its flat buffers and DP reducer, optimizer, executor."""
+        """This rank's model chunks (TP layers over tp), their flat buffers and DP reducer, optimizer, executor."""
         m, p, t, grid, layout = self.model_cfg, self.cfg.parallel, self.cfg.train, self.grid, self.layout
-        stage_rank, pp_size = grid.coords["pp"], layout.pp_size
-        ranges = partition_layers(m, pp_size, list(layout.stage_layers))
         tp_comm, pp_comm = grid.comm("tp"), grid.comm("pp")
-        self.stage = GPTStage(m, ranges[stage_rank], is_first=stage_rank == 0, is_last=stage_rank == pp_size - 1,
-                              tp_comm=tp_comm, sp=layout.sequence_parallel, dtype=self.dtype, seed=t.seed,
-                              recompute=t.recompute)
-        self.stage.to(self.device)  # initialised on the host from the global generator, then moved
-        self.flat = FlatParams(list(self.stage.parameters()), grid.comm("dp"), tp_comm=tp_comm, pp_comm=pp_comm,
+        self.chunks = build_chunks(m, layout, grid.coords["pp"], tp_comm, self.dtype, t.seed, t.recompute)
+        self.local_model = torch.nn.ModuleList(self.chunks)  # train()/eval()/parameters() of every chunk
+        self.local_model.to(self.device)  # initialised on the host from the global generator, then moved
+        self.flat = FlatParams(list(self.local_model.parameters()), grid.comm("dp"), tp_comm=tp_comm,
+                               pp_comm=pp_comm,
                                bucket_mb=p.bucket_mb, zero=layout.zero == 1, timer=self.timer,
                                check_finite=self.dtype == torch.float16,
                                make_reducer=partial(build_reducer, self.cfg.compression, grid=grid, seed=t.seed))
         self.optimizer = FlatOptimizer(self.flat, self.cfg.optim, tp_rank=grid.coords["tp"])
-        self.executor = PipelineExecutor(self.stage, pp_comm if pp_size > 1 else None, self.flat, layout.schedule,
-                                         layout.microbatches, (layout.seq_chunk, self.micro_batch, m.d_model),
+        self.executor = PipelineExecutor(self.chunks, pp_comm if layout.pp_size > 1 else None, self.flat,
+                                         layout.schedule, layout.microbatches,
+                                         (layout.seq_chunk, self.micro_batch, m.d_model),
                                          self.dtype, device=self.device, timer=self.timer)
         self.scaler = DynamicLossScaler(t.loss_scale, enabled=self.dtype == torch.float16)
         self.guard = DivergenceGuard(t.nonfinite, t.max_skipped_steps)
@@ -138,7 +138,7 @@ class Trainer:
         targets_mb = [targets[i * mb:(i + 1) * mb] for i in range(self.cfg.parallel.microbatches)]
         global_tokens = t.global_batch * t.seq_len
 
-        self.stage.train()
+        self.local_model.train()
         self.flat.start_step()
         reducer = self.flat.reducer
         reducer.begin_step(self.step)
@@ -185,7 +185,7 @@ class Trainer:
         of held-out samples 0, 1, ...: the same every time and in every layout); forward only."""
         t, mb, n_mb = self.cfg.train, self.micro_batch, self.cfg.parallel.microbatches
         offset, count = rank_slice(t.global_batch, self.layout.dp_size, self.grid.coords["dp"])
-        self.stage.eval()
+        self.local_model.eval()
         total = 0.0
         with self.timer.phase("eval"):
             for k in range(t.eval_steps):
@@ -194,7 +194,7 @@ class Trainer:
                                                     [targets[i * mb:(i + 1) * mb] for i in range(n_mb)],
                                                     1.0 / (t.global_batch * t.seq_len))
                 total += self._agree_loss(stage_loss)
-        self.stage.train()
+        self.local_model.train()
         return total / t.eval_steps
 
     def _to_device(self, *batch: torch.Tensor) -> list[torch.Tensor]:
@@ -221,7 +221,7 @@ class Trainer:
         """
         pieces = []
         if self.grid.coords["dp"] == 0:
-            for p in self.stage.parameters():
+            for p in self.local_model.parameters():
                 if not p.spec.tied_copy:
                     index = [(s.start, s.stop) for s in p.spec.local_slices()]
                     real = p.detach()[p.spec.valid_local()]  # without vocabulary padding rows
@@ -236,6 +236,21 @@ class Trainer:
                 full = result.setdefault(name, torch.full(shape, float("nan"), dtype=torch.float64))
                 full[tuple(slice(a, b) for a, b in index)] = torch.from_numpy(array)
         return result
+
+
+def build_chunks(m, layout, pp_rank: int, tp_comm, dtype, seed: int, recompute: bool) -> list[GPTStage]:
+    """The model chunks of pp rank ``pp_rank``: chunk c is virtual stage v = c * pp + pp_rank of the
+    pp x V virtual stages (V = ``layout.virtual_stages``), whose layers ``partition_layers`` balances over
+    them (or ``stage_layers`` gives, one entry per virtual stage). The embedding is on v = 0, the norm and
+    LM head on the last; a tied embedding's copy lives there (its grad is summed over pp with rank 0's)."""
+    pp, chunks = layout.pp_size, layout.virtual_stages
+    ranges = partition_layers(m, pp * chunks, list(layout.stage_layers))
+    out = []
+    for c in range(chunks):
+        v = c * pp + pp_rank
+        out.append(GPTStage(m, ranges[v], is_first=v == 0, is_last=v == pp * chunks - 1, tp_comm=tp_comm,
+                            sp=layout.sequence_parallel, dtype=dtype, seed=seed, recompute=recompute))
+    return out
 
 
 def _group_deltas(before: dict, after: dict) -> dict:

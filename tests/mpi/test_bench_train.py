@@ -22,3 +22,16 @@ def test_bench_train_writes_positive_records(tmp_path):
     assert max(losses) - min(losses) < 1e-3 * max(losses), losses
     assert len(list(csv.DictReader(out_csv.open()))) == len(records)
     assert "ratio vs ddp-gloo" in result.stdout
+
+
+def test_bench_pipeline_trains_the_same_model_in_every_schedule(tmp_path):
+    """benchmarks/bench_pipeline.py on 2 ranks: 1f1b and interleaved V=2 records; equal final losses (the
+    same training, whatever the schedule); the bubble column is (pp - 1) / (V M)."""
+    out_json = tmp_path / "pipe.json"
+    run_mpi(2, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--steps", "1", "--warmup", "1", "--rounds", "1",
+            "--d-model", "32", "--layers", "4", "--heads", "2", "--seq-len", "16", "--max-bytes", "300000",
+            "--virtual", "2,4", "--json", str(out_json), timeout=180)
+    records = json.loads(out_json.read_text())
+    assert [(r["schedule"], r["virtual_stages"]) for r in records] == [("1f1b", 1), ("interleaved", 2)]  # 2x4 > 4
+    assert [r["bubble"] for r in records] == [0.5, 0.25] and all(r["step_ms"] > 0 for r in records)
+    assert abs(records[0]["final_loss"] - records[1]["final_loss"]) < 1e-5 * records[0]["final_loss"]

@@ -44,7 +44,9 @@ def losses(run_dir):
 
 
 @pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"],
-                                    ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1"]])
+                                    ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1"],
+                                    ["parallel.tp=1", "parallel.pp=2", "parallel.schedule=interleaved",
+                                     "parallel.virtual_stages=2", "model.n_layers=4", "model.tie_embeddings=true"]])
 def test_exact_resume_is_bitwise(tmp_path, layout):
     whole, split = tmp_path / "whole", tmp_path / "split"
     train(4, whole, *F32, *layout)
@@ -96,6 +98,33 @@ def test_reshard_an_odd_vocabulary_with_tied_embeddings(tmp_path):
             assert abs(got[step] - ref[step]) <= 1e-10 * abs(ref[step]), (i, layout, step, got[step], ref[step])
         with h5py.File(sorted((run_dir / "checkpoints").glob("step-*"))[-1] / "checkpoint.h5", "r") as f:
             assert f["model/embed.weight"].shape == (257, 64) and f["optim/exp_avg/embed.weight"].shape == (257, 64)
+    ckpt("diff", str(reference), str(run_dir), "--atol", "1e-9")
+
+
+def test_interleaved_checkpoints_resume_in_any_schedule(tmp_path):
+    """Parameter names are global (``layers.i``), so an interleaved checkpoint (pp=2, V=2) resumes with 1f1b
+    pp=2 and with one process, and back (also with dp=2, ZeRO-1, tp=2 + SP, 4 micro-batches),
+    matching one uninterrupted process to 1e-10 (float64)."""
+    reference = tmp_path / "reference"
+    train(1, reference, *F64, "parallel.pp=1", "parallel.tp=1", "parallel.microbatches=1")
+    ref = losses(reference)
+    interleaved = ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.pp=2", "parallel.tp=1"]
+    chain = [
+        (2, interleaved),
+        (2, ["parallel.tp=1", "parallel.pp=2"]),  # interleaved -> 1f1b
+        (2, interleaved + ["parallel.microbatches=4"]),  # 1f1b -> interleaved
+        (1, ["parallel.tp=1", "parallel.pp=1"]),  # interleaved -> one process
+        (4, interleaved + ["parallel.zero=1"]),  # one process -> interleaved, dp=2
+        (4, interleaved[:3] + ["parallel.tp=2", "parallel.sequence_parallel=true"]),  # tp 1 -> 2
+        (2, ["parallel.tp=1", "parallel.pp=2", "parallel.schedule=gpipe"]),  # 14 steps: the reference's
+    ]
+    run_dir = tmp_path / "chain"
+    for i, (ranks, layout) in enumerate(chain):
+        train(ranks, run_dir, *F64, *layout, "--max-steps", "2", "--resume", "auto", timeout=300)
+        got = losses(run_dir)
+        assert sorted(got) == list(range(1, 2 * i + 3)), f"segment {i}: steps {sorted(got)}"
+        for step in (2 * i + 1, 2 * i + 2):
+            assert abs(got[step] - ref[step]) <= 1e-10 * abs(ref[step]), (i, layout, step, got[step], ref[step])
     ckpt("diff", str(reference), str(run_dir), "--atol", "1e-9")
 
 

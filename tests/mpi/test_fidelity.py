@@ -54,6 +54,34 @@ def test_microbatches_fewer_than_stages_with_recomputation():
     fidelity(4, "1,1,4;1,2,2", "1f1b/gpipe,sp", *F64, "parallel.microbatches=1", "train.recompute=true")
 
 
+def test_interleaved_two_stages_steady_state_three_chunks_and_explicit_virtual_stages():
+    """pp=2 with 4 micro-batches (warm-up, steady 1F1B and cool-down), V = 2 and 3, tied embeddings
+    (original on rank 0 chunk 0, copy on rank 1 chunk V-1); then a hand-given split of 4 virtual stages."""
+    out = fidelity(2, "1,1,2", "interleaved2/interleaved3", *F64, "model.n_layers=6", "parallel.microbatches=4",
+                   "model.tie_embeddings=true")
+    assert out.count("OK dp=") == 2 and "interleaved3" in out
+    out = fidelity(2, "1,1,2", "interleaved2,zero1", *F64, "model.n_layers=6", "parallel.microbatches=4",
+                   "parallel.stage_layers=[1,2,2,1]")
+    assert out.count("OK dp=") == 1
+
+
+def test_interleaved_with_tp_sp_zero1_dp_and_four_stages():
+    """micro-batches == pp (every rank warms up fully, as Megatron), with tp + SP + ZeRO-1, dp, tied
+    embeddings; then pp=4 x V=2 over 8 layers with 4 and 8 micro-batches."""
+    out = fidelity(4, "1,2,2;2,1,2", "interleaved2,sp,zero1/interleaved2", *F64, "model.tie_embeddings=true")
+    assert out.count("OK dp=") == 4
+    for microbatches in (4, 8):
+        out = fidelity(4, "1,1,4", "interleaved2,zero1", *F64, "model.n_layers=8", "model.tie_embeddings=true",
+                       f"parallel.microbatches={microbatches}")
+        assert out.count("OK dp=") == 1
+
+
+def test_interleaved_eight_ranks_full_grid():
+    out = fidelity(8, "2,2,2", "interleaved2,sp,zero1", *F64, "model.tie_embeddings=true",
+                   "parallel.microbatches=4", "train.global_batch=16")
+    assert out.count("OK dp=") == 1
+
+
 @pytest.mark.full_matrix
 @pytest.mark.parametrize("nprocs,layouts", [
     (2, "2,1,1;1,2,1;1,1,2"),

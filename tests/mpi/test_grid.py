@@ -73,3 +73,12 @@ def test_bad_layout_fails_on_every_rank(args, message):
     lines = [line for line in result.stderr.splitlines() if line.startswith("hpctrain: error: ")]
     assert len(lines) == 1 and lines[0].startswith("hpctrain: error: all 4 ranks: "), result.stderr
     assert message in lines[0], result.stderr
+
+
+def test_info_reports_the_pipeline_schedule_and_bubble():
+    doc = info_json(2, "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4")
+    assert doc["pipeline"] == {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4, "bubble": 0.125}
+    assert info_json(2, "--pp", "2")["pipeline"]["bubble"] == 0.5  # 1f1b, M = pp: (pp - 1) / M
+    bad = run_mpi(2, "hpctrain.cli", "info", "--pp", "2", "--virtual-stages", "2", module=True, timeout=60,
+                  check=False)
+    assert bad.returncode != 0 and "parallel.virtual_stages=2 needs parallel.schedule=interleaved" in bad.output

@@ -48,14 +48,16 @@ def test_a_tp2_run_exports_to_transformers_with_the_same_logits(tmp_path):
 
 
 def test_an_imported_model_trains_the_same_in_every_layout(tmp_path):
-    hf = random_llama(tmp_path / "hf", vocab=257, kv_heads=2)  # an odd vocabulary: padded in memory at any tp
+    hf = random_llama(tmp_path / "hf", vocab=257, kv_heads=2, num_hidden_layers=4)  # an odd vocabulary: padded at any tp
     assert dispatch(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
     model_toml = tmp_path / "ckpt" / "model.toml"  # the [model] section of the HF model: a valid config file
     steps = ["train.steps=1"]
     train(1, tmp_path / "one", *steps, "--resume", tmp_path / "ckpt", config=model_toml)
     train(2, tmp_path / "tp2", *steps, "parallel.tp=2", "--resume", tmp_path / "ckpt", config=model_toml)
     train(2, tmp_path / "pp2", *steps, "parallel.pp=2", f"model.init_from={tmp_path / 'hf'}", config=model_toml)
-    first = [losses(tmp_path / name)[0] for name in ("one", "tp2", "pp2")]
+    train(2, tmp_path / "il", *steps, "parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+          "parallel.microbatches=2", f"model.init_from={tmp_path / 'hf'}", config=model_toml)
+    first = [losses(tmp_path / name)[0] for name in ("one", "tp2", "pp2", "il")]
 
     # the loss of the first step is the HF model's on the same batch
     from hpctrain.config import load_config
@@ -67,7 +69,7 @@ def test_an_imported_model_trains_the_same_in_every_layout(tmp_path):
     inputs, targets = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed).batch(0, cfg.train.global_batch)
     with float64_exact_transformers():
         expected = F.cross_entropy(hf_logits(hf, inputs).reshape(-1, 257), targets.reshape(-1)).item()
-    assert first == pytest.approx([expected] * 3, rel=1e-10, abs=0)
+    assert first == pytest.approx([expected] * 4, rel=1e-10, abs=0)
 
     # a config whose model differs only in rope_theta (same shapes) is refused, not silently trained
     wrong = train(1, tmp_path / "wrong", *steps, "model.rope_theta=10000.0", "--resume", tmp_path / "ckpt",

@@ -11,7 +11,9 @@ LAYOUTS = [(1, ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1"]),
            (2, ["parallel.tp=1", "parallel.pp=2", "parallel.microbatches=2"]),
            (4, ["parallel.tp=2", "parallel.pp=1", "parallel.sequence_parallel=true", "parallel.zero=1",
                 "parallel.microbatches=1"]),
-           (4, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=gpipe"])]
+           (4, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=gpipe"]),
+           (2, ["parallel.tp=1", "parallel.pp=2", "parallel.microbatches=4", "parallel.schedule=interleaved",
+                "parallel.virtual_stages=2"])]
 
 
 def val_losses(run_dir):

@@ -1,5 +1,6 @@
 """Every layout rule's message, without MPI (hpctrain/parallel/rules.py, layout.py), and the derived sizes."""
 import pytest
+import torch
 
 from hpctrain.config import ConfigError, load_config
 from hpctrain.errors import GridError, HpcTrainError
@@ -49,6 +50,47 @@ def test_stage_rules_fail_at_config_time_without_a_world(overrides, fragment):
     with pytest.raises(ConfigError) as info:
         load_config("configs/tiny.toml", overrides)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["parallel.virtual_stages=2"], "parallel.virtual_stages=2 needs parallel.schedule=interleaved"),
+    (["parallel.schedule=gpipe", "parallel.virtual_stages=3"], "parallel.virtual_stages=3 needs parallel.schedule"),
+    (["parallel.schedule=interleaved"], "parallel.schedule=interleaved needs parallel.virtual_stages >= 2"),
+    (["parallel.schedule=interleaved", "parallel.virtual_stages=0"], "parallel.virtual_stages: must be >= 1"),
+    (["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.pp=1"],
+     "parallel.schedule=interleaved needs parallel.pp >= 2"),
+    (["parallel.schedule=interleaved", "parallel.virtual_stages=3"],
+     "parallel.virtual_stages=3 is too many for the layers: model.n_layers=4 < pp x virtual_stages = 6"),
+    (["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.microbatches=3"],
+     "parallel.microbatches=3 must be a multiple of parallel.pp=2 with the interleaved schedule"),
+    (["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.stage_layers=2,2"],
+     "parallel.stage_layers=[2, 2] must have pp x virtual_stages = 2x2 = 4 entries"),
+])
+def test_interleaved_rules_fail_at_config_time(overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/tiny.toml", overrides)
+    assert fragment in str(info.value) and str(info.value).count("\n") == 0
+
+
+def test_interleaved_layout_and_its_layers():
+    """Each virtual stage (chunk c of rank r is v = c pp + r) gets its layers; the embedding on v = 0 and
+    the head on the last; stage_layers lists virtual stages."""
+    from hpctrain.config import resolve_model
+    from hpctrain.train.trainer import build_chunks
+
+    overrides = ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.n_layers=6",
+                 "parallel.stage_layers=1,2,2,1", "parallel.tp=1"]
+    lay = layout(2, *overrides)
+    assert (lay.virtual_stages, lay.pp_size) == (2, 2)
+    cfg = load_config("configs/tiny.toml", overrides)
+    m = resolve_model(cfg.model)
+    rank0, rank1 = (build_chunks(m, lay, r, None, torch.float64, 0, False) for r in (0, 1))
+    assert [c.layer_range for c in rank0] == [(0, 1), (3, 5)] and [c.layer_range for c in rank1] == [(1, 3), (5, 6)]
+    assert [(c.is_first, c.is_last) for c in rank0 + rank1] == [(True, False), (False, False), (False, False),
+                                                                 (False, True)]
+    balanced = layout(2, *overrides[:3], "parallel.tp=1")
+    ranges = [c.layer_range for r in (0, 1) for c in build_chunks(m, balanced, r, None, torch.float64, 0, False)]
+    assert ranges == [(0, 1), (3, 5), (1, 3), (5, 6)]  # the embedding and head weigh 1/4 block each here
 
 
 def test_derived_sizes():

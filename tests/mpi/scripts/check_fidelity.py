@@ -25,7 +25,7 @@ def train(cfg, mpi_world, tokens, steps):
     grid = ProcessGrid.from_config(cfg, info, mpi_world=mpi_world, timeout_s=120)
     trainer = Trainer(cfg, grid, tokens=tokens)
     losses = [trainer.train_step().loss for _ in range(steps)]
-    for p in trainer.stage.parameters():  # vocabulary padding rows: never trained, exactly zero
+    for p in trainer.local_model.parameters():  # vocabulary padding rows: never trained, exactly zero
         pad = p.spec.valid_shape[0] if p.spec.padded_dim is not None else p.shape[0]
         assert not p.detach()[pad:].any() and not p.main_grad[pad:].any(), f"{p.spec.name}: padding rows changed"
     params = trainer.global_parameters()
@@ -41,7 +41,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp"')
     ap.add_argument("--variants", default="1f1b", help='"/"-separated combinations, each ","-separated words '
-                                                       'from 1f1b, gpipe, sp, zero1; or "all"')
+                                                       'from 1f1b, gpipe, interleavedV (V virtual stages), sp, '
+                                                       'zero1; or "all"')
     ap.add_argument("--dtype", default="float64")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rtol", type=float, default=1e-10)
@@ -53,25 +54,30 @@ def main():
             f"train.dtype={args.dtype}", "parallel.microbatches=2", "optim.grad_clip=1.0",
             "train.warmup_steps=1", "train.lr=1e-2", "model.tie_embeddings=false"] + args.overrides
     if args.variants == "all":
-        combos = list(itertools.product(["1f1b", "gpipe"], [False, True], [0, 1]))
+        combos = list(itertools.product([("1f1b", 1), ("gpipe", 1)], [False, True], [0, 1]))
     else:
         combos = []
         for combo in args.variants.split("/"):
             words = combo.split(",")
-            combos.append(("gpipe" if "gpipe" in words else "1f1b", "sp" in words, 1 if "zero1" in words else 0))
-    cfg0 = load_config(None, base)
+            schedule = next(((w[:11], int(w[11:])) for w in words if w.startswith("interleaved")),
+                            ("gpipe", 1) if "gpipe" in words else ("1f1b", 1))
+            combos.append((schedule, "sp" in words, 1 if "zero1" in words else 0))
+    single = [o for o in base if not o.startswith("parallel.stage_layers")]  # a split for pp > 1 only
+    cfg0 = load_config(None, single)
     tokens = load_tokens_collective(world, cfg0.data.source, cfg0.data.cache_dir, cfg0.data.max_bytes)
     reference = None
     if world.Get_rank() == 0:
-        reference = train(load_config(None, base + ["parallel.microbatches=1"]), MPI.COMM_SELF, tokens, args.steps)
+        reference = train(load_config(None, single + ["parallel.microbatches=1"]), MPI.COMM_SELF, tokens, args.steps)
     world.Barrier()
     checks = 0
     for layout in args.layouts.split(";"):
         dp, tp, pp = (int(v) for v in layout.split(","))
-        for schedule, sp, zero in combos:
-            name = f"dp={dp} tp={tp} pp={pp} {schedule} sp={sp} zero={zero} {args.dtype}"
+        for (schedule, virtual), sp, zero in combos:
+            name = f"dp={dp} tp={tp} pp={pp} {schedule}{virtual if virtual > 1 else ''} sp={sp} zero={zero} " \
+                   f"{args.dtype}"
             cfg = load_config(None, base + [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                                            f"parallel.schedule={schedule}", f"parallel.sequence_parallel={sp}",
+                                            f"parallel.schedule={schedule}", f"parallel.virtual_stages={virtual}",
+                                            f"parallel.sequence_parallel={sp}",
                                             f"parallel.zero={zero}"])
             losses, params = train(cfg, world, tokens, args.steps)
             if world.Get_rank() == 0:

@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""Pipeline schedules in a bubble-bound case: interleaved 1F1B (V = 2, 4, ...) against 1F1B at the same micro-batches.
+
+    mpiexec -n 2 python benchmarks/bench_pipeline.py --microbatches 2 --virtual 2,4 --json pipe.json --csv pipe.csv
+
+One MPI job builds, on the same ranks (pp = the world size, dp = tp = 1), one hpctrain Trainer per schedule:
+``1f1b`` and ``interleaved`` with each V of ``--virtual`` that the layers allow (pp x V <= layers), same model,
+data, optimizer and micro-batches (a multiple of pp, as interleaving needs). Few micro-batches make the
+pipeline bubble, (pp - 1) / (V M) of the ideal step, a large part of the step: interleaving divides it by V
+at the price of V times more point-to-point messages.
+
+Method (as benchmarks/bench_train.py): ``--warmup`` untimed steps each, then ``--rounds`` rounds of ``--steps``
+timed steps of every schedule in turn, the order rotated each round; a step is timed from a barrier to its
+end, the max over ranks; reported: the median, min and max; ``pp_wait`` is the trainer's own phase (blocked
+in pipeline receives and sends, mean over ranks), ``bubble`` the schedule's (pp - 1) / (V M). One thread
+per rank (OMP_NUM_THREADS=1).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from hpctrain.bench.report import run_benchmark, write_records  # noqa: E402
+
+FIELDS = ["schedule", "virtual_stages", "pp", "microbatches", "bubble", "step_ms", "step_ms_min", "step_ms_max",
+          "speedup_vs_1f1b", "pp_wait_ms", "forward_ms", "backward_ms", "tokens_per_s", "final_loss",
+          "timed_steps", "n_layers", "d_model", "seq_len", "global_batch"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--microbatches", type=int, default=0, help="micro-batches per step (default: pp)")
+    p.add_argument("--virtual", default="2,4", help="comma list of V for interleaved (default 2,4)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per schedule per round (default 4)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule first (default 2)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds (schedules alternate; default 4)")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes to load (default 2 MB)")
+    p.add_argument("--json", metavar="FILE", help="write records to FILE (JSON list)")
+    p.add_argument("--csv", metavar="FILE", help="write records to FILE (CSV)")
+    return p.parse_args(argv)
+
+
+class Schedule:
+    """One Trainer with ``schedule`` and ``virtual`` chunks per rank on the whole world as pp."""
+
+    def __init__(self, args, info, tokens, total_steps, schedule: str, virtual: int, microbatches: int):
+        from hpctrain.comm.grid import ProcessGrid
+        from hpctrain.config import load_config
+        from hpctrain.train.trainer import Trainer
+
+        self.schedule, self.virtual, self.microbatches = schedule, virtual, microbatches
+        self.name = schedule if virtual == 1 else f"{schedule} V={virtual}"
+        cfg = load_config(None, [
+            "model.preset=custom", "model.vocab_size=256", f"model.d_model={args.d_model}",
+            f"model.n_layers={args.layers}", f"model.n_heads={args.heads}", f"model.n_kv_heads={args.heads}",
+            f"model.d_ff={4 * args.d_model}", f"model.max_seq_len={args.seq_len}", "model.tie_embeddings=false",
+            "train.dtype=float32", f"train.seq_len={args.seq_len}", f"train.global_batch={args.global_batch}",
+            "train.lr=1e-3", "train.warmup_steps=2", f"train.steps={total_steps}", "train.progress=false",
+            "parallel.dp=1", "parallel.tp=1", f"parallel.pp={info.size}", f"parallel.microbatches={microbatches}",
+            f"parallel.schedule={schedule}", f"parallel.virtual_stages={virtual}"])
+        self.grid = ProcessGrid.from_config(cfg, info)
+        self.trainer = Trainer(cfg, self.grid, tokens=tokens)
+        self.phases, self.loss, self.active = {}, float("nan"), False
+
+    def step(self) -> None:
+        metrics = self.trainer.train_step()
+        self.loss = metrics.loss
+        if self.active:
+            for name, seconds in metrics.time_s.items():
+                self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    def close(self) -> None:
+        self.grid.close()
+
+
+def timed_steps(impl, n: int, world) -> list[float]:
+    """Run n steps; each one's time = max over ranks, from a barrier to its end."""
+    times = []
+    for _ in range(n):
+        world.Barrier()
+        start = time.perf_counter()
+        impl.step()
+        times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return times
+
+
+def run(args) -> list[dict]:
+    from hpctrain.data.corpus import load_tokens_collective
+    from hpctrain.parallel.schedules import bubble_fraction
+    from hpctrain.runtime.launcher import discover
+
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    info = discover()
+    pp = info.size
+    m = args.microbatches or pp
+    if pp < 2 or m % pp:
+        raise SystemExit(f"bench_pipeline: needs >= 2 ranks and --microbatches a multiple of pp={pp}, got {m}")
+    tokens = load_tokens_collective(world, "builtin", "", args.max_bytes)
+    total = args.warmup + args.rounds * args.steps
+    wanted = [1] + [int(v) for v in args.virtual.split(",") if v.strip() and pp * int(v) <= args.layers]
+    impls = [Schedule(args, info, tokens, total, "1f1b" if v == 1 else "interleaved", v, m) for v in wanted]
+    if info.rank == 0:
+        print(f"bench_pipeline: pp={pp}, {m} micro-batches, schedules {[i.name for i in impls]}, {args.warmup} "
+              f"warm-up + {args.rounds} x {args.steps} timed steps each", file=sys.stderr, flush=True)
+    for impl in impls:
+        timed_steps(impl, args.warmup, world)
+    times = {impl.name: [] for impl in impls}
+    for rnd in range(args.rounds):
+        k = rnd % len(impls)
+        for impl in impls[k:] + impls[:k]:
+            impl.active = True
+            times[impl.name] += timed_steps(impl, args.steps, world)
+            impl.active = False
+    records, timed = [], args.rounds * args.steps
+    for impl in impls:
+        t = times[impl.name]
+        phase = {name: world.allreduce(impl.phases.get(name, 0.0)) / pp / timed * 1e3
+                 for name in ("pp_wait", "forward", "backward")}
+        median = statistics.median(t)
+        records.append({"schedule": impl.schedule, "virtual_stages": impl.virtual, "pp": pp, "microbatches": m,
+                        "bubble": bubble_fraction(pp, m, impl.virtual), "step_ms": median * 1e3,
+                        "step_ms_min": min(t) * 1e3, "step_ms_max": max(t) * 1e3, "speedup_vs_1f1b": None,
+                        "pp_wait_ms": phase["pp_wait"], "forward_ms": phase["forward"],
+                        "backward_ms": phase["backward"], "tokens_per_s": args.global_batch * args.seq_len / median,
+                        "final_loss": impl.loss, "timed_steps": len(t), "n_layers": args.layers,
+                        "d_model": args.d_model, "seq_len": args.seq_len, "global_batch": args.global_batch})
+    for r in records:
+        r["speedup_vs_1f1b"] = records[0]["step_ms"] / r["step_ms"]
+    for impl in impls:
+        impl.close()
+    return records
+
+
+def print_table(records: list[dict]) -> None:
+    r0 = records[0]
+    print(f"pipeline schedules: pp={r0['pp']}, {r0['microbatches']} micro-batches, GPT d_model={r0['d_model']} x "
+          f"{r0['n_layers']} layers, seq {r0['seq_len']}, global batch {r0['global_batch']}, float32; median of "
+          f"{r0['timed_steps']} steps")
+    print(f"{'schedule':<16} {'bubble':>7} {'step ms':>8} {'min-max ms':>12} {'vs 1f1b':>8} {'pp_wait':>8} "
+          f"{'fwd':>7} {'bwd':>7} {'loss':>8}")
+    for r in records:
+        name = r["schedule"] if r["virtual_stages"] == 1 else f"interleaved V={r['virtual_stages']}"
+        print(f"{name:<16} {r['bubble']:>7.1%} {r['step_ms']:>8.1f} "
+              f"{r['step_ms_min']:>5.0f}-{r['step_ms_max']:<6.0f} {r['speedup_vs_1f1b']:>7.2f}x "
+              f"{r['pp_wait_ms']:>8.1f} {r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} {r['final_loss']:>8.4f}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    records = run(args)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print_table(records)
+        write_records(records, args.json, args.csv, FIELDS)
+    return 0
+
+
+if __name__ == "__main__":
+    run_benchmark(main)

@@ -14,6 +14,12 @@ timed steps of every schedule in turn, the order rotated each round; a step is t
 end, the max over ranks; reported: the median, min and max; ``pp_wait`` is the trainer's own phase (blocked
 in pipeline receives and sends, mean over ranks), ``bubble`` the schedule's (pp - 1) / (V M). One thread
 per rank (OMP_NUM_THREADS=1).
+
+With ``--profile FILE`` (a link and device profile: ``mpiexec -n 2 python -m hpctrain.cli bench comm
+--profile FILE``), every row also gets the performance model's step time for exactly that run
+(hpctrain/sweep/predict.py ``predict_run``: the same model shape, seq_len, global batch, micro-batches, pp,
+schedule and V, float32, recompute off, on ``pp`` ranks of this job's nodes): ``predicted_ms``, its bubble
+``predicted_bubble_ms`` and ``prediction_error`` = predicted / measured - 1.
 """
 from __future__ import annotations
 
@@ -34,7 +40,8 @@ from hpctrain.bench.report import run_benchmark, write_records  # noqa: E402
 
 FIELDS = ["schedule", "virtual_stages", "pp", "microbatches", "bubble", "step_ms", "step_ms_min", "step_ms_max",
           "speedup_vs_1f1b", "pp_wait_ms", "forward_ms", "backward_ms", "tokens_per_s", "final_loss",
-          "timed_steps", "n_layers", "d_model", "seq_len", "global_batch"]
+          "timed_steps", "n_layers", "d_model", "seq_len", "global_batch", "predicted_ms", "predicted_bubble_ms",
+          "prediction_error"]
 
 
 def parse_args(argv=None):
@@ -51,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes to load (default 2 MB)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="link and device profile (`hpctrain bench comm --profile FILE`): add the performance "
+                        "model's prediction of every row (predicted_ms, prediction_error)")
     p.add_argument("--json", metavar="FILE", help="write records to FILE (JSON list)")
     p.add_argument("--csv", metavar="FILE", help="write records to FILE (CSV)")
     return p.parse_args(argv)
@@ -74,6 +84,7 @@ class Schedule:
             "train.lr=1e-3", "train.warmup_steps=2", f"train.steps={total_steps}", "train.progress=false",
             "parallel.dp=1", "parallel.tp=1", f"parallel.pp={info.size}", f"parallel.microbatches={microbatches}",
             f"parallel.schedule={schedule}", f"parallel.virtual_stages={virtual}"])
+        self.cfg = cfg
         self.grid = ProcessGrid.from_config(cfg, info)
         self.trainer = Trainer(cfg, self.grid, tokens=tokens)
         self.phases, self.loss, self.active = {}, float("nan"), False
@@ -87,6 +98,20 @@ class Schedule:
 
     def close(self) -> None:
         self.grid.close()
+
+
+def add_prediction(record: dict, cfg, info, profile: str) -> None:
+    """The performance model's step time of ``record``'s run (``cfg``: its config; pp = the world, dp = tp =
+    1, on this job's nodes) and its error against the measured median; None where the model cannot tell."""
+    from hpctrain.sweep.predict import predict_run
+
+    row = {"ranks": info.size, "dp": 1, "tp": 1, "pp": record["pp"], "microbatches": record["microbatches"],
+           "global_batch": record["global_batch"], "nodes": info.num_nodes}
+    pred = predict_run(cfg, row, device="auto", profile=profile)
+    step_s = pred["predicted_step_s"] if pred else None
+    record["predicted_ms"] = step_s * 1e3 if step_s else None
+    record["predicted_bubble_ms"] = pred["predicted_bubble_s"] * 1e3 if pred else None
+    record["prediction_error"] = step_s * 1e3 / record["step_ms"] - 1 if step_s else None
 
 
 def timed_steps(impl, n: int, world) -> list[float]:
@@ -112,6 +137,10 @@ def run(args) -> list[dict]:
     m = args.microbatches or pp
     if pp < 2 or m % pp:
         raise SystemExit(f"bench_pipeline: needs >= 2 ranks and --microbatches a multiple of pp={pp}, got {m}")
+    if args.profile:  # a bad profile: one line now, before any rank builds a model
+        from hpctrain.sweep.predict import machine_for
+
+        machine_for(pp, info.num_nodes, "auto", args.profile)
     tokens = load_tokens_collective(world, "builtin", "", args.max_bytes)
     total = args.warmup + args.rounds * args.steps
     wanted = [1] + [int(v) for v in args.virtual.split(",") if v.strip() and pp * int(v) <= args.layers]
@@ -140,7 +169,10 @@ def run(args) -> list[dict]:
                         "pp_wait_ms": phase["pp_wait"], "forward_ms": phase["forward"],
                         "backward_ms": phase["backward"], "tokens_per_s": args.global_batch * args.seq_len / median,
                         "final_loss": impl.loss, "timed_steps": len(t), "n_layers": args.layers,
-                        "d_model": args.d_model, "seq_len": args.seq_len, "global_batch": args.global_batch})
+                        "d_model": args.d_model, "seq_len": args.seq_len, "global_batch": args.global_batch,
+                        "predicted_ms": None, "predicted_bubble_ms": None, "prediction_error": None})
+        if args.profile:
+            add_prediction(records[-1], impl.cfg, info, args.profile)
     for r in records:
         r["speedup_vs_1f1b"] = records[0]["step_ms"] / r["step_ms"]
     for impl in impls:
@@ -150,16 +182,39 @@ def run(args) -> list[dict]:
 
 def print_table(records: list[dict]) -> None:
     r0 = records[0]
+    predicted = any(r["predicted_ms"] is not None for r in records)
     print(f"pipeline schedules: pp={r0['pp']}, {r0['microbatches']} micro-batches, GPT d_model={r0['d_model']} x "
           f"{r0['n_layers']} layers, seq {r0['seq_len']}, global batch {r0['global_batch']}, float32; median of "
           f"{r0['timed_steps']} steps")
     print(f"{'schedule':<16} {'bubble':>7} {'step ms':>8} {'min-max ms':>12} {'vs 1f1b':>8} {'pp_wait':>8} "
-          f"{'fwd':>7} {'bwd':>7} {'loss':>8}")
+          f"{'fwd':>7} {'bwd':>7} {'loss':>8}" + (f" {'pred ms':>8} {'error':>7}" if predicted else ""))
     for r in records:
         name = r["schedule"] if r["virtual_stages"] == 1 else f"interleaved V={r['virtual_stages']}"
         print(f"{name:<16} {r['bubble']:>7.1%} {r['step_ms']:>8.1f} "
               f"{r['step_ms_min']:>5.0f}-{r['step_ms_max']:<6.0f} {r['speedup_vs_1f1b']:>7.2f}x "
-              f"{r['pp_wait_ms']:>8.1f} {r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} {r['final_loss']:>8.4f}")
+              f"{r['pp_wait_ms']:>8.1f} {r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} {r['final_loss']:>8.4f}"
+              + (_prediction(r) if predicted else ""))
+
+
+def _prediction(r: dict) -> str:
+    """The table's "pred ms" and "error" cells of record ``r``."""
+    if r["predicted_ms"] is None:
+        return f" {'-':>8} {'-':>7}"
+    return f" {r['predicted_ms']:>8.1f} {r['prediction_error']:>+7.1%}"
+
+
+def print_profile_device(path: str) -> None:
+    """One line: the profile's device rate the predictions scale with (and a warning where the block's
+    efficiency hit its cap of 1: the matmul rate was measured under a load the block was not)."""
+    from hpctrain.plan.machine import load_profile
+
+    dev = load_profile(path).device
+    rate, eff = dev.get("matmul_tflops") or dev.get("peak_tflops") or 0.0, dev.get("efficiency") or 0.0
+    print(f"predictions from {path}: device {dev.get('name', '?')} {rate * 1e3:.1f} GFLOP/s matmul x efficiency "
+          f"{eff:.2f} per rank, {dev.get('ranks_per_node', '?')} ranks busy")
+    if eff >= 1.0:
+        print("warning: the profile's block efficiency is capped at 1.0 (its matmul rate was measured slower than "
+              "its transformer block runs: a disturbed profile); profile again on a quiet machine")
 
 
 def main(argv=None) -> int:
@@ -167,6 +222,8 @@ def main(argv=None) -> int:
     records = run(args)
     if MPI.COMM_WORLD.Get_rank() == 0:
         print_table(records)
+        if args.profile:
+            print_profile_device(args.profile)
         write_records(records, args.json, args.csv, FIELDS)
     return 0
 

@@ -1,6 +1,9 @@
 """benchmarks/bench_train.py runs end to end on 2 ranks (a smoke test: it asserts records, never speed)."""
 import csv
 import json
+import math
+
+import pytest
 
 from mpirun import ROOT, run_mpi
 
@@ -26,12 +29,26 @@ def test_bench_train_writes_positive_records(tmp_path):
 
 def test_bench_pipeline_trains_the_same_model_in_every_schedule(tmp_path):
     """benchmarks/bench_pipeline.py on 2 ranks: 1f1b and interleaved V=2 records; equal final losses (the
-    same training, whatever the schedule); the bubble column is (pp - 1) / (V M)."""
-    out_json = tmp_path / "pipe.json"
-    run_mpi(2, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--steps", "1", "--warmup", "1", "--rounds", "1",
-            "--d-model", "32", "--layers", "4", "--heads", "2", "--seq-len", "16", "--max-bytes", "300000",
-            "--virtual", "2,4", "--json", str(out_json), timeout=180)
+    same training, whatever the schedule); the bubble column is (pp - 1) / (V M). With a measured profile
+    every row carries the performance model's prediction: finite, positive, the interleaved bubble smaller,
+    and within a factor of 2 of the measurement (a broken model, not timing precision: these shapes are
+    all overhead)."""
+    profile, out_json, out_csv = tmp_path / "profile.json", tmp_path / "pipe.json", tmp_path / "pipe.csv"
+    run_mpi(2, "hpctrain.cli", "bench", "comm", "--profile", str(profile), "--ops", "allreduce,sendrecv",
+            "--sizes", "4K,64K", "--rounds", "1", "--iters", "5", module=True, timeout=150)
+    result = run_mpi(2, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--steps", "1", "--warmup", "1",
+                     "--rounds", "1", "--d-model", "32", "--layers", "4", "--heads", "2", "--seq-len", "16",
+                     "--max-bytes", "300000", "--virtual", "2,4", "--profile", str(profile), "--json", str(out_json),
+                     "--csv", str(out_csv), timeout=180)
     records = json.loads(out_json.read_text())
     assert [(r["schedule"], r["virtual_stages"]) for r in records] == [("1f1b", 1), ("interleaved", 2)]  # 2x4 > 4
     assert [r["bubble"] for r in records] == [0.5, 0.25] and all(r["step_ms"] > 0 for r in records)
     assert abs(records[0]["final_loss"] - records[1]["final_loss"]) < 1e-5 * records[0]["final_loss"]
+    for r in records:
+        assert math.isfinite(r["predicted_ms"]) and r["predicted_ms"] > 0, r
+        assert r["prediction_error"] == pytest.approx(r["predicted_ms"] / r["step_ms"] - 1), r
+        assert abs(r["prediction_error"]) < 1.0, r
+    assert 0 < records[1]["predicted_bubble_ms"] < records[0]["predicted_bubble_ms"], records
+    rows = list(csv.DictReader(out_csv.open()))
+    assert [float(row["predicted_ms"]) for row in rows] == pytest.approx([r["predicted_ms"] for r in records])
+    assert "pred ms" in result.stdout and "error" in result.stdout

@@ -47,7 +47,9 @@ def add_parser(sub) -> None:
                    help="sequences per micro-batch (Megatron's --micro-batch-size; default: search)")
     p.add_argument("--virtual-stages", type=int, default=1,
                    help="model chunks per pipeline rank (interleaved 1F1B; default 1)")
-    p.add_argument("--zero", type=int, choices=(0, 1), default=None, help="ZeRO stage (default: try 0 and 1)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="ZeRO stage (default: try 0 and 1, what the engine trains); 2 (grads + optimizer sharded) "
+                        "and 3 (FSDP: parameters too) are planner-only, to evaluate other frameworks' runs")
     p.add_argument("--no-zero", action="store_true", help="do not consider ZeRO-1")
     p.add_argument("--sequence-parallel", action="store_true", help="always use sequence parallelism (tp > 1)")
     p.add_argument("--no-sequence-parallel", action="store_true", help="do not consider sequence parallelism")

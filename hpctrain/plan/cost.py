@@ -33,6 +33,14 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
   ``max(last bucket - s b_slot, reduction - (1 + s) b_slot)``; the step pays the worst stage. ZeRO-1's
   all-gather of the updated parameters and a tied embedding's exchange over pp and reduction over
   dp (the deferred bucket) are not overlapped.
+- ZeRO-2 (planner only): the reduce-scatter of ZeRO-1, the same all-gather after the step. ZeRO-3 /
+  FSDP (planner only; memory.py: parameters resharded after every use): no all-gather after the step,
+  instead, on every stage, for EVERY micro-batch an all-gather of the stage's parameters (``P x dtype
+  bytes`` over dp) before its forward and again before its backward, each overlapped with that pass's
+  compute: exposed ``max(one FSDP unit's gather, whole gather - pass)`` per pass, ``M`` times per step
+  on the worst stage (conservative: a stall is charged as if it held up the whole pipeline). The
+  gradient reduce-scatter of the last backward shares the dp link with that backward's gather, so its
+  overlap window is the backward minus the gather's time.
 - optimizer: AdamW is memory-bound: the device's measured seconds per parameter where a profile has
   them (``Device.optimizer_s_per_param``), else 32 bytes of traffic per local parameter in 16-bit training (14
   reads and writes of parameters, main grads, master weights and moments; 7 per element in fp32/fp64),
@@ -44,6 +52,7 @@ from dataclasses import dataclass
 
 from hpctrain.plan.devices import DTYPE_BYTES, PlanError
 from hpctrain.plan.machine import GroupPlacement
+from hpctrain.plan.memory import fsdp_unit_parameters
 from hpctrain.plan.shapes import block_gemms, block_matmul_params, for_tp
 from hpctrain.plan.stages import (Stage, layer_activation_bytes, recompute_kind, score_bytes, stage_parameters,
                                   stages)
@@ -188,12 +197,13 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
     _, _, (fk, bk, tfk, tbk), slot_k = max(firsts, key=lambda r: r[3])  # the slowest stage paces the pipe
     bubble = (sum(r[1] * r[3] for r in firsts) - slot_k) / v  # (pp - 1) / v x the other stages' mean slot
 
-    params = [(st.index, stage_parameters(model, st, t), c) for st, _, c, _ in firsts]
+    params = [(st.index, stage_parameters(model, st, t), c, fsdp_unit_parameters(model, st, t))
+              for st, _, c, _ in firsts]
     dp_s = _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p)
     world_at = GroupPlacement("inter" if machine.nodes > 1 else "intra", machine.gpus_per_node)
     grad_norm = 2 * machine.collective_s("allreduce", 8.0, lay.world_size, world_at)  # loss, gradient norm
     per_param = 32 if nb == 2 else 7 * nb
-    local = max(n for _, n, _ in params) / (d if lay.zero == 1 else 1)
+    local = max(row[1] for row in params) / (d if lay.zero >= 1 else 1)
     optimizer = local * (dev.optimizer_s_per_param or per_param / hbm) + grad_norm
 
     tokens = lay.global_batch * seq
@@ -204,22 +214,28 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
 
 def _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p) -> float:
     """Seconds of dp communication the step waits for (module docstring: overlap assumption).
-    ``params``: (stage index, parameters per rank, (fwd, bwd, tp fwd, tp bwd)) of the first stage of each kind."""
-    d, t = lay.dp_size, lay.tp_size
+    ``params``: (stage index, parameters per rank, (fwd, bwd, tp fwd, tp bwd), largest FSDP unit) of the
+    first stage of each kind."""
+    d, t, nb = lay.dp_size, lay.tp_size, DTYPE_BYTES[options.dtype]
     if d <= 1:
         return 0.0
-    reduce_op = "reduce_scatter" if lay.zero == 1 else "allreduce"
+    reduce_op = "reduce_scatter" if lay.zero >= 1 else "allreduce"
     bucket_bytes = options.bucket_mb * 2**20
     exposed = 0.0
-    for s, n, (_, bwd, _, tpb) in params:
-        grads = n * max(4, DTYPE_BYTES[options.dtype]) * options.dp_compression
+    for s, n, (fwd, bwd, tpf, tpb), unit in params:
+        grads = n * max(4, nb) * options.dp_compression
         whole = machine.collective_s(reduce_op, grads, d, dp_at)
         last = machine.collective_s(reduce_op, min(grads, bucket_bytes), d, dp_at)
         b_slot = bwd + tpb + p2p
-        exposed = max(exposed, last - s * b_slot, whole - (1 + s) * b_slot)
-    if lay.zero == 1:
-        exposed += machine.collective_s("allgather", max(n for _, n, _ in params) * DTYPE_BYTES[options.dtype],
-                                        d, dp_at)
+        gathers = 0.0
+        if lay.zero >= 3:  # FSDP: gather the stage's parameters before every forward and backward
+            gather = machine.collective_s("allgather", n * nb, d, dp_at)
+            first = machine.collective_s("allgather", unit * nb, d, dp_at)
+            gathers = lay.microbatches * (max(first, gather - (fwd + tpf)) + max(first, gather - (bwd + tpb)))
+            b_slot = max(0.0, b_slot - gather)  # the last backward's gather shares the dp link
+        exposed = max(exposed, gathers + max(last - s * b_slot, whole - (1 + s) * b_slot))
+    if lay.zero in (1, 2):
+        exposed += machine.collective_s("allgather", max(row[1] for row in params) * nb, d, dp_at)
     if model.tie_embeddings and lay.pp_size > 1:
         emb = model.vocab_size * model.d_model / t * 4.0
         exposed += machine.collective_s("allreduce", emb, 2, pp_at)

@@ -9,6 +9,14 @@ buffers (hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py):
 - optimizer (AdamW): two moments in float32 (``8 P``; ``16 P`` in float64), plus float32 master weights
   (``4 P``) in 16-bit training; ZeRO-1 divides all of it by dp. So 18 bytes per parameter in bf16
   without ZeRO (2 + 4 + 8 + 4), as in Megatron-LM;
+- ZeRO-2 and ZeRO-3 / FSDP (PLANNER ONLY: hpctrain's engine trains with zero 0 or 1): ZeRO-2 also
+  divides the float32 gradients by dp (``P x 4 / dp``, reduce-scattered bucket by bucket); ZeRO-3 also
+  divides the parameters (``P x dtype / dp``) and adds the gathered FSDP units in flight: TWO units'
+  full parameters in the dtype (the one computing and the one prefetched, FSDP's backward prefetch)
+  plus ONE unit's full float32 gradient before its reduce-scatter. A unit (``fsdp_unit_parameters``) is
+  the largest of a block (per tp rank) and, on the first / last stage, the embedding / LM head rows
+  per tp rank. Parameters are resharded after every use (FSDP's ``reshard_after_forward=True``: the
+  least memory; cost.py charges the matching all-gathers per micro-batch);
 - activations: each block keeps ``layer_activation_bytes`` (Korthikanti et al.'s formula) per micro-batch
   in flight, or only its input (``2 s b h``, ``/ t`` with SP) with full recomputation plus, during a
   backward, one block's full activations; micro-batches in flight: ``min(pp - s, M)`` for 1F1B, ``M``
@@ -23,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.plan.devices import DTYPE_BYTES
-from hpctrain.plan.shapes import for_tp
+from hpctrain.plan.shapes import block_matmul_params, for_tp
 from hpctrain.plan.stages import (in_flight, layer_activation_bytes, recompute_kind, recompute_layer_bytes,
                                   stage_parameters, stages)
 
@@ -75,20 +83,42 @@ def activation_bytes(model, layout, stage, recompute, options) -> float:
     return kept
 
 
+def fsdp_unit_parameters(model, stage, tp: int) -> int:
+    """Parameters of the largest ZeRO-3 / FSDP unit on one tp rank of ``stage``: a block, or the
+    embedding (first stage) / LM head (last stage) rows ``V h / t`` (``model``'s vocabulary as given)."""
+    block = block_matmul_params(model) // tp + 2 * model.d_model if stage.layers else 0
+    ends = model.vocab_size * model.d_model // tp if (stage.first or stage.last) else 0
+    return max(block, ends)
+
+
+def state_bytes(model, stage, layout, dtype: str) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes on one rank of ``stage`` for ``layout.zero`` 0-3 (module
+    docstring); the dp group shards them."""
+    nb, d, t = DTYPE_BYTES[dtype], layout.dp_size, layout.tp_size
+    n, zero, gb = stage_parameters(model, stage, t), layout.zero, max(4, DTYPE_BYTES[dtype])
+    params = n * nb
+    grads = n * gb + (n * 4 / d if zero == 1 else 0.0)
+    optimizer = n * optimizer_bytes_per_param(dtype) / (d if zero >= 1 else 1)
+    if zero >= 2:
+        grads = n * gb / d
+    if zero >= 3:
+        unit = fsdp_unit_parameters(model, stage, t)
+        params = n * nb / d + 2 * unit * nb
+        grads += unit * gb
+    return params, grads, optimizer
+
+
 def memory(model, layout, recompute, options) -> Memory:
     """Memory per rank of ``layout`` (validated) for ``model`` (its vocabulary padded for the layout's tp
     here): the stage that needs the most."""
     model = for_tp(model, layout.tp_size)
-    nb, d = DTYPE_BYTES[options.dtype], layout.dp_size
-    zero_split = d if layout.zero == 1 else 1
     best, seen = None, set()
     for st in stages(model, layout):
         if (st.layers, st.first, st.last) in seen:
             continue  # a later stage of the same kind holds fewer micro-batches
         seen.add((st.layers, st.first, st.last))
-        n = stage_parameters(model, st, layout.tp_size)
-        grads = n * max(4, nb) + (n * 4 / d if layout.zero == 1 else 0.0)
-        m = Memory(n * nb / GIB, grads / GIB, n * optimizer_bytes_per_param(options.dtype) / zero_split / GIB,
+        params, grads, optimizer = state_bytes(model, st, layout, options.dtype)
+        m = Memory(params / GIB, grads / GIB, optimizer / GIB,
                    activation_bytes(model, layout, st, recompute, options) / GIB, options.reserve_gib, st.index)
         if best is None or m.total_gib > best.total_gib:
             best = m

@@ -15,10 +15,16 @@ from hpctrain.plan.memory import Memory, memory
 from hpctrain.plan.shapes import for_tp, model_flops_per_token
 
 
+ENGINE_ZERO = (0, 1)  # the ZeRO stages hpctrain's engine trains with (config.py parallel.zero)
+PLANNER_ZERO = (0, 1, 2, 3)  # the stages the planner models (2 and 3 only when asked)
+ENGINE_NOTE = "planner-only: hpctrain's engine trains with zero 0 or 1"
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """The choices enumerated for every (dp, tp, pp): ``microbatches`` empty = every divisor of the
-    replica batch; ZeRO-1 only with dp > 1, sequence parallelism only with tp > 1; ``recompute``: the
+    replica batch; ``zero``: the ZeRO stages tried with dp > 1 (default 0 and 1, what the engine trains;
+    2 and 3 / FSDP are modelled for comparison with other frameworks only, when asked), sequence parallelism only with tp > 1; ``recompute``: the
     kinds tried ("selective" is skipped when others are tried too and attention is fused: it is then
     the same as "off"). ``dp``/``tp``/``pp``
     > 0 fix that axis and ``micro_batch`` > 0 fixes the sequences per micro-batch (a GIVEN layout:
@@ -28,7 +34,7 @@ class SearchSpace:
     tp: int = 0
     pp: int = 0
     micro_batch: int = 0
-    zero: tuple[int, ...] = (0, 1)
+    zero: tuple[int, ...] = ENGINE_ZERO
     sequence_parallel: tuple[bool, ...] = (False, True)
     recompute: tuple = ("off", "selective", "full")
     microbatches: tuple[int, ...] = ()
@@ -79,12 +85,15 @@ class Prediction:
             "breakdown_s": self.time.breakdown(),
             "bubble_fraction": self.time.bubble_s / ideal if ideal else 0.0,
             "placement": self.placement,
+            **({"planner_only": ENGINE_NOTE} if lay.zero not in ENGINE_ZERO else {}),
             "warnings": self.warnings(),
         }
 
     def warnings(self) -> list[str]:
         """What a user should not miss about this layout (e.g. a bubble larger than the work)."""
         lay, out = self.candidate.layout, []
+        if lay.zero not in ENGINE_ZERO:
+            out.append(f"zero={lay.zero}: {ENGINE_NOTE}")
         if lay.pp_size > 1 and lay.microbatches < lay.pp_size:
             ideal = self.time.compute_s + self.time.tp_comm_s + self.time.pp_comm_s
             out.append(f"{lay.microbatches} micro-batch(es) < pp={lay.pp_size}: the pipeline bubble is "

@@ -1,7 +1,8 @@
 """Published large-model training runs with known layouts: the planner's calibration and held-out sets.
 
 Each ``Run`` is one reported measurement: the model's shape, the machine, the layout (tp, pp, dp,
-micro-batch, virtual stages, recomputation, sequence parallelism, ZeRO-1 / distributed optimizer), the
+micro-batch, virtual stages, recomputation, sequence parallelism, ZeRO-1 / distributed optimizer or
+ZeRO-3 / FSDP, which the planner models but hpctrain's engine does not train), the
 attention kernel, and the reported throughput per GPU in the source's own convention (``metric``):
 
 - ``"hfu"``: Megatron-LM's executed FLOPs (Narayanan et al. 2021 eq. 3; full attention square, padded
@@ -74,6 +75,7 @@ BLOOM = ("BigScience 2022, BLOOM paper (arXiv 2211.05100) section 3.4 and 'The T
          "Training' (Bekman, Hugging Face blog): tp 4, pp 12, dp 8, micro-batch 2, batch 2048, ~150 TFLOP/s")
 NEMOTRON = "NVIDIA 2024, Nemotron-4 340B Technical Report, Table 2 (batch ramp, iteration time, MFU)"
 LLAMA3 = "Llama Team, Meta 2024, 'The Llama 3 Herd of Models', Table 4 (405B, 8K sequence, 16M-token batch)"
+LLAMA3_FSDP = "Dubey et al. 2024, 'The Llama 3 Herd of Models', section 3.3.2: DP is FSDP"
 
 RUNS: tuple[Run, ...] = (
     # calibration (with PTD-P Table 1, ptdp.py): selective recomputation + SP on A100, one H100 run
@@ -107,9 +109,11 @@ RUNS: tuple[Run, ...] = (
     Run("nemotron4-340b 6144", NEMOTRON, NEMOTRON4_340B, "h100", 6144, DGX_H100, 4096, 2304, 8, 12, 1, 8, "off",
         True, 1, "fused", False, "mfu", 0.410 * 989, assumed="as 1536"),
     Run("llama3-405b 8192", LLAMA3, LLAMA3_405B, "h100", 8192, META_RSC, 8192, 2048, 8, 16, 1, 8, "selective",
-        True, 1, "fused", False, "mfu", 430.0,
+        True, 3, "fused", False, "mfu", 430.0,
         assumed="V=8 (one layer per chunk: the paper drops one layer from the first and last stages); "
-                "FSDP as ZeRO-1; selective recomputation (no scores with a fused kernel)"),
+                "zero=3: FSDP, which 'shards the model, optimizer, and gradients' (" + LLAMA3_FSDP + "; "
+                "planner-only, modelled as in memory.py / cost.py); selective recomputation (no scores with "
+                "a fused kernel)"),
     Run("llama3-405b 16384", LLAMA3, LLAMA3_405B, "h100", 16384, META_RSC, 8192, 2048, 8, 16, 1, 8, "selective",
-        True, 1, "fused", False, "mfu", 400.0, assumed="as 8192"),
+        True, 3, "fused", False, "mfu", 400.0, assumed="as 8192 (FSDP: zero=3)"),
 )

@@ -6,8 +6,9 @@ from hpctrain.models.arithmetic import count_parameters
 
 def _layout(p: dict) -> str:
     recompute = {"full": "recompute", "selective": "selective-recompute"}.get(p["recompute"], "")
-    extras = [name for name, on in (("zero1", p["zero"]), ("sp", p["sequence_parallel"]), (recompute, recompute),
-                                    (f"V={p['virtual_stages']}", p["virtual_stages"] > 1)) if on]
+    extras = [name for name, on in ((f"zero{p['zero']}", p["zero"]), ("sp", p["sequence_parallel"]),
+                                    (recompute, recompute), (f"V={p['virtual_stages']}", p["virtual_stages"] > 1))
+              if on]
     return f"dp={p['dp']} tp={p['tp']} pp={p['pp']} M={p['microbatches']}" + (f" +{'+'.join(extras)}" if extras else "")
 
 

@@ -25,10 +25,10 @@ def test_the_held_out_set_spans_a100_and_h100_and_96_to_16384_gpus():
     assert all(r.source and r.dp * r.tp * r.pp == r.gpus for r in RUNS)
 
 
-def test_held_out_error_median_within_10_percent_and_max_within_25(checks):
+def test_held_out_error_median_within_5_percent_and_max_within_25(checks):
     s = summary([checks[r.name] for r in HELD_OUT])
     table = {n: f"{c.error:+.1%}" for n, c in checks.items()}
-    assert s["median_abs_error"] <= 0.10, table
+    assert s["median_abs_error"] <= 0.05, table  # 4.7% with Llama 3's FSDP modelled as zero=3
     # target 20%; MT-NLG on 3360 GPUs (DeepSpeed's 2021 pipeline) is predicted 22% too fast (docs/scaling.md)
     assert s["max_abs_error"] <= 0.25, table
     assert all(abs(checks[r.name].error) <= 0.10 for r in RUNS if r.calibration), table
@@ -36,10 +36,17 @@ def test_held_out_error_median_within_10_percent_and_max_within_25(checks):
 
 def test_the_published_layout_ranks_in_the_top_3_where_it_fits(checks):
     ranks = {r.name: checks[r.name].rank for r in HELD_OUT}
-    assert sum(1 <= k <= 3 for k in ranks.values()) >= 9, ranks
+    assert sum(1 <= k <= 3 for k in ranks.values()) >= 10, ranks
     for r in HELD_OUT:  # every Megatron-LM/NeMo run that fits the memory model is in the top 3
         if r.attention == "unfused" and r.sequence_parallel or r.name.startswith("nemotron"):
             assert 1 <= ranks[r.name] <= 3, (r.name, ranks)
+
+
+def test_llama3_is_planned_with_its_fsdp_and_fits_at_16384_gpus(checks):
+    llama = [r for r in RUNS if r.name.startswith("llama3")]
+    assert llama and all(r.zero == 3 and "FSDP" in r.assumed for r in llama)  # Dubey et al. 2024, 3.3.2
+    assert 1 <= checks["llama3-405b 16384"].rank <= 3
+    assert all(abs(checks[r.name].error) <= 0.10 for r in llama)
 
 
 def test_selective_recompute_is_worth_what_korthikanti_measured(checks):

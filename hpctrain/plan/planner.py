@@ -16,7 +16,6 @@ from hpctrain.plan.shapes import for_tp, model_flops_per_token
 
 
 ENGINE_ZERO = (0, 1)  # the ZeRO stages hpctrain's engine trains with (config.py parallel.zero)
-PLANNER_ZERO = (0, 1, 2, 3)  # the stages the planner models (2 and 3 only when asked)
 ENGINE_NOTE = "planner-only: hpctrain's engine trains with zero 0 or 1"
 
 

@@ -16,7 +16,9 @@ tensors (Allreduce(IN_PLACE), Reduce_scatter_block, Allgather, Bcast, Sendrecv);
 bfloat16, so for 16-bit dtypes it reduces the raw words as int16 (same bytes; hpctrain stages
 reductions in float32, and the gap shows that cost). ``gloo`` = torch.distributed gloo over TCP
 (rendezvous on rank 0, port broadcast over MPI) with one ``new_group`` per group of the axis.
-Host (CPU) tensors only.
+``hpctrain-shm`` = the node-local shared-memory collectives (hpctrain/comm/shm.py: an MPI-3 shared
+window, each rank summing its slice out of its peers' slots; allreduce, reduce_scatter and allgather
+only, one node only: the row is left out for other ops). Host (CPU) tensors only.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from hpctrain.runtime import env
 from hpctrain.runtime.dtypes import torch_dtype
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "sendrecv")
-IMPLS = ("hpctrain", "mpi4py", "gloo")
+IMPLS = ("hpctrain", "hpctrain-shm", "mpi4py", "gloo")
 FIELDS = ("impl", "op", "bytes", "time_us", "algbw_GBps", "busbw_GBps", "ratio_vs_mpi4py", "ranks", "axis",
           "group_size", "dtype", "iters", "rounds")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -107,6 +109,17 @@ def hpctrain_step(op: str, comm, b: dict):
         for handle in handles:
             handle.wait()
     return sendrecv
+
+
+def shm_step(op: str, shm, b: dict):
+    """``hpctrain-shm``: None for ops the shared-memory path does not implement (no row)."""
+    if op == "allreduce":
+        return lambda: shm.allreduce(b["t"])
+    if op == "reduce_scatter":
+        return lambda: shm.reduce_scatter(b["small"], b["big"])
+    if op == "allgather":
+        return lambda: shm.allgather(b["big"], b["small"])
+    return None
 
 
 def mpi4py_step(op: str, mpi_comm, b: dict):
@@ -220,7 +233,12 @@ def run_comm_bench(args) -> int:
         raise HpcTrainError(f"axis {args.axis!r} has {comm.size} rank per group: nothing to benchmark; "
                             f"launch more ranks or pick another axis / --tp / --pp")
     gloo_group = init_gloo(mpi_world, info, comm, grid.watchdog.timeout_s or 600) if "gloo" in impls else None
+    shm = None
+    if "hpctrain-shm" in impls:
+        from hpctrain.comm.shm import ShmCollectives
+        shm = ShmCollectives(comm)  # collective; refuses (one line, every rank) when the group spans nodes
     builders = {"hpctrain": lambda op, b: hpctrain_step(op, comm, b),
+                "hpctrain-shm": lambda op, b: shm_step(op, shm, b),
                 "mpi4py": lambda op, b: mpi4py_step(op, comm.mpi, b),
                 "gloo": lambda op, b: gloo_step(op, gloo_group, comm.members, b)}
     records = []
@@ -231,13 +249,14 @@ def run_comm_bench(args) -> int:
                 iters = args.iters or default_iters(nbytes)
                 warmup = max(2, min(10, iters // 10))
                 steps = {impl: builders[impl](op, buffers) for impl in impls}
-                best = {impl: float("inf") for impl in impls}
+                here = [impl for impl in impls if steps[impl] is not None]
+                best = {impl: float("inf") for impl in here}
                 for rnd in range(rounds):
-                    k = rnd % len(impls)
-                    for impl in impls[k:] + impls[:k]:
+                    k = rnd % len(here)
+                    for impl in here[k:] + here[:k]:
                         best[impl] = min(best[impl], time_step(steps[impl], iters, warmup, comm.mpi, mpi_world,
                                                                       grid.world))
-                for impl in impls:
+                for impl in here:
                     algbw = nbytes / best[impl] / 1e9
                     records.append({"impl": impl, "op": op, "bytes": nbytes, "time_us": best[impl] * 1e6,
                                     "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, comm.size),
@@ -245,13 +264,15 @@ def run_comm_bench(args) -> int:
                                     "ranks": info.size, "axis": args.axis, "group_size": comm.size,
                                     "dtype": args.dtype, "iters": iters, "rounds": rounds})
                 if info.rank == 0:
-                    times = ", ".join(f"{i} {best[i] * 1e6:.1f} us" for i in impls)
+                    times = ", ".join(f"{i} {best[i] * 1e6:.1f} us" for i in here)
                     print(f"bench comm: {op} {format_size(nbytes)}: {times}", file=sys.stderr, flush=True)
                 del steps, buffers
     finally:
         if "gloo" in impls:
             import torch.distributed as dist
             dist.destroy_process_group()
+        if shm is not None:
+            shm.close()
         grid.close()
     if info.rank == 0:
         title = (f"hpctrain bench comm: {info.size} ranks on {info.num_nodes} node(s), axis {args.axis} "

@@ -1,0 +1,32 @@
+"""Node-local shared-memory collectives (hpctrain/comm/shm.py) on real ranks: equal to MPI's, exact,
+bit-identical on every rank; a stopped rank inside one is named by the watchdog's hang report."""
+import os
+import re
+import signal
+
+import pytest
+
+from mpirun import run_mpi
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_shm_collectives_match_mpi(ranks):
+    result = run_mpi(ranks, "check_shm.py", "check", timeout=90)
+    assert f"shm collectives ok on {ranks} ranks" in result.stdout, result.output
+
+
+@pytest.mark.parametrize("mode", ["stop", "stop-inside"])
+def test_a_stopped_rank_in_a_shm_collective_is_named(mode):
+    result = run_mpi(2, "check_shm.py", mode, timeout=60, check=False, env={"HPCTRAIN_COMM_TIMEOUT": "3"})
+    for pid in re.findall(r"stops itself \(pid (\d+)\)", result.stdout):  # never leave a stopped rank behind
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    report = result.stderr
+    assert result.returncode not in (0, 124, 137), result.output
+    assert "not detected" not in result.stdout
+    assert report.count("hpctrain: hang report from rank 0") == 1, report
+    assert "shm allreduce #3 of 4000 bytes on group 'world' (world ranks [0, 1]) has not completed" in report, report
+    cause = re.search(r"  cause: rank 1 \(node 0 \S+, pid \d+\): (.*)", report)
+    assert cause and "stopped (SIGSTOP" in cause.group(1), report

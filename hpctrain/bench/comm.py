@@ -112,7 +112,9 @@ def hpctrain_step(op: str, comm, b: dict):
 
 
 def shm_step(op: str, shm, b: dict):
-    """``hpctrain-shm``: None for ops the shared-memory path does not implement (no row)."""
+    """``hpctrain-shm``: None for ops (and bfloat16) the shared-memory path does not implement (no row)."""
+    if b[next(iter(b))].dtype == torch.bfloat16:
+        return None
     if op == "allreduce":
         return lambda: shm.allreduce(b["t"])
     if op == "reduce_scatter":

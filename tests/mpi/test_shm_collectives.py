@@ -9,10 +9,10 @@ import pytest
 from mpirun import run_mpi
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_shm_collectives_match_mpi(ranks):
-    result = run_mpi(ranks, "check_shm.py", "check", timeout=90)
-    assert f"shm collectives ok on {ranks} ranks" in result.stdout, result.output
+@pytest.mark.parametrize("ranks,barrier", [(2, "flags"), (4, "flags"), (3, "mpi")])
+def test_shm_collectives_match_mpi(ranks, barrier):
+    result = run_mpi(ranks, "check_shm.py", "check", barrier, timeout=90)
+    assert f"shm collectives ok on {ranks} ranks ({barrier} barrier)" in result.stdout, result.output
 
 
 @pytest.mark.parametrize("mode", ["stop", "stop-inside"])

@@ -46,7 +46,8 @@ if mode.startswith("stop"):
     print("not detected", flush=True)
     sys.exit(0)
 
-shm = ShmCollectives(world, capacity_bytes=1000)  # small: 8000-byte tensors go in chunks
+barrier = sys.argv[2] if len(sys.argv) > 2 else "flags"
+shm = ShmCollectives(world, capacity_bytes=1000, barrier=barrier)  # small: 8000-byte tensors go in chunks
 gen = torch.Generator().manual_seed(1234 + r)
 for dtype in (torch.float64, torch.float32):
     for m in (1, 7, 125, 1001, 3000):  # elements per block / per tensor; odd, not divisible by n
@@ -103,4 +104,4 @@ shm.close()
 shm.close()
 grid.close()
 if r == 0:
-    print(f"shm collectives ok on {n} ranks", flush=True)
+    print(f"shm collectives ok on {n} ranks ({barrier} barrier)", flush=True)

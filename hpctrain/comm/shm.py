@@ -48,13 +48,15 @@ def _slice(length: int, n: int, j: int) -> tuple[int, int]:
 class ShmCollectives:
     """Shared-memory allreduce / reduce_scatter / allgather over ``comm`` (collective to build and close).
 
-    ``capacity_bytes``: bytes per rank per half (rounded up to 64); larger tensors are chunked.
+    ``capacity_bytes``: bytes per rank per half (rounded up to 64); larger tensors are chunked. The
+    default 256 KiB keeps a chunk cache-resident between the copy-in and the peers' reads: at 2 ranks on
+    this machine 16 MiB allreduce takes 1.1 ms with 256 KiB chunks, 3.7 ms with 16 MiB ones (MPI: 2.9).
     ``barrier``: "flags" (arrival counters in the window, spun on) or "mpi" (``Barrier`` on the node).
     Raises ``ShmUnavailable`` (the same on every rank) when the group spans nodes or the window
     cannot be allocated.
     """
 
-    def __init__(self, comm, capacity_bytes: int = 16 << 20, barrier: str = "flags"):
+    def __init__(self, comm, capacity_bytes: int = 256 << 10, barrier: str = "flags"):
         from mpi4py import MPI
 
         self.comm, self.rank, self.size = comm, comm.rank, comm.size

@@ -1,5 +1,6 @@
 """Node-local shared-memory collectives (hpctrain/comm/shm.py) on real ranks: equal to MPI's, exact,
 bit-identical on every rank; a stopped rank inside one is named by the watchdog's hang report."""
+import json
 import os
 import re
 import signal
@@ -30,3 +31,15 @@ def test_a_stopped_rank_in_a_shm_collective_is_named(mode):
     assert "shm allreduce #3 of 4000 bytes on group 'world' (world ranks [0, 1]) has not completed" in report, report
     cause = re.search(r"  cause: rank 1 \(node 0 \S+, pid \d+\): (.*)", report)
     assert cause and "stopped (SIGSTOP" in cause.group(1), report
+
+
+def test_bench_comm_has_a_shm_row(tmp_path):
+    out = tmp_path / "bench.json"
+    run_mpi(2, "hpctrain.cli", "bench", "comm", "--ops", "allreduce,reduce_scatter,allgather,broadcast",
+            "--sizes", "4K", "--impls", "hpctrain-shm,mpi4py", "--iters", "3", "--rounds", "1", "--json", str(out),
+            module=True, timeout=120)
+    records = json.loads(out.read_text())
+    assert sorted((r["op"], r["impl"]) for r in records) == sorted(
+        [(op, impl) for op in ("allreduce", "reduce_scatter", "allgather") for impl in ("hpctrain-shm", "mpi4py")]
+        + [("broadcast", "mpi4py")])  # no shm broadcast: no row
+    assert all(r["time_us"] > 0 and r["ratio_vs_mpi4py"] > 0 for r in records)

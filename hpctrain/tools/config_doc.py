@@ -104,6 +104,10 @@ MEANINGS: dict[str, str] = {
                       "(exit 3). 0 = no watchdog. `HPCTRAIN_COMM_TIMEOUT`, when set, overrides it.",
     "comm.check": "Debugging: before every collective the group's members compare op, size and dtype; a mismatch "
                   "ends the job naming the first differing rank (one extra small allgather per call).",
+    "comm.intra_node": "How the ranks of one node reduce with each other: `shm` = the MPI-3 shared-memory collectives "
+                       "of hpctrain/comm/shm.py, `mpi` = the MPI library, `auto` = shm where the node allows it. "
+                       "Step 1 of issue #21: NOT yet used by training (every value reduces over MPI today); "
+                       "`hpctrain bench comm --impls hpctrain-shm` measures the shm path.",
     # [compression]
     "compression.method": "Gradient compression of the data-parallel reduction: `none` (dense all-reduce), `fp16`, `bf16`, "
                           "`int8` (scale per 256 values), `topk`, `randomk` (keep `density` of the values), "

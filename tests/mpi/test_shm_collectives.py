@@ -43,3 +43,10 @@ def test_bench_comm_has_a_shm_row(tmp_path):
         [(op, impl) for op in ("allreduce", "reduce_scatter", "allgather") for impl in ("hpctrain-shm", "mpi4py")]
         + [("broadcast", "mpi4py")])  # no shm broadcast: no row
     assert all(r["time_us"] > 0 and r["ratio_vs_mpi4py"] > 0 for r in records)
+
+
+def test_a_group_across_nodes_is_refused():
+    result = run_mpi(2, "check_shm.py", "refuse", timeout=90, fake_nodes=["nA", "nB"])
+    for rank in (0, 1):
+        assert (f"rank {rank}: refused: shared-memory collectives on group 'world' (world ranks [0, 1]): the group "
+                f"spans nodes; shm needs all its ranks on one node") in result.stdout, result.output

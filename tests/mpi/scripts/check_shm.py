@@ -5,6 +5,7 @@
 data -> bit-identical on every rank, equal to a float64 reference within rounding.
 ``stop``: rank 1 stops itself (SIGSTOP) before its 3rd shm allreduce; ``stop-inside``: after the first
 barrier of it (between the reduction and the gather); the watchdog must report it either way.
+``refuse``: ranks on different nodes are refused with one line.
 """
 import os
 import signal
@@ -21,6 +22,15 @@ grid = ProcessGrid.build(info)  # timeout from HPCTRAIN_COMM_TIMEOUT
 world = grid.world
 n, r = world.size, world.rank
 mode = sys.argv[1]
+
+if mode == "refuse":  # the group spans (emulated) nodes: one line, every rank, nothing left allocated
+    from hpctrain.comm.shm import ShmUnavailable
+    try:
+        ShmCollectives(world)
+    except ShmUnavailable as e:
+        print(f"rank {r}: refused: {e}", flush=True)
+    grid.close()
+    sys.exit(0)
 
 if mode.startswith("stop"):
     shm = ShmCollectives(world, capacity_bytes=4096)

@@ -1,7 +1,8 @@
 """One door to the network: collectives over torch tensors, per process group.
 
 A ``Communicator`` wraps one mpi4py communicator (a dp, pp, tp or world group). Every call:
-- picks a backend by the tensor's device and the configured choice: host tensors -> MPI;
+- picks a backend by the tensor's device and the configured choice: host tensors -> MPI, or the
+  group's ``ShmRoute`` for CPU float sums when ``comm.intra_node`` gave it one (intra_node.py);
   CUDA tensors -> the group's device backend, chosen collectively by ``prepare_device``: NCCL (CuPy),
   CUDA-aware MPI, or MPI with host staging;
 - is zero-copy (the tensor's own storage is the MPI/NCCL buffer; reductions are in place);
@@ -105,6 +106,7 @@ class Communicator:
         self.backend_choice = backend
         self._host = MpiBackend(mpi_comm)
         self._device = None  # created on the first CUDA tensor (NCCL init is collective and costly)
+        self.shm = None  # a ShmRoute (comm.intra_node, intra_node.py): CPU float sums in shared memory
         self._counters = {}  # op -> this group's OpCounter in ``stats``
         self.check = check
         self.trace = None  # a TraceRecorder (train.trace): every call recorded while it is active
@@ -154,7 +156,9 @@ class Communicator:
         """Release the device backend (the NCCL communicator); the MPI communicator stays the grid's."""
         if self._device is not None and hasattr(self._device, "close"):
             self._device.close()
-        self._device = None
+        if self.shm is not None:  # collective over the group, like the grid's close
+            self.shm.close()
+        self._device = self.shm = None
 
     # ---------------------------------------------------------------- plumbing
     def _run(self, op: str, nbytes: int, nonblocking: bool, method, *args, peer=None, fingerprint=None,
@@ -218,20 +222,22 @@ class Communicator:
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", nonblocking: bool = False):
         """In place: every rank's ``tensor`` becomes the sum / average / max over the group."""
         backend = self._host if not tensor.is_cuda else self.backend_for(tensor)
+        if self.shm is not None and self.shm.takes(tensor, op):
+            backend = self.shm
         return self._run("allreduce", tensor.nbytes, nonblocking, backend.allreduce, tensor, op,
                          fingerprint=(op, tensor.dtype, tensor.numel()), wire=2 * (self.size - 1) / self.size)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                        nonblocking: bool = False):
         """``input`` (size*n elements, block r for group rank r) reduced; block ``self.rank`` -> ``output`` (n)."""
-        backend = self.backend_for(input)
+        backend = self.shm if self.shm is not None and self.shm.takes(input, op) else self.backend_for(input)
         return self._run("reduce_scatter", input.nbytes, nonblocking, backend.reduce_scatter, output, input, op,
                          fingerprint=(op, input.dtype, input.numel()))
 
     def allgather(self, output: torch.Tensor, input: torch.Tensor | None = None, nonblocking: bool = False):
         """``output`` (size*n elements) gets every rank's ``input`` (n) in group-rank order.
         ``input=None``: in place, this rank's block of ``output`` already holds its contribution."""
-        backend = self.backend_for(output)
+        backend = self.shm if self.shm is not None and self.shm.takes(output) else self.backend_for(output)
         return self._run("allgather", output.nbytes, nonblocking, backend.allgather, output, input,
                          fingerprint=(output.dtype, output.numel()))
 

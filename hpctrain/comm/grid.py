@@ -15,6 +15,7 @@ import os
 import sys
 
 from hpctrain.comm.collectives import Communicator
+from hpctrain.comm.intra_node import setup_intra_node
 from hpctrain.comm.watchdog import CommStats, Watchdog
 from hpctrain.errors import GridError, LaunchError, everywhere
 from hpctrain.parallel.layout import Layout
@@ -47,6 +48,7 @@ class ProcessGrid:
         self.layout: Layout | None = None  # set by from_config
         self.watchdog, self.stats, self.warnings = watchdog, stats, warnings
         self.device = None  # set by use_device
+        self.intra_node = "mpi"  # how the dp group reduces CPU floats: "shm" or "mpi" (from_config)
         self._extra: list[Communicator] = []  # sub-groups split off later (node_split)
 
     @classmethod
@@ -62,6 +64,11 @@ class ProcessGrid:
                          strict_placement=p.strict_placement, backend=p.backend, timeout_s=timeout_s,
                          check=cfg.comm.check)
         grid.layout = layout
+        try:
+            grid.intra_node = setup_intra_node(grid.comm("dp"), grid.world, cfg.comm.intra_node)
+        except Exception:
+            grid.close()  # every rank raises alike: nothing is left waiting
+            raise
         return grid
 
     @classmethod

@@ -1,0 +1,132 @@
+"""``comm.intra_node``: a group's float host collectives through node-local shared memory (shm.py).
+
+``setup_intra_node(comm, world, choice)`` (collective over the world) gives ``comm`` (the data-parallel
+group) a ``ShmRoute`` when ``choice`` is "shm" or "auto" and every group of its kind lies within one
+node and can allocate a shared window; the ``Communicator`` then sends allreduce / reduce_scatter /
+allgather of contiguous CPU float32/float64 tensors with op "sum" through it (``ShmRoute.takes``).
+Everything else (other dtypes, CUDA tensors, other ops, "avg"/"max") stays on MPI.
+
+Non-blocking calls run the shm collective AT CALL TIME and return a finished work (``EAGER``): shared
+memory needs no MPI progress, and a bucket reduced while the peers' backward reaches the same bucket
+overlaps better than one reduced at ``wait()`` (docs/benchmarks.md has both). Every rank issues the
+group's collectives in the same program order, so a blocking shm call cannot deadlock against the
+MPI calls around it. The ``Communicator`` still counts and watches each call (``Watchdog``) as usual.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from hpctrain.comm.shm import ShmCollectives, ShmUnavailable
+from hpctrain.errors import HpcTrainError, everywhere
+
+SHM_DTYPES = frozenset((torch.float32, torch.float64))  # a set: a hash lookup on the hot path
+EAGER = True  # non-blocking shm calls run when made (True) or at wait() (False); see the docstring
+
+
+class IntraNodeError(HpcTrainError):
+    """comm.intra_node=shm cannot run here (a group spans nodes, no shared window)."""
+
+
+class _Finished:
+    """The work of a shm call made eagerly: already complete."""
+
+    __slots__ = ()
+    done = True
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+_FINISHED = _Finished()  # stateless: one instance serves every call
+
+
+class _Deferred:
+    """A shm call run at ``wait()`` (``EAGER = False``); ``test()`` never runs it (it would block)."""
+
+    __slots__ = ("call", "args", "done")
+
+    def __init__(self, call, args):
+        self.call, self.args, self.done = call, args, False
+
+    def test(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            self.call(*self.args)
+            self.done, self.args = True, None
+
+
+class ShmRoute:
+    """The shm backend of one ``Communicator``: same signatures as ``MpiBackend``'s three collectives."""
+
+    def __init__(self, shm: ShmCollectives, eager: bool = EAGER):
+        self.shm, self.eager = shm, eager
+
+    @staticmethod
+    def takes(tensor: torch.Tensor, op: str = "sum") -> bool:
+        """Whether this call goes through shared memory (a CPU float32/float64 contiguous sum)."""
+        return op == "sum" and tensor.dtype in SHM_DTYPES and not tensor.is_cuda and tensor.is_contiguous()
+
+    def _start(self, call, args, nonblocking: bool):
+        if nonblocking and not self.eager:
+            return _Deferred(call, args)
+        call(*args)
+        return _FINISHED if nonblocking else None
+
+    def allreduce(self, tensor, op="sum", nonblocking=False):
+        shm = self.shm
+        return self._start(shm._allreduce, (shm._array(tensor, "allreduce"),), nonblocking)
+
+    def reduce_scatter(self, output, input, op="sum", nonblocking=False):
+        shm = self.shm
+        if input.numel() != shm.size * output.numel() or input.dtype != output.dtype:
+            raise ValueError(f"reduce_scatter: input has {input.numel()} {input.dtype} elements, expected "
+                             f"{shm.size} x {output.numel()} {output.dtype}")
+        args = (shm._array(output, "reduce_scatter"), shm._array(input, "reduce_scatter"))
+        return self._start(shm._reduce_scatter, args, nonblocking)
+
+    def allgather(self, output, input=None, nonblocking=False):
+        shm = self.shm
+        if output.numel() % shm.size or (input is not None and input.numel() * shm.size != output.numel()):
+            raise ValueError(f"allgather: output has {output.numel()} elements, not {shm.size} x the input")
+        blocks = shm._array(output, "allgather").reshape(shm.size, -1)
+        source = blocks[shm.rank] if input is None else shm._array(input, "allgather")
+        return self._start(shm._allgather, (blocks, source, input is None), nonblocking)
+
+    def close(self) -> None:
+        self.shm.close()
+
+
+def setup_intra_node(comm, world, choice: str, stream=sys.stderr) -> str:
+    """Collective over ``world`` (every rank calls it with its own ``comm``, a group of one kind, e.g.
+    dp): attach a ``ShmRoute`` to ``comm`` per ``choice`` ("auto" | "shm" | "mpi"). Returns "shm" or
+    "mpi". All groups use shm or none do: "shm" raises ``IntraNodeError`` on every rank with the first
+    reason found; "auto" falls back to MPI with one line on world rank 0."""
+    if choice == "mpi":
+        return "mpi"
+    shm, reason = None, ""
+    if comm.size > 1:
+        try:
+            shm = ShmCollectives(comm)  # collective over comm; raises on every member alike
+        except ShmUnavailable as e:
+            reason = str(e)
+    reason = next((r for r in world.allgather_object(reason) if r), "")
+    if reason:
+        if shm is not None:  # this group could, another could not: every group falls back together
+            shm.close()
+        if choice == "shm":
+            raise everywhere(IntraNodeError(f"comm.intra_node=shm: {reason}; use comm.intra_node=auto (falls "
+                                            f"back to MPI) or comm.intra_node=mpi"))
+        if world.rank == 0:
+            print(f"hpctrain: comm.intra_node=auto: the {comm.name} reduction uses MPI: {reason}",
+                  file=stream, flush=True)
+        return "mpi"
+    if shm is not None:
+        comm.shm = ShmRoute(shm)
+    return "shm"

@@ -1,0 +1,39 @@
+"""comm.intra_node in training: the dp reduction through shared memory trains like one process (float64,
+1e-10, plain and ZeRO-1); across (emulated) nodes `shm` is refused before any model exists and `auto`
+falls back to MPI with one line."""
+from mpirun import run_mpi
+
+F64 = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
+SPANS = "the group spans nodes; shm needs all its ranks on one node"
+
+
+def test_dp_reduction_in_shared_memory_trains_like_one_process():
+    result = run_mpi(2, "check_fidelity.py", "--layouts", "2,1,1", "--variants", "1f1b/zero1", *F64,
+                     "comm.intra_node=shm", timeout=200)
+    assert "FIDELITY OK 2" in result.stdout, result.output
+    assert result.stdout.count("dp-reduction=shm") == 2, result.output  # the shm route really carried it
+
+
+def train_on_two_nodes(tmp_path, choice):
+    return run_mpi(2, "hpctrain.cli", "train", "--config", "configs/tiny.toml", "data.max_bytes=300000",
+                   "train.seq_len=32", "train.global_batch=4", "model.n_layers=1", "train.steps=1",
+                   "train.progress=false", "parallel.dp=2", "parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1",
+                   f"train.run_dir={tmp_path}", f"comm.intra_node={choice}", module=True, timeout=200,
+                   check=False, fake_nodes=["nA", "nB"])
+
+
+def test_shm_across_nodes_is_refused_before_training(tmp_path):
+    result = train_on_two_nodes(tmp_path, "shm")
+    assert result.returncode not in (0, 124, 137), result.output
+    line = [s for s in result.output.splitlines() if "comm.intra_node=shm:" in s]
+    assert len(line) == 1 and SPANS in line[0] and "comm.intra_node=auto" in line[0], result.output
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before any step
+
+
+def test_auto_across_nodes_falls_back_to_mpi_with_one_line(tmp_path):
+    result = train_on_two_nodes(tmp_path, "auto")
+    assert result.returncode == 0, result.output
+    lines = [s for s in result.output.splitlines() if "comm.intra_node=auto" in s]
+    assert lines == [f"hpctrain: comm.intra_node=auto: the dp reduction uses MPI: shared-memory collectives on "
+                     f"group 'dp' (world ranks [0, 1]): {SPANS}"], result.output
+    assert (tmp_path / "metrics.jsonl").exists()

@@ -6,7 +6,9 @@
 One MPI job runs every implementation on the same ranks:
 
     hpctrain  dp=N                 the hpctrain Trainer: flat buffers, bucketed non-blocking MPI all-reduce
-                                   overlapped with backward, flat AdamW
+                                   overlapped with backward, flat AdamW (comm.intra_node=mpi)
+    hpctrain-shm  dp=N             the same with comm.intra_node=shm: the dp reduction in node-local
+                                   shared memory (hpctrain/comm/intra_node.py; one node only)
     ddp-gloo  dp=N                 torch.nn.parallel.DistributedDataParallel over a gloo process group
                                    (initialised on the same ranks; tcp on 127.0.0.1 or the node address),
                                    torch.optim.AdamW, torch.nn.utils.clip_grad_norm_
@@ -67,7 +69,10 @@ def parse_args(argv=None):
     p.add_argument("--pp-microbatches", type=int, default=4, help="micro-batches of the pp=2 layout (default 4)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size, both hpctrain and DDP")
     p.add_argument("--impls", default="hpctrain-dp,ddp-gloo,hpctrain-tp,hpctrain-pp",
-                   help="comma list of hpctrain-dp, ddp-gloo, hpctrain-tp, hpctrain-pp (default all)")
+                   help="comma list of hpctrain-dp, hpctrain-dp-shm, ddp-gloo, hpctrain-tp, hpctrain-pp "
+                        "(default: all but hpctrain-dp-shm)")
+    p.add_argument("--intra-node", default="mpi", choices=("auto", "shm", "mpi"),
+                   help="comm.intra_node of the hpctrain-dp/-tp/-pp rows (default mpi; hpctrain-dp-shm: always shm)")
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes to load (default 2 MB)")
     p.add_argument("--json", metavar="FILE", help="write records to FILE (JSON list)")
     p.add_argument("--csv", metavar="FILE", help="write records to FILE (CSV)")
@@ -100,7 +105,7 @@ def model_overrides(args) -> list[str]:
 
 
 class HpcTrainImpl:
-    def __init__(self, name, args, info, tokens, total_steps, *, tp=1, pp=1, microbatches=1):
+    def __init__(self, name, args, info, tokens, total_steps, *, tp=1, pp=1, microbatches=1, intra_node=None):
         from hpctrain.comm.grid import ProcessGrid
         from hpctrain.config import load_config
         from hpctrain.models.gpt import count_parameters
@@ -108,14 +113,17 @@ class HpcTrainImpl:
 
         world = info.size
         dp = world // (tp * pp)
-        self.impl, self.dp_size, self.tp_size, self.pp_size, self.microbatches = "hpctrain", dp, tp, pp, microbatches
+        intra_node = intra_node or args.intra_node
+        self.impl = "hpctrain" if intra_node == "mpi" else f"hpctrain-{intra_node}"
+        self.dp_size, self.tp_size, self.pp_size, self.microbatches = dp, tp, pp, microbatches
         self.name = name
         self.layout = " x ".join(f"{a}={v}" for a, v in (("dp", dp), ("tp", tp), ("pp", pp)) if v > 1 or a == "dp")
         if pp > 1:
             self.layout += f" (1f1b, {microbatches} mb)"
         cfg = load_config(None, model_overrides(args) + [
             f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.microbatches={microbatches}",
-            "parallel.schedule=1f1b", f"train.steps={total_steps}", "train.progress=false"])
+            "parallel.schedule=1f1b", f"train.steps={total_steps}", "train.progress=false",
+            f"comm.intra_node={intra_node}"])
         self.grid = ProcessGrid.from_config(cfg, info)
         self.trainer = Trainer(cfg, self.grid, tokens=tokens)
         self.params = count_parameters(self.trainer.model_cfg)
@@ -216,7 +224,7 @@ def timed_steps(impl, n: int, world) -> list[float]:
 
 def build_impls(args, info, tokens, total_steps) -> list:
     wanted = [w.strip() for w in args.impls.split(",") if w.strip()]
-    known = ("hpctrain-dp", "ddp-gloo", "hpctrain-tp", "hpctrain-pp")
+    known = ("hpctrain-dp", "hpctrain-dp-shm", "ddp-gloo", "hpctrain-tp", "hpctrain-pp")
     unknown = [w for w in wanted if w not in known]
     if unknown:
         raise SystemExit(f"bench_train: unknown --impls {unknown}; choose from {', '.join(known)}")
@@ -229,6 +237,8 @@ def build_impls(args, info, tokens, total_steps) -> list:
             continue
         if name == "hpctrain-dp":
             impls.append(HpcTrainImpl(name, args, info, tokens, total_steps))
+        elif name == "hpctrain-dp-shm":
+            impls.append(HpcTrainImpl(name, args, info, tokens, total_steps, intra_node="shm"))
         elif name == "hpctrain-tp":
             impls.append(HpcTrainImpl(name, args, info, tokens, total_steps, tp=2))
         elif name == "hpctrain-pp":
@@ -277,7 +287,7 @@ def run(args) -> list[dict]:
             for name, ms in rank_phases.items():
                 phases[name] = phases.get(name, 0.0) + ms / world.Get_size()
         comm_ms = (world.allreduce(sum(impl.comm_s), op=MPI.SUM) / world.Get_size() / timed * 1e3
-                   if impl.impl == "hpctrain" else None)
+                   if impl.impl.startswith("hpctrain") else None)
         median = statistics.median(t)
         records.append({"impl": impl.impl, "layout": impl.layout, "ranks": info.size, "dp": impl.dp_size, "tp": impl.tp_size,
                         "pp": impl.pp_size, "microbatches": impl.microbatches, "tokens_per_s": global_tokens / median,

@@ -80,8 +80,7 @@ class CommConfig:
     """Communication watchdog and debugging ($HPCTRAIN_COMM_TIMEOUT, when set, overrides timeout_s)."""
     timeout_s: float = _field(600.0, min=0)  # a call older than this ends the job with a hang report; 0 = off
     check: bool = False  # debug: every collective's op, size and dtype compared across its group first
-    # node-local collectives (issue #21, step 1): shm = the shared-memory window (hpctrain/comm/shm.py);
-    # NOT yet used by training: every value reduces over MPI today
+    # the dp group's CPU float sums through the node's shared-memory window (hpctrain/comm/intra_node.py)
     intra_node: str = _field("mpi", choices=("auto", "shm", "mpi"))
 
 

@@ -180,7 +180,10 @@ class Communicator:
         start = time.perf_counter()
         if nonblocking:
             traced = (trace, self.name, op, nbytes, sent, start) if trace is not None and trace.active else None
-            return Handle(method(*args, True), watchdog, counter, token, traced)
+            work = method(*args, True)
+            if work.done:  # ran at call time (comm.intra_node's shared memory): blocked time
+                counter.seconds += time.perf_counter() - start
+            return Handle(work, watchdog, counter, token, traced)
         work = None
         try:
             work = method(*args, False)

@@ -65,8 +65,8 @@ class _Deferred:
 class ShmRoute:
     """The shm backend of one ``Communicator``: same signatures as ``MpiBackend``'s three collectives."""
 
-    def __init__(self, shm: ShmCollectives, eager: bool = EAGER):
-        self.shm, self.eager = shm, eager
+    def __init__(self, shm: ShmCollectives, eager: bool | None = None):
+        self.shm, self.eager = shm, EAGER if eager is None else eager
 
     @staticmethod
     def takes(tensor: torch.Tensor, op: str = "sum") -> bool:

@@ -1,4 +1,4 @@
-"""Node-local collectives through an MPI-3 shared-memory window (step 1 of issue #21; not yet used by training).
+"""Node-local collectives through an MPI-3 shared-memory window (training uses them: intra_node.py).
 
 ``ShmCollectives(comm)`` is built collectively by every member of ``comm`` (a ``Communicator`` whose
 ranks all live on one node). It allocates one window with ``MPI.Win.Allocate_shared`` on the node

@@ -104,10 +104,13 @@ MEANINGS: dict[str, str] = {
                       "(exit 3). 0 = no watchdog. `HPCTRAIN_COMM_TIMEOUT`, when set, overrides it.",
     "comm.check": "Debugging: before every collective the group's members compare op, size and dtype; a mismatch "
                   "ends the job naming the first differing rank (one extra small allgather per call).",
-    "comm.intra_node": "How the ranks of one node reduce with each other: `shm` = the MPI-3 shared-memory collectives "
-                       "of hpctrain/comm/shm.py, `mpi` = the MPI library, `auto` = shm where the node allows it. "
-                       "Step 1 of issue #21: NOT yet used by training (every value reduces over MPI today); "
-                       "`hpctrain bench comm --impls hpctrain-shm` measures the shm path.",
+    "comm.intra_node": "How the ranks of one node reduce with each other in the data-parallel group: `shm` = "
+                       "hpctrain/comm/shm.py's MPI-3 shared-memory window carries the dp group's allreduce / "
+                       "reduce_scatter / allgather of contiguous CPU float32/float64 sums (gradients, ZeRO-1 "
+                       "gathers; other dtypes, GPU tensors and other groups stay on MPI), refused with the reason "
+                       "before training when the dp group spans nodes or no shared window can be allocated; "
+                       "`auto` = shm where possible, else MPI with one line saying why; `mpi` = the MPI library. "
+                       "Measured 1.01-1.02x the MPI path at 2 ranks (docs/benchmarks.md).",
     # [compression]
     "compression.method": "Gradient compression of the data-parallel reduction: `none` (dense all-reduce), `fp16`, `bf16`, "
                           "`int8` (scale per 256 values), `topk`, `randomk` (keep `density` of the values), "

@@ -1,7 +1,9 @@
 """comm.intra_node in training: the dp reduction through shared memory trains like one process (float64,
 1e-10, plain and ZeRO-1); across (emulated) nodes `shm` is refused before any model exists and `auto`
 falls back to MPI with one line."""
-from mpirun import run_mpi
+import json
+
+from mpirun import ROOT, run_mpi
 
 F64 = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
 SPANS = "the group spans nodes; shm needs all its ranks on one node"
@@ -37,3 +39,13 @@ def test_auto_across_nodes_falls_back_to_mpi_with_one_line(tmp_path):
     assert lines == [f"hpctrain: comm.intra_node=auto: the dp reduction uses MPI: shared-memory collectives on "
                      f"group 'dp' (world ranks [0, 1]): {SPANS}"], result.output
     assert (tmp_path / "metrics.jsonl").exists()
+
+
+def test_bench_train_has_a_shm_dp_row(tmp_path):
+    out = tmp_path / "bench.json"
+    run_mpi(2, str(ROOT / "benchmarks" / "bench_train.py"), "--impls", "hpctrain-dp,hpctrain-dp-shm", "--steps", "2",
+            "--warmup", "1", "--rounds", "1", "--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
+            "--global-batch", "8", "--max-bytes", "300000", "--json", str(out), timeout=180)
+    records = json.loads(out.read_text())
+    assert [r["impl"] for r in records] == ["hpctrain", "hpctrain-shm"], records
+    assert records[0]["final_loss"] == records[1]["final_loss"]  # float32: rank-order sums, 2 ranks: identical

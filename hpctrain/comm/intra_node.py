@@ -7,8 +7,8 @@ allgather of contiguous CPU float32/float64 tensors with op "sum" through it (``
 Everything else (other dtypes, CUDA tensors, other ops, "avg"/"max") stays on MPI.
 
 Non-blocking calls run the shm collective AT CALL TIME and return a finished work (``EAGER``): shared
-memory needs no MPI progress, and a bucket reduced while the peers' backward reaches the same bucket
-overlaps better than one reduced at ``wait()`` (docs/benchmarks.md has both). Every rank issues the
+memory needs no MPI progress, and running it at ``wait()`` instead measured the same on this 2-core
+machine (docs/benchmarks.md, "The dp reduction in shared memory"). Every rank issues the
 group's collectives in the same program order, so a blocking shm call cannot deadlock against the
 MPI calls around it. The ``Communicator`` still counts and watches each call (``Watchdog``) as usual.
 """

@@ -5,6 +5,7 @@
 data -> bit-identical on every rank, equal to a float64 reference within rounding.
 ``stop``: rank 1 stops itself (SIGSTOP) before its 3rd shm allreduce; ``stop-inside``: after the first
 barrier of it (between the reduction and the gather); the watchdog must report it either way.
+``stop-route``: the same through a ``Communicator`` given comm.intra_node's ``ShmRoute`` (non-blocking calls).
 ``refuse``: ranks on different nodes are refused with one line.
 """
 import os
@@ -30,6 +31,17 @@ if mode == "refuse":  # the group spans (emulated) nodes: one line, every rank, 
     except ShmUnavailable as e:
         print(f"rank {r}: refused: {e}", flush=True)
     grid.close()
+    sys.exit(0)
+
+if mode == "stop-route":  # a Communicator with comm.intra_node's route: its non-blocking calls are watched too
+    from hpctrain.comm.intra_node import setup_intra_node
+    assert setup_intra_node(world, world, "shm") == "shm" and world.shm is not None
+    for i in range(3):
+        if r == 1 and i == 2:
+            print(f"rank 1 stops itself (pid {os.getpid()})", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        world.allreduce(torch.ones(1000), nonblocking=True).wait()
+    print("not detected", flush=True)
     sys.exit(0)
 
 if mode.startswith("stop"):

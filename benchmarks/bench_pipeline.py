@@ -31,12 +31,11 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from hpctrain.bench.report import run_benchmark, write_records  # noqa: E402
+from hpctrain.bench.report import run_benchmark, timed_steps, write_records  # noqa: E402
 
 FIELDS = ["schedule", "virtual_stages", "pp", "microbatches", "bubble", "step_ms", "step_ms_min", "step_ms_max",
           "speedup_vs_1f1b", "pp_wait_ms", "forward_ms", "backward_ms", "tokens_per_s", "final_loss",
@@ -112,17 +111,6 @@ def add_prediction(record: dict, cfg, info, profile: str) -> None:
     record["predicted_ms"] = step_s * 1e3 if step_s else None
     record["predicted_bubble_ms"] = pred["predicted_bubble_s"] * 1e3 if pred else None
     record["prediction_error"] = step_s * 1e3 / record["step_ms"] - 1 if step_s else None
-
-
-def timed_steps(impl, n: int, world) -> list[float]:
-    """Run n steps; each one's time = max over ranks, from a barrier to its end."""
-    times = []
-    for _ in range(n):
-        world.Barrier()
-        start = time.perf_counter()
-        impl.step()
-        times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return times
 
 
 def run(args) -> list[dict]:

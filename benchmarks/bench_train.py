@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from hpctrain.bench.comm import init_gloo_world  # noqa: E402
-from hpctrain.bench.report import run_benchmark, write_records  # noqa: E402
+from hpctrain.bench.report import run_benchmark, timed_steps, write_records  # noqa: E402
 
 FIELDS = ["impl", "layout", "ranks", "dp", "tp", "pp", "microbatches", "tokens_per_s", "step_ms", "step_ms_min",
           "step_ms_max", "ratio_vs_ddp", "final_loss", "comm_ms", "timed_steps", "global_batch", "seq_len",
@@ -211,17 +211,6 @@ class DdpImpl:
 
 
 # --------------------------------------------------------------------------- measurement
-def timed_steps(impl, n: int, world) -> list[float]:
-    """Run n steps; each one's time = max over ranks, from a barrier to its end."""
-    times = []
-    for _ in range(n):
-        world.Barrier()
-        start = time.perf_counter()
-        impl.step()
-        times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return times
-
-
 def build_impls(args, info, tokens, total_steps) -> list:
     wanted = [w.strip() for w in args.impls.split(",") if w.strip()]
     known = ("hpctrain-dp", "hpctrain-dp-shm", "ddp-gloo", "hpctrain-tp", "hpctrain-pp")

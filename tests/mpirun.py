@@ -74,3 +74,18 @@ def run_mpi(nprocs: int, target: str, *args: str, timeout: float = 120, env: dic
         raise AssertionError(f"mpi job failed with exit {proc.returncode}{timed_out}: {' '.join(cmd)}\n"
                              f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
     return result
+
+
+def run_self_stopping(nprocs: int, script: str, *args: str, timeout: float = 60, env: dict | None = None):
+    """Run ``script`` whose rank stops itself (SIGSTOP, printing "stops itself (pid N)"), expecting the
+    watchdog to end the job; then SIGKILL every such pid so no stopped rank outlives the test."""
+    import re
+    import signal
+
+    result = run_mpi(nprocs, script, *args, timeout=timeout, check=False, env=env)
+    for pid in re.findall(r"stops itself \(pid (\d+)\)", result.stdout):
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    return result

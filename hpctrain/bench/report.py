@@ -28,3 +28,19 @@ def run_benchmark(main) -> None:
     from hpctrain.runtime.errors_exit import run_and_exit
 
     sys.exit(run_and_exit(lambda _argv: main()))
+
+
+def timed_steps(impl, n: int, world) -> list[float]:
+    """Run ``impl.step()`` n times on every rank of ``world`` (an mpi4py communicator); each step's time is
+    the max over ranks, from a barrier to its end."""
+    import time
+
+    from mpi4py import MPI
+
+    times = []
+    for _ in range(n):
+        world.Barrier()
+        start = time.perf_counter()
+        impl.step()
+        times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return times

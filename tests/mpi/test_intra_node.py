@@ -2,11 +2,9 @@
 1e-10, plain and ZeRO-1); across (emulated) nodes `shm` is refused before any model exists and `auto`
 falls back to MPI with one line."""
 import json
-import os
 import re
-import signal
 
-from mpirun import ROOT, run_mpi
+from mpirun import ROOT, run_mpi, run_self_stopping
 
 F64 = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
 SPANS = "the group spans nodes; shm needs all its ranks on one node"
@@ -55,12 +53,7 @@ def test_bench_train_has_a_shm_dp_row(tmp_path):
 
 
 def test_a_stopped_rank_in_a_routed_shm_reduction_is_named():
-    result = run_mpi(2, "check_shm.py", "stop-route", timeout=60, check=False, env={"HPCTRAIN_COMM_TIMEOUT": "3"})
-    for pid in re.findall(r"stops itself \(pid (\d+)\)", result.stdout):  # never leave a stopped rank behind
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except OSError:
-            pass
+    result = run_self_stopping(2, "check_shm.py", "stop-route", env={"HPCTRAIN_COMM_TIMEOUT": "3"})
     report = result.stderr
     assert result.returncode not in (0, 124, 137) and "not detected" not in result.stdout, result.output
     assert "allreduce #4 of 4000 bytes on group 'world' (world ranks [0, 1]) has not completed" in report, report

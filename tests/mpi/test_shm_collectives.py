@@ -1,13 +1,11 @@
 """Node-local shared-memory collectives (hpctrain/comm/shm.py) on real ranks: equal to MPI's, exact,
 bit-identical on every rank; a stopped rank inside one is named by the watchdog's hang report."""
 import json
-import os
 import re
-import signal
 
 import pytest
 
-from mpirun import run_mpi
+from mpirun import run_mpi, run_self_stopping
 
 
 @pytest.mark.parametrize("ranks,barrier", [(2, "flags"), (4, "flags"), (3, "mpi")])
@@ -18,12 +16,7 @@ def test_shm_collectives_match_mpi(ranks, barrier):
 
 @pytest.mark.parametrize("mode", ["stop", "stop-inside"])
 def test_a_stopped_rank_in_a_shm_collective_is_named(mode):
-    result = run_mpi(2, "check_shm.py", mode, timeout=60, check=False, env={"HPCTRAIN_COMM_TIMEOUT": "3"})
-    for pid in re.findall(r"stops itself \(pid (\d+)\)", result.stdout):  # never leave a stopped rank behind
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except OSError:
-            pass
+    result = run_self_stopping(2, "check_shm.py", mode, env={"HPCTRAIN_COMM_TIMEOUT": "3"})
     report = result.stderr
     assert result.returncode not in (0, 124, 137), result.output
     assert "not detected" not in result.stdout

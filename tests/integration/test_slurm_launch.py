@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mpirun import ROOT, mpi_env
 
 
@@ -24,7 +26,9 @@ def srun(slurm_env, *args, timeout=120):
 # MPI_Init fails or never returns, before hpctrain runs. Seen in fresh-clone CI runs on the local Slurm
 # (2026-11-23 once; 2026-11-24 on all four 2-node launches of one run, each hanging until the timeout,
 # while the same launch a few minutes later took 10 s). Such a launch (that error, or a launch that
-# timed out: a healthy one takes ~10 s) is retried, up to 3 attempts; any other failure is not.
+# timed out: a healthy one takes ~10 s) is retried, up to 3 attempts; any other failure is not. When
+# every attempt shows that Slurm error the test is skipped, saying so (loaded machines: the plugin
+# seems to mishandle a request that arrives in pieces).
 PMI2_TRANSPORT_FAULTS = ("mpi/pmi2: invalid client request", "mpi/pmi2: value not properly terminated")
 LAUNCH_TIMEOUT_S, LAUNCH_ATTEMPTS = 60, 3
 
@@ -36,6 +40,10 @@ def info(slurm, *srun_args):
         transport_fault = result.returncode in (124, 137) or any(f in result.stderr for f in PMI2_TRANSPORT_FAULTS)
         if result.returncode == 0 or not transport_fault:
             break
+    if result.returncode != 0 and any(f in result.stderr for f in PMI2_TRANSPORT_FAULTS):
+        # every attempt failed inside Slurm's pmi2 plugin, before hpctrain's code ran: nothing here tests hpctrain
+        pytest.skip(f"Slurm's pmi2 plugin garbled MPI_Init's key-value put on {LAUNCH_ATTEMPTS} launches "
+                    f"(slurmstepd: {next(f for f in PMI2_TRANSPORT_FAULTS if f in result.stderr)!r})")
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout)
 

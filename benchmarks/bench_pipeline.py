@@ -35,7 +35,7 @@ import sys  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from hpctrain.bench.report import run_benchmark, timed_steps, write_records  # noqa: E402
+from hpctrain.bench.report import run_benchmark, timed_rounds, timed_steps, write_records  # noqa: E402
 
 FIELDS = ["schedule", "virtual_stages", "pp", "microbatches", "bubble", "step_ms", "step_ms_min", "step_ms_max",
           "speedup_vs_1f1b", "pp_wait_ms", "forward_ms", "backward_ms", "tokens_per_s", "final_loss",
@@ -138,13 +138,7 @@ def run(args) -> list[dict]:
               f"warm-up + {args.rounds} x {args.steps} timed steps each", file=sys.stderr, flush=True)
     for impl in impls:
         timed_steps(impl, args.warmup, world)
-    times = {impl.name: [] for impl in impls}
-    for rnd in range(args.rounds):
-        k = rnd % len(impls)
-        for impl in impls[k:] + impls[:k]:
-            impl.active = True
-            times[impl.name] += timed_steps(impl, args.steps, world)
-            impl.active = False
+    times = timed_rounds(impls, args.rounds, args.steps, world, lambda impl, on: setattr(impl, "active", on))
     records, timed = [], args.rounds * args.steps
     for impl in impls:
         t = times[impl.name]

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from hpctrain.bench.comm import init_gloo_world  # noqa: E402
-from hpctrain.bench.report import run_benchmark, timed_steps, write_records  # noqa: E402
+from hpctrain.bench.report import run_benchmark, timed_rounds, timed_steps, write_records  # noqa: E402
 
 FIELDS = ["impl", "layout", "ranks", "dp", "tp", "pp", "microbatches", "tokens_per_s", "step_ms", "step_ms_min",
           "step_ms_max", "ratio_vs_ddp", "final_loss", "comm_ms", "timed_steps", "global_batch", "seq_len",
@@ -253,16 +253,14 @@ def run(args) -> list[dict]:
               f"{args.warmup} warm-up + {args.rounds} x {args.steps} timed steps each", file=sys.stderr, flush=True)
     for impl in impls:
         timed_steps(impl, args.warmup, world)
-    times = {impl.name: [] for impl in impls}
-    for rnd in range(args.rounds):
-        k = rnd % len(impls)
-        for impl in impls[k:] + impls[:k]:
-            impl.phases.active = True
-            times[impl.name] += timed_steps(impl, args.steps, world)
-            impl.phases.active = False
+
+    def report_round(rnd, times):
         if info.rank == 0:
             summary = ", ".join(f"{name} {1e3 * statistics.median(t):.0f} ms" for name, t in times.items())
             print(f"bench_train: round {rnd + 1}/{args.rounds}: median so far {summary}", file=sys.stderr, flush=True)
+
+    times = timed_rounds(impls, args.rounds, args.steps, world,
+                         lambda impl, on: setattr(impl.phases, "active", on), report_round)
 
     global_tokens = args.global_batch * args.seq_len
     timed = args.rounds * args.steps

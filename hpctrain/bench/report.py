@@ -44,3 +44,19 @@ def timed_steps(impl, n: int, world) -> list[float]:
         impl.step()
         times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
     return times
+
+
+def timed_rounds(impls, rounds: int, steps: int, world, activate, after_round=None) -> dict[str, list[float]]:
+    """``rounds`` rounds of ``steps`` timed steps of every impl in turn, the order rotated each round (so no
+    implementation always runs first); ``activate(impl, on)`` brackets an impl's timed steps (its phase
+    timers), ``after_round(rnd, times)`` runs after each. Returns {impl.name: step seconds}."""
+    times = {impl.name: [] for impl in impls}
+    for rnd in range(rounds):
+        k = rnd % len(impls)
+        for impl in impls[k:] + impls[:k]:
+            activate(impl, True)
+            times[impl.name] += timed_steps(impl, steps, world)
+            activate(impl, False)
+        if after_round is not None:
+            after_round(rnd, times)
+    return times

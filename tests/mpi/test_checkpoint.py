@@ -57,6 +57,18 @@ def test_exact_resume_is_bitwise(tmp_path, layout):
     ckpt("diff", str(whole), str(split), "--atol", "0")
 
 
+def run_chain(run_dir, reference, ref, chain):
+    """Train 2 steps per (ranks, layout) segment of ``chain`` in one run directory, each resuming the last;
+    every step's loss equals the uninterrupted ``reference`` run's (``ref``) to 1e-10, and so do the weights."""
+    for i, (ranks, layout) in enumerate(chain):
+        train(ranks, run_dir, *F64, *layout, "--max-steps", "2", "--resume", "auto", timeout=300)
+        got = losses(run_dir)
+        assert sorted(got) == list(range(1, 2 * i + 3)), f"segment {i}: steps {sorted(got)}"
+        for step in (2 * i + 1, 2 * i + 2):
+            assert abs(got[step] - ref[step]) <= 1e-10 * abs(ref[step]), (i, layout, step, got[step], ref[step])
+    ckpt("diff", str(reference), str(run_dir), "--atol", "1e-9")
+
+
 def test_reshard_chain_matches_one_process(tmp_path):
     reference = tmp_path / "reference"
     train(1, reference, *F64, "parallel.pp=1", "parallel.tp=1", "parallel.microbatches=1")
@@ -70,14 +82,7 @@ def test_reshard_chain_matches_one_process(tmp_path):
         (8, ["parallel.tp=2", "parallel.pp=2", "parallel.zero=1", "parallel.schedule=gpipe"]),
         (2, ["parallel.tp=1", "parallel.pp=1"]),  # dp=2, ZeRO off: dp rank 0 writes
     ]
-    run_dir = tmp_path / "chain"
-    for i, (ranks, layout) in enumerate(chain):
-        train(ranks, run_dir, *F64, *layout, "--max-steps", "2", "--resume", "auto", timeout=300)
-        got = losses(run_dir)
-        assert sorted(got) == list(range(1, 2 * i + 3)), f"segment {i}: steps {sorted(got)}"
-        for step in (2 * i + 1, 2 * i + 2):
-            assert abs(got[step] - ref[step]) <= 1e-10 * abs(ref[step]), (i, layout, step, got[step], ref[step])
-    ckpt("diff", str(reference), str(run_dir), "--atol", "1e-9")
+    run_chain(tmp_path / "chain", reference, ref, chain)
 
 
 def test_reshard_an_odd_vocabulary_with_tied_embeddings(tmp_path):
@@ -118,14 +123,7 @@ def test_interleaved_checkpoints_resume_in_any_schedule(tmp_path):
         (4, interleaved[:3] + ["parallel.tp=2", "parallel.sequence_parallel=true"]),  # tp 1 -> 2
         (2, ["parallel.tp=1", "parallel.pp=2", "parallel.schedule=gpipe"]),  # 14 steps: the reference's
     ]
-    run_dir = tmp_path / "chain"
-    for i, (ranks, layout) in enumerate(chain):
-        train(ranks, run_dir, *F64, *layout, "--max-steps", "2", "--resume", "auto", timeout=300)
-        got = losses(run_dir)
-        assert sorted(got) == list(range(1, 2 * i + 3)), f"segment {i}: steps {sorted(got)}"
-        for step in (2 * i + 1, 2 * i + 2):
-            assert abs(got[step] - ref[step]) <= 1e-10 * abs(ref[step]), (i, layout, step, got[step], ref[step])
-    ckpt("diff", str(reference), str(run_dir), "--atol", "1e-9")
+    run_chain(tmp_path / "chain", reference, ref, chain)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,10 @@ reductions in float32, and the gap shows that cost). ``gloo`` = torch.distribute
 (rendezvous on rank 0, port broadcast over MPI) with one ``new_group`` per group of the axis.
 ``hpctrain-shm`` = the node-local shared-memory collectives (hpctrain/comm/shm.py: an MPI-3 shared
 window, each rank summing its slice out of its peers' slots; allreduce, reduce_scatter and allgather
-only, one node only: the row is left out for other ops). Host (CPU) tensors only.
+only, one node only: the row is left out for other ops). ``hpctrain-persistent`` = the small-message
+path of the training step (``Communicator.recurring_allreduce`` / ``recurring_broadcast``: an MPI-4
+persistent request built once per buffer, hpctrain/comm/persistent.py); allreduce and broadcast only.
+Host (CPU) tensors only.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ from hpctrain.runtime import env
 from hpctrain.runtime.dtypes import torch_dtype
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "sendrecv")
-IMPLS = ("hpctrain", "hpctrain-shm", "mpi4py", "gloo")
+IMPLS = ("hpctrain", "hpctrain-persistent", "hpctrain-shm", "mpi4py", "gloo")
 FIELDS = ("impl", "op", "bytes", "time_us", "algbw_GBps", "busbw_GBps", "ratio_vs_mpi4py", "ranks", "axis",
           "group_size", "dtype", "iters", "rounds")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -109,6 +112,15 @@ def hpctrain_step(op: str, comm, b: dict):
         for handle in handles:
             handle.wait()
     return sendrecv
+
+
+def persistent_step(op: str, comm, b: dict):
+    """``hpctrain-persistent``: a Recurring op on the buffer (building it is collective); None for other
+    ops, and where the Recurring would not be a persistent request (16-bit dtypes: the ordinary path)."""
+    if op not in ("allreduce", "broadcast"):
+        return None
+    step = comm.recurring_allreduce(b["t"]) if op == "allreduce" else comm.recurring_broadcast(b["t"], root=0)
+    return step if step.lean else None
 
 
 def shm_step(op: str, shm, b: dict):
@@ -240,6 +252,7 @@ def run_comm_bench(args) -> int:
         from hpctrain.comm.shm import ShmCollectives
         shm = ShmCollectives(comm)  # collective; refuses (one line, every rank) when the group spans nodes
     builders = {"hpctrain": lambda op, b: hpctrain_step(op, comm, b),
+                "hpctrain-persistent": lambda op, b: persistent_step(op, comm, b),
                 "hpctrain-shm": lambda op, b: shm_step(op, shm, b),
                 "mpi4py": lambda op, b: mpi4py_step(op, comm.mpi, b),
                 "gloo": lambda op, b: gloo_step(op, gloo_group, comm.members, b)}

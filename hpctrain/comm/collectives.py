@@ -28,6 +28,8 @@ import time
 import torch
 
 from hpctrain.comm.backends.mpi import MpiBackend
+from hpctrain.comm.handle import Handle, _end  # noqa: F401 - _end: tests import it from here
+from hpctrain.comm.persistent import Recurring
 from hpctrain.comm.watchdog import CommStats, Watchdog
 from hpctrain.errors import HpcTrainError
 
@@ -40,53 +42,6 @@ class CommSetupError(HpcTrainError):
 
 class CommCheckError(HpcTrainError):
     """comm.check: the members of a group called different collectives (a bug in the caller)."""
-
-
-def _end(watchdog: Watchdog, token: int, work) -> None:
-    """The call's host part is over: end it, or, for device work still queued on a stream (NCCL work
-    has ``device_done``), keep it watched until the device finishes (``Watchdog.end_when``)."""
-    device_done = getattr(work, "device_done", None)
-    if device_done is None:
-        watchdog.end(token)
-    else:
-        watchdog.end_when(token, device_done)
-
-
-class Handle:
-    """A non-blocking operation in flight. ``wait`` is idempotent; ``test`` never blocks.
-    ``traced``: (recorder, group, op, bytes, sent, start) when a trace is recording, else None."""
-
-    __slots__ = ("_work", "_watchdog", "_counter", "_token", "_traced")
-
-    def __init__(self, work, watchdog: Watchdog, counter, token: int, traced=None):
-        self._work, self._watchdog, self._counter, self._token = work, watchdog, counter, token
-        self._traced = traced
-
-    def test(self) -> bool:
-        done = self._work.test()
-        if done:
-            self._watchdog.end(self._token)
-            if self._traced is not None:
-                self._trace_done(time.perf_counter())
-        return done
-
-    def wait(self) -> None:
-        if not self._work.done:
-            start = time.perf_counter()
-            self._work.wait()
-            end = time.perf_counter()
-            self._counter.seconds += end - start
-            if self._traced is not None:
-                recorder, group, op, nbytes, sent, _ = self._traced
-                recorder.comm(group, "wait " + op, nbytes, sent, start, end, blocked=True)
-        if self._traced is not None:
-            self._trace_done(time.perf_counter())
-        _end(self._watchdog, self._token, self._work)
-
-    def _trace_done(self, end: float) -> None:
-        recorder, group, op, nbytes, sent, start = self._traced
-        recorder.comm(group, op, nbytes, sent, start, end, blocked=False)
-        self._traced = None
 
 
 class Communicator:
@@ -107,6 +62,7 @@ class Communicator:
         self._host = MpiBackend(mpi_comm)
         self._device = None  # created on the first CUDA tensor (NCCL init is collective and costly)
         self.shm = None  # a ShmRoute (comm.intra_node, intra_node.py): CPU float sums in shared memory
+        self.recurring: list[Recurring] = []  # persistent small collectives on this group (freed at close)
         self._counters = {}  # op -> this group's OpCounter in ``stats``
         self.check = check
         self.trace = None  # a TraceRecorder (train.trace): every call recorded while it is active
@@ -158,6 +114,9 @@ class Communicator:
             self._device.close()
         if self.shm is not None:  # collective over the group, like the grid's close
             self.shm.close()
+        for op in self.recurring:
+            op.free()
+        self.recurring = []
         self._device = self.shm = None
 
     # ---------------------------------------------------------------- plumbing
@@ -289,6 +248,15 @@ class Communicator:
 
     def irecv(self, tensor, src, tag=0) -> Handle:
         return self.recv(tensor, src, tag, nonblocking=True)
+
+    def recurring_allreduce(self, tensor: torch.Tensor, op: str = "sum") -> Recurring:
+        """Collective to build: ``tensor`` (fixed storage) summed / maxed over the group by each call of
+        the returned op, through an MPI-4 persistent request (the small-message path, persistent.py)."""
+        return Recurring(self, tensor, "allreduce", op=op)
+
+    def recurring_broadcast(self, tensor: torch.Tensor, root: int = 0) -> Recurring:
+        """Collective to build: each call of the returned op broadcasts ``tensor`` from group rank ``root``."""
+        return Recurring(self, tensor, "broadcast", root=root)
 
     def barrier(self) -> None:
         self._watched("barrier", self.mpi.Barrier)

@@ -19,7 +19,7 @@ import sys
 import time
 
 from hpctrain.runtime import env
-from hpctrain.train.stop import StopPolicy, agree_stop_reason
+from hpctrain.train.stop import StopAgreement, StopPolicy
 
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
 
@@ -75,9 +75,10 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     log = MetricsLog(cfg.train.run_dir, cfg.train.steps, enabled=is_root, progress=cfg.train.progress,
                      log_interval=cfg.train.log_interval)
     trace = _start_trace(cfg, grid, trainer)
+    stop = StopAgreement(grid.world)  # collective: a persistent request, freed when the grid closes
     interval, save_s, reason = cfg.checkpoint.interval, 0.0, ""
     try:
-        while not (reason := _agree_to_go_on(policy, trainer, grid)):
+        while not (reason := _agree_to_go_on(policy, trainer, stop)):
             record = trainer.train_step().as_dict()
             policy.record_step(record["step_time_s"])
             if trainer.diverged:  # identical on every rank; the bad update was not applied, nothing is saved
@@ -134,10 +135,10 @@ def _diverged(cfg, grid, verdict, checkpoints, step: int, is_root: bool, lock) -
     return DIVERGED_EXIT
 
 
-def _agree_to_go_on(policy, trainer, grid) -> str:
+def _agree_to_go_on(policy, trainer, stop) -> str:
     """Collective over the world: "" to train another step, else why every rank stops (``sync`` phase)."""
     with trainer.timer.phase("sync"):
-        return agree_stop_reason(policy.local_reason(trainer.step), grid.world)
+        return stop.agree(policy.local_reason(trainer.step))
 
 
 def _start_trace(cfg, grid, trainer):

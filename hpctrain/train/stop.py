@@ -68,3 +68,18 @@ def agree_stop_reason(reason: str, world) -> str:
     if world.size > 1:
         world.allreduce(code, op="max")
     return decode(int(code.item()))
+
+
+class StopAgreement:
+    """``agree_stop_reason`` made every step: the 4-byte max through a persistent request on ``world``
+    (``Communicator.recurring_allreduce``; building it is collective over ``world``)."""
+
+    def __init__(self, world):
+        self.code = torch.zeros(1, dtype=torch.int32)
+        self._max = world.recurring_allreduce(self.code, op="max") if world.size > 1 else None
+
+    def agree(self, reason: str) -> str:
+        self.code[0] = encode(reason)
+        if self._max is not None:
+            self._max()
+        return decode(int(self.code.item()))

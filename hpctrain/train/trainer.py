@@ -85,6 +85,7 @@ class Trainer:
         self.bubble = bubble_fraction(self.layout.pp_size, self.layout.microbatches, self.layout.virtual_stages)
         self.peak_tflops = cfg.train.peak_tflops or peak_tflops(self.device, self.dtype, cfg.train.allow_tf32)
         self.state = TrainerState(self)  # what checkpoints save and restore (hpctrain/checkpoint/contract.py)
+        self._build_agreements()
 
     def _build_model(self) -> None:
         """This rank's model chunks (TP layers over tp), their flat buffers and DP reducer, optimizer, executor."""
@@ -106,6 +107,19 @@ class Trainer:
         self.scaler = DynamicLossScaler(t.loss_scale, enabled=self.dtype == torch.float16)
         self.guard = DivergenceGuard(t.nonfinite, t.max_skipped_steps)
         self.diverged = None  # the last step's Verdict when the run must stop (non-finite, too many skips)
+
+    def _build_agreements(self) -> None:
+        """The step's small collectives on fixed float64 [1] buffers, built once as persistent requests
+        (comm/persistent.py; collective, in this order on every rank): the loss (broadcast from the last
+        stage over pp, summed over dp) and the squared grad norm (summed over the world)."""
+        grid = self.grid
+        pp_comm = grid.comm("pp")
+        self._loss_value = torch.zeros(1, dtype=torch.float64)
+        self._loss_ops = [pp_comm.recurring_broadcast(self._loss_value, root=pp_comm.size - 1)] \
+            if pp_comm.size > 1 else []
+        self._loss_ops.append(grid.comm("dp").recurring_allreduce(self._loss_value))
+        self._norm_sq = torch.zeros(1, dtype=torch.float64)
+        self._norm_sum = grid.world.recurring_allreduce(self._norm_sq)
 
     def _build_data(self, tokens) -> None:
         """The corpus (read by rank 0, broadcast) and this dp rank's (seed, index) batch iterator."""
@@ -151,12 +165,13 @@ class Trainer:
             loss = self._agree_loss(scaled_loss / self.scaler.scale)
 
         with timer.phase("grad_norm"):
-            norm_sq = torch.tensor([self.optimizer.grad_norm_sq_local(1.0 / self.scaler.scale)],
-                                   dtype=torch.float64)
+            norm_sq = self._norm_sq
+            norm_sq[0] = self.optimizer.grad_norm_sq_local(1.0 / self.scaler.scale)
             if reducer.overflow:  # inf/NaN a compressor may have dropped (random-k): every rank must skip
                 norm_sq.fill_(float("inf"))
-            grid.world.allreduce(norm_sq)
-        grad_norm = math.sqrt(norm_sq.item()) if math.isfinite(norm_sq.item()) else float("inf")
+            self._norm_sum()
+        norm_sq = norm_sq.item()
+        grad_norm = math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("inf")
         old_scale = self.scaler.scale
         # the same verdict on every rank: loss and grad_norm are global (hpctrain/train/guard.py)
         verdict = self.guard.judge(self.step + 1, loss, grad_norm, self.scaler)
@@ -205,11 +220,10 @@ class Trainer:
 
     def _agree_loss(self, stage_loss: float) -> float:
         """The global mean token loss on every rank: from the last stage over pp, summed over dp."""
-        value = torch.tensor([stage_loss], dtype=torch.float64)
-        pp_comm = self.grid.comm("pp")
-        if pp_comm.size > 1:
-            pp_comm.broadcast(value, root=pp_comm.size - 1)
-        self.grid.comm("dp").allreduce(value)
+        value = self._loss_value
+        value[0] = stage_loss
+        for op in self._loss_ops:
+            op()
         return value.item()
 
     # ------------------------------------------------------------------ global view

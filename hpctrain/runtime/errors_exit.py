@@ -62,3 +62,47 @@ def run_and_exit(main, argv=None) -> int:
         time.sleep(abort_grace_s())
         mpi_world.Abort(code)
     return code
+
+
+def leave_with(code: int, rank: int, node: int, peers, settle_s: float = 1.0, timeout_s: float = 10.0) -> int:
+    """The code this rank exits with, so that the launcher reports ``code`` (non-zero: MPI is finalised here).
+
+    ``srun --kill-on-bad-exit`` (slurm/train.sbatch) and hydra end every task the moment one exits
+    non-zero: a peer still tearing down (interpreter exit after ``MPI_Finalize``: torch, atexit; ~0.1-1 s)
+    then dies by SIGTERM and the job reports 143 instead of ``code`` (seen under Slurm, 2026-11-24). So
+    a non-zero ``code`` is carried by rank 0 alone, and rank 0 leaves last: it waits (up to
+    ``timeout_s``) until the processes of its node's peers are gone, and ``settle_s`` more when peers
+    run on other nodes (it cannot see them). The others return 0. ``peers``: [(hostname, node, pid)]
+    per world rank (``Watchdog.peers``), or None (one rank). ``code`` 0 returns 0 at once."""
+    if code == 0 or not peers or len(peers) == 1:
+        return code  # MPI is finalised at exit, as usual
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    if rank != 0:
+        return 0
+    local = [pid for r, (_, peer_node, pid) in enumerate(peers) if r != rank and peer_node == node]
+    deadline = time.monotonic() + timeout_s
+    while local and time.monotonic() < deadline:
+        local = [pid for pid in local if _alive(pid)]
+        if local:
+            time.sleep(0.02)
+    if any(peer_node != node for _, peer_node, _ in peers):
+        time.sleep(settle_s)
+    return code
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (its launcher has not reaped it yet) has exited
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -19,6 +19,7 @@ import sys
 import time
 
 from hpctrain.runtime import env
+from hpctrain.runtime.errors_exit import leave_with
 from hpctrain.train.stop import StopAgreement, StopPolicy
 
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
@@ -114,8 +115,8 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
 
 
 def _diverged(cfg, grid, verdict, checkpoints, step: int, is_root: bool, lock) -> int:
-    """Log the stop and the one line that says why; nothing was saved after the bad step. Returns
-    DIVERGED_EXIT on every rank (the launcher's exit code)."""
+    """Log the stop and the one line that says why; nothing was saved after the bad step. The launcher's
+    exit code is DIVERGED_EXIT (``leave_with``: rank 0 carries it and leaves last)."""
     from hpctrain.checkpoint.directory import list_checkpoints
     from hpctrain.train.guard import DIVERGED_EXIT
     from hpctrain.train.metrics import json_line
@@ -132,7 +133,7 @@ def _diverged(cfg, grid, verdict, checkpoints, step: int, is_root: bool, lock) -
     grid.world.barrier()
     lock.release()
     grid.close()
-    return DIVERGED_EXIT
+    return leave_with(DIVERGED_EXIT, grid.info.rank, grid.info.node, grid.watchdog.peers)
 
 
 def _agree_to_go_on(policy, trainer, stop) -> str:
@@ -212,7 +213,8 @@ def _finish(cfg, grid, reason: str, step: int, save_s: float, is_root: bool, loc
     """Log the stop, close the grid, then requeue if asked: ``scontrol requeue`` kills the job's tasks
     at once, so everything is on disk and MPI is finalised first (a task killed inside MPI leaves
     shared-memory segments that the requeued attempt, with the same step id, would attach to).
-    Returns this rank's exit code: 0, or 75 where the job stops without a requeue."""
+    Returns this rank's exit code: 0, or 75 on rank 0 (it leaves last: ``leave_with``) where the job
+    stops without a requeue."""
     from hpctrain.runtime.signals import requeue_slurm_job, slurm_job_to_requeue
 
     early = reason.startswith("signal") or reason == "time limit"
@@ -231,15 +233,14 @@ def _finish(cfg, grid, reason: str, step: int, save_s: float, is_root: bool, loc
     if not job:
         if is_root and early:
             print(f"hpctrain train: exit {STOPPED_EXIT}; continue with --resume auto", flush=True)
-        return STOPPED_EXIT if early else 0
+        return leave_with(STOPPED_EXIT if early else 0, grid.info.rank, grid.info.node, grid.watchdog.peers)
     from mpi4py import MPI
 
     MPI.Finalize()
     problem = requeue_slurm_job(job) if is_root else None
-    if problem:  # this rank's 75 makes the job's exit code 75; the others exit 0
+    if problem:  # rank 0 alone carries the 75 (``leave_with``); the others exit 0
         print(f"hpctrain train: {problem}; exit {STOPPED_EXIT}; continue with --resume auto", flush=True)
-        return STOPPED_EXIT
-    return 0
+    return leave_with(STOPPED_EXIT if problem else 0, grid.info.rank, grid.info.node, grid.watchdog.peers)
 
 
 def _announce(cfg, grid, trainer, device, resumed) -> None:

@@ -28,6 +28,10 @@ from mpi4py import MPI
 from hpctrain.comm.backends.mpi import mpi_buffer
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX}
+# the watchdog's clock is time.monotonic(); perf_counter reads the same clock where both are
+# CLOCK_MONOTONIC (Linux, macOS), so one reading serves the slot and the timing; elsewhere use monotonic
+_clock = time.perf_counter if time.get_clock_info("perf_counter").implementation == \
+    time.get_clock_info("monotonic").implementation else time.monotonic
 _HOST_TYPES = frozenset((torch.float32, torch.float64, torch.int32, torch.int64))
 
 
@@ -78,14 +82,13 @@ class Recurring:
                 raise RuntimeError(f"Recurring {self.kind} on group '{self.comm.name}' used after free()")
             self._fallback()
             return
-        slot, counter = self._slot, self._counter
-        slot.begin()
-        start = time.perf_counter()
-        request = self._request
+        slot, counter, request = self._slot, self._counter, self._request
+        start = _clock()
+        slot.begin(start)
         request.Start()
         request.Wait()
-        end = time.perf_counter()
-        slot.end()
+        end = _clock()
+        slot.end(end)
         counter.calls += 1
         counter.bytes += self._nbytes
         counter.sent += self._sent

@@ -90,19 +90,21 @@ class Slot:
     def __init__(self, inflight: dict, token: int, call: Call):
         self._inflight, self._token, self.call = inflight, token, call
 
-    def begin(self) -> None:
+    def begin(self, now: float) -> None:
+        """``now``: ``time.perf_counter()`` (the same clock as ``time.monotonic()`` on Linux and macOS,
+        CPython >= 3.3; the caller's reading serves its own timing too)."""
         call = self.call
         comm = call.comm
         comm.seq += 1
-        call.seq, call.start = comm.seq, time.monotonic()
+        call.seq, call.start = comm.seq, now
         self._inflight[self._token] = call
 
-    def end(self) -> None:
+    def end(self, now: float) -> None:
         call = self.call
         del self._inflight[self._token]
         comm = call.comm
         if call.seq > comm.done_seq:
-            comm.done_seq, comm.done_op, comm.done_at = call.seq, call.op, time.monotonic()
+            comm.done_seq, comm.done_op, comm.done_at = call.seq, call.op, now
 
 
 class Watchdog:

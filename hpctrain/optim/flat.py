@@ -49,6 +49,7 @@ class FlatOptimizer:
         self.master_dtype = master_dtype or (torch.float32 if param_dtype in (torch.float16, torch.bfloat16)
                                              else param_dtype)
         self.step_count = 0
+        self.scratch: torch.Tensor | None = None  # _scratch(): Adam's denominator, reused by every slice
         self.owned_slices = [self._make_slice(bucket, start, end) for bucket, start, end in flat.owned_ranges()]
 
     def _make_slice(self, bucket, start: int, end: int) -> OptimizerSlice:
@@ -89,39 +90,52 @@ class FlatOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float, grad_coef: float = 1.0) -> None:
-        """One update with gradients multiplied by ``grad_coef`` (clipping x loss-scale inverse)."""
+        """One update with gradients multiplied by ``grad_coef`` (clipping x loss-scale inverse).
+
+        Allocation-free: ``grad_coef`` is folded into the update's coefficients (never a scaled copy
+        of the gradients) and Adam's denominator goes into one scratch buffer reused by every slice.
+        A fresh multi-MB tensor costs its page faults on every step: at 1.1M parameters on this
+        machine the update took 6.5 ms with three temporaries, 1.0 ms without (docs/benchmarks.md)."""
         self.step_count += 1
         c = self.cfg
         for s in self.owned_slices:
             grad = self.flat.owned_grad(s.bucket, s.start, s.end).to(self.master_dtype)
-            if grad_coef != 1.0:
-                grad = grad * grad_coef
             master = s.master
             if c.weight_decay:
                 for lo, hi in s.decay_ranges:
                     master[lo:hi].mul_(1 - lr * c.weight_decay)
             if c.name == "adamw":
-                adamw_update_(master, grad, s.exp_avg, s.exp_avg_sq, lr, self.step_count, c)
-            else:  # sgd with optional momentum
-                if c.momentum:
-                    buf = s.exp_avg.mul_(c.momentum).add_(grad)
-                    master.add_(buf, alpha=-lr)
-                else:
-                    master.add_(grad, alpha=-lr)
+                adamw_update_(master, grad, s.exp_avg, s.exp_avg_sq, lr, self.step_count, c, grad_coef,
+                              self._scratch(master))
+            elif c.momentum:  # sgd with momentum
+                s.exp_avg.mul_(c.momentum).add_(grad, alpha=grad_coef)
+                master.add_(s.exp_avg, alpha=-lr)
+            else:
+                master.add_(grad, alpha=-lr * grad_coef)
             if master is not s.params:
                 s.params.copy_(master)
         self.flat.gather_params()
 
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A buffer of ``like``'s length (the largest owned slice, made once), for temporaries."""
+        if self.scratch is None:
+            longest = max(s.end - s.start for s in self.owned_slices)
+            self.scratch = torch.empty(longest, dtype=self.master_dtype, device=like.device)
+        return self.scratch[:like.numel()]
+
 
 def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                  lr: float, step: int, c) -> None:
-    """Adam's moment updates and the parameter step, in place on 1-D tensors of one length (``c``: the
-    ``[optim]`` config; weight decay is applied by the caller). Also timed by ``bench comm --profile``."""
-    exp_avg.mul_(c.beta1).add_(grad, alpha=1 - c.beta1)
-    exp_avg_sq.mul_(c.beta2).addcmul_(grad, grad, value=1 - c.beta2)
+                  lr: float, step: int, c, grad_coef: float = 1.0, scratch: torch.Tensor | None = None) -> None:
+    """Adam's moment updates and the parameter step, in place on 1-D tensors of one length, for the
+    gradient ``grad_coef * grad`` (``c``: the ``[optim]`` config; weight decay is applied by the caller).
+    ``scratch``: a buffer of the same length for the denominator (None: allocated). Also timed by
+    ``bench comm --profile``."""
+    exp_avg.mul_(c.beta1).add_(grad, alpha=(1 - c.beta1) * grad_coef)
+    exp_avg_sq.mul_(c.beta2).addcmul_(grad, grad, value=(1 - c.beta2) * grad_coef * grad_coef)
     bias1 = 1 - c.beta1 ** step
     bias2 = 1 - c.beta2 ** step
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(c.eps)
+    denom = torch.sqrt(exp_avg_sq, out=scratch) if scratch is not None else exp_avg_sq.sqrt()
+    denom.div_(math.sqrt(bias2)).add_(c.eps)
     master.addcdiv_(exp_avg, denom, value=-lr / bias1)
 
 

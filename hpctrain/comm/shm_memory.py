@@ -36,9 +36,8 @@ def populate(address: int, nbytes: int) -> str:
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # an older kernel, or a sandbox: no answer
         return ""
-    return (f"the node cannot back the shared window with memory ({os.strerror(err)}; {SHM_DIR} has "
-            f"{shm_free_bytes()} bytes free): {SHM_DIR} is too small or full (a container's default, or "
-            f"leftover segments of killed jobs)")
+    return (f"{SHM_DIR} cannot hold it (MADV_POPULATE_WRITE: {os.strerror(err)}; {shm_free_bytes()} bytes free "
+            f"there): too small (a container's default?) or full (leftover segments of killed jobs?)")
 
 
 def shm_free_bytes(path: str = SHM_DIR) -> int | str:

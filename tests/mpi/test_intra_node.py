@@ -72,7 +72,7 @@ def test_a_stopped_rank_in_a_routed_shm_reduction_is_named():
 # well (2 x 512 KiB + 64 B). MPICH's Allocate_shared still succeeds there (a sparse file); the pages cannot be
 # backed, which hpctrain checks before touching them (hpctrain/comm/shm_memory.py).
 SMALL_SHM = "2560k"
-NO_ROOM = "the node cannot back the shared window with memory (Bad address; /dev/shm has"
+NO_ROOM = "bytes per rank (/dev/shm cannot hold it (MADV_POPULATE_WRITE: Bad address; "
 
 
 def train_in_small_shm(tmp_path, choice):
@@ -96,7 +96,8 @@ def test_shm_where_dev_shm_cannot_hold_the_window_is_refused_on_every_rank(tmp_p
     assert code not in (0, 124, 137), output  # an error exit, not a hang (and no SIGBUS: see the line)
     lines = [s for s in output.splitlines() if "comm.intra_node=shm:" in s]
     assert len(lines) == 1 and NO_ROOM in lines[0] and "comm.intra_node=auto" in lines[0], output
-    assert "Bus error" not in output and "SIGBUS" not in output, output
+    assert "Bus error" not in output and "SIGBUS" not in output, output  # what it was before the check
+    assert lines[0].startswith("hpctrain: error: all 2 ranks: comm.intra_node=shm: "), output  # raised on each
     assert not (tmp_path / "metrics.jsonl").exists()  # refused before any step
 
 

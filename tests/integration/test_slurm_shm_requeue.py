@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+from test_slurm_launch import PMI2_TRANSPORT_FAULTS
 from test_slurm_sbatch import events, submit, wait_for
 
 from hpctrain.runtime.stale_shm import mpich_segment_id
@@ -22,9 +24,10 @@ def rank_pids(run_dir):
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
         except OSError:
             continue
-        if b"hpctrain.cli" in argv and f"train.run_dir={run_dir}".encode() in argv:
+        if exe.startswith("python") and f"train.run_dir={run_dir}".encode() in argv:  # not srun, not the batch shell
             pids.append(int(pid))
     return pids
 
@@ -47,6 +50,17 @@ def attempts(run_dir):
 
 
 def test_a_rank_killed_in_shm_training_requeues_onto_the_same_node_and_resumes(slurm, tmp_path):
+    try:
+        killed_and_requeued(slurm, tmp_path)
+    except AssertionError:
+        log = "".join(p.read_text() for p in tmp_path.glob("run-*.out"))
+        fault = next((f for f in PMI2_TRANSPORT_FAULTS if f in log), None)
+        if fault:  # MPI_Init failed inside Slurm's pmi2 plugin, before hpctrain ran (see test_slurm_launch.py)
+            pytest.skip(f"Slurm's pmi2 plugin garbled MPI_Init's key-value put (slurmstepd: {fault!r})")
+        raise
+
+
+def killed_and_requeued(slurm, tmp_path):
     run_dir = tmp_path / "run"
     job, env = submit(slurm, run_dir, "train.steps=60", "checkpoint.interval=2", "comm.intra_node=shm",
                       "parallel.tp=1", "parallel.dp=2", extra=["--nodelist=n1"])

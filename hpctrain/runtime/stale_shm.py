@@ -17,7 +17,8 @@ neither mapped nor open in any process (checked through /proc: a process of this
 inspected, other than a container's pid 1, stops the removal; under an ``flock`` of /dev/shm shared
 by the ranks of the node, so a rank never removes the live segment a faster peer has just created). When
 any of that cannot be established (no lock within 10 s, an uninspectable process) it removes nothing.
-Other users' files, other jobs' files, and files in use are never touched. (Left open: a peer inside
+Other users' files, other jobs' files, and files in use are never touched. Cost: one listing of
+/dev/shm; the /proc scan (0.12 s for 101 processes here) only when a file of this step's name exists. (Left open: a peer inside
 ``shm_open`` at the very instant of the check, between the file's creation and its descriptor.)
 """
 from __future__ import annotations

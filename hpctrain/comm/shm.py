@@ -30,6 +30,7 @@ import time
 import numpy as np
 import torch
 
+from hpctrain.comm.shm_memory import populate
 from hpctrain.errors import HpcTrainError
 
 SHM_OPS = ("allreduce", "reduce_scatter", "allgather")
@@ -53,7 +54,7 @@ class ShmCollectives:
     this machine 16 MiB allreduce takes 1.1 ms with 256 KiB chunks, 3.7 ms with 16 MiB ones (MPI: 2.9).
     ``barrier``: "flags" (arrival counters in the window, spun on) or "mpi" (``Barrier`` on the node).
     Raises ``ShmUnavailable`` (the same on every rank) when the group spans nodes or the window
-    cannot be allocated.
+    cannot be allocated or backed with memory (a full or tiny /dev/shm: shm_memory.py).
     """
 
     def __init__(self, comm, capacity_bytes: int = 256 << 10, barrier: str = "flags"):
@@ -72,13 +73,16 @@ class ShmCollectives:
             self.win = MPI.Win.Allocate_shared(ALIGN + 2 * self.capacity, 1, comm=self.node)
         except MPI.Exception as e:  # no shared memory here (a container without /dev/shm, an MPI without it)
             reason = e.Get_error_string().strip() or str(e)
-        failed = comm.mpi.allreduce(int(self.win is None), op=MPI.MAX)
-        if failed:
+        else:  # the window's file is sparse: back this rank's part now, or fail here rather than SIGBUS later
+            own, _ = self.win.Shared_query(self.rank)
+            reason = populate(own.address, ALIGN + 2 * self.capacity)
+        reason = next((r for r in comm.mpi.allgather(reason) if r), "")
+        if reason:
             if self.win is not None:
                 self.win.Free()
             self.node.Free()
             raise ShmUnavailable(f"shared-memory collectives on group '{comm.name}': cannot allocate a shared "
-                                 f"window of {ALIGN + 2 * self.capacity} bytes per rank ({reason or 'failed on a peer rank'})")
+                                 f"window of {ALIGN + 2 * self.capacity} bytes per rank ({reason})")
         self.win.Lock_all(MPI.MODE_NOCHECK)
         self.slots, self.arrivals = [], []  # per group rank: its slot (uint8, both halves); its barrier count
         for j in range(self.size):

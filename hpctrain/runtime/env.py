@@ -15,7 +15,8 @@ Precedence, the one rule: a set variable wins over its config key, wherever the 
 ``ProcessGrid.build(timeout_s=...)``, a command's own ``--comm-timeout``) wins over both.
 
 Facts about the launch, read where they are simple: ``SLURM_RESTART_COUNT`` (``slurm_restart_count``),
-``SLURM_JOB_ID`` (``slurm_job_id``), the batch systems' job ids (``in_batch_job``), ``OMP_NUM_THREADS``
+``SLURM_JOB_ID`` (``slurm_job_id``), ``SLURM_STEP_ID`` (``slurm_step_id``), ``SLURM_PMI2_PMI_JOBID``
+(``slurm_pmi2_jobid``), the batch systems' job ids (``in_batch_job``), ``OMP_NUM_THREADS``
 (``omp_num_threads``), ``CUDA_VISIBLE_DEVICES`` (``cuda_visible_devices``). The launchers' variables
 that need interpreting (``SLURM_*``, ``OMPI_*``, ``PMI_*``, ...) are read by ``runtime/launcher.py``
 and ``runtime/signals.py`` from an ``env`` mapping. ``child_environ`` builds a child process's
@@ -108,6 +109,16 @@ def slurm_restart_count(environ: Mapping[str, str] | None = None) -> int:
 def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:
     """``$SLURM_JOB_ID``, or None outside a Slurm job."""
     return _get("SLURM_JOB_ID", environ)
+
+
+def slurm_step_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SLURM_STEP_ID`` (set in the tasks of an ``srun`` step), or None."""
+    return _get("SLURM_STEP_ID", environ)
+
+
+def slurm_pmi2_jobid(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$SLURM_PMI2_PMI_JOBID``: the PMI job id Slurm's pmi2 plugin uses instead of "jobid.stepid" when set."""
+    return _get("SLURM_PMI2_PMI_JOBID", environ)
 
 
 def in_batch_job(environ: Mapping[str, str] | None = None) -> bool:

@@ -108,7 +108,8 @@ MEANINGS: dict[str, str] = {
                        "hpctrain/comm/shm.py's MPI-3 shared-memory window carries the dp group's allreduce / "
                        "reduce_scatter / allgather of contiguous CPU float32/float64 sums (gradients, ZeRO-1 "
                        "gathers; other dtypes, GPU tensors and other groups stay on MPI), refused with the reason "
-                       "before training when the dp group spans nodes or no shared window can be allocated; "
+                       "before training when the dp group spans nodes or no shared window can be allocated or "
+                       "backed (/dev/shm too small or full); "
                        "`auto` = shm where possible, else MPI with one line saying why; `mpi` = the MPI library. "
                        "Measured 1.01-1.02x the MPI path at 2 ranks (docs/benchmarks.md).",
     # [compression]

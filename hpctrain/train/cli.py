@@ -22,6 +22,13 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """Parse the config (identical on every rank, so errors are raised everywhere) and train."""
+    import sys
+
+    from hpctrain.runtime.stale_shm import remove_stale_mpich_segments
+
+    for path in remove_stale_mpich_segments():  # before MPI starts (runtime/stale_shm.py)
+        print(f"hpctrain: removed {path}: MPICH's shared memory of a killed earlier attempt of this Slurm job "
+              f"step, which this attempt would attach to", file=sys.stderr, flush=True)
     import torch
     from mpi4py import MPI  # noqa: F401  initialised first: a config error then names its rank and ends the job
 

@@ -258,8 +258,8 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
               f"the ideal step" if grid.sizes["pp"] > 1 else "")
     print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
           f"{schedule}, {p.microbatches} micro-batches{bubble}, sequence parallel "
-          f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, {cfg.train.dtype}, device "
-          f"{describe(device)}" + (f", GPU collectives backend {trainer.backends['dp']}"
+          f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {grid.intra_node}, "
+          f"{cfg.train.dtype}, device {describe(device)}" + (f", GPU collectives backend {trainer.backends['dp']}"
                                    if device.type == "cuda" else ""), flush=True)
     if resumed:
         print(f"hpctrain train: resumed from {resumed} at step {trainer.step} "

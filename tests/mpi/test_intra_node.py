@@ -2,9 +2,15 @@
 1e-10, plain and ZeRO-1); across (emulated) nodes `shm` is refused before any model exists and `auto`
 falls back to MPI with one line."""
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 
-from mpirun import ROOT, run_mpi, run_self_stopping
+import pytest
+
+from mpirun import ROOT, mpi_env, mpiexec, run_mpi, run_self_stopping
 
 F64 = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
 SPANS = "the group spans nodes; shm needs all its ranks on one node"
@@ -59,3 +65,48 @@ def test_a_stopped_rank_in_a_routed_shm_reduction_is_named():
     assert "allreduce #4 of 4000 bytes on group 'world' (world ranks [0, 1]) has not completed" in report, report
     cause = re.search(r"  cause: rank 1 \(node 0 \S+, pid \d+\): (.*)", report)
     assert cause and "stopped (SIGSTOP" in cause.group(1), report
+
+
+# A node whose /dev/shm cannot hold the window: the job runs in a private mount namespace whose /dev/shm is
+# a tmpfs big enough for MPICH's own start-up segment (2 MiB at 2 ranks) but not for hpctrain's window as
+# well (2 x 512 KiB + 64 B). MPICH's Allocate_shared still succeeds there (a sparse file); the pages cannot be
+# backed, which hpctrain checks before touching them (hpctrain/comm/shm_memory.py).
+SMALL_SHM = "2560k"
+NO_ROOM = "bytes per rank (/dev/shm cannot hold it (MADV_POPULATE_WRITE: Bad address; "
+
+
+def train_in_small_shm(tmp_path, choice):
+    mount = f"mount -t tmpfs -o size={SMALL_SHM} tmpfs /dev/shm && exec \"$@\""
+    cmd = ["timeout", "-k", "5", "200", "unshare", "--mount", "sh", "-c", mount, "sh", *mpiexec(), "-n", "2",
+           sys.executable, "-m", "hpctrain.cli", "train", "--config", "configs/tiny.toml", "data.max_bytes=300000",
+           "train.seq_len=32", "train.global_batch=4", "model.n_layers=1", "train.steps=2", "train.progress=false",
+           "parallel.dp=2", "parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1", f"train.run_dir={tmp_path}",
+           f"comm.intra_node={choice}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), cwd=str(ROOT), stdin=subprocess.DEVNULL)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+needs_mount_namespace = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                                           reason="a private /dev/shm needs root and unshare(1)")
+
+
+@needs_mount_namespace
+def test_shm_where_dev_shm_cannot_hold_the_window_is_refused_on_every_rank(tmp_path):
+    code, output = train_in_small_shm(tmp_path, "shm")
+    assert code not in (0, 124, 137), output  # an error exit, not a hang (and no SIGBUS: see the line)
+    lines = [s for s in output.splitlines() if "comm.intra_node=shm:" in s]
+    assert len(lines) == 1 and NO_ROOM in lines[0] and "comm.intra_node=auto" in lines[0], output
+    assert "Bus error" not in output and "SIGBUS" not in output, output  # what it was before the check
+    assert lines[0].startswith("hpctrain: error: all 2 ranks: comm.intra_node=shm: "), output  # raised on each
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before any step
+
+
+@needs_mount_namespace
+def test_auto_where_dev_shm_cannot_hold_the_window_falls_back_with_one_line(tmp_path):
+    code, output = train_in_small_shm(tmp_path, "auto")
+    assert code == 0, output
+    lines = [s for s in output.splitlines() if "comm.intra_node=auto" in s]
+    assert len(lines) == 1 and lines[0].startswith("hpctrain: comm.intra_node=auto: the dp reduction uses MPI: "
+                                                   "shared-memory collectives on group 'dp': cannot allocate"), output
+    assert NO_ROOM in lines[0], output
+    assert "dp reduction mpi" in output and (tmp_path / "metrics.jsonl").exists(), output

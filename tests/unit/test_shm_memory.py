@@ -1,0 +1,54 @@
+"""hpctrain/comm/shm_memory.py: a shared window's sparse file is backed up front, so a /dev/shm that
+cannot hold it gives an error line, not a SIGBUS at the first write (the kernel's MADV_POPULATE_WRITE)."""
+import ctypes
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpctrain.comm.shm_memory import populate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A 1 MiB sparse file in a 64 KiB tmpfs mounted over /dev/shm in a private mount namespace: what
+# MPICH's Allocate_shared makes (one write at the end, then mmap) where /dev/shm is too small.
+SPARSE_IN_TINY_SHM = """
+import ctypes, mmap, os, sys, tempfile
+from hpctrain.comm.shm_memory import populate
+fd, path = tempfile.mkstemp(dir="/dev/shm")
+os.pwrite(fd, b"\\0", (1 << 20) - 1)
+memory = mmap.mmap(fd, 1 << 20)
+os.unlink(path)
+view = (ctypes.c_char * len(memory)).from_buffer(memory)
+print("REASON", populate(ctypes.addressof(view) + 100, len(memory) - 100), flush=True)
+view[len(memory) // 2] = b"x"  # an unbacked page: SIGBUS here (what populate spares the ranks)
+"""
+
+
+def test_populate_backs_ordinary_memory_and_keeps_its_contents():
+    memory = mmap.mmap(-1, 3 * mmap.PAGESIZE)
+    view = (ctypes.c_char * len(memory)).from_buffer(memory)
+    view[10] = b"z"
+    assert populate(ctypes.addressof(view) + 10, len(memory) - 10) == ""  # an unaligned start is fine
+    assert view[10] == b"z"
+    del view
+    memory.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="mounting a tmpfs in a private mount namespace needs root and unshare(1)")
+def test_a_window_that_a_tiny_dev_shm_cannot_hold_is_a_reason_not_a_sigbus():
+    script = "mount -t tmpfs -o size=64k tmpfs /dev/shm && exec \"$@\""
+    result = subprocess.run(["timeout", "60", "unshare", "--mount", "sh", "-c", script, "sh", sys.executable,
+                             "-c", SPARSE_IN_TINY_SHM], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if "REASON" not in result.stdout and "mount" in result.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    line = next(s for s in result.stdout.splitlines() if s.startswith("REASON"))
+    assert "/dev/shm cannot hold it (MADV_POPULATE_WRITE: Bad address; " in line, line
+    assert "bytes free there): too small" in line and "or full" in line, line
+    assert result.returncode == -7 or result.returncode == 128 + 7, result  # the write itself does SIGBUS

@@ -107,8 +107,11 @@ MEANINGS: dict[str, str] = {
     "comm.intra_node": "How the ranks of one node reduce with each other in the data-parallel group: `shm` = "
                        "hpctrain/comm/shm.py's MPI-3 shared-memory window carries the dp group's allreduce / "
                        "reduce_scatter / allgather of contiguous CPU float32/float64 sums (gradients, ZeRO-1 "
-                       "gathers; other dtypes, GPU tensors and other groups stay on MPI), refused with the reason "
-                       "before training when the dp group spans nodes or no shared window can be allocated; "
+                       "gathers; other dtypes, GPU tensors and other groups stay on MPI); a dp group spanning nodes with "
+                       "the same number of its ranks on each goes hierarchical (hpctrain/comm/hierarchical.py: "
+                       "shared memory on each node, MPI between nodes; reported as `shm-hierarchical`); refused "
+                       "with the reason before training when the nodes hold different numbers of dp ranks, one "
+                       "each, or no shared window can be allocated; "
                        "`auto` = shm where possible, else MPI with one line saying why; `mpi` = the MPI library. "
                        "Measured 1.01-1.02x the MPI path at 2 ranks (docs/benchmarks.md).",
     # [compression]

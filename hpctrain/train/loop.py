@@ -258,7 +258,9 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
           f"{schedule}, {p.microbatches} micro-batches{bubble}, sequence parallel "
           f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, {cfg.train.dtype}, device "
           f"{describe(device)}" + (f", GPU collectives backend {trainer.backends['dp']}"
-                                   if device.type == "cuda" else ""), flush=True)
+                                   if device.type == "cuda" else "")
+          + (f", dp reduction {grid.intra_node} (comm.intra_node)"
+             if grid.intra_node != "mpi" and device.type != "cuda" else ""), flush=True)
     if resumed:
         print(f"hpctrain train: resumed from {resumed} at step {trainer.step} "
               f"(sample {trainer.batches.consumed})", flush=True)

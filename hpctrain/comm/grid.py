@@ -177,6 +177,22 @@ class ProcessGrid:
         self._extra.extend((intra, inter))
         return (intra, inter), None
 
+    def shm_collectives(self, axis: str):
+        """Collective over the world: the ``axis`` group's collectives through shared memory, for
+        benchmarks (``hpctrain bench comm --impls hpctrain-shm``): a ``ShmCollectives`` when the group lies
+        on one node, else a second ``Communicator`` of the group with the hierarchical route (raises
+        IntraNodeError when there is none). Both have allreduce / reduce_scatter / allgather and close()."""
+        from hpctrain.comm.shm import ShmCollectives, ShmSpansNodes
+
+        comm = self.comm(axis)
+        try:
+            return ShmCollectives(comm)
+        except ShmSpansNodes:
+            pass
+        routed = Communicator(comm.mpi, comm.name, comm.members, self.watchdog, self.stats, comm.backend_choice)
+        setup_intra_node(routed, self.world, "shm", node_split=lambda: self.node_split(axis))
+        return routed
+
     def use_device(self, device) -> dict[str, str]:
         """Collective over the world: set up every group's backend for tensors on ``device`` (NCCL
         communicators are created here, in one fixed order on every rank, never lazily inside a

@@ -87,8 +87,7 @@ def test_uneven_hosts_refuse_shm_and_fall_back_with_auto(hosts):
     reason = ("shared-memory collectives on group 'dp' (world ranks [0, 1, 2]): the group spans nodes and the dp "
               "group's nodes hold different numbers of its ranks ({0: 2, 1: 1}); the hierarchical scheme (shared "
               "memory on each node, MPI between nodes) needs the same number on every node")
-    refused = [line for line in out.splitlines() if "refused:" in line]
-    assert len(refused) == 3 and all(f"comm.intra_node=shm: {reason}; use comm.intra_node=auto" in line
-                                     for line in refused), out
+    assert out.count(f"refused: comm.intra_node=shm: {reason}; use comm.intra_node=auto") == 3, out  # lines of
+    # ranks on different hosts may interleave: count, not split
     fallback = [line for line in err.splitlines() if "comm.intra_node=auto" in line]
     assert fallback == [f"hpctrain: comm.intra_node=auto: the dp reduction uses MPI: {reason}"], err

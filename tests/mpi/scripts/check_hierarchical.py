@@ -81,7 +81,7 @@ calls = {op: grid.stats.ops[("dp", op)].calls for op in ("allreduce", "reduce_sc
 seq = dp.seq
 made = 0
 for dtype in (torch.float64, torch.float32):
-    for m in (1, 7, 1001, 40007):  # per block; 40007 x 4 ranks x 8 bytes: several 256 KiB chunks
+    for m in (1, 7, 1001, 70001):  # per block; 70001: every op in several 1 MiB chunks (float64)
         x = torch.randn(G * m, generator=gen, dtype=torch.float64).to(dtype)
         inputs = everyone(x)
         reference = scheme_sum(inputs)

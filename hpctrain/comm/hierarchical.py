@@ -32,7 +32,7 @@ from hpctrain.comm.shm import ShmCollectives, ShmUnavailable, _slice
 
 HIERARCHICAL = "shm-hierarchical"  # grid.intra_node / hpctrain info: how the dp group reduces CPU floats
 CHUNK_BYTES = 1 << 20  # per rank per window half: 16 MiB allreduce across 2 emulated hosts, 4 ranks:
-# 256 KiB chunks 64 ms, 1 MiB 25-31 ms, 4 MiB 30-36 ms (MPI 39-70 ms; docs/benchmarks.md)
+# 256 KiB chunks 64-83 ms, 1 MiB 25-37 ms, 4 MiB 28-36 ms (MPI 39-70 ms; docs/benchmarks.md)
 
 
 class HierarchicalCollectives:

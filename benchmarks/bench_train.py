@@ -8,7 +8,8 @@ One MPI job runs every implementation on the same ranks:
     hpctrain  dp=N                 the hpctrain Trainer: flat buffers, bucketed non-blocking MPI all-reduce
                                    overlapped with backward, flat AdamW (comm.intra_node=mpi)
     hpctrain-shm  dp=N             the same with comm.intra_node=shm: the dp reduction in node-local
-                                   shared memory (hpctrain/comm/intra_node.py; one node only)
+                                   shared memory (hpctrain/comm/intra_node.py; a dp group spanning
+                                   nodes: hierarchical, hpctrain/comm/hierarchical.py)
     ddp-gloo  dp=N                 torch.nn.parallel.DistributedDataParallel over a gloo process group
                                    (initialised on the same ranks; tcp on 127.0.0.1 or the node address),
                                    torch.optim.AdamW, torch.nn.utils.clip_grad_norm_

@@ -26,6 +26,8 @@ def _add_info(sub) -> None:
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pp rank (interleaved: >= 2)")
     p.add_argument("--microbatches", type=int, default=0, help="micro-batches per step (default: pp)")
     p.add_argument("--strict-placement", action="store_true", help="error if a tp group spans nodes")
+    p.add_argument("--intra-node", default="auto", choices=["auto", "shm", "mpi"],
+                   help="comm.intra_node: report how the dp group would reduce CPU float sums (default auto, as training)")
     p.add_argument("--json", action="store_true", help="print one JSON document on rank 0")
     p.set_defaults(func=_run_info)
 
@@ -34,7 +36,8 @@ def _run_info(args) -> int:
     from hpctrain.tools.info import run_info
 
     return run_info(tp=args.tp, pp=args.pp, dp=args.dp, strict=args.strict_placement, as_json=args.json,
-                    schedule=args.schedule, virtual_stages=args.virtual_stages, microbatches=args.microbatches)
+                    schedule=args.schedule, virtual_stages=args.virtual_stages, microbatches=args.microbatches,
+                    intra_node=args.intra_node)
 
 
 def _add_bench(sub) -> None:

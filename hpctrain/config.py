@@ -81,7 +81,7 @@ class CommConfig:
     timeout_s: float = _field(600.0, min=0)  # a call older than this ends the job with a hang report; 0 = off
     check: bool = False  # debug: every collective's op, size and dtype compared across its group first
     # the dp group's CPU float sums through the node's shared-memory window (hpctrain/comm/intra_node.py)
-    intra_node: str = _field("mpi", choices=("auto", "shm", "mpi"))
+    intra_node: str = _field("auto", choices=("auto", "shm", "mpi"))
 
 
 @dataclass

@@ -18,9 +18,10 @@ reductions in float32, and the gap shows that cost). ``gloo`` = torch.distribute
 (rendezvous on rank 0, port broadcast over MPI) with one ``new_group`` per group of the axis.
 ``hpctrain-shm`` = the node-local shared-memory collectives (hpctrain/comm/shm.py: an MPI-3 shared
 window, each rank summing its slice out of its peers' slots; allreduce, reduce_scatter and allgather
-only, one node only: the row is left out for other ops). ``hpctrain-persistent`` = the small-message
-path of the training step (``Communicator.recurring_allreduce`` / ``recurring_broadcast``: an MPI-4
-persistent request built once per buffer, hpctrain/comm/persistent.py); allreduce and broadcast only.
+only: the row is left out for other ops); a group spanning nodes goes hierarchical (comm/hierarchical.py,
+through a Communicator as in training). ``hpctrain-persistent`` = the small-message path of the
+training step (``Communicator.recurring_allreduce`` / ``recurring_broadcast``: an MPI-4 persistent
+request built once per buffer, hpctrain/comm/persistent.py); allreduce and broadcast only.
 Host (CPU) tensors only.
 """
 from __future__ import annotations
@@ -247,10 +248,7 @@ def run_comm_bench(args) -> int:
         raise HpcTrainError(f"axis {args.axis!r} has {comm.size} rank per group: nothing to benchmark; "
                             f"launch more ranks or pick another axis / --tp / --pp")
     gloo_group = init_gloo(mpi_world, info, comm, grid.watchdog.timeout_s or 600) if "gloo" in impls else None
-    shm = None
-    if "hpctrain-shm" in impls:
-        from hpctrain.comm.shm import ShmCollectives
-        shm = ShmCollectives(comm)  # collective; refuses (one line, every rank) when the group spans nodes
+    shm = grid.shm_collectives(args.axis) if "hpctrain-shm" in impls else None  # across nodes: hierarchical
     builders = {"hpctrain": lambda op, b: hpctrain_step(op, comm, b),
                 "hpctrain-persistent": lambda op, b: persistent_step(op, comm, b),
                 "hpctrain-shm": lambda op, b: shm_step(op, shm, b),

@@ -48,7 +48,7 @@ class ProcessGrid:
         self.layout: Layout | None = None  # set by from_config
         self.watchdog, self.stats, self.warnings = watchdog, stats, warnings
         self.device = None  # set by use_device
-        self.intra_node = "mpi"  # how the dp group reduces CPU floats: "shm" or "mpi" (from_config)
+        self.intra_node = "mpi"  # how the dp group reduces CPU floats: "shm", "shm-hierarchical" or "mpi"
         self._extra: list[Communicator] = []  # sub-groups split off later (node_split)
 
     @classmethod
@@ -65,11 +65,19 @@ class ProcessGrid:
                          check=cfg.comm.check)
         grid.layout = layout
         try:
-            grid.intra_node = setup_intra_node(grid.comm("dp"), grid.world, cfg.comm.intra_node)
+            grid.use_intra_node(cfg.comm.intra_node)
         except Exception:
             grid.close()  # every rank raises alike: nothing is left waiting
             raise
         return grid
+
+    def use_intra_node(self, choice: str, stream=sys.stderr) -> str:
+        """Collective over the world: route the dp group's CPU float sums per ``comm.intra_node``
+        (``choice``); sets and returns ``self.intra_node``: "shm" (one node), "shm-hierarchical"
+        (shared memory on each node, MPI between nodes) or "mpi". Raises IntraNodeError for "shm"."""
+        self.intra_node = setup_intra_node(self.comm("dp"), self.world, choice, stream,
+                                           node_split=lambda: self.node_split("dp"))
+        return self.intra_node
 
     @classmethod
     def build(cls, info: RankInfo, mpi_world=None, dp: int = 0, pp: int = 1, tp: int = 1,
@@ -168,6 +176,22 @@ class ProcessGrid:
                 sub.prepare_device(self.device)
         self._extra.extend((intra, inter))
         return (intra, inter), None
+
+    def shm_collectives(self, axis: str):
+        """Collective over the world: the ``axis`` group's collectives through shared memory, for
+        benchmarks (``hpctrain bench comm --impls hpctrain-shm``): a ``ShmCollectives`` when the group lies
+        on one node, else a second ``Communicator`` of the group with the hierarchical route (raises
+        IntraNodeError when there is none). Both have allreduce / reduce_scatter / allgather and close()."""
+        from hpctrain.comm.shm import ShmCollectives, ShmSpansNodes
+
+        comm = self.comm(axis)
+        try:
+            return ShmCollectives(comm)
+        except ShmSpansNodes:
+            pass
+        routed = Communicator(comm.mpi, comm.name, comm.members, self.watchdog, self.stats, comm.backend_choice)
+        setup_intra_node(routed, self.world, "shm", node_split=lambda: self.node_split(axis))
+        return routed
 
     def use_device(self, device) -> dict[str, str]:
         """Collective over the world: set up every group's backend for tensors on ``device`` (NCCL

@@ -2,9 +2,11 @@
 
 ``setup_intra_node(comm, world, choice)`` (collective over the world) gives ``comm`` (the data-parallel
 group) a ``ShmRoute`` when ``choice`` is "shm" or "auto" and every group of its kind lies within one
-node and can allocate a shared window; the ``Communicator`` then sends allreduce / reduce_scatter /
-allgather of contiguous CPU float32/float64 tensors with op "sum" through it (``ShmRoute.takes``).
-Everything else (other dtypes, CUDA tensors, other ops, "avg"/"max") stays on MPI.
+node and can allocate a shared window, or spans nodes with the same number of its ranks on each
+(hierarchical.py: shared memory on each node, MPI between nodes); the ``Communicator`` then sends
+allreduce / reduce_scatter / allgather of contiguous CPU float32/float64 tensors with op "sum" through
+it (``ShmRoute.takes``). Everything else (other dtypes, CUDA tensors, other ops, "avg"/"max") stays on MPI.
+Across nodes the eager call also blocks on the inter-node MPI part at call time.
 
 Non-blocking calls run the shm collective AT CALL TIME and return a finished work (``EAGER``): shared
 memory needs no MPI progress, and running it at ``wait()`` instead measured the same on this 2-core
@@ -18,7 +20,8 @@ import sys
 
 import torch
 
-from hpctrain.comm.shm import ShmCollectives, ShmUnavailable
+from hpctrain.comm.hierarchical import hierarchical_collectives
+from hpctrain.comm.shm import ShmCollectives, ShmSpansNodes, ShmUnavailable
 from hpctrain.errors import HpcTrainError, everywhere
 
 SHM_DTYPES = frozenset((torch.float32, torch.float64))  # a set: a hash lookup on the hot path
@@ -26,7 +29,7 @@ EAGER = True  # non-blocking shm calls run when made (True) or at wait() (False)
 
 
 class IntraNodeError(HpcTrainError):
-    """comm.intra_node=shm cannot run here (a group spans nodes, no shared window)."""
+    """comm.intra_node=shm cannot run here (uneven nodes, one rank per node, no shared window)."""
 
 
 class _Finished:
@@ -63,9 +66,10 @@ class _Deferred:
 
 
 class ShmRoute:
-    """The shm backend of one ``Communicator``: same signatures as ``MpiBackend``'s three collectives."""
+    """The shm backend of one ``Communicator``: same signatures as ``MpiBackend``'s three collectives.
+    ``shm``: a ``ShmCollectives`` (one node) or a ``HierarchicalCollectives`` (across nodes)."""
 
-    def __init__(self, shm: ShmCollectives, eager: bool | None = None):
+    def __init__(self, shm, eager: bool | None = None):
         self.shm, self.eager = shm, EAGER if eager is None else eager
 
     @staticmethod
@@ -103,17 +107,27 @@ class ShmRoute:
         self.shm.close()
 
 
-def setup_intra_node(comm, world, choice: str, stream=sys.stderr) -> str:
+def setup_intra_node(comm, world, choice: str, stream=sys.stderr, node_split=None) -> str:
     """Collective over ``world`` (every rank calls it with its own ``comm``, a group of one kind, e.g.
-    dp): attach a ``ShmRoute`` to ``comm`` per ``choice`` ("auto" | "shm" | "mpi"). Returns "shm" or
-    "mpi". All groups use shm or none do: "shm" raises ``IntraNodeError`` on every rank with the first
-    reason found; "auto" falls back to MPI with one line on world rank 0."""
+    dp): attach a ``ShmRoute`` to ``comm`` per ``choice`` ("auto" | "shm" | "mpi"). A group on one node
+    reduces in its shared window; with "shm", a group spanning nodes with the same number of its ranks on
+    each (``node_split``: ``ProcessGrid.node_split`` for its axis) through ``HierarchicalCollectives``
+    ("auto" keeps such a group on MPI: the hierarchical training step measured no faster, docs/benchmarks.md).
+    Returns "shm", "shm-hierarchical" or "mpi" (also for a group of one rank). All groups use a route or none does: "shm" raises
+    ``IntraNodeError`` on every rank with the first reason found; "auto" falls back to MPI with one
+    line on world rank 0."""
     if choice == "mpi":
         return "mpi"
     shm, reason = None, ""
     if comm.size > 1:
         try:
             shm = ShmCollectives(comm)  # collective over comm; raises on every member alike
+        except ShmSpansNodes as e:
+            if choice == "shm":
+                shm, reason = hierarchical_collectives(comm, node_split, str(e))
+            else:  # auto: the hierarchical step measured no faster than MPI (docs/benchmarks.md)
+                reason = (f"{e} (comm.intra_node=shm reduces such a group hierarchically; auto keeps MPI "
+                          f"across nodes, where that measured no faster)")
         except ShmUnavailable as e:
             reason = str(e)
     reason = next((r for r in world.allgather_object(reason) if r), "")
@@ -127,6 +141,7 @@ def setup_intra_node(comm, world, choice: str, stream=sys.stderr) -> str:
             print(f"hpctrain: comm.intra_node=auto: the {comm.name} reduction uses MPI: {reason}",
                   file=stream, flush=True)
         return "mpi"
-    if shm is not None:
-        comm.shm = ShmRoute(shm)
-    return "shm"
+    if shm is None:  # a group of one rank: nothing to reduce
+        return "mpi"
+    comm.shm = ShmRoute(shm)
+    return shm.kind

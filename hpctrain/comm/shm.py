@@ -41,6 +41,10 @@ class ShmUnavailable(HpcTrainError):
     """Shared-memory collectives cannot run for this group (it spans nodes, or no shared window)."""
 
 
+class ShmSpansNodes(ShmUnavailable):
+    """The group spans nodes (the hierarchical scheme, hierarchical.py, may still serve it)."""
+
+
 def _slice(length: int, n: int, j: int) -> tuple[int, int]:
     """Balanced contiguous slice j of n over ``length`` elements (odd lengths allowed)."""
     return length * j // n, length * (j + 1) // n
@@ -57,6 +61,8 @@ class ShmCollectives:
     cannot be allocated or backed with memory (a full or tiny /dev/shm: shm_memory.py).
     """
 
+    kind = "shm"  # grid.intra_node's name for this route (hierarchical.py's is "shm-hierarchical")
+
     def __init__(self, comm, capacity_bytes: int = 256 << 10, barrier: str = "flags"):
         from mpi4py import MPI
 
@@ -66,7 +72,7 @@ class ShmCollectives:
         spans = comm.mpi.allreduce(int(self.node.Get_size() != comm.size), op=MPI.MAX)
         if spans:
             self.node.Free()
-            raise ShmUnavailable(f"shared-memory collectives on group '{comm.name}' (world ranks "
+            raise ShmSpansNodes(f"shared-memory collectives on group '{comm.name}' (world ranks "
                                  f"{list(comm.members)}): the group spans nodes; shm needs all its ranks on one node")
         self.win, reason = None, ""
         try:

@@ -107,11 +107,16 @@ MEANINGS: dict[str, str] = {
     "comm.intra_node": "How the ranks of one node reduce with each other in the data-parallel group: `shm` = "
                        "hpctrain/comm/shm.py's MPI-3 shared-memory window carries the dp group's allreduce / "
                        "reduce_scatter / allgather of contiguous CPU float32/float64 sums (gradients, ZeRO-1 "
-                       "gathers; other dtypes, GPU tensors and other groups stay on MPI), refused with the reason "
-                       "before training when the dp group spans nodes or no shared window can be allocated or "
-                       "backed (/dev/shm too small or full); "
-                       "`auto` = shm where possible, else MPI with one line saying why; `mpi` = the MPI library. "
-                       "Measured 1.01-1.02x the MPI path at 2 ranks (docs/benchmarks.md).",
+                       "gathers; other dtypes, GPU tensors and other groups stay on MPI); with `shm` a dp group "
+                       "spanning nodes with the same number of its ranks on each goes hierarchical "
+                       "(hpctrain/comm/hierarchical.py: shared memory on each node, MPI between nodes; reported as "
+                       "`shm-hierarchical`); refused with the reason before training when the nodes hold different "
+                       "numbers of dp ranks, one each, or no shared window can be allocated or backed (/dev/shm too "
+                       "small or full); "
+                       "`auto` (the default) = shm when every dp group lies on one node, else MPI with one line "
+                       "saying why (a dp group spanning nodes stays on MPI: the hierarchical step measured no "
+                       "faster on emulated nodes); `mpi` = the MPI library. Measured: the dp step 1.02-1.07x "
+                       "the MPI path at 2-4 ranks (docs/benchmarks.md).",
     # [compression]
     "compression.method": "Gradient compression of the data-parallel reduction: `none` (dense all-reduce), `fp16`, `bf16`, "
                           "`int8` (scale per 256 values), `topk`, `randomk` (keep `density` of the values), "

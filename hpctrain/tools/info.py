@@ -12,6 +12,9 @@ from hpctrain.parallel.rules import check_schedule
 from hpctrain.parallel.schedules import bubble_fraction
 from hpctrain.runtime.launcher import discover
 
+ROUTES = {"mpi": "MPI", "shm": "the node's shared-memory window",
+          "shm-hierarchical": "shared memory on each node, MPI between nodes"}
+
 
 def pipeline_report(pp: int, schedule: str = "1f1b", virtual_stages: int = 1, microbatches: int = 0) -> dict | None:
     """The pipeline's schedule and bubble, (pp - 1) / (V M) of the ideal step (None without a pipeline).
@@ -28,12 +31,19 @@ def pipeline_report(pp: int, schedule: str = "1f1b", virtual_stages: int = 1, mi
 
 
 def collect_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False,
-                 pipeline: dict | None = None) -> tuple[dict | None, ProcessGrid]:
+                 pipeline: dict | None = None, intra_node: str = "auto") -> tuple[dict | None, ProcessGrid]:
     """Collective: build the grid and gather every rank's record on rank 0 (None elsewhere). ``pipeline``:
-    ``pipeline_report``'s, reported as is."""
+    ``pipeline_report``'s, reported as is. ``intra_node``: comm.intra_node, set up as training would
+    (``dp_reduction``: "shm", "shm-hierarchical" or "mpi"; "shm" that cannot run raises IntraNodeError)."""
     info = discover()
     grid = ProcessGrid.build(info, dp=dp, pp=pp, tp=tp, strict_placement=strict)
+    try:
+        grid.use_intra_node(intra_node)
+    except Exception:
+        grid.close()
+        raise
     records = grid.world.gather_object(grid.describe(), root=0)
+    routes = grid.world.gather_object(grid.intra_node, root=0)
     if info.rank != 0:
         return None, grid
     ranks_per_node = [info.node_of_rank.count(n) for n in range(info.num_nodes)]
@@ -45,6 +55,7 @@ def collect_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False,
         "ranks_per_node": ranks_per_node,
         "hostnames": sorted({r["hostname"] for r in records}),
         "layout": dict(grid.sizes),
+        "dp_reduction": sorted(set(routes)) if len(set(routes)) > 1 else routes[0],
         "groups_crossing_nodes": sorted({a for r in records for a in r["crosses_nodes"]}),
         "warnings": grid.warnings,
         "pipeline": pipeline,
@@ -54,9 +65,10 @@ def collect_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False,
 
 
 def run_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False, as_json: bool = False,
-             stream=sys.stdout, schedule: str = "1f1b", virtual_stages: int = 1, microbatches: int = 0) -> int:
+             stream=sys.stdout, schedule: str = "1f1b", virtual_stages: int = 1, microbatches: int = 0,
+             intra_node: str = "auto") -> int:
     pipeline = pipeline_report(pp, schedule, virtual_stages, microbatches)
-    document, grid = collect_info(tp=tp, pp=pp, dp=dp, strict=strict, pipeline=pipeline)
+    document, grid = collect_info(tp=tp, pp=pp, dp=dp, strict=strict, pipeline=pipeline, intra_node=intra_node)
     grid.close()
     if document is None:
         return 0
@@ -74,6 +86,8 @@ def run_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False, as_jso
         print(f"pipeline: schedule {pipeline['schedule']}" + (f", virtual_stages={v}" if v > 1 else "") +
               f", {pipeline['microbatches']} micro-batches, bubble {formula} = {pipeline['bubble']:.1%} of the "
               f"ideal step", file=stream)
+    print(f"dp reduction of CPU float sums (comm.intra_node={intra_node}): {document['dp_reduction']}"
+          + (f" ({ROUTES[document['dp_reduction']]})" if document["dp_reduction"] in ROUTES else ""), file=stream)
     if document["groups_crossing_nodes"]:
         print(f"groups crossing nodes: {', '.join(document['groups_crossing_nodes'])}", file=stream)
     header = f"{'rank':>5} {'node':>5} {'local':>5} {'dp':>3} {'pp':>3} {'tp':>3}  dp_group / pp_group / tp_group"

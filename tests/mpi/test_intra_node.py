@@ -1,6 +1,7 @@
 """comm.intra_node in training: the dp reduction through shared memory trains like one process (float64,
-1e-10, plain and ZeRO-1); across (emulated) nodes `shm` is refused before any model exists and `auto`
-falls back to MPI with one line."""
+1e-10, plain and ZeRO-1); a dp group with one rank on each (emulated) node has nothing to reduce in shared
+memory: `shm` is refused before any model exists and `auto` falls back to MPI with one line (several ranks
+per node: the hierarchical route, tests/integration/test_hierarchical.py)."""
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import pytest
 from mpirun import ROOT, mpi_env, mpiexec, run_mpi, run_self_stopping
 
 F64 = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
-SPANS = "the group spans nodes; shm needs all its ranks on one node"
+SPANS = "the group spans nodes with one of its ranks on each: there is nothing to reduce in shared memory"
 
 
 def test_dp_reduction_in_shared_memory_trains_like_one_process():

@@ -29,7 +29,7 @@ def train(cfg, mpi_world, tokens, steps):
         pad = p.spec.valid_shape[0] if p.spec.padded_dim is not None else p.shape[0]
         assert not p.detach()[pad:].any() and not p.main_grad[pad:].any(), f"{p.spec.name}: padding rows changed"
     params = trainer.global_parameters()
-    route = "shm" if grid.comm("dp").shm is not None else "mpi"  # how dp reduced CPU floats (comm.intra_node)
+    route = grid.intra_node  # how dp reduced CPU floats (comm.intra_node): shm, shm-hierarchical or mpi
     grid.close()
     return losses, params, route
 

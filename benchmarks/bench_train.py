@@ -10,6 +10,7 @@ One MPI job runs every implementation on the same ranks:
     hpctrain-shm  dp=N             the same with comm.intra_node=shm: the dp reduction in node-local
                                    shared memory (hpctrain/comm/intra_node.py; a dp group spanning
                                    nodes: hierarchical, hpctrain/comm/hierarchical.py)
+    hpctrain-shm-thread  dp=N      the same with comm.shm_progress=thread (the shm reduction on a worker thread)
     ddp-gloo  dp=N                 torch.nn.parallel.DistributedDataParallel over a gloo process group
                                    (initialised on the same ranks; tcp on 127.0.0.1 or the node address),
                                    torch.optim.AdamW, torch.nn.utils.clip_grad_norm_
@@ -70,7 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--pp-microbatches", type=int, default=4, help="micro-batches of the pp=2 layout (default 4)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size, both hpctrain and DDP")
     p.add_argument("--impls", default="hpctrain-dp,ddp-gloo,hpctrain-tp,hpctrain-pp",
-                   help="comma list of hpctrain-dp, hpctrain-dp-shm, ddp-gloo, hpctrain-tp, hpctrain-pp "
+                   help="comma list of hpctrain-dp, hpctrain-dp-shm, hpctrain-dp-shm-thread, ddp-gloo, hpctrain-tp, "
+                        "hpctrain-pp "
                         "(default: all but hpctrain-dp-shm)")
     p.add_argument("--intra-node", default="mpi", choices=("auto", "shm", "mpi"),
                    help="comm.intra_node of the hpctrain-dp/-tp/-pp rows (default mpi; hpctrain-dp-shm: always shm)")
@@ -106,7 +108,8 @@ def model_overrides(args) -> list[str]:
 
 
 class HpcTrainImpl:
-    def __init__(self, name, args, info, tokens, total_steps, *, tp=1, pp=1, microbatches=1, intra_node=None):
+    def __init__(self, name, args, info, tokens, total_steps, *, tp=1, pp=1, microbatches=1, intra_node=None,
+                 progress="call"):
         from hpctrain.comm.grid import ProcessGrid
         from hpctrain.config import load_config
         from hpctrain.models.gpt import count_parameters
@@ -116,6 +119,8 @@ class HpcTrainImpl:
         dp = world // (tp * pp)
         intra_node = intra_node or args.intra_node
         self.impl = "hpctrain" if intra_node == "mpi" else f"hpctrain-{intra_node}"
+        if progress != "call":
+            self.impl += f"-{progress}"
         self.dp_size, self.tp_size, self.pp_size, self.microbatches = dp, tp, pp, microbatches
         self.name = name
         self.layout = " x ".join(f"{a}={v}" for a, v in (("dp", dp), ("tp", tp), ("pp", pp)) if v > 1 or a == "dp")
@@ -124,7 +129,7 @@ class HpcTrainImpl:
         cfg = load_config(None, model_overrides(args) + [
             f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.microbatches={microbatches}",
             "parallel.schedule=1f1b", f"train.steps={total_steps}", "train.progress=false",
-            f"comm.intra_node={intra_node}"])
+            f"comm.intra_node={intra_node}", f"comm.shm_progress={progress}"])
         self.grid = ProcessGrid.from_config(cfg, info)
         self.trainer = Trainer(cfg, self.grid, tokens=tokens)
         self.params = count_parameters(self.trainer.model_cfg)
@@ -214,7 +219,7 @@ class DdpImpl:
 # --------------------------------------------------------------------------- measurement
 def build_impls(args, info, tokens, total_steps) -> list:
     wanted = [w.strip() for w in args.impls.split(",") if w.strip()]
-    known = ("hpctrain-dp", "hpctrain-dp-shm", "ddp-gloo", "hpctrain-tp", "hpctrain-pp")
+    known = ("hpctrain-dp", "hpctrain-dp-shm", "hpctrain-dp-shm-thread", "ddp-gloo", "hpctrain-tp", "hpctrain-pp")
     unknown = [w for w in wanted if w not in known]
     if unknown:
         raise SystemExit(f"bench_train: unknown --impls {unknown}; choose from {', '.join(known)}")
@@ -229,6 +234,8 @@ def build_impls(args, info, tokens, total_steps) -> list:
             impls.append(HpcTrainImpl(name, args, info, tokens, total_steps))
         elif name == "hpctrain-dp-shm":
             impls.append(HpcTrainImpl(name, args, info, tokens, total_steps, intra_node="shm"))
+        elif name == "hpctrain-dp-shm-thread":
+            impls.append(HpcTrainImpl(name, args, info, tokens, total_steps, intra_node="shm", progress="thread"))
         elif name == "hpctrain-tp":
             impls.append(HpcTrainImpl(name, args, info, tokens, total_steps, tp=2))
         elif name == "hpctrain-pp":

@@ -82,6 +82,7 @@ class CommConfig:
     check: bool = False  # debug: every collective's op, size and dtype compared across its group first
     # the dp group's CPU float sums through the node's shared-memory window (hpctrain/comm/intra_node.py)
     intra_node: str = _field("auto", choices=("auto", "shm", "mpi"))
+    shm_progress: str = _field("call", choices=("call", "thread"))  # when a shm reduction runs (intra_node.py)
 
 
 @dataclass

@@ -140,8 +140,12 @@ class Communicator:
         if nonblocking:
             traced = (trace, self.name, op, nbytes, sent, start) if trace is not None and trace.active else None
             work = method(*args, True)
-            if work.done:  # ran at call time (comm.intra_node's shared memory): blocked time
-                counter.seconds += time.perf_counter() - start
+            if work.done:  # ran at call time (comm.intra_node's shared memory): blocked time, traced as such
+                end = time.perf_counter()
+                counter.seconds += end - start
+                if traced is not None:
+                    trace.comm(self.name, op, nbytes, sent, start, end, blocked=True)
+                    traced = None
             return Handle(work, watchdog, counter, token, traced)
         work = None
         try:

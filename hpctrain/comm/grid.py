@@ -65,18 +65,19 @@ class ProcessGrid:
                          check=cfg.comm.check)
         grid.layout = layout
         try:
-            grid.use_intra_node(cfg.comm.intra_node)
+            grid.use_intra_node(cfg.comm.intra_node, progress=cfg.comm.shm_progress)
         except Exception:
             grid.close()  # every rank raises alike: nothing is left waiting
             raise
         return grid
 
-    def use_intra_node(self, choice: str, stream=sys.stderr) -> str:
+    def use_intra_node(self, choice: str, stream=sys.stderr, progress: str = "call") -> str:
         """Collective over the world: route the dp group's CPU float sums per ``comm.intra_node``
-        (``choice``); sets and returns ``self.intra_node``: "shm" (one node), "shm-hierarchical"
-        (shared memory on each node, MPI between nodes) or "mpi". Raises IntraNodeError for "shm"."""
+        (``choice``; ``progress``: ``comm.shm_progress``); sets and returns ``self.intra_node``: "shm"
+        (one node), "shm-hierarchical" (shared memory on each node, MPI between nodes) or "mpi".
+        Raises IntraNodeError for "shm"."""
         self.intra_node = setup_intra_node(self.comm("dp"), self.world, choice, stream,
-                                           node_split=lambda: self.node_split("dp"))
+                                           node_split=lambda: self.node_split("dp"), progress=progress)
         return self.intra_node
 
     @classmethod

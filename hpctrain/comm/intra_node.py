@@ -8,15 +8,22 @@ allreduce / reduce_scatter / allgather of contiguous CPU float32/float64 tensors
 it (``ShmRoute.takes``). Everything else (other dtypes, CUDA tensors, other ops, "avg"/"max") stays on MPI.
 Across nodes the eager call also blocks on the inter-node MPI part at call time.
 
-Non-blocking calls run the shm collective AT CALL TIME and return a finished work (``EAGER``): shared
-memory needs no MPI progress, and running it at ``wait()`` instead measured the same on this 2-core
-machine (docs/benchmarks.md, "The dp reduction in shared memory"). Every rank issues the
-group's collectives in the same program order, so a blocking shm call cannot deadlock against the
-MPI calls around it. The ``Communicator`` still counts and watches each call (``Watchdog``) as usual.
+When a shm call runs (``comm.shm_progress``, the route's ``when``): "call" (the default) runs it
+inside the call and returns a finished handle (shared memory needs no MPI progress); "thread" hands
+every call, blocking or not, to one worker thread per route, in program order, so a bucket's reduction
+runs while backward computes the next (numpy's sums and copies and torch's kernels release the GIL)
+and its wait for the slowest peer does not stall backward ("wait", at ``wait()``, is kept for
+measurements). On this 2-core machine "call" measured fastest: the thread hides 98% of the reduction
+(trace) but competes with backward for the cores (docs/benchmarks.md, "The dp reduction in shared
+memory"); "thread" is for nodes with a spare core per rank. Every rank issues the group's collectives
+in the same program order, so a shm call cannot deadlock against the MPI calls around it. The
+``Communicator`` still counts and watches each call (``Watchdog``) until its work is done.
 """
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 
 import torch
 
@@ -25,7 +32,6 @@ from hpctrain.comm.shm import ShmCollectives, ShmSpansNodes, ShmUnavailable
 from hpctrain.errors import HpcTrainError, everywhere
 
 SHM_DTYPES = frozenset((torch.float32, torch.float64))  # a set: a hash lookup on the hot path
-EAGER = True  # non-blocking shm calls run when made (True) or at wait() (False); see the docstring
 
 
 class IntraNodeError(HpcTrainError):
@@ -33,7 +39,7 @@ class IntraNodeError(HpcTrainError):
 
 
 class _Finished:
-    """The work of a shm call made eagerly: already complete."""
+    """The work of a shm call run inside the call (``when="call"``): already complete."""
 
     __slots__ = ()
     done = True
@@ -49,7 +55,7 @@ _FINISHED = _Finished()  # stateless: one instance serves every call
 
 
 class _Deferred:
-    """A shm call run at ``wait()`` (``EAGER = False``); ``test()`` never runs it (it would block)."""
+    """A shm call run at ``wait()`` (``when="wait"``); ``test()`` never runs it (it would block)."""
 
     __slots__ = ("call", "args", "done")
 
@@ -65,12 +71,63 @@ class _Deferred:
             self.done, self.args = True, None
 
 
+class _Queued:
+    """A shm call handed to the route's worker thread; ``wait`` re-raises what the call raised."""
+
+    __slots__ = ("event", "error", "done")
+
+    def __init__(self):
+        self.event, self.error, self.done = threading.Event(), None, False
+
+    def test(self) -> bool:
+        if not self.done and self.event.is_set():
+            self.wait()
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            self.event.wait()
+            self.done = True
+            if self.error is not None:
+                raise self.error
+
+
+class _Worker:
+    """One daemon thread running the route's shm calls in the order they were made."""
+
+    def __init__(self):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="hpctrain-shm", daemon=True)
+        self.thread.start()
+
+    def submit(self, call, args) -> _Queued:
+        work = _Queued()
+        self.calls.put((call, args, work))
+        return work
+
+    def _run(self) -> None:
+        while (item := self.calls.get()) is not None:
+            call, args, work = item
+            try:
+                call(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's wait()
+                work.error = exc
+            work.event.set()
+
+    def close(self) -> None:
+        self.calls.put(None)
+        self.thread.join()
+
+
 class ShmRoute:
     """The shm backend of one ``Communicator``: same signatures as ``MpiBackend``'s three collectives.
     ``shm``: a ``ShmCollectives`` (one node) or a ``HierarchicalCollectives`` (across nodes)."""
 
-    def __init__(self, shm, eager: bool | None = None):
-        self.shm, self.eager = shm, EAGER if eager is None else eager
+    def __init__(self, shm, when: str = "call"):
+        self.shm, self.when = shm, when
+        if self.when not in ("thread", "call", "wait"):
+            raise ValueError(f"ShmRoute: when={self.when!r}; expected thread, call or wait")
+        self.worker = _Worker() if self.when == "thread" else None
 
     @staticmethod
     def takes(tensor: torch.Tensor, op: str = "sum") -> bool:
@@ -78,7 +135,13 @@ class ShmRoute:
         return op == "sum" and tensor.dtype in SHM_DTYPES and not tensor.is_cuda and tensor.is_contiguous()
 
     def _start(self, call, args, nonblocking: bool):
-        if nonblocking and not self.eager:
+        if self.worker is not None:
+            work = self.worker.submit(call, args)
+            if nonblocking:
+                return work
+            work.wait()  # a blocking call waits for the calls queued before it too
+            return None
+        if nonblocking and self.when == "wait":
             return _Deferred(call, args)
         call(*args)
         return _FINISHED if nonblocking else None
@@ -104,10 +167,13 @@ class ShmRoute:
         return self._start(shm._allgather, (blocks, source, input is None), nonblocking)
 
     def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()  # after every queued call: the window must outlive them
+            self.worker = None
         self.shm.close()
 
 
-def setup_intra_node(comm, world, choice: str, stream=sys.stderr, node_split=None) -> str:
+def setup_intra_node(comm, world, choice: str, stream=sys.stderr, node_split=None, progress: str = "call") -> str:
     """Collective over ``world`` (every rank calls it with its own ``comm``, a group of one kind, e.g.
     dp): attach a ``ShmRoute`` to ``comm`` per ``choice`` ("auto" | "shm" | "mpi"). A group on one node
     reduces in its shared window; with "shm", a group spanning nodes with the same number of its ranks on
@@ -143,5 +209,5 @@ def setup_intra_node(comm, world, choice: str, stream=sys.stderr, node_split=Non
         return "mpi"
     if shm is None:  # a group of one rank: nothing to reduce
         return "mpi"
-    comm.shm = ShmRoute(shm)
+    comm.shm = ShmRoute(shm, progress)
     return shm.kind

@@ -13,6 +13,8 @@ prints, per rank, the mean over the traced steps of:
   data        loading the batch
   ckpt        the blocking part of checkpoint saves in the traced steps
 (``other``: step time no phase covers, e.g. Python between phases; ``--json`` has every phase.)
+``hidden``, per group: the share of its non-blocking calls' time in flight (start to observed
+completion) that was not spent waiting on them: the overlap of e.g. the dp reduction with backward.
 
 then names the slowest rank (the most compute) and why: the phase where it spends the most above the
 median of the other ranks, and how long the others wait in communication meanwhile.
@@ -79,7 +81,12 @@ def breakdown(doc: dict) -> dict:
     n = max(1, len(steps))
     blocked: dict[str, float] = defaultdict(float)
     phases: dict[str, float] = defaultdict(float)
+    flight: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # group: [in flight, waited on]
     for e in events:
+        if e["cat"] == "inflight":
+            flight[e["args"]["group"]][0] += e["dur"] / 1e6
+        elif e["cat"] == "blocked" and e["name"].startswith("wait "):
+            flight[e["args"]["group"]][1] += e["dur"] / 1e6
         if e["cat"] == "blocked":
             blocked[e["args"]["group"]] += e["dur"] / 1e6
         elif e["cat"] == "phase":
@@ -93,6 +100,7 @@ def breakdown(doc: dict) -> dict:
     return {"rank": doc["otherData"]["rank"], "host": doc["otherData"].get("hostname", "?"), "steps": len(steps),
             "step": step / n, "compute": compute / n, "comm": {g: s / n for g, s in comm.items()},
             "bubble": bubble / n, "data": data / n, "ckpt": ckpt / n,
+            "hidden": {g: 1 - waited / total for g, (total, waited) in flight.items() if total > 0},
             "phases": {k: v / n for k, v in phases.items()}}
 
 
@@ -141,5 +149,9 @@ def run_trace_report(run_dir: str, as_json: bool = False) -> int:
     print(table(rows))
     if verdict:
         print(verdict)
+    for group in sorted({g for r in rows for g in r["hidden"]}):
+        shares = [r["hidden"][group] for r in rows if group in r["hidden"]]
+        print(f"non-blocking calls on {group}: {100 * min(shares):.0f}-{100 * max(shares):.0f}% of their time "
+              f"in flight was hidden behind other work (the rest was waited on)")
     print(f"merged trace: {merged} (open in https://ui.perfetto.dev or chrome://tracing)")
     return 0

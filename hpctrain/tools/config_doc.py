@@ -117,6 +117,10 @@ MEANINGS: dict[str, str] = {
                        "saying why (a dp group spanning nodes stays on MPI: the hierarchical step measured no "
                        "faster on emulated nodes); `mpi` = the MPI library. Measured: the dp step 1.02-1.07x "
                        "the MPI path at 2-4 ranks (docs/benchmarks.md).",
+    "comm.shm_progress": "When a shared-memory dp reduction (comm.intra_node) runs: `call` = inside the call, in "
+                         "the backward hook that starts it (measured fastest on this 2-core machine); `thread` = on "
+                         "one worker thread per rank, in order, overlapped with backward (hides ~98% of the "
+                         "reduction in the trace, but competes for the core: for nodes with a spare core per rank).",
     # [compression]
     "compression.method": "Gradient compression of the data-parallel reduction: `none` (dense all-reduce), `fp16`, `bf16`, "
                           "`int8` (scale per 256 values), `topk`, `randomk` (keep `density` of the values), "

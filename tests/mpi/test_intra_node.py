@@ -17,9 +17,10 @@ F64 = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
 SPANS = "the group spans nodes with one of its ranks on each: there is nothing to reduce in shared memory"
 
 
-def test_dp_reduction_in_shared_memory_trains_like_one_process():
+@pytest.mark.parametrize("progress", ["call", "thread"])
+def test_dp_reduction_in_shared_memory_trains_like_one_process(progress):
     result = run_mpi(2, "check_fidelity.py", "--layouts", "2,1,1", "--variants", "1f1b/zero1", *F64,
-                     "comm.intra_node=shm", timeout=200)
+                     "comm.intra_node=shm", f"comm.shm_progress={progress}", timeout=200)
     assert "FIDELITY OK 2" in result.stdout, result.output
     assert result.stdout.count("dp-reduction=shm") == 2, result.output  # the shm route really carried it
 
@@ -61,8 +62,9 @@ def test_bench_train_has_a_shm_dp_row(tmp_path):
     assert records[0]["final_loss"] == records[1]["final_loss"]  # float32: rank-order sums, 2 ranks: identical
 
 
-def test_a_stopped_rank_in_a_routed_shm_reduction_is_named():
-    result = run_self_stopping(2, "check_shm.py", "stop-route", env={"HPCTRAIN_COMM_TIMEOUT": "3"})
+@pytest.mark.parametrize("progress", ["call", "thread"])
+def test_a_stopped_rank_in_a_routed_shm_reduction_is_named(progress):
+    result = run_self_stopping(2, "check_shm.py", "stop-route", progress, env={"HPCTRAIN_COMM_TIMEOUT": "3"})
     report = result.stderr
     assert result.returncode not in (0, 124, 137) and "not detected" not in result.stdout, result.output
     assert "allreduce #4 of 4000 bytes on group 'world' (world ranks [0, 1]) has not completed" in report, report

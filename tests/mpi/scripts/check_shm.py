@@ -5,7 +5,8 @@
 data -> bit-identical on every rank, equal to a float64 reference within rounding.
 ``stop``: rank 1 stops itself (SIGSTOP) before its 3rd shm allreduce; ``stop-inside``: after the first
 barrier of it (between the reduction and the gather); the watchdog must report it either way.
-``stop-route``: the same through a ``Communicator`` given comm.intra_node's ``ShmRoute`` (non-blocking calls).
+``stop-route PROGRESS``: the same through a ``Communicator`` given comm.intra_node's ``ShmRoute`` (non-blocking
+calls; PROGRESS = comm.shm_progress: run in the call or on the route's worker thread).
 ``refuse``: ranks on different nodes are refused with one line.
 """
 import os
@@ -35,7 +36,8 @@ if mode == "refuse":  # the group spans (emulated) nodes: one line, every rank, 
 
 if mode == "stop-route":  # a Communicator with comm.intra_node's route: its non-blocking calls are watched too
     from hpctrain.comm.intra_node import setup_intra_node
-    assert setup_intra_node(world, world, "shm") == "shm" and world.shm is not None
+    progress = sys.argv[2]  # comm.shm_progress: "call" or "thread" (the calls run on a worker thread)
+    assert setup_intra_node(world, world, "shm", progress=progress) == "shm" and world.shm.when == progress
     for i in range(3):
         if r == 1 and i == 2:
             print(f"rank 1 stops itself (pid {os.getpid()})", flush=True)

@@ -1,0 +1,117 @@
+"""Context parallelism's pieces on one process (hpctrain/parallel/context_parallel.py): the zig-zag chunk
+assignment, the block plan, the log-sum-exp merge, and ring attention on a ring of one rank; the ring on
+real ranks is tests/mpi/test_context_parallel.py."""
+import pytest
+import torch
+
+from hpctrain.parallel.context_parallel import (RingStats, block_attention, block_plan, causal_window_mask,
+                                                merge_partials, ring_attention, zigzag_chunks, zigzag_merge,
+                                                zigzag_positions, zigzag_split)
+
+
+def reference_attention(q, k, v, window=0):
+    """Plain causal (sliding-window) GQA attention over the whole sequence: [B, H, S, Dh]."""
+    group, seq = q.shape[1] // k.shape[1], q.shape[2]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    ones = torch.ones(seq, seq, dtype=torch.bool)
+    allowed = ones.tril() & ~ones.tril(-window) if window else ones.tril()
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_zigzag_covers_every_position_once_and_round_trips(cp):
+    seq = 2 * cp * 3
+    positions = [zigzag_positions(seq, r, cp) for r in range(cp)]
+    assert sorted(torch.cat(positions).tolist()) == list(range(seq))
+    x = torch.arange(seq).view(1, seq, 1).expand(2, seq, 5).clone()  # every token carries its position
+    parts = [zigzag_split(x, r, cp) for r in range(cp)]
+    for r, part in enumerate(parts):
+        assert part.shape == (2, seq // cp, 5)
+        assert torch.equal(part[0, :, 0], positions[r])
+        first, second = zigzag_chunks(r, cp)
+        assert positions[r][0] == first * 3 and positions[r][-1] == second * 3 + 2
+    assert torch.equal(zigzag_merge(parts), x)
+    y = torch.randn(4, 3, seq, 2)
+    assert torch.equal(zigzag_merge([zigzag_split(y, r, cp, dim=2) for r in range(cp)], dim=2), y)
+
+
+def test_zigzag_rejects_a_length_not_divisible_by_2cp():
+    with pytest.raises(ValueError, match=r"seq_len 12 % 8 != 0 \(cp = 4\)"):
+        zigzag_positions(12, 0, 4)
+
+
+def test_lse_merge_of_two_key_halves_is_full_softmax_attention():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 8, 4, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(8)
+    for mask in (None, causal_window_mask(pos, pos), causal_window_mask(pos, pos, 3)):
+        full_mask = torch.ones(8, 8, dtype=torch.bool) if mask is None else mask
+        scores = (q @ k.transpose(-1, -2) / 2.0).masked_fill(~full_mask, float("-inf"))
+        expected = torch.softmax(scores, dim=-1) @ v
+        halves = [block_attention(q, k[..., s, :], v[..., s, :], None if mask is None else mask[:, s], 0.5)
+                  for s in (slice(0, 4), slice(4, 8))]
+        if mask is not None:  # causal: early queries see none of the second half (out 0, lse -inf)
+            assert torch.isinf(halves[1][1][..., 0]).all() and not halves[1][0][..., 0, :].any()
+        out, lse = merge_partials(*halves[0], *halves[1])
+        assert torch.allclose(out, expected, rtol=0, atol=1e-12), (out - expected).abs().max()
+        assert torch.allclose(lse, torch.logsumexp(scores, dim=-1), rtol=0, atol=1e-12)
+        # merging in the other order gives the same
+        assert torch.allclose(merge_partials(*halves[1], *halves[0])[0], expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_block_plan_balances_causal_work_and_skips_outside_the_window(cp):
+    chunk = 4
+    seq = 2 * cp * chunk
+    for window in (0, 1, 5, chunk * 3, seq):
+        per_rank = []
+        for r in range(cp):
+            kinds = [kind for src in range(cp) for _, _, kind in block_plan(r, src, cp, chunk, window)]
+            per_rank.append(sum(kind != "skip" for kind in kinds))
+            for src in range(cp):  # each kind agrees with the token mask
+                for a, b, kind in block_plan(r, src, cp, chunk, window):
+                    qc, kc = zigzag_chunks(r, cp)[a], zigzag_chunks(src, cp)[b]
+                    pos = torch.arange(chunk)
+                    mask = causal_window_mask(pos + qc * chunk, pos + kc * chunk, window)
+                    assert kind == ("skip" if not mask.any() else "full" if mask.all() else "masked")
+        if window in (0, seq):  # full causal: the lower triangle of chunk pairs, equally on every rank
+            assert per_rank == [2 * cp + 1] * cp
+        pos = torch.arange(seq)
+        allowed = causal_window_mask(pos, pos, window).view(2 * cp, chunk, 2 * cp, chunk)
+        assert sum(per_rank) == allowed.any(3).any(1).sum()  # exactly the chunk pairs with a visible key
+        if window == 5 and cp > 1:
+            assert sum(per_rank) < 2 * cp * (2 * cp + 1) // 2
+
+
+@pytest.mark.parametrize("heads,kv_heads,window", [(2, 2, 0), (4, 2, 0), (4, 2, 5), (2, 1, 3)])
+def test_ring_of_one_rank_is_attention(heads, kv_heads, window):
+    torch.manual_seed(1)
+    q = torch.randn(2, heads, 12, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 12, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    grad = torch.randn(2, heads, 12, 8, dtype=torch.float64)
+    stats = RingStats()
+    out = ring_attention(q, k, v, None, window=window, stats=stats)
+    got = torch.autograd.grad((out * grad).sum(), (q, k, v))
+    expected = reference_attention(q, k, v, window)
+    want = torch.autograd.grad((expected * grad).sum(), (q, k, v))
+    assert torch.allclose(out, expected, rtol=0, atol=1e-12)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=0, atol=1e-12), (g - w).abs().max()
+    assert stats.computed + stats.skipped == 2 * 4 and stats.computed == 2 * 3  # forward + backward; (1, 0) skipped
+
+
+def test_ring_attention_in_half_precision_keeps_fp32_statistics():
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64) for _ in range(3))
+    out = ring_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, window=6)
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.double(), reference_attention(q, k, v, 6), atol=3e-2)
+
+
+def test_ring_attention_rejects_bad_shapes():
+    q = torch.zeros(1, 3, 8, 4)
+    with pytest.raises(ValueError, match="multiple of Hkv 2"):
+        ring_attention(q, torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), None)
+    with pytest.raises(ValueError, match="window -1"):
+        ring_attention(torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), None, window=-1)

@@ -1,0 +1,32 @@
+"""Ring attention on real ranks (hpctrain/parallel/context_parallel.py): equal to single-process attention
+(float64, 1e-10) for cp = 2 and 4 with full causal masks, GQA and sliding windows, fewer blocks computed
+under a window, and a rank stopped inside the ring named in the hang report."""
+import re
+
+import pytest
+
+from mpirun import run_mpi, run_self_stopping
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_equals_one_process(cp):
+    result = run_mpi(cp, "check_ring_attention.py", "check", timeout=120)
+    found = re.search(r"ring attention ok on (\d+) ranks: .* full causal (\d+), window 6 of (\d+) tokens (\d+) "
+                      r"\((\d+) skipped\)", result.stdout)
+    assert found, result.output
+    ranks, full, seq, windowed, skipped = map(int, found.groups())
+    assert ranks == cp and seq == 8 * cp
+    assert full == 2 * cp * (2 * cp + 1)  # forward + backward: the lower triangle of the 2cp x 2cp chunk pairs
+    assert 0 < windowed < full and skipped == 2 * 4 * cp * cp - windowed
+
+
+def test_a_stopped_rank_inside_the_ring_is_named():
+    result = run_self_stopping(4, "check_ring_attention.py", "stop", env={"HPCTRAIN_COMM_TIMEOUT": "3"})
+    report = result.stderr
+    assert result.returncode not in (0, 124, 137), result.output
+    assert "not detected" not in result.stdout
+    assert report.count("hpctrain: hang report from") == 1, report
+    assert re.search(r"exchange #\d+ of \d+ bytes with group rank \d \(world rank \d\) on group 'world' "
+                     r"\(world ranks \[0, 1, 2, 3\]\) has not completed", report), report
+    cause = re.search(r"  cause: rank 1 \(node 0 \S+, pid \d+\): (.*)", report)
+    assert cause and "stopped (SIGSTOP" in cause.group(1), report

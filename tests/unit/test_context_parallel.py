@@ -115,3 +115,61 @@ def test_ring_attention_rejects_bad_shapes():
         ring_attention(q, torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), None)
     with pytest.raises(ValueError, match="window -1"):
         ring_attention(torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), None, window=-1)
+
+
+class ThreadRing:
+    """A cp group of threads in one process: ``exchange`` as ring attention uses it (sends are queued,
+    receives wait), enough to run the ring's plan and arithmetic without MPI."""
+
+    def __init__(self, rank, size, queues):
+        self.rank, self.size, self.queues = rank, size, queues
+
+    def exchange(self, sends=(), recvs=()):
+        for tensor, dst, tag in sends:
+            self.queues[(self.rank, dst, tag)].put(tensor.clone())
+        return _Received(self, recvs)
+
+
+class _Received:
+    def __init__(self, ring, recvs):
+        self.ring, self.recvs = ring, recvs
+
+    def test(self):
+        return False
+
+    def wait(self):
+        for tensor, src, tag in self.recvs:
+            tensor.copy_(self.ring.queues[(src, self.ring.rank, tag)].get(timeout=30))
+
+
+@pytest.mark.parametrize("cp,heads,kv_heads,window", [(2, 2, 2, 0), (3, 4, 2, 0), (3, 4, 2, 5), (4, 2, 1, 3)])
+def test_ring_of_threads_is_attention(cp, heads, kv_heads, window):
+    import collections
+    import queue
+    import threading
+
+    torch.manual_seed(3)
+    seq = 2 * cp * 4
+    q, grad = (torch.randn(2, heads, seq, 8, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, kv_heads, seq, 8, dtype=torch.float64) for _ in range(2))
+    queues = collections.defaultdict(queue.Queue)
+    results = [None] * cp
+
+    def rank_main(rank):
+        local = [zigzag_split(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*local, ThreadRing(rank, cp, queues), window=window)
+        results[rank] = [out.detach()] + list(torch.autograd.grad((out * zigzag_split(grad, rank, cp, dim=2)).sum(),
+                                                                  local))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(r is not None for r in results), "a rank of the ring failed"
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = reference_attention(*full, window)
+    want = [expected.detach()] + list(torch.autograd.grad((expected * grad).sum(), full))
+    for parts, ref in zip(zip(*results), want):
+        assert torch.allclose(zigzag_merge(list(parts), dim=2), ref, rtol=0, atol=1e-12)
+    assert all(q.empty() for q in queues.values())  # every message received

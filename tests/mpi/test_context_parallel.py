@@ -30,3 +30,18 @@ def test_a_stopped_rank_inside_the_ring_is_named():
                      r"\(world ranks \[0, 1, 2, 3\]\) has not completed", report), report
     cause = re.search(r"  cause: rank 1 \(node 0 \S+, pid \d+\): (.*)", report)
     assert cause and "stopped (SIGSTOP" in cause.group(1), report
+
+
+def test_bench_ring_attention_records_fewer_blocks_with_a_window(tmp_path):
+    """benchmarks/bench_ring_attention.py end to end on 2 ranks (a smoke test: records, never speed)."""
+    import json
+
+    from mpirun import ROOT
+
+    out = tmp_path / "ring.json"
+    run_mpi(2, str(ROOT / "benchmarks" / "bench_ring_attention.py"), "--seq", "64", "--windows", "0,8",
+            "--head-dim", "8", "--rounds", "1", "--steps", "1", "--json", str(out), timeout=120)
+    records = json.loads(out.read_text())
+    assert [r["window"] for r in records] == [0, 8]
+    assert records[0]["blocks"] == 2 * 2 * 5 and records[1]["blocks"] < records[0]["blocks"]  # cp=2: 5 per rank
+    assert all(r["step_ms"] > 0 and r["exchange_wait_ms"] >= 0 for r in records)

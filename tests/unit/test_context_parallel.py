@@ -1,6 +1,8 @@
 """Context parallelism's pieces on one process (hpctrain/parallel/context_parallel.py): the zig-zag chunk
 assignment, the block plan, the log-sum-exp merge, and ring attention on a ring of one rank; the ring on
 real ranks is tests/mpi/test_context_parallel.py."""
+import collections
+
 import pytest
 import torch
 
@@ -121,10 +123,12 @@ class ThreadRing:
     """A cp group of threads in one process: ``exchange`` as ring attention uses it (sends are queued,
     receives wait), enough to run the ring's plan and arithmetic without MPI."""
 
-    def __init__(self, rank, size, queues):
+    def __init__(self, rank, size, queues, posts=None):
         self.rank, self.size, self.queues = rank, size, queues
+        self.posts = [] if posts is None else posts  # the plan as issued: [[("send" | "recv", peer, tag)]]
 
     def exchange(self, sends=(), recvs=()):
+        self.posts.append([("send", dst, tag) for _, dst, tag in sends] + [("recv", src, tag) for _, src, tag in recvs])
         for tensor, dst, tag in sends:
             self.queues[(self.rank, dst, tag)].put(tensor.clone())
         return _Received(self, recvs)
@@ -142,9 +146,8 @@ class _Received:
             tensor.copy_(self.ring.queues[(src, self.ring.rank, tag)].get(timeout=30))
 
 
-@pytest.mark.parametrize("cp,heads,kv_heads,window", [(2, 2, 2, 0), (3, 4, 2, 0), (3, 4, 2, 5), (4, 2, 1, 3)])
+@pytest.mark.parametrize("cp,heads,kv_heads,window", [(2, 2, 2, 0), (3, 4, 2, 0), (3, 4, 2, 5), (4, 2, 1, 3), (8, 2, 2, 9)])
 def test_ring_of_threads_is_attention(cp, heads, kv_heads, window):
-    import collections
     import queue
     import threading
 
@@ -153,11 +156,11 @@ def test_ring_of_threads_is_attention(cp, heads, kv_heads, window):
     q, grad = (torch.randn(2, heads, seq, 8, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(2, kv_heads, seq, 8, dtype=torch.float64) for _ in range(2))
     queues = collections.defaultdict(queue.Queue)
-    results = [None] * cp
+    results, plans = [None] * cp, [[] for _ in range(cp)]
 
     def rank_main(rank):
         local = [zigzag_split(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*local, ThreadRing(rank, cp, queues), window=window)
+        out = ring_attention(*local, ThreadRing(rank, cp, queues, plans[rank]), window=window)
         results[rank] = [out.detach()] + list(torch.autograd.grad((out * zigzag_split(grad, rank, cp, dim=2)).sum(),
                                                                   local))
 
@@ -173,3 +176,48 @@ def test_ring_of_threads_is_attention(cp, heads, kv_heads, window):
     for parts, ref in zip(zip(*results), want):
         assert torch.allclose(zigzag_merge(list(parts), dim=2), ref, rtol=0, atol=1e-12)
     assert all(q.empty() for q in queues.values())  # every message received
+    assert all(len(plan) == 3 * cp - 2 for plan in plans)
+    assert strict_rendezvous_completes(plans)  # the plan as issued cannot deadlock, even on NCCL
+
+
+def strict_rendezvous_completes(plans) -> bool:
+    """Whether per-rank posts (``[[("send" | "recv", peer, tag)]]``, each post waited before the next is
+    issued) complete when a send finishes only once its receive is posted and messages between two ranks
+    match in the order posted whatever their tag (NCCL's model, as schedules.simulate); tags must agree."""
+    keyed = []  # per rank, per post: {(src, dst, n-th message between them, kind)}: tag
+    for rank, plan in enumerate(plans):
+        count, posts = collections.Counter(), []
+        for post in plan:
+            ops = {}
+            for kind, peer, tag in post:
+                pair = (rank, peer) if kind == "send" else (peer, rank)
+                ops[pair + (count[pair + (kind,)], kind)] = tag
+                count[pair + (kind,)] += 1
+            posts.append(ops)
+        keyed.append(posts)
+    pos = [0] * len(plans)
+
+    def matched(rank, op, tag):
+        src, dst, n, kind = op
+        peer, twin = (dst, "recv") if kind == "send" else (src, "send")
+        return any(post.get((src, dst, n, twin)) == tag for post in keyed[peer][:pos[peer] + 1])
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, posts in enumerate(keyed):
+            if pos[rank] < len(posts) and all(matched(rank, op, tag) for op, tag in posts[pos[rank]].items()):
+                pos[rank] += 1
+                progressed = True
+    return all(p == len(posts) for p, posts in zip(pos, keyed))
+
+
+def test_the_strict_model_detects_a_ring_deadlock():
+    """Blocking sends around a ring before any receive deadlock under rendezvous; the grouped pass does not."""
+    cp = 3
+    ungrouped = [[[("send", (r + 1) % cp, 0)], [("recv", (r - 1) % cp, 0)]] for r in range(cp)]
+    grouped = [[[("send", (r + 1) % cp, 0), ("recv", (r - 1) % cp, 0)]] for r in range(cp)]
+    assert not strict_rendezvous_completes(ungrouped)
+    assert strict_rendezvous_completes(grouped)
+    mislabelled = [[[("send", (r + 1) % cp, 0 if r else 1), ("recv", (r - 1) % cp, 0)]] for r in range(cp)]
+    assert not strict_rendezvous_completes(mislabelled)

@@ -236,6 +236,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, wind
     if q.shape[1] % k.shape[1] or q.shape[2] % 2:
         raise ValueError(f"ring_attention: Hq {q.shape[1]} must be a multiple of Hkv {k.shape[1]} and the local "
                          f"length {q.shape[2]} even (two zig-zag chunks)")
+    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+        raise ValueError(f"ring_attention: q, k, v must share dtype and device; got {q.dtype}/{k.dtype}/{v.dtype} "
+                         f"on {q.device}/{k.device}/{v.device}")
     if window < 0:
         raise ValueError(f"ring_attention: window {window} must be >= 0 (0 = full causal)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

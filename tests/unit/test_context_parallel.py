@@ -146,7 +146,8 @@ class _Received:
             tensor.copy_(self.ring.queues[(src, self.ring.rank, tag)].get(timeout=30))
 
 
-@pytest.mark.parametrize("cp,heads,kv_heads,window", [(2, 2, 2, 0), (3, 4, 2, 0), (3, 4, 2, 5), (4, 2, 1, 3), (8, 2, 2, 9)])
+@pytest.mark.parametrize("cp,heads,kv_heads,window",
+                         [(2, 2, 2, 0), (3, 4, 2, 0), (3, 4, 2, 5), (4, 2, 1, 3), (8, 2, 2, 9)])
 def test_ring_of_threads_is_attention(cp, heads, kv_heads, window):
     import queue
     import threading

@@ -30,6 +30,8 @@ def test_a_stopped_rank_inside_the_ring_is_named():
                      r"\(world ranks \[0, 1, 2, 3\]\) has not completed", report), report
     cause = re.search(r"  cause: rank 1 \(node 0 \S+, pid \d+\): (.*)", report)
     assert cause and "stopped (SIGSTOP" in cause.group(1), report
+    # the ranks downstream wait on their ring neighbour, back to the stopped one
+    assert re.search(r"rank 2 waits in exchange #\d+ of \d+ bytes with group rank 1 \(world rank 1\)", report), report
 
 
 def test_bench_ring_attention_records_fewer_blocks_with_a_window(tmp_path):

@@ -33,7 +33,7 @@ from hpctrain.comm.grid import ProcessGrid  # noqa: E402
 from hpctrain.parallel.context_parallel import RingStats, ring_attention  # noqa: E402
 from hpctrain.runtime.launcher import discover  # noqa: E402
 
-FIELDS = ["cp", "seq", "heads", "kv_heads", "head_dim", "window", "blocks", "skipped", "step_ms", "step_ms_min",
+FIELDS = ["cp", "seq", "heads", "kv_heads", "head_dim", "tile", "window", "blocks", "skipped", "step_ms", "step_ms_min",
           "exchange_wait_ms"]
 
 
@@ -41,7 +41,7 @@ class RingStep:
     """One timed step: forward + backward of ring attention with ``window``."""
 
     def __init__(self, ring, args, window: int):
-        self.ring, self.window, self.name = ring, window, f"window={window}"
+        self.ring, self.window, self.tile, self.name = ring, window, args.tile, f"window={window}"
         gen = torch.Generator().manual_seed(ring.rank)
         local = args.seq // ring.size
         self.inputs = [torch.randn(args.batch, h, local, args.head_dim, generator=gen).requires_grad_()
@@ -52,7 +52,7 @@ class RingStep:
     def step(self) -> None:
         counter = self.ring.stats.ops[(self.ring.name, "exchange")]
         waited = counter.seconds
-        out = ring_attention(*self.inputs, self.ring, window=self.window, stats=self.stats)
+        out = ring_attention(*self.inputs, self.ring, window=self.window, stats=self.stats, tile=self.tile)
         torch.autograd.grad(out, self.inputs, self.grad)
         self.wait_s += counter.seconds - waited
 
@@ -65,6 +65,7 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--tile", type=int, default=1024, help="longest query / key run of a block (0 = whole chunks)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2)
@@ -83,7 +84,7 @@ def main() -> int:
     for impl in impls:
         steps = args.rounds * args.steps
         record = dict(cp=ring.size, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                      window=impl.window, blocks=world.allreduce(impl.stats.computed) // steps,
+                      tile=args.tile, window=impl.window, blocks=world.allreduce(impl.stats.computed) // steps,
                       skipped=world.allreduce(impl.stats.skipped) // steps,
                       step_ms=1e3 * statistics.median(times[impl.name]), step_ms_min=1e3 * min(times[impl.name]),
                       exchange_wait_ms=1e3 * world.allreduce(impl.wait_s) / ring.size / steps)

@@ -5,19 +5,21 @@ Zig-zag: a sequence of S tokens is cut into 2 x cp chunks of S/(2cp); cp rank r 
 are ``[B, S/cp, ...]``: chunk r then chunk 2cp-1-r; ``zigzag_positions`` gives their GLOBAL positions
 (RoPE, masks).
 
-Ring attention (``ring_attention``, on the cp group): each rank attends with its local queries to
-the K/V block it holds while passing that block on to the next rank (cp_comm.py), cp steps, so every
-query sees every key. Work is done per pair of chunks (a "block": one query chunk x one key chunk):
-blocks entirely in the future are skipped, diagonal ones masked, and with a sliding window W (token t
-attends t-W+1..t) blocks entirely outside every query's window are skipped too (``RingStats`` counts
-them). Partial results combine by the log-sum-exp rule in float32 (float64 stays float64). Backward
-recomputes each block from (q, k, v, out, lse) and sends dK/dV around the ring after their blocks,
-back to their owners. GQA: query head h uses K/V head h // (Hq / Hkv) (as ``repeat_interleave``).
+Ring attention (``ring_attention``, on the cp group): each rank attends with its local queries to the
+K/V it holds while passing them on to the next rank (cp_comm.py), cp steps, so every query sees every
+key. Work is done per "block": one tile of local queries x one tile of the held keys (the chunks cut
+into runs of at most ``tile`` tokens, so a block's scores stay small). Blocks entirely in the future are
+skipped, diagonal ones masked, and with a sliding window W (token t attends t-W+1..t) blocks entirely
+outside every query's window are skipped too (``RingStats`` counts them). Partial results combine by
+the log-sum-exp rule in float32 (float64 stays float64). Backward recomputes each block from
+(q, k, v, out, lse) and sends dK/dV around the ring after their K/V, back to their owners.
+GQA: query head h uses K/V head h // (Hq / Hkv) (as ``repeat_interleave``).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -62,9 +64,19 @@ def zigzag_merge(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- blocks
+class Block(NamedTuple):
+    """One query tile x key tile of a ring step: ``q``, ``k`` slices of the local tokens, the GLOBAL
+    position of their first tokens, and "full" (no mask needed) or "masked"."""
+    q: slice
+    k: slice
+    q_first: int
+    k_first: int
+    kind: str
+
+
 @dataclass
 class RingStats:
-    """Blocks (query chunk x key chunk pairs) computed and skipped, forward and backward together."""
+    """Blocks (query tile x key tile pairs) computed and skipped, forward and backward together."""
     computed: int = 0
     skipped: int = 0
 
@@ -77,39 +89,49 @@ def causal_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0
     return allowed & (ago < window) if window > 0 else allowed
 
 
-def block_kind(q_chunk: int, k_chunk: int, chunk: int, window: int) -> str:
-    """"skip" (no query sees any key), "full" (every query sees every key) or "masked", for global chunks."""
-    nearest = q_chunk * chunk - (k_chunk * chunk + chunk - 1)  # smallest query - key distance
-    farthest = q_chunk * chunk + chunk - 1 - k_chunk * chunk
-    if k_chunk > q_chunk or (window > 0 and nearest >= window):
+def block_kind(q_first: int, q_len: int, k_first: int, k_len: int, window: int) -> str:
+    """"skip" (no query sees any key), "full" (every query sees every key) or "masked", for the queries at
+    global positions q_first.. (q_len of them) and the keys at k_first.. (k_len)."""
+    nearest = q_first - (k_first + k_len - 1)  # smallest query - key distance
+    farthest = q_first + q_len - 1 - k_first
+    if farthest < 0 or (window > 0 and nearest >= window):
         return "skip"
-    if k_chunk < q_chunk and (window == 0 or farthest < window):
+    if nearest >= 0 and (window == 0 or farthest < window):
         return "full"
     return "masked"
 
 
-def block_plan(q_rank: int, kv_rank: int, cp: int, chunk: int, window: int) -> list[tuple[int, int, str]]:
-    """(local query chunk, local key chunk, kind) for the 4 blocks of cp rank ``q_rank``'s queries
-    against cp rank ``kv_rank``'s keys."""
-    return [(a, b, block_kind(qc, kc, chunk, window))
-            for a, qc in enumerate(zigzag_chunks(q_rank, cp)) for b, kc in enumerate(zigzag_chunks(kv_rank, cp))]
+def _tiles(rank: int, cp: int, chunk: int, tile: int) -> list[tuple[slice, int]]:
+    """(local slice, global first position) of each tile of cp rank ``rank``'s tokens."""
+    return [(slice(i * chunk + off, i * chunk + min(off + tile, chunk)), c * chunk + off)
+            for i, c in enumerate(zigzag_chunks(rank, cp)) for off in range(0, chunk, tile)]
 
 
-def _blocks(q_rank, kv_rank, cp, chunk, window, device, stats):
-    """The blocks to compute: (local query chunk, local key chunk, mask or None); counts into ``stats``."""
+def block_plan(q_rank: int, kv_rank: int, cp: int, chunk: int, window: int, tile: int = 0) -> list[Block]:
+    """Every block of cp rank ``q_rank``'s queries against cp rank ``kv_rank``'s keys, chunks of ``chunk``
+    tokens cut into tiles of ``tile`` (0 or more than ``chunk``: whole chunks, 4 blocks); skipped ones included
+    (kind "skip")."""
+    tile = chunk if tile <= 0 else min(tile, chunk)
+    return [Block(qs, ks, qf, kf, block_kind(qf, qs.stop - qs.start, kf, ks.stop - ks.start, window))
+            for qs, qf in _tiles(q_rank, cp, chunk, tile) for ks, kf in _tiles(kv_rank, cp, chunk, tile)]
+
+
+def _blocks(q_rank, kv_rank, cp, chunk, window, tile, device, stats):
+    """The blocks to compute: (query slice, key slice, mask or None); counts into ``stats``."""
+    plan = block_plan(q_rank, kv_rank, cp, chunk, window, tile)
     todo = []
-    for a, b, kind in block_plan(q_rank, kv_rank, cp, chunk, window):
-        if kind == "skip":
+    for block in plan:
+        if block.kind == "skip":
             continue
         mask = None
-        if kind == "masked":
-            pos = torch.arange(chunk, device=device)
-            mask = causal_window_mask(pos + zigzag_chunks(q_rank, cp)[a] * chunk,
-                                      pos + zigzag_chunks(kv_rank, cp)[b] * chunk, window)
-        todo.append((a, b, mask))
+        if block.kind == "masked":
+            q_len, k_len = block.q.stop - block.q.start, block.k.stop - block.k.start
+            mask = causal_window_mask(torch.arange(q_len, device=device) + block.q_first,
+                                      torch.arange(k_len, device=device) + block.k_first, window)
+        todo.append((block.q, block.k, mask))
     if stats is not None:
         stats.computed += len(todo)
-        stats.skipped += 4 - len(todo)
+        stats.skipped += len(plan) - len(todo)
     return todo
 
 
@@ -160,35 +182,34 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, window, scale, stats):
+    def forward(ctx, q, k, v, comm, window, scale, tile, stats):
         rank, cp = _group(comm)
         batch, heads, local, dim = q.shape
         kv_heads, chunk, dtype = k.shape[1], local // 2, _compute_dtype(q.dtype)
-        grouped = q.to(dtype).reshape(batch, kv_heads, heads // kv_heads, local, dim)
-        queries = grouped.split(chunk, dim=3)
-        outs = [torch.zeros_like(queries[0]) for _ in range(2)]
-        lses = [torch.full(queries[0].shape[:-1], float("-inf"), dtype=dtype, device=q.device) for _ in range(2)]
+        queries = q.to(dtype).reshape(batch, kv_heads, heads // kv_heads, local, dim)
+        out = torch.zeros_like(queries)
+        lse = torch.full(queries.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
         kv = torch.stack([k, v])  # [2, B, Hkv, Sl, Dh]: one message per pass
         for i in range(cp):
             step = ring_step(comm, kv, KV_TAG) if i < cp - 1 else None
             held = kv.to(dtype).unsqueeze(3)  # [2, B, Hkv, 1, Sl, Dh]
-            for a, b, mask in _blocks(rank, (rank - i) % cp, cp, chunk, window, q.device, stats):
-                keys, values = (held[j, ..., b * chunk:(b + 1) * chunk, :] for j in (0, 1))
-                out_b, lse_b = block_attention(queries[a], keys, values, mask, scale)
-                outs[a], lses[a] = merge_partials(outs[a], lses[a], out_b, lse_b)
+            for qs, ks, mask in _blocks(rank, (rank - i) % cp, cp, chunk, window, tile, q.device, stats):
+                out_b, lse_b = block_attention(queries[..., qs, :], held[0, ..., ks, :], held[1, ..., ks, :],
+                                               mask, scale)
+                out[..., qs, :], lse[..., qs] = merge_partials(out[..., qs, :], lse[..., qs], out_b, lse_b)
                 if step is not None:
                     step.test()
             if step is not None:
                 kv = step.wait()
-        out = torch.cat(outs, dim=3).reshape(batch, heads, local, dim).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, torch.cat(lses, dim=3))
-        ctx.comm, ctx.window, ctx.scale, ctx.stats = comm, window, scale, stats
+        out = out.reshape(batch, heads, local, dim).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.window, ctx.scale, ctx.tile, ctx.stats = comm, window, scale, tile, stats
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, window, scale = ctx.comm, ctx.window, ctx.scale
+        comm, window, scale, tile = ctx.comm, ctx.window, ctx.scale, ctx.tile
         rank, cp = _group(comm)
         batch, heads, local, dim = q.shape
         kv_heads, chunk, dtype = k.shape[1], local // 2, _compute_dtype(q.dtype)
@@ -201,8 +222,7 @@ class _RingAttention(torch.autograd.Function):
             step = ring_step(comm, kv, KV_TAG) if i < cp - 1 else None
             held = kv.to(dtype).unsqueeze(3)
             dkv = torch.zeros(held.shape, dtype=dtype, device=q.device)  # this block's dK/dV from my queries
-            for a, b, mask in _blocks(rank, (rank - i) % cp, cp, chunk, window, q.device, ctx.stats):
-                qs, ks = slice(a * chunk, (a + 1) * chunk), slice(b * chunk, (b + 1) * chunk)
+            for qs, ks, mask in _blocks(rank, (rank - i) % cp, cp, chunk, window, tile, q.device, ctx.stats):
                 dq_a, dk_b, dv_b = block_grads(grouped[..., qs, :], held[0, ..., ks, :], held[1, ..., ks, :],
                                                dout[..., qs, :], lse[..., qs], delta[..., qs], mask, scale)
                 dq[..., qs, :] += dq_a
@@ -217,17 +237,19 @@ class _RingAttention(torch.autograd.Function):
                 kv = step.wait()
             grad_pass = ring_step(comm, dkv, GRAD_TAG)  # after cp passes each block's is home
         dkv = (grad_pass.wait() if grad_pass is not None else dkv).squeeze(3)
-        return (dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
+        return (dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, window: int = 0,
-                   scale: float | None = None, stats: RingStats | None = None) -> torch.Tensor:
+                   scale: float | None = None, stats: RingStats | None = None, tile: int = 1024) -> torch.Tensor:
     """Causal (optionally sliding-window) attention over a sequence split zig-zag over the cp group.
 
     On the cp group ``comm`` (a Communicator; None = one rank): q ``[B, Hq, Sl, Dh]``, k, v
     ``[B, Hkv, Sl, Dh]`` for this rank's Sl = S/cp local tokens (``zigzag_split`` order), Hq a multiple
     of Hkv; ``window`` W > 0: token t attends t-W+1..t only; ``scale`` default 1/sqrt(Dh); ``stats``: a
-    ``RingStats`` to count computed / skipped blocks. Returns ``[B, Hq, Sl, Dh]`` in q's dtype.
+    ``RingStats`` to count computed / skipped blocks; ``tile``: the longest query or key run of one block
+    (the scores of a block are ``[B, Hq, tile, tile]``; 0 = whole chunks). Returns ``[B, Hq, Sl, Dh]`` in
+    q's dtype.
     Every rank of the group must call it with the same shapes (a collective).
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
@@ -242,4 +264,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, wind
     if window < 0:
         raise ValueError(f"ring_attention: window {window} must be >= 0 (0 = full causal)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, comm, int(window), float(scale), stats)
+    return _RingAttention.apply(q, k, v, comm, int(window), float(scale), int(tile), stats)

@@ -1,6 +1,6 @@
 """Context parallelism's pieces on one process (hpctrain/parallel/context_parallel.py): the zig-zag chunk
 assignment, the block plan, the log-sum-exp merge, and ring attention on a ring of one rank; the ring on
-real ranks is tests/mpi/test_context_parallel.py."""
+real ranks is tests/mpi/test_ring_attention.py."""
 import collections
 
 import pytest
@@ -64,43 +64,52 @@ def test_lse_merge_of_two_key_halves_is_full_softmax_attention():
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
 def test_block_plan_balances_causal_work_and_skips_outside_the_window(cp):
-    chunk = 4
+    chunk = 6
     seq = 2 * cp * chunk
+    pos = torch.arange(seq)
     for window in (0, 1, 5, chunk * 3, seq):
-        per_rank = []
-        for r in range(cp):
-            kinds = [kind for src in range(cp) for _, _, kind in block_plan(r, src, cp, chunk, window)]
-            per_rank.append(sum(kind != "skip" for kind in kinds))
-            for src in range(cp):  # each kind agrees with the token mask
-                for a, b, kind in block_plan(r, src, cp, chunk, window):
-                    qc, kc = zigzag_chunks(r, cp)[a], zigzag_chunks(src, cp)[b]
-                    pos = torch.arange(chunk)
-                    mask = causal_window_mask(pos + qc * chunk, pos + kc * chunk, window)
-                    assert kind == ("skip" if not mask.any() else "full" if mask.all() else "masked")
-        if window in (0, seq):  # full causal: the lower triangle of chunk pairs, equally on every rank
-            assert per_rank == [2 * cp + 1] * cp
-        pos = torch.arange(seq)
-        allowed = causal_window_mask(pos, pos, window).view(2 * cp, chunk, 2 * cp, chunk)
-        assert sum(per_rank) == allowed.any(3).any(1).sum()  # exactly the chunk pairs with a visible key
-        if window == 5 and cp > 1:
-            assert sum(per_rank) < 2 * cp * (2 * cp + 1) // 2
+        allowed = causal_window_mask(pos, pos, window)
+        for tile in (0, 4, 3, 1):  # whole chunks; tiles of 4 + 2; of 3; single tokens
+            per_rank = []
+            for r in range(cp):
+                q_pos, plan = zigzag_positions(seq, r, cp), []
+                for src in range(cp):
+                    k_pos = zigzag_positions(seq, src, cp)
+                    for block in block_plan(r, src, cp, chunk, window, tile):
+                        mask = allowed[q_pos[block.q]][:, k_pos[block.k]]  # the kind agrees with the tokens' mask
+                        assert block.kind == ("skip" if not mask.any() else "full" if mask.all() else "masked")
+                        assert block.q_first == q_pos[block.q][0] and block.k_first == k_pos[block.k][0]
+                        plan.append(block)
+                # every (query, key) pair in exactly one block
+                assert sum((b.q.stop - b.q.start) * (b.k.stop - b.k.start) for b in plan) == cp * (seq // cp) ** 2
+                per_rank.append(sum(block.kind != "skip" for block in plan))
+            if tile == 0 and window in (0, seq):  # full causal: the lower triangle of chunk pairs, evenly
+                assert per_rank == [2 * cp + 1] * cp
+            if tile == 0:  # exactly the chunk pairs with a visible key
+                assert sum(per_rank) == allowed.view(2 * cp, chunk, 2 * cp, chunk).any(3).any(1).sum()
+            if window == 5 and cp > 1 and tile == 0:
+                assert sum(per_rank) < 2 * cp * (2 * cp + 1) // 2
 
 
 @pytest.mark.parametrize("heads,kv_heads,window", [(2, 2, 0), (4, 2, 0), (4, 2, 5), (2, 1, 3)])
-def test_ring_of_one_rank_is_attention(heads, kv_heads, window):
+@pytest.mark.parametrize("tile", [0, 4])
+def test_ring_of_one_rank_is_attention(heads, kv_heads, window, tile):
     torch.manual_seed(1)
     q = torch.randn(2, heads, 12, 8, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, kv_heads, 12, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
     grad = torch.randn(2, heads, 12, 8, dtype=torch.float64)
     stats = RingStats()
-    out = ring_attention(q, k, v, None, window=window, stats=stats)
+    out = ring_attention(q, k, v, None, window=window, stats=stats, tile=tile)
     got = torch.autograd.grad((out * grad).sum(), (q, k, v))
     expected = reference_attention(q, k, v, window)
     want = torch.autograd.grad((expected * grad).sum(), (q, k, v))
     assert torch.allclose(out, expected, rtol=0, atol=1e-12)
     for g, w in zip(got, want):
         assert torch.allclose(g, w, rtol=0, atol=1e-12), (g - w).abs().max()
-    assert stats.computed + stats.skipped == 2 * 4 and stats.computed == 2 * 3  # forward + backward; (1, 0) skipped
+    if tile == 0:  # 2 chunks of 6 tokens: (0, 1) is in the future; forward + backward
+        assert stats.computed + stats.skipped == 2 * 4 and stats.computed == 2 * 3
+    else:  # 4 tiles of 4 + 2 tokens
+        assert stats.computed + stats.skipped == 2 * 16 and stats.computed < 2 * 16
 
 
 def test_ring_attention_in_half_precision_keeps_fp32_statistics():
@@ -146,9 +155,9 @@ class _Received:
             tensor.copy_(self.ring.queues[(src, self.ring.rank, tag)].get(timeout=30))
 
 
-@pytest.mark.parametrize("cp,heads,kv_heads,window",
-                         [(2, 2, 2, 0), (3, 4, 2, 0), (3, 4, 2, 5), (4, 2, 1, 3), (8, 2, 2, 9)])
-def test_ring_of_threads_is_attention(cp, heads, kv_heads, window):
+@pytest.mark.parametrize("cp,heads,kv_heads,window,tile",
+                         [(2, 2, 2, 0, 0), (3, 4, 2, 0, 3), (3, 4, 2, 5, 0), (4, 2, 1, 3, 2), (8, 2, 2, 9, 0)])
+def test_ring_of_threads_is_attention(cp, heads, kv_heads, window, tile):
     import queue
     import threading
 
@@ -161,7 +170,7 @@ def test_ring_of_threads_is_attention(cp, heads, kv_heads, window):
 
     def rank_main(rank):
         local = [zigzag_split(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*local, ThreadRing(rank, cp, queues, plans[rank]), window=window)
+        out = ring_attention(*local, ThreadRing(rank, cp, queues, plans[rank]), window=window, tile=tile)
         results[rank] = [out.detach()] + list(torch.autograd.grad((out * zigzag_split(grad, rank, cp, dim=2)).sum(),
                                                                   local))
 

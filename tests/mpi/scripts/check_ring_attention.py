@@ -3,8 +3,8 @@
 ``check``: for full causal, GQA and sliding windows, every rank draws the same global q, k, v and output
 gradient (same seed), takes its zig-zag chunks, runs ring attention forward and backward, and the
 gathered out, dq, dk, dv must equal single-process attention over the whole sequence (float64, relative
-1e-10; bfloat16 inputs within bfloat16 rounding). A window must compute fewer blocks than full causal;
-each call makes 3cp-2 ring exchanges and leaves nothing in flight.
+1e-10; bfloat16 inputs within bfloat16 rounding), in blocks of whole chunks or of tiles. A window must
+compute fewer blocks than full causal; each call makes 3cp-2 ring exchanges and leaves nothing in flight.
 ``stop``: rank 1 stops itself (SIGSTOP) before its second ring attention call, while the others are
 inside the ring: the watchdog must report the stalled exchange and name rank 1.
 """
@@ -46,19 +46,19 @@ def inputs(heads, kv_heads, seed):
     return [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
 
 
-def ring_pass(q, k, v, grad, window, dtype=torch.float64):
+def ring_pass(q, k, v, grad, window, dtype=torch.float64, tile=0):
     """This rank's (out, dq, dk, dv) of ring attention on its zig-zag chunks, and the block counts."""
     local = [zigzag_split(t, rank, cp, dim=2).to(dtype).requires_grad_() for t in (q, k, v)]
     stats = RingStats()
-    out = ring_attention(*local, ring, window=window, stats=stats)
+    out = ring_attention(*local, ring, window=window, stats=stats, tile=tile)
     grads = torch.autograd.grad((out * zigzag_split(grad, rank, cp, dim=2).to(dtype)).sum(), local)
     return [out.detach()] + list(grads), stats
 
 
-def check(heads, kv_heads, window, dtype=torch.float64, rtol=1e-10):
+def check(heads, kv_heads, window, dtype=torch.float64, rtol=1e-10, tile=0):
     q, k, v, grad = inputs(heads, kv_heads, seed=100 * heads + 10 * kv_heads + window)
     calls = ring.stats.ops[("world", "exchange")].calls
-    results, stats = ring_pass(q, k, v, grad, window, dtype)
+    results, stats = ring_pass(q, k, v, grad, window, dtype, tile)
     assert ring.stats.ops[("world", "exchange")].calls - calls == 3 * cp - 2  # forward cp-1, backward 2cp-1
     assert not grid.watchdog.inflight()
     full = [t.requires_grad_() for t in (q, k, v)]
@@ -67,7 +67,7 @@ def check(heads, kv_heads, window, dtype=torch.float64, rtol=1e-10):
     gathered = ring.allgather_object([t.double() for t in results])  # every rank's local parts, cp rank order
     for name, mine, parts, ref in zip(("out", "dq", "dk", "dv"), results, zip(*gathered), want):
         err = rel_err(zigzag_merge(list(parts), dim=2), ref)
-        assert err < rtol, f"cp={cp} heads={heads}/{kv_heads} window={window} {dtype}: {name} rel err {err:.2e}"
+        assert err < rtol, f"cp={cp} {heads}/{kv_heads} heads, window {window}, tile {tile}, {dtype}: {name} {err:.2e}"
         assert rel_err(mine.double(), zigzag_split(ref, rank, cp, dim=2)) < rtol  # this rank's own part
     return sum(ring.allgather_object(stats.computed)), sum(ring.allgather_object(stats.skipped))
 
@@ -88,6 +88,7 @@ assert full_causal == (2 * 2 * cp * (2 * cp + 1) // 2, 2 * (4 * cp * cp - 2 * cp
 check(4, 2, 0)  # GQA
 windowed = check(2, 2, window)
 check(4, 2, 3)  # GQA with a window shorter than a chunk
+check(4, 2, window, tile=3)  # chunks of 4 in tiles of 3 + 1
 assert windowed[0] < full_causal[0] and windowed[1] > full_causal[1], (windowed, full_causal)
 check(4, 2, window, dtype=torch.bfloat16, rtol=2e-2)  # fp32 statistics, bfloat16 in and out
 grid.close()

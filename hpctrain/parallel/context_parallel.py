@@ -66,7 +66,7 @@ def zigzag_merge(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 # ---------------------------------------------------------------- blocks
 class Block(NamedTuple):
     """One query tile x key tile of a ring step: ``q``, ``k`` slices of the local tokens, the GLOBAL
-    position of their first tokens, and "full" (no mask needed) or "masked"."""
+    position of their first tokens, and its kind: "skip", "full" (no mask needed) or "masked"."""
     q: slice
     k: slice
     q_first: int

@@ -84,7 +84,7 @@ def leave_with(code: int, rank: int, node: int, peers, settle_s: float = 1.0, ti
     local = [pid for r, (_, peer_node, pid) in enumerate(peers) if r != rank and peer_node == node]
     deadline = time.monotonic() + timeout_s
     while local and time.monotonic() < deadline:
-        local = [pid for pid in local if _alive(pid)]
+        local = [pid for pid in local if process_alive(pid)]
         if local:
             time.sleep(0.02)
     if any(peer_node != node for _, peer_node, _ in peers):
@@ -92,7 +92,9 @@ def leave_with(code: int, rank: int, node: int, peers, settle_s: float = 1.0, ti
     return code
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie, exited but not yet reaped, does not;
+    another user's process does)."""
     import os
 
     try:

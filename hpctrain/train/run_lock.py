@@ -34,7 +34,7 @@ import uuid
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.runtime import env
-from hpctrain.runtime import env
+from hpctrain.runtime.errors_exit import process_alive
 
 LOCK_NAME = ".hpctrain.lock"
 TAKEOVER_SUFFIX = ".takeover"
@@ -45,16 +45,6 @@ TAKEOVER_STALE_S = 60.0  # a takeover file this old was left by a contender that
 
 class RunDirInUse(HpcTrainError):
     """Another live job trains in this run (or checkpoint) directory."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _describe(owner: dict) -> str:
@@ -142,7 +132,7 @@ class DirectoryLock:
         if owner.get("job") and owner.get("job") == self.me["job"] and int(owner.get("restart") or 0) < self.me["restart"]:
             return f"an earlier attempt of this Slurm job (restart {owner.get('restart') or 0})"
         if owner.get("host") == self.me["host"]:
-            return None if _alive(int(owner.get("pid", -1))) else "its process is gone"
+            return None if process_alive(int(owner.get("pid", -1))) else "its process is gone"
         return f"no heartbeat for {age:.0f} s" if age >= STALE_S else None
 
     def _take_over(self, mine: str, judged: dict) -> bool:

@@ -89,3 +89,21 @@ def run_self_stopping(nprocs: int, script: str, *args: str, timeout: float = 60,
         except OSError:
             pass
     return result
+
+
+def two_hosts_up(tmp_path_factory, rate: str):
+    """Generator for a module fixture: two emulated hosts (hpctrain/tools/two_hosts.py) joined at ``rate``
+    ("none" = unshaped), taken down afterwards; skips where they cannot be made (no root, no netns)."""
+    from hpctrain.tools.two_hosts import TwoHosts
+
+    ok, reason = TwoHosts.available()
+    if not ok:
+        import pytest
+
+        pytest.skip(reason)
+    hosts = TwoHosts(rate, directory=tmp_path_factory.mktemp("two-hosts"), timeout=60)
+    try:
+        hosts.up()
+        yield hosts
+    finally:
+        hosts.down()

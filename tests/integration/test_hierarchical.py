@@ -12,23 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.tools.two_hosts import TwoHosts
-from mpirun import ROOT, SCRIPTS, mpi_env
+from mpirun import ROOT, SCRIPTS, mpi_env, two_hosts_up
 
 F64 = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
 
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
-    ok, reason = TwoHosts.available()
-    if not ok:
-        pytest.skip(reason)
-    h = TwoHosts("none", directory=tmp_path_factory.mktemp("two-hosts"), timeout=60)
-    try:
-        h.up()
-        yield h
-    finally:
-        h.down()
+    yield from two_hosts_up(tmp_path_factory, "none")
 
 
 def launch(hosts, n, ppn, *cmd, timeout=120, env=None):

@@ -12,8 +12,8 @@ When a shm call runs (``comm.shm_progress``, the route's ``when``): "call" (the 
 inside the call and returns a finished handle (shared memory needs no MPI progress); "thread" hands
 every call, blocking or not, to one worker thread per route, in program order, so a bucket's reduction
 runs while backward computes the next (numpy's sums and copies and torch's kernels release the GIL)
-and its wait for the slowest peer does not stall backward ("wait", at ``wait()``, is kept for
-measurements). On this 2-core machine "call" measured fastest: the thread hides 98% of the reduction
+and its wait for the slowest peer does not stall backward (running it at ``wait()`` instead
+measured the same as "call" and was dropped). On this 2-core machine "call" measured fastest: the thread hides 98% of the reduction
 (trace) but competes with backward for the cores (docs/benchmarks.md, "The dp reduction in shared
 memory"); "thread" is for nodes with a spare core per rank. Every rank issues the group's collectives
 in the same program order, so a shm call cannot deadlock against the MPI calls around it. The
@@ -52,23 +52,6 @@ class _Finished:
 
 
 _FINISHED = _Finished()  # stateless: one instance serves every call
-
-
-class _Deferred:
-    """A shm call run at ``wait()`` (``when="wait"``); ``test()`` never runs it (it would block)."""
-
-    __slots__ = ("call", "args", "done")
-
-    def __init__(self, call, args):
-        self.call, self.args, self.done = call, args, False
-
-    def test(self) -> bool:
-        return self.done
-
-    def wait(self) -> None:
-        if not self.done:
-            self.call(*self.args)
-            self.done, self.args = True, None
 
 
 class _Queued:
@@ -125,8 +108,8 @@ class ShmRoute:
 
     def __init__(self, shm, when: str = "call"):
         self.shm, self.when = shm, when
-        if self.when not in ("thread", "call", "wait"):
-            raise ValueError(f"ShmRoute: when={self.when!r}; expected thread, call or wait")
+        if self.when not in ("thread", "call"):
+            raise ValueError(f"ShmRoute: when={self.when!r}; expected thread or call")
         self.worker = _Worker() if self.when == "thread" else None
 
     @staticmethod
@@ -141,8 +124,6 @@ class ShmRoute:
                 return work
             work.wait()  # a blocking call waits for the calls queued before it too
             return None
-        if nonblocking and self.when == "wait":
-            return _Deferred(call, args)
         call(*args)
         return _FINISHED if nonblocking else None
 

@@ -115,8 +115,8 @@ MEANINGS: dict[str, str] = {
                        "small or full); "
                        "`auto` (the default) = shm when every dp group lies on one node, else MPI with one line "
                        "saying why (a dp group spanning nodes stays on MPI: the hierarchical step measured no "
-                       "faster on emulated nodes); `mpi` = the MPI library. Measured: the dp step 1.02-1.07x "
-                       "the MPI path at 2-4 ranks (docs/benchmarks.md).",
+                       "faster on emulated nodes); `mpi` = the MPI library. Measured: the dp step 1.00-1.01x "
+                       "the MPI path at 2 ranks, 1.02-1.04x at 4 (3 paired runs each, docs/benchmarks.md).",
     "comm.shm_progress": "When a shared-memory dp reduction (comm.intra_node) runs: `call` = inside the call, in "
                          "the backward hook that starts it (measured fastest on this 2-core machine); `thread` = on "
                          "one worker thread per rank, in order, overlapped with backward (hides ~98% of the "

@@ -17,10 +17,11 @@ from hpctrain.runtime.errors_exit import run_and_exit
 
 
 def _add_info(sub) -> None:
-    p = sub.add_parser("info", help="describe the launch, MPI library, nodes and the dp x pp x tp grid")
+    p = sub.add_parser("info", help="describe the launch, MPI library, nodes and the dp x pp x cp x tp grid")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
-    p.add_argument("--dp", type=int, default=0, help="data-parallel size (default world/(tp*pp))")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
+    p.add_argument("--dp", type=int, default=0, help="data-parallel size (default world/(tp*pp*cp))")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"],
                    help="pipeline schedule, for the bubble report (default 1f1b)")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pp rank (interleaved: >= 2)")
@@ -35,7 +36,8 @@ def _add_info(sub) -> None:
 def _run_info(args) -> int:
     from hpctrain.tools.info import run_info
 
-    return run_info(tp=args.tp, pp=args.pp, dp=args.dp, strict=args.strict_placement, as_json=args.json,
+    return run_info(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, strict=args.strict_placement,
+                    as_json=args.json,
                     schedule=args.schedule, virtual_stages=args.virtual_stages, microbatches=args.microbatches,
                     intra_node=args.intra_node)
 

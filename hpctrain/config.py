@@ -17,7 +17,8 @@ from typing import Any, Iterable
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.presets import MODEL_DEFAULTS, PRESET_KEYS, PRESETS  # noqa: F401 (re-exported)
-from hpctrain.parallel.rules import check_schedule, check_stages  # the layout rules that need no world size
+# the layout rules that need no world size
+from hpctrain.parallel.rules import check_context, check_schedule, check_stages
 from hpctrain.runtime.dtypes import DTYPE_NAMES
 
 
@@ -55,15 +56,17 @@ class ModelConfig:
     positions: str = _field("auto", choices=("auto", "rope", "learned"))  # auto = the preset's (custom: rope)
     norm_eps: float = _field(1e-5, above=0)
     init_std: float = _field(0.02, above=0)
+    attention_window: int = _field(0, min=0)  # sliding-window attention: token t sees t-W+1..t; 0 = full causal
     init_from: str = ""  # HF Llama dir or hpctrain checkpoint: its weights at step 0 (not on resume); "" = random
 
 
 @dataclass
 class ParallelConfig:
     """Process grid and communication settings."""
-    dp: int = _field(0, min=0)  # 0 = world / (tp * pp)
+    dp: int = _field(0, min=0)  # 0 = world / (tp * pp * cp)
     tp: int = _field(1, min=1)
     pp: int = _field(1, min=1)
+    cp: int = _field(1, min=1)  # context parallelism: ranks sharing each sequence (ring attention)
     schedule: str = _field("1f1b", choices=("gpipe", "1f1b", "interleaved"))
     virtual_stages: int = _field(1, min=1)  # model chunks per pp rank (interleaved: >= 2)
     microbatches: int = _field(1, min=1)
@@ -367,6 +370,7 @@ def validate(cfg: Config) -> None:
     try:
         check_schedule(m, p.schedule, p.pp, p.virtual_stages, p.microbatches)
         check_stages(m, p.pp, p.stage_layers, p.virtual_stages)
+        check_context(m, t.seq_len, p.cp, 1)  # the heads over tp: Layout.validate
     except HpcTrainError as exc:
         raise ConfigError(f"config: {exc}") from None
     _require(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")

@@ -1,7 +1,8 @@
 """The process grid: the world factored into named axes, each axis a set of communicators.
 
-Axes run outermost to innermost: ``dp`` (across nodes), ``pp``, ``tp`` (inside a node). A ``cp``
-axis can be slotted in by adding it to ``AXES`` and to ``ProcessGrid.build``'s sizes.
+Axes run outermost to innermost: ``dp`` (across nodes), ``pp``, ``cp``, ``tp`` (inside a node). The
+ranks that hold the same parameters, dp x cp, form one more group, ``dp_cp`` (``replica_axis``): it
+sums gradients and shards ZeRO-1 (it is the dp group itself when cp = 1).
 
 Placement: ranks are ordered by (node, node-local rank), NOT by world rank, and grid coordinates
 are assigned along that order with tp varying fastest. So round-robin placement (even ranks on
@@ -23,7 +24,15 @@ from hpctrain.parallel.rules import resolve_sizes
 from hpctrain.runtime import env
 from hpctrain.runtime.launcher import RankInfo, missing_thread_multiple
 
-AXES = ("dp", "pp", "tp")  # outermost -> innermost
+AXES = ("dp", "pp", "cp", "tp")  # outermost -> innermost
+
+
+def _position(coords: dict[str, int], varying: tuple[str, ...], sizes: dict[str, int]) -> int:
+    """Rank inside the group whose members differ along ``varying`` (outermost first, last fastest)."""
+    position = 0
+    for axis in varying:
+        position = position * sizes[axis] + coords[axis]
+    return position
 
 
 def layout_coordinates(order: list[int], sizes: dict[str, int]) -> dict[int, dict[str, int]]:
@@ -38,7 +47,7 @@ def layout_coordinates(order: list[int], sizes: dict[str, int]) -> dict[int, dic
 
 
 class ProcessGrid:
-    """This rank's view of the dp x pp x tp grid. Built collectively by ``ProcessGrid.build``."""
+    """This rank's view of the dp x pp x cp x tp grid. Built collectively by ``ProcessGrid.build``."""
 
     def __init__(self, info: RankInfo, sizes: dict[str, int], coords: dict[str, int],
                  comms: dict[str, Communicator], crosses_nodes: dict[str, bool], world: Communicator,
@@ -61,7 +70,7 @@ class ProcessGrid:
         if timeout_s is None:
             timeout_s = env.comm_timeout_s(cfg.comm.timeout_s)
         grid = cls.build(info, mpi_world, dp=layout.dp_size, pp=layout.pp_size, tp=layout.tp_size,
-                         strict_placement=p.strict_placement, backend=p.backend, timeout_s=timeout_s,
+                         cp=layout.cp_size, strict_placement=p.strict_placement, backend=p.backend, timeout_s=timeout_s,
                          check=cfg.comm.check)
         grid.layout = layout
         try:
@@ -76,15 +85,16 @@ class ProcessGrid:
         (``choice``; ``progress``: ``comm.shm_progress``); sets and returns ``self.intra_node``: "shm"
         (one node), "shm-hierarchical" (shared memory on each node, MPI between nodes) or "mpi".
         Raises IntraNodeError for "shm"."""
-        self.intra_node = setup_intra_node(self.comm("dp"), self.world, choice, stream,
-                                           node_split=lambda: self.node_split("dp"), progress=progress)
+        axis = self.replica_axis
+        self.intra_node = setup_intra_node(self.comm(axis), self.world, choice, stream,
+                                           node_split=lambda: self.node_split(axis), progress=progress)
         return self.intra_node
 
     @classmethod
-    def build(cls, info: RankInfo, mpi_world=None, dp: int = 0, pp: int = 1, tp: int = 1,
+    def build(cls, info: RankInfo, mpi_world=None, dp: int = 0, pp: int = 1, tp: int = 1, cp: int = 1,
               strict_placement: bool = False, backend: str = "auto", timeout_s: float | None = None,
               check: bool = False, stream=sys.stderr) -> "ProcessGrid":
-        """Collective over the world: split it into dp/pp/tp communicators and verify placement.
+        """Collective over the world: split it into dp/pp/cp/tp (and dp_cp) communicators, verify placement.
 
         Every rank validates the same inputs, so a bad layout raises GridError on every rank with no
         communication (nothing can hang). ``mpi_world``: the mpi4py communicator to split (default
@@ -96,7 +106,7 @@ class ProcessGrid:
         from hpctrain.config import CommConfig
 
         mpi_world = MPI.COMM_WORLD if mpi_world is None else mpi_world
-        sizes = resolve_sizes(info.size, dp=dp, pp=pp, tp=tp)
+        sizes = resolve_sizes(info.size, dp=dp, pp=pp, tp=tp, cp=cp)
         if timeout_s is None:
             timeout_s = env.comm_timeout_s(CommConfig.timeout_s)
         order = sorted(range(info.size), key=lambda r: (info.node_of_rank[r], info.local_rank_of_rank[r]))
@@ -111,23 +121,24 @@ class ProcessGrid:
         warnings = []
 
         comms, crosses_nodes = {}, {}
-        for axis in AXES:
-            others = [a for a in AXES if a != axis]
-            key_of = {r: tuple(c[a] for a in others) for r, c in coords_of.items()}
+        groups = [(axis, (axis,)) for axis in AXES] + ([("dp_cp", ("dp", "cp"))] if sizes["cp"] > 1 else [])
+        for name, varying in groups:  # each group: the ranks that differ only along ``varying``
+            fixed = [a for a in AXES if a not in varying]
+            key_of = {r: tuple(c[a] for a in fixed) for r, c in coords_of.items()}
+            position = {r: _position(c, varying, sizes) for r, c in coords_of.items()}
             colors = sorted(set(key_of.values()))
             mine = key_of[info.rank]
-            members = tuple(sorted((r for r in range(info.size) if key_of[r] == mine),
-                                   key=lambda r: coords_of[r][axis]))
-            mpi_comm = mpi_world.Split(color=colors.index(mine), key=coords_of[info.rank][axis])
-            if mpi_comm.Get_rank() != coords_of[info.rank][axis] or mpi_comm.Get_size() != len(members):
-                raise GridError(f"internal: {axis} communicator rank {mpi_comm.Get_rank()} != coordinate "
-                                f"{coords_of[info.rank][axis]}")
-            crosses_nodes[axis] = len({info.node_of_rank[r] for r in members}) > 1
-            comms[axis] = Communicator(mpi_comm, axis, members, watchdog, stats, backend, check)
+            members = tuple(sorted((r for r in range(info.size) if key_of[r] == mine), key=position.get))
+            mpi_comm = mpi_world.Split(color=colors.index(mine), key=position[info.rank])
+            if mpi_comm.Get_rank() != position[info.rank] or mpi_comm.Get_size() != len(members):
+                raise GridError(f"internal: {name} communicator rank {mpi_comm.Get_rank()} != coordinate "
+                                f"{position[info.rank]}")
+            crosses_nodes[name] = len({info.node_of_rank[r] for r in members}) > 1
+            comms[name] = Communicator(mpi_comm, name, members, watchdog, stats, backend, check)
 
         tp_nodes: dict[tuple, set] = {}
         for r, c in coords_of.items():
-            tp_nodes.setdefault((c["dp"], c["pp"]), set()).add(info.node_of_rank[r])
+            tp_nodes.setdefault((c["dp"], c["pp"], c["cp"]), set()).add(info.node_of_rank[r])
         bad_tp = any(len(nodes) > 1 for nodes in tp_nodes.values())
         if bad_tp:
             per_node = sorted(set(info.node_of_rank.count(n) for n in range(info.num_nodes)))
@@ -139,13 +150,28 @@ class ProcessGrid:
             warnings.append(message)
             if info.rank == 0:
                 print(f"hpctrain: WARNING: {message}", file=stream, flush=True)
+        if sizes["cp"] > 1 and crosses_nodes["cp"] and not bad_tp:
+            message = (f"context-parallel groups span nodes (cp={cp}, tp={tp}): ring attention passes every "
+                       f"layer's K/V over the inter-node network; cp x tp dividing the ranks per node keeps it inside")
+            warnings.append(message)
+            if info.rank == 0:
+                print(f"hpctrain: WARNING: {message}", file=stream, flush=True)
 
         world = Communicator(mpi_world, "world", tuple(range(info.size)), watchdog, stats, backend, check)
         return cls(info, sizes, coords_of[info.rank], comms, crosses_nodes, world, watchdog, stats, warnings)
 
     def comm(self, axis: str) -> Communicator:
-        """The one accessor for a group's communicator: ``axis`` is "dp", "pp", "tp" or "world"."""
+        """The one accessor for a group's communicator: ``axis`` is "dp", "pp", "cp", "tp", "dp_cp" (the
+        dp group when cp = 1) or "world"."""
+        if axis == "dp_cp" and axis not in self._comms:
+            return self._comms["dp"]
         return self.world if axis == "world" else self._comms[axis]
+
+    @property
+    def replica_axis(self) -> str:
+        """The group of the ranks holding the same parameters: "dp", or "dp_cp" with context parallelism
+        (gradient sums, ZeRO-1 shards, the loss's sum, shared-memory reduction, compression)."""
+        return "dp_cp" if self.sizes["cp"] > 1 else "dp"
 
     def node_split(self, axis: str):
         """Collective over the ``axis`` group: ((intra, inter), problem). ``intra``: the group's members
@@ -199,21 +225,25 @@ class ProcessGrid:
         communicators are created here, in one fixed order on every rank, never lazily inside a
         point-to-point call that only two ranks make). Returns {axis: backend name}."""
         self.device = device
-        return {axis: self.comm(axis).prepare_device(device) for axis in (*AXES, "world")}
+        return {axis: self.comm(axis).prepare_device(device) for axis in self._axes_and_world()}
 
     def describe(self) -> dict:
         """This rank's record for ``hpctrain info --json``."""
         record = {"rank": self.info.rank, "node": self.info.node, "hostname": self.info.hostname,
                   "local_rank": self.info.local_rank}
         record.update(self.coords)
-        for axis in AXES:
+        for axis in self._comms:
             record[f"{axis}_group"] = list(self._comms[axis].members)
-        record["crosses_nodes"] = [a for a in AXES if self.crosses_nodes[a]]
+        record["crosses_nodes"] = [a for a in self._comms if self.crosses_nodes[a]]
         return record
 
     def communicators(self) -> list[Communicator]:
         """Every communicator of this grid: the axes, the world, and node splits made since."""
-        return [self.comm(axis) for axis in (*AXES, "world")] + self._extra
+        return [self.comm(axis) for axis in self._axes_and_world()] + self._extra
+
+    def _axes_and_world(self) -> list[str]:
+        """The grid's groups in one fixed order: the axes, dp_cp when built, the world."""
+        return [*self._comms, "world"]
 
     def set_trace(self, recorder) -> None:
         """Record every call of every group into ``recorder`` (a TraceRecorder; None stops)."""

@@ -1,9 +1,12 @@
 """Decoder-only GPT built only from tensor-parallel layers; one pipeline stage per instance.
 
-RMSNorm, grouped-query causal attention, optional tied embeddings; ``model.positions``: rotary ("rope",
+RMSNorm, grouped-query causal attention (``model.attention_window`` W > 0: sliding window, token t sees
+t-W+1..t), optional tied embeddings; ``model.positions``: rotary ("rope",
 Llama) or a learned absolute table added to the token embedding ("learned", GPT-2/3); ``model.mlp``:
 SwiGLU ("swiglu", Llama) or GELU ("gelu", GPT: up, tanh-approximated GELU as GPT-2 and Megatron, down).
-Activations are ``[S, B, D]`` (``[S/tp, B, D]`` between blocks with sequence parallelism).
+Activations are ``[S, B, D]`` (``[S/tp, B, D]`` between blocks with sequence parallelism). With context
+parallelism (``cp_comm`` of size cp > 1) S is this cp rank's S_global/cp tokens in zig-zag order
+(hpctrain/parallel/context_parallel.py): positions are the global ones, attention is a ring over cp.
 Every parameter's initial value is its slab of a global tensor drawn from (seed, name), so every
 (dp, tp, pp) layout starts from the same model.
 """
@@ -18,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hpctrain.config import resolve_model
 from hpctrain.models.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
+from hpctrain.parallel.context_parallel import causal_window_mask, ring_attention, zigzag_positions
 from hpctrain.parallel.rules import check_tp_divisibility, padded_vocab
 from hpctrain.parallel.slab import init_from_global_, make_spec
 from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -40,11 +44,20 @@ class RMSNorm(nn.Module):
         return y.to(x.dtype) * self.weight
 
 
-def rotary(x, theta: float):
-    """Rotate pairs of channels of x [S, B, H, hd] by position (positions 0..S-1)."""
+def local_positions(seq: int, cp_comm, device=None) -> torch.Tensor | None:
+    """Global positions [seq] (int64) of this cp rank's ``seq`` local tokens; None without context
+    parallelism (positions 0..seq-1)."""
+    if cp_comm is None or cp_comm.size == 1:
+        return None
+    return zigzag_positions(seq * cp_comm.size, cp_comm.rank, cp_comm.size, device=device)
+
+
+def rotary(x, theta: float, positions: torch.Tensor | None = None):
+    """Rotate pairs of channels of x [S, B, H, hd] by position (``positions`` [S]; None: 0..S-1)."""
     seq, half = x.shape[0], x.shape[-1] // 2
     freqs = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
-    angles = torch.arange(seq, dtype=torch.float64, device=x.device)[:, None] * freqs[None, :]
+    where = torch.arange(seq, device=x.device) if positions is None else positions
+    angles = where.to(torch.float64)[:, None] * freqs[None, :]
     cos = angles.cos().to(x.dtype)[:, None, None, :]
     sin = angles.sin().to(x.dtype)[:, None, None, :]
     x1, x2 = x[..., :half], x[..., half:]
@@ -52,14 +65,17 @@ def rotary(x, theta: float):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention; this TP rank holds n_heads/tp query and n_kv_heads/tp KV heads."""
+    """Causal grouped-query attention; this TP rank holds n_heads/tp query and n_kv_heads/tp KV heads.
+    One rank of the sequence: SDPA (with a mask for a sliding window); a cp group: ring attention on it."""
 
-    def __init__(self, name, m, tp_comm, sp, dtype, seed):
+    def __init__(self, name, m, tp_comm, sp, dtype, seed, cp_comm=None):
         super().__init__()
         tp_size = 1 if tp_comm is None else tp_comm.size
         self.head_dim = m.d_model // m.n_heads
         self.local_heads, self.local_kv = m.n_heads // tp_size, m.n_kv_heads // tp_size
         self.theta, self.sp, self.tp_comm = m.rope_theta, sp, tp_comm
+        self.window = m.attention_window
+        self.cp_comm = cp_comm if cp_comm is not None and cp_comm.size > 1 else None
         self.rope = m.positions == "rope"  # learned positions are added to the embedding instead
         kw = dict(dtype=dtype, seed=seed, std=m.init_std)
         kv_out = m.n_kv_heads * self.head_dim
@@ -76,13 +92,20 @@ class Attention(nn.Module):
         q = self.wq(x).view(seq, batch, self.local_heads, self.head_dim)
         k = self.wk(x).view(seq, batch, self.local_kv, self.head_dim)
         v = self.wv(x).view(seq, batch, self.local_kv, self.head_dim)
+        positions = local_positions(seq, self.cp_comm, x.device)
         if self.rope:
-            q, k = rotary(q, self.theta), rotary(k, self.theta)
-        group = self.local_heads // self.local_kv
-        q = q.permute(1, 2, 0, 3)  # [B, H, S, hd]
-        k = k.permute(1, 2, 0, 3).repeat_interleave(group, dim=1)
-        v = v.permute(1, 2, 0, 3).repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            q, k = rotary(q, self.theta, positions), rotary(k, self.theta, positions)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, H, S, hd]
+        if self.cp_comm is not None:
+            out = ring_attention(q, k, v, self.cp_comm, window=self.window)
+        else:
+            group = self.local_heads // self.local_kv
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            if 0 < self.window < seq:
+                where = torch.arange(seq, device=x.device)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_window_mask(where, where, self.window))
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.permute(2, 0, 1, 3).reshape(seq, batch, self.local_heads * self.head_dim))
 
 
@@ -110,28 +133,33 @@ class LearnedPositions(nn.Module):
     """GPT's absolute position table ``pos_embed.weight`` [max_seq_len, D], replicated over TP, added to the
     token embedding on the first stage. With sequence parallelism the embedding is this tp rank's sequence
     chunk [S/tp, B, D], positions ``tp_rank * S/tp`` onwards, and the table's gradient is partial per tp rank
-    (summed over TP like the norms'); without it every tp rank adds all S positions and gets the whole grad."""
+    (summed over TP like the norms'); without it every tp rank adds all S positions and gets the whole grad.
+    With context parallelism the positions are those of this cp rank's zig-zag tokens (then the tp chunk)."""
 
-    def __init__(self, m, tp_comm, sp, dtype, seed):
+    def __init__(self, m, tp_comm, sp, dtype, seed, cp_comm=None):
         super().__init__()
         split_seq = bool(sp and tp_comm is not None and tp_comm.size > 1)
         spec = make_spec("pos_embed.weight", (m.max_seq_len, m.d_model), None, tp_comm, sp_partial_grad=split_seq)
         self.weight = nn.Parameter(torch.empty(spec.local_shape, dtype=dtype))
         init_from_global_(self.weight, spec, seed, m.init_std)
         self.weight.spec = spec
-        self.chunk_index = tp_comm.rank if split_seq else 0
+        self.chunk_index, self.split_over = (tp_comm.rank, tp_comm.size) if split_seq else (0, 1)
+        self.cp_comm = cp_comm
 
     def forward(self, x):
         """x [S_local, B, D] -> x + the table's rows of this rank's positions."""
         start = self.chunk_index * x.shape[0]
-        return x + self.weight[start:start + x.shape[0]].unsqueeze(1)
+        positions = local_positions(x.shape[0] * self.split_over, self.cp_comm, x.device)
+        if positions is None:
+            return x + self.weight[start:start + x.shape[0]].unsqueeze(1)
+        return x + self.weight[positions[start:start + x.shape[0]]].unsqueeze(1)
 
 
 class Block(nn.Module):
-    def __init__(self, name, m, tp_comm, sp, dtype, seed):
+    def __init__(self, name, m, tp_comm, sp, dtype, seed, cp_comm=None):
         super().__init__()
         self.attn_norm = RMSNorm(f"{name}.attn_norm", m.d_model, m.norm_eps, tp_comm, sp, dtype)
-        self.attn = Attention(f"{name}.attn", m, tp_comm, sp, dtype, seed)
+        self.attn = Attention(f"{name}.attn", m, tp_comm, sp, dtype, seed, cp_comm)
         self.mlp_norm = RMSNorm(f"{name}.mlp_norm", m.d_model, m.norm_eps, tp_comm, sp, dtype)
         self.mlp = MLP(f"{name}.mlp", m, tp_comm, sp, dtype, seed)
 
@@ -152,7 +180,7 @@ class GPTStage(nn.Module):
     """
 
     def __init__(self, m, layer_range: tuple[int, int], *, is_first: bool, is_last: bool, tp_comm=None,
-                 sp: bool = False, dtype=torch.float32, seed: int = 0, recompute: bool = False):
+                 sp: bool = False, dtype=torch.float32, seed: int = 0, recompute: bool = False, cp_comm=None):
         super().__init__()
         m = resolve_model(m)  # a preset's mlp/positions/tie_embeddings
         tp_size = 1 if tp_comm is None else tp_comm.size
@@ -166,8 +194,8 @@ class GPTStage(nn.Module):
             if m.tie_embeddings and not is_last:  # pp > 1: the last stage holds a copy
                 self.embed.weight.spec = replace(self.embed.weight.spec, tied="original")
             if m.positions == "learned":
-                self.pos_embed = LearnedPositions(m, tp_comm, sp, dtype, seed)
-        self.layers = nn.ModuleDict({str(i): Block(f"layers.{i}", m, tp_comm, sp, dtype, seed)
+                self.pos_embed = LearnedPositions(m, tp_comm, sp, dtype, seed, cp_comm)
+        self.layers = nn.ModuleDict({str(i): Block(f"layers.{i}", m, tp_comm, sp, dtype, seed, cp_comm)
                                      for i in range(*layer_range)})
         if is_last:
             self.norm = RMSNorm("norm", m.d_model, m.norm_eps, tp_comm, sp, dtype)

@@ -1,7 +1,7 @@
-"""The parallel layout of a run: the sizes of dp x pp x tp and how a global batch is cut.
+"""The parallel layout of a run: the sizes of dp x pp x cp x tp and how a global batch is cut.
 
 ``Layout.from_config(cfg, world_size)`` reads the sizes (``parallel.dp = 0`` is derived as
-world / (tp * pp)) and validates them with the rules of ``rules.py``; the process grid, the model,
+world / (tp * pp * cp)) and validates them with the rules of ``rules.py``; the process grid, the model,
 the trainer and the planner all take their sizes and derived quantities from it, so a rule is
 written once and tested without MPI (tests/unit/test_layout.py). Pure arithmetic: no mpi4py, no torch.
 """
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from hpctrain.config import resolve_model
 from hpctrain.parallel.rules import LayoutError  # noqa: F401 (re-exported)
-from hpctrain.parallel.rules import (check_batch, check_schedule, check_stages, check_tp_divisibility,
-                                    resolve_sizes)
+from hpctrain.parallel.rules import (check_batch, check_context, check_cp_chunks, check_schedule,
+                                    check_stages, check_tp_divisibility, resolve_sizes)
 
 
 def divisors(n: int) -> list[int]:
@@ -36,30 +36,36 @@ class Layout:
     schedule: str = "1f1b"
     stage_layers: tuple[int, ...] = field(default_factory=tuple)
     virtual_stages: int = 1  # model chunks per pp rank (interleaved schedule)
+    cp_size: int = 1  # context parallelism: ranks sharing each sequence (zig-zag chunks, ring attention)
 
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "Layout":
         """The validated layout of ``cfg`` on ``world_size`` ranks (raises on the first broken rule)."""
         p, t = cfg.parallel, cfg.train
-        sizes = resolve_sizes(world_size, dp=p.dp, pp=p.pp, tp=p.tp)
+        sizes = resolve_sizes(world_size, dp=p.dp, pp=p.pp, tp=p.tp, cp=p.cp)
         layout = cls(world_size, sizes["dp"], sizes["pp"], sizes["tp"], p.microbatches, t.global_batch,
-                     t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers), p.virtual_stages)
+                     t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers), p.virtual_stages,
+                     sizes["cp"])
         layout.validate(resolve_model(cfg.model))
         return layout
 
     def validate(self, model=None) -> None:
         """Raise on the first broken rule; ``model`` (a resolved ModelConfig) adds the model rules."""
-        resolve_sizes(self.world_size, self.dp_size, self.pp_size, self.tp_size)
+        resolve_sizes(self.world_size, self.dp_size, self.pp_size, self.tp_size, self.cp_size)
         if model is not None:
             check_tp_divisibility(model, self.tp_size)
             check_schedule(model, self.schedule, self.pp_size, self.virtual_stages, self.microbatches)
             check_stages(model, self.pp_size, list(self.stage_layers), self.virtual_stages)
+            check_context(model, self.seq_len, self.cp_size, self.tp_size)
+        else:
+            check_cp_chunks(self.seq_len, self.cp_size)
         check_batch(self.global_batch, self.microbatches, self.seq_len, self.dp_size, self.tp_size,
-                    self.sequence_parallel)
+                    self.sequence_parallel, self.cp_size)
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {"dp": self.dp_size, "pp": self.pp_size, "tp": self.tp_size}
+        """{"dp", "pp", "cp", "tp"}: the grid's axes, outermost to innermost."""
+        return {"dp": self.dp_size, "pp": self.pp_size, "cp": self.cp_size, "tp": self.tp_size}
 
     @property
     def local_batch(self) -> int:
@@ -72,6 +78,12 @@ class Layout:
         return self.local_batch // self.microbatches
 
     @property
+    def replica_size(self) -> int:
+        """Ranks holding the same parameters: dp x cp (gradients are summed and ZeRO-1 shards over them)."""
+        return self.dp_size * self.cp_size
+
+    @property
     def seq_chunk(self) -> int:
-        """Tokens per rank along the sequence between tensor-parallel layers (seq_len / tp with SP)."""
-        return self.seq_len // self.tp_size if self.sequence_parallel else self.seq_len
+        """Tokens per rank along the sequence between tensor-parallel layers: seq_len / cp (/ tp with SP)."""
+        local = self.seq_len // self.cp_size
+        return local // self.tp_size if self.sequence_parallel else local

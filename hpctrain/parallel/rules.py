@@ -1,20 +1,23 @@
 """The rules of a parallel layout: sizes, model and batch in, a clear error out (pure arithmetic).
 
-One place for every rule about dp x pp x tp, micro-batches and stages; ``Layout`` (``layout.py``)
+One place for every rule about dp x pp x cp x tp, micro-batches, stages and context parallelism; ``Layout`` (``layout.py``)
 applies them to a run's configuration, and ``validate`` in ``hpctrain/config.py`` applies the stage
 rules, which need no world size, when the configuration is loaded. No config, no mpi4py, no torch:
 the functions take numbers and a resolved ``ModelConfig``-like object (tests/unit/test_layout.py).
 
 Rules, in the order ``Layout.validate`` checks them (each raises the message users see; ``GridError``
 for the factorisation of the world, ``LayoutError`` for the rest):
-  sizes: tp, pp >= 1; dp >= 0; dp * pp * tp == world (dp = 0 derives it; world divisible by tp * pp)
+  sizes: tp, pp, cp >= 1; dp >= 0; dp * pp * cp * tp == world (dp = 0 derives it; world divisible by
+         tp * pp * cp)
   schedule: virtual_stages > 1 only with interleaved; interleaved: virtual_stages >= 2, pp >= 2,
          pp * virtual_stages <= n_layers, micro-batches a multiple of pp
   model: n_heads, n_kv_heads, d_ff divisible by tp (the vocabulary is padded: ``padded_vocab``);
          pp <= n_layers;
          stage_layers (if given) has pp (x virtual_stages) entries >= 1 summing to n_layers
   batch: global_batch divisible by dp; the replica batch divisible by micro-batches;
-         with sequence parallelism, seq_len divisible by tp
+         with sequence parallelism, seq_len (/ cp) divisible by tp
+  context: seq_len divisible by 2 x cp (the zig-zag chunks); model.attention_window <= seq_len;
+         with cp > 1 the query heads of a tp rank a multiple of its KV heads (ring attention's GQA)
 """
 from __future__ import annotations
 
@@ -27,22 +30,26 @@ class LayoutError(HpcTrainError):
     everywhere = True
 
 
-def resolve_sizes(world_size: int, dp: int = 0, pp: int = 1, tp: int = 1) -> dict[str, int]:
-    """Validate the requested factorisation; ``dp=0`` means world_size / (pp*tp). Raises GridError."""
-    for name, value in (("tp", tp), ("pp", pp)):
+def resolve_sizes(world_size: int, dp: int = 0, pp: int = 1, tp: int = 1, cp: int = 1) -> dict[str, int]:
+    """Validate the requested factorisation; ``dp=0`` means world_size / (pp*cp*tp). Raises GridError.
+    Returns {"dp", "pp", "cp", "tp"} (outermost to innermost)."""
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
         if not isinstance(value, int) or value < 1:
             raise GridError(f"parallel.{name} must be a positive integer, got {value!r}")
     if not isinstance(dp, int) or dp < 0:
         raise GridError(f"parallel.dp must be a positive integer (or 0 for world/(tp*pp)), got {dp!r}")
+    names, values = ("tp*pp", f"{tp}*{pp}") if cp == 1 else ("tp*pp*cp", f"{tp}*{pp}*{cp}")
+    model = tp * pp * cp
     if dp == 0:
-        if world_size % (tp * pp):
-            raise GridError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
-                            f"launch a multiple of {tp * pp} ranks or change tp/pp")
-        dp = world_size // (tp * pp)
-    if dp * pp * tp != world_size:
-        raise GridError(f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} but the job has {world_size} ranks; "
-                        f"launch {dp * pp * tp} ranks or set parallel.dp=0 to derive dp")
-    return {"dp": dp, "pp": pp, "tp": tp}
+        if world_size % model:
+            raise GridError(f"world size {world_size} is not divisible by {names} = {values} = {model}; "
+                            f"launch a multiple of {model} ranks or change {names.replace('*', '/')}")
+        dp = world_size // model
+    if dp * model != world_size:
+        product = f"dp*pp*tp = {dp}*{pp}*{tp}" if cp == 1 else f"dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp}"
+        raise GridError(f"{product} = {dp * model} but the job has {world_size} ranks; "
+                        f"launch {dp * model} ranks or set parallel.dp=0 to derive dp")
+    return {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
 
 
 def padded_vocab(m, tp_size: int) -> int:
@@ -103,12 +110,40 @@ def check_stages(m, pp_size: int, stage_layers: list[int], virtual_stages: int =
 
 
 def check_batch(global_batch: int, microbatches: int, seq_len: int, dp_size: int, tp_size: int,
-                sequence_parallel: bool) -> None:
-    """The global batch splits over dp replicas, then into micro-batches; SP splits the sequence over tp."""
+                sequence_parallel: bool, cp_size: int = 1) -> None:
+    """The global batch splits over dp replicas, then into micro-batches; SP splits the (cp rank's) sequence
+    over tp."""
     if global_batch % dp_size:
         raise LayoutError(f"train.global_batch={global_batch} is not divisible by dp={dp_size}")
     if (global_batch // dp_size) % microbatches:
         raise LayoutError(f"the per-replica batch {global_batch // dp_size} (train.global_batch/dp) is not "
                             f"divisible by parallel.microbatches={microbatches}")
-    if sequence_parallel and seq_len % tp_size:
-        raise LayoutError(f"sequence parallelism needs train.seq_len={seq_len} divisible by tp={tp_size}")
+    if sequence_parallel and (seq_len // cp_size) % tp_size:
+        what = f"train.seq_len={seq_len}" if cp_size == 1 else \
+            f"each cp rank's tokens train.seq_len/cp = {seq_len}/{cp_size} = {seq_len // cp_size}"
+        raise LayoutError(f"sequence parallelism needs {what} divisible by tp={tp_size}")
+
+
+def check_cp_chunks(seq_len: int, cp_size: int) -> None:
+    """Each cp rank holds 2 of the 2 x cp chunks of every sequence."""
+    if cp_size > 1 and seq_len % (2 * cp_size):
+        raise LayoutError(f"train.seq_len={seq_len} must be divisible by 2 x parallel.cp = {2 * cp_size}: each "
+                          f"cp rank holds 2 of the 2 x cp sequence chunks (the load-balanced zig-zag split)")
+
+
+def check_context(m, seq_len: int, cp_size: int, tp_size: int) -> None:
+    """Context parallelism cuts every sequence into 2 x cp zig-zag chunks; a sliding window must fit the
+    sequence; ring attention serves each tp rank's query heads from its KV heads (GQA groups whole)."""
+    window = getattr(m, "attention_window", 0)
+    if window > seq_len:
+        raise LayoutError(f"model.attention_window={window} is larger than the sequence train.seq_len={seq_len}: "
+                          f"a window covering the whole sequence is full causal attention, set "
+                          f"model.attention_window=0")
+    check_cp_chunks(seq_len, cp_size)
+    if cp_size == 1:
+        return
+    heads, kv_heads = m.n_heads // tp_size, m.n_kv_heads // tp_size
+    if kv_heads < 1 or heads % kv_heads:
+        raise LayoutError(f"parallel.cp={cp_size} with model.n_heads={m.n_heads}, model.n_kv_heads={m.n_kv_heads} "
+                          f"over tp={tp_size}: ring attention needs each tp rank's query heads ({heads}) a multiple "
+                          f"of its KV heads ({kv_heads})")

@@ -59,6 +59,9 @@ MEANINGS: dict[str, str] = {
                        "`rope`). An architecture key; Hugging Face export/import needs `swiglu` + `rope`.",
     "model.norm_eps": "Epsilon of RMSNorm.",
     "model.init_std": "Standard deviation of the normal initialisation of every matrix (norm weights start at 1).",
+    "model.attention_window": "Sliding-window attention (Mistral's sliding_window): token t attends to "
+                              "t-W+1..t. 0 = full causal. At most train.seq_len. With parallel.cp > 1 the ring "
+                              "skips the blocks entirely outside every query's window.",
     "model.init_from": "Start a fresh run from these weights instead of a random initialisation: a Hugging Face "
                        "Llama directory (config.json + safetensors) or an hpctrain checkpoint (step, checkpoints or "
                        "run directory). Any layout; each rank reads only its slabs. The model.* keys must describe "
@@ -66,11 +69,15 @@ MEANINGS: dict[str, str] = {
                        "requeued job continues from its own checkpoint. Optimizer state starts fresh. See "
                        "docs/models-and-data.md.",
     # [parallel]
-    "parallel.dp": "Data-parallel replicas. 0 = world size / (tp x pp); otherwise dp x tp x pp must equal the "
-                   "number of ranks.",
+    "parallel.dp": "Data-parallel replicas. 0 = world size / (tp x pp x cp); otherwise dp x pp x cp x tp must "
+                   "equal the number of ranks.",
     "parallel.tp": "Tensor-parallel ranks per layer (heads, MLP and vocabulary split; Megatron style). Keep it "
                    "within a node.",
     "parallel.pp": "Pipeline stages (consecutive layers per stage).",
+    "parallel.cp": "Context parallelism: ranks sharing each sequence. Each holds 2 of the 2 x cp chunks (chunk i "
+                   "and 2cp-1-i, so causal work is even) and attention is a ring: K/V blocks pass around the cp "
+                   "group while blocks compute. train.seq_len must be divisible by 2 x cp. Gradients are summed "
+                   "and ZeRO-1 shards over dp x cp. Placed inside a node with tp when cp x tp fits.",
     "parallel.schedule": "Pipeline schedule: `gpipe` (all forwards, then all backwards), `1f1b` (same bubble, "
                          "at most pp - s micro-batches of activations held on stage s) or `interleaved` "
                          "(Megatron's interleaved 1F1B over `virtual_stages` model chunks per rank: the bubble "

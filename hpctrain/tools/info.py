@@ -31,12 +31,12 @@ def pipeline_report(pp: int, schedule: str = "1f1b", virtual_stages: int = 1, mi
 
 
 def collect_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False,
-                 pipeline: dict | None = None, intra_node: str = "auto") -> tuple[dict | None, ProcessGrid]:
+                 pipeline: dict | None = None, intra_node: str = "auto", cp: int = 1) -> tuple[dict | None, ProcessGrid]:
     """Collective: build the grid and gather every rank's record on rank 0 (None elsewhere). ``pipeline``:
     ``pipeline_report``'s, reported as is. ``intra_node``: comm.intra_node, set up as training would
     (``dp_reduction``: "shm", "shm-hierarchical" or "mpi"; "shm" that cannot run raises IntraNodeError)."""
     info = discover()
-    grid = ProcessGrid.build(info, dp=dp, pp=pp, tp=tp, strict_placement=strict)
+    grid = ProcessGrid.build(info, dp=dp, pp=pp, tp=tp, cp=cp, strict_placement=strict)
     try:
         grid.use_intra_node(intra_node)
     except Exception:
@@ -66,9 +66,10 @@ def collect_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False,
 
 def run_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False, as_json: bool = False,
              stream=sys.stdout, schedule: str = "1f1b", virtual_stages: int = 1, microbatches: int = 0,
-             intra_node: str = "auto") -> int:
+             intra_node: str = "auto", cp: int = 1) -> int:
     pipeline = pipeline_report(pp, schedule, virtual_stages, microbatches)
-    document, grid = collect_info(tp=tp, pp=pp, dp=dp, strict=strict, pipeline=pipeline, intra_node=intra_node)
+    document, grid = collect_info(tp=tp, pp=pp, dp=dp, strict=strict, pipeline=pipeline, intra_node=intra_node,
+                                  cp=cp)
     grid.close()
     if document is None:
         return 0
@@ -90,9 +91,11 @@ def run_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False, as_jso
           + (f" ({ROUTES[document['dp_reduction']]})" if document["dp_reduction"] in ROUTES else ""), file=stream)
     if document["groups_crossing_nodes"]:
         print(f"groups crossing nodes: {', '.join(document['groups_crossing_nodes'])}", file=stream)
-    header = f"{'rank':>5} {'node':>5} {'local':>5} {'dp':>3} {'pp':>3} {'tp':>3}  dp_group / pp_group / tp_group"
+    axes = [a for a in AXES if a != "cp" or document["layout"]["cp"] > 1]  # cp's columns when it is used
+    header = f"{'rank':>5} {'node':>5} {'local':>5} " + " ".join(f"{a:>3}" for a in axes) + "  " + \
+        " / ".join(f"{a}_group" for a in axes)
     print(header, file=stream)
     for r in document["ranks"]:
-        print(f"{r['rank']:>5} {r['node']:>5} {r['local_rank']:>5} {r['dp']:>3} {r['pp']:>3} {r['tp']:>3}  "
-              f"{r['dp_group']} / {r['pp_group']} / {r['tp_group']}", file=stream)
+        print(f"{r['rank']:>5} {r['node']:>5} {r['local_rank']:>5} " + " ".join(f"{r[a]:>3}" for a in axes) + "  " +
+              " / ".join(str(r[f"{a}_group"]) for a in axes), file=stream)
     return 0

@@ -14,7 +14,7 @@ def info_json(nprocs, *args, **kwargs):
 def check_grid(doc, dp, pp, tp):
     ranks = {r["rank"]: r for r in doc["ranks"]}
     assert sorted(ranks) == list(range(dp * pp * tp))
-    assert doc["layout"] == {"dp": dp, "pp": pp, "tp": tp}
+    assert doc["layout"] == {"dp": dp, "pp": pp, "cp": 1, "tp": tp}
     for axis, size in (("dp", dp), ("pp", pp), ("tp", tp)):
         for r in ranks.values():
             group = r[f"{axis}_group"]

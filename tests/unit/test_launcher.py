@@ -42,9 +42,12 @@ def test_rank_mismatch_and_local_rank_note():
 
 
 def test_resolve_sizes():
-    assert resolve_sizes(8, tp=2, pp=2) == {"dp": 2, "pp": 2, "tp": 2}
-    assert resolve_sizes(8, dp=8) == {"dp": 8, "pp": 1, "tp": 1}
-    for kwargs, msg in [({"tp": 3}, "not divisible"), ({"dp": 3}, "launch 3 ranks"), ({"pp": -1}, "parallel.pp")]:
+    assert resolve_sizes(8, tp=2, pp=2) == {"dp": 2, "pp": 2, "cp": 1, "tp": 2}
+    assert resolve_sizes(8, dp=8) == {"dp": 8, "pp": 1, "cp": 1, "tp": 1}
+    assert resolve_sizes(8, tp=2, cp=2) == {"dp": 2, "pp": 1, "cp": 2, "tp": 2}
+    for kwargs, msg in [({"tp": 3}, "not divisible"), ({"dp": 3}, "launch 3 ranks"), ({"pp": -1}, "parallel.pp"),
+                        ({"cp": 3}, r"tp\*pp\*cp = 1\*1\*3"), ({"cp": 0}, "parallel.cp"),
+                        ({"dp": 2, "cp": 2}, r"dp\*pp\*cp\*tp = 2\*1\*2\*1 = 4")]:
         with pytest.raises(GridError, match=msg):
             resolve_sizes(8, **kwargs)
 
@@ -52,6 +55,10 @@ def test_resolve_sizes():
 def test_layout_coordinates_follow_the_placement_order():
     # round-robin: node 0 holds 0,2,4,6 ; node 1 holds 1,3,5,7 -> order groups them by node
     order = [0, 2, 4, 6, 1, 3, 5, 7]
-    coords = layout_coordinates(order, {"dp": 2, "pp": 2, "tp": 2})
-    assert coords[0] == {"dp": 0, "pp": 0, "tp": 0} and coords[2] == {"dp": 0, "pp": 0, "tp": 1}
-    assert coords[1] == {"dp": 1, "pp": 0, "tp": 0} and coords[7] == {"dp": 1, "pp": 1, "tp": 1}
+    coords = layout_coordinates(order, {"dp": 2, "pp": 2, "cp": 1, "tp": 2})
+    assert coords[0] == {"dp": 0, "pp": 0, "cp": 0, "tp": 0} and coords[2] == {"dp": 0, "pp": 0, "cp": 0, "tp": 1}
+    assert coords[1] == {"dp": 1, "pp": 0, "cp": 0, "tp": 0} and coords[7] == {"dp": 1, "pp": 1, "cp": 0, "tp": 1}
+    # cp sits between pp and tp: cp x tp blocks are consecutive in the placement order (inside a node)
+    coords = layout_coordinates(list(range(8)), {"dp": 2, "pp": 1, "cp": 2, "tp": 2})
+    assert [coords[r]["cp"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [coords[r]["dp"] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]

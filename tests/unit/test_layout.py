@@ -96,7 +96,7 @@ def test_interleaved_layout_and_its_layers():
 def test_derived_sizes():
     lay = layout(8, "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "train.global_batch=8",
                  "parallel.sequence_parallel=true", "train.seq_len=64")
-    assert lay.sizes == {"dp": 2, "pp": 2, "tp": 2}
+    assert lay.sizes == {"dp": 2, "pp": 2, "cp": 1, "tp": 2}
     assert (lay.local_batch, lay.micro_batch, lay.seq_chunk) == (4, 2, 32)
     one = ["parallel.tp=1", "parallel.pp=1", "parallel.microbatches=1"]
     assert layout(4, *one, "train.seq_len=64").seq_chunk == 64

@@ -370,7 +370,7 @@ def validate(cfg: Config) -> None:
     try:
         check_schedule(m, p.schedule, p.pp, p.virtual_stages, p.microbatches)
         check_stages(m, p.pp, p.stage_layers, p.virtual_stages)
-        check_context(m, t.seq_len, p.cp, 1)  # the heads over tp: Layout.validate
+        check_context(m, t.seq_len, p.cp)
     except HpcTrainError as exc:
         raise ConfigError(f"config: {exc}") from None
     _require(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")

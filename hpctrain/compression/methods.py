@@ -24,7 +24,7 @@ def build_reducer(cfg, flat, grid, seed: int = 0, stream=sys.stderr) -> GradRedu
         return DenseReducer(flat)
     node_comms = None
     if cfg.scope == "inter-node":
-        node_comms, problem = grid.node_split("dp")
+        node_comms, problem = grid.node_split(grid.replica_axis)  # dp, or dp x cp
         if problem and grid.info.rank == 0:
             print(f"hpctrain: WARNING: compression.scope='inter-node': {problem}; compressing every dp link "
                   f"instead", file=stream, flush=True)

@@ -16,8 +16,7 @@ for the factorisation of the world, ``LayoutError`` for the rest):
          stage_layers (if given) has pp (x virtual_stages) entries >= 1 summing to n_layers
   batch: global_batch divisible by dp; the replica batch divisible by micro-batches;
          with sequence parallelism, seq_len (/ cp) divisible by tp
-  context: seq_len divisible by 2 x cp (the zig-zag chunks); model.attention_window <= seq_len;
-         with cp > 1 the query heads of a tp rank a multiple of its KV heads (ring attention's GQA)
+  context: seq_len divisible by 2 x cp (the zig-zag chunks); model.attention_window <= seq_len
 """
 from __future__ import annotations
 
@@ -131,19 +130,13 @@ def check_cp_chunks(seq_len: int, cp_size: int) -> None:
                           f"cp rank holds 2 of the 2 x cp sequence chunks (the load-balanced zig-zag split)")
 
 
-def check_context(m, seq_len: int, cp_size: int, tp_size: int) -> None:
+def check_context(m, seq_len: int, cp_size: int, tp_size: int = 1) -> None:
     """Context parallelism cuts every sequence into 2 x cp zig-zag chunks; a sliding window must fit the
-    sequence; ring attention serves each tp rank's query heads from its KV heads (GQA groups whole)."""
+    sequence. (The heads split over tp only, checked by ``check_tp_divisibility``: the ring keeps each tp
+    rank's GQA groups whole, since n_heads / n_kv_heads is an integer.)"""
     window = getattr(m, "attention_window", 0)
     if window > seq_len:
         raise LayoutError(f"model.attention_window={window} is larger than the sequence train.seq_len={seq_len}: "
                           f"a window covering the whole sequence is full causal attention, set "
                           f"model.attention_window=0")
     check_cp_chunks(seq_len, cp_size)
-    if cp_size == 1:
-        return
-    heads, kv_heads = m.n_heads // tp_size, m.n_kv_heads // tp_size
-    if kv_heads < 1 or heads % kv_heads:
-        raise LayoutError(f"parallel.cp={cp_size} with model.n_heads={m.n_heads}, model.n_kv_heads={m.n_kv_heads} "
-                          f"over tp={tp_size}: ring attention needs each tp rank's query heads ({heads}) a multiple "
-                          f"of its KV heads ({kv_heads})")

@@ -251,7 +251,7 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
     os.makedirs(cfg.train.run_dir, exist_ok=True)
     with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config_to_dict(cfg), f, indent=1)
-    layout = " x ".join(f"{a}={grid.sizes[a]}" for a in ("dp", "pp", "tp"))
+    layout = " x ".join(f"{a}={grid.sizes[a]}" for a in ("dp", "pp", "cp", "tp") if a != "cp" or grid.sizes[a] > 1)
     schedule = p.schedule + (f" (virtual_stages={p.virtual_stages})" if p.schedule == "interleaved" else "")
     formula = "(pp-1)/(V M)" if p.schedule == "interleaved" else "(pp-1)/M"
     bubble = (f", pipeline bubble {formula} = {trainer.bubble:.1%} of "

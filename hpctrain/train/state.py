@@ -21,7 +21,7 @@ class TrainerState:
 
     def tensors(self) -> TrainTensors:
         """Model pieces: ``flat.params``; owned ranges: the optimizer's slices; pieces: ``owned_pieces()``,
-        written by the ZeRO owner (or dp rank 0) where ``SlabSpec.counted_on`` this tp rank."""
+        written by the ZeRO owner (or replica rank 0) where ``SlabSpec.counted_on`` this tp rank."""
         t = self._trainer
         flat, opt, coords = t.flat, t.optimizer, t.grid.coords
         kinds = opt.state_kinds
@@ -29,7 +29,7 @@ class TrainerState:
         for part in opt.owned_slices:
             owner[id(part)] = len(ranges)
             ranges.append(OwnedRange(part.params, {kind: getattr(part, kind) for kind in kinds}))
-        writes = flat.zero or coords["dp"] == 0
+        writes = flat.zero or (coords["dp"] == 0 and coords["cp"] == 0)  # one of the dp x cp replicas
         pieces = [OptimizerPiece(piece.param.spec, piece.param_lo, piece.param_hi, owner[id(part)],
                                  piece.flat_lo - part.start, writes and piece.param.spec.counted_on(coords["tp"]))
                   for piece, part in opt.owned_pieces()]

@@ -1,8 +1,10 @@
 """The training loop: batch -> pipeline forward/backward -> DP reduction -> clip -> optimizer step -> metrics.
 
 ``Trainer(cfg, grid)`` builds this rank's pipeline model chunks of the GPT (one, or ``parallel.virtual_stages``
-with the interleaved schedule: ``build_chunks``; tensor-parallel layers over ``grid.comm("tp")``), their flat
-buffers and DP reducer (``grid.comm("dp")``), the optimizer and the data iterator.
+with the interleaved schedule: ``build_chunks``; tensor-parallel layers over ``grid.comm("tp")``, ring
+attention over ``grid.comm("cp")``), their flat buffers and gradient reducer (over the replica group
+``grid.comm(grid.replica_axis)``: dp, or dp x cp), the optimizer and the data iterator. With context
+parallelism every cp rank of a dp replica reads the same samples and keeps its two zig-zag chunks.
 ``train_step`` runs one global batch; every rank returns the same metrics (loss and grad norm are
 agreed by collectives).
 """
@@ -25,6 +27,7 @@ from hpctrain.compression import build_reducer
 from hpctrain.optim.flat import FlatOptimizer, lr_at
 from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.train.guard import DivergenceGuard
+from hpctrain.parallel.context_parallel import zigzag_split
 from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
@@ -90,12 +93,13 @@ class Trainer:
     def _build_model(self) -> None:
         """This rank's model chunks (TP layers over tp), their flat buffers and DP reducer, optimizer, executor."""
         m, p, t, grid, layout = self.model_cfg, self.cfg.parallel, self.cfg.train, self.grid, self.layout
-        tp_comm, pp_comm = grid.comm("tp"), grid.comm("pp")
-        self.chunks = build_chunks(m, layout, grid.coords["pp"], tp_comm, self.dtype, t.seed, t.recompute)
+        tp_comm, pp_comm, cp_comm = grid.comm("tp"), grid.comm("pp"), grid.comm("cp")
+        self.chunks = build_chunks(m, layout, grid.coords["pp"], tp_comm, self.dtype, t.seed, t.recompute,
+                                   cp_comm=cp_comm)
         self.local_model = torch.nn.ModuleList(self.chunks)  # train()/eval()/parameters() of every chunk
         self.local_model.to(self.device)  # initialised on the host from the global generator, then moved
-        self.flat = FlatParams(list(self.local_model.parameters()), grid.comm("dp"), tp_comm=tp_comm,
-                               pp_comm=pp_comm,
+        self.flat = FlatParams(list(self.local_model.parameters()), grid.comm(grid.replica_axis),
+                               tp_comm=tp_comm, pp_comm=pp_comm,
                                bucket_mb=p.bucket_mb, zero=layout.zero == 1, timer=self.timer,
                                check_finite=self.dtype == torch.float16,
                                make_reducer=partial(build_reducer, self.cfg.compression, grid=grid, seed=t.seed))
@@ -111,13 +115,14 @@ class Trainer:
     def _build_agreements(self) -> None:
         """The step's small collectives on fixed float64 [1] buffers, built once as persistent requests
         (comm/persistent.py; collective, in this order on every rank): the loss (broadcast from the last
-        stage over pp, summed over dp) and the squared grad norm (summed over the world)."""
+        stage over pp, summed over the replicas dp x cp: each cp rank holds the loss of its tokens) and the
+        squared grad norm (summed over the world)."""
         grid = self.grid
         pp_comm = grid.comm("pp")
         self._loss_value = torch.zeros(1, dtype=torch.float64)
         self._loss_ops = [pp_comm.recurring_broadcast(self._loss_value, root=pp_comm.size - 1)] \
             if pp_comm.size > 1 else []
-        self._loss_ops.append(grid.comm("dp").recurring_allreduce(self._loss_value))
+        self._loss_ops.append(grid.comm(grid.replica_axis).recurring_allreduce(self._loss_value))
         self._norm_sq = torch.zeros(1, dtype=torch.float64)
         self._norm_sum = grid.world.recurring_allreduce(self._norm_sq)
 
@@ -146,7 +151,7 @@ class Trainer:
             timer.trace.begin_step(self.step + 1)
         start, groups_before = time.perf_counter(), grid.stats.by_group()
         with timer.phase("data"):
-            inputs, targets = self._to_device(*self.batches.next_batch())
+            inputs, targets = self._to_device(*self._cp_part(*self.batches.next_batch()))
         mb = self.micro_batch
         inputs_mb = [inputs[i * mb:(i + 1) * mb] for i in range(self.cfg.parallel.microbatches)]
         targets_mb = [targets[i * mb:(i + 1) * mb] for i in range(self.cfg.parallel.microbatches)]
@@ -204,13 +209,21 @@ class Trainer:
         total = 0.0
         with self.timer.phase("eval"):
             for k in range(t.eval_steps):
-                inputs, targets = self._to_device(*self.valid_sampler.batch(k * t.global_batch + offset, count))
+                inputs, targets = self._to_device(
+                    *self._cp_part(*self.valid_sampler.batch(k * t.global_batch + offset, count)))
                 stage_loss = self.executor.evaluate([inputs[i * mb:(i + 1) * mb] for i in range(n_mb)],
                                                     [targets[i * mb:(i + 1) * mb] for i in range(n_mb)],
                                                     1.0 / (t.global_batch * t.seq_len))
                 total += self._agree_loss(stage_loss)
         self.local_model.train()
         return total / t.eval_steps
+
+    def _cp_part(self, *batch: torch.Tensor) -> list[torch.Tensor]:
+        """This cp rank's zig-zag chunks of each [B, S] batch tensor -> [B, S/cp] (unchanged when cp = 1)."""
+        cp = self.layout.cp_size
+        if cp == 1:
+            return list(batch)
+        return [zigzag_split(b, self.grid.coords["cp"], cp) for b in batch]
 
     def _to_device(self, *batch: torch.Tensor) -> list[torch.Tensor]:
         """Host batches to the device: pinned memory, non-blocking copies ordered on the current stream."""
@@ -219,7 +232,7 @@ class Trainer:
         return [b.pin_memory().to(self.device, non_blocking=True) for b in batch]
 
     def _agree_loss(self, stage_loss: float) -> float:
-        """The global mean token loss on every rank: from the last stage over pp, summed over dp."""
+        """The global mean token loss on every rank: from the last stage over pp, summed over dp x cp."""
         value = self._loss_value
         value[0] = stage_loss
         for op in self._loss_ops:
@@ -230,11 +243,11 @@ class Trainer:
     def global_parameters(self) -> dict | None:
         """Collective: every parameter at its GLOBAL shape on world rank 0 (None elsewhere).
 
-        Built from the slab specs: TP slabs (their real rows) are placed at their slices; each dp replica holds the same
-        values, so only dp rank 0 contributes; the tied copy is skipped.
+        Built from the slab specs: TP slabs (their real rows) are placed at their slices; each dp x cp replica holds
+        the same values, so only replica rank 0 contributes; the tied copy is skipped.
         """
         pieces = []
-        if self.grid.coords["dp"] == 0:
+        if self.grid.coords["dp"] == 0 and self.grid.coords["cp"] == 0:
             for p in self.local_model.parameters():
                 if not p.spec.tied_copy:
                     index = [(s.start, s.stop) for s in p.spec.local_slices()]
@@ -252,7 +265,8 @@ class Trainer:
         return result
 
 
-def build_chunks(m, layout, pp_rank: int, tp_comm, dtype, seed: int, recompute: bool) -> list[GPTStage]:
+def build_chunks(m, layout, pp_rank: int, tp_comm, dtype, seed: int, recompute: bool,
+                 cp_comm=None) -> list[GPTStage]:
     """The model chunks of pp rank ``pp_rank``: chunk c is virtual stage v = c * pp + pp_rank of the
     pp x V virtual stages (V = ``layout.virtual_stages``), whose layers ``partition_layers`` balances over
     them (or ``stage_layers`` gives, one entry per virtual stage). The embedding is on v = 0, the norm and
@@ -263,7 +277,8 @@ def build_chunks(m, layout, pp_rank: int, tp_comm, dtype, seed: int, recompute: 
     for c in range(chunks):
         v = c * pp + pp_rank
         out.append(GPTStage(m, ranges[v], is_first=v == 0, is_last=v == pp * chunks - 1, tp_comm=tp_comm,
-                            sp=layout.sequence_parallel, dtype=dtype, seed=seed, recompute=recompute))
+                            sp=layout.sequence_parallel, dtype=dtype, seed=seed, recompute=recompute,
+                            cp_comm=cp_comm))
     return out
 
 

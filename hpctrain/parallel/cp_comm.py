@@ -58,6 +58,27 @@ class RingStep:
         return self.received
 
 
+def ring_plan(rank: int, cp: int) -> list[list[tuple[str, int, int]]]:
+    """The posts of one ring attention call (forward and backward) on cp rank ``rank``, in the order
+    ``context_parallel.py`` issues them: ``[[("send" | "recv", peer, tag)]]``, one list per exchange, for
+    ``rendezvous.strict_rendezvous_completes`` (tests/unit/test_context_parallel.py records the real calls
+    and compares). Backward, pass i's K/V exchange is posted before the dK/dV exchange of pass i - 1."""
+    after, before = (rank + 1) % cp, (rank - 1) % cp
+
+    def one(tag):
+        return [("send", after, tag), ("recv", before, tag)]
+
+    if cp == 1:
+        return []
+    forward = [one(KV_TAG) for _ in range(cp - 1)]
+    backward = []
+    for i in range(cp):
+        if i < cp - 1:
+            backward.append(one(KV_TAG))
+        backward.append(one(GRAD_TAG))
+    return forward + backward
+
+
 def ring_step(comm, tensor: torch.Tensor, tag: int) -> RingStep | None:
     """Post one pass of the ring; None on a ring of one rank (nothing travels)."""
     if comm is None or comm.size == 1:

@@ -9,6 +9,8 @@ import torch
 from hpctrain.parallel.context_parallel import (RingStats, block_attention, block_plan, causal_window_mask,
                                                 merge_partials, ring_attention, zigzag_chunks, zigzag_merge,
                                                 zigzag_positions, zigzag_split)
+from hpctrain.parallel.cp_comm import ring_plan
+from hpctrain.parallel.rendezvous import strict_rendezvous_completes
 
 
 def reference_attention(q, k, v, window=0):
@@ -187,39 +189,8 @@ def test_ring_of_threads_is_attention(cp, heads, kv_heads, window, tile):
         assert torch.allclose(zigzag_merge(list(parts), dim=2), ref, rtol=0, atol=1e-12)
     assert all(q.empty() for q in queues.values())  # every message received
     assert all(len(plan) == 3 * cp - 2 for plan in plans)
-    assert strict_rendezvous_completes(plans)  # the plan as issued cannot deadlock, even on NCCL
-
-
-def strict_rendezvous_completes(plans) -> bool:
-    """Whether per-rank posts (``[[("send" | "recv", peer, tag)]]``, each post waited before the next is
-    issued) complete when a send finishes only once its receive is posted and messages between two ranks
-    match in the order posted whatever their tag (NCCL's model, as schedules.simulate); tags must agree."""
-    keyed = []  # per rank, per post: {(src, dst, n-th message between them, kind)}: tag
-    for rank, plan in enumerate(plans):
-        count, posts = collections.Counter(), []
-        for post in plan:
-            ops = {}
-            for kind, peer, tag in post:
-                pair = (rank, peer) if kind == "send" else (peer, rank)
-                ops[pair + (count[pair + (kind,)], kind)] = tag
-                count[pair + (kind,)] += 1
-            posts.append(ops)
-        keyed.append(posts)
-    pos = [0] * len(plans)
-
-    def matched(rank, op, tag):
-        src, dst, n, kind = op
-        peer, twin = (dst, "recv") if kind == "send" else (src, "send")
-        return any(post.get((src, dst, n, twin)) == tag for post in keyed[peer][:pos[peer] + 1])
-
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, posts in enumerate(keyed):
-            if pos[rank] < len(posts) and all(matched(rank, op, tag) for op, tag in posts[pos[rank]].items()):
-                pos[rank] += 1
-                progressed = True
-    return all(p == len(posts) for p, posts in zip(pos, keyed))
+    assert plans == [ring_plan(r, cp) for r in range(cp)]  # the plan as issued is the documented one
+    assert strict_rendezvous_completes(plans)  # and cannot deadlock, even on NCCL
 
 
 def test_the_strict_model_detects_a_ring_deadlock():
@@ -231,3 +202,14 @@ def test_the_strict_model_detects_a_ring_deadlock():
     assert strict_rendezvous_completes(grouped)
     mislabelled = [[[("send", (r + 1) % cp, 0 if r else 1), ("recv", (r - 1) % cp, 0)]] for r in range(cp)]
     assert not strict_rendezvous_completes(mislabelled)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 5, 8, 16])
+def test_the_ring_plan_cannot_deadlock_at_any_size(cp):
+    """The deadlock simulator over the ring's documented send/recv plan (cp_comm.ring_plan); swapping two
+    posts of one rank (a dK/dV pass before its K/V pass) breaks the pairwise order and is caught."""
+    plans = [ring_plan(r, cp) for r in range(cp)]
+    assert all(len(plan) == 3 * cp - 2 for plan in plans) and strict_rendezvous_completes(plans)
+    swapped = [list(plan) for plan in plans]
+    swapped[0][cp - 1], swapped[0][cp] = swapped[0][cp], swapped[0][cp - 1]  # backward's first KV <-> GRAD
+    assert not strict_rendezvous_completes(swapped)

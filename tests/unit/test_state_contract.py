@@ -132,7 +132,7 @@ def stand_in_trainer(ps, *, dp_rank, zero, tp_rank=0):
     """What TrainerState reads of a Trainer, built from real FlatParams and FlatOptimizer over a fake dp group."""
     flat = FlatParams(ps, SimpleNamespace(size=2, rank=dp_rank), zero=zero)
     grid = SimpleNamespace(info=SimpleNamespace(rank=3, size=4), sizes={"dp": 2, "tp": 2, "pp": 1},
-                           coords={"dp": dp_rank, "tp": tp_rank, "pp": 0})
+                           coords={"dp": dp_rank, "tp": tp_rank, "pp": 0, "cp": 0})
     cfg = SimpleNamespace(parallel=SimpleNamespace(zero=int(zero)))
     state_dict = lambda: {"position": 7}  # noqa: E731
     return SimpleNamespace(grid=grid, cfg=cfg, model_cfg="model", timer="timer", flat=flat, step=5,

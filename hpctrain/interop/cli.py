@@ -2,7 +2,8 @@
 
 export: the global view of a checkpoint of any layout (dp/tp/pp/ZeRO) -> config.json (a Llama, or a
 Mistral when model.attention_window > 0), model.safetensors and the run's tokenizer (when it used a
-tokenizer.json). import-hf: a Llama or Mistral config.json + safetensors -> a weights-only hpctrain checkpoint at step 0 (``CKPT_DIR/latest``, ``CKPT_DIR/step-00000000/``) that
+tokenizer.json). import-hf: a Llama or Mistral config.json + safetensors -> a weights-only hpctrain
+checkpoint at step 0 (``CKPT_DIR/latest``, ``CKPT_DIR/step-00000000/``) that
 ``hpctrain train --resume CKPT_DIR`` or ``model.init_from=CKPT_DIR`` starts from, in any layout.
 Both write into a temporary directory beside ``--out`` and rename it at the end: a failure leaves
 nothing half-written, and a non-empty ``--out`` is only replaced with ``--force``.
@@ -23,7 +24,8 @@ from hpctrain.runtime.dtypes import DTYPE_NAMES, torch_dtype  # no torch import 
 
 
 def add_parser(sub) -> None:
-    e = sub.add_parser("export", help="write a checkpoint (any layout) as a Hugging Face Llama/Mistral model (one process)",
+    e = sub.add_parser("export", help="write a checkpoint (any layout) as a Hugging Face Llama/Mistral model "
+                                      "(one process)",
                        description="Export the model of a checkpoint (a run, checkpoints or step directory; any "
                                    "layout) as a transformers LlamaForCausalLM directory (MistralForCausalLM, "
                                    "with sliding_window, when model.attention_window > 0).")
@@ -36,9 +38,11 @@ def add_parser(sub) -> None:
                    help="tokenizer.json to include (default: the run's data.tokenizer when it is a file)")
     e.add_argument("--force", action="store_true", help="replace a non-empty --out")
     e.set_defaults(func=run_export)
-    i = sub.add_parser("import-hf", help="turn a Hugging Face Llama/Mistral model into a step-0 hpctrain checkpoint",
-                       description="Read a Llama or Mistral config.json + model.safetensors (or sharded safetensors with "
-                                   "their index) and write a weights-only hpctrain checkpoint at step 0.")
+    i = sub.add_parser("import-hf", help="turn a Hugging Face Llama/Mistral model into a step-0 hpctrain "
+                                         "checkpoint",
+                       description="Read a Llama or Mistral config.json + model.safetensors (or sharded "
+                                   "safetensors with their index) and write a weights-only hpctrain checkpoint at "
+                                   "step 0.")
     i.add_argument("hf_dir", metavar="DIR")
     i.add_argument("--out", required=True, metavar="CKPT_DIR", help="the checkpoints directory to create")
     i.add_argument("--force", action="store_true", help="replace a non-empty --out")

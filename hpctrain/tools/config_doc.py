@@ -67,10 +67,10 @@ MEANINGS: dict[str, str] = {
                               "refuse another window.",
     "model.init_from": "Start a fresh run from these weights instead of a random initialisation: a Hugging Face "
                        "Llama or Mistral directory (config.json + safetensors) or an hpctrain checkpoint (step, "
-                       "checkpoints or run directory). Any layout; each rank reads only its slabs. The model.* keys must describe "
-                       "the same model (an error lists the differences). Applies only when nothing is resumed, so a "
-                       "requeued job continues from its own checkpoint. Optimizer state starts fresh. See "
-                       "docs/models-and-data.md.",
+                       "checkpoints or run directory). Any layout; each rank reads only its slabs. The model.* keys "
+                       "must describe the same model (an error lists the differences). Applies only when nothing is "
+                       "resumed, so a requeued job continues from its own checkpoint. Optimizer state starts fresh. "
+                       "See docs/models-and-data.md.",
     # [parallel]
     "parallel.dp": "Data-parallel replicas. 0 = world size / (tp x pp x cp); otherwise dp x pp x cp x tp must "
                    "equal the number of ranks.",

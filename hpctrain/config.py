@@ -314,7 +314,7 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
 # The keys that define the function a model computes (and its weights' shapes): two configs that agree on
 # these hold interchangeable weights (max_seq_len, init_std, init_from and preset do not matter).
 ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings",
-                     "rope_theta", "norm_eps", "mlp", "positions")
+                     "rope_theta", "norm_eps", "mlp", "positions", "attention_window")
 
 
 def architecture_differences(theirs: ModelConfig, ours: ModelConfig) -> list[str]:

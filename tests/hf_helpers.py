@@ -1,9 +1,9 @@
-"""Shared by tests/unit/test_hf_interop.py and tests/mpi/test_hf_training.py: small random Llama models, the
-hpctrain forward of global weights, and transformers made float64-exact.
+"""Shared by tests/unit/test_hf_interop.py and tests/mpi/test_hf_training.py: small random Llama and Mistral
+models, the hpctrain forward of global weights, and transformers made float64-exact.
 
-transformers' Llama computes RMSNorm and the rotary cos/sin in float32 whatever the model dtype (about 1e-7
-off in a float64 model); ``float64_exact_transformers`` patches those two, in float64 models only, to the
-same formulas in float64 (as hpctrain computes them), so float64 logits can be compared to 1e-10.
+transformers' Llama and Mistral compute RMSNorm and the rotary cos/sin in float32 whatever the model dtype
+(about 1e-7 off in a float64 model); ``float64_exact_transformers`` patches those two, in float64 models
+only, to the same formulas in float64 (as hpctrain computes them), so float64 logits can be compared to 1e-10.
 """
 from __future__ import annotations
 
@@ -15,27 +15,33 @@ import torch
 @contextlib.contextmanager
 def float64_exact_transformers():
     from transformers.models.llama import modeling_llama as ml
+    from transformers.models.mistral import modeling_mistral as mm
 
-    norm_forward, rotary_forward = ml.LlamaRMSNorm.forward, ml.LlamaRotaryEmbedding.forward
+    classes = [(ml.LlamaRMSNorm, ml.LlamaRotaryEmbedding), (mm.MistralRMSNorm, mm.MistralRotaryEmbedding)]
+    originals = [(n, n.forward, r, r.forward) for n, r in classes]
 
-    def norm(self, x):
-        if x.dtype != torch.float64:
-            return norm_forward(self, x)
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+    def exact(norm_forward, rotary_forward):
+        def norm(self, x):
+            if x.dtype != torch.float64:
+                return norm_forward(self, x)
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
-    def rotary(self, x, position_ids):
-        if x.dtype != torch.float64:
-            return rotary_forward(self, x, position_ids)
-        half, theta = self.inv_freq.numel(), self.config.rope_parameters["rope_theta"]
-        freqs = position_ids[..., None].double() * theta ** (-torch.arange(half, dtype=torch.float64) / half)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos(), angles.sin()
+        def rotary(self, x, position_ids):
+            if x.dtype != torch.float64:
+                return rotary_forward(self, x, position_ids)
+            half, theta = self.inv_freq.numel(), self.config.rope_parameters["rope_theta"]
+            freqs = position_ids[..., None].double() * theta ** (-torch.arange(half, dtype=torch.float64) / half)
+            angles = torch.cat((freqs, freqs), dim=-1)
+            return angles.cos(), angles.sin()
+        return norm, rotary
 
-    ml.LlamaRMSNorm.forward, ml.LlamaRotaryEmbedding.forward = norm, rotary
+    for norm_cls, norm_forward, rotary_cls, rotary_forward in originals:
+        norm_cls.forward, rotary_cls.forward = exact(norm_forward, rotary_forward)
     try:
         yield
     finally:
-        ml.LlamaRMSNorm.forward, ml.LlamaRotaryEmbedding.forward = norm_forward, rotary_forward
+        for norm_cls, norm_forward, rotary_cls, rotary_forward in originals:
+            norm_cls.forward, rotary_cls.forward = norm_forward, rotary_forward
 
 
 def random_llama(directory, *, tied=False, kv_heads=2, dtype=torch.float64, seed=0, vocab=96, **overrides):
@@ -43,12 +49,26 @@ def random_llama(directory, *, tied=False, kv_heads=2, dtype=torch.float64, seed
     ``directory`` with save_pretrained; returns the model (eval mode)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    return _random_model(LlamaForCausalLM, LlamaConfig, directory, tied, kv_heads, dtype, seed, vocab, overrides)
+
+
+def random_mistral(directory, *, window=8, tied=False, kv_heads=2, dtype=torch.float64, seed=0, vocab=96,
+                   **overrides):
+    """A small MistralForCausalLM (``sliding_window=window``; no bos/eos, so generate() never stops early),
+    otherwise as ``random_llama``."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _random_model(MistralForCausalLM, MistralConfig, directory, tied, kv_heads, dtype, seed, vocab,
+                         {"sliding_window": window, "bos_token_id": None, "eos_token_id": None, **overrides})
+
+
+def _random_model(model_cls, config_cls, directory, tied, kv_heads, dtype, seed, vocab, overrides):
     kw = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=kv_heads, tie_word_embeddings=tied, rms_norm_eps=1e-5, rope_theta=500.0,
               max_position_embeddings=64)
     kw.update(overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**kw)).to(dtype).eval()
+    model = model_cls(config_cls(**kw)).to(dtype).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if p.dim() == 1 else 0.3 * torch.randn_like(p))

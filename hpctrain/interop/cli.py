@@ -1,8 +1,9 @@
 """``hpctrain export CKPT --format hf --out DIR`` and ``hpctrain import-hf DIR --out CKPT_DIR`` (one process).
 
-export: the global view of a checkpoint of any layout (dp/tp/pp/ZeRO) -> config.json, model.safetensors
-and the run's tokenizer (when it used a tokenizer.json). import-hf: a Llama config.json + safetensors
--> a weights-only hpctrain checkpoint at step 0 (``CKPT_DIR/latest``, ``CKPT_DIR/step-00000000/``) that
+export: the global view of a checkpoint of any layout (dp/tp/pp/ZeRO) -> config.json (a Llama, or a
+Mistral when model.attention_window > 0), model.safetensors and the run's tokenizer (when it used a
+tokenizer.json). import-hf: a Llama or Mistral config.json + safetensors -> a weights-only hpctrain
+checkpoint at step 0 (``CKPT_DIR/latest``, ``CKPT_DIR/step-00000000/``) that
 ``hpctrain train --resume CKPT_DIR`` or ``model.init_from=CKPT_DIR`` starts from, in any layout.
 Both write into a temporary directory beside ``--out`` and rename it at the end: a failure leaves
 nothing half-written, and a non-empty ``--out`` is only replaced with ``--force``.
@@ -23,9 +24,11 @@ from hpctrain.runtime.dtypes import DTYPE_NAMES, torch_dtype  # no torch import 
 
 
 def add_parser(sub) -> None:
-    e = sub.add_parser("export", help="write a checkpoint (any layout) as a Hugging Face Llama model (one process)",
+    e = sub.add_parser("export", help="write a checkpoint (any layout) as a Hugging Face Llama/Mistral model "
+                                      "(one process)",
                        description="Export the model of a checkpoint (a run, checkpoints or step directory; any "
-                                   "layout) as a transformers LlamaForCausalLM directory.")
+                                   "layout) as a transformers LlamaForCausalLM directory (MistralForCausalLM, "
+                                   "with sliding_window, when model.attention_window > 0).")
     e.add_argument("checkpoint", metavar="CKPT_OR_RUN_DIR")
     e.add_argument("--format", required=True, choices=["hf"], help="hf: config.json + model.safetensors")
     e.add_argument("--out", required=True, metavar="DIR", help="the directory to create")
@@ -35,9 +38,11 @@ def add_parser(sub) -> None:
                    help="tokenizer.json to include (default: the run's data.tokenizer when it is a file)")
     e.add_argument("--force", action="store_true", help="replace a non-empty --out")
     e.set_defaults(func=run_export)
-    i = sub.add_parser("import-hf", help="turn a Hugging Face Llama model into a step-0 hpctrain checkpoint",
-                       description="Read a Llama config.json + model.safetensors (or sharded safetensors with "
-                                   "their index) and write a weights-only hpctrain checkpoint at step 0.")
+    i = sub.add_parser("import-hf", help="turn a Hugging Face Llama/Mistral model into a step-0 hpctrain "
+                                         "checkpoint",
+                       description="Read a Llama or Mistral config.json + model.safetensors (or sharded "
+                                   "safetensors with their index) and write a weights-only hpctrain checkpoint at "
+                                   "step 0.")
     i.add_argument("hf_dir", metavar="DIR")
     i.add_argument("--out", required=True, metavar="CKPT_DIR", help="the checkpoints directory to create")
     i.add_argument("--force", action="store_true", help="replace a non-empty --out")
@@ -100,7 +105,7 @@ def run_export(args) -> int:
     import torch
 
     from hpctrain.data.tokenizer import load_tokenizer
-    from hpctrain.interop.hf import parameter_shapes, require_llama, write_hf
+    from hpctrain.interop.hf import hf_model_type, parameter_shapes, require_llama, write_hf
     from hpctrain.interop.sources import CheckpointSource
 
     torch.set_num_threads(env.omp_num_threads())
@@ -118,7 +123,8 @@ def run_export(args) -> int:
                                 f"not this model's tokenizer")
         files = write_hf(tmp, m, tensors, dtype, tokenizer)
     params = sum(t.numel() for t in tensors.values())
-    print(f"hpctrain export: {source.dir} (step {step}) -> {os.path.abspath(args.out)}: {', '.join(files)}; "
+    print(f"hpctrain export: {source.dir} (step {step}) -> {os.path.abspath(args.out)}: a {hf_model_type(m)} "
+          f"model, {', '.join(files)}; "
           f"{params:,} parameters in {dtype}" + ("" if tokenizer else "; no tokenizer (byte-level ids 0..255)"))
     return 0
 
@@ -132,6 +138,14 @@ def model_toml(m) -> str:
         if key != "init_from":
             lines.append(f"{key} = {json.dumps(value)}")
     return "\n".join(lines) + "\n"
+
+
+def window_note(m, comment: str = "# ") -> str:
+    """A line on the sliding window of the model ``m`` (none without one): train.seq_len must hold it."""
+    if not m.attention_window:
+        return ""
+    return (f"{comment}model.attention_window = {m.attention_window} (Mistral's sliding_window) is part of the "
+            f"model: train it with train.seq_len >= {m.attention_window} (a window must fit the sequence).\n")
 
 
 class _OneRank:
@@ -188,6 +202,7 @@ def run_import(args) -> int:
 
     from hpctrain.config import Config
     from hpctrain.interop.hf import HFModelDir, supported_tp
+    from hpctrain.interop.hf_config import import_seq_len
 
     torch.set_num_threads(env.omp_num_threads())
     out = os.path.abspath(args.out)
@@ -199,7 +214,7 @@ def run_import(args) -> int:
         finally:
             source.close()
         cfg = Config(model=m)
-        cfg.train.dtype, cfg.train.seq_len = dtype, min(cfg.train.seq_len, m.max_seq_len)
+        cfg.train.dtype, cfg.train.seq_len = dtype, import_seq_len(m)
         tokenizer = os.path.join(args.hf_dir, "tokenizer.json")
         if os.path.isfile(tokenizer):
             shutil.copyfile(tokenizer, os.path.join(tmp, "tokenizer.json"))
@@ -207,13 +222,13 @@ def run_import(args) -> int:
         write_weights_only(tmp, cfg, tensors, dtype, os.path.abspath(args.hf_dir))
         with open(os.path.join(tmp, "model.toml"), "w", encoding="utf-8") as f:
             f.write(f"# the model of {os.path.abspath(args.hf_dir)}: put this section in the training config\n"
-                    + model_toml(m))
+                    + window_note(m) + model_toml(m))
     params = sum(t.numel() for t in tensors.values())
     tok = f"; its tokenizer: data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer != "bytes" else ""
     print(f"hpctrain import-hf: {os.path.abspath(args.hf_dir)} -> {out}/step-00000000 (weights only, step 0): "
           f"{params:,} parameters in {dtype}; tensor-parallel sizes that split it: "
           f"{', '.join(map(str, supported_tp(m)))}\n"
-          f"Its [model] section is in {out}/model.toml{tok}. Train from it with\n"
+          f"Its [model] section is in {out}/model.toml{tok}. {window_note(m, comment='')}Train from it with\n"
           f"  hpctrain train --config CONFIG model.init_from={out}   (any layout; a resumed run ignores it)\n"
           f"  or --resume {out}")
     return 0

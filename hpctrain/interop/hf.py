@@ -1,5 +1,5 @@
-"""Hugging Face Llama <-> hpctrain: parameter names and shapes, the config translation, and reading and
-writing an HF model directory (``config.json`` + ``model.safetensors``, or the sharded
+"""Hugging Face Llama / Mistral <-> hpctrain: parameter names and shapes, and reading and writing an HF
+model directory (``config.json`` + ``model.safetensors``, or the sharded
 ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``).
 
 hpctrain's GPT (hpctrain/models/gpt.py) with model.mlp=swiglu and model.positions=rope (the only models
@@ -9,6 +9,7 @@ Rotary convention: ``rotary()`` rotates channel ``i`` of a head with channel ``i
 halves) at frequency ``theta^(-2i/head_dim)``, which is exactly HF's ``rotate_half``; so q_proj/k_proj rows
 need NO permutation (the permutation in HF's convert_llama_weights_to_hf.py is for Meta's original
 interleaved-pair checkpoints). The logits tests (tests/unit/test_hf_interop.py) prove it to 1e-10 in float64.
+Mistral has Llama's parameter names and adds a sliding window: the config.json translation is in hf_config.py.
 """
 from __future__ import annotations
 
@@ -18,24 +19,18 @@ import shutil
 
 import torch
 
-from hpctrain.config import Config, ConfigError, ModelConfig, resolve_model, validate
-from hpctrain.errors import HpcTrainError
+from hpctrain.config import ModelConfig, resolve_model
+from hpctrain.interop.hf_config import (CONFIG_FILE, HFError, hf_config, hf_model_type,  # noqa: F401
+                                        model_config_from_hf, require_llama)
 from hpctrain.runtime.dtypes import torch_dtype
 
-ARCHITECTURE = "LlamaForCausalLM"
-CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
+WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 _SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64", "BF16": "bfloat16", "F16": "float16"}
 _TOP = {"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"}
 _LAYER = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
           "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
           "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older HF checkpoints stored; recomputed, not weights
-
-
-class HFError(HpcTrainError, ValueError):
-    """A Hugging Face model directory cannot be read, is not a supported Llama, or does not match."""
-
-    everywhere = True  # every rank reads the same directory
 
 
 def hf_name(name: str) -> str:
@@ -70,87 +65,10 @@ def parameter_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def require_llama(m: ModelConfig, what: str) -> None:
-    """HFError unless the model ``m`` is the Llama architecture (SwiGLU, rotary positions)."""
-    m = resolve_model(m)
-    other = [f"model.{k}={getattr(m, k)}" for k, llama in (("mlp", "swiglu"), ("positions", "rope"))
-             if getattr(m, k) != llama]
-    if other:
-        raise HFError(f"{what}: {', '.join(other)}: Hugging Face interop is the Llama architecture only "
-                      f"(model.mlp=swiglu, model.positions=rope)")
-
-
 def supported_tp(m: ModelConfig) -> list[int]:
     """The tensor-parallel sizes (up to 64) that can split this model (heads, KV heads, d_ff; any vocabulary:
     it is padded, ``model.vocab_multiple``)."""
     return [t for t in range(1, 65) if not (m.n_heads % t or m.n_kv_heads % t or m.d_ff % t)]
-
-
-def hf_config(m: ModelConfig, dtype: str, eos_token_id: int | None = None) -> dict:
-    """A ``transformers.LlamaConfig``-compatible config.json dict of the resolved model ``m``. The rotary base
-    is written both as ``rope_theta`` (transformers 4) and ``rope_parameters`` (transformers 5)."""
-    require_llama(m, "export to Hugging Face")
-    return {
-        "architectures": [ARCHITECTURE], "model_type": "llama", "vocab_size": m.vocab_size,
-        "hidden_size": m.d_model, "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.n_kv_heads, "head_dim": m.d_model // m.n_heads, "intermediate_size": m.d_ff,
-        "hidden_act": "silu", "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": 0.0, "initializer_range": m.init_std, "pretraining_tp": 1, "use_cache": True,
-        "torch_dtype": dtype, "dtype": dtype, "bos_token_id": None, "eos_token_id": eos_token_id,
-        "pad_token_id": None,
-    }
-
-
-def model_config_from_hf(d: dict, where: str = CONFIG_FILE) -> ModelConfig:
-    """The hpctrain ModelConfig of an HF config.json dict; HFError for anything hpctrain's model cannot compute."""
-    def bad(detail):
-        return HFError(f"{where}: {detail}")
-
-    if d.get("model_type") != "llama":
-        raise bad(f"model_type {d.get('model_type')!r} is not supported: hpctrain imports the Llama architecture "
-                  f"(model_type \"llama\", {ARCHITECTURE})")
-    if d.get("architectures") and ARCHITECTURE not in d["architectures"]:
-        raise bad(f"architectures {d['architectures']} do not include {ARCHITECTURE}")
-    for key in ("attention_bias", "mlp_bias"):
-        if d.get(key):
-            raise bad(f"{key} = true: hpctrain's Llama has no biases")
-    if d.get("hidden_act", "silu") != "silu":
-        raise bad(f"hidden_act {d['hidden_act']!r} is not supported (SwiGLU with silu only)")
-    if d.get("rope_scaling"):
-        raise bad(f"rope_scaling {d['rope_scaling']} is not supported (plain rotary embeddings only)")
-    rope = d.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default" or set(rope) - {"rope_type", "type", "rope_theta"}:
-        raise bad(f"rope_parameters {rope} are not supported (plain rotary embeddings only: rope_type \"default\")")
-    if d.get("quantization_config"):
-        raise bad("quantized models are not supported")
-    try:
-        heads = int(d["num_attention_heads"])
-        m = ModelConfig(preset="custom", mlp="swiglu", positions="rope", vocab_size=int(d["vocab_size"]),
-                        d_model=int(d["hidden_size"]),
-                        n_layers=int(d["num_hidden_layers"]), n_heads=heads,
-                        n_kv_heads=int(d.get("num_key_value_heads") or heads), d_ff=int(d["intermediate_size"]),
-                        max_seq_len=int(d.get("max_position_embeddings", 2048)),
-                        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-                        rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-                        norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                        init_std=float(d.get("initializer_range", 0.02)) or 0.02)
-    except KeyError as exc:
-        raise bad(f"missing key {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
-        raise bad(f"malformed value: {exc}") from None
-    if d.get("head_dim") not in (None, m.d_model // m.n_heads) or m.d_model % m.n_heads:
-        raise bad(f"head_dim {d.get('head_dim')} != hidden_size / num_attention_heads = {m.d_model}/{m.n_heads}: "
-                  f"not supported")
-    cfg = Config(model=m)
-    cfg.train.seq_len = min(cfg.train.seq_len, m.max_seq_len)
-    try:
-        validate(cfg)
-    except ConfigError as exc:
-        raise bad(f"not a model hpctrain can build: {exc}") from None
-    return m
 
 
 def read_config(directory: str) -> dict:
@@ -167,8 +85,8 @@ def read_config(directory: str) -> dict:
 
 
 class HFModelDir:
-    """A Llama model directory opened for reading global tensors by hpctrain name (whole or by slices).
-    The names, shapes and dtype are checked when it opens: missing, unexpected (biases, ...) or
+    """A Llama (or Mistral) model directory opened for reading global tensors by hpctrain name (whole or by
+    slices). The names, shapes and dtype are checked when it opens: missing, unexpected (biases, ...) or
     misshaped tensors are an HFError naming them."""
 
     def __init__(self, directory: str):
@@ -183,7 +101,7 @@ class HFModelDir:
                             and not (k == "lm_head.weight" and self.model.tie_embeddings))
         missing = sorted(k for k in wanted if k not in self._where)
         if unexpected or missing:
-            raise HFError(f"{directory}: the weights do not match a Llama of this config.json: "
+            raise HFError(f"{directory}: the weights do not match the model of this config.json: "
                           + "; ".join(filter(None, [f"missing {missing[:6]}" if missing else "",
                                                     f"unexpected {unexpected[:6]}" if unexpected else ""])))
         dtypes = set()

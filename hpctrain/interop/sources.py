@@ -1,4 +1,4 @@
-"""Global weights by hpctrain parameter name, from a Hugging Face Llama directory or an hpctrain checkpoint,
+"""Global weights by hpctrain parameter name, from a Hugging Face Llama/Mistral directory or an hpctrain checkpoint,
 and ``model.init_from``: a fresh run starts from those weights, each rank reading only its slabs, in any
 layout (dp/tp/pp/ZeRO, sequence parallelism).
 

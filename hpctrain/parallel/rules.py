@@ -137,6 +137,7 @@ def check_context(m, seq_len: int, cp_size: int, tp_size: int = 1) -> None:
     window = getattr(m, "attention_window", 0)
     if window > seq_len:
         raise LayoutError(f"model.attention_window={window} is larger than the sequence train.seq_len={seq_len}: "
-                          f"a window covering the whole sequence is full causal attention, set "
-                          f"model.attention_window=0")
+                          f"set train.seq_len >= {window} (a model's own window, e.g. an imported Mistral's "
+                          f"sliding_window, is part of its function), or model.attention_window=0 for full "
+                          f"causal attention")
     check_cp_chunks(seq_len, cp_size)

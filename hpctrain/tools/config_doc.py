@@ -61,13 +61,16 @@ MEANINGS: dict[str, str] = {
     "model.init_std": "Standard deviation of the normal initialisation of every matrix (norm weights start at 1).",
     "model.attention_window": "Sliding-window attention (Mistral's sliding_window): token t attends to "
                               "t-W+1..t. 0 = full causal. At most train.seq_len. With parallel.cp > 1 the ring "
-                              "skips the blocks entirely outside every query's window.",
+                              "skips the blocks entirely outside every query's window. An architecture key: "
+                              "`hpctrain import-hf` of a Mistral sets it, `hpctrain export --format hf` of a model "
+                              "with W > 0 writes a MistralForCausalLM, and model.init_from / a weights-only resume "
+                              "refuse another window.",
     "model.init_from": "Start a fresh run from these weights instead of a random initialisation: a Hugging Face "
-                       "Llama directory (config.json + safetensors) or an hpctrain checkpoint (step, checkpoints or "
-                       "run directory). Any layout; each rank reads only its slabs. The model.* keys must describe "
-                       "the same model (an error lists the differences). Applies only when nothing is resumed, so a "
-                       "requeued job continues from its own checkpoint. Optimizer state starts fresh. See "
-                       "docs/models-and-data.md.",
+                       "Llama or Mistral directory (config.json + safetensors) or an hpctrain checkpoint (step, "
+                       "checkpoints or run directory). Any layout; each rank reads only its slabs. The model.* keys "
+                       "must describe the same model (an error lists the differences). Applies only when nothing is "
+                       "resumed, so a requeued job continues from its own checkpoint. Optimizer state starts fresh. "
+                       "See docs/models-and-data.md.",
     # [parallel]
     "parallel.dp": "Data-parallel replicas. 0 = world size / (tp x pp x cp); otherwise dp x pp x cp x tp must "
                    "equal the number of ranks.",

@@ -1,4 +1,5 @@
-"""Hugging Face export of a multi-rank run, and training from an imported HF model in several layouts (float64)."""
+"""Hugging Face export of a multi-rank run, and training from an imported HF model (Llama, Mistral) in several
+layouts (float64)."""
 import json
 
 import pytest
@@ -8,8 +9,9 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_helpers import float64_exact_transformers, hf_logits, random_llama  # noqa: E402
+from hf_helpers import float64_exact_transformers, hf_logits, random_llama, random_mistral  # noqa: E402
 from mpirun import run_mpi  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
 from hpctrain.checkpoint.weights import load_model, open_checkpoint  # noqa: E402
@@ -75,3 +77,44 @@ def test_an_imported_model_trains_the_same_in_every_layout(tmp_path):
     wrong = train(1, tmp_path / "wrong", *steps, "model.rope_theta=10000.0", "--resume", tmp_path / "ckpt",
                   config=model_toml, check=False)
     assert wrong.returncode != 0 and "model.rope_theta is 500.0 there, 10000.0 here" in wrong.output
+
+
+def test_an_imported_mistral_trains_the_same_on_one_rank_tp2_and_pp2(tmp_path):
+    """A Mistral (sliding_window 8 < train.seq_len 32, GQA): 2 steps on 1 rank, tp=2 with sequence
+    parallelism (--resume of the import) and pp=2 (model.init_from of the HF directory) give the same losses
+    (the first one transformers' loss on that batch) and the same trained weights, exported as a Mistral."""
+    hf = random_mistral(tmp_path / "hf", window=8, vocab=257, kv_heads=2, num_hidden_layers=4)
+    assert dispatch(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    model_toml, steps = tmp_path / "ckpt" / "model.toml", ["train.steps=2"]
+    train(1, tmp_path / "one", *steps, "--resume", tmp_path / "ckpt", config=model_toml)
+    train(2, tmp_path / "tp2", *steps, "parallel.tp=2", "parallel.sequence_parallel=true", "--resume",
+          tmp_path / "ckpt", config=model_toml)
+    train(2, tmp_path / "pp2", *steps, "parallel.pp=2", f"model.init_from={tmp_path / 'hf'}", config=model_toml)
+    runs = ("one", "tp2", "pp2")
+    curves = [losses(tmp_path / name) for name in runs]
+    assert len(curves[0]) == 2 and curves[1] == pytest.approx(curves[0], rel=1e-10, abs=0)
+    assert curves[2] == pytest.approx(curves[0], rel=1e-10, abs=0)
+
+    from hpctrain.config import load_config
+    from hpctrain.data.corpus import load_tokens
+    from hpctrain.data.sampler import SequenceSampler
+
+    cfg = load_config(str(model_toml), COMMON)
+    tokens = load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes)
+    inputs, targets = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed).batch(0, cfg.train.global_batch)
+    with float64_exact_transformers():
+        expected = F.cross_entropy(hf_logits(hf, inputs).reshape(-1, 257), targets.reshape(-1)).item()
+    assert curves[0][0] == pytest.approx(expected, rel=1e-10, abs=0)
+
+    exported = []
+    for name in runs:
+        assert dispatch(["export", str(tmp_path / name), "--format", "hf", "--out", str(tmp_path / f"hf-{name}")]) == 0
+        config = json.loads((tmp_path / f"hf-{name}" / "config.json").read_text())
+        assert config["model_type"] == "mistral" and config["sliding_window"] == 8
+        exported.append(load_file(tmp_path / f"hf-{name}" / "model.safetensors"))
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    assert any(not torch.equal(exported[0][k], original[k]) for k in original)  # it trained
+    for other in exported[1:]:
+        assert other.keys() == original.keys()
+        for k in original:
+            torch.testing.assert_close(other[k], exported[0][k], rtol=0, atol=1e-10)

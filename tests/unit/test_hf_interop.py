@@ -158,7 +158,7 @@ def _edit_config(directory, **changes):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+    ({"model_type": "gemma"}, "model_type .gemma. is not supported"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}}, "rope_parameters"),
     ({"attention_bias": True}, "no biases"),

@@ -79,9 +79,10 @@ def test_an_imported_model_trains_the_same_in_every_layout(tmp_path):
     assert wrong.returncode != 0 and "model.rope_theta is 500.0 there, 10000.0 here" in wrong.output
 
 
-def test_an_imported_mistral_trains_the_same_on_one_rank_tp2_and_pp2(tmp_path):
+def test_an_imported_mistral_trains_the_same_on_one_rank_tp2_pp2_and_cp2(tmp_path):
     """A Mistral (sliding_window 8 < train.seq_len 32, GQA): 2 steps on 1 rank, tp=2 with sequence
-    parallelism (--resume of the import) and pp=2 (model.init_from of the HF directory) give the same losses
+    parallelism (--resume of the import), pp=2 (model.init_from of the HF directory) and cp=2 (ring attention
+    under the window, zig-zag chunks of 8 tokens) give the same losses
     (the first one transformers' loss on that batch) and the same trained weights, exported as a Mistral."""
     hf = random_mistral(tmp_path / "hf", window=8, vocab=257, kv_heads=2, num_hidden_layers=4)
     assert dispatch(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
@@ -90,10 +91,12 @@ def test_an_imported_mistral_trains_the_same_on_one_rank_tp2_and_pp2(tmp_path):
     train(2, tmp_path / "tp2", *steps, "parallel.tp=2", "parallel.sequence_parallel=true", "--resume",
           tmp_path / "ckpt", config=model_toml)
     train(2, tmp_path / "pp2", *steps, "parallel.pp=2", f"model.init_from={tmp_path / 'hf'}", config=model_toml)
-    runs = ("one", "tp2", "pp2")
+    train(2, tmp_path / "cp2", *steps, "parallel.cp=2", "--resume", tmp_path / "ckpt", config=model_toml)
+    runs = ("one", "tp2", "pp2", "cp2")
     curves = [losses(tmp_path / name) for name in runs]
-    assert len(curves[0]) == 2 and curves[1] == pytest.approx(curves[0], rel=1e-10, abs=0)
-    assert curves[2] == pytest.approx(curves[0], rel=1e-10, abs=0)
+    assert len(curves[0]) == 2
+    for curve in curves[1:]:
+        assert curve == pytest.approx(curves[0], rel=1e-10, abs=0)
 
     from hpctrain.config import load_config
     from hpctrain.data.corpus import load_tokens

@@ -11,9 +11,10 @@ sequence length in ascending order: ``--warmup`` untimed steps, then ``--steps``
   ``torch.autograd.graph.saved_tensors_hooks``, storages counted once, the parameters' flat buffer not
   counted): the activation memory of one rank; ``act_vs_cp1`` = act_mb / act_mb at cp = 1;
 - ``peak_mb``: the rank's peak resident memory during the timed steps (VmHWM of /proc/self/status, reset
-  through /proc/self/clear_refs before them), max over ranks; ``step_mb``: that peak less the resident
-  memory before the steps (what a step adds: activations and temporaries), max over ranks;
-  ``step_vs_cp1`` = step_mb / step_mb at cp = 1;
+  through /proc/self/clear_refs before them), max over ranks; ``above_base_mb``: that peak less the
+  resident memory of the process before its first model (torch, MPI, the corpus), max over ranks: the
+  model, optimizer, activations and temporaries; ``above_base_vs_cp1`` = that / the same at cp = 1
+  (the lengths run in ascending order, so a peak is never a shorter length's left-over);
 - ``step_s``: median step time (max over ranks); ``ring_wait_ms``: time per step blocked waiting on the
   ring's exchanges (mean over ranks: what computation did not hide).
 The ranks of one job share this machine's cores: with cp ranks on fewer cores the step time measures the
@@ -35,7 +36,8 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
-FIELDS = ["cp", "seq", "window", "act_mb", "act_vs_cp1", "step_mb", "step_vs_cp1", "peak_mb", "step_s", "ring_wait_ms"]
+FIELDS = ["cp", "seq", "window", "act_mb", "act_vs_cp1", "peak_mb", "above_base_mb", "above_base_vs_cp1", "step_s",
+          "ring_wait_ms"]
 
 
 def resident_mb(field: str = "VmHWM", reset: bool = False) -> float:
@@ -79,12 +81,14 @@ def worker(args) -> list[dict]:
 
     world = MPI.COMM_WORLD
     cp, records = world.Get_size(), []
+    base = None
     for seq in sorted(int(s) for s in args.seq_lens.split(",")):
         cfg = load_config(None, [f"model.preset={args.preset}", f"model.max_seq_len={seq}", f"train.seq_len={seq}",
                                  f"model.attention_window={args.window}", "parallel.tp=1", "parallel.pp=1",
                                  f"parallel.cp={cp}", "train.global_batch=1", "parallel.microbatches=1",
                                  "train.progress=false", "comm.timeout_s=0"])
         tokens = load_tokens_collective(world, cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes)
+        base = resident_mb("VmRSS") if base is None else base
         grid = ProcessGrid.from_config(cfg, discover(), timeout_s=0)
         trainer = Trainer(cfg, grid, tokens=tokens)
         for _ in range(args.warmup):
@@ -94,17 +98,17 @@ def worker(args) -> list[dict]:
             trainer.train_step()
         ring = grid.stats.ops[("cp", "exchange")] if cp > 1 else None
         waited, times = (ring.seconds if ring else 0.0), []
-        before = resident_mb("VmRSS", reset=True)
+        resident_mb("VmRSS", reset=True)
         for _ in range(args.steps):
             world.Barrier()
             start = time.perf_counter()
             trainer.train_step()
             times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
         peak = resident_mb()
-        added, peak = world.allreduce(peak - before, op=MPI.MAX), world.allreduce(peak, op=MPI.MAX)
+        added, peak = world.allreduce(peak - base, op=MPI.MAX), world.allreduce(peak, op=MPI.MAX)
         wait = world.allreduce((ring.seconds if ring else 0.0) - waited) / cp / args.steps
         act = world.allreduce(saved.total, op=MPI.MAX) / 2**20
-        records.append(dict(cp=cp, seq=seq, window=args.window, act_mb=round(act, 1), step_mb=round(added, 1),
+        records.append(dict(cp=cp, seq=seq, window=args.window, act_mb=round(act, 1), above_base_mb=round(added, 1),
                             peak_mb=round(peak, 1),
                             step_s=round(statistics.median(times), 3), ring_wait_ms=round(1e3 * wait, 1)))
         if world.Get_rank() == 0:
@@ -132,7 +136,7 @@ def run_driver(args) -> int:
     for r in records:
         ref = base.get(r["seq"])
         r["act_vs_cp1"] = round(r["act_mb"] / ref["act_mb"], 3) if ref else None
-        r["step_vs_cp1"] = round(r["step_mb"] / ref["step_mb"], 3) if ref and ref["step_mb"] > 0 else None
+        r["above_base_vs_cp1"] = round(r["above_base_mb"] / ref["above_base_mb"], 3) if ref else None
     print(" ".join(f"{f:>12}" for f in FIELDS))
     for r in sorted(records, key=lambda r: (r["seq"], r["cp"])):
         print(" ".join(f"{'-' if r[f] is None else r[f]:>12}" for f in FIELDS))

@@ -29,6 +29,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import shlex  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -122,11 +123,12 @@ def run_driver(args) -> int:
     """Launch one job per cp, merge the records, add the ratios to cp = 1, print and write them."""
     from hpctrain.bench.report import write_records
 
-    mpiexec = args.mpiexec or shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    mpiexec = shlex.split(args.mpiexec) if args.mpiexec else \
+        [shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")]
     records = []
     for cp in (int(c) for c in args.cps.split(",")):
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            cmd = [mpiexec, "-n", str(cp), sys.executable, os.path.abspath(__file__), "--worker", "--out", out.name,
+            cmd = mpiexec + ["-n", str(cp), sys.executable, os.path.abspath(__file__), "--worker", "--out", out.name,
                    "--seq-lens", args.seq_lens, "--preset", args.preset, "--window", str(args.window),
                    "--steps", str(args.steps), "--warmup", str(args.warmup)]
             print(f"cp={cp}: {' '.join(cmd)}", flush=True)
@@ -152,7 +154,7 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=0, help="model.attention_window (0 = full causal)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--mpiexec", help="the launcher (default: mpiexec on PATH or beside python)")
+    ap.add_argument("--mpiexec", help="the launcher command (default: mpiexec on PATH or beside python)")
     ap.add_argument("--json")
     ap.add_argument("--csv")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

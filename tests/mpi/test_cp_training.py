@@ -128,3 +128,18 @@ def test_a_rank_stopped_inside_the_ring_is_named(tmp_path):
     assert re.search(r"on group 'cp' \(world ranks \[0, 1, 2, 3\]\)", stderr), stderr[-3000:]
     cause = re.search(r"  cause: rank 1 \(node 0 \S+, pid \d+\): (.*)", stderr)
     assert cause and "stopped (SIGSTOP" in cause.group(1), stderr[-3000:]
+
+
+def test_bench_long_context_records_activation_memory_falling_with_cp(tmp_path):
+    """benchmarks/bench_long_context.py end to end (cp = 1 and 2, one short length): the records, and the
+    activation memory per rank at cp = 2 about half of cp = 1's (a smoke test: never speed)."""
+    out = tmp_path / "lc.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_long_context.py"), "--cps", "1,2",
+                             "--seq-lens", "128", "--preset", "tiny", "--steps", "1", "--warmup", "0",
+                             "--mpiexec", " ".join(mpiexec()), "--json", str(out)], cwd=ROOT, env=mpi_env(),
+                            capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = {r["cp"]: r for r in json.loads(out.read_text())}
+    assert set(records) == {1, 2} and records[1]["act_vs_cp1"] == 1.0
+    assert 0.4 < records[2]["act_vs_cp1"] < 0.6, records
+    assert all(r["step_s"] > 0 and r["peak_mb"] > 0 for r in records.values())

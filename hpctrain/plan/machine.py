@@ -175,7 +175,7 @@ def host_memory_gib() -> float:
 
 @dataclass(frozen=True)
 class GroupPlacement:
-    """Where one kind of group (tp, pp or dp) lies: ``level`` ``intra`` when every group of that axis
+    """Where one kind of group (tp, cp, pp, dp or dp x cp) lies: ``level`` ``intra`` when every group of that axis
     is inside one node, else ``inter``; ``per_node``: the fewest members a group has on a node it spans
     (they share that node's network, so an inter-node collective moves ``1/per_node`` of its bytes per NIC)."""
 
@@ -188,8 +188,9 @@ class Machine:
     """``nodes`` x ``gpus_per_node`` ranks of ``device`` joined by ``links``.
 
     Placement is hpctrain's grid (hpctrain/comm/grid.py): ranks ordered by (node, local rank), grid
-    coordinates assigned along that order with tp fastest, then pp, then dp. So a tp group is ``tp``
-    consecutive ranks, a pp group ``pp`` ranks ``tp`` apart, a dp group ``dp`` ranks ``tp * pp`` apart.
+    coordinates assigned along that order with tp fastest, then cp, then pp, then dp. So a tp group is
+    ``tp`` consecutive ranks, a cp group ``cp`` ranks ``tp`` apart (cp x tp inside a node when it fits,
+    like tp), a pp group ``pp`` ranks ``tp * cp`` apart, a dp group ``dp`` ranks ``tp * cp * pp`` apart.
     """
 
     device: Device
@@ -239,6 +240,38 @@ class Machine:
                     counts[node] = counts.get(node, 0) + 1
                 if len(counts) > 1:
                     level, fewest = "inter", min(fewest, min(counts.values()))
+        return GroupPlacement(level, fewest if level == "inter" else size)
+
+    def group_placement(self, axes) -> GroupPlacement:
+        """Placement of the groups whose members differ along several axes, ``axes`` = ((stride, size), ...)
+        outermost first: the dp x cp group (``dp_cp``) is ((tp cp pp, dp), (tp, cp)); one axis is ``placement``."""
+        axes = [(stride, size) for stride, size in axes if size > 1]
+        merged = [axes[0]] if axes else [(1, 1)]
+        for stride, size in axes[1:]:  # an outer axis right above the inner one: one contiguous axis
+            outer_stride, outer_size = merged[-1]
+            merged[-1:] = [(stride, size * outer_size)] if outer_stride == stride * size else [merged[-1], (stride, size)]
+        if len(merged) == 1:
+            return self.placement(*merged[0])
+        (outer_stride, outer_size), (inner_stride, inner_size) = merged[0], merged[-1]
+        g, size = self.gpus_per_node, outer_size * inner_size
+        if len(merged) == 2 and outer_stride % g == 0:  # the outer members on distinct nodes
+            inner = self.placement(inner_stride, inner_size)
+            return GroupPlacement("inter", inner_size if inner.level == "intra" else inner.per_node)
+        if len(merged) == 2 and g % (outer_stride * outer_size) == 0:  # whole groups tile each node
+            return GroupPlacement("intra", size)
+        offsets = [0]
+        for stride, n in merged:
+            offsets = [o + i * stride for o in offsets for i in range(n)]
+        level, fewest, seen = "intra", size, set()
+        for base in range(self.devices):
+            if base % g in seen or any((base // stride) % n for stride, n in merged):
+                continue  # a member's node pattern depends on its offset in the node only
+            seen.add(base % g)
+            counts: dict[int, int] = {}
+            for o in offsets:
+                counts[(base + o) // g] = counts.get((base + o) // g, 0) + 1
+            if len(counts) > 1:
+                level, fewest = "inter", min(fewest, min(counts.values()))
         return GroupPlacement(level, fewest if level == "inter" else size)
 
     def collective_s(self, op: str, nbytes: float, size: int, where: GroupPlacement) -> float:

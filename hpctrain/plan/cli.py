@@ -10,7 +10,7 @@ fix those choices, like the flags ``--dp/--tp/--pp/--cp/--micro-batch/--zero``: 
 instead of searched). Planning is in bfloat16 unless ``--dtype`` or the TOML's ``train.dtype`` says
 otherwise. Links come from a measured profile
 (``hpctrain bench comm --profile``) or from ``--intra-gbps`` / ``--inter-gbps`` (Gbit/s per rank).
-Context parallelism (``--cp``, searched by default) cuts each sequence over cp ranks; a RoPE model may be
+Context parallelism (``--cp``; searched unless ``--dp/--tp/--pp`` give a layout, which then has cp 1) cuts each sequence over cp ranks; a RoPE model may be
 planned past its ``max_seq_len`` (a context extension). ``--json`` prints ``{"plans": [...], "infeasible": [...]}``, best first (cli fields: planner.Prediction.to_dict).
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     p.add_argument("--pp", type=int, default=0, help="evaluate this pipeline-parallel size only (default: search)")
     p.add_argument("--cp", type=int, default=0,
                    help="evaluate this context-parallel size only (default: search every cp with --seq-len "
-                        "divisible by 2 x cp; 1: no context parallelism)")
+                        "divisible by 2 x cp, or 1 when --dp/--tp/--pp give the layout; 1: no context parallelism)")
     p.add_argument("--micro-batch", type=int, default=0,
                    help="sequences per micro-batch (Megatron's --micro-batch-size; default: search)")
     p.add_argument("--virtual-stages", type=int, default=1,
@@ -145,6 +145,7 @@ def _space(args, given: dict, schedule: str, devices: int):
     def pick(flag, key):
         return flag if flag else given.get(key, 0)
     dp, tp, pp, cp = pick(args.dp, "dp"), pick(args.tp, "tp"), pick(args.pp, "pp"), pick(args.cp, "cp")
+    cp = cp or (1 if dp or tp or pp else 0)  # a given layout has no cp unless it says so
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("micro-batch", args.micro_batch)):
         if value < 0 or (value and name != "micro-batch" and devices % value):
             raise PlanError(f"--{name} {value}: must be a positive divisor of the {devices} devices")

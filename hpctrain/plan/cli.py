@@ -10,8 +10,10 @@ fix those choices, like the flags ``--dp/--tp/--pp/--cp/--micro-batch/--zero``: 
 instead of searched). Planning is in bfloat16 unless ``--dtype`` or the TOML's ``train.dtype`` says
 otherwise. Links come from a measured profile
 (``hpctrain bench comm --profile``) or from ``--intra-gbps`` / ``--inter-gbps`` (Gbit/s per rank).
-Context parallelism (``--cp``; searched unless ``--dp/--tp/--pp`` give a layout, which then has cp 1) cuts each sequence over cp ranks; a RoPE model may be
-planned past its ``max_seq_len`` (a context extension). ``--json`` prints ``{"plans": [...], "infeasible": [...]}``, best first (cli fields: planner.Prediction.to_dict).
+Context parallelism (``--cp``; searched unless ``--dp/--tp/--pp`` give a layout, which then has cp 1)
+cuts each sequence over cp ranks; a RoPE model may be planned past its ``max_seq_len`` (a context
+extension). ``--json`` prints ``{"plans": [...], "infeasible": [...]}``, best first (cli fields:
+planner.Prediction.to_dict).
 """
 from __future__ import annotations
 

@@ -33,8 +33,9 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
   drain; ``(pp - 1) / (v M)`` of the ideal time for equal stages; ``v`` virtual stages of interleaved
   1F1B, Narayanan et al. 2021 section 2.2.2, whose p2p is ``v`` times as frequent)
   ``+`` exposed dp ``+`` optimizer.
-- dp: over the ``dp x cp`` ranks holding the same parameters (the grid's ``dp_cp`` group), gradients in float32 (hpctrain's main grads; ``x compression``) are all-reduced (ZeRO-1:
-  reduce-scattered) bucket by bucket during the backward of the last micro-batch only. Stage ``s``
+- dp: over the ``dp x cp`` ranks holding the same parameters (the grid's ``dp_cp`` group), gradients in
+  float32 (hpctrain's main grads; ``x compression``) are all-reduced (ZeRO-1: reduce-scattered) bucket by
+  bucket during the backward of the last micro-batch only. Stage ``s``
   finishes that backward ``s`` backward slots before stage 0, so its reduction is exposed by
   ``max(last bucket - s b_slot, reduction - (1 + s) b_slot)``; the step pays the worst stage. ZeRO-1's
   all-gather of the updated parameters and a tied embedding's exchange over pp and reduction over
@@ -125,7 +126,8 @@ class StepTime:
 
     def breakdown(self) -> dict[str, float]:
         return {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "pp_comm": self.pp_comm_s,
-                "cp_comm": self.cp_comm_s, "dp_comm": self.dp_comm_s, "bubble": self.bubble_s, "optimizer": self.optimizer_s}
+                "cp_comm": self.cp_comm_s, "dp_comm": self.dp_comm_s, "bubble": self.bubble_s,
+                "optimizer": self.optimizer_s}
 
 
 def executed_flops_per_token(model, seq_len: int, recompute, flash_attention: bool) -> float:
@@ -262,7 +264,8 @@ def _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p) -> floa
         if lay.zero >= 3:  # FSDP: gather the stage's parameters before every forward and backward
             gather = machine.collective_s("allgather", n * nb, d, dp_at)
             first = machine.collective_s("allgather", unit * nb, d, dp_at)
-            gathers = lay.microbatches * (max(first, gather - (fwd + tpf + cpf)) + max(first, gather - (bwd + tpb + cpb)))
+            gathers = lay.microbatches * (max(first, gather - (fwd + tpf + cpf)) +
+                                          max(first, gather - (bwd + tpb + cpb)))
             b_slot = max(0.0, b_slot - gather)  # the last backward's gather shares the dp link
         exposed = max(exposed, gathers + max(last - s * b_slot, whole - (1 + s) * b_slot))
     if lay.zero in (1, 2):

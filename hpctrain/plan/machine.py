@@ -249,7 +249,8 @@ class Machine:
         merged = [axes[0]] if axes else [(1, 1)]
         for stride, size in axes[1:]:  # an outer axis right above the inner one: one contiguous axis
             outer_stride, outer_size = merged[-1]
-            merged[-1:] = [(stride, size * outer_size)] if outer_stride == stride * size else [merged[-1], (stride, size)]
+            contiguous = outer_stride == stride * size
+            merged[-1:] = [(stride, size * outer_size)] if contiguous else [merged[-1], (stride, size)]
         if len(merged) == 1:
             return self.placement(*merged[0])
         (outer_stride, outer_size), (inner_stride, inner_size) = merged[0], merged[-1]

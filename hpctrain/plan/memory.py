@@ -7,10 +7,10 @@ buffers (hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py):
 - gradients: ``P x 4`` (float32 main grads; ``x 8`` in float64), plus with ZeRO-1 the reduced slice
   ``P x 4 / dp``;
 - optimizer (AdamW): two moments in float32 (``8 P``; ``16 P`` in float64), plus float32 master weights
-  (``4 P``) in 16-bit training; ZeRO-1 divides all of it by dp.
-  With context parallelism every "dp" here is ``dp x cp``: the cp ranks of a replica hold the same
-  parameters, their gradients are reduced over the grid's dp_cp group and ZeRO shards over it. So 18 bytes per parameter in bf16
-  without ZeRO (2 + 4 + 8 + 4), as in Megatron-LM;
+  (``4 P``) in 16-bit training; ZeRO-1 divides all of it by dp. So 18 bytes per parameter in bf16
+  without ZeRO (2 + 4 + 8 + 4), as in Megatron-LM. With context parallelism every "dp" here is ``dp x
+  cp``: the cp ranks of a replica hold the same parameters, their gradients are reduced over the grid's
+  dp_cp group and ZeRO shards over it;
 - ZeRO-2 and ZeRO-3 / FSDP (PLANNER ONLY: hpctrain's engine trains with zero 0 or 1): ZeRO-2 also
   divides the float32 gradients by dp (``P x 4 / dp``, reduce-scattered bucket by bucket); ZeRO-3 also
   divides the parameters (``P x dtype / dp``) and adds the gathered FSDP units in flight: TWO units'

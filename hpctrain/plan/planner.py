@@ -131,7 +131,8 @@ def predict(model, layout, machine, recompute="off", options: Options = Options(
     cand = Candidate(layout, recompute)
     t, c, p = layout.tp_size, layout.cp_size, layout.pp_size
     placement = {axis: machine.placement(stride, size).level
-                 for axis, stride, size in (("tp", 1, t), ("cp", t, c), ("pp", t * c, p), ("dp", t * c * p, layout.dp_size))}
+                 for axis, stride, size in (("tp", 1, t), ("cp", t, c), ("pp", t * c, p),
+                                            ("dp", t * c * p, layout.dp_size))}
     return Prediction(cand, step_time(model, cand, machine, options), memory(model, layout, recompute, options),
                       machine.devices, machine.device.peak(options.dtype),
                       model_flops_per_token(model, layout.seq_len), placement, options.virtual_stages)

@@ -10,7 +10,8 @@ def _layout(p: dict) -> str:
                                     (recompute, recompute), (f"V={p['virtual_stages']}", p["virtual_stages"] > 1))
               if on]
     cp = f" cp={p['cp']}" if p.get("cp", 1) > 1 else ""
-    return f"dp={p['dp']}{cp} tp={p['tp']} pp={p['pp']} M={p['microbatches']}" + (f" +{'+'.join(extras)}" if extras else "")
+    return (f"dp={p['dp']}{cp} tp={p['tp']} pp={p['pp']} M={p['microbatches']}"
+            + (f" +{'+'.join(extras)}" if extras else ""))
 
 
 def print_plans(result, machine, model, name: str, global_batch: int, seq_len: int, options, top: int) -> None:

@@ -2,8 +2,9 @@
 
 ``predict_run(cfg, row, device, profile)`` builds the run's ``Layout`` from the sweep row (ranks, dp, tp,
 pp, microbatches, global_batch; cp where the row has it) and the config (model, seq_len, schedule, ZeRO,
-sequence parallelism, dtype, ``parallel.cp``), a ``Machine`` of ``row["nodes"]`` nodes (1 for local mpiexec sweeps) and asks hpctrain/plan for
-the step time. With a link profile (``hpctrain bench comm --profile``) the links and, where it measured
+sequence parallelism, dtype, ``parallel.cp``), a ``Machine`` of ``row["nodes"]`` nodes (1 for local
+mpiexec sweeps) and asks hpctrain/plan for the step time. With a link profile (``hpctrain bench comm
+--profile``) the links and, where it measured
 them, the device's rates come from it; without one, the ``device`` preset (with its intra-node bandwidth)
 and ``DEFAULT_INTER_GBPS`` are used. The fields it returns are the sweep CSV's ``predicted_*`` columns.
 """

@@ -178,3 +178,15 @@ def test_plan_cli_cp_and_window_input():
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["attention_window"] == 4096 and {p["cp"] for p in doc["plans"]} == {4}
+
+
+def test_a_sweep_row_with_cp_gets_the_ring_in_its_prediction():
+    from hpctrain.config import load_config
+    from hpctrain.sweep.predict import predict_run
+
+    cfg = load_config(str(ROOT / "configs" / "tiny.toml"))
+    row = {"ranks": 2, "dp": 2, "tp": 1, "pp": 1, "microbatches": 1, "global_batch": 8}
+    plain = predict_run(cfg, row)
+    ring = predict_run(cfg, {**row, "dp": 1, "cp": 2})
+    assert plain and ring and ring["predicted_comm_s"] > 0
+    assert predict_run(cfg, {**row, "dp": 1, "cp": 3}) is None  # 2 ranks are not dp x cp = 3

@@ -190,3 +190,14 @@ def test_a_sweep_row_with_cp_gets_the_ring_in_its_prediction():
     ring = predict_run(cfg, {**row, "dp": 1, "cp": 2})
     assert plain and ring and ring["predicted_comm_s"] > 0
     assert predict_run(cfg, {**row, "dp": 1, "cp": 3}) is None  # 2 ranks are not dp x cp = 3
+
+
+def test_a_toml_that_sets_parallel_cp_is_evaluated_with_it(tmp_path):
+    config = tmp_path / "cp.toml"
+    config.write_text('[model]\npreset = "tiny"\nattention_window = 16\n[parallel]\ncp = 2\ntp = 2\n'
+                      '[train]\nglobal_batch = 8\nseq_len = 64\n')
+    out = hpctrain_plan("--model", str(config), "--nodes", "1", "--gpus-per-node", "4", "--device", "cpu", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["attention_window"] == 16 and {(p["dp"], p["cp"], p["tp"], p["pp"]) for p in doc["plans"]} == {
+        (1, 2, 2, 1)}

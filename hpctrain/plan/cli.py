@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--inter-gbps", type=float, default=0.0, help="per-rank bandwidth between nodes, Gbit/s")
     p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's, else 512)")
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: config's, else 2048)")
+    p.add_argument("--ring", choices=("engine", "fused"), default="engine",
+                   help="ring attention's blocks with cp: engine (hpctrain's: unfused, float32) or fused (a "
+                        "flash-style kernel per block in the training dtype, as TransformerEngine's)")
     p.add_argument("--attention-window", type=int, default=-1,
                    help="sliding-window attention W (model.attention_window; 0 = full causal; default: the "
                         "config's, else 0)")
@@ -190,13 +193,14 @@ def run_plan(args) -> int:
     if args.virtual_stages < 1 or (args.virtual_stages > 1 and schedule == "gpipe"):
         raise PlanError(f"--virtual-stages {args.virtual_stages}: must be >= 1, and 1 with the gpipe schedule")
     options = Options(dtype=args.dtype or defaults["dtype"], bucket_mb=defaults["bucket_mb"],
-                      virtual_stages=args.virtual_stages, flash_attention=args.attention == "fused")
+                      virtual_stages=args.virtual_stages, flash_attention=args.attention == "fused",
+                      fused_ring=args.ring == "fused")
     space = _space(args, defaults.get("given", {}), schedule, machine.devices)
     result = plan(model, machine, global_batch, seq_len, options, space)
     if args.json:
         print(json.dumps({"model": args.model, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
                           "device": machine.device.name, "global_batch": global_batch, "seq_len": seq_len,
-                          "attention_window": model.attention_window,
+                          "attention_window": model.attention_window, "ring": args.ring,
                           "dtype": options.dtype, "evaluated": result.evaluated,
                           "plans": [p.to_dict() for p in result.plans[:args.top]],
                           "infeasible": [i.to_dict() for i in result.infeasible]}, indent=1))

@@ -17,7 +17,9 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
   copy as traffic), forward and backward.
 - cp (context parallelism, ``ring.py``): every per-token term above runs on the rank's ``S / cp`` tokens;
   attention is ring attention's computed blocks (``ring.ring_pairs``: the zig-zag split balances causal work,
-  a sliding window skips blocks outside it) at the efficiency of a block's size; the ring's K/V (forward,
+  a sliding window skips blocks outside it), as hpctrain computes them: plain products in float32 (the
+  float32 peak: TF32 with ``train.allow_tf32``) at the efficiency of a block's size, plus the scores'
+  passes through memory (``ring.SCORE_PASSES``); the ring's K/V (forward,
   backward) and dK/dV (backward) exchanges are charged where they outlast the same step's block compute,
   plus the last dK/dV pass (``cp_comm``). Without cp, a sliding window (``model.attention_window``) is an
   SDPA mask: the whole square is computed.
@@ -60,7 +62,7 @@ from dataclasses import dataclass
 from hpctrain.plan.devices import DTYPE_BYTES, PlanError
 from hpctrain.plan.machine import GroupPlacement
 from hpctrain.plan.memory import fsdp_unit_parameters
-from hpctrain.plan.ring import RING_TILE, exposed_s, kv_elements, ring_pairs
+from hpctrain.plan.ring import RING_TILE, SCORE_PASSES, exposed_s, kv_elements, ring_math_dtype, ring_pairs
 from hpctrain.plan.shapes import block_gemms, block_matmul_params, for_tp
 from hpctrain.plan.stages import (Stage, layer_activation_bytes, recompute_kind, score_bytes, stage_parameters,
                                   stages)
@@ -79,7 +81,9 @@ class Options:
     ``1 / t`` of it, the receivers all-gather it over tp; Narayanan et al. 2021, section 4.1), used only
     to model Megatron runs: hpctrain sends ``1 / t`` only with sequence parallelism.
     ``bucket_mb``: ``parallel.bucket_mb``. ``reserve_gib``: memory every rank loses to the runtime
-    (CUDA context, communication buffers, allocator fragmentation).
+    (CUDA context, communication buffers, allocator fragmentation). ``fused_ring``: ring attention's blocks
+    in a fused kernel in the training dtype (TransformerEngine's, as Megatron-LM runs cp), to compare with
+    hpctrain's ring, which computes them unfused in float32 (ring.py).
     """
 
     dtype: str = "bfloat16"
@@ -89,6 +93,7 @@ class Options:
     pp_scatter_gather: bool = False
     bucket_mb: float = 25.0
     reserve_gib: float = 2.0
+    fused_ring: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -235,8 +240,12 @@ def _attention(model, lay, machine, options, cp_at, peak) -> tuple[float, float,
     if c == 1:
         square = 0.5 if options.flash_attention and not 0 < window < seq else 1.0  # a window: SDPA's mask
         return 0.0, 0.0, 4.0 * b * seq * seq * h * square / t / (peak * dev.gemm_efficiency(seq))
-    block = peak * dev.gemm_efficiency(min(RING_TILE, seq // (2 * c)))
-    steps = [4.0 * b * pairs * h / t / block for pairs in ring_pairs(seq, c, window).computed]
+    math_dtype = options.dtype if options.fused_ring else ring_math_dtype(options.dtype)
+    block = dev.peak(math_dtype) * 1e12 * dev.gemm_efficiency(min(RING_TILE, seq // (2 * c)))
+    passes = 0 if options.fused_ring else SCORE_PASSES  # a fused kernel keeps a block's scores on chip
+    score_bytes = passes * DTYPE_BYTES[math_dtype] * b * model.n_heads / t  # per computed pair
+    steps = [4.0 * b * pairs * h / t / block + pairs * score_bytes / (dev.hbm_gbps * 1e9)
+             for pairs in ring_pairs(seq, c, window).computed]
     kv = kv_elements(model, b, seq, c, t)
     kv_s = machine.collective_s("sendrecv", kv * nb, c, cp_at)
     dkv_s = machine.collective_s("sendrecv", kv * max(4, nb), c, cp_at)  # float32 partial dK/dV

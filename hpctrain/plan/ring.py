@@ -10,9 +10,14 @@ mask (plain matrix products, no causal-skipping kernel).
 
 Model, per layer and micro-batch ``b`` on one rank (tp rank share: ``Hq / t`` query and ``Hkv / t`` KV heads of
 ``d_h``):
-- compute: the visible query-key pairs of the computed blocks, ``4 b pairs d_h Hq / t`` FLOPs forward
-  (scores and values), twice that backward; ``ring_pairs`` counts them per step, the max over the cp ranks
-  (the slowest rank paces the ring). Full causal: every step is ~``S^2 / 2cp^2`` pairs, the zig-zag balance.
+- compute: the query-key pairs of the computed blocks, ``4 b pairs d_h Hq / t`` FLOPs forward (scores and
+  values), twice that backward; ``ring_pairs`` counts them per step, the max over the cp ranks (the slowest
+  rank paces the ring). Full causal: every step is ~``S^2 / 2cp^2`` pairs, the zig-zag balance. hpctrain
+  computes a block with plain matrix products in ``ring_math_dtype`` (float32 for 16-bit training: the
+  device's float32 peak, TF32 on NVIDIA with ``train.allow_tf32``), and its scores go through memory:
+  ``SCORE_PASSES`` = 10 reads and writes of each float32 score per query head forward (product, scale,
+  mask, max, subtract, exp, sum, value product), twice that backward, at the HBM bandwidth. A fused
+  per-block kernel would keep them on chip: this is the cost of the engine's ring as it is.
 - exchange: forward ``cp - 1`` passes of K/V, ``2 (S/cp) b (Hkv/t) d_h`` elements in the training dtype;
   backward ``cp - 1`` K/V passes again plus ``cp`` passes of dK/dV (same count, float32 for 16-bit
   training: ring_attention accumulates in float32), each a point-to-point send to the next rank while
@@ -30,6 +35,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 RING_TILE = 1024  # ring_attention's default block size (hpctrain/parallel/context_parallel.py)
+SCORE_PASSES = 10  # reads + writes of a block's float32 scores in its forward (block_attention; module doc)
+
+
+def ring_math_dtype(dtype: str) -> str:
+    """The dtype of ring attention's block products and softmax: float32 for 16-bit training (fp32 softmax
+    statistics), float64 for float64."""
+    return "float64" if dtype == "float64" else "float32"
 
 
 def _pairs_upto(x: int, n: int) -> int:

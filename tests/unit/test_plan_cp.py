@@ -91,10 +91,15 @@ def test_activation_memory_falls_as_one_over_cp_and_state_is_replicated():
 def test_compute_falls_with_cp_and_the_ring_exchange_is_charged_where_exposed():
     m, seq = llama(), 65536
     fast, slow = h100_nodes(2), h100_nodes(2, inter_gbps=1.0)
-    one = step_time(m, Candidate(cp_layout(1, seq=seq)), fast)
+    one = step_time(m, Candidate(cp_layout(1, seq=seq, tp=8)), fast)
     two = step_time(m, Candidate(cp_layout(2, seq=seq, tp=8)), fast)  # tp x cp = 16: cp crosses the nodes
+    four = step_time(m, Candidate(cp_layout(4, seq=seq, tp=4)), fast)
     assert one.cp_comm_s == 0 and two.cp_comm_s > 0
-    assert two.compute_s < one.compute_s / 8  # 16 ranks share the sequence's work
+    assert four.compute_s / two.compute_s == pytest.approx(1.0, rel=0.1)  # 16 ranks share the work alike
+    eight = step_time(m, Candidate(cp_layout(4, seq=seq, tp=8)), h100_nodes(4))
+    assert eight.compute_s / two.compute_s == pytest.approx(0.5, rel=0.05)  # twice the cp: half the work
+    # hpctrain's ring computes its blocks unfused in float32: slower per pair than the fused causal SDPA
+    assert two.compute_s > one.compute_s / 2
     kv = kv_elements(m, 1, seq, 2, 8)
     dkv_s = 1e-5 + kv * 4 * 8 / 400e9  # the last dK/dV pass (float32) over one rank's share of the NIC
     assert two.cp_comm_s == pytest.approx(m.n_layers * dkv_s, rel=1e-6)  # hidden behind the block compute
@@ -103,6 +108,16 @@ def test_compute_falls_with_cp_and_the_ring_exchange_is_charged_where_exposed():
     assert exposed.compute_s == two.compute_s
     recomputed = step_time(m, Candidate(cp_layout(2, seq=seq, tp=8), "full"), slow)
     assert recomputed.cp_comm_s > exposed.cp_comm_s  # the recomputed forward runs the ring again
+
+
+def test_the_engines_unfused_float32_ring_against_a_fused_one():
+    m, machine, lay = llama(), h100_nodes(2), cp_layout(2, seq=65536, tp=8)
+    engine = step_time(m, Candidate(lay), machine)
+    fused = step_time(m, Candidate(lay), machine, Options(fused_ring=True))
+    flash = step_time(m, Candidate(cp_layout(1, seq=65536, tp=8)), machine)
+    assert fused.compute_s < engine.compute_s / 2  # bf16 peak, scores kept on chip
+    assert fused.compute_s == pytest.approx(flash.compute_s / 2, rel=0.1)  # = one rank's fused causal SDPA / cp
+    assert fused.cp_comm_s >= engine.cp_comm_s  # less compute to hide the same exchange behind
 
 
 def test_gradients_are_reduced_over_dp_x_cp():
@@ -154,9 +169,11 @@ def test_plan_at_131072_tokens_proposes_cp_where_nothing_else_fits():
     assert f"cp={best['cp']} tp={best['tp']}" in table.stdout and "cp_comm" in table.stdout, table.stdout
 
 
-def test_plan_picks_cp_for_long_sequences_and_not_for_short_ones():
+def test_plan_picks_cp_for_a_long_windowed_sequence_and_not_for_a_short_one():
+    """With a sliding window the ring skips the blocks outside it, while one rank's SDPA with a window mask
+    computes the whole square: cp wins at 128K tokens. At 2K tokens cp only adds the ring."""
     args = ("--model", "llama-3-8b", "--nodes", "2", *H100_NODES, "--global-batch", "16", "--json", "--top", "1000")
-    long = json.loads(hpctrain_plan(*args, "--seq-len", "131072").stdout)["plans"]
+    long = json.loads(hpctrain_plan(*args, "--seq-len", "131072", "--attention-window", "4096").stdout)["plans"]
     assert long[0]["cp"] > 1, long[0]
     short = json.loads(hpctrain_plan(*args, "--seq-len", "2048").stdout)["plans"]
     assert short[0]["cp"] == 1, short[0]

@@ -217,7 +217,7 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
 
     params = [(st.index, stage_parameters(model, st, t), c, fsdp_unit_parameters(model, st, t))
               for st, _, c, _ in firsts]
-    dp_at = machine.group_placement(((t * c * p, lay.dp_size), (t, c)))  # the dp x cp group
+    dp_at = machine.group_placement((t * c * p, lay.dp_size), (t, c))  # the dp x cp group
     dp_s = _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p)
     world_at = GroupPlacement("inter" if machine.nodes > 1 else "intra", machine.gpus_per_node)
     grad_norm = 2 * machine.collective_s("allreduce", 8.0, lay.world_size, world_at)  # loss, gradient norm

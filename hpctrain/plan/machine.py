@@ -242,38 +242,29 @@ class Machine:
                     level, fewest = "inter", min(fewest, min(counts.values()))
         return GroupPlacement(level, fewest if level == "inter" else size)
 
-    def group_placement(self, axes) -> GroupPlacement:
-        """Placement of the groups whose members differ along several axes, ``axes`` = ((stride, size), ...)
-        outermost first: the dp x cp group (``dp_cp``) is ((tp cp pp, dp), (tp, cp)); one axis is ``placement``."""
-        axes = [(stride, size) for stride, size in axes if size > 1]
-        merged = [axes[0]] if axes else [(1, 1)]
-        for stride, size in axes[1:]:  # an outer axis right above the inner one: one contiguous axis
-            outer_stride, outer_size = merged[-1]
-            contiguous = outer_stride == stride * size
-            merged[-1:] = [(stride, size * outer_size)] if contiguous else [merged[-1], (stride, size)]
-        if len(merged) == 1:
-            return self.placement(*merged[0])
-        (outer_stride, outer_size), (inner_stride, inner_size) = merged[0], merged[-1]
-        g, size = self.gpus_per_node, outer_size * inner_size
-        if len(merged) == 2 and outer_stride % g == 0:  # the outer members on distinct nodes
-            inner = self.placement(inner_stride, inner_size)
-            return GroupPlacement("inter", inner_size if inner.level == "intra" else inner.per_node)
-        if len(merged) == 2 and g % (outer_stride * outer_size) == 0:  # whole groups tile each node
-            return GroupPlacement("intra", size)
-        offsets = [0]
-        for stride, n in merged:
-            offsets = [o + i * stride for o in offsets for i in range(n)]
-        level, fewest, seen = "intra", size, set()
-        for base in range(self.devices):
-            if base % g in seen or any((base // stride) % n for stride, n in merged):
-                continue  # a member's node pattern depends on its offset in the node only
+    def group_placement(self, outer: tuple[int, int], inner: tuple[int, int]) -> GroupPlacement:
+        """Placement of the groups whose members differ along two axes, (stride, size) each: the dp x cp
+        group (``dp_cp``) is outer (tp cp pp, dp) x inner (tp, cp)."""
+        (so, no), (si, ni) = outer, inner
+        if no == 1 or ni == 1 or so == si * ni:  # one axis, or two that are one contiguous axis
+            return self.placement(so if ni == 1 else si, no * ni)
+        g = self.gpus_per_node
+        if so % g == 0:  # the outer members on distinct nodes
+            p = self.placement(si, ni)
+            return GroupPlacement("inter", ni if p.level == "intra" else p.per_node)
+        if g % (so * no) == 0:  # whole groups tile each node
+            return GroupPlacement("intra", no * ni)
+        level, fewest, seen = "intra", no * ni, set()
+        for base in range(self.devices):  # a group's node pattern depends on its first member's node offset
+            if base % g in seen or (base // si) % ni or (base // so) % no:
+                continue
             seen.add(base % g)
             counts: dict[int, int] = {}
-            for o in offsets:
-                counts[(base + o) // g] = counts.get((base + o) // g, 0) + 1
+            for node in ((base + i * si + j * so) // g for i in range(ni) for j in range(no)):
+                counts[node] = counts.get(node, 0) + 1
             if len(counts) > 1:
                 level, fewest = "inter", min(fewest, min(counts.values()))
-        return GroupPlacement(level, fewest if level == "inter" else size)
+        return GroupPlacement(level, fewest if level == "inter" else no * ni)
 
     def collective_s(self, op: str, nbytes: float, size: int, where: GroupPlacement) -> float:
         """Seconds for ``op`` on ``nbytes`` (the full buffer) over a group of ``size`` ranks placed ``where``.

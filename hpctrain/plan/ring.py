@@ -17,7 +17,8 @@ Model, per layer and micro-batch ``b`` on one rank (tp rank share: ``Hq / t`` qu
   device's float32 peak, TF32 on NVIDIA with ``train.allow_tf32``), and its scores go through memory:
   ``SCORE_PASSES`` = 10 reads and writes of each float32 score per query head forward (product, scale,
   mask, max, subtract, exp, sum, value product), twice that backward, at the HBM bandwidth. A fused
-  per-block kernel would keep them on chip: this is the cost of the engine's ring as it is.
+  per-block kernel would keep them on chip: this is the cost of the engine's ring as it is
+  (``Options.fused_ring``, ``hpctrain plan --ring fused``: a fused kernel in the training dtype instead).
 - exchange: forward ``cp - 1`` passes of K/V, ``2 (S/cp) b (Hkv/t) d_h`` elements in the training dtype;
   backward ``cp - 1`` K/V passes again plus ``cp`` passes of dK/dV (same count, float32 for 16-bit
   training: ring_attention accumulates in float32), each a point-to-point send to the next rank while

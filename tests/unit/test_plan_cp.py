@@ -120,6 +120,26 @@ def test_the_engines_unfused_float32_ring_against_a_fused_one():
     assert fused.cp_comm_s >= engine.cp_comm_s  # less compute to hide the same exchange behind
 
 
+@pytest.mark.parametrize("nodes, per_node", [(2, 8), (4, 8), (3, 4), (4, 6)])
+def test_the_dp_x_cp_group_is_placed_as_the_grid_places_it(nodes, per_node):
+    """Machine.group_placement against counting each dp_cp group's members per node (grid order: tp fastest,
+    then cp, pp, dp)."""
+    machine = Machine(device_preset("a100"), links_from_bandwidth(2400, 200), nodes, per_node)
+    world = nodes * per_node
+    for tp, cp, pp in [(t, c, p) for t in range(1, world + 1) for c in range(1, world + 1)
+                       for p in range(1, world + 1) if world % (t * c * p) == 0]:
+        dp = world // (tp * cp * pp)
+        groups: dict[tuple, list[int]] = {}
+        for rank in range(world):
+            t, c, p = rank % tp, rank // tp % cp, rank // (tp * cp) % pp
+            groups.setdefault((t, p), []).append(rank // per_node)
+        per = [[g.count(n) for n in set(g)] for g in groups.values()]
+        crosses = any(len(c) > 1 for c in per)
+        expected = ("inter", min(min(c) for c in per if len(c) > 1)) if crosses else ("intra", dp * cp)
+        got = machine.group_placement((tp * cp * pp, dp), (tp, cp))
+        assert (got.level, got.per_node) == expected, (tp, cp, pp, dp)
+
+
 def test_gradients_are_reduced_over_dp_x_cp():
     m, machine = llama(), h100_nodes(2)
     alone = step_time(m, Candidate(cp_layout(2, seq=8192, tp=8)), machine)

@@ -211,12 +211,12 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
             reps[key][1] += 1
         else:
             reps[key] = [st, 1, parts(st)]
-    firsts = [(st, count, c, sum(c) + pp_slot) for st, count, c in reps.values()]
+    firsts = [(st, count, costs, sum(costs) + pp_slot) for st, count, costs in reps.values()]
     _, _, (fk, bk, tfk, tbk, cfk, cbk), slot_k = max(firsts, key=lambda r: r[3])  # the slowest stage paces the pipe
     bubble = (sum(r[1] * r[3] for r in firsts) - slot_k) / v  # (pp - 1) / v x the other stages' mean slot
 
-    params = [(st.index, stage_parameters(model, st, t), c, fsdp_unit_parameters(model, st, t))
-              for st, _, c, _ in firsts]
+    params = [(st.index, stage_parameters(model, st, t), costs, fsdp_unit_parameters(model, st, t))
+              for st, _, costs, _ in firsts]
     dp_at = machine.group_placement((t * c * p, lay.dp_size), (t, c))  # the dp x cp group
     dp_s = _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p)
     world_at = GroupPlacement("inter" if machine.nodes > 1 else "intra", machine.gpus_per_node)
@@ -256,7 +256,7 @@ def _attention(model, lay, machine, options, cp_at, peak) -> tuple[float, float,
 
 def _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p) -> float:
     """Seconds of dp communication the step waits for (module docstring: overlap assumption).
-    ``params``: (stage index, parameters per rank, (fwd, bwd, tp fwd, tp bwd), largest FSDP unit) of the
+    ``params``: (stage index, parameters per rank, (fwd, bwd, tp fwd, tp bwd, cp fwd, cp bwd), largest FSDP unit) of the
     first stage of each kind."""
     d, t, nb = lay.replica_size, lay.tp_size, DTYPE_BYTES[options.dtype]
     if d <= 1:

@@ -2,14 +2,18 @@
 
     hpctrain plan --model gpt-1t --nodes 384 --gpus-per-node 8 --device a100 --intra-gbps 2400 --inter-gbps 200
     hpctrain plan --model configs/tiny.toml --nodes 1 --gpus-per-node 4 --profile link.json --json
+    hpctrain plan --model llama-3-8b --seq-len 131072 --nodes 2 --gpus-per-node 8 --device h100 --inter-gbps 400
 
 ``--model`` is a preset name (``hpctrain/config.py`` PRESETS) or a TOML config (its model, seq_len,
 global batch, dtype and schedule are the defaults of the flags; the keys its ``[parallel]`` section sets
-fix those choices, like the flags ``--dp/--tp/--pp/--micro-batch/--zero``: a GIVEN layout is evaluated
+fix those choices, like the flags ``--dp/--tp/--pp/--cp/--micro-batch/--zero``: a GIVEN layout is evaluated
 instead of searched). Planning is in bfloat16 unless ``--dtype`` or the TOML's ``train.dtype`` says
 otherwise. Links come from a measured profile
 (``hpctrain bench comm --profile``) or from ``--intra-gbps`` / ``--inter-gbps`` (Gbit/s per rank).
-``--json`` prints ``{"plans": [...], "infeasible": [...]}``, best first (cli fields: planner.Prediction.to_dict).
+Context parallelism (``--cp``; searched unless ``--dp/--tp/--pp`` give a layout, which then has cp 1)
+cuts each sequence over cp ranks; a RoPE model may be planned past its ``max_seq_len`` (a context
+extension). ``--json`` prints ``{"plans": [...], "infeasible": [...]}``, best first (cli fields:
+planner.Prediction.to_dict).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import tomllib
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="rank the dp x tp x pp layouts of a model on a machine by predicted "
+    p = sub.add_parser("plan", help="rank the dp x cp x tp x pp layouts of a model on a machine by predicted "
                                     "tokens/s (the performance and memory model, hpctrain/plan)")
     p.add_argument("--model", default="", help="a model preset (e.g. gpt-1t, gpt3-175b, tiny) or a TOML config")
     p.add_argument("--nodes", type=int, default=0)
@@ -36,6 +40,12 @@ def add_parser(sub) -> None:
     p.add_argument("--inter-gbps", type=float, default=0.0, help="per-rank bandwidth between nodes, Gbit/s")
     p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's, else 512)")
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: config's, else 2048)")
+    p.add_argument("--ring", choices=("engine", "fused"), default="engine",
+                   help="ring attention's blocks with cp: engine (hpctrain's: unfused, float32) or fused (a "
+                        "flash-style kernel per block in the training dtype, as TransformerEngine's)")
+    p.add_argument("--attention-window", type=int, default=-1,
+                   help="sliding-window attention W (model.attention_window; 0 = full causal; default: the "
+                        "config's, else 0)")
     p.add_argument("--dtype", default="", help="bfloat16 (default for presets), float16, float32, float64")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="override the device's peak (TFLOP/s)")
     p.add_argument("--efficiency", type=float, default=0.0, help="override the device's matmul efficiency")
@@ -43,6 +53,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dp", type=int, default=0, help="evaluate this data-parallel size only (default: search)")
     p.add_argument("--tp", type=int, default=0, help="evaluate this tensor-parallel size only (default: search)")
     p.add_argument("--pp", type=int, default=0, help="evaluate this pipeline-parallel size only (default: search)")
+    p.add_argument("--cp", type=int, default=0,
+                   help="evaluate this context-parallel size only (default: search every cp with --seq-len "
+                        "divisible by 2 x cp, or 1 when --dp/--tp/--pp give the layout; 1: no context parallelism)")
     p.add_argument("--micro-batch", type=int, default=0,
                    help="sequences per micro-batch (Megatron's --micro-batch-size; default: search)")
     p.add_argument("--virtual-stages", type=int, default=1,
@@ -82,13 +95,34 @@ def _model_and_defaults(spec: str):
         with open(spec, "rb") as f:
             raw = tomllib.load(f)  # which keys the file SETS: those are given, the rest searched
         given = {k: v for k, v in raw.get("parallel", {}).items()
-                 if k in ("dp", "tp", "pp", "microbatches", "zero", "sequence_parallel") and v != 0}
+                 if k in ("dp", "tp", "pp", "cp", "microbatches", "zero", "sequence_parallel") and v != 0}
         return resolve_model(cfg.model), {"global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
                                           "dtype": raw.get("train", {}).get("dtype", "bfloat16"),
                                           "schedule": cfg.parallel.schedule, "bucket_mb": cfg.parallel.bucket_mb,
                                           "given": given,
                                           "virtual_stages": int(raw.get("parallel", {}).get("virtual_stages", 1))}
     raise PlanError(f"--model {spec!r}: neither a preset ({', '.join(PRESETS)}) nor a TOML config file")
+
+
+def _long_context(model, seq_len: int, window: int):
+    """``model`` for ``seq_len`` tokens with ``--attention-window`` (< 0: the model's own). A RoPE model is
+    planned past its ``max_seq_len`` as a context extension (training it with ``model.max_seq_len =
+    seq_len``, as Llama 3.1 extends Llama 3 to 128K); a learned position table has no rows past it."""
+    from dataclasses import replace
+
+    from hpctrain.plan.devices import PlanError
+
+    if window >= 0:
+        model = replace(model, attention_window=window)
+    if model.attention_window > seq_len:
+        raise PlanError(f"--attention-window {model.attention_window} is larger than --seq-len {seq_len}: a window "
+                        f"covering the whole sequence is full causal attention, use 0")
+    if seq_len > model.max_seq_len:
+        if getattr(model, "positions", "rope") == "learned":
+            raise PlanError(f"--seq-len {seq_len} exceeds the model's max_seq_len {model.max_seq_len} (its learned "
+                            f"position table has no rows past it)")
+        model = replace(model, max_seq_len=seq_len)
+    return model
 
 
 def _machine(args):
@@ -115,8 +149,9 @@ def _space(args, given: dict, schedule: str, devices: int):
 
     def pick(flag, key):
         return flag if flag else given.get(key, 0)
-    dp, tp, pp = pick(args.dp, "dp"), pick(args.tp, "tp"), pick(args.pp, "pp")
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("micro-batch", args.micro_batch)):
+    dp, tp, pp, cp = pick(args.dp, "dp"), pick(args.tp, "tp"), pick(args.pp, "pp"), pick(args.cp, "cp")
+    cp = cp or (1 if dp or tp or pp else 0)  # a given layout has no cp unless it says so
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("micro-batch", args.micro_batch)):
         if value < 0 or (value and name != "micro-batch" and devices % value):
             raise PlanError(f"--{name} {value}: must be a positive divisor of the {devices} devices")
     zero = (args.zero,) if args.zero is not None else (given["zero"],) if "zero" in given else \
@@ -124,7 +159,7 @@ def _space(args, given: dict, schedule: str, devices: int):
     sp = (True,) if args.sequence_parallel else (False,) if args.no_sequence_parallel else \
         (bool(given["sequence_parallel"]),) if "sequence_parallel" in given else (False, True)
     microbatches = (given["microbatches"],) if "microbatches" in given and not args.micro_batch else ()
-    return SearchSpace(dp=dp, tp=tp, pp=pp, micro_batch=args.micro_batch, microbatches=microbatches, zero=zero,
+    return SearchSpace(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=args.micro_batch, microbatches=microbatches, zero=zero,
                        sequence_parallel=sp, schedule=schedule,
                        recompute={"auto": ("off", "selective", "full"), "on": ("full",)}.get(args.recompute,
                                                                                           (args.recompute,)))
@@ -149,8 +184,7 @@ def run_plan(args) -> int:
     machine = _machine(args)
     global_batch = args.global_batch or defaults["global_batch"]
     seq_len = args.seq_len or defaults["seq_len"]
-    if seq_len > model.max_seq_len:
-        raise PlanError(f"--seq-len {seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+    model = _long_context(model, seq_len, args.attention_window)
     schedule = args.schedule or defaults["schedule"]
     if schedule == "interleaved":  # parallel.schedule = "interleaved": 1F1B with parallel.virtual_stages chunks
         schedule = "1f1b"
@@ -159,12 +193,14 @@ def run_plan(args) -> int:
     if args.virtual_stages < 1 or (args.virtual_stages > 1 and schedule == "gpipe"):
         raise PlanError(f"--virtual-stages {args.virtual_stages}: must be >= 1, and 1 with the gpipe schedule")
     options = Options(dtype=args.dtype or defaults["dtype"], bucket_mb=defaults["bucket_mb"],
-                      virtual_stages=args.virtual_stages, flash_attention=args.attention == "fused")
+                      virtual_stages=args.virtual_stages, flash_attention=args.attention == "fused",
+                      fused_ring=args.ring == "fused")
     space = _space(args, defaults.get("given", {}), schedule, machine.devices)
     result = plan(model, machine, global_batch, seq_len, options, space)
     if args.json:
         print(json.dumps({"model": args.model, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
                           "device": machine.device.name, "global_batch": global_batch, "seq_len": seq_len,
+                          "attention_window": model.attention_window, "ring": args.ring,
                           "dtype": options.dtype, "evaluated": result.evaluated,
                           "plans": [p.to_dict() for p in result.plans[:args.top]],
                           "infeasible": [i.to_dict() for i in result.infeasible]}, indent=1))

@@ -15,6 +15,14 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
   dropout: nothing with a fused kernel, which keeps no scores). The last stage adds the LM head over the
   PADDED vocabulary (``shapes.padded_vocab``: ``2 b S h V_pad / t`` FLOPs, logits and their float32 loss
   copy as traffic), forward and backward.
+- cp (context parallelism, ``ring.py``): every per-token term above runs on the rank's ``S / cp`` tokens;
+  attention is ring attention's computed blocks (``ring.ring_pairs``: the zig-zag split balances causal work,
+  a sliding window skips blocks outside it), as hpctrain computes them: plain products in float32 (the
+  float32 peak: TF32 with ``train.allow_tf32``) at the efficiency of a block's size, plus the scores'
+  passes through memory (``ring.SCORE_PASSES``); the ring's K/V (forward,
+  backward) and dK/dV (backward) exchanges are charged where they outlast the same step's block compute,
+  plus the last dK/dV pass (``cp_comm``). Without cp, a sliding window (``model.attention_window``) is an
+  SDPA mask: the whole square is computed.
 - tp (blocking, fully exposed): per block 2 all-reduces of ``b S h`` in forward and 2 in backward (with
   sequence parallelism a reduce-scatter + an all-gather each: the same bytes, twice the latency), 2
   more in the recomputed forward; the embedding's, the LM head's and the cross-entropy's on the first
@@ -22,13 +30,14 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
 - pp: a micro-batch's forward input and backward gradient cross each boundary, ``b S h`` bytes
   (``/ t`` with SP: each tp rank sends its sequence chunk), point to point; charged in every pipeline
   slot (x virtual stages).
-- A slot is ``forward + backward + tp + pp`` of one micro-batch. Step = ``M x slot_max`` (the slowest
+- A slot is ``forward + backward + tp + cp + pp`` of one micro-batch. Step = ``M x slot_max`` (the slowest
   stage paces the steady state) ``+ (pp - 1) / v x mean slot of the other stages`` (the bubble: fill and
   drain; ``(pp - 1) / (v M)`` of the ideal time for equal stages; ``v`` virtual stages of interleaved
   1F1B, Narayanan et al. 2021 section 2.2.2, whose p2p is ``v`` times as frequent)
   ``+`` exposed dp ``+`` optimizer.
-- dp: gradients in float32 (hpctrain's main grads; ``x compression``) are all-reduced (ZeRO-1:
-  reduce-scattered) bucket by bucket during the backward of the last micro-batch only. Stage ``s``
+- dp: over the ``dp x cp`` ranks holding the same parameters (the grid's ``dp_cp`` group), gradients in
+  float32 (hpctrain's main grads; ``x compression``) are all-reduced (ZeRO-1: reduce-scattered) bucket by
+  bucket during the backward of the last micro-batch only. Stage ``s``
   finishes that backward ``s`` backward slots before stage 0, so its reduction is exposed by
   ``max(last bucket - s b_slot, reduction - (1 + s) b_slot)``; the step pays the worst stage. ZeRO-1's
   all-gather of the updated parameters and a tied embedding's exchange over pp and reduction over
@@ -53,6 +62,7 @@ from dataclasses import dataclass
 from hpctrain.plan.devices import DTYPE_BYTES, PlanError
 from hpctrain.plan.machine import GroupPlacement
 from hpctrain.plan.memory import fsdp_unit_parameters
+from hpctrain.plan.ring import RING_TILE, SCORE_PASSES, exposed_s, kv_elements, ring_math_dtype, ring_pairs
 from hpctrain.plan.shapes import block_gemms, block_matmul_params, for_tp
 from hpctrain.plan.stages import (Stage, layer_activation_bytes, recompute_kind, score_bytes, stage_parameters,
                                   stages)
@@ -71,7 +81,9 @@ class Options:
     ``1 / t`` of it, the receivers all-gather it over tp; Narayanan et al. 2021, section 4.1), used only
     to model Megatron runs: hpctrain sends ``1 / t`` only with sequence parallelism.
     ``bucket_mb``: ``parallel.bucket_mb``. ``reserve_gib``: memory every rank loses to the runtime
-    (CUDA context, communication buffers, allocator fragmentation).
+    (CUDA context, communication buffers, allocator fragmentation). ``fused_ring``: ring attention's blocks
+    in a fused kernel in the training dtype (TransformerEngine's, as Megatron-LM runs cp), to compare with
+    hpctrain's ring, which computes them unfused in float32 (ring.py).
     """
 
     dtype: str = "bfloat16"
@@ -81,6 +93,7 @@ class Options:
     pp_scatter_gather: bool = False
     bucket_mb: float = 25.0
     reserve_gib: float = 2.0
+    fused_ring: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -114,10 +127,12 @@ class StepTime:
     optimizer_s: float
     executed_flops: float
     tokens: int
+    cp_comm_s: float = 0.0
 
     def breakdown(self) -> dict[str, float]:
         return {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "pp_comm": self.pp_comm_s,
-                "dp_comm": self.dp_comm_s, "bubble": self.bubble_s, "optimizer": self.optimizer_s}
+                "cp_comm": self.cp_comm_s, "dp_comm": self.dp_comm_s, "bubble": self.bubble_s,
+                "optimizer": self.optimizer_s}
 
 
 def executed_flops_per_token(model, seq_len: int, recompute, flash_attention: bool) -> float:
@@ -142,19 +157,20 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
     """Predicted step time of ``cand`` (layout + recompute) for ``model`` (a resolved ModelConfig; its
     vocabulary is padded for the layout's tp here)."""
     lay, recompute = cand.layout, cand.recompute
-    t, p, d, m, v = lay.tp_size, lay.pp_size, lay.dp_size, lay.microbatches, options.virtual_stages
+    t, p, c, m, v = lay.tp_size, lay.pp_size, lay.cp_size, lay.microbatches, options.virtual_stages
     model = for_tp(model, t)
-    b, seq, h, vocab, sp = lay.micro_batch, lay.seq_len, model.d_model, model.vocab_size, lay.sequence_parallel
-    nb, flash = DTYPE_BYTES[options.dtype], options.flash_attention
+    b, h, vocab, sp = lay.micro_batch, model.d_model, model.vocab_size, lay.sequence_parallel
+    full_seq, seq = lay.seq_len, lay.seq_len // c  # seq: the tokens of a sequence on this rank
+    nb, flash = DTYPE_BYTES[options.dtype], options.flash_attention or c > 1  # the ring keeps no scores
     dev = machine.device
     peak = dev.peak(options.dtype) * 1e12
     hbm = dev.hbm_gbps * 1e9
-    tp_at, pp_at, dp_at = machine.placement(1, t), machine.placement(t, p), machine.placement(t * p, d)
+    tp_at, cp_at, pp_at = machine.placement(1, t), machine.placement(t, c), machine.placement(t * c, p)
 
     def tp_op(op, nbytes):
         return machine.collective_s(op, nbytes, t, tp_at)
 
-    attention = 4.0 * b * seq * seq * h * (0.5 if flash else 1.0) / t / (peak * dev.gemm_efficiency(seq))
+    ring_f, ring_b, attention = _attention(model, lay, machine, options, cp_at, peak)
     block_f = _gemm_s(dev, peak, block_gemms(model, b * seq, t)) + attention
     block_f += 2 * layer_activation_bytes(model, b, seq, t, sp, flash, nb) / hbm
     rematerialised = {"off": 0.0, "full": block_f,
@@ -171,12 +187,14 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
         p2p += tp_op("allgather", act) if options.pp_scatter_gather and not sp else 0.0
     pp_slot = 2 * v * p2p
 
-    def parts(st: Stage) -> tuple[float, float, float, float]:
-        """(forward, backward, tp forward, tp backward) seconds of one micro-batch on ``st``."""
+    def parts(st: Stage) -> tuple[float, float, float, float, float, float]:
+        """(forward, backward, tp forward, tp backward, cp forward, cp backward) seconds of one micro-batch
+        on ``st``."""
         fwd = st.layers * block_f + (head_f if st.last else 0.0)
         bwd = 2 * fwd + st.layers * rematerialised
         tpf = st.layers * 2 * one
         tpb = st.layers * 2 * one * (2 if recompute == "full" else 1)
+        cpf, cpb = st.layers * ring_f, st.layers * (ring_b + (ring_f if recompute == "full" else 0.0))
         if t > 1 and st.first:
             tpf += tp_op("reduce_scatter" if sp else "allreduce", act)
             tpb += tp_op("allgather", act) if sp else 0.0
@@ -184,7 +202,7 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
             tpf += (tp_op("allgather", act) if sp else 0.0) + tp_op("allreduce", 4.0 * b * seq)
             tpf += tp_op("allreduce", 8.0 * b * seq)  # cross-entropy: max, then (target logit, sum exp)
             tpb += tp_op("reduce_scatter" if sp else "allreduce", act)
-        return fwd, bwd, tpf, tpb
+        return fwd, bwd, tpf, tpb, cpf, cpb
 
     reps: dict[tuple, list] = {}  # stages alike (layers, first, last): the first of each, and how many
     for st in stages(model, lay):
@@ -193,45 +211,70 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
             reps[key][1] += 1
         else:
             reps[key] = [st, 1, parts(st)]
-    firsts = [(st, count, c, sum(c) + pp_slot) for st, count, c in reps.values()]
-    _, _, (fk, bk, tfk, tbk), slot_k = max(firsts, key=lambda r: r[3])  # the slowest stage paces the pipe
+    firsts = [(st, count, costs, sum(costs) + pp_slot) for st, count, costs in reps.values()]
+    _, _, (fk, bk, tfk, tbk, cfk, cbk), slot_k = max(firsts, key=lambda r: r[3])  # the slowest stage paces the pipe
     bubble = (sum(r[1] * r[3] for r in firsts) - slot_k) / v  # (pp - 1) / v x the other stages' mean slot
 
-    params = [(st.index, stage_parameters(model, st, t), c, fsdp_unit_parameters(model, st, t))
-              for st, _, c, _ in firsts]
+    params = [(st.index, stage_parameters(model, st, t), costs, fsdp_unit_parameters(model, st, t))
+              for st, _, costs, _ in firsts]
+    dp_at = machine.group_placement((t * c * p, lay.dp_size), (t, c))  # the dp x cp group
     dp_s = _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p)
     world_at = GroupPlacement("inter" if machine.nodes > 1 else "intra", machine.gpus_per_node)
     grad_norm = 2 * machine.collective_s("allreduce", 8.0, lay.world_size, world_at)  # loss, gradient norm
     per_param = 32 if nb == 2 else 7 * nb
-    local = max(row[1] for row in params) / (d if lay.zero >= 1 else 1)
+    local = max(row[1] for row in params) / (lay.replica_size if lay.zero >= 1 else 1)
     optimizer = local * (dev.optimizer_s_per_param or per_param / hbm) + grad_norm
 
-    tokens = lay.global_batch * seq
+    tokens = lay.global_batch * full_seq
     step = m * slot_k + bubble + dp_s + optimizer
-    flops = executed_flops_per_token(model, seq, recompute, flash) * tokens
-    return StepTime(step, m * (fk + bk), m * (tfk + tbk), m * pp_slot, dp_s, bubble, optimizer, flops, tokens)
+    flops = executed_flops_per_token(model, full_seq, recompute, options.flash_attention) * tokens
+    return StepTime(step, m * (fk + bk), m * (tfk + tbk), m * pp_slot, dp_s, bubble, optimizer, flops, tokens,
+                    m * (cfk + cbk))
+
+
+def _attention(model, lay, machine, options, cp_at, peak) -> tuple[float, float, float]:
+    """(exposed ring exchange forward, backward, attention compute forward) seconds of one layer and
+    micro-batch on one rank (module docstring; the ring's terms: ring.py)."""
+    dev, b, t, c, seq = machine.device, lay.micro_batch, lay.tp_size, lay.cp_size, lay.seq_len
+    h, window, nb = model.d_model, getattr(model, "attention_window", 0), DTYPE_BYTES[options.dtype]
+    if c == 1:
+        square = 0.5 if options.flash_attention and not 0 < window < seq else 1.0  # a window: SDPA's mask
+        return 0.0, 0.0, 4.0 * b * seq * seq * h * square / t / (peak * dev.gemm_efficiency(seq))
+    math_dtype = options.dtype if options.fused_ring else ring_math_dtype(options.dtype)
+    block = dev.peak(math_dtype) * 1e12 * dev.gemm_efficiency(min(RING_TILE, seq // (2 * c)))
+    passes = 0 if options.fused_ring else SCORE_PASSES  # a fused kernel keeps a block's scores on chip
+    score_bytes = passes * DTYPE_BYTES[math_dtype] * b * model.n_heads / t  # per computed pair
+    steps = [4.0 * b * pairs * h / t / block + pairs * score_bytes / (dev.hbm_gbps * 1e9)
+             for pairs in ring_pairs(seq, c, window).computed]
+    kv = kv_elements(model, b, seq, c, t)
+    kv_s = machine.collective_s("sendrecv", kv * nb, c, cp_at)
+    dkv_s = machine.collective_s("sendrecv", kv * max(4, nb), c, cp_at)  # float32 partial dK/dV
+    forward = exposed_s([kv_s] * (c - 1) + [0.0], steps)
+    backward = exposed_s([kv_s * (i < c - 1) + dkv_s * (i >= 1) for i in range(c)], [2 * x for x in steps])
+    return forward, backward + dkv_s, sum(steps)
 
 
 def _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p) -> float:
     """Seconds of dp communication the step waits for (module docstring: overlap assumption).
-    ``params``: (stage index, parameters per rank, (fwd, bwd, tp fwd, tp bwd), largest FSDP unit) of the
+    ``params``: (stage index, parameters per rank, (fwd, bwd, tp fwd, tp bwd, cp fwd, cp bwd), largest FSDP unit) of the
     first stage of each kind."""
-    d, t, nb = lay.dp_size, lay.tp_size, DTYPE_BYTES[options.dtype]
+    d, t, nb = lay.replica_size, lay.tp_size, DTYPE_BYTES[options.dtype]
     if d <= 1:
         return 0.0
     reduce_op = "reduce_scatter" if lay.zero >= 1 else "allreduce"
     bucket_bytes = options.bucket_mb * 2**20
     exposed = 0.0
-    for s, n, (fwd, bwd, tpf, tpb), unit in params:
+    for s, n, (fwd, bwd, tpf, tpb, cpf, cpb), unit in params:
         grads = n * max(4, nb) * options.dp_compression
         whole = machine.collective_s(reduce_op, grads, d, dp_at)
         last = machine.collective_s(reduce_op, min(grads, bucket_bytes), d, dp_at)
-        b_slot = bwd + tpb + p2p
+        b_slot = bwd + tpb + cpb + p2p
         gathers = 0.0
         if lay.zero >= 3:  # FSDP: gather the stage's parameters before every forward and backward
             gather = machine.collective_s("allgather", n * nb, d, dp_at)
             first = machine.collective_s("allgather", unit * nb, d, dp_at)
-            gathers = lay.microbatches * (max(first, gather - (fwd + tpf)) + max(first, gather - (bwd + tpb)))
+            gathers = lay.microbatches * (max(first, gather - (fwd + tpf + cpf)) +
+                                          max(first, gather - (bwd + tpb + cpb)))
             b_slot = max(0.0, b_slot - gather)  # the last backward's gather shares the dp link
         exposed = max(exposed, gathers + max(last - s * b_slot, whole - (1 + s) * b_slot))
     if lay.zero in (1, 2):

@@ -175,7 +175,7 @@ def host_memory_gib() -> float:
 
 @dataclass(frozen=True)
 class GroupPlacement:
-    """Where one kind of group (tp, pp or dp) lies: ``level`` ``intra`` when every group of that axis
+    """Where one kind of group (tp, cp, pp, dp or dp x cp) lies: ``level`` ``intra`` when every group of that axis
     is inside one node, else ``inter``; ``per_node``: the fewest members a group has on a node it spans
     (they share that node's network, so an inter-node collective moves ``1/per_node`` of its bytes per NIC)."""
 
@@ -188,8 +188,9 @@ class Machine:
     """``nodes`` x ``gpus_per_node`` ranks of ``device`` joined by ``links``.
 
     Placement is hpctrain's grid (hpctrain/comm/grid.py): ranks ordered by (node, local rank), grid
-    coordinates assigned along that order with tp fastest, then pp, then dp. So a tp group is ``tp``
-    consecutive ranks, a pp group ``pp`` ranks ``tp`` apart, a dp group ``dp`` ranks ``tp * pp`` apart.
+    coordinates assigned along that order with tp fastest, then cp, then pp, then dp. So a tp group is
+    ``tp`` consecutive ranks, a cp group ``cp`` ranks ``tp`` apart (cp x tp inside a node when it fits,
+    like tp), a pp group ``pp`` ranks ``tp * cp`` apart, a dp group ``dp`` ranks ``tp * cp * pp`` apart.
     """
 
     device: Device
@@ -240,6 +241,30 @@ class Machine:
                 if len(counts) > 1:
                     level, fewest = "inter", min(fewest, min(counts.values()))
         return GroupPlacement(level, fewest if level == "inter" else size)
+
+    def group_placement(self, outer: tuple[int, int], inner: tuple[int, int]) -> GroupPlacement:
+        """Placement of the groups whose members differ along two axes, (stride, size) each: the dp x cp
+        group (``dp_cp``) is outer (tp cp pp, dp) x inner (tp, cp)."""
+        (so, no), (si, ni) = outer, inner
+        if no == 1 or ni == 1 or so == si * ni:  # one axis, or two that are one contiguous axis
+            return self.placement(so if ni == 1 else si, no * ni)
+        g = self.gpus_per_node
+        if so % g == 0:  # the outer members on distinct nodes
+            p = self.placement(si, ni)
+            return GroupPlacement("inter", ni if p.level == "intra" else p.per_node)
+        if g % (so * no) == 0:  # whole groups tile each node
+            return GroupPlacement("intra", no * ni)
+        level, fewest, seen = "intra", no * ni, set()
+        for base in range(self.devices):  # a group's node pattern depends on its first member's node offset
+            if base % g in seen or (base // si) % ni or (base // so) % no:
+                continue
+            seen.add(base % g)
+            counts: dict[int, int] = {}
+            for node in ((base + i * si + j * so) // g for i in range(ni) for j in range(no)):
+                counts[node] = counts.get(node, 0) + 1
+            if len(counts) > 1:
+                level, fewest = "inter", min(fewest, min(counts.values()))
+        return GroupPlacement(level, fewest if level == "inter" else no * ni)
 
     def collective_s(self, op: str, nbytes: float, size: int, where: GroupPlacement) -> float:
         """Seconds for ``op`` on ``nbytes`` (the full buffer) over a group of ``size`` ranks placed ``where``.

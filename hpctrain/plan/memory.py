@@ -8,7 +8,9 @@ buffers (hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py):
   ``P x 4 / dp``;
 - optimizer (AdamW): two moments in float32 (``8 P``; ``16 P`` in float64), plus float32 master weights
   (``4 P``) in 16-bit training; ZeRO-1 divides all of it by dp. So 18 bytes per parameter in bf16
-  without ZeRO (2 + 4 + 8 + 4), as in Megatron-LM;
+  without ZeRO (2 + 4 + 8 + 4), as in Megatron-LM. With context parallelism every "dp" here is ``dp x
+  cp``: the cp ranks of a replica hold the same parameters, their gradients are reduced over the grid's
+  dp_cp group and ZeRO shards over it;
 - ZeRO-2 and ZeRO-3 / FSDP (PLANNER ONLY: hpctrain's engine trains with zero 0 or 1): ZeRO-2 also
   divides the float32 gradients by dp (``P x 4 / dp``, reduce-scattered bucket by bucket); ZeRO-3 also
   divides the parameters (``P x dtype / dp``) and adds the gathered FSDP units in flight: TWO units'
@@ -22,6 +24,11 @@ buffers (hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py):
   backward, one block's full activations; micro-batches in flight: ``min(pp - s, M)`` for 1F1B, ``M``
   for GPipe; the last stage adds the logits of a micro-batch in flight and their float32 loss copy,
   ``s b V / t x (dtype bytes + 4)`` (``V``: the padded vocabulary; ``memory`` pads the model with ``shapes.for_tp``);
+- context parallelism (cp): each cp rank holds ``s = S / cp`` tokens of every micro-batch, so every term
+  above is taken at ``S / cp`` (activations and logits fall as ``1 / cp``); ring attention keeps no score
+  matrix (its scores live per block of at most 1024 x 1024, recomputed in the backward) whatever
+  ``flash_attention`` says, adds a float32 log-sum-exp per query and head per layer, and one layer's ring
+  working set at the peak (``ring.ring_workspace_bytes``);
 - reserve: ``Options.reserve_gib`` (runtime context, communication buffers, fragmentation).
 
 The layout needs the maximum over its stages.
@@ -31,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.plan.devices import DTYPE_BYTES
+from hpctrain.plan.ring import lse_bytes, ring_workspace_bytes
 from hpctrain.plan.shapes import block_matmul_params, for_tp
 from hpctrain.plan.stages import (in_flight, layer_activation_bytes, recompute_kind, recompute_layer_bytes,
                                   stage_parameters, stages)
@@ -67,16 +75,19 @@ def optimizer_bytes_per_param(dtype: str) -> int:
 
 def activation_bytes(model, layout, stage, recompute, options) -> float:
     """Bytes of activations one rank of ``stage`` holds at its peak (see the module docstring)."""
-    nb, t, b, seq = DTYPE_BYTES[options.dtype], layout.tp_size, layout.micro_batch, layout.seq_len
+    nb, t, b, c = DTYPE_BYTES[options.dtype], layout.tp_size, layout.micro_batch, layout.cp_size
+    seq = layout.seq_len // c  # the tokens of a sequence on this rank
     sp, kind = layout.sequence_parallel, recompute_kind(recompute)
-    full = layer_activation_bytes(model, b, seq, t, sp, options.flash_attention, nb)
+    ring = lse_bytes(model, b, layout.seq_len, c, t, nb)
+    full = layer_activation_bytes(model, b, seq, t, sp, options.flash_attention or c > 1, nb) + ring
     held = stage.layers * in_flight(layout, stage, options.virtual_stages)
     if kind == "full":
         kept = held * recompute_layer_bytes(model, b, seq, t, sp, nb) + full
     elif kind == "selective":
-        kept = held * layer_activation_bytes(model, b, seq, t, sp, True, nb) + full
+        kept = held * (layer_activation_bytes(model, b, seq, t, sp, True, nb) + ring) + full
     else:
         kept = held * full
+    kept += ring_workspace_bytes(model, b, layout.seq_len, c, t, nb)
     if stage.last:
         logits_in_flight = layout.microbatches if layout.schedule == "gpipe" else 1
         kept += seq * b * model.vocab_size / t * (nb + 4) * logits_in_flight
@@ -93,8 +104,8 @@ def fsdp_unit_parameters(model, stage, tp: int) -> int:
 
 def state_bytes(model, stage, layout, dtype: str) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes on one rank of ``stage`` for ``layout.zero`` 0-3 (module
-    docstring); the dp group shards them."""
-    nb, d, t = DTYPE_BYTES[dtype], layout.dp_size, layout.tp_size
+    docstring); the dp x cp group shards them."""
+    nb, d, t = DTYPE_BYTES[dtype], layout.replica_size, layout.tp_size
     n, zero, gb = stage_parameters(model, stage, t), layout.zero, max(4, DTYPE_BYTES[dtype])
     params = n * nb
     grads = n * gb + (n * 4 / d if zero == 1 else 0.0)

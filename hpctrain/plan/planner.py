@@ -17,6 +17,7 @@ from hpctrain.plan.shapes import for_tp, model_flops_per_token
 
 ENGINE_ZERO = (0, 1)  # the ZeRO stages hpctrain's engine trains with (config.py parallel.zero)
 ENGINE_NOTE = "planner-only: hpctrain's engine trains with zero 0 or 1"
+MIN_CP_CHUNK = 512  # the search's shortest zig-zag chunk (tokens): thinner ring blocks are latency-bound
 
 
 @dataclass(frozen=True)
@@ -25,13 +26,16 @@ class SearchSpace:
     replica batch; ``zero``: the ZeRO stages tried with dp > 1 (default 0 and 1, what the engine trains;
     2 and 3 / FSDP are modelled for comparison with other frameworks only, when asked), sequence parallelism only with tp > 1; ``recompute``: the
     kinds tried ("selective" is skipped when others are tried too and attention is fused: it is then
-    the same as "off"). ``dp``/``tp``/``pp``
+    the same as "off"). ``cp``: context parallelism is searched over the sizes ``c`` with ``seq_len`` divisible
+    by ``2 c`` (the zig-zag chunks; others are never proposed) and chunks ``seq_len / 2c`` of at least
+    ``MIN_CP_CHUNK`` tokens. ``dp``/``tp``/``pp``/``cp``
     > 0 fix that axis and ``micro_batch`` > 0 fixes the sequences per micro-batch (a GIVEN layout:
     ``hpctrain plan --tp 8 --pp 16 --micro-batch 1``, or a TOML's ``[parallel]`` section)."""
 
     dp: int = 0
     tp: int = 0
     pp: int = 0
+    cp: int = 0
     micro_batch: int = 0
     zero: tuple[int, ...] = ENGINE_ZERO
     sequence_parallel: tuple[bool, ...] = (False, True)
@@ -69,9 +73,10 @@ class Prediction:
 
     def to_dict(self) -> dict:
         lay = self.candidate.layout
-        ideal = self.time.compute_s + self.time.tp_comm_s + self.time.pp_comm_s
+        ideal = self.time.compute_s + self.time.tp_comm_s + self.time.cp_comm_s + self.time.pp_comm_s
         return {
-            "dp": lay.dp_size, "tp": lay.tp_size, "pp": lay.pp_size, "microbatches": lay.microbatches,
+            "dp": lay.dp_size, "cp": lay.cp_size, "tp": lay.tp_size, "pp": lay.pp_size,
+            "microbatches": lay.microbatches, "seq_chunk": lay.seq_chunk,
             "micro_batch": lay.micro_batch, "global_batch": lay.global_batch, "seq_len": lay.seq_len,
             "schedule": lay.schedule, "zero": lay.zero, "sequence_parallel": lay.sequence_parallel,
             "recompute": self.candidate.recompute, "virtual_stages": self.virtual_stages,
@@ -94,7 +99,7 @@ class Prediction:
         if lay.zero not in ENGINE_ZERO:
             out.append(f"zero={lay.zero}: {ENGINE_NOTE}")
         if lay.pp_size > 1 and lay.microbatches < lay.pp_size:
-            ideal = self.time.compute_s + self.time.tp_comm_s + self.time.pp_comm_s
+            ideal = self.time.compute_s + self.time.tp_comm_s + self.time.cp_comm_s + self.time.pp_comm_s
             out.append(f"{lay.microbatches} micro-batch(es) < pp={lay.pp_size}: the pipeline bubble is "
                        f"{self.time.bubble_s / ideal if ideal else 0:.0%} of the ideal step; use at least pp "
                        f"micro-batches (a larger global batch or a smaller --micro-batch)")
@@ -124,9 +129,10 @@ def predict(model, layout, machine, recompute="off", options: Options = Options(
     is padded for its tp first, as the trainer does); MFU counts the true vocabulary."""
     layout.validate(for_tp(model, layout.tp_size))
     cand = Candidate(layout, recompute)
-    t, p = layout.tp_size, layout.pp_size
+    t, c, p = layout.tp_size, layout.cp_size, layout.pp_size
     placement = {axis: machine.placement(stride, size).level
-                 for axis, stride, size in (("tp", 1, t), ("pp", t, p), ("dp", t * p, layout.dp_size))}
+                 for axis, stride, size in (("tp", 1, t), ("cp", t, c), ("pp", t * c, p),
+                                            ("dp", t * c * p, layout.dp_size))}
     return Prediction(cand, step_time(model, cand, machine, options), memory(model, layout, recompute, options),
                       machine.devices, machine.device.peak(options.dtype),
                       model_flops_per_token(model, layout.seq_len), placement, options.virtual_stages)
@@ -134,6 +140,8 @@ def predict(model, layout, machine, recompute="off", options: Options = Options(
 
 def _describe(lay: Layout, recompute: str = "off") -> dict:
     d = {"dp": lay.dp_size, "tp": lay.tp_size, "pp": lay.pp_size, "microbatches": lay.microbatches}
+    if lay.cp_size > 1:
+        d["cp"] = lay.cp_size
     if lay.sequence_parallel:
         d["sequence_parallel"] = True
     if lay.zero:
@@ -143,23 +151,29 @@ def _describe(lay: Layout, recompute: str = "off") -> dict:
     return d
 
 
+def _searched_cp(seq_len: int, cp: int) -> bool:
+    """Whether the search tries ``cp``: no cp, or 2 x cp zig-zag chunks of at least MIN_CP_CHUNK tokens."""
+    return cp == 1 or (seq_len % (2 * cp) == 0 and seq_len // (2 * cp) >= MIN_CP_CHUNK)
+
+
 def plan(model, machine, global_batch: int, seq_len: int, options: Options = Options(),
          space: SearchSpace = SearchSpace()) -> PlanResult:
-    """Every (dp, tp, pp) of ``machine.devices`` ranks x the choices of ``space``, ranked best first."""
+    """Every (dp, cp, tp, pp) of ``machine.devices`` ranks x the choices of ``space``, ranked best first."""
     world, capacity = machine.devices, machine.memory_gib()
     result = PlanResult()
     for tp in [t for t in divisors(world) if space.tp in (0, t)]:
-        for pp in [p for p in divisors(world // tp) if space.pp in (0, p)]:
-            dp = world // (tp * pp)
-            if space.dp and dp != space.dp:
-                continue
-            base = Layout(world, dp, pp, tp, 1, global_batch, seq_len, False, 0, space.schedule)
-            try:
-                base.validate(for_tp(model, tp))
-            except HpcTrainError as exc:
-                result.infeasible.append(Infeasible({"dp": dp, "tp": tp, "pp": pp}, str(exc)))
-                continue
-            _search(model, machine, base, capacity, options, space, result)
+        for cp in [c for c in divisors(world // tp) if space.cp == c or (not space.cp and _searched_cp(seq_len, c))]:
+            for pp in [p for p in divisors(world // (tp * cp)) if space.pp in (0, p)]:
+                dp = world // (tp * cp * pp)
+                if space.dp and dp != space.dp:
+                    continue
+                base = Layout(world, dp, pp, tp, 1, global_batch, seq_len, False, 0, space.schedule, cp_size=cp)
+                try:
+                    base.validate(for_tp(model, tp))
+                except HpcTrainError as exc:
+                    result.infeasible.append(Infeasible(_describe(base), str(exc)))
+                    continue
+                _search(model, machine, base, capacity, options, space, result)
     result.plans.sort(key=lambda pr: (-pr.tokens_per_s, pr.memory.total_gib))
     return result
 
@@ -187,9 +201,9 @@ def _search(model, machine, base: Layout, capacity: float, options: Options, spa
                 result.infeasible.append(Infeasible({**_describe(base), "microbatches": mb}, reason))
             continue
         for sp in space.sequence_parallel if base.tp_size > 1 else (False,):
-            for zero in space.zero if base.dp_size > 1 else (0,):
+            for zero in space.zero if base.replica_size > 1 else (0,):
                 lay = Layout(base.world_size, base.dp_size, base.pp_size, base.tp_size, mb, base.global_batch,
-                             base.seq_len, sp, zero, space.schedule)
+                             base.seq_len, sp, zero, space.schedule, cp_size=base.cp_size)
                 try:
                     lay.validate(for_tp(model, lay.tp_size))
                 except HpcTrainError as exc:

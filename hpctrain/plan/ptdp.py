@@ -45,7 +45,7 @@ TABLE_1 = (
     PtdpRow("gpt-530b", 8, 35, 1, 2520, 2520, 3, 163), PtdpRow("gpt-1t", 8, 64, 1, 3072, 3072, 1, 163),
 )
 SEQ_LEN = 2048
-MEGATRON_2021 = SearchSpace(zero=(0,), sequence_parallel=(False,), recompute=("full",))
+MEGATRON_2021 = SearchSpace(cp=1, zero=(0,), sequence_parallel=(False,), recompute=("full",))
 # (d_model, n_layers, n_heads) of Table 1; vocabulary 51200 (GPT-2's BPE padded by Megatron)
 SHAPES = {"gpt-1.7b": (2304, 24, 24), "gpt-3.6b": (3072, 30, 32), "gpt-7.5b": (4096, 36, 32),
           "gpt-18b": (6144, 40, 48), "gpt-39b": (8192, 48, 64), "gpt-76b": (10240, 60, 80),

@@ -9,13 +9,16 @@ def _layout(p: dict) -> str:
     extras = [name for name, on in ((f"zero{p['zero']}", p["zero"]), ("sp", p["sequence_parallel"]),
                                     (recompute, recompute), (f"V={p['virtual_stages']}", p["virtual_stages"] > 1))
               if on]
-    return f"dp={p['dp']} tp={p['tp']} pp={p['pp']} M={p['microbatches']}" + (f" +{'+'.join(extras)}" if extras else "")
+    cp = f" cp={p['cp']}" if p.get("cp", 1) > 1 else ""
+    return (f"dp={p['dp']}{cp} tp={p['tp']} pp={p['pp']} M={p['microbatches']}"
+            + (f" +{'+'.join(extras)}" if extras else ""))
 
 
 def print_plans(result, machine, model, name: str, global_batch: int, seq_len: int, options, top: int) -> None:
     dev = machine.device
+    window = getattr(model, "attention_window", 0)
     print(f"plan: {name} ({count_parameters(model) / 1e9:.2f}B parameters), global batch {global_batch} x "
-          f"{seq_len} tokens, {options.dtype}")
+          f"{seq_len} tokens{f', attention window {window}' if window else ''}, {options.dtype}")
     print(f"machine: {machine.nodes} node(s) x {machine.gpus_per_node} {dev.name} "
           f"({dev.peak(options.dtype):g} TFLOP/s peak x {dev.efficiency:.2f}, {machine.memory_gib():.0f} GiB); "
           f"links: {machine.links.source or 'given'}")
@@ -32,13 +35,15 @@ def print_plans(result, machine, model, name: str, global_batch: int, seq_len: i
         warned = [(i, w) for i, pred in enumerate(result.plans[:top], 1) for w in pred.warnings()]
         for i, warning in warned:
             print(f"{i:>2} WARNING: {warning}")
-        print("\nwhere the time goes (seconds per step; tp inside a node, pp and dp where the grid places them):")
+        print("\nwhere the time goes (seconds per step; tp inside a node, cp next to it, pp and dp where the grid "
+              "places them; cp_comm: the ring's exchange not hidden behind attention):")
         for i, pred in enumerate(result.plans[:min(top, 3)], 1):
             p = pred.to_dict()
             parts = ", ".join(f"{k} {v:.3g}" for k, v in p["breakdown_s"].items() if v > 0)
             mem = ", ".join(f"{k} {v:.1f}" for k, v in p["memory_gib"].items() if v > 0)
             place = " ".join(f"{k}:{v}" for k, v in p["placement"].items())
-            print(f"{i:>2} {parts}\n   memory GiB: {mem}; placement {place}")
+            chunk = f"; sequence chunk {p['seq_chunk']} tokens per rank" if p.get("cp", 1) > 1 else ""
+            print(f"{i:>2} {parts}\n   memory GiB: {mem}; placement {place}{chunk}")
     else:
         print("no layout fits: see the reasons below")
     if result.infeasible:

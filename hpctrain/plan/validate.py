@@ -59,7 +59,8 @@ def predict_run(run: Run):
 def rank_run(run: Run) -> tuple[int, tuple[int, int]]:
     """(rank of the published tp x pp among the (tp, pp) pairs by their best plan, the first pair):
     ``hpctrain plan`` over every layout of the run's GPUs with its batch, sequence and techniques."""
-    space = SearchSpace(zero=(run.zero,), sequence_parallel=(run.sequence_parallel,), recompute=(run.recompute,))
+    space = SearchSpace(cp=1, zero=(run.zero,), sequence_parallel=(run.sequence_parallel,),
+                        recompute=(run.recompute,))
     pairs: list[tuple[int, int]] = []
     for p in plan(run.model, machine(run), run.global_batch, run.seq_len, options(run), space).plans:
         pair = (p.candidate.layout.tp_size, p.candidate.layout.pp_size)

@@ -1,9 +1,10 @@
 """The performance model's prediction for one sweep run (``hpctrain sweep`` adds it next to the measurement).
 
 ``predict_run(cfg, row, device, profile)`` builds the run's ``Layout`` from the sweep row (ranks, dp, tp,
-pp, microbatches, global_batch) and the config (model, seq_len, schedule, ZeRO, sequence parallelism,
-dtype), a ``Machine`` of ``row["nodes"]`` nodes (1 for local mpiexec sweeps) and asks hpctrain/plan for
-the step time. With a link profile (``hpctrain bench comm --profile``) the links and, where it measured
+pp, microbatches, global_batch; cp where the row has it) and the config (model, seq_len, schedule, ZeRO,
+sequence parallelism, dtype, ``parallel.cp``), a ``Machine`` of ``row["nodes"]`` nodes (1 for local
+mpiexec sweeps) and asks hpctrain/plan for the step time. With a link profile (``hpctrain bench comm
+--profile``) the links and, where it measured
 them, the device's rates come from it; without one, the ``device`` preset (with its intra-node bandwidth)
 and ``DEFAULT_INTER_GBPS`` are used. The fields it returns are the sweep CSV's ``predicted_*`` columns.
 """
@@ -35,7 +36,7 @@ def machine_for(ranks: int, nodes: int, device: str, profile: str | None):
 
 def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None) -> dict | None:
     """``predicted_step_s``, ``predicted_tokens_per_s``, ``predicted_compute_s``, ``predicted_comm_s``
-    (tp + pp + exposed dp + optimizer's reductions) and ``predicted_bubble_s`` for one sweep row; None
+    (tp + cp + pp + exposed dp + optimizer's reductions) and ``predicted_bubble_s`` for one sweep row; None
     when the model cannot tell (an invalid layout)."""
     from hpctrain.config import resolve_model
     from hpctrain.plan.cost import Options
@@ -44,7 +45,8 @@ def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None)
     p, t = cfg.parallel, cfg.train
     model = resolve_model(cfg.model)
     layout = Layout(row["ranks"], row["dp"], row["pp"], row["tp"], row["microbatches"], row["global_batch"],
-                    t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers), p.virtual_stages)
+                    t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers), p.virtual_stages,
+                    int(row.get("cp") or p.cp))
     try:
         layout.validate(model)
         machine = machine_for(row["ranks"], int(row.get("nodes") or 1), device, profile)
@@ -56,5 +58,5 @@ def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None)
     parts = pred.time
     return {"predicted_step_s": parts.step_s, "predicted_tokens_per_s": pred.tokens_per_s,
             "predicted_compute_s": parts.compute_s + parts.optimizer_s,
-            "predicted_comm_s": parts.tp_comm_s + parts.pp_comm_s + parts.dp_comm_s,
+            "predicted_comm_s": parts.tp_comm_s + parts.cp_comm_s + parts.pp_comm_s + parts.dp_comm_s,
             "predicted_bubble_s": parts.bubble_s}

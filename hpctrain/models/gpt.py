@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hpctrain.config import resolve_model
 from hpctrain.models.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
-from hpctrain.parallel.context_parallel import causal_window_mask, ring_attention, zigzag_positions
+from hpctrain.parallel.context_parallel import causal_window_mask, default_tile, ring_attention, zigzag_positions
 from hpctrain.parallel.rules import check_tp_divisibility, padded_vocab
 from hpctrain.parallel.slab import init_from_global_, make_spec
 from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -66,7 +66,10 @@ def rotary(x, theta: float, positions: torch.Tensor | None = None):
 
 class Attention(nn.Module):
     """Causal grouped-query attention; this TP rank holds n_heads/tp query and n_kv_heads/tp KV heads.
-    One rank of the sequence: SDPA (with a mask for a sliding window); a cp group: ring attention on it."""
+    One rank of the sequence: SDPA (with a mask for a sliding window), or for a window shorter than the
+    sequence by more than a block the blocked attention of ``ring_attention`` on one rank, which never computes
+    the blocks outside the window (3.1x faster and 2.3x less activation memory than SDPA's mask at 8K tokens,
+    window 1024: docs/benchmarks.md); a cp group: ring attention on it."""
 
     def __init__(self, name, m, tp_comm, sp, dtype, seed, cp_comm=None):
         super().__init__()
@@ -96,7 +99,8 @@ class Attention(nn.Module):
         if self.rope:
             q, k = rotary(q, self.theta, positions), rotary(k, self.theta, positions)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, H, S, hd]
-        if self.cp_comm is not None:
+        sparse_window = 0 < self.window and self.window + default_tile(x.device) < seq and seq % 2 == 0
+        if self.cp_comm is not None or sparse_window:  # the ring (of one rank: blocks outside the window skipped)
             out = ring_attention(q, k, v, self.cp_comm, window=self.window)
         else:
             group = self.local_heads // self.local_kv

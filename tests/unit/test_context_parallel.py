@@ -213,3 +213,25 @@ def test_the_ring_plan_cannot_deadlock_at_any_size(cp):
     swapped = [list(plan) for plan in plans]
     swapped[0][cp - 1], swapped[0][cp] = swapped[0][cp], swapped[0][cp - 1]  # backward's first KV <-> GRAD
     assert not strict_rendezvous_completes(swapped)
+
+
+def test_a_long_sequence_with_a_short_window_skips_blocks_on_one_rank_and_equals_the_sdpa_mask(monkeypatch):
+    """cp = 1, window 100 of 1024 tokens: the model takes the blocked path (blocks outside the window never
+    computed), equal in float64 to SDPA with the window's mask (the path of short sequences)."""
+    import hpctrain.models.gpt as gpt
+    from hpctrain.config import load_config, resolve_model
+
+    torch.manual_seed(0)
+    m = resolve_model(load_config(None, ["model.attention_window=100", "train.seq_len=1024",
+                                         "model.max_seq_len=1024", "model.n_layers=2"]).model)
+    stage = gpt.GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, dtype=torch.float64)
+    ids = torch.randint(0, 256, (2, 1024))
+    calls = []
+    real_ring = gpt.ring_attention
+    monkeypatch.setattr(gpt, "ring_attention", lambda *a, **kw: calls.append(1) or real_ring(*a, **kw))
+    blocked = stage(ids)
+    assert len(calls) == m.n_layers
+    monkeypatch.setattr(gpt, "default_tile", lambda device: 10**6)  # no block can be skipped: SDPA's mask
+    masked = stage(ids)
+    assert len(calls) == m.n_layers
+    assert torch.allclose(blocked, masked, rtol=0, atol=1e-12)

@@ -89,6 +89,13 @@ class PackedSampler:
         self.num_sequences = len(bounds) - 1
         self._perms: dict[int, np.ndarray] = {}
 
+    def describe(self) -> str:
+        """One line for the run's start: examples, sequences, how full they are, counted tokens."""
+        docs, tokens = len(self.doc_offsets) - 1, int(self.doc_offsets[-1] - self.doc_offsets[0])
+        return (f"SFT data: {docs} examples packed into {self.num_sequences} sequences of {self.seq_len + 1} tokens "
+                f"({tokens / (self.num_sequences * (self.seq_len + 1)):.0%} filled), "
+                f"{int(self.sequence_counted.sum())} tokens counted in the loss per epoch")
+
     def sequences(self, start: int, count: int) -> np.ndarray:
         """int64 sequence index (count,) of samples start..start+count-1."""
         if start < 0 or count < 0:

@@ -24,7 +24,7 @@ import torch
 
 from hpctrain.data.documents import DataError
 from hpctrain.data.prepared import PreparedCorpus
-from hpctrain.data.sampler import SamplerError, sample_hashes
+from hpctrain.data.sampler import SamplerError, SequenceSampler, sample_hashes, validation_split
 from hpctrain.data.sft import FORMAT
 from hpctrain.errors import everywhere
 
@@ -148,3 +148,17 @@ def sft_split(corpus: SFTCorpus, fraction: float) -> int:
     if held >= n:
         raise everywhere(DataError(f"data.valid_fraction={fraction} of {n} SFT examples leaves none to train on"))
     return n - held
+
+
+def samplers_for(tokens, valid_fraction: float, seq_len: int, seed: int) -> tuple:
+    """(training sampler, validation sampler or None) of a corpus: packed examples of an SFT corpus (its last
+    ``valid_fraction`` of the examples held out), else windows (``SequenceSampler``, ``validation_split``);
+    validation draws with ``seed + 1``."""
+    if isinstance(tokens, SFTCorpus):
+        split = sft_split(tokens, valid_fraction)
+        held_out = split < len(tokens.doc_offsets) - 1
+        return (PackedSampler(tokens, seq_len, seed, last_doc=split),
+                PackedSampler(tokens, seq_len, seed + 1, first_doc=split) if held_out else None)
+    split = validation_split(tokens, valid_fraction, seq_len)
+    return (SequenceSampler(tokens, seq_len, seed, hi=split),
+            None if split == len(tokens) else SequenceSampler(tokens, seq_len, seed + 1, lo=split))

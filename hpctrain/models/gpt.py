@@ -233,7 +233,8 @@ class GPTStage(nn.Module):
             if hasattr(self, "pos_embed"):
                 x = self.pos_embed(x, docs)
         for block in self.layers.values():
-            x = checkpoint(block, x, docs, use_reentrant=False) if self.recompute and self.training else block(x, docs)
+            recompute = self.recompute and self.training
+            x = checkpoint(block, x, docs, use_reentrant=False) if recompute else block(x, docs)
         if self.is_last:
             x = self.head(self.norm(x))
             if x.shape[-1] > self.vocab_valid:

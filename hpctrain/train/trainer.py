@@ -22,9 +22,9 @@ import torch
 
 from hpctrain.config import resolve_model
 from hpctrain.data.corpus import load_tokens_collective
-from hpctrain.data.packing import PackedSampler, SFTCorpus, sft_split
+from hpctrain.data.packing import samplers_for
 from hpctrain.data.prepared import check_corpus
-from hpctrain.data.sampler import GlobalBatchIterator, SequenceSampler, rank_slice, validation_split
+from hpctrain.data.sampler import GlobalBatchIterator, rank_slice
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
 from hpctrain.compression import build_reducer
@@ -131,7 +131,8 @@ class Trainer:
         self._norm_sum = grid.world.recurring_allreduce(self._norm_sq)
 
     def _build_data(self, tokens) -> None:
-        """The corpus (read by rank 0, broadcast) and this dp rank's (seed, index) batch iterator."""
+        """The corpus (read by rank 0, broadcast; every rank opens a prepared or SFT one) and this dp rank's
+        (seed, index) batch iterator."""
         cfg, grid = self.cfg, self.grid
         if tokens is None:
             self.faults.hit("corpus", 0)  # test-only: a rank stopped here leaves the others in the broadcast
@@ -141,16 +142,8 @@ class Trainer:
                 tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, env.cache_dir(cfg.data.cache_dir),
                                                 cfg.data.max_bytes)
         check_corpus(tokens, cfg.data.tokenizer, self.model_cfg.vocab_size, cfg.data.source)
-        if isinstance(tokens, SFTCorpus):  # packed examples; the last valid_fraction of them held out
-            split, seq_len, seed = sft_split(tokens, cfg.data.valid_fraction), cfg.train.seq_len, cfg.train.seed
-            self.sampler = PackedSampler(tokens, seq_len, seed, last_doc=split)
-            self.valid_sampler = None if split == len(tokens.doc_offsets) - 1 else \
-                PackedSampler(tokens, seq_len, seed + 1, first_doc=split)
-        else:
-            split = validation_split(tokens, cfg.data.valid_fraction, cfg.train.seq_len)
-            self.sampler = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed, hi=split)
-            self.valid_sampler = None if split == len(tokens) else \
-                SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed + 1, lo=split)
+        self.sampler, self.valid_sampler = samplers_for(tokens, cfg.data.valid_fraction, cfg.train.seq_len,
+                                                        cfg.train.seed)  # windows, or packed SFT examples
         self.batches = GlobalBatchIterator(self.sampler, cfg.train.global_batch, self.layout.dp_size,
                                            grid.coords["dp"])
 

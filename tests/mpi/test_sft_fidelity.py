@@ -37,9 +37,9 @@ def fidelity(nprocs, layouts, variants, *extra, timeout=300):
 
 def test_masked_loss_in_every_layout_equals_one_process(sft_corpus):
     """dp=2 (each rank half the batch, the loss over the global count) with ZeRO-1; tp=2 with SP; pp=2 (the
-    mask travels to the last stage); cp=2 (ring attention inside the examples); 3 steps of 8 packed
-    sequences (the 14 sequences of an epoch and part of the next)."""
-    data = [f"data.source={sft_corpus}", "train.seq_len=256"]
+    mask travels to the last stage); cp=2 (ring attention inside the examples); 3 steps of 4 packed
+    sequences of 257 tokens, 2-4 examples each."""
+    data = [f"data.source={sft_corpus}", "train.seq_len=256", "train.global_batch=4"]
     assert fidelity(2, "2,1,1;1,2,1;1,1,2;1,1,1,2", "1f1b,sp,zero1", *data) == 4
     # learned positions restart per example (each cp rank its zig-zag rows), a window, recomputation
     assert fidelity(2, "1,1,1,2;1,1,2", "gpipe,sp", *data, "model.positions=learned", "model.mlp=gelu",
@@ -58,7 +58,7 @@ def test_sft_run_resumes_exactly(sft_corpus, tmp_path):
 
     train(tmp_path / "whole")
     train(tmp_path / "split", "--max-steps", "2", "checkpoint.async=false")
-    train(tmp_path / "split", "--resume", "auto")
+    assert "at step 2 (sample 8)" in train(tmp_path / "split", "--resume", "auto").stdout
     whole, split = records(tmp_path / "whole"), records(tmp_path / "split")
     assert [(r["step"], r["loss"], r.get("val_loss")) for r in whole] == \
            [(r["step"], r["loss"], r.get("val_loss")) for r in split]

@@ -25,6 +25,12 @@ def sft_corpus(tmp_path_factory):
     again = run_mpi(2, "hpctrain.cli", "data", "prepare", "--format", "sft-jsonl", EXAMPLE, "--out", str(out),
                     module=True, timeout=60, check=False)
     assert again.returncode == 2 and again.stderr.count("exists: choose another --out") == 1
+    bad = out.parent / "bad.jsonl"
+    bad.write_text('{"prompt": "p", "response": "r"}\n{"prompt": "no answer"}\n')
+    refused = run_mpi(2, "hpctrain.cli", "data", "prepare", "--format", "sft-jsonl", str(bad), "--out",
+                      str(out.parent / "bad.h5"), module=True, timeout=60, check=False)
+    assert refused.returncode == 2 and refused.stderr.count(f'{bad}:2: no "response"') == 1, refused.output
+    assert sorted(p.name for p in out.parent.iterdir()) == ["bad.jsonl", "sft.h5"]  # nothing written
     return str(out)
 
 

@@ -2,6 +2,7 @@
 
     hpctrain data train-tokenizer --vocab-size 1024 --out tokenizer.json          # on the embedded corpus
     mpiexec -n 4 hpctrain data prepare --input docs/ notes.txt --tokenizer tokenizer.json --out tokens.h5
+    hpctrain data prepare --format sft-jsonl examples/sft/tiny.jsonl --out sft.h5         # SFT examples + loss mask
 """
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ def add_parser(sub) -> None:
     t.add_argument("--force", action="store_true", help="replace --out if it exists")
     t.set_defaults(func=_train_tokenizer)
     q = dsub.add_parser("prepare", help="tokenize files in parallel (each MPI rank a share) into one HDF5 file")
-    q.add_argument("--input", nargs="+", required=True, help="files, folders or 'builtin'")
+    q.add_argument("sources", nargs="*", metavar="INPUT", help="inputs (as --input)")
+    q.add_argument("--input", nargs="+", default=[], help="files, folders or 'builtin' (text); JSONL files (sft-jsonl)")
+    q.add_argument("--format", choices=("text", "sft-jsonl"), default="text",
+                   help="text: every file a document for pretraining (default); sft-jsonl: prompt/response or "
+                        "chat examples with a loss mask (docs/models-and-data.md, SFT data)")
     q.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json (default bytes)")
     q.add_argument("--out", required=True, help="the .h5 file to write")
     q.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -57,17 +62,33 @@ def _train_tokenizer(args) -> int:
 
 def _prepare(args) -> int:
     from hpctrain.comm.grid import ProcessGrid
+    from hpctrain.data.documents import DataError
     from hpctrain.data.prepared import prepare
+    from hpctrain.data.sft import prepare_sft_collective
     from hpctrain.data.tokenizer import load_tokenizer
     from hpctrain.runtime.launcher import discover
 
+    inputs = args.sources + args.input
+    if not inputs:
+        raise DataError("data prepare: give the inputs (INPUT ... or --input ...)")
+    tokenizer = load_tokenizer(args.tokenizer)
     grid = ProcessGrid.build(discover(), timeout_s=args.comm_timeout)
     comm = grid.world
     try:
-        summary = prepare(comm, args.input, load_tokenizer(args.tokenizer), args.out, force=args.force)
+        if args.format == "sft-jsonl":
+            summary = prepare_sft_collective(comm, inputs, tokenizer, args.out, force=args.force)
+        else:
+            summary = prepare(comm, inputs, tokenizer, args.out, force=args.force)
     finally:
         grid.close()
-    if comm.rank == 0:
+    if comm.rank == 0 and args.format == "sft-jsonl":
+        print(f"prepared {summary['documents']} SFT examples, {summary['tokens']} tokens of which "
+              f"{summary['counted']} counted in the loss (longest example {summary['longest']} tokens; "
+              f"vocabulary {summary['vocab_size']}, tokenizer {summary['tokenizer']}, eos "
+              f"{summary['eos_id']}): {summary['path']}")
+        print(f"train on it: hpctrain train data.source={summary['path']} data.tokenizer={args.tokenizer} "
+              f"model.vocab_size={summary['vocab_size']}  (train.seq_len at least {summary['longest'] - 1})")
+    elif comm.rank == 0:
         print(f"prepared {summary['documents']} documents, {summary['tokens']} tokens ({summary['dtype']}, "
               f"vocabulary {summary['vocab_size']}, tokenizer {summary['tokenizer']}) on {comm.size} "
               f"rank(s): {summary['path']}")

@@ -17,6 +17,7 @@ import numpy as np
 
 from hpctrain.data.documents import BINARY_SNIFF_BYTES, BUILTIN_SOURCE, DataError  # noqa: F401 (re-exported)
 from hpctrain.data.documents import builtin_source_files, folder_text_files
+from hpctrain.data.packing import SFTCorpus, is_sft
 from hpctrain.data.prepared import PreparedCorpus, is_prepared
 from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.runtime import env
@@ -61,6 +62,8 @@ def load_tokens_collective(mpi_comm, source: str = BUILTIN_SOURCE, cache_dir: st
     """
     if is_prepared(source):  # `hpctrain data prepare` output: every rank opens it and reads its own windows
         return PreparedCorpus(source)
+    if is_sft(source):  # `hpctrain data prepare --format sft-jsonl` output: packed examples with loss masks
+        return SFTCorpus(source)
     if mpi_comm is None:
         return load_tokens(source, cache_dir, max_bytes)
     rank = mpi_comm.Get_rank()

@@ -34,6 +34,7 @@ class PreparedCorpus:
     """A lazily read prepared corpus (see the module docstring); 1-D, integer, like a token array."""
 
     ndim = 1
+    FORMAT = FORMAT  # the file's format attribute (an SFT corpus, hpctrain/data/packing.py, has its own)
 
     def __init__(self, path: str):
         import h5py
@@ -43,7 +44,7 @@ class PreparedCorpus:
         except OSError as exc:
             raise DataError(f"data source {path!r}: cannot open HDF5 file: {exc}") from exc
         attrs = self._file.attrs
-        if attrs.get("format") != FORMAT or "tokens" not in self._file:
+        if attrs.get("format") != self.FORMAT or "tokens" not in self._file:
             self._file.close()
             raise DataError(f"data source {path!r}: not a corpus made by `hpctrain data prepare` "
                             f"(format attribute {attrs.get('format')!r})")
@@ -75,17 +76,22 @@ class PreparedCorpus:
     def close(self) -> None:
         self._file.close()
 
+    @classmethod
+    def has_format(cls, path: str) -> bool:
+        """Whether ``path`` is an HDF5 file of this class's format."""
+        if not (isinstance(path, str) and path.endswith((".h5", ".hdf5")) and os.path.isfile(path)):
+            return False
+        import h5py
+
+        try:
+            with h5py.File(path, "r") as f:
+                return f.attrs.get("format") == cls.FORMAT
+        except OSError:
+            return False
+
 
 def is_prepared(path: str) -> bool:
-    if not (isinstance(path, str) and path.endswith((".h5", ".hdf5")) and os.path.isfile(path)):
-        return False
-    import h5py
-
-    try:
-        with h5py.File(path, "r") as f:
-            return f.attrs.get("format") == FORMAT
-    except OSError:
-        return False
+    return PreparedCorpus.has_format(path)
 
 
 def _shares(sizes: list[int], nranks: int) -> list[list[int]]:

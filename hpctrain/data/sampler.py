@@ -80,6 +80,11 @@ class SequenceSampler:
         positions = offsets[:, None] + np.arange(self.seq_len + 1, dtype=np.int64)[None, :]
         return np.asarray(self.tokens[positions], dtype=np.int64)
 
+    def counted(self, start: int, count: int) -> int:
+        """Tokens the loss counts in samples start..start+count-1: every target (a packed SFT sampler,
+        hpctrain/data/packing.py, counts its response tokens only)."""
+        return int(count) * self.seq_len
+
     def sample(self, i: int) -> np.ndarray:
         """int64 window (seq_len + 1,) of global sample i (>= 0)."""
         if i < 0:

@@ -4,15 +4,22 @@
 ``tokenizer.json`` (e.g. one trained offline by ``hpctrain data train-tokenizer``, or shipped with a
 Hugging Face model) tokenizes with it; nothing is ever downloaded. A tokenizer's identity is the
 SHA-256 of its file: a prepared corpus records it, and training refuses a corpus made by another.
+
+``eos_id``: the end-of-sequence token (None for ``bytes``): the ``eos_token`` of a ``tokenizer_config.json``
+beside the tokenizer.json (as Hugging Face models ship it), else the first special token named like one
+of ``EOS_NAMES``. ``encode_segment`` tokenizes a piece of text without the post-processor's special tokens
+(a BOS a Llama tokenizer adds), for templates built piece by piece (hpctrain/data/sft.py).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 from hpctrain.errors import HpcTrainError
 
 BYTES = "bytes"
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|eot_id|>", "<|im_end|>", "<eos>", "<|end_of_text|>")
 
 
 class TokenizerError(HpcTrainError, ValueError):
@@ -24,10 +31,12 @@ class TokenizerError(HpcTrainError, ValueError):
 class ByteTokenizer:
     """Bytes are tokens (0..255); decoding replaces invalid UTF-8."""
 
-    name, identity, vocab_size = BYTES, BYTES, 256
+    name, identity, vocab_size, eos_id = BYTES, BYTES, 256, None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    encode_segment = encode
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -52,9 +61,26 @@ class HFTokenizer:
         self.name, self.path = os.path.basename(path), os.path.abspath(path)
         self.identity = file_sha256(path)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._find_eos(path)
+
+    def _find_eos(self, path: str) -> int | None:
+        config = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
+        try:
+            with open(config) as f:
+                eos = json.load(f).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            eos = None
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str) and self.tok.token_to_id(eos) is not None:
+            return self.tok.token_to_id(eos)
+        special = {t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        return next((special[name] for name in EOS_NAMES if name in special), None)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
+
+    def encode_segment(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts)]

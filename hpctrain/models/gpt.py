@@ -7,6 +7,8 @@ SwiGLU ("swiglu", Llama) or GELU ("gelu", GPT: up, tanh-approximated GELU as GPT
 Activations are ``[S, B, D]`` (``[S/tp, B, D]`` between blocks with sequence parallelism). With context
 parallelism (``cp_comm`` of size cp > 1) S is this cp rank's S_global/cp tokens in zig-zag order
 (hpctrain/parallel/context_parallel.py): positions are the global ones, attention is a ring over cp.
+Packed batches (SFT data) pass ``docs`` [B, S_global], the document of every position: attention is
+then block-diagonal causal and positions restart with each document (hpctrain/parallel/packed.py).
 Every parameter's initial value is its slab of a global tensor drawn from (seed, name), so every
 (dp, tp, pp) layout starts from the same model.
 """
@@ -22,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from hpctrain.config import resolve_model
 from hpctrain.models.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
 from hpctrain.parallel.context_parallel import causal_window_mask, default_tile, ring_attention, zigzag_positions
+from hpctrain.parallel.packed import local_document_positions, same_document
 from hpctrain.parallel.rules import check_tp_divisibility, padded_vocab
 from hpctrain.parallel.slab import init_from_global_, make_spec
 from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -53,13 +56,15 @@ def local_positions(seq: int, cp_comm, device=None) -> torch.Tensor | None:
 
 
 def rotary(x, theta: float, positions: torch.Tensor | None = None):
-    """Rotate pairs of channels of x [S, B, H, hd] by position (``positions`` [S]; None: 0..S-1)."""
+    """Rotate pairs of channels of x [S, B, H, hd] by position (``positions`` [S], or [B, S] per row (packed
+    documents); None: 0..S-1)."""
     seq, half = x.shape[0], x.shape[-1] // 2
     freqs = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
     where = torch.arange(seq, device=x.device) if positions is None else positions
-    angles = where.to(torch.float64)[:, None] * freqs[None, :]
-    cos = angles.cos().to(x.dtype)[:, None, None, :]
-    sin = angles.sin().to(x.dtype)[:, None, None, :]
+    angles = where.to(torch.float64)[..., None] * freqs  # [S, half] or [B, S, half]
+    angles = angles.transpose(0, 1) if angles.dim() == 3 else angles[:, None]  # [S, B or 1, half]
+    cos = angles.cos().to(x.dtype)[:, :, None, :]
+    sin = angles.sin().to(x.dtype)[:, :, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -89,23 +94,30 @@ class Attention(nn.Module):
         del kw["input_mode"]
         self.wo = RowParallelLinear(f"{name}.wo", m.d_model, m.d_model, tp_comm, sp=sp, **kw)
 
-    def forward(self, x):
+    def forward(self, x, docs=None):
+        """x [S(/tp), B, D] -> [S(/tp), B, D]; ``docs`` [B, S_global] int64: packed documents, or None."""
         x = gather_seq(x, self.tp_comm) if self.sp else copy_to_tp(x, self.tp_comm)  # one op feeds q, k and v
         seq, batch = x.shape[0], x.shape[1]
         q = self.wq(x).view(seq, batch, self.local_heads, self.head_dim)
         k = self.wk(x).view(seq, batch, self.local_kv, self.head_dim)
         v = self.wv(x).view(seq, batch, self.local_kv, self.head_dim)
         positions = local_positions(seq, self.cp_comm, x.device)
+        if docs is not None:  # positions restart with each document
+            positions = local_document_positions(docs, positions, seq)
         if self.rope:
             q, k = rotary(q, self.theta, positions), rotary(k, self.theta, positions)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, H, S, hd]
         sparse_window = 0 < self.window and self.window + default_tile(x.device) < seq and seq % 2 == 0
         if self.cp_comm is not None or sparse_window:  # the ring (of one rank: blocks outside the window skipped)
-            out = ring_attention(q, k, v, self.cp_comm, window=self.window)
+            out = ring_attention(q, k, v, self.cp_comm, window=self.window, docs=docs)
         else:
             group = self.local_heads // self.local_kv
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            if 0 < self.window < seq:
+            if docs is not None:  # block-diagonal causal: [B, 1, S, S]
+                where = torch.arange(seq, device=x.device)
+                mask = causal_window_mask(where, where, self.window) & same_document(docs, docs)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+            elif 0 < self.window < seq:
                 where = torch.arange(seq, device=x.device)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_window_mask(where, where, self.window))
             else:
@@ -150,10 +162,13 @@ class LearnedPositions(nn.Module):
         self.chunk_index, self.split_over = (tp_comm.rank, tp_comm.size) if split_seq else (0, 1)
         self.cp_comm = cp_comm
 
-    def forward(self, x):
-        """x [S_local, B, D] -> x + the table's rows of this rank's positions."""
-        start = self.chunk_index * x.shape[0]
-        positions = local_positions(x.shape[0] * self.split_over, self.cp_comm, x.device)
+    def forward(self, x, docs=None):
+        """x [S_local, B, D] -> x + the table's rows of this rank's positions (per document when ``docs``)."""
+        start, full = self.chunk_index * x.shape[0], x.shape[0] * self.split_over
+        positions = local_positions(full, self.cp_comm, x.device)
+        if docs is not None:
+            positions = local_document_positions(docs, positions, full)[:, start:start + x.shape[0]]
+            return x + self.weight[positions.t()]
         if positions is None:
             return x + self.weight[start:start + x.shape[0]].unsqueeze(1)
         return x + self.weight[positions[start:start + x.shape[0]]].unsqueeze(1)
@@ -167,8 +182,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(f"{name}.mlp_norm", m.d_model, m.norm_eps, tp_comm, sp, dtype)
         self.mlp = MLP(f"{name}.mlp", m, tp_comm, sp, dtype, seed)
 
-    def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x, docs=None):
+        x = x + self.attn(self.attn_norm(x), docs)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -180,7 +195,8 @@ class GPTStage(nn.Module):
     [vocab_start, vocab_start + n) (with tp = 1 the whole true vocabulary, [S, B, vocab_size]). The LM
     head holds ``padded_vocab`` rows; their padding columns are cut off here, before any loss, softmax or
     sampling sees them (so the padding rows get zero gradient). ``loss_sum`` turns the logits into the SUM
-    of per-token losses (the trainer divides by the global token count).
+    of per-token losses (the trainer divides by the global count of counted tokens). ``docs`` [B, S_global]:
+    the packed documents of every position (hpctrain/parallel/packed.py), or None.
     """
 
     def __init__(self, m, layer_range: tuple[int, int], *, is_first: bool, is_last: bool, tp_comm=None,
@@ -215,19 +231,22 @@ class GPTStage(nn.Module):
             spec = self.head.w.spec  # head rows: vocabulary ids [vocab_start, + vocab_valid), then padding
             self.vocab_start, self.vocab_valid = spec.tp_rank * spec.local_shape[0], spec.valid_shape[0]
 
-    def forward(self, x):
+    def forward(self, x, docs=None):
         if self.is_first:
             x = self.embed(x.t().contiguous())
             if hasattr(self, "pos_embed"):
-                x = self.pos_embed(x)
+                x = self.pos_embed(x, docs)
         for block in self.layers.values():
-            x = checkpoint(block, x, use_reentrant=False) if self.recompute and self.training else block(x)
+            recompute = self.recompute and self.training
+            x = checkpoint(block, x, docs, use_reentrant=False) if recompute else block(x, docs)
         if self.is_last:
             x = self.head(self.norm(x))
             if x.shape[-1] > self.vocab_valid:
                 x = x[..., :self.vocab_valid]  # padding columns dropped (a view)
         return x
 
-    def loss_sum(self, logits, targets):
-        """Sum over tokens of the cross-entropy; targets [B, S]. Talks on tp."""
-        return vocab_parallel_cross_entropy(logits, targets.t().contiguous(), self.tp_comm, self.vocab_start).sum()
+    def loss_sum(self, logits, targets, mask=None):
+        """Sum over tokens of the cross-entropy; targets [B, S]; ``mask`` [B, S] bool: only the tokens where it
+        is True count (None: all). Talks on tp."""
+        losses = vocab_parallel_cross_entropy(logits, targets.t().contiguous(), self.tp_comm, self.vocab_start)
+        return losses.sum() if mask is None else torch.where(mask.t(), losses, 0).sum()

@@ -13,7 +13,9 @@ skipped, diagonal ones masked, and with a sliding window W (token t attends t-W+
 outside every query's window are skipped too (``RingStats`` counts them). Partial results combine by
 the log-sum-exp rule in float32 (float64 stays float64). Backward recomputes each block from
 (q, k, v, out, lse) and sends dK/dV around the ring after their K/V, back to their owners.
-GQA: query head h uses K/V head h // (Hq / Hkv) (as ``repeat_interleave``).
+GQA: query head h uses K/V head h // (Hq / Hkv) (as ``repeat_interleave``). Packed documents (``docs``
+[B, S], the global document of every position, known to every cp rank): a block's mask also requires
+query and key in one document, and a block where no query sees a key of its document is skipped.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from hpctrain.parallel.cp_comm import GRAD_TAG, KV_TAG, ring_step
+from hpctrain.parallel.packed import same_document
 
 
 # ---------------------------------------------------------------- the zig-zag split
@@ -116,18 +119,27 @@ def block_plan(q_rank: int, kv_rank: int, cp: int, chunk: int, window: int, tile
             for qs, qf in _tiles(q_rank, cp, chunk, tile) for ks, kf in _tiles(kv_rank, cp, chunk, tile)]
 
 
-def _blocks(q_rank, kv_rank, cp, chunk, window, tile, device, stats):
-    """The blocks to compute: (query slice, key slice, mask or None); counts into ``stats``."""
+def _blocks(q_rank, kv_rank, cp, chunk, window, tile, device, stats, docs=None):
+    """The blocks to compute: (query slice, key slice, mask [Sq, Sk] / [B, 1, 1, Sq, Sk] (with ``docs``) or
+    None); counts into ``stats``."""
     plan = block_plan(q_rank, kv_rank, cp, chunk, window, tile)
     todo = []
     for block in plan:
         if block.kind == "skip":
             continue
         mask = None
+        q_len, k_len = block.q.stop - block.q.start, block.k.stop - block.k.start
         if block.kind == "masked":
-            q_len, k_len = block.q.stop - block.q.start, block.k.stop - block.k.start
             mask = causal_window_mask(torch.arange(q_len, device=device) + block.q_first,
                                       torch.arange(k_len, device=device) + block.k_first, window)
+        if docs is not None:
+            same = same_document(docs[:, block.q_first:block.q_first + q_len],
+                                 docs[:, block.k_first:block.k_first + k_len])
+            allowed = same if mask is None else same & mask
+            if not allowed.any():
+                continue
+            if not bool(allowed.all()) or mask is not None:
+                mask = allowed[:, None, None]
         todo.append((block.q, block.k, mask))
     if stats is not None:
         stats.computed += len(todo)
@@ -182,7 +194,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, window, scale, tile, stats):
+    def forward(ctx, q, k, v, comm, window, scale, tile, stats, docs):
         rank, cp = _group(comm)
         batch, heads, local, dim = q.shape
         kv_heads, chunk, dtype = k.shape[1], local // 2, _compute_dtype(q.dtype)
@@ -193,7 +205,7 @@ class _RingAttention(torch.autograd.Function):
         for i in range(cp):
             step = ring_step(comm, kv, KV_TAG) if i < cp - 1 else None
             held = kv.to(dtype).unsqueeze(3)  # [2, B, Hkv, 1, Sl, Dh]
-            for qs, ks, mask in _blocks(rank, (rank - i) % cp, cp, chunk, window, tile, q.device, stats):
+            for qs, ks, mask in _blocks(rank, (rank - i) % cp, cp, chunk, window, tile, q.device, stats, docs):
                 out_b, lse_b = block_attention(queries[..., qs, :], held[0, ..., ks, :], held[1, ..., ks, :],
                                                mask, scale)
                 out[..., qs, :], lse[..., qs] = merge_partials(out[..., qs, :], lse[..., qs], out_b, lse_b)
@@ -203,7 +215,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = step.wait()
         out = out.reshape(batch, heads, local, dim).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.window, ctx.scale, ctx.tile, ctx.stats = comm, window, scale, tile, stats
+        ctx.comm, ctx.window, ctx.scale, ctx.tile, ctx.stats, ctx.docs = comm, window, scale, tile, stats, docs
         return out
 
     @staticmethod
@@ -222,7 +234,8 @@ class _RingAttention(torch.autograd.Function):
             step = ring_step(comm, kv, KV_TAG) if i < cp - 1 else None
             held = kv.to(dtype).unsqueeze(3)
             dkv = torch.zeros(held.shape, dtype=dtype, device=q.device)  # this block's dK/dV from my queries
-            for qs, ks, mask in _blocks(rank, (rank - i) % cp, cp, chunk, window, tile, q.device, ctx.stats):
+            for qs, ks, mask in _blocks(rank, (rank - i) % cp, cp, chunk, window, tile, q.device, ctx.stats,
+                                        ctx.docs):
                 dq_a, dk_b, dv_b = block_grads(grouped[..., qs, :], held[0, ..., ks, :], held[1, ..., ks, :],
                                                dout[..., qs, :], lse[..., qs], delta[..., qs], mask, scale)
                 dq[..., qs, :] += dq_a
@@ -237,7 +250,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = step.wait()
             grad_pass = ring_step(comm, dkv, GRAD_TAG)  # after cp passes each block's is home
         dkv = (grad_pass.wait() if grad_pass is not None else dkv).squeeze(3)
-        return (dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None)
+        return (dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *[None] * 6)
 
 
 def default_tile(device: torch.device) -> int:
@@ -249,15 +262,16 @@ def default_tile(device: torch.device) -> int:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, window: int = 0,
                    scale: float | None = None, stats: RingStats | None = None,
-                   tile: int | None = None) -> torch.Tensor:
+                   tile: int | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (optionally sliding-window) attention over a sequence split zig-zag over the cp group.
 
     On the cp group ``comm`` (a Communicator; None = one rank): q ``[B, Hq, Sl, Dh]``, k, v
     ``[B, Hkv, Sl, Dh]`` for this rank's Sl = S/cp local tokens (``zigzag_split`` order), Hq a multiple
     of Hkv; ``window`` W > 0: token t attends t-W+1..t only; ``scale`` default 1/sqrt(Dh); ``stats``: a
     ``RingStats`` to count computed / skipped blocks; ``tile``: the longest query or key run of one block
-    (the scores of a block are ``[B, Hq, tile, tile]``; 0 = whole chunks; None = ``default_tile``). Returns ``[B, Hq, Sl, Dh]`` in
-    q's dtype.
+    (the scores of a block are ``[B, Hq, tile, tile]``; 0 = whole chunks; None = ``default_tile``); ``docs``
+    ``[B, S]`` int64: the document of every GLOBAL position (packed sequences: attention stays inside
+    documents), or None. Returns ``[B, Hq, Sl, Dh]`` in q's dtype.
     Every rank of the group must call it with the same shapes (a collective).
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
@@ -271,6 +285,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, wind
                          f"on {q.device}/{k.device}/{v.device}")
     if window < 0:
         raise ValueError(f"ring_attention: window {window} must be >= 0 (0 = full causal)")
+    if docs is not None and tuple(docs.shape) != (q.shape[0], q.shape[2] * _group(comm)[1]):
+        raise ValueError(f"ring_attention: docs must be [B, S] = {(q.shape[0], q.shape[2] * _group(comm)[1])}, "
+                         f"got {tuple(docs.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     tile = default_tile(q.device) if tile is None else tile
-    return _RingAttention.apply(q, k, v, comm, int(window), float(scale), int(tile), stats)
+    return _RingAttention.apply(q, k, v, comm, int(window), float(scale), int(tile), stats, docs)

@@ -63,9 +63,11 @@ class PipelineExecutor:
             return None
         return handle
 
-    def _execute(self, steps: list, inputs: list, targets: list, loss_scale: float, train: bool) -> float:
+    def _execute(self, steps: list, inputs: list, targets: list, loss_scale: float, train: bool,
+                 masks: list | None = None, docs: list | None = None) -> float:
         """Run ``steps`` (``schedule_steps``) posting ``step_posts`` between them; returns the summed scaled loss
-        of this rank (non-zero only where the last virtual stage lives)."""
+        of this rank (non-zero only where the last virtual stage lives). ``masks``/``docs``: per micro-batch
+        loss masks and packed document ids (every chunk gets its micro-batch's ``docs``), or None."""
         first_recvs, after = step_posts(steps, self.rank, self.stages, len(self.chunks))
         saved, produced, received, outstanding, loss_total = {}, {}, {}, [], 0.0
         timer = self.timer
@@ -78,9 +80,9 @@ class PipelineExecutor:
                     if train and not chunk.is_first:
                         x.requires_grad_()
                     with timer.phase("forward"):
-                        y = chunk(x)
+                        y = chunk(x) if docs is None else chunk(x, docs[i])
                         if chunk.is_last:
-                            y = chunk.loss_sum(y, targets[i]) * loss_scale
+                            y = chunk.loss_sum(y, targets[i], None if masks is None else masks[i]) * loss_scale
                             loss_total += float(y.detach())
                         else:
                             produced[("F", i, c)] = y.detach().contiguous()
@@ -104,14 +106,18 @@ class PipelineExecutor:
                 handle.wait()
         return loss_total
 
-    def run(self, inputs: list, targets: list, loss_scale: float) -> float:
+    def run(self, inputs: list, targets: list, loss_scale: float, masks: list | None = None,
+            docs: list | None = None) -> float:
         """Forward/backward all micro-batches. ``loss_scale`` multiplies each micro-batch's summed token
-        loss (1 / global tokens, times the fp16 loss scale). Returns this rank's summed scaled loss (non-zero
-        on the rank of the last virtual stage only), unscaled by the fp16 factor by the caller."""
-        return self._execute(self._steps(False), inputs, targets, loss_scale, train=True)
+        loss (1 / global counted tokens, times the fp16 loss scale); ``masks`` [mb, S] bool per micro-batch:
+        the tokens counted (None: all); ``docs`` [mb, S_global]: packed documents (None: one per row).
+        Returns this rank's summed scaled loss (non-zero on the rank of the last virtual stage only),
+        unscaled by the fp16 factor by the caller."""
+        return self._execute(self._steps(False), inputs, targets, loss_scale, True, masks, docs)
 
     @torch.no_grad()
-    def evaluate(self, inputs: list, targets: list, loss_scale: float) -> float:
+    def evaluate(self, inputs: list, targets: list, loss_scale: float, masks: list | None = None,
+                 docs: list | None = None) -> float:
         """Forward only (validation): the schedule's forwards in its order. Returns this rank's summed scaled
         loss (non-zero on the rank of the last virtual stage only)."""
-        return self._execute(self._steps(True), inputs, targets, loss_scale, train=False)
+        return self._execute(self._steps(True), inputs, targets, loss_scale, False, masks, docs)

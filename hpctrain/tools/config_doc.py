@@ -156,12 +156,15 @@ MEANINGS: dict[str, str] = {
     "data.source": "`builtin` (the Python standard library's sources, byte-level, cached on first use), or a "
                    "path: a text file, a folder of text files, a `.npy` token array, or a `.h5`/`.hdf5` file "
                    "with a `tokens` dataset. A corpus made by `hpctrain data prepare` is read by slabs: each rank "
-                   "reads only the windows it trains on.",
+                   "reads only the windows it trains on. An SFT corpus (`hpctrain data prepare --format "
+                   "sft-jsonl`) trains on packed examples whose loss counts only the responses "
+                   "(docs/models-and-data.md, SFT data).",
     "data.tokenizer": "`bytes` (every byte a token, vocabulary 256) or the path of a Hugging Face "
                       "`tokenizer.json` (e.g. from `hpctrain data train-tokenizer`). Training checks that the "
                       "corpus was prepared with this tokenizer; nothing is downloaded.",
     "data.valid_fraction": "Hold out the last fraction of the corpus for validation (at a document boundary for a "
-                           "prepared corpus); training never samples from it. 0 = no validation data.",
+                           "prepared corpus; the last examples of an SFT corpus); training never samples from it. "
+                           "0 = no validation data.",
     "data.cache_dir": "Where the builtin corpus is cached. Empty = `~/.cache/hpctrain`. `HPCTRAIN_CACHE`, when "
                       "set, overrides it.",
     "data.max_bytes": "Keep only the first N tokens (= bytes) of a byte-level source (text, folder, builtin, .npy); "

@@ -261,6 +261,8 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
           f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {grid.intra_node}, "
           f"{cfg.train.dtype}, device {describe(device)}" + (f", GPU collectives backend {trainer.backends['dp']}"
                                    if device.type == "cuda" else ""), flush=True)
+    if hasattr(trainer.sampler, "describe"):  # packed SFT examples (hpctrain/data/packing.py)
+        print(f"hpctrain train: {trainer.sampler.describe()}", flush=True)
     if resumed:
         print(f"hpctrain train: resumed from {resumed} at step {trainer.step} "
               f"(sample {trainer.batches.consumed})", flush=True)

@@ -5,6 +5,9 @@ with the interleaved schedule: ``build_chunks``; tensor-parallel layers over ``g
 attention over ``grid.comm("cp")``), their flat buffers and gradient reducer (over the replica group
 ``grid.comm(grid.replica_axis)``: dp, or dp x cp), the optimizer and the data iterator. With context
 parallelism every cp rank of a dp replica reads the same samples and keeps its two zig-zag chunks.
+An SFT corpus (hpctrain/data/packing.py) gives packed samples with a loss mask and document ids: the
+loss is the sum of this rank's counted token losses over the global batch's counted tokens (known to
+every rank from the sampler), the documents go to every model chunk (attention stays inside them).
 ``train_step`` runs one global batch; every rank returns the same metrics (loss and grad norm are
 agreed by collectives).
 """
@@ -19,8 +22,9 @@ import torch
 
 from hpctrain.config import resolve_model
 from hpctrain.data.corpus import load_tokens_collective
+from hpctrain.data.packing import samplers_for
 from hpctrain.data.prepared import check_corpus
-from hpctrain.data.sampler import GlobalBatchIterator, SequenceSampler, rank_slice, validation_split
+from hpctrain.data.sampler import GlobalBatchIterator, rank_slice
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
 from hpctrain.compression import build_reducer
@@ -127,7 +131,8 @@ class Trainer:
         self._norm_sum = grid.world.recurring_allreduce(self._norm_sq)
 
     def _build_data(self, tokens) -> None:
-        """The corpus (read by rank 0, broadcast) and this dp rank's (seed, index) batch iterator."""
+        """The corpus (read by rank 0, broadcast; every rank opens a prepared or SFT one) and this dp rank's
+        (seed, index) batch iterator."""
         cfg, grid = self.cfg, self.grid
         if tokens is None:
             self.faults.hit("corpus", 0)  # test-only: a rank stopped here leaves the others in the broadcast
@@ -137,12 +142,10 @@ class Trainer:
                 tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, env.cache_dir(cfg.data.cache_dir),
                                                 cfg.data.max_bytes)
         check_corpus(tokens, cfg.data.tokenizer, self.model_cfg.vocab_size, cfg.data.source)
-        split = validation_split(tokens, cfg.data.valid_fraction, cfg.train.seq_len)
-        self.sampler = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed, hi=split)
+        self.sampler, self.valid_sampler = samplers_for(tokens, cfg.data.valid_fraction, cfg.train.seq_len,
+                                                        cfg.train.seed)  # windows, or packed SFT examples
         self.batches = GlobalBatchIterator(self.sampler, cfg.train.global_batch, self.layout.dp_size,
                                            grid.coords["dp"])
-        self.valid_sampler = None if split == len(tokens) else \
-            SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed + 1, lo=split)
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> StepMetrics:
@@ -151,10 +154,8 @@ class Trainer:
             timer.trace.begin_step(self.step + 1)
         start, groups_before = time.perf_counter(), grid.stats.by_group()
         with timer.phase("data"):
-            inputs, targets = self._to_device(*self._cp_part(*self.batches.next_batch()))
-        mb = self.micro_batch
-        inputs_mb = [inputs[i * mb:(i + 1) * mb] for i in range(self.cfg.parallel.microbatches)]
-        targets_mb = [targets[i * mb:(i + 1) * mb] for i in range(self.cfg.parallel.microbatches)]
+            counted = self.sampler.counted(self.batches.consumed, t.global_batch)  # the loss's denominator
+            inputs, targets, packing = self._feed(self.batches.next_batch())
         global_tokens = t.global_batch * t.seq_len
 
         self.local_model.train()
@@ -162,7 +163,8 @@ class Trainer:
         reducer = self.flat.reducer
         reducer.begin_step(self.step)
         self.faults.hit("forward", self.step + 1)
-        scaled_loss = self.executor.run(inputs_mb, targets_mb, self.scaler.scale / global_tokens)
+        # no counted token (impossible with `data prepare` output): loss 0, zero gradients
+        scaled_loss = self.executor.run(inputs, targets, self.scaler.scale / max(counted, 1), **packing)
         self.faults.hit("backward", self.step + 1)
         with timer.phase("dp_wait"):
             self.flat.finish_reduction()
@@ -202,21 +204,29 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Collective: the mean token loss over the validation batches (``train.eval_steps`` global batches
-        of held-out samples 0, 1, ...: the same every time and in every layout); forward only."""
-        t, mb, n_mb = self.cfg.train, self.micro_batch, self.cfg.parallel.microbatches
+        of held-out samples 0, 1, ...: the same every time and in every layout); forward only. SFT data:
+        each batch's loss is over its counted tokens, as in training."""
+        t, sampler = self.cfg.train, self.valid_sampler
         offset, count = rank_slice(t.global_batch, self.layout.dp_size, self.grid.coords["dp"])
         self.local_model.eval()
         total = 0.0
         with self.timer.phase("eval"):
             for k in range(t.eval_steps):
-                inputs, targets = self._to_device(
-                    *self._cp_part(*self.valid_sampler.batch(k * t.global_batch + offset, count)))
-                stage_loss = self.executor.evaluate([inputs[i * mb:(i + 1) * mb] for i in range(n_mb)],
-                                                    [targets[i * mb:(i + 1) * mb] for i in range(n_mb)],
-                                                    1.0 / (t.global_batch * t.seq_len))
-                total += self._agree_loss(stage_loss)
+                inputs, targets, packing = self._feed(sampler.batch(k * t.global_batch + offset, count))
+                scale = 1.0 / max(sampler.counted(k * t.global_batch, t.global_batch), 1)
+                total += self._agree_loss(self.executor.evaluate(inputs, targets, scale, **packing))
         self.local_model.train()
         return total / t.eval_steps
+
+    def _feed(self, batch) -> tuple[list, list, dict]:
+        """This rank's batch (inputs, targets[, loss_mask, docs]) -> per micro-batch lists on the device: inputs,
+        targets and the executor's {"masks", "docs"} (empty for pretraining). Tokens and mask are cut over cp
+        (``_cp_part``); docs stay whole (ring attention masks by global position)."""
+        inputs, targets, *packed = batch
+        parts = self._to_device(*self._cp_part(inputs, targets, *packed[:1]), *packed[1:])
+        mb, n = self.micro_batch, self.cfg.parallel.microbatches
+        parts = [[part[i * mb:(i + 1) * mb] for i in range(n)] for part in parts]
+        return parts[0], parts[1], dict(zip(("masks", "docs"), parts[2:]))
 
     def _cp_part(self, *batch: torch.Tensor) -> list[torch.Tensor]:
         """This cp rank's zig-zag chunks of each [B, S] batch tensor -> [B, S/cp] (unchanged when cp = 1)."""

@@ -261,6 +261,10 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
           f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {grid.intra_node}, "
           f"{cfg.train.dtype}, device {describe(device)}" + (f", GPU collectives backend {trainer.backends['dp']}"
                                    if device.type == "cuda" else ""), flush=True)
+    if cfg.lora.rank:
+        from hpctrain.models.lora import describe as describe_lora
+
+        print(f"hpctrain train: {describe_lora(trainer.model_cfg, cfg.lora, cfg.train.dtype, cfg.optim)}", flush=True)
     if resumed:
         print(f"hpctrain train: resumed from {resumed} at step {trainer.step} "
               f"(sample {trainer.batches.consumed})", flush=True)

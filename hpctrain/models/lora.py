@@ -34,20 +34,27 @@ def add_adapters(stage: nn.Module, m, lora, tp_comm, dtype, seed: int) -> None:
     freeze_all_but_adapters(stage)
 
 
-def _mib(n_bytes: float) -> str:
-    return f"{n_bytes / 2**20:.1f} MiB" if n_bytes < 2**30 else f"{n_bytes / 2**30:.2f} GiB"
+def _count(n: int) -> str:
+    return next(f"{n / scale:.2f}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
+                if n >= scale or scale == 1)
+
+
+def _bytes(n: float) -> str:
+    return next(f"{n / scale:.1f} {unit}" for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B"))
+                if n >= scale or scale == 1)
 
 
 def describe(m, lora, dtype: str, optim) -> str:
-    """The start-up line of a LoRA run (whole model, all ranks together): trainable vs frozen parameters,
-    and the gradient and optimizer memory (AdamW: two moments, SGD: its momentum if any; plus float32
-    masters for half precision) against full fine-tuning of the same model (``optim``: ``[optim]``)."""
+    """The start-up line of a LoRA run (whole model, all ranks together): trainable vs frozen parameters
+    (the share of all, as PEFT's ``print_trainable_parameters``), and the optimizer state (AdamW: two
+    moments, SGD: its momentum if any; plus float32 masters for half precision) and gradient memory
+    against full fine-tuning of the same model (``optim``: the ``[optim]`` section)."""
     total, trainable = count_parameters(m), adapter_parameters(m, lora.rank, lora.targets)
     half = dtype in ("bfloat16", "float16")
     state_bytes = 8 if dtype == "float64" else 4  # float32 masters, moments and grads for half precision
     moments = 2 if optim.name == "adamw" else (1 if optim.momentum else 0)
     per_element = moments * state_bytes + (4 if half else 0)
-    return (f"LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {','.join(lora.targets)}: {trainable / 1e6:.2f}M trainable / "
-            f"{total / 1e6:.2f}M frozen parameters ({trainable / total:.2%}), optimizer state "
-            f"{_mib(per_element * trainable)} instead of {_mib(per_element * total)}, gradients "
-            f"{_mib(state_bytes * trainable)} instead of {_mib(state_bytes * total)}")
+    return (f"LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {','.join(lora.targets)}: {_count(trainable)} trainable / "
+            f"{_count(total)} frozen parameters ({trainable / (trainable + total):.2%} of all), optimizer state "
+            f"{_bytes(per_element * trainable)} instead of {_bytes(per_element * total)}, gradients "
+            f"{_bytes(state_bytes * trainable)} instead of {_bytes(state_bytes * total)}")

@@ -151,9 +151,12 @@ def test_startup_line_counts_trainable_and_frozen_and_the_optimizer_state_saved(
     line = describe(m, cfg.lora, "float32", cfg.optim)
     trainable = m.n_layers * 8 * ((256 + 256) + (256 + 128))  # q: 256 -> 256, v: 256 -> 128 (4 kv heads of 32)
     assert adapter_parameters(m, 8, ["q", "v"]) == trainable
-    assert f"{trainable / 1e6:.2f}M trainable / {count_parameters(m) / 1e6:.2f}M frozen" in line
-    assert f"optimizer state {8 * trainable / 2**20:.1f} MiB instead of {8 * count_parameters(m) / 2**20:.1f} MiB" \
-        in line
+    total = count_parameters(m)
+    assert f"{trainable / 1e3:.2f}K trainable / {total / 1e6:.2f}M frozen parameters " \
+           f"({trainable / (trainable + total):.2%} of all)" in line
+    assert f"optimizer state {8 * trainable / 2**10:.1f} KiB instead of {8 * total / 2**20:.1f} MiB" in line
     assert "on q,v" in line
     half = describe(m, cfg.lora, "bfloat16", cfg.optim)  # float32 moments and masters
-    assert f"optimizer state {12 * trainable / 2**20:.1f} MiB" in half
+    assert f"optimizer state {12 * trainable / 2**10:.1f} KiB" in half
+    m7 = resolve_model(ModelConfig(preset="llama-2-7b"))
+    assert "4.19M trainable" in describe(m7, cfg.lora, "float32", cfg.optim)  # PEFT: 4,194,304 for r=8 on q, v

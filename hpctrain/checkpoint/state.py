@@ -170,15 +170,20 @@ ANOTHER_MODEL = "written for another model"  # in every incompatibility message:
 def check_compatible(state: TrainState, reader) -> None:
     """Raise CheckpointError if this rank's parameters are missing or shaped differently in the checkpoint
     (a weights-only checkpoint: also if any architecture key of its model config differs; any checkpoint: if
-    model.mlp or model.positions differ, which a GELU MLP's up/down could otherwise take from SwiGLU's)."""
+    model.mlp or model.positions differ, which a GELU MLP's up/down could otherwise take from SwiGLU's; any
+    but a weights-only one: if lora.rank or lora.targets differ)."""
     from hpctrain.config import architecture_differences, config_from_dict
 
-    differences = architecture_differences(config_from_dict(reader.attrs["config"]).model, state.model_config)
+    theirs = config_from_dict(reader.attrs["config"])
+    differences = architecture_differences(theirs.model, state.model_config)
     if not is_weights_only(reader.attrs):
         differences = [d for d in differences if d.startswith(("model.mlp ", "model.positions "))]
+        differences += lora_differences(theirs.lora, state.config.lora)
     if differences:
         kind = "weights-only checkpoint" if is_weights_only(reader.attrs) else "checkpoint"
-        raise CheckpointError(f"{reader.path}: {kind} {ANOTHER_MODEL} than this config: {'; '.join(differences)}")
+        hint = "; a checkpoint resumes with its own adapters (model.init_from takes its base weights)" \
+            if any(d.startswith("lora.") for d in differences) else ""
+        raise CheckpointError(f"{reader.path}: {kind} {ANOTHER_MODEL} than this config: {'; '.join(differences)}{hint}")
     for p in state.tensors().params:
         name = model_dataset(p.spec.name)
         shape = reader.shape(name)
@@ -190,6 +195,15 @@ def check_compatible(state: TrainState, reader) -> None:
         if tuple(shape) != tuple(p.spec.global_shape):
             raise CheckpointError(f"{reader.path}: checkpoint of another model shape ({ANOTHER_MODEL}): {name} is {tuple(shape)} "
                                   f"in the checkpoint but {tuple(p.spec.global_shape)} in this model")
+
+
+def lora_differences(theirs, ours) -> list[str]:
+    """``lora.KEY is X there, Y here`` for the adapter keys (rank; targets, unordered) on which a checkpoint and
+    this run differ: a checkpoint resumes with its own adapters (``model.init_from`` takes its base weights)."""
+    pairs = {"lora.rank": (theirs.rank, ours.rank)}
+    if theirs.rank and ours.rank:
+        pairs["lora.targets"] = (sorted(theirs.targets), sorted(ours.targets))
+    return [f"{key} is {a!r} there, {b!r} here" for key, (a, b) in pairs.items() if a != b]
 
 
 @dataclass

@@ -33,7 +33,8 @@ from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq
 class RMSNorm(nn.Module):
     def __init__(self, name, dim, eps, tp_comm, sp, dtype):
         super().__init__()
-        spec = make_spec(f"{name}.weight", (dim,), None, tp_comm, partial_grad_over_tp=bool(sp and tp_comm and tp_comm.size > 1))
+        spec = make_spec(f"{name}.weight", (dim,), None, tp_comm,
+                         partial_grad_over_tp=bool(sp and tp_comm and tp_comm.size > 1))
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
         init_from_global_(self.weight, spec, 0, None)
         self.weight.spec = spec

@@ -54,7 +54,7 @@ def describe(m, lora, dtype: str, optim) -> str:
     state_bytes = 8 if dtype == "float64" else 4  # float32 masters, moments and grads for half precision
     moments = 2 if optim.name == "adamw" else (1 if optim.momentum else 0)
     per_element = moments * state_bytes + (4 if half else 0)
-    return (f"LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {','.join(lora.targets)}: {_count(trainable)} trainable / "
-            f"{_count(total)} frozen parameters ({trainable / (trainable + total):.2%} of all), optimizer state "
+    return (f"LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {','.join(lora.targets)}: {_count(trainable)} "
+            f"trainable / {_count(total)} frozen parameters ({trainable / (trainable + total):.2%} of all), optimizer state "
             f"{_bytes(per_element * trainable)} instead of {_bytes(per_element * total)}, gradients "
             f"{_bytes(state_bytes * trainable)} instead of {_bytes(state_bytes * total)}")

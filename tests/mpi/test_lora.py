@@ -50,6 +50,8 @@ def test_checkpoint_holds_adapters_their_state_and_the_base_and_resumes_bitwise_
     out = train(4, split, *F64, *LORA, *layout, "--resume", "auto")
     assert "at step 3" in out.stdout and losses(split) == losses(whole)
     ckpt("diff", str(whole), str(split), "--atol", "0")
+    other = train(2, split, *F64, "lora.rank=0", "parallel.tp=2", "train.steps=7", "--resume", "auto", check=False)
+    assert other.returncode != 0 and "lora.rank is 4 there, 0 here" in other.output, other.output
 
     cfg = load_config(None, [*F64, *LORA])  # the frozen base is the model as every layout initialises it
     m = resolve_model(cfg.model)

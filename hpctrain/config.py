@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from hpctrain.errors import HpcTrainError
+from hpctrain.models.arithmetic import lora_target_shapes
 from hpctrain.models.presets import MODEL_DEFAULTS, PRESET_KEYS, PRESETS  # noqa: F401 (re-exported)
 # the layout rules that need no world size
 from hpctrain.parallel.rules import check_context, check_schedule, check_stages
@@ -166,6 +167,19 @@ class CheckpointConfig:
     dir: str = ""  # empty = <run_dir>/checkpoints
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # attention q/k/v/o, the MLP's gate/up/down
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters on a frozen model (LoRA, as Hugging Face PEFT; docs/models-and-data.md)."""
+    rank: int = _field(0, min=0)  # adapter rank r; 0 = off (every weight trains)
+    alpha: float = _field(8.0, above=0)  # PEFT's lora_alpha: the adapter's output is scaled by alpha / rank
+    dropout: float = _field(0.0, min=0, below=1)  # dropout on the adapter's input (PEFT's lora_dropout)
+    targets: list[str] = field(default_factory=lambda: ["q", "v"])  # linears that get adapters: LORA_TARGETS
+    init: str = _field("peft", choices=("peft",))  # A Kaiming-uniform, B zero (PEFT's init_lora_weights=True)
+
+
 @dataclass
 class Config:
     """The whole run configuration, one attribute per TOML section."""
@@ -177,6 +191,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 def _error(where: str, detail: str) -> ConfigError:
@@ -378,3 +393,19 @@ def validate(cfg: Config) -> None:
     _require(t.run_dir != "", "train.run_dir", "must not be empty")
     _require(t.eval_interval == 0 or cfg.data.valid_fraction > 0, "train.eval_interval",
              f"{t.eval_interval} needs held-out data: set data.valid_fraction (e.g. 0.05)")
+    if cfg.lora.rank:
+        _check_lora(cfg.lora, m)
+
+
+def _check_lora(lora: LoraConfig, m: ModelConfig) -> None:
+    """lora.targets name linears of this model, once each; lora.rank fits every target's matrix."""
+    shapes = lora_target_shapes(m)
+    _require(bool(lora.targets), "lora.targets", f"must name at least one of {', '.join(shapes)} when lora.rank > 0")
+    for name in lora.targets:
+        _require(name in shapes, "lora.targets", _unknown("target", name, list(shapes), f" of this model "
+                                                          f"(model.mlp={m.mlp})"))
+    _require(len(set(lora.targets)) == len(lora.targets), "lora.targets", f"names a target twice: {lora.targets}")
+    smallest = min(lora.targets, key=lambda name: min(shapes[name]))
+    _require(lora.rank <= min(shapes[smallest]), "lora.rank",
+             f"{lora.rank} exceeds the dimensions of target {smallest!r} (in {shapes[smallest][0]}, out "
+             f"{shapes[smallest][1]}): at most {min(shapes[smallest])}")

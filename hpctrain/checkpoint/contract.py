@@ -6,7 +6,8 @@ fails if code here names anything else of the trainer. Every member is this rank
 communicates. Tensors are views: copying into them changes the run.
 
 What a checkpoint holds of a rank (docs/checkpoint-format.md):
-  model pieces      ``tensors().params``: the local slab of every parameter this rank holds
+  model pieces      ``tensors().params``: the local slab of every parameter this rank holds; a FROZEN one
+                    (a LoRA run's base weights) has no optimizer state and is written whole by one rank
   optimizer pieces  ``tensors().pieces``: the parameter elements whose optimizer state this rank owns,
                     with ``state_kinds`` per element, inside the owned ``tensors().ranges``
   reducer state     ``reducer``: error-feedback residuals, PowerSGD's Q (docs/compression.md)
@@ -31,10 +32,16 @@ if TYPE_CHECKING:
 class ModelPiece:
     """One parameter this rank holds: ``data`` is its local slab, shape ``spec.local_shape``, of the global
     parameter ``spec.name`` (``spec``: its SlabSpec: ``global_shape``, ``local_slices()``, ``tied_copy``;
-    a padded vocabulary's slab has zero padding rows past ``spec.valid_local()``, never saved or loaded)."""
+    a padded vocabulary's slab has zero padding rows past ``spec.valid_local()``, never saved or loaded).
+
+    ``frozen``: not trained (a LoRA run's base weights): no optimizer state, so no OptimizerPiece writes it;
+    ``written`` (frozen ones only): this rank writes its real slab (each global element by exactly one rank:
+    dp x cp replica 0, the tp rank ``SlabSpec.counted_on`` names, never a tied copy)."""
 
     spec: SlabSpec
     data: torch.Tensor
+    frozen: bool = False
+    written: bool = False
 
 
 @dataclass(frozen=True, eq=False)

@@ -23,6 +23,7 @@ from hpctrain.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, Box, decode
 from hpctrain.checkpoint.contract import TrainState
 from hpctrain.config import config_to_dict
 from hpctrain.errors import HpcTrainError
+from hpctrain.parallel.lora import is_adapter
 
 
 class CheckpointError(HpcTrainError):
@@ -74,8 +75,9 @@ def snapshot(state: TrainState) -> Snapshot:
         if p.spec.tied_copy:
             continue
         snap.datasets[model_dataset(p.spec.name)] = (p.spec.global_shape, model_dtype.str)
-        for kind in kinds:
+        for kind in () if p.frozen else kinds:
             snap.datasets[optim_dataset(kind, p.spec.name)] = (p.spec.global_shape, state_dtype.str)
+    _snapshot_frozen(tensors, snap, model_dtype)
     n = len(kinds) + 1  # per owned range: its parameters, then each state kind
     host = to_host([t for r in tensors.ranges for t in [r.params] + [r.state[k] for k in kinds]])
     for piece in tensors.pieces:
@@ -100,6 +102,17 @@ def snapshot(state: TrainState) -> Snapshot:
         "optimizer_step": root.optimizer_step, "model_dtype": cfg.train.dtype,
     }
     return snap
+
+
+def _snapshot_frozen(tensors, snap: Snapshot, model_dtype) -> None:
+    """The frozen parameters (a LoRA run's base weights) this rank writes, copied whole into the checkpoint
+    (the "copy" mode: a checkpoint that stands alone). A mode that records the base by path and checksum
+    instead would declare no dataset for them here and write that reference among the root attributes."""
+    frozen = [p for p in tensors.params if p.frozen and p.written and p.spec.valid_numel]
+    host = to_host([p.data[p.spec.valid_local()] for p in frozen])
+    for p, values in zip(frozen, host):
+        box = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.valid_shape)
+        snap.items.append(WriteItem(model_dataset(p.spec.name), box, _host(values, model_dtype, box)))
 
 
 def compression_group(rank: int) -> str:
@@ -157,24 +170,40 @@ ANOTHER_MODEL = "written for another model"  # in every incompatibility message:
 def check_compatible(state: TrainState, reader) -> None:
     """Raise CheckpointError if this rank's parameters are missing or shaped differently in the checkpoint
     (a weights-only checkpoint: also if any architecture key of its model config differs; any checkpoint: if
-    model.mlp or model.positions differ, which a GELU MLP's up/down could otherwise take from SwiGLU's)."""
+    model.mlp or model.positions differ, which a GELU MLP's up/down could otherwise take from SwiGLU's; any
+    but a weights-only one: if lora.rank or lora.targets differ)."""
     from hpctrain.config import architecture_differences, config_from_dict
 
-    differences = architecture_differences(config_from_dict(reader.attrs["config"]).model, state.model_config)
+    theirs = config_from_dict(reader.attrs["config"])
+    differences = architecture_differences(theirs.model, state.model_config)
     if not is_weights_only(reader.attrs):
         differences = [d for d in differences if d.startswith(("model.mlp ", "model.positions "))]
+        differences += lora_differences(theirs.lora, state.config.lora)
     if differences:
         kind = "weights-only checkpoint" if is_weights_only(reader.attrs) else "checkpoint"
-        raise CheckpointError(f"{reader.path}: {kind} {ANOTHER_MODEL} than this config: {'; '.join(differences)}")
+        hint = "; a checkpoint resumes with its own adapters (model.init_from takes its base weights)" \
+            if any(d.startswith("lora.") for d in differences) else ""
+        raise CheckpointError(f"{reader.path}: {kind} {ANOTHER_MODEL} than this config: {'; '.join(differences)}{hint}")
     for p in state.tensors().params:
         name = model_dataset(p.spec.name)
         shape = reader.shape(name)
+        if shape is None and is_weights_only(reader.attrs) and is_adapter(p.spec.name):
+            continue  # base weights into a LoRA run: the adapters keep their initial values
         if shape is None:
             raise CheckpointError(f"{reader.path}: {ANOTHER_MODEL}: it has no dataset {name} (check model.* "
                                   f"settings against its config)")
         if tuple(shape) != tuple(p.spec.global_shape):
             raise CheckpointError(f"{reader.path}: checkpoint of another model shape ({ANOTHER_MODEL}): {name} is {tuple(shape)} "
                                   f"in the checkpoint but {tuple(p.spec.global_shape)} in this model")
+
+
+def lora_differences(theirs, ours) -> list[str]:
+    """``lora.KEY is X there, Y here`` for the adapter keys (rank; targets, unordered) on which a checkpoint and
+    this run differ: a checkpoint resumes with its own adapters (``model.init_from`` takes its base weights)."""
+    pairs = {"lora.rank": (theirs.rank, ours.rank)}
+    if theirs.rank and ours.rank:
+        pairs["lora.targets"] = (sorted(theirs.targets), sorted(ours.targets))
+    return [f"{key} is {a!r} there, {b!r} here" for key, (a, b) in pairs.items() if a != b]
 
 
 @dataclass
@@ -193,7 +222,8 @@ class StagedState:
 def is_weights_only(attrs: dict) -> bool:
     """A weights-only checkpoint (root attribute ``weights_only``, e.g. from ``hpctrain import-hf``) holds
     ``/model`` alone: it loads as a fresh start from those weights (zero optimizer moments, the run's own
-    sampler, loss scaler and RNG), in any layout, and its model config must match the run's exactly."""
+    sampler, loss scaler and RNG), in any layout, and its model config must match the run's exactly. A
+    LoRA run takes its base weights from it; adapters it does not hold keep their initial values."""
     return bool(attrs.get("weights_only", False))
 
 
@@ -208,7 +238,7 @@ def read_state(state: TrainState, reader) -> StagedState:
     tensors = state.tensors()
     staged = StagedState(attrs=reader.attrs)
     for p in tensors.params:  # the real part of each slab (padding rows stay zero)
-        if p.spec.valid_numel:
+        if p.spec.valid_numel and not (weights_only and reader.shape(model_dataset(p.spec.name)) is None):
             slab = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.valid_shape)
             staged.copies.append((p.data[p.spec.valid_local()], reader.read_checked(model_dataset(p.spec.name), slab)))
     for piece in tensors.pieces:

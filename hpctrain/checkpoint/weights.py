@@ -51,7 +51,8 @@ def load_model(reader, dtype: torch.dtype | None = None):
     m = resolve_model(cfg.model)
     if dtype is None:
         dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
-    model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp_comm=None, dtype=dtype, seed=cfg.train.seed)
+    model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp_comm=None, dtype=dtype, seed=cfg.train.seed,
+                     lora=cfg.lora)  # a LoRA run: base and adapters
     with torch.no_grad():
         for param in model.parameters():
             spec = param.spec  # the global (true-vocabulary) shape; padding rows stay zero

@@ -16,6 +16,7 @@ from hpctrain.checkpoint.contract import TrainState
 from hpctrain.config import architecture_differences, resolve_model
 from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.interop.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFModelDir, parameter_shapes
+from hpctrain.parallel.lora import is_adapter
 
 
 class CheckpointSource:
@@ -92,13 +93,16 @@ def init_weights(state: TrainState, path: str, world) -> None:
     checkpoint) into a fresh run (``trainer.state``). Each rank reads its slab of every parameter it holds; the
     ranks agree before anything changes, so an error (missing file, other model, corrupt checkpoint) is
     raised on every rank with the model untouched. Optimizer state stays fresh; half-precision runs take
-    their float32 master weights from the new values."""
+    their float32 master weights from the new values. A LoRA run takes its base weights from ``path``;
+    its adapters keep their initial values (sources hold base weights only)."""
     staged, problem, source = [], None, None
     tensors = state.tensors()
     try:
         source = open_source(path)
         check_same_model(source.model, state.model_config, path)
         for p in tensors.params:
+            if is_adapter(p.spec.name) and p.spec.name not in source.shapes:
+                continue  # a LoRA run from base weights: its adapters keep their initial values
             if p.spec.valid_numel:  # the real rows of a padded vocabulary slab; the padding stays zero
                 staged.append((p.data[p.spec.valid_local()], source.read(p.spec.name, p.spec.local_slices())))
     except (HpcTrainError, OSError) as exc:

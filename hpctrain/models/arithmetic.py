@@ -67,3 +67,19 @@ def count_parameters(m) -> int:
     per_layer = block_matmul_parameters(m) + 2 * m.d_model  # + two RMSNorm weights
     head = 0 if m.tie_embeddings else m.vocab_size * m.d_model
     return m.vocab_size * m.d_model + position_parameters(m) + m.n_layers * per_layer + m.d_model + head
+
+
+def lora_target_shapes(m) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each linear of a block that LoRA can adapt, by ``lora.targets`` name:
+    q, k, v, o of the attention, gate (SwiGLU only), up, down of the MLP."""
+    kv = m.n_kv_heads * (m.d_model // m.n_heads)
+    shapes = {"q": (m.d_model, m.d_model), "k": (m.d_model, kv), "v": (m.d_model, kv), "o": (m.d_model, m.d_model)}
+    if m.mlp == "swiglu":
+        shapes["gate"] = (m.d_model, m.d_ff)
+    return {**shapes, "up": (m.d_model, m.d_ff), "down": (m.d_ff, m.d_model)}
+
+
+def adapter_parameters(m, rank: int, targets) -> int:
+    """LoRA's trainable parameters over the model: r x (in + out) per target linear of every block."""
+    shapes = lora_target_shapes(m)
+    return m.n_layers * sum(rank * sum(shapes[t]) for t in targets)

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hpctrain.config import resolve_model
 from hpctrain.models.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
+from hpctrain.models.lora import add_adapters, enabled as lora_enabled
 from hpctrain.parallel.context_parallel import causal_window_mask, default_tile, ring_attention, zigzag_positions
 from hpctrain.parallel.packed import local_document_positions, same_document
 from hpctrain.parallel.rules import check_tp_divisibility, padded_vocab
@@ -35,7 +36,8 @@ from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq
 class RMSNorm(nn.Module):
     def __init__(self, name, dim, eps, tp_comm, sp, dtype):
         super().__init__()
-        spec = make_spec(f"{name}.weight", (dim,), None, tp_comm, sp_partial_grad=bool(sp and tp_comm and tp_comm.size > 1))
+        spec = make_spec(f"{name}.weight", (dim,), None, tp_comm,
+                         partial_grad_over_tp=bool(sp and tp_comm and tp_comm.size > 1))
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
         init_from_global_(self.weight, spec, 0, None)
         self.weight.spec = spec
@@ -155,7 +157,7 @@ class LearnedPositions(nn.Module):
     def __init__(self, m, tp_comm, sp, dtype, seed, cp_comm=None):
         super().__init__()
         split_seq = bool(sp and tp_comm is not None and tp_comm.size > 1)
-        spec = make_spec("pos_embed.weight", (m.max_seq_len, m.d_model), None, tp_comm, sp_partial_grad=split_seq)
+        spec = make_spec("pos_embed.weight", (m.max_seq_len, m.d_model), None, tp_comm, partial_grad_over_tp=split_seq)
         self.weight = nn.Parameter(torch.empty(spec.local_shape, dtype=dtype))
         init_from_global_(self.weight, spec, seed, m.init_std)
         self.weight.spec = spec
@@ -196,11 +198,13 @@ class GPTStage(nn.Module):
     head holds ``padded_vocab`` rows; their padding columns are cut off here, before any loss, softmax or
     sampling sees them (so the padding rows get zero gradient). ``loss_sum`` turns the logits into the SUM
     of per-token losses (the trainer divides by the global count of counted tokens). ``docs`` [B, S_global]:
-    the packed documents of every position (hpctrain/parallel/packed.py), or None.
+    the packed documents of every position (hpctrain/parallel/packed.py), or None. ``lora``: a ``[lora]``
+    section with rank > 0 adds adapters and freezes the rest (hpctrain/models/lora.py); None or rank 0: none.
     """
 
     def __init__(self, m, layer_range: tuple[int, int], *, is_first: bool, is_last: bool, tp_comm=None,
-                 sp: bool = False, dtype=torch.float32, seed: int = 0, recompute: bool = False, cp_comm=None):
+                 sp: bool = False, dtype=torch.float32, seed: int = 0, recompute: bool = False, cp_comm=None,
+                 lora=None):
         super().__init__()
         m = resolve_model(m)  # a preset's mlp/positions/tie_embeddings
         tp_size = 1 if tp_comm is None else tp_comm.size
@@ -230,6 +234,8 @@ class GPTStage(nn.Module):
                                                  seed=seed, std=m.init_std, padded_out=vocab)
             spec = self.head.w.spec  # head rows: vocabulary ids [vocab_start, + vocab_valid), then padding
             self.vocab_start, self.vocab_valid = spec.tp_rank * spec.local_shape[0], spec.valid_shape[0]
+        if lora_enabled(lora):  # adapters on the lora.targets linears; every other weight frozen
+            add_adapters(self, m, lora, tp_comm, dtype, seed)
 
     def forward(self, x, docs=None):
         if self.is_first:

@@ -19,9 +19,14 @@ Vocabulary padding. The padding rows of the embedding and LM head (``SlabSpec.pa
 buffers like any element; their grads are zero, and are set to zero again after the reduction (a lossy
 compressor could make them noise), so the optimizer never moves them and the grad norm never sees them.
 
-Deferred bucket. Grads that need a reduction over ANOTHER group first (sequence-parallel norm weights:
-partial per TP rank; the last stage's copy of a tied embedding: summed with stage 0 over PP) live in
-a last bucket that ``finish_reduction`` starts after those pre-reductions.
+Deferred bucket. Grads that need a reduction over ANOTHER group first (``SlabSpec.partial_grad_over_tp``:
+sequence-parallel norm weights, LoRA's A of column-parallel and B of row-parallel linears, partial per TP
+rank, summed over tp in ONE all-reduce of their contiguous span; the last stage's copy of a tied
+embedding: summed with stage 0 over PP) live in a last bucket that ``finish_reduction`` starts after
+those pre-reductions.
+
+Frozen parameters (a LoRA run's base weights) are not given to FlatParams: no gradient buffer, no
+reduction, no optimizer state.
 """
 from __future__ import annotations
 
@@ -120,11 +125,12 @@ class FlatParams:
 
     def _make_buckets(self, bucket_elems: float) -> list[Bucket]:
         def needs_pre_reduction(p):
-            return p.spec.sp_partial_grad or bool(p.spec.tied)
+            return p.spec.partial_grad_over_tp or bool(p.spec.tied)
 
         ordered = list(reversed(self.params))
         regular = [p for p in ordered if not needs_pre_reduction(p)]
-        deferred = [p for p in ordered if needs_pre_reduction(p)]
+        # the grads partial over tp first: one contiguous span, summed by one all-reduce (_pre_reduce)
+        deferred = sorted((p for p in ordered if needs_pre_reduction(p)), key=lambda p: not p.spec.partial_grad_over_tp)
         buckets, start = [], 0
         groups: list[tuple[list, bool]] = []
         current: list = []
@@ -193,16 +199,21 @@ class FlatParams:
                 grad[lo:hi].zero_()
 
     def _pre_reduce(self, bucket: Bucket) -> None:
+        self._sum_partial_grads_over_tp([p for p in bucket.params if p.spec.partial_grad_over_tp])
         for p in bucket.params:
-            if p.spec.sp_partial_grad:
-                self._sum_partial_sp_grad(p)
             if p.spec.tied:
                 self._sum_tied_embedding_grad(p)
 
-    def _sum_partial_sp_grad(self, p) -> None:
-        """Sequence parallelism: a replicated norm weight saw S/tp tokens per rank; sum over tp."""
-        if self.tp_comm is not None and self.tp_comm.size > 1:
-            self.tp_comm.allreduce(p.main_grad)
+    def _sum_partial_grads_over_tp(self, params: list) -> None:
+        """Grads partial per TP rank (a replicated norm weight that saw S/tp tokens with sequence parallelism,
+        a LoRA factor that saw 1/tp of its linear's outputs or inputs): one all-reduce over tp of their
+        span of the grad buffer (they lie next to each other at the deferred bucket's start)."""
+        if not params or self.tp_comm is None or self.tp_comm.size == 1:
+            return
+        spans = sorted(self._offsets[id(p)] for p in params)
+        lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
+        assert sum(n for _, n in spans) == hi - lo, "partial-over-tp grads are not contiguous"
+        self.tp_comm.allreduce(self.grad_buffer[lo:hi])
 
     def _sum_tied_embedding_grad(self, p) -> None:
         """Stage 0's embedding and the last stage's LM-head copy exchange grads over pp and add them."""

@@ -30,7 +30,10 @@ class SlabSpec:
     split_dim: int | None = None  # dimension split over the TP group; None = replicated over TP
     tp_rank: int = 0
     tp_size: int = 1
-    sp_partial_grad: bool = False  # replicated weight whose grad is partial per TP rank (sequence parallel)
+    # a weight replicated over TP whose grad is a partial sum per TP rank (summed over tp before the dp
+    # reduction): sequence-parallel norms and position table; LoRA's A of a column-parallel linear, B of a
+    # row-parallel one (parallel/lora.py)
+    partial_grad_over_tp: bool = False
     # tied embeddings across pipeline stages (pp > 1): "original" on stage 0, "copy" on the last stage
     # (its LM head); the two grads are summed before the dp reduction; the copy is never saved or
     # counted twice. "" = not tied across stages (a tie inside one stage is one shared Parameter).
@@ -135,5 +138,11 @@ def init_from_global_(param: torch.Tensor, spec: SlabSpec, seed: int, std: float
         return
     full = torch.empty(spec.global_shape, dtype=torch.float64)
     full.normal_(0.0, std, generator=global_generator(seed, spec.name))
+    place_global_(param, spec, full)
+
+
+@torch.no_grad()
+def place_global_(param: torch.Tensor, spec: SlabSpec, full: torch.Tensor) -> None:
+    """Fill ``param`` with its slab of the global tensor ``full`` (``spec.global_shape``); padding rows with 0."""
     param.zero_()
     param[spec.valid_local()] = full[spec.local_slices()]

@@ -8,6 +8,9 @@ All communication is on the TP group's ``Communicator`` (``tp_comm``); ``tp_comm
     RowParallelLinear      W [out, in/tp]   in: split on last dim -> out: reduced (or SP reduce-scattered)
     VocabParallelEmbedding W [V/tp, D]      ids -> [S, B, D] reduced (or SP reduce-scattered)
 
+The linears may carry LoRA adapters (``lora_A``, ``lora_B``: hpctrain/parallel/lora.py ``attach_lora``),
+added to their output (row-parallel: before the reduction); ``lora`` is None without.
+
 The vocabulary layers (embedding, LM head) hold ``V = padded_vocab`` rows (parallel/rules.py): the
 rows past the true vocabulary are zero padding (``SlabSpec.padded_dim``). Their ids never occur and the
 model drops their logit columns before anything uses them (``GPTStage.forward``), so they get exactly
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.parallel.lora import lora_delta
 from hpctrain.parallel.slab import init_from_global_, make_spec
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 
@@ -41,7 +45,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, name, in_features, out_features, tp_comm, *, sp=False, dtype=torch.float32, seed=0,
                  std=0.02, weight=None, input_mode=None, padded_out=None):
         super().__init__()
-        self.tp_comm = tp_comm
+        self.tp_comm, self.lora = tp_comm, None
         self.input_mode = input_mode or ("gather" if sp else "copy")
         if weight is None:  # ``weight``: share an existing [out/tp, in] parameter (tied LM head)
             # ``padded_out``: out_features padded to that many rows (the LM head over a padded vocabulary)
@@ -60,7 +64,8 @@ class ColumnParallelLinear(nn.Module):
             x = gather_seq(x, self.tp_comm)
         elif self.input_mode == "copy":
             x = copy_to_tp(x, self.tp_comm)
-        return F.linear(x, self.w)
+        y = F.linear(x, self.w)
+        return y if self.lora is None else y + lora_delta(self, x)
 
 
 class RowParallelLinear(nn.Module):
@@ -69,11 +74,13 @@ class RowParallelLinear(nn.Module):
     def __init__(self, name, in_features, out_features, tp_comm, *, sp=False, dtype=torch.float32, seed=0,
                  std=0.02):
         super().__init__()
-        self.tp_comm, self.sp = tp_comm, sp
+        self.tp_comm, self.sp, self.lora = tp_comm, sp, None
         self.weight = _param(make_spec(f"{name}.weight", (out_features, in_features), 1, tp_comm), dtype, seed, std)
 
     def forward(self, x):
         y = F.linear(x, self.weight)
+        if self.lora is not None:  # a partial sum over tp, like y
+            y = y + lora_delta(self, x)
         return reduce_scatter_seq(y, self.tp_comm) if self.sp else reduce_from_tp(y, self.tp_comm)
 
 

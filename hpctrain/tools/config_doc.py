@@ -235,6 +235,28 @@ MEANINGS: dict[str, str] = {
                          "`shards`: one file per rank joined by HDF5 virtual datasets; `auto`: mpio when "
                          "available, else shards.",
     "checkpoint.dir": "Where checkpoints go. Empty = `<train.run_dir>/checkpoints`.",
+    # [lora]
+    "lora.rank": "LoRA adapter rank r (Hugging Face PEFT's `r`). 0 = off: every weight trains. > 0: every "
+                 "`lora.targets` linear of every block gains `alpha/r B A x` (A [r, in], B [out, r]) and every other "
+                 "weight (embeddings, norms, LM head included, as PEFT's default) is frozen: no gradient, no "
+                 "optimizer state, no dp reduction; gradient norm, clipping, compression and ZeRO-1 see the adapters "
+                 "only. At most min(in, out) of the smallest target. Works in every layout (adapters split over tp "
+                 "like their linear: docs/parallelism.md). The start-up line reports trainable vs frozen parameters "
+                 "and the optimizer memory saved; checkpoints hold the adapters, their optimizer state and a copy "
+                 "of the frozen base weights. See docs/models-and-data.md.",
+    "lora.alpha": "PEFT's `lora_alpha`: the adapter's output is scaled by alpha / rank (not rank-stabilised). "
+                  "Must be > 0.",
+    "lora.dropout": "Dropout probability on the adapter's input (PEFT's `lora_dropout`), in training only. Its masks "
+                    "come from each rank's torch generator (seeded from `train.seed` and the world rank; saved in "
+                    "checkpoints of CPU runs), so with dropout > 0 two layouts draw different masks: statistically "
+                    "the same training, not the same numbers.",
+    "lora.targets": "The linears of each block that get adapters, any of `q`, `k`, `v`, `o` (attention) and `gate` "
+                    "(SwiGLU only), `up`, `down` (MLP): HF's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                    "down_proj. Default q and v (the LoRA paper's and PEFT's Llama default).",
+    "lora.init": "`peft`: A Kaiming-uniform, U(-1/sqrt(in), 1/sqrt(in)) (PEFT's default `init_lora_weights=True`), "
+                 "B zero, so training starts from the base model's function. Drawn from (`train.seed`, parameter "
+                 "name): every layout starts from the same adapters. `model.init_from` loads the base weights; the "
+                 "adapters keep this initialisation.",
 }
 
 

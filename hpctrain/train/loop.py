@@ -263,6 +263,10 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
                                    if device.type == "cuda" else ""), flush=True)
     if hasattr(trainer.sampler, "describe"):  # packed SFT examples (hpctrain/data/packing.py)
         print(f"hpctrain train: {trainer.sampler.describe()}", flush=True)
+    if cfg.lora.rank:
+        from hpctrain.models.lora import describe as describe_lora
+
+        print(f"hpctrain train: {describe_lora(trainer.model_cfg, cfg.lora, cfg.train.dtype, cfg.optim)}", flush=True)
     if resumed:
         print(f"hpctrain train: resumed from {resumed} at step {trainer.step} "
               f"(sample {trainer.batches.consumed})", flush=True)

@@ -20,8 +20,10 @@ class TrainerState:
         self.reducer = trainer.flat.reducer
 
     def tensors(self) -> TrainTensors:
-        """Model pieces: ``flat.params``; owned ranges: the optimizer's slices; pieces: ``owned_pieces()``,
-        written by the ZeRO owner (or replica rank 0) where ``SlabSpec.counted_on`` this tp rank."""
+        """Model pieces: every parameter of the local model (the trainable ones are ``flat.params``; the
+        frozen base of a LoRA run is written by replica rank 0); owned ranges: the optimizer's slices;
+        pieces: ``owned_pieces()``, written by the ZeRO owner (or replica rank 0) where
+        ``SlabSpec.counted_on`` this tp rank."""
         t = self._trainer
         flat, opt, coords = t.flat, t.optimizer, t.grid.coords
         kinds = opt.state_kinds
@@ -29,12 +31,15 @@ class TrainerState:
         for part in opt.owned_slices:
             owner[id(part)] = len(ranges)
             ranges.append(OwnedRange(part.params, {kind: getattr(part, kind) for kind in kinds}))
-        writes = flat.zero or (coords["dp"] == 0 and coords["cp"] == 0)  # one of the dp x cp replicas
+        first_replica = coords["dp"] == 0 and coords["cp"] == 0  # one of the dp x cp replicas
+        writes = flat.zero or first_replica
         pieces = [OptimizerPiece(piece.param.spec, piece.param_lo, piece.param_hi, owner[id(part)],
                                  piece.flat_lo - part.start, writes and piece.param.spec.counted_on(coords["tp"]))
                   for piece, part in opt.owned_pieces()]
-        return TrainTensors([ModelPiece(p.spec, p.data) for p in flat.params], ranges, pieces, kinds,
-                            flat.param_buffer.dtype, opt.master_dtype)
+        params = [ModelPiece(p.spec, p.data) if p.requires_grad else
+                  ModelPiece(p.spec, p.data, frozen=True, written=first_replica and p.spec.counted_on(coords["tp"]))
+                  for p in t.local_model.parameters()]
+        return TrainTensors(params, ranges, pieces, kinds, flat.param_buffer.dtype, opt.master_dtype)
 
     def root_state(self) -> RootState:
         t = self._trainer

@@ -99,10 +99,12 @@ class Trainer:
         m, p, t, grid, layout = self.model_cfg, self.cfg.parallel, self.cfg.train, self.grid, self.layout
         tp_comm, pp_comm, cp_comm = grid.comm("tp"), grid.comm("pp"), grid.comm("cp")
         self.chunks = build_chunks(m, layout, grid.coords["pp"], tp_comm, self.dtype, t.seed, t.recompute,
-                                   cp_comm=cp_comm)
+                                   cp_comm=cp_comm, lora=self.cfg.lora)
         self.local_model = torch.nn.ModuleList(self.chunks)  # train()/eval()/parameters() of every chunk
         self.local_model.to(self.device)  # initialised on the host from the global generator, then moved
-        self.flat = FlatParams(list(self.local_model.parameters()), grid.comm(grid.replica_axis),
+        # the trainable parameters (a LoRA run's adapters; the frozen base stays plain tensors on the device)
+        self.flat = FlatParams([p for p in self.local_model.parameters() if p.requires_grad],
+                               grid.comm(grid.replica_axis),
                                tp_comm=tp_comm, pp_comm=pp_comm,
                                bucket_mb=p.bucket_mb, zero=layout.zero == 1, timer=self.timer,
                                check_finite=self.dtype == torch.float16,
@@ -276,11 +278,12 @@ class Trainer:
 
 
 def build_chunks(m, layout, pp_rank: int, tp_comm, dtype, seed: int, recompute: bool,
-                 cp_comm=None) -> list[GPTStage]:
+                 cp_comm=None, lora=None) -> list[GPTStage]:
     """The model chunks of pp rank ``pp_rank``: chunk c is virtual stage v = c * pp + pp_rank of the
     pp x V virtual stages (V = ``layout.virtual_stages``), whose layers ``partition_layers`` balances over
     them (or ``stage_layers`` gives, one entry per virtual stage). The embedding is on v = 0, the norm and
-    LM head on the last; a tied embedding's copy lives there (its grad is summed over pp with rank 0's)."""
+    LM head on the last; a tied embedding's copy lives there (its grad is summed over pp with rank 0's).
+    ``lora``: the ``[lora]`` section (rank > 0: adapters, the rest frozen)."""
     pp, chunks = layout.pp_size, layout.virtual_stages
     ranges = partition_layers(m, pp * chunks, list(layout.stage_layers))
     out = []
@@ -288,7 +291,7 @@ def build_chunks(m, layout, pp_rank: int, tp_comm, dtype, seed: int, recompute: 
         v = c * pp + pp_rank
         out.append(GPTStage(m, ranges[v], is_first=v == 0, is_last=v == pp * chunks - 1, tp_comm=tp_comm,
                             sp=layout.sequence_parallel, dtype=dtype, seed=seed, recompute=recompute,
-                            cp_comm=cp_comm))
+                            cp_comm=cp_comm, lora=lora))
     return out
 
 

@@ -40,7 +40,7 @@ def test_buckets_are_reverse_order_padded_to_dp_and_sized():
 
 
 def test_grads_needing_another_group_go_to_a_last_deferred_bucket():
-    ps = params(SlabSpec("w", (4, 4)), SlabSpec("norm", (4,), sp_partial_grad=True),
+    ps = params(SlabSpec("w", (4, 4)), SlabSpec("norm", (4,), partial_grad_over_tp=True),
                 SlabSpec("embed", (8, 4), 0, tied="original"))
     flat = flat_of(ps)
     assert [bk.deferred for bk in flat.buckets] == [False, True]

@@ -128,14 +128,19 @@ def params(*specs, dtype=torch.float32):
     return out
 
 
-def stand_in_trainer(ps, *, dp_rank, zero, tp_rank=0):
-    """What TrainerState reads of a Trainer, built from real FlatParams and FlatOptimizer over a fake dp group."""
+def stand_in_trainer(ps, *, dp_rank, zero, tp_rank=0, frozen=()):
+    """What TrainerState reads of a Trainer, built from real FlatParams and FlatOptimizer over a fake dp group;
+    ``frozen``: parameters of the model outside them (requires_grad=False: a LoRA run's base)."""
     flat = FlatParams(ps, SimpleNamespace(size=2, rank=dp_rank), zero=zero)
+    for p in frozen:
+        p.requires_grad_(False)
+    local_model = SimpleNamespace(parameters=lambda: iter(list(frozen) + list(ps)))
     grid = SimpleNamespace(info=SimpleNamespace(rank=3, size=4), sizes={"dp": 2, "tp": 2, "pp": 1},
                            coords={"dp": dp_rank, "tp": tp_rank, "pp": 0, "cp": 0})
     cfg = SimpleNamespace(parallel=SimpleNamespace(zero=int(zero)))
     state_dict = lambda: {"position": 7}  # noqa: E731
     return SimpleNamespace(grid=grid, cfg=cfg, model_cfg="model", timer="timer", flat=flat, step=5,
+                           local_model=local_model,
                            optimizer=FlatOptimizer(flat, SimpleNamespace(), tp_rank=tp_rank),
                            batches=SimpleNamespace(state_dict=state_dict),
                            scaler=SimpleNamespace(state_dict=lambda: {}, enabled=False))
@@ -160,6 +165,24 @@ def test_trainer_state_maps_owned_pieces_and_who_writes():
     assert [p.written for p in rank0.pieces] == [True]  # no ZeRO: dp rank 0 writes everything it counts
     unowned = TrainerState(stand_in_trainer(params(SlabSpec("w", (2, 3))), dp_rank=1, zero=False)).tensors()
     assert [p.written for p in unowned.pieces] == [False]
+
+
+def test_frozen_parameters_are_model_pieces_without_optimizer_state_written_once():
+    """A LoRA run: the frozen base is in ``params`` (loaded on resume), in no optimizer piece, and written
+    whole by dp rank 0 (cp rank 0), on tp rank 0 when replicated over tp, never as the tied copy."""
+    def tensors(dp_rank, tp_rank):
+        adapter, = params(SlabSpec("a.lora_A.weight", (2, 3)))
+        base = params(SlabSpec("w", (4, 3), 0, tp_rank, 2), SlabSpec("norm", (3,), None, tp_rank, 2),
+                      SlabSpec("head", (4, 3), 0, tp_rank, 2, tied="copy"))
+        trainer = stand_in_trainer([adapter], dp_rank=dp_rank, zero=False, tp_rank=tp_rank, frozen=base)
+        return TrainerState(trainer).tensors()
+
+    t = tensors(0, 1)
+    assert [(p.spec.name, p.frozen, p.written) for p in t.params] == [
+        ("w", True, True), ("norm", True, False), ("head", True, False), ("a.lora_A.weight", False, False)]
+    assert [piece.spec.name for piece in t.pieces] == ["a.lora_A.weight"]
+    assert [p.written for p in tensors(0, 0).params if p.frozen] == [True, True, False]
+    assert not any(p.written for p in tensors(1, 0).params)
 
 
 def test_trainer_state_root_state_and_step_counters():

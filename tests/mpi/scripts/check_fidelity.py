@@ -5,7 +5,8 @@
 For each layout "dp,tp,pp" (or "dp,tp,pp,cp") whose product is K and each variant (schedule x sequence parallel x ZeRO),
 train ``--steps`` steps from the same seed and data, then compare the loss sequence and the final
 GLOBAL parameters with a single-process run of the same config that world rank 0 runs on
-MPI.COMM_SELF. Relative error bound: ``--rtol`` (1e-10 in float64).
+MPI.COMM_SELF. Relative error bound: ``--rtol`` (1e-10 in float64). With ``lora.rank`` > 0 (an override)
+every run also checks that the frozen weights are bit-identical after training and every adapter moved.
 """
 import argparse
 import itertools
@@ -16,6 +17,7 @@ from mpi4py import MPI
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.config import load_config
 from hpctrain.data.corpus import load_tokens_collective
+from hpctrain.parallel.lora import is_adapter
 from hpctrain.runtime.launcher import discover
 from hpctrain.train.trainer import Trainer
 
@@ -24,14 +26,36 @@ def train(cfg, mpi_world, tokens, steps):
     info = discover(mpi_world)
     grid = ProcessGrid.from_config(cfg, info, mpi_world=mpi_world, timeout_s=120)
     trainer = Trainer(cfg, grid, tokens=tokens)
+    initial = trainer.global_parameters() if cfg.lora.rank else None
     losses = [trainer.train_step().loss for _ in range(steps)]
     for p in trainer.local_model.parameters():  # vocabulary padding rows: never trained, exactly zero
         pad = p.spec.valid_shape[0] if p.spec.padded_dim is not None else p.shape[0]
-        assert not p.detach()[pad:].any() and not p.main_grad[pad:].any(), f"{p.spec.name}: padding rows changed"
+        grad = p.main_grad[pad:] if p.requires_grad else torch.zeros(0)
+        assert not p.detach()[pad:].any() and not grad.any(), f"{p.spec.name}: padding rows changed"
     params = trainer.global_parameters()
+    if cfg.lora.rank:
+        check_lora(trainer, initial, params)
     route = grid.intra_node  # how dp reduced CPU floats (comm.intra_node): shm, shm-hierarchical or mpi
     grid.close()
     return losses, params, route
+
+
+def check_lora(trainer, initial, params):
+    """A LoRA run: only the adapters are in the flat buffers (no grad, no optimizer state for the base);
+    on world rank 0 (``params`` not None): every frozen weight is bit-identical to its initial value, every
+    adapter factor moved."""
+    assert all(is_adapter(p.spec.name) for p in trainer.flat.params), "a frozen weight in the flat buffers"
+    for p in trainer.local_model.parameters():
+        assert p.requires_grad == is_adapter(p.spec.name) and (p.requires_grad or p.grad is None), p.spec.name
+    if params is None:
+        return
+    for name, value in params.items():
+        if is_adapter(name):
+            assert not torch.equal(value, initial[name]), f"adapter {name} did not train"
+        else:
+            assert torch.equal(value, initial[name]), f"frozen {name} changed"
+    print(f"LORA OK {sum(map(is_adapter, params))} adapters trained, "
+          f"{sum(not is_adapter(n) for n in params)} frozen weights bit-identical", flush=True)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,0 +1,109 @@
+"""LoRA on real ranks (float64): adapters on all seven targets train like one process (losses and final
+global parameters 1e-10) over tp with SP, pp, dp with ZeRO-1, cp and tp x pp; the frozen base stays
+bit-identical and every adapter moves (tests/mpi/scripts/check_fidelity.py checks both in every run); a
+checkpoint holds the adapters, their optimizer state and the frozen base, and resumes bitwise, and in
+another layout; ``model.init_from`` of a Hugging Face Llama loads the base; bad ``[lora]`` input is one line.
+"""
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from mpirun import run_mpi
+from test_checkpoint import F64, ckpt, losses, train
+
+from hpctrain.config import load_config, resolve_model
+from hpctrain.models.gpt import GPTStage
+
+EXACT = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
+LORA = ["lora.rank=4", "lora.alpha=6", "lora.targets=[q,k,v,o,gate,up,down]"]
+
+
+def fidelity(nprocs, layouts, variants, *extra, timeout=240):
+    result = run_mpi(nprocs, "check_fidelity.py", "--layouts", layouts, "--variants", variants, *EXACT, *LORA,
+                     *extra, timeout=timeout)
+    assert "FIDELITY OK" in result.stdout, result.output
+    assert result.stdout.count("LORA OK") == result.stdout.count("OK dp=") + 1  # + the one-process reference
+    return result.stdout.count("OK dp=")
+
+
+def test_adapters_over_tp_sp_pp_dp_zero1_and_cp_equal_one_process():
+    """tp=2 with SP (column A and row B partial over tp), pp=2, dp=2 with ZeRO-1 (sharding the adapters
+    only), cp=2 (ring attention)."""
+    assert fidelity(2, "1,2,1;1,1,2;2,1,1;1,1,1,2", "sp,zero1") == 4
+
+
+def test_adapters_over_tp_x_pp_with_recompute_and_tied_embeddings():
+    """tp=2 x pp=2 with SP; the LM head's tied copy of the frozen embedding on the last stage."""
+    assert fidelity(4, "1,2,2", "sp", "train.recompute=true", "model.tie_embeddings=true") == 1
+
+
+def test_checkpoint_holds_adapters_their_state_and_the_base_and_resumes_bitwise_in_any_layout(tmp_path):
+    """dp=2 x tp=2 with ZeRO-1 and SP: 6 steps in one go == 3 steps + resume (bitwise); the checkpoint has
+    optimizer state for the adapters alone and the frozen base as it was initialised; the step-3 checkpoint
+    resumed on pp=2 goes on like the uninterrupted run (1e-10); a run without adapters refuses it."""
+    layout = ["parallel.tp=2", "parallel.pp=1", "parallel.zero=1", "parallel.sequence_parallel=true",
+              "train.steps=6", "checkpoint.async=false"]
+    whole, split, moved = tmp_path / "whole", tmp_path / "split", tmp_path / "moved"
+    train(4, whole, *F64, *LORA, *layout)
+    first = train(4, split, *F64, *LORA, *layout, "--max-steps", "3")
+    assert "LoRA rank 4 (alpha 6) on q,k,v,o,gate,up,down: " in first.stdout and "trainable / " in first.stdout
+    step3 = next((split / "checkpoints").glob("step-*"))
+    out = train(4, split, *F64, *LORA, *layout, "--resume", "auto")
+    assert "at step 3" in out.stdout and losses(split) == losses(whole)
+    ckpt("diff", str(whole), str(split), "--atol", "0")
+
+    train(2, moved, *F64, *LORA, "parallel.pp=2", "train.steps=6", "--resume", str(step3))
+    ref, got = losses(whole), losses(moved)
+    assert sorted(got) == [4, 5, 6] and all(abs(got[s] - ref[s]) <= 1e-10 * abs(ref[s]) for s in got)
+    ckpt("diff", str(whole), str(moved), "--atol", "1e-9")
+    other = train(2, moved, *F64, "lora.rank=0", "parallel.pp=2", "train.steps=7", "--resume", "auto", check=False)
+    assert other.returncode != 0 and "lora.rank is 4 there, 0 here" in other.output, other.output
+
+    cfg = load_config(None, [*F64, *LORA])  # the frozen base is the model as every layout initialises it
+    m = resolve_model(cfg.model)
+    initial = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, dtype=torch.float64, seed=cfg.train.seed,
+                       lora=cfg.lora)
+    with h5py.File(next((whole / "checkpoints").glob("step-*")) / "checkpoint.h5") as f:
+        assert "optim/exp_avg/layers.0.attn.wq.lora_A.weight" in f and "optim/exp_avg/layers.3.mlp.down.lora_B.weight" in f
+        assert "optim/exp_avg/layers.0.attn.wq.weight" not in f and "optim/exp_avg/embed.weight" not in f
+        assert f["model/layers.0.attn.wq.lora_B.weight"][()].any()  # started at zero
+        assert {p.spec.name for p in initial.parameters()} == set(f["model"])
+        for p in initial.parameters():
+            if not p.requires_grad:
+                assert np.array_equal(f[f"model/{p.spec.name}"][()], p.detach()[p.spec.valid_local()].numpy()), \
+                    p.spec.name
+
+
+def test_init_from_a_hugging_face_llama_trains_adapters_on_its_frozen_weights(tmp_path):
+    """model.init_from of an HF directory into a tp=2 LoRA run: the base is HF's, bit for bit, after training."""
+    pytest.importorskip("transformers")
+    from hf_helpers import random_llama
+    from safetensors.torch import load_file
+
+    from hpctrain.cli import dispatch
+    from hpctrain.interop.hf import hf_name
+
+    random_llama(tmp_path / "hf", vocab=257, kv_heads=2, num_hidden_layers=2)
+    assert dispatch(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    run = tmp_path / "run"
+    run_mpi(2, "hpctrain.cli", "train", "--config", str(tmp_path / "ckpt" / "model.toml"), f"train.run_dir={run}",
+            "train.dtype=float64", "data.max_bytes=300000", "train.seq_len=32", "train.steps=2", "parallel.tp=2",
+            "parallel.microbatches=1", "checkpoint.async=false", "lora.rank=2", f"model.init_from={tmp_path / 'hf'}",
+            module=True, timeout=120)
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    with h5py.File(next((run / "checkpoints").glob("step-*")) / "checkpoint.h5") as f:
+        names = [n for n in f["model"] if ".lora_" not in n]
+        assert len(names) == len(hf)
+        for name in names:
+            assert np.array_equal(f[f"model/{name}"][()], hf[hf_name(name)].numpy()), name
+        assert f["model/layers.1.attn.wv.lora_B.weight"][()].any()
+
+
+def test_bad_lora_input_is_one_line_naming_the_key_on_every_rank(tmp_path):
+    """(every bad [lora] value's message: tests/unit/test_lora.py)"""
+    message = "lora.rank: 40 exceeds the dimensions of target 'v' (in 64, out 32)"
+    result = train(2, tmp_path / "run", "train.steps=1", "parallel.pp=1", "lora.rank=40", check=False, timeout=60)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hpctrain: error: ")]
+    assert result.returncode != 0 and len(errors) == 1 and message in errors[0], result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run" / "checkpoints").exists()

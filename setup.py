@@ -25,8 +25,8 @@ setup(
     extras_require={
         "mpi": ["mpich"],  # PyPI MPICH wheel: laptops and CI; clusters bring their own MPI
         "gpu": ["cupy"],  # pick the cupy-cudaXXx wheel that matches your CUDA instead where needed
-        # transformers only in tests (logits compared with LlamaForCausalLM); it does not depend on torch
-        "test": ["pytest", "pytest-timeout", "transformers", "safetensors"],
+        # transformers and peft only in tests (logits compared with LlamaForCausalLM, LoRA with PEFT)
+        "test": ["pytest", "pytest-timeout", "transformers", "safetensors", "peft"],
         "compression": ["zfpy"],  # compression.method = "zfp" (a manylinux wheel)
         "data": ["tokenizers"],  # data.tokenizer = a tokenizer.json; hpctrain data train-tokenizer
         "hf": ["safetensors"],  # hpctrain export --format hf, hpctrain import-hf, model.init_from = an HF directory

@@ -101,7 +101,7 @@ def test_init_from_a_hugging_face_llama_trains_adapters_on_its_frozen_weights(tm
 
 
 def test_bad_lora_input_is_one_line_naming_the_key_on_every_rank(tmp_path):
-    """(every bad [lora] value's message: tests/unit/test_lora.py)"""
+    """(every bad [lora] value's message: tests/unit/test_lora_adapters.py)"""
     message = "lora.rank: 40 exceeds the dimensions of target 'v' (in 64, out 32)"
     result = train(2, tmp_path / "run", "train.steps=1", "parallel.pp=1", "lora.rank=40", check=False, timeout=60)
     errors = [line for line in result.stderr.splitlines() if line.startswith("hpctrain: error: ")]

@@ -178,3 +178,12 @@ def test_the_documented_table_is_this_table():
             path = unit.replace(".", "/")
             shown = f"{path}/__init__.py" if unit == ROOT else (f"{path}.py", f"{path}/")
             assert any(p in rows[name] for p in ([shown] if isinstance(shown, str) else shown)), (name, unit)
+
+
+def test_every_test_module_has_its_own_name():
+    """pytest imports test modules by their base name (rootdir-relative "prepend" mode): two test files of one
+    name in different folders stop the whole collection, so CI would run nothing."""
+    from collections import Counter
+
+    names = Counter(p.name for p in (Path(__file__).resolve().parents[1]).rglob("test_*.py"))
+    assert [n for n, count in names.items() if count > 1] == []

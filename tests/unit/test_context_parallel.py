@@ -1,8 +1,6 @@
 """Context parallelism's pieces on one process (hpctrain/parallel/context_parallel.py): the zig-zag chunk
 assignment, the block plan, the log-sum-exp merge, and ring attention on a ring of one rank; the ring on
 real ranks is tests/mpi/test_ring_attention.py."""
-import collections
-
 import pytest
 import torch
 
@@ -11,16 +9,7 @@ from hpctrain.parallel.context_parallel import (RingStats, block_attention, bloc
                                                 zigzag_positions, zigzag_split)
 from hpctrain.parallel.cp_comm import ring_plan
 from hpctrain.parallel.rendezvous import strict_rendezvous_completes
-
-
-def reference_attention(q, k, v, window=0):
-    """Plain causal (sliding-window) GQA attention over the whole sequence: [B, H, S, Dh]."""
-    group, seq = q.shape[1] // k.shape[1], q.shape[2]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    ones = torch.ones(seq, seq, dtype=torch.bool)
-    allowed = ones.tril() & ~ones.tril(-window) if window else ones.tril()
-    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+from ring_helpers import reference_attention, ring_of_threads
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
@@ -130,33 +119,6 @@ def test_ring_attention_rejects_bad_shapes():
         ring_attention(torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), None, window=-1)
 
 
-class ThreadRing:
-    """A cp group of threads in one process: ``exchange`` as ring attention uses it (sends are queued,
-    receives wait), enough to run the ring's plan and arithmetic without MPI."""
-
-    def __init__(self, rank, size, queues, posts=None):
-        self.rank, self.size, self.queues = rank, size, queues
-        self.posts = [] if posts is None else posts  # the plan as issued: [[("send" | "recv", peer, tag)]]
-
-    def exchange(self, sends=(), recvs=()):
-        self.posts.append([("send", dst, tag) for _, dst, tag in sends] + [("recv", src, tag) for _, src, tag in recvs])
-        for tensor, dst, tag in sends:
-            self.queues[(self.rank, dst, tag)].put(tensor.clone())
-        return _Received(self, recvs)
-
-
-class _Received:
-    def __init__(self, ring, recvs):
-        self.ring, self.recvs = ring, recvs
-
-    def test(self):
-        return False
-
-    def wait(self):
-        for tensor, src, tag in self.recvs:
-            tensor.copy_(self.ring.queues[(src, self.ring.rank, tag)].get(timeout=30))
-
-
 @pytest.mark.parametrize("cp,heads,kv_heads,window,tile",
                          [(2, 2, 2, 0, 0), (3, 4, 2, 0, 3), (3, 4, 2, 5, 0), (4, 2, 1, 3, 2), (8, 2, 2, 9, 0)])
 def test_ring_of_threads_is_attention(cp, heads, kv_heads, window, tile):
@@ -167,27 +129,13 @@ def test_ring_of_threads_is_attention(cp, heads, kv_heads, window, tile):
     seq = 2 * cp * 4
     q, grad = (torch.randn(2, heads, seq, 8, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(2, kv_heads, seq, 8, dtype=torch.float64) for _ in range(2))
-    queues = collections.defaultdict(queue.Queue)
-    results, plans = [None] * cp, [[] for _ in range(cp)]
-
-    def rank_main(rank):
-        local = [zigzag_split(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*local, ThreadRing(rank, cp, queues, plans[rank]), window=window, tile=tile)
-        results[rank] = [out.detach()] + list(torch.autograd.grad((out * zigzag_split(grad, rank, cp, dim=2)).sum(),
-                                                                  local))
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert all(r is not None for r in results), "a rank of the ring failed"
+    plans = [[] for _ in range(cp)]
+    got = ring_of_threads(q, k, v, grad, cp, plans, window=window, tile=tile)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = reference_attention(*full, window)
     want = [expected.detach()] + list(torch.autograd.grad((expected * grad).sum(), full))
-    for parts, ref in zip(zip(*results), want):
-        assert torch.allclose(zigzag_merge(list(parts), dim=2), ref, rtol=0, atol=1e-12)
-    assert all(q.empty() for q in queues.values())  # every message received
+    for merged, ref in zip(got, want):
+        assert torch.allclose(merged, ref, rtol=0, atol=1e-12)
     assert all(len(plan) == 3 * cp - 2 for plan in plans)
     assert plans == [ring_plan(r, cp) for r in range(cp)]  # the plan as issued is the documented one
     assert strict_rendezvous_completes(plans)  # and cannot deadlock, even on NCCL

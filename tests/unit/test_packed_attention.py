@@ -1,18 +1,14 @@
 """Packed documents (hpctrain/parallel/packed.py): a packed row computes what its documents compute one by
 one (SDPA and the ring), and the trainer's SFT loss is the hand-computed masked cross-entropy."""
-import collections
-import queue
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hpctrain.config import load_config, resolve_model
 from hpctrain.models.gpt import GPTStage
-from hpctrain.parallel.context_parallel import ring_attention, zigzag_merge, zigzag_split
+from hpctrain.parallel.context_parallel import ring_attention
 from hpctrain.parallel.packed import document_positions
-from test_context_parallel import ThreadRing
+from ring_helpers import ring_of_threads
 
 LENGTHS = [5, 9, 3, 7]  # a packed row of 4 documents, the last one padding-like, 24 positions
 
@@ -75,25 +71,12 @@ def test_ring_attention_stays_inside_documents(cp, window, tile):
     docs = packed_docs(LENGTHS)
     q, grad = (torch.randn(2, 4, seq, 8, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(2, 2, seq, 8, dtype=torch.float64) for _ in range(2))
-    queues, results = collections.defaultdict(queue.Queue), [None] * cp
-
-    def rank_main(rank):
-        local = [zigzag_split(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*local, ThreadRing(rank, cp, queues), window=window, tile=tile, docs=docs)
-        results[rank] = [out.detach()] + list(torch.autograd.grad((out * zigzag_split(grad, rank, cp, dim=2)).sum(),
-                                                                  local))
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert all(r is not None for r in results), "a rank of the ring failed"
+    got = ring_of_threads(q, k, v, grad, cp, window=window, tile=tile, docs=docs)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = reference(*full, docs, window)
     want = [expected.detach()] + list(torch.autograd.grad((expected * grad).sum(), full))
-    for parts, ref in zip(zip(*results), want):
-        assert torch.allclose(zigzag_merge(list(parts), dim=2), ref, rtol=0, atol=1e-12)
+    for merged, ref in zip(got, want):
+        assert torch.allclose(merged, ref, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="docs must be"):
         ring_attention(q, k, v, None, docs=docs[:, :5])
 

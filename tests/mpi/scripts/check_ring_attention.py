@@ -11,6 +11,7 @@ inside the ring: the watchdog must report the stalled exchange and name rank 1.
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 
@@ -18,21 +19,14 @@ from hpctrain.comm.grid import ProcessGrid
 from hpctrain.parallel.context_parallel import RingStats, ring_attention, zigzag_merge, zigzag_split
 from hpctrain.runtime.launcher import discover
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared reference
+from ring_helpers import reference_attention  # noqa: E402
+
 grid = ProcessGrid.build(discover())  # timeout from HPCTRAIN_COMM_TIMEOUT
 ring = grid.world
 cp, rank = ring.size, ring.rank
 CHUNK, BATCH, DIM = 4, 2, 8
 SEQ = 2 * cp * CHUNK
-
-
-def reference_attention(q, k, v, window=0):
-    """Plain causal (sliding-window) GQA attention over the whole sequence: [B, H, S, Dh]."""
-    group, seq = q.shape[1] // k.shape[1], q.shape[2]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    ones = torch.ones(seq, seq, dtype=torch.bool)
-    allowed = ones.tril() & ~ones.tril(-window) if window else ones.tril()
-    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
 
 
 def rel_err(a, b):

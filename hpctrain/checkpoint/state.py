@@ -171,13 +171,14 @@ def check_compatible(state: TrainState, reader) -> None:
     """Raise CheckpointError if this rank's parameters are missing or shaped differently in the checkpoint
     (a weights-only checkpoint: also if any architecture key of its model config differs; any checkpoint: if
     model.mlp or model.positions differ, which a GELU MLP's up/down could otherwise take from SwiGLU's; any
-    but a weights-only one: if lora.rank or lora.targets differ)."""
+    but a weights-only one without adapters: if lora.rank, lora.targets or lora.alpha differ)."""
     from hpctrain.config import architecture_differences, config_from_dict
 
     theirs = config_from_dict(reader.attrs["config"])
     differences = architecture_differences(theirs.model, state.model_config)
     if not is_weights_only(reader.attrs):
         differences = [d for d in differences if d.startswith(("model.mlp ", "model.positions "))]
+    if not is_weights_only(reader.attrs) or theirs.lora.rank:  # adapters (``import-peft``) need their [lora]
         differences += lora_differences(theirs.lora, state.config.lora)
     if differences:
         kind = "weights-only checkpoint" if is_weights_only(reader.attrs) else "checkpoint"
@@ -203,6 +204,7 @@ def lora_differences(theirs, ours) -> list[str]:
     pairs = {"lora.rank": (theirs.rank, ours.rank)}
     if theirs.rank and ours.rank:
         pairs["lora.targets"] = (sorted(theirs.targets), sorted(ours.targets))
+        pairs["lora.alpha"] = (theirs.alpha, ours.alpha)  # the same adapters compute another function
     return [f"{key} is {a!r} there, {b!r} here" for key, (a, b) in pairs.items() if a != b]
 
 

@@ -5,7 +5,8 @@ Mistral when model.attention_window > 0), model.safetensors and the run's tokeni
 tokenizer.json). import-hf: a Llama or Mistral config.json + safetensors -> a weights-only hpctrain
 checkpoint at step 0 (``CKPT_DIR/latest``, ``CKPT_DIR/step-00000000/``) that
 ``hpctrain train --resume CKPT_DIR`` or ``model.init_from=CKPT_DIR`` starts from, in any layout.
-Both write into a temporary directory beside ``--out`` and rename it at the end: a failure leaves
+A LoRA run exports as hf only with ``--merge-lora`` (W + alpha/r B A); ``--format peft`` and
+``import-peft``: peft_cli.py. Both write into a temporary directory beside ``--out`` and rename it at the end: a failure leaves
 nothing half-written, and a non-empty ``--out`` is only replaced with ``--force``.
 """
 from __future__ import annotations

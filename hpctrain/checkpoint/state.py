@@ -182,7 +182,8 @@ def check_compatible(state: TrainState, reader) -> None:
         differences += lora_differences(theirs.lora, state.config.lora)
     if differences:
         kind = "weights-only checkpoint" if is_weights_only(reader.attrs) else "checkpoint"
-        hint = "; a checkpoint resumes with its own adapters (model.init_from takes its base weights)" \
+        hint = ("; a checkpoint resumes with its own adapters (model.init_from takes its base weights into a "
+                "run with another lora.rank/targets; `hpctrain export --merge-lora` its merged weights)") \
             if any(d.startswith("lora.") for d in differences) else ""
         raise CheckpointError(f"{reader.path}: {kind} {ANOTHER_MODEL} than this config: {'; '.join(differences)}{hint}")
     for p in state.tensors().params:
@@ -225,7 +226,8 @@ def is_weights_only(attrs: dict) -> bool:
     """A weights-only checkpoint (root attribute ``weights_only``, e.g. from ``hpctrain import-hf``) holds
     ``/model`` alone: it loads as a fresh start from those weights (zero optimizer moments, the run's own
     sampler, loss scaler and RNG), in any layout, and its model config must match the run's exactly. A
-    LoRA run takes its base weights from it; adapters it does not hold keep their initial values."""
+    LoRA run takes its base weights from it; adapters it does not hold keep their initial values; one that
+    holds adapters (``hpctrain import-peft``) needs the same lora.rank, targets and alpha."""
     return bool(attrs.get("weights_only", False))
 
 

@@ -6,8 +6,8 @@ tokenizer.json). import-hf: a Llama or Mistral config.json + safetensors -> a we
 checkpoint at step 0 (``CKPT_DIR/latest``, ``CKPT_DIR/step-00000000/``) that
 ``hpctrain train --resume CKPT_DIR`` or ``model.init_from=CKPT_DIR`` starts from, in any layout.
 A LoRA run exports as hf only with ``--merge-lora`` (W + alpha/r B A); ``--format peft`` and
-``import-peft``: peft_cli.py. Both write into a temporary directory beside ``--out`` and rename it at the end: a failure leaves
-nothing half-written, and a non-empty ``--out`` is only replaced with ``--force``.
+``import-peft``: peft_cli.py. Both write into a temporary directory beside ``--out`` and rename it at the
+end: a failure leaves nothing half-written, and a non-empty ``--out`` is only replaced with ``--force``.
 """
 from __future__ import annotations
 

@@ -67,6 +67,9 @@ def open_source(path: str):
     """An HFModelDir when ``path`` holds a config.json, else a CheckpointSource; HpcTrainError otherwise."""
     if not path or not os.path.exists(path):
         raise HpcTrainError(f"{path!r}: no such Hugging Face model directory or hpctrain checkpoint")
+    if os.path.isfile(os.path.join(path, "adapter_config.json")) and not is_hf_dir(path):
+        raise HpcTrainError(f"{path} is a PEFT adapter directory, without its base model: import it with "
+                            f"`hpctrain import-peft {path} --base BASE --out CKPT_DIR` and start from CKPT_DIR")
     return HFModelDir(path) if is_hf_dir(path) else CheckpointSource(path)
 
 

@@ -18,7 +18,7 @@ from hpctrain.checkpoint.weights import load_model, open_checkpoint  # noqa: E40
 from hpctrain.cli import dispatch  # noqa: E402
 from hpctrain.config import Config, LoraConfig  # noqa: E402
 from hpctrain.errors import HpcTrainError  # noqa: E402
-from hpctrain.interop.sources import CheckpointSource, check_adapters  # noqa: E402
+from hpctrain.interop.sources import CheckpointSource, check_adapters, open_source  # noqa: E402
 
 HF_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -145,6 +145,8 @@ def test_init_from_a_lora_checkpoint_needs_adapters_in_the_run(base, tmp_path):
             check_adapters(source, LoraConfig(rank=2, alpha=8, targets=["q"]), "CKPT")
     finally:
         source.close()
+    with pytest.raises(HpcTrainError, match="is a PEFT adapter directory, .*`hpctrain import-peft "):
+        open_source(str(tmp_path / "adapter"))
 
 
 def test_bad_adapters_are_one_line_and_write_nothing(base, tmp_path):

@@ -75,9 +75,10 @@ def read_run(path: str, merge_lora: bool, want: str) -> SimpleNamespace:
                                 f"pass --merge-lora for merged full weights, or use --format peft for the adapters")
         if want == "hf" and lora is None and merge_lora:
             raise HpcTrainError(f"hpctrain export --merge-lora: {source.dir} has no LoRA adapters to merge")
-        adapters = {n: source.read(n) for n in source.shapes if n not in parameter_shapes(m)}
+        base_names = parameter_shapes(m)
+        adapters = {n: source.read(n) for n in source.shapes if n not in base_names}
         base = {} if want == "peft" else {n: merged(n, source.read(n), adapters, lora) if lora else source.read(n)
-                                          for n in parameter_shapes(m)}
+                                          for n in base_names}
         return SimpleNamespace(model=m, dtype=source.dtype, tensors=base, adapters=adapters, lora=lora,
                                config=source.config, step=source.attrs.get("step"), dir=source.dir)
     finally:

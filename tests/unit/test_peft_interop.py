@@ -126,7 +126,9 @@ def test_generate_on_a_lora_checkpoint_equals_transformers_and_peft(base, tmp_pa
         capsys.readouterr()
         hpctrain("generate", tmp_path / "ckpt", "--prompt", "LoRA says", "--max-new-tokens", 10, "--temperature", 0)
     assert expected != base_only  # the adapters change the greedy text
-    assert capsys.readouterr().out == "LoRA says" + load_tokenizer("bytes").decode(expected[len(prompt):]) + "\n"
+    printed = capsys.readouterr()
+    assert printed.out == "LoRA says" + load_tokenizer("bytes").decode(expected[len(prompt):]) + "\n"
+    assert "LoRA r=4 on q,v,gate]" in printed.err
 
 
 def test_init_from_a_lora_checkpoint_needs_adapters_in_the_run(base, tmp_path):

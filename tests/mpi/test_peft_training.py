@@ -4,8 +4,6 @@
 hf --merge-lora`` that transformers loads with the same logits; a run without adapters refuses it."""
 import json
 
-import h5py
-import numpy as np
 import pytest
 import torch
 
@@ -24,6 +22,7 @@ def test_an_imported_adapter_trains_on_tp2_and_exports_to_peft_and_merged_hf(tmp
 
     from hpctrain.checkpoint.weights import load_model, open_checkpoint
     from hpctrain.cli import dispatch
+    from hpctrain.interop.hf import hf_name
 
     hf_dir, adapter = tmp_path / "hf", tmp_path / "adapter"
     random_llama(hf_dir, vocab=257, kv_heads=2)
@@ -49,21 +48,22 @@ def test_an_imported_adapter_trains_on_tp2_and_exports_to_peft_and_merged_hf(tmp
 
     run = tmp_path / "run"
     run_mpi(2, "hpctrain.cli", "train", *common, f"train.run_dir={run}", "parallel.tp=2", module=True, timeout=120)
+    reader = open_checkpoint(str(run))
+    _, ours = load_model(reader)
+    reader.close()
     hf = load_file(hf_dir / "model.safetensors")
-    with h5py.File(next((run / "checkpoints").glob("step-*")) / "checkpoint.h5") as f:
-        b = f["model/layers.1.attn.wo.lora_B.weight"][()]
-        start = imported["base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"].numpy()
-        assert 0 < np.abs(b - start).max() < 0.02  # continued from the imported adapter (fresh B would be ~0)
-        assert np.array_equal(f["model/layers.1.mlp.up.weight"][()], hf["model.layers.1.mlp.up_proj.weight"].numpy())
+    b = ours.layers["1"].attn.wo.lora_B.weight.detach()
+    start = imported["base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"]
+    assert 0 < (b - start).abs().max() < 0.02  # continued from the imported adapter (a fresh B would be ~0)
+    for name, p in ours.named_parameters():  # the frozen base: bit-identical to the Hugging Face model
+        if ".lora_" not in name:
+            assert torch.equal(p.detach()[p.spec.valid_local()], hf[hf_name(name)]), name  # no padding rows
 
     assert dispatch(["export", str(run), "--format", "peft", "--out", str(tmp_path / "out")]) == 0
     config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(hf_dir) and config["r"] == 2
     assert load_file(tmp_path / "out" / "adapter_model.safetensors").keys() == imported.keys()
     assert dispatch(["export", str(run), "--format", "hf", "--merge-lora", "--out", str(tmp_path / "merged")]) == 0
-    reader = open_checkpoint(str(run))
-    _, ours = load_model(reader)
-    reader.close()
     loaded = peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float64),
                                             str(tmp_path / "out")).eval()
     merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float64).eval()

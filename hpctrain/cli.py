@@ -2,7 +2,8 @@
 
 Subcommands: ``info`` (launch and grid report), ``bench comm`` (collective benchmark),
 ``train`` (training), ``ckpt`` (checkpoint tools), ``trace`` (where a traced run's time went), ``export`` /
-``import-hf`` (Hugging Face Llama and Mistral models). Run them under ``mpiexec``/``srun`` for many ranks.
+``import-hf`` / ``import-peft`` (Hugging Face Llama and Mistral models, PEFT LoRA adapters). Run them under
+``mpiexec``/``srun`` for many ranks.
 """
 from __future__ import annotations
 

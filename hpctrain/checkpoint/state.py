@@ -171,17 +171,19 @@ def check_compatible(state: TrainState, reader) -> None:
     """Raise CheckpointError if this rank's parameters are missing or shaped differently in the checkpoint
     (a weights-only checkpoint: also if any architecture key of its model config differs; any checkpoint: if
     model.mlp or model.positions differ, which a GELU MLP's up/down could otherwise take from SwiGLU's; any
-    but a weights-only one: if lora.rank or lora.targets differ)."""
+    but a weights-only one without adapters: if lora.rank, lora.targets or lora.alpha differ)."""
     from hpctrain.config import architecture_differences, config_from_dict
 
     theirs = config_from_dict(reader.attrs["config"])
     differences = architecture_differences(theirs.model, state.model_config)
     if not is_weights_only(reader.attrs):
         differences = [d for d in differences if d.startswith(("model.mlp ", "model.positions "))]
+    if not is_weights_only(reader.attrs) or theirs.lora.rank:  # adapters (``import-peft``) need their [lora]
         differences += lora_differences(theirs.lora, state.config.lora)
     if differences:
         kind = "weights-only checkpoint" if is_weights_only(reader.attrs) else "checkpoint"
-        hint = "; a checkpoint resumes with its own adapters (model.init_from takes its base weights)" \
+        hint = ("; a checkpoint resumes with its own adapters (model.init_from takes its base weights into a "
+                "run with another lora.rank/targets; `hpctrain export --merge-lora` its merged weights)") \
             if any(d.startswith("lora.") for d in differences) else ""
         raise CheckpointError(f"{reader.path}: {kind} {ANOTHER_MODEL} than this config: {'; '.join(differences)}{hint}")
     for p in state.tensors().params:
@@ -203,6 +205,7 @@ def lora_differences(theirs, ours) -> list[str]:
     pairs = {"lora.rank": (theirs.rank, ours.rank)}
     if theirs.rank and ours.rank:
         pairs["lora.targets"] = (sorted(theirs.targets), sorted(ours.targets))
+        pairs["lora.alpha"] = (theirs.alpha, ours.alpha)  # the same adapters compute another function
     return [f"{key} is {a!r} there, {b!r} here" for key, (a, b) in pairs.items() if a != b]
 
 
@@ -223,7 +226,8 @@ def is_weights_only(attrs: dict) -> bool:
     """A weights-only checkpoint (root attribute ``weights_only``, e.g. from ``hpctrain import-hf``) holds
     ``/model`` alone: it loads as a fresh start from those weights (zero optimizer moments, the run's own
     sampler, loss scaler and RNG), in any layout, and its model config must match the run's exactly. A
-    LoRA run takes its base weights from it; adapters it does not hold keep their initial values."""
+    LoRA run takes its base weights from it; adapters it does not hold keep their initial values; one that
+    holds adapters (``hpctrain import-peft``) needs the same lora.rank, targets and alpha."""
     return bool(attrs.get("weights_only", False))
 
 

@@ -5,22 +5,21 @@ Mistral when model.attention_window > 0), model.safetensors and the run's tokeni
 tokenizer.json). import-hf: a Llama or Mistral config.json + safetensors -> a weights-only hpctrain
 checkpoint at step 0 (``CKPT_DIR/latest``, ``CKPT_DIR/step-00000000/``) that
 ``hpctrain train --resume CKPT_DIR`` or ``model.init_from=CKPT_DIR`` starts from, in any layout.
-Both write into a temporary directory beside ``--out`` and rename it at the end: a failure leaves
-nothing half-written, and a non-empty ``--out`` is only replaced with ``--force``.
+A LoRA run exports as hf only with ``--merge-lora`` (W + alpha/r B A); ``--format peft`` and
+``import-peft``: peft_cli.py. Both write into a temporary directory beside ``--out`` and rename it at the
+end: a failure leaves nothing half-written, and a non-empty ``--out`` is only replaced with ``--force``.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shutil
-import tempfile
 
 from hpctrain.errors import HpcTrainError
-from hpctrain.runtime.outputs import mark, why_not_replaceable
+from hpctrain.interop.peft_cli import add_import_parser, read_run, run_export_peft
+from hpctrain.interop.staging import (model_toml, staged_output, window_note,  # noqa: F401 - public here too
+                                      write_weights_only)
 from hpctrain.runtime import env
-from hpctrain.runtime.dtypes import DTYPE_NAMES, torch_dtype  # no torch import here: `hpctrain info` stays fast
-
+from hpctrain.runtime.dtypes import DTYPE_NAMES  # no torch import here: `hpctrain info` stays fast
 
 
 def add_parser(sub) -> None:
@@ -30,7 +29,11 @@ def add_parser(sub) -> None:
                                    "layout) as a transformers LlamaForCausalLM directory (MistralForCausalLM, "
                                    "with sliding_window, when model.attention_window > 0).")
     e.add_argument("checkpoint", metavar="CKPT_OR_RUN_DIR")
-    e.add_argument("--format", required=True, choices=["hf"], help="hf: config.json + model.safetensors")
+    e.add_argument("--format", required=True, choices=["hf", "peft"],
+                   help="hf: config.json + model.safetensors; peft: a LoRA run's adapters as a PEFT adapter "
+                        "directory (adapter_config.json + adapter_model.safetensors)")
+    e.add_argument("--merge-lora", action="store_true",
+                   help="with --format hf, a LoRA run: write the merged weights W + alpha/r B A")
     e.add_argument("--out", required=True, metavar="DIR", help="the directory to create")
     e.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
                    help="dtype of the exported weights (default auto: the run's train.dtype)")
@@ -47,46 +50,7 @@ def add_parser(sub) -> None:
     i.add_argument("--out", required=True, metavar="CKPT_DIR", help="the checkpoints directory to create")
     i.add_argument("--force", action="store_true", help="replace a non-empty --out")
     i.set_defaults(func=run_import)
-
-
-@contextlib.contextmanager
-def staged_output(out: str, force: bool, tool: str, source: str):
-    """Yield a fresh temporary directory beside ``out``; on success it becomes ``out`` (an existing one is
-    replaced only when empty, or with ``force`` when ``tool`` wrote it: ``runtime/outputs.py``), on failure
-    it is removed. ``out`` may never be, hold or lie inside ``source``."""
-    out = os.path.abspath(out.rstrip("/") or out)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise HpcTrainError(f"--out {out}: exists and is not a directory")
-    problem = why_not_replaceable(out, f"--out {out}", (source,))
-    if problem:
-        raise HpcTrainError(problem)
-    if os.path.isdir(out) and os.listdir(out) and not force:
-        raise HpcTrainError(f"--out {out}: exists and is not empty; use --force to replace it")
-    parent, base = os.path.split(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
-    try:
-        yield tmp
-        mark(tmp, tool)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        for root, _, files in os.walk(tmp):
-            for name in files:
-                path = os.path.join(root, name)
-                os.chmod(path, 0o666 & ~umask)  # safetensors (0.8) writes its files 0600
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
-        old = None
-        if os.path.isdir(out):
-            old = tempfile.mkdtemp(prefix=f".{base}.old-", dir=parent)
-            os.rename(out, os.path.join(old, base))
-        os.rename(tmp, out)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    add_import_parser(sub)
 
 
 def _tokenizer_file(option: str, configured: str) -> str | None:
@@ -105,96 +69,26 @@ def run_export(args) -> int:
     import torch
 
     from hpctrain.data.tokenizer import load_tokenizer
-    from hpctrain.interop.hf import hf_model_type, parameter_shapes, require_llama, write_hf
-    from hpctrain.interop.sources import CheckpointSource
+    from hpctrain.interop.hf import hf_model_type, write_hf
 
+    if args.format == "peft":
+        return run_export_peft(args)
     torch.set_num_threads(env.omp_num_threads())
     with staged_output(args.out, args.force, "hpctrain export", args.checkpoint) as tmp:  # checks --out first
-        source = CheckpointSource(args.checkpoint)
-        try:
-            m, dtype = source.model, (source.dtype if args.dtype == "auto" else args.dtype)
-            require_llama(m, f"hpctrain export {source.dir}")
-            tensors = {name: source.read(name) for name in parameter_shapes(m)}
-            step, tokenizer = source.attrs.get("step"), _tokenizer_file(args.tokenizer, source.config.data.tokenizer)
-        finally:
-            source.close()
+        run = read_run(args.checkpoint, args.merge_lora, "hf")  # a LoRA run's weights merged
+        m, tensors, lora = run.model, run.tensors, run.lora
+        dtype = run.dtype if args.dtype == "auto" else args.dtype
+        tokenizer = _tokenizer_file(args.tokenizer, run.config.data.tokenizer)
         if tokenizer and load_tokenizer(tokenizer).vocab_size > m.vocab_size:
             raise HpcTrainError(f"{tokenizer} has more tokens than the model's vocab_size={m.vocab_size}: "
                                 f"not this model's tokenizer")
         files = write_hf(tmp, m, tensors, dtype, tokenizer)
     params = sum(t.numel() for t in tensors.values())
-    print(f"hpctrain export: {source.dir} (step {step}) -> {os.path.abspath(args.out)}: a {hf_model_type(m)} "
-          f"model, {', '.join(files)}; "
+    merged = f" (LoRA r={lora.rank} on {','.join(lora.targets)} merged in)" if lora else ""
+    print(f"hpctrain export: {run.dir} (step {run.step}) -> {os.path.abspath(args.out)}: a {hf_model_type(m)} "
+          f"model{merged}, {', '.join(files)}; "
           f"{params:,} parameters in {dtype}" + ("" if tokenizer else "; no tokenizer (byte-level ids 0..255)"))
     return 0
-
-
-def model_toml(m) -> str:
-    """The ``[model]`` TOML section of the resolved model ``m`` (what a training config needs)."""
-    from hpctrain.config import config_to_dict
-
-    lines = ["[model]"]
-    for key, value in config_to_dict(m).items():
-        if key != "init_from":
-            lines.append(f"{key} = {json.dumps(value)}")
-    return "\n".join(lines) + "\n"
-
-
-def window_note(m, comment: str = "# ") -> str:
-    """A line on the sliding window of the model ``m`` (none without one): train.seq_len must hold it."""
-    if not m.attention_window:
-        return ""
-    return (f"{comment}model.attention_window = {m.attention_window} (Mistral's sliding_window) is part of the "
-            f"model: train it with train.seq_len >= {m.attention_window} (a window must fit the sequence).\n")
-
-
-class _OneRank:
-    """The communicator the checkpoint writers need, for one process without MPI."""
-
-    rank, size = 0, 1
-
-    def allgather_object(self, obj):
-        return [obj]
-
-    def gather_object(self, obj, root: int = 0):
-        return [obj]
-
-
-def write_weights_only(directory: str, cfg, tensors: dict, dtype: str, source: str) -> str:
-    """Write ``tensors`` (hpctrain name -> global tensor) as a published weights-only checkpoint of step 0 in
-    the checkpoints directory ``directory`` (shards writer, verified); returns the step directory."""
-    import hpctrain
-    from hpctrain.checkpoint.format import (COMPLETE_MARKER, FORMAT_NAME, FORMAT_VERSION, LATEST_POINTER, Box,
-                                            disk_dtype, model_dataset, step_dirname)
-    from hpctrain.checkpoint.reader import CheckpointReader
-    from hpctrain.checkpoint.state import Snapshot, WriteItem
-    from hpctrain.checkpoint.writers import write_shards
-    from hpctrain.config import config_to_dict
-
-    on_disk = disk_dtype(torch_dtype(dtype))
-    snap = Snapshot(0, {})
-    for name, t in tensors.items():
-        array = t.to(torch_dtype(dtype)).double().numpy().astype(on_disk)  # bf16/fp16 widen exactly
-        snap.datasets[model_dataset(name)] = (tuple(array.shape), on_disk.str)
-        snap.items.append(WriteItem(model_dataset(name), Box((0,) * array.ndim, array.shape), array))
-    snap.attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "hpctrain_version": hpctrain.__version__,
-                  "step": 0, "optimizer_step": 0, "config": config_to_dict(cfg), "model_dtype": dtype,
-                  "layout": {"dp": 1, "pp": 1, "tp": 1, "zero": 0, "world": 1},
-                  "sampler": {"consumed": 0, "seed": cfg.train.seed, "seq_len": cfg.train.seq_len},
-                  "loss_scaler": {"scale": cfg.train.loss_scale, "good_steps": 0},
-                  "weights_only": True, "imported_from": source}
-    step_dir = os.path.join(directory, step_dirname(0))
-    os.makedirs(os.path.join(step_dir, "shards"))
-    write_shards(_OneRank(), step_dir, snap)
-    with CheckpointReader(step_dir) as reader:
-        problems = reader.verify()
-    if problems:
-        raise HpcTrainError(f"{step_dir}: the written checkpoint does not verify: {'; '.join(problems[:3])}")
-    with open(os.path.join(step_dir, COMPLETE_MARKER), "w", encoding="utf-8") as f:
-        json.dump({"step": 0, "writer": "shards"}, f)
-    with open(os.path.join(directory, LATEST_POINTER), "w", encoding="utf-8") as f:
-        f.write(step_dirname(0) + "\n")
-    return step_dir
 
 
 def run_import(args) -> int:

@@ -16,6 +16,7 @@ from hpctrain.checkpoint.contract import TrainState
 from hpctrain.config import architecture_differences, resolve_model
 from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.interop.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFModelDir, parameter_shapes
+from hpctrain.models.lora import adapter_shapes
 from hpctrain.parallel.lora import is_adapter
 
 
@@ -38,7 +39,10 @@ class CheckpointSource:
         self.config, self.model = cfg, resolve_model(cfg.model)
         self.dtype = str(self.reader.attrs.get("model_dtype", cfg.train.dtype))
         self.attrs = self.reader.attrs
+        self.lora = cfg.lora if cfg.lora.rank else None  # a LoRA run's checkpoint: base + adapters
         self.shapes = parameter_shapes(self.model)
+        if self.lora:
+            self.shapes.update(adapter_shapes(self.model, self.lora))
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         from hpctrain.checkpoint.format import Box, model_dataset
@@ -63,6 +67,9 @@ def open_source(path: str):
     """An HFModelDir when ``path`` holds a config.json, else a CheckpointSource; HpcTrainError otherwise."""
     if not path or not os.path.exists(path):
         raise HpcTrainError(f"{path!r}: no such Hugging Face model directory or hpctrain checkpoint")
+    if os.path.isfile(os.path.join(path, "adapter_config.json")) and not is_hf_dir(path):
+        raise HpcTrainError(f"{path} is a PEFT adapter directory, without its base model: import it with "
+                            f"`hpctrain import-peft {path} --base BASE --out CKPT_DIR` and start from CKPT_DIR")
     return HFModelDir(path) if is_hf_dir(path) else CheckpointSource(path)
 
 
@@ -88,20 +95,41 @@ def check_same_model(source_model, ours, where: str) -> None:
                             f"model.* as there (`hpctrain import-hf` prints the [model] section of an HF model)")
 
 
+def check_adapters(source, lora, where: str) -> bool:
+    """Whether a fresh run with ``lora`` (its ``[lora]``) takes the adapters of ``source`` too: yes when the
+    source holds adapters of the same rank, targets and alpha; no when it holds none or others (the run takes
+    its base weights, its adapters start fresh). A run without adapters refuses a source with adapters
+    (HpcTrainError): their base alone is not the model they train."""
+    theirs = getattr(source, "lora", None)
+    if theirs is None:
+        return False
+    if not lora.rank:
+        raise HpcTrainError(f"{where} holds LoRA adapters (lora.rank={theirs.rank} on {','.join(theirs.targets)}) "
+                            f"and this run has none: export it with `hpctrain export {where} --format hf "
+                            f"--merge-lora --out DIR` and start from DIR, or set lora.rank/targets/alpha as there")
+    same = theirs.rank == lora.rank and sorted(theirs.targets) == sorted(lora.targets)
+    if same and theirs.alpha != lora.alpha:
+        raise HpcTrainError(f"{where} holds adapters with lora.alpha={theirs.alpha:g}, this run has "
+                            f"lora.alpha={lora.alpha:g}: set it as there to continue them")
+    return same
+
+
 def init_weights(state: TrainState, path: str, world) -> None:
     """Collective over ``world`` (the world Communicator): copy ``path``'s weights (HF dir or hpctrain
     checkpoint) into a fresh run (``trainer.state``). Each rank reads its slab of every parameter it holds; the
     ranks agree before anything changes, so an error (missing file, other model, corrupt checkpoint) is
     raised on every rank with the model untouched. Optimizer state stays fresh; half-precision runs take
-    their float32 master weights from the new values. A LoRA run takes its base weights from ``path``;
-    its adapters keep their initial values (sources hold base weights only)."""
+    their float32 master weights from the new values. A LoRA run takes its base weights from ``path``,
+    and its adapters too when ``path`` is a LoRA checkpoint with the same ones (``check_adapters``); else
+    they keep their initial values."""
     staged, problem, source = [], None, None
     tensors = state.tensors()
     try:
         source = open_source(path)
         check_same_model(source.model, state.model_config, path)
+        with_adapters = check_adapters(source, state.config.lora, path)
         for p in tensors.params:
-            if is_adapter(p.spec.name) and p.spec.name not in source.shapes:
+            if is_adapter(p.spec.name) and not with_adapters:
                 continue  # a LoRA run from base weights: its adapters keep their initial values
             if p.spec.valid_numel:  # the real rows of a padded vocabulary slab; the padding stays zero
                 staged.append((p.data[p.spec.valid_local()], source.read(p.spec.name, p.spec.local_slices())))

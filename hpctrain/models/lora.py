@@ -21,6 +21,18 @@ def enabled(lora) -> bool:
     return lora is not None and lora.rank > 0
 
 
+def adapter_shapes(m, lora) -> dict[str, tuple[int, int]]:
+    """Every adapter factor of the model ``m`` (resolved) with ``lora`` (rank > 0), global name -> shape:
+    ``layers.i.<linear>.lora_A.weight`` [r, in] and ``...lora_B.weight`` [out, r], in model order."""
+    shapes, out = lora_target_shapes(m), {}
+    for i in range(m.n_layers):
+        for target in lora.targets:
+            path, (in_features, out_features) = TARGET_MODULES[target][0], shapes[target]
+            out[f"layers.{i}.{path}.lora_A.weight"] = (lora.rank, in_features)
+            out[f"layers.{i}.{path}.lora_B.weight"] = (out_features, lora.rank)
+    return out
+
+
 def add_adapters(stage: nn.Module, m, lora, tp_comm, dtype, seed: int) -> None:
     """Adapters on the ``lora.targets`` linears of every block of ``stage`` (a GPTStage, its ``layers``
     built), then freeze everything else of it. ``m``: the resolved model config (validated targets)."""

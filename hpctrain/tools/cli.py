@@ -21,7 +21,8 @@ def _run(args) -> int:
 
     text, info = generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                                args.seed, args.tokenizer)
-    print(f"[{info['checkpoint']}, step {info['step']}, tokenizer {info['tokenizer']}, seed {args.seed}]",
+    lora = f", {info['lora']}" if info.get("lora") else ""
+    print(f"[{info['checkpoint']}, step {info['step']}, tokenizer {info['tokenizer']}, seed {args.seed}{lora}]",
           file=sys.stderr)
     print(args.prompt + text)
     return 0

@@ -46,8 +46,8 @@ def generate_ids(model, prompt_ids: list[int], max_new_tokens: int, max_seq_len:
 
 def generate_text(path: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 40,
                   seed: int = 0, tokenizer: str = "") -> tuple[str, dict]:
-    """(completion text, info) for ``prompt`` from the checkpoint at ``path`` (any layout), with the run's
-    tokenizer (``data.tokenizer``) unless ``tokenizer`` is given."""
+    """(completion text, info) for ``prompt`` from the checkpoint at ``path`` (any layout; a LoRA run's: base +
+    adapters), with the run's tokenizer (``data.tokenizer``) unless ``tokenizer`` is given."""
     torch.set_num_threads(1)
     reader = open_checkpoint(path)
     try:
@@ -62,5 +62,6 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 64, temperature:
     prompt_ids = tok.encode(prompt)
     ids = generate_ids(model, prompt_ids, max_new_tokens, m.max_seq_len, temperature, top_k, seed, tok.vocab_size)
     info = {"checkpoint": reader.path, "step": reader.attrs.get("step"), "tokenizer": tok.name,
-            "prompt_tokens": len(prompt_ids), "new_tokens": len(ids) - len(prompt_ids)}
+            "prompt_tokens": len(prompt_ids), "new_tokens": len(ids) - len(prompt_ids),
+            "lora": f"LoRA r={cfg.lora.rank} on {','.join(cfg.lora.targets)}" if cfg.lora.rank else ""}
     return tok.decode(ids[len(prompt_ids):]), info

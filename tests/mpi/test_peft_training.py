@@ -1,0 +1,74 @@
+"""A PEFT adapter trained on in hpctrain and handed back (float64): a peft-saved adapter -> ``import-peft`` ->
+``model.init_from`` of a tp=2 LoRA run (the adapter continues, the base stays bit-identical) -> ``export
+--format peft`` that ``peft.PeftModel.from_pretrained`` loads with hpctrain's logits (1e-10), and ``--format
+hf --merge-lora`` that transformers loads with the same logits; a run without adapters refuses it."""
+import json
+
+import pytest
+import torch
+
+from mpirun import run_mpi
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+IDS = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+def test_an_imported_adapter_trains_on_tp2_and_exports_to_peft_and_merged_hf(tmp_path):
+    from hf_helpers import float64_exact_transformers, hf_logits, random_llama
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from hpctrain.checkpoint.weights import load_model, open_checkpoint
+    from hpctrain.cli import dispatch
+    from hpctrain.interop.hf import hf_name
+
+    hf_dir, adapter = tmp_path / "hf", tmp_path / "adapter"
+    random_llama(hf_dir, vocab=257, kv_heads=2)
+    wrapped = peft.get_peft_model(LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float64),
+                                  peft.LoraConfig(r=2, lora_alpha=3, target_modules=["q_proj", "o_proj", "up_proj"],
+                                                  task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+    wrapped.save_pretrained(str(adapter))
+    imported = load_file(adapter / "adapter_model.safetensors")
+    assert dispatch(["import-peft", str(adapter), "--out", str(tmp_path / "ckpt")]) == 0
+    toml = tmp_path / "ckpt" / "model.toml"
+    common = ["--config", str(toml), "train.dtype=float64", "data.max_bytes=300000", "train.seq_len=32",
+              "train.steps=2", "train.lr=1e-3", "parallel.microbatches=1", "checkpoint.async=false",
+              f"model.init_from={tmp_path / 'ckpt'}"]
+    refused = run_mpi(2, "hpctrain.cli", "train", *common, f"train.run_dir={tmp_path / 'plain'}", "lora.rank=0",
+                      "parallel.tp=2", module=True, timeout=120, check=False)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("hpctrain: error: ")]
+    assert refused.returncode != 0 and len(errors) == 1 and "holds LoRA adapters" in errors[0], refused.stderr
+    assert "--merge-lora" in errors[0] and "Traceback" not in refused.stderr
+
+    run = tmp_path / "run"
+    run_mpi(2, "hpctrain.cli", "train", *common, f"train.run_dir={run}", "parallel.tp=2", module=True, timeout=120)
+    reader = open_checkpoint(str(run))
+    _, ours = load_model(reader)
+    reader.close()
+    hf = load_file(hf_dir / "model.safetensors")
+    b = ours.layers["1"].attn.wo.lora_B.weight.detach()
+    start = imported["base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"]
+    assert 0 < (b - start).abs().max() < 0.02  # continued from the imported adapter (a fresh B would be ~0)
+    for name, p in ours.named_parameters():  # the frozen base: bit-identical to the Hugging Face model
+        if ".lora_" not in name:
+            assert torch.equal(p.detach()[p.spec.valid_local()], hf[hf_name(name)]), name  # no padding rows
+
+    assert dispatch(["export", str(run), "--format", "peft", "--out", str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(hf_dir) and config["r"] == 2
+    assert load_file(tmp_path / "out" / "adapter_model.safetensors").keys() == imported.keys()
+    assert dispatch(["export", str(run), "--format", "hf", "--merge-lora", "--out", str(tmp_path / "merged")]) == 0
+    loaded = peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float64),
+                                            str(tmp_path / "out")).eval()
+    merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float64).eval()
+    with float64_exact_transformers(), torch.no_grad():
+        mine = ours(IDS).permute(1, 0, 2)
+        torch.testing.assert_close(hf_logits(loaded, IDS), mine, rtol=0, atol=1e-10)
+        torch.testing.assert_close(hf_logits(merged, IDS), mine, rtol=0, atol=1e-10)
+        assert (hf_logits(wrapped.eval(), IDS) - mine).abs().max() > 1e-6  # training moved the adapters

@@ -178,6 +178,7 @@ class LoraConfig:
     dropout: float = _field(0.0, min=0, below=1)  # dropout on the adapter's input (PEFT's lora_dropout)
     targets: list[str] = field(default_factory=lambda: ["q", "v"])  # linears that get adapters: LORA_TARGETS
     init: str = _field("peft", choices=("peft",))  # A Kaiming-uniform, B zero (PEFT's init_lora_weights=True)
+    checkpoint_base: str = _field("reference", choices=("reference", "copy"))  # frozen base in checkpoints
 
 
 @dataclass

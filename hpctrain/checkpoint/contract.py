@@ -14,6 +14,8 @@ What a checkpoint holds of a rank (docs/checkpoint-format.md):
   root attributes   ``root_state()`` (step, optimizer step, sampler, loss scaler), ``rng_state()``, and
                     the run's ``config`` and ``layout``; restored through ``set_steps`` and the ``load_*``
                     / ``set_rng_state`` methods
+  base reference    ``base_reference``: a LoRA run's frozen base, referred to instead of copied; a load
+                    reads it through ``open_base``
 """
 from __future__ import annotations
 
@@ -109,6 +111,21 @@ class ReducerState(Protocol):
         """What must match for ``state_dict`` to be restored as is (JSON-able); empty: nothing to keep."""
 
 
+class BaseWeights(Protocol):
+    """The frozen base weights a checkpoint refers to (``hpctrain.interop.base_ref.ReferencedBase``)."""
+
+    reference: dict  # the reference, with the path where the base is now
+
+    def verify_share(self, rank: int, size: int) -> None:
+        """Raise HpcTrainError if a tensor of share ``rank`` of ``size`` differs from the reference's checksums."""
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The global tensor of parameter ``name`` (or its ``index`` slab), in the base's own dtype."""
+
+    def close(self) -> None:
+        ...
+
+
 @runtime_checkable
 class TrainState(Protocol):
     """One rank's training state, as checkpoints (checkpoint/state.py) and ``model.init_from``
@@ -121,6 +138,11 @@ class TrainState(Protocol):
     layout: dict  # saved as ``layout``: {axis: size for each grid axis, "zero": 0 or 1, "world": world_size}
     timer: PhaseTimer  # the blocking part of a save is its "checkpoint" phase
     reducer: ReducerState
+    base_reference: dict | None  # saved as ``lora_base`` in place of the frozen weights; None: they are copied
+
+    def open_base(self, reference: dict, what: str) -> BaseWeights:
+        """The base a checkpoint (``what``, for messages) refers to: at its recorded path, else at this run's
+        model.init_from. Raises HpcTrainError (naming both) when it is in neither place."""
 
     def tensors(self) -> TrainTensors:
         """Model and optimizer pieces of this rank (fixed once the run is built)."""

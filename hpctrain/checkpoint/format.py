@@ -14,7 +14,8 @@ A checkpoint is a directory ``step-NNNNNNNN/`` holding ``checkpoint.h5`` (and, f
 Each rank writes boxes (rectangular hyperslabs) of the global datasets; every element is written by
 exactly one rank, and each box's CRC-32 is recorded in the manifest so any reader can verify any
 part without hpctrain. Root attributes hold the step, the config, the layout that wrote it, the data
-sampler position, loss-scaler state, optimizer step count and the package version.
+sampler position, loss-scaler state, optimizer step count and the package version. A LoRA run's checkpoint
+may leave its frozen base out of ``/model`` and refer to it instead (root attribute ``lora_base``).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ MASTER_FILE = "checkpoint.h5"
 COMPLETE_MARKER = "COMPLETE"
 LATEST_POINTER = "latest"
 STEP_PREFIX = "step-"
+BASE_REFERENCE_ATTR = "lora_base"  # a LoRA checkpoint's reference to its frozen base (interop/base_ref.py)
 
 _DISK_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.bfloat16: np.float32,
                 torch.float16: np.float32}

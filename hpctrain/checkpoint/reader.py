@@ -16,7 +16,7 @@ import numpy as np
 
 from hpctrain.checkpoint.format import COMPLETE_MARKER, FORMAT_NAME, MASTER_FILE, Box, crc32, decode_json
 
-JSON_ATTRS = ("config", "layout", "sampler", "loss_scaler")
+JSON_ATTRS = ("config", "layout", "sampler", "loss_scaler", "lora_base")
 
 
 class CheckpointReader:

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 import hpctrain
-from hpctrain.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, Box, decode_json, disk_dtype, encode_json,
-                                        local_range_boxes, model_dataset, optim_dataset)
+from hpctrain.checkpoint.format import (BASE_REFERENCE_ATTR, FORMAT_NAME, FORMAT_VERSION, Box, decode_json,
+                                        disk_dtype, encode_json, local_range_boxes, model_dataset, optim_dataset)
 from hpctrain.checkpoint.contract import TrainState
 from hpctrain.config import config_to_dict
 from hpctrain.errors import HpcTrainError
@@ -72,12 +72,13 @@ def snapshot(state: TrainState) -> Snapshot:
     model_dtype, state_dtype = disk_dtype(tensors.model_dtype), disk_dtype(tensors.state_dtype)
     snap = Snapshot(root.step, {})
     for p in tensors.params:
-        if p.spec.tied_copy:
+        if p.spec.tied_copy or (p.frozen and state.base_reference is not None):  # referred to, not copied
             continue
         snap.datasets[model_dataset(p.spec.name)] = (p.spec.global_shape, model_dtype.str)
         for kind in () if p.frozen else kinds:
             snap.datasets[optim_dataset(kind, p.spec.name)] = (p.spec.global_shape, state_dtype.str)
-    _snapshot_frozen(tensors, snap, model_dtype)
+    if state.base_reference is None:
+        _snapshot_frozen(tensors, snap, model_dtype)
     n = len(kinds) + 1  # per owned range: its parameters, then each state kind
     host = to_host([t for r in tensors.ranges for t in [r.params] + [r.state[k] for k in kinds]])
     for piece in tensors.pieces:
@@ -101,13 +102,14 @@ def snapshot(state: TrainState) -> Snapshot:
         "sampler": root.sampler, "loss_scaler": root.loss_scaler,
         "optimizer_step": root.optimizer_step, "model_dtype": cfg.train.dtype,
     }
+    if state.base_reference is not None:
+        snap.attrs[BASE_REFERENCE_ATTR] = state.base_reference
     return snap
 
 
 def _snapshot_frozen(tensors, snap: Snapshot, model_dtype) -> None:
     """The frozen parameters (a LoRA run's base weights) this rank writes, copied whole into the checkpoint
-    (the "copy" mode: a checkpoint that stands alone). A mode that records the base by path and checksum
-    instead would declare no dataset for them here and write that reference among the root attributes."""
+    (``lora.checkpoint_base = "copy"``, or a run without a base to refer to: a checkpoint that stands alone)."""
     frozen = [p for p in tensors.params if p.frozen and p.written and p.spec.valid_numel]
     host = to_host([p.data[p.spec.valid_local()] for p in frozen])
     for p, values in zip(frozen, host):
@@ -159,6 +161,27 @@ def _read_compression(state: TrainState, reader, staged) -> None:
             staged.compression[key] = torch.from_numpy(reader.read_checked(name, Box((0,), reader.shape(name))).copy())
 
 
+BASE_UNUSABLE = "its LoRA base weights cannot be used"  # in every message of a referred base: no fallback
+
+
+def _read_base(state: TrainState, reader, staged: StagedState) -> dict:
+    """Stage this rank's slabs of the frozen base the checkpoint refers to, after checking this rank's share
+    of its checksums (the ranks split the tensors, so the base is read whole once in all); returns the
+    reference with the base's path now. CheckpointError (``BASE_UNUSABLE``) when it is gone or differs."""
+    try:
+        base = state.open_base(reader.attrs[BASE_REFERENCE_ATTR], f"checkpoint {reader.dir}")
+        try:
+            base.verify_share(state.rank, state.world_size)
+            for p in state.tensors().params:
+                if p.frozen and p.spec.valid_numel:
+                    staged.copies.append((p.data[p.spec.valid_local()], base.read(p.spec.name, p.spec.local_slices())))
+            return base.reference
+        finally:
+            base.close()
+    except (HpcTrainError, OSError) as exc:
+        raise CheckpointError(f"{BASE_UNUSABLE}: {exc}") from None
+
+
 def _host(values: torch.Tensor, dtype, box: Box) -> np.ndarray:
     return values.detach().to(torch.float64 if dtype == np.float64 else torch.float32).numpy() \
         .astype(dtype, copy=True).reshape(box.shape)
@@ -191,6 +214,8 @@ def check_compatible(state: TrainState, reader) -> None:
         shape = reader.shape(name)
         if shape is None and is_weights_only(reader.attrs) and is_adapter(p.spec.name):
             continue  # base weights into a LoRA run: the adapters keep their initial values
+        if shape is None and p.frozen and reader.attrs.get(BASE_REFERENCE_ATTR):
+            continue  # the base it refers to (read_state checks it)
         if shape is None:
             raise CheckpointError(f"{reader.path}: {ANOTHER_MODEL}: it has no dataset {name} (check model.* "
                                   f"settings against its config)")
@@ -218,6 +243,7 @@ class StagedState:
     copies: list = field(default_factory=list)
     attrs: dict = field(default_factory=dict)
     rng_row: np.ndarray | None = None
+    base_reference: dict | None = None  # the LoRA base the checkpoint refers to (its path where it is now)
     compression: dict = field(default_factory=dict)  # the reducer's state_dict, when restorable
     compression_note: str | None = None  # why the reducer's state was not restored
 
@@ -241,7 +267,11 @@ def read_state(state: TrainState, reader) -> StagedState:
         state.check_sampler(reader.attrs["sampler"])
     tensors = state.tensors()
     staged = StagedState(attrs=reader.attrs)
+    if reader.attrs.get(BASE_REFERENCE_ATTR):
+        staged.base_reference = _read_base(state, reader, staged)
     for p in tensors.params:  # the real part of each slab (padding rows stay zero)
+        if staged.base_reference is not None and p.frozen:
+            continue
         if p.spec.valid_numel and not (weights_only and reader.shape(model_dataset(p.spec.name)) is None):
             slab = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.valid_shape)
             staged.copies.append((p.data[p.spec.valid_local()], reader.read_checked(model_dataset(p.spec.name), slab)))
@@ -273,6 +303,8 @@ def apply_state(state: TrainState, staged: StagedState) -> None:
         target.copy_(torch.from_numpy(source) if isinstance(source, np.ndarray) else source)
     attrs = staged.attrs
     state.set_steps(int(attrs["step"]), int(attrs["optimizer_step"]))
+    if staged.base_reference is not None and state.config.lora.checkpoint_base == "reference":
+        state.base_reference = staged.base_reference  # the next checkpoints refer to the same base
     if is_weights_only(attrs):  # the run's own data order, loss scale and RNG, from the start
         return
     state.load_sampler(attrs["sampler"])

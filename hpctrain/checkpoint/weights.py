@@ -41,9 +41,11 @@ def config_of(reader):
     return config_from_dict(raw if isinstance(raw, dict) else json.loads(raw))
 
 
-def load_model(reader, dtype: torch.dtype | None = None):
+def load_model(reader, dtype: torch.dtype | None = None, read=None):
     """(cfg, GPTStage holding every layer, no tp) with the checkpoint's weights, in eval mode. ``dtype``:
-    default the run's (float32 for bf16/fp16 runs: their weights are stored in float32)."""
+    default the run's (float32 for bf16/fp16 runs: their weights are stored in float32). ``read(name)``: the
+    global tensor of parameter ``name`` (default: this file's ``/model/<name>``); a LoRA checkpoint that refers
+    to its base needs ``interop.sources.CheckpointSource.read`` (``load_run_model`` there)."""
     from hpctrain.config import resolve_model
     from hpctrain.models.gpt import GPTStage
 
@@ -56,9 +58,15 @@ def load_model(reader, dtype: torch.dtype | None = None):
     with torch.no_grad():
         for param in model.parameters():
             spec = param.spec  # the global (true-vocabulary) shape; padding rows stay zero
-            dataset = f"model/{spec.name}"
-            if tuple(reader.shape(dataset) or ()) != spec.global_shape:
-                raise HpcTrainError(f"{reader.path}: {dataset} has shape {reader.shape(dataset)}, the model "
-                                    f"{spec.global_shape}: the checkpoint does not match its own config")
-            param[spec.valid_local()] = torch.from_numpy(reader.file[dataset][()])
+            param[spec.valid_local()] = read(spec.name) if read else _read_dataset(reader, spec)
     return cfg, model.eval()
+
+
+def _read_dataset(reader, spec) -> torch.Tensor:
+    dataset = f"model/{spec.name}"
+    if tuple(reader.shape(dataset) or ()) != spec.global_shape:
+        hint = " (it refers to its LoRA base: read it with interop.sources.load_run_model)" \
+            if reader.attrs.get("lora_base") else ""
+        raise HpcTrainError(f"{reader.path}: {dataset} has shape {reader.shape(dataset)}, the model "
+                            f"{spec.global_shape}: the checkpoint does not match its own config{hint}")
+    return torch.from_numpy(reader.file[dataset][()])

@@ -106,6 +106,15 @@ def render(turns: list[tuple[str, str]], tokenizer) -> tuple[list[int], list[int
     return ids, mask
 
 
+def chat_prompt_ids(prompt: str, tokenizer, system: str = "") -> list[int]:
+    """The ids a model fine-tuned on this template continues with its answer to ``prompt``: the system and
+    user turns, then the assistant's header, each piece tokenized as ``render`` does (``hpctrain generate
+    --chat``; the answer ends with ``END_OF_TURN``)."""
+    turns = ([("system", system)] if system else []) + [("user", prompt)]
+    pieces = [text for role, content in turns for text in (turn_header(role), content, END_OF_TURN)]
+    return [i for text in pieces + [turn_header("assistant")] for i in tokenizer.encode_segment(text)]
+
+
 def read_examples(path: str, tokenizer) -> list[tuple[str, list[int], list[int]]]:
     """Every example of one JSONL file -> [("FILE:LINE", ids, mask)]; DataError naming the line if bad."""
     try:

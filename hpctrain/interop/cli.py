@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
     e.add_argument("--tokenizer", default="", metavar="PATH|none",
                    help="tokenizer.json to include (default: the run's data.tokenizer when it is a file)")
     e.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    e.add_argument("--base", default="", metavar="PATH",
+                   help="where a LoRA run's base is now, if it moved from the path its checkpoints refer to")
     e.set_defaults(func=run_export)
     i = sub.add_parser("import-hf", help="turn a Hugging Face Llama/Mistral model into a step-0 hpctrain "
                                          "checkpoint",
@@ -75,7 +77,7 @@ def run_export(args) -> int:
         return run_export_peft(args)
     torch.set_num_threads(env.omp_num_threads())
     with staged_output(args.out, args.force, "hpctrain export", args.checkpoint) as tmp:  # checks --out first
-        run = read_run(args.checkpoint, args.merge_lora, "hf")  # a LoRA run's weights merged
+        run = read_run(args.checkpoint, args.merge_lora, "hf", args.base)  # a LoRA run's weights merged
         m, tensors, lora = run.model, run.tensors, run.lora
         dtype = run.dtype if args.dtype == "auto" else args.dtype
         tokenizer = _tokenizer_file(args.tokenizer, run.config.data.tokenizer)

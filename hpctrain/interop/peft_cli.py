@@ -54,16 +54,16 @@ def base_model_path(init_from: str, depth: int = 4) -> str | None:
     return base_model_path(cfg.model.init_from, depth - 1) if cfg.model.init_from else os.path.abspath(init_from)
 
 
-def read_run(path: str, merge_lora: bool, want: str) -> SimpleNamespace:
+def read_run(path: str, merge_lora: bool, want: str, base: str = "") -> SimpleNamespace:
     """``model``, ``dtype``, ``tensors`` (base, merged), ``adapters``, ``lora`` (None without), ``config``,
     ``step`` and ``dir`` (the step directory) of a checkpoint; ``want``: ``hf`` or
     ``peft``. A LoRA run exported as hf needs ``merge_lora`` (its base alone is not the trained model); a run
-    without adapters has nothing to export as peft."""
+    without adapters has nothing to export as peft. ``base``: where a referred LoRA base is now, if it moved."""
     from hpctrain.interop.hf import parameter_shapes, require_llama
     from hpctrain.interop.peft import merged
     from hpctrain.interop.sources import CheckpointSource
 
-    source = CheckpointSource(path)
+    source = CheckpointSource(path, base)
     try:
         m, lora = source.model, source.lora
         require_llama(m, f"hpctrain export {source.dir}")

@@ -15,6 +15,7 @@ import torch
 from hpctrain.checkpoint.contract import TrainState
 from hpctrain.config import architecture_differences, resolve_model
 from hpctrain.errors import HpcTrainError, everywhere
+from hpctrain.interop.base_ref import ReferencedBase
 from hpctrain.interop.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFModelDir, parameter_shapes
 from hpctrain.models.lora import adapter_shapes
 from hpctrain.parallel.lora import is_adapter
@@ -22,9 +23,12 @@ from hpctrain.parallel.lora import is_adapter
 
 class CheckpointSource:
     """The model weights of an hpctrain checkpoint (step, checkpoints or run directory), every read
-    CRC-checked; only complete (published) checkpoints are accepted."""
+    CRC-checked; only complete (published) checkpoints are accepted. A LoRA checkpoint that refers to its base
+    (root attribute ``lora_base``, interop/base_ref.py) reads the base weights from there, each tensor checked
+    against the recorded checksums the first time it is read; ``base`` is where to look when the recorded path
+    is gone. ``base_path``: where the base weights are (None: in this checkpoint)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, base: str = ""):
         from hpctrain.checkpoint.weights import config_of, open_checkpoint
 
         self.reader = open_checkpoint(path)
@@ -43,11 +47,26 @@ class CheckpointSource:
         self.shapes = parameter_shapes(self.model)
         if self.lora:
             self.shapes.update(adapter_shapes(self.model, self.lora))
+        self._reference, self._base_hint, self._base = self.attrs.get("lora_base"), base, None
+
+    @property
+    def base(self):
+        """The ReferencedBase of a checkpoint that refers to its base (opened on first use), else None."""
+        if self._reference and self._base is None:
+            self._base = ReferencedBase(self._reference, self._base_hint or self.config.model.init_from, self.model,
+                                        f"checkpoint {self.dir}", open_source, verify_all=True)
+        return self._base
+
+    @property
+    def base_path(self) -> str | None:
+        return self.base.base_path if self._reference else None
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         from hpctrain.checkpoint.format import Box, model_dataset
 
         dataset, shape = model_dataset(name), self.shapes.get(name)
+        if self._reference and self.reader.shape(dataset) is None and name in parameter_shapes(self.model):
+            return self.base.read(name, index)
         if shape is None or self.reader.shape(dataset) != shape:
             raise HpcTrainError(f"{self.reader.path}: {dataset} has shape {self.reader.shape(dataset)}, its config "
                                 f"implies {shape}: the checkpoint does not match its own config")
@@ -61,16 +80,33 @@ class CheckpointSource:
 
     def close(self) -> None:
         self.reader.close()
+        if self._base is not None:
+            self._base.close()
 
 
-def open_source(path: str):
-    """An HFModelDir when ``path`` holds a config.json, else a CheckpointSource; HpcTrainError otherwise."""
+def load_run_model(path: str, dtype: torch.dtype | None = None, base: str = ""):
+    """(cfg, model, attrs): ``checkpoint.weights.load_model`` of the checkpoint at ``path`` (a run, checkpoints
+    or step directory), its LoRA base read where it refers to (``base``: where it is now, when moved) and
+    checked against the recorded checksums; every byte CRC-checked."""
+    from hpctrain.checkpoint.weights import load_model
+
+    source = CheckpointSource(path, base)
+    try:
+        cfg, model = load_model(source.reader, dtype, read=source.read)
+        return cfg, model, {**source.attrs, "path": source.reader.path}
+    finally:
+        source.close()
+
+
+def open_source(path: str, base: str = ""):
+    """An HFModelDir when ``path`` holds a config.json, else a CheckpointSource (``base``: where its LoRA base
+    is when it refers to one that moved); HpcTrainError otherwise."""
     if not path or not os.path.exists(path):
         raise HpcTrainError(f"{path!r}: no such Hugging Face model directory or hpctrain checkpoint")
     if os.path.isfile(os.path.join(path, "adapter_config.json")) and not is_hf_dir(path):
         raise HpcTrainError(f"{path} is a PEFT adapter directory, without its base model: import it with "
                             f"`hpctrain import-peft {path} --base BASE --out CKPT_DIR` and start from CKPT_DIR")
-    return HFModelDir(path) if is_hf_dir(path) else CheckpointSource(path)
+    return HFModelDir(path) if is_hf_dir(path) else CheckpointSource(path, base)
 
 
 def is_hf_dir(path: str) -> bool:

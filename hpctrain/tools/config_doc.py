@@ -242,8 +242,8 @@ MEANINGS: dict[str, str] = {
                  "optimizer state, no dp reduction; gradient norm, clipping, compression and ZeRO-1 see the adapters "
                  "only. At most min(in, out) of the smallest target. Works in every layout (adapters split over tp "
                  "like their linear: docs/parallelism.md). The start-up line reports trainable vs frozen parameters "
-                 "and the optimizer memory saved; checkpoints hold the adapters, their optimizer state and a copy "
-                 "of the frozen base weights. See docs/models-and-data.md.",
+                 "and the optimizer memory saved; checkpoints hold the adapters and their optimizer state, and refer "
+                 "to the frozen base (`lora.checkpoint_base`). See docs/models-and-data.md.",
     "lora.alpha": "PEFT's `lora_alpha`: the adapter's output is scaled by alpha / rank (not rank-stabilised). "
                   "Must be > 0.",
     "lora.dropout": "Dropout probability on the adapter's input (PEFT's `lora_dropout`), in training only. Its masks "
@@ -257,6 +257,15 @@ MEANINGS: dict[str, str] = {
                  "B zero, so training starts from the base model's function. Drawn from (`train.seed`, parameter "
                  "name): every layout starts from the same adapters. `model.init_from` loads the base weights; the "
                  "adapters keep this initialisation.",
+    "lora.checkpoint_base": "How a LoRA run's checkpoints hold the frozen base weights. `reference` (default): "
+                            "not at all; the checkpoint records where the base is (`model.init_from`'s absolute "
+                            "path) and a CRC-32 of every base tensor (root attribute `lora_base`), and a resume, "
+                            "export or generate reads the base from there, checked against those checksums (the "
+                            "ranks split the check: the base is read whole once). A base that is gone or changed "
+                            "stops the resume with one line; set `model.init_from` to where the base is now. A run "
+                            "without `model.init_from` (a random base) copies. `copy`: every checkpoint holds the "
+                            "base too and stands alone (move it anywhere, delete the base). A run may switch "
+                            "between the two on resume.",
 }
 
 

@@ -66,6 +66,12 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
         from hpctrain.interop.sources import init_weights
 
         init_weights(trainer.state, cfg.model.init_from, grid.world)
+        if cfg.lora.rank and cfg.lora.checkpoint_base == "reference":
+            from hpctrain.interop.base_ref import make_reference
+            from hpctrain.interop.sources import open_source
+
+            trainer.state.base_reference = make_reference(cfg.model.init_from, trainer.model_cfg, grid.world,
+                                                          open_source)
     is_root = info.rank == 0
     if is_root:
         _announce(cfg, grid, trainer, device, resumed)
@@ -267,6 +273,11 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
         from hpctrain.models.lora import describe as describe_lora
 
         print(f"hpctrain train: {describe_lora(trainer.model_cfg, cfg.lora, cfg.train.dtype, cfg.optim)}", flush=True)
+        reference = trainer.state.base_reference
+        why = "lora.checkpoint_base=copy" if cfg.lora.checkpoint_base == "copy" else "no model.init_from base to refer to"
+        print(f"hpctrain train: checkpoints refer to the frozen base {reference['path']} (checksum "
+              f"{reference['checksum'][:16]}, checked on resume)" if reference else
+              f"hpctrain train: checkpoints copy the frozen base weights ({why})", flush=True)
     if resumed:
         print(f"hpctrain train: resumed from {resumed} at step {trainer.step} "
               f"(sample {trainer.batches.consumed})", flush=True)

@@ -18,6 +18,13 @@ class TrainerState:
         self.config, self.model_config, self.timer = cfg, trainer.model_cfg, trainer.timer
         self.layout = {**grid.sizes, "zero": cfg.parallel.zero, "world": grid.info.size}
         self.reducer = trainer.flat.reducer
+        self.base_reference = None  # set by model.init_from (train/loop.py) or a resumed checkpoint
+
+    def open_base(self, reference: dict, what: str):
+        from hpctrain.interop.base_ref import ReferencedBase
+        from hpctrain.interop.sources import open_source
+
+        return ReferencedBase(reference, self.config.model.init_from, self.model_config, what, open_source)
 
     def tensors(self) -> TrainTensors:
         """Model pieces: every parameter of the local model (the trainable ones are ``flat.params``; the

@@ -2,8 +2,11 @@
 global parameters 1e-10) over tp with SP, pp, dp with ZeRO-1, cp and tp x pp; the frozen base stays
 bit-identical and every adapter moves (tests/mpi/scripts/check_fidelity.py checks both in every run); a
 checkpoint holds the adapters, their optimizer state and the frozen base, and resumes bitwise, and in
-another layout; ``model.init_from`` of a Hugging Face Llama loads the base; bad ``[lora]`` input is one line.
+another layout; ``model.init_from`` of a Hugging Face Llama loads the base, which checkpoints then refer to
+by path and checksum; bad ``[lora]`` input is one line.
 """
+import json
+
 import h5py
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ from mpirun import run_mpi
 from test_checkpoint import F64, ckpt, losses, train
 
 from hpctrain.config import load_config, resolve_model
+from hpctrain.errors import HpcTrainError
 from hpctrain.models.gpt import GPTStage
 
 EXACT = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
@@ -75,29 +79,80 @@ def test_checkpoint_holds_adapters_their_state_and_the_base_and_resumes_bitwise_
                     p.spec.name
 
 
-def test_init_from_a_hugging_face_llama_trains_adapters_on_its_frozen_weights(tmp_path):
-    """model.init_from of an HF directory into a tp=2 LoRA run: the base is HF's, bit for bit, after training."""
+def test_checkpoints_refer_to_their_hugging_face_base_by_path_and_checksum(tmp_path):
+    """model.init_from of an HF directory into a tp=2 LoRA run: its checkpoints hold the adapters and a
+    reference to the base (path + a CRC-32 per tensor), not the base; a resume (here on pp=2) reads the base
+    back bit for bit and trains like a run that copies it (1e-10). A base that moved stops the resume with one
+    line until model.init_from says where it is; a changed base is refused naming the tensor; nothing is
+    written by a refused resume; export reads the base through the reference (peft needs none)."""
     pytest.importorskip("transformers")
+    import shutil
+    import zlib
+
     from hf_helpers import random_llama
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     from hpctrain.cli import dispatch
     from hpctrain.interop.hf import hf_name
+    from hpctrain.interop.sources import load_run_model
 
     random_llama(tmp_path / "hf", vocab=257, kv_heads=2, num_hidden_layers=2)
     assert dispatch(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
-    run = tmp_path / "run"
-    run_mpi(2, "hpctrain.cli", "train", "--config", str(tmp_path / "ckpt" / "model.toml"), f"train.run_dir={run}",
-            "train.dtype=float64", "data.max_bytes=300000", "train.seq_len=32", "train.steps=2", "parallel.tp=2",
-            "parallel.microbatches=1", "checkpoint.async=false", "lora.rank=2", f"model.init_from={tmp_path / 'hf'}",
-            module=True, timeout=120)
+    common = ["--config", str(tmp_path / "ckpt" / "model.toml"), "train.dtype=float64", "data.max_bytes=300000",
+              "train.seq_len=32", "train.steps=4", "parallel.microbatches=1", "checkpoint.async=false",
+              "checkpoint.interval=2", "lora.rank=2", "lora.targets=[q,v,down]"]
+    copy, ref = tmp_path / "copy", tmp_path / "ref"
+
+    def run(run_dir, *args, check=True):
+        return run_mpi(2, "hpctrain.cli", "train", *common, f"train.run_dir={run_dir}", *args, module=True,
+                       timeout=120, check=check)
+
+    run(copy, "parallel.tp=2", "lora.checkpoint_base=copy", f"model.init_from={tmp_path / 'hf'}")
+    first = run(ref, "parallel.tp=2", f"model.init_from={tmp_path / 'hf'}", "--max-steps", "2")
+    assert f"checkpoints refer to the frozen base {tmp_path / 'hf'} (checksum" in first.stdout, first.stdout
     hf = load_file(tmp_path / "hf" / "model.safetensors")
-    with h5py.File(next((run / "checkpoints").glob("step-*")) / "checkpoint.h5") as f:
-        names = [n for n in f["model"] if ".lora_" not in n]
-        assert len(names) == len(hf)
-        for name in names:
-            assert np.array_equal(f[f"model/{name}"][()], hf[hf_name(name)].numpy()), name
-        assert f["model/layers.1.attn.wv.lora_B.weight"][()].any()
+    step2 = ref / "checkpoints" / "step-00000002"
+    with h5py.File(step2 / "checkpoint.h5") as f:
+        assert sorted(f["model"]) == sorted(n for n in f["model"] if ".lora_" in n) and len(f["model"]) == 12
+        reference = json.loads(f.attrs["lora_base"])
+    assert reference["path"] == str(tmp_path / "hf") and len(reference["tensors"]) == len(hf)
+    assert reference["tensors"]["embed.weight"] == zlib.crc32(hf["model.embed_tokens.weight"].numpy().tobytes())
+    with h5py.File(copy / "checkpoints" / "step-00000002" / "checkpoint.h5") as f:
+        assert "model/embed.weight" in f  # lora.checkpoint_base=copy
+
+    (tmp_path / "hf").rename(tmp_path / "moved")
+    gone = run(ref, "parallel.pp=2", "--resume", "auto", check=False)
+    errors = [line for line in gone.stderr.splitlines() if line.startswith("hpctrain: error: ")]
+    assert gone.returncode != 0 and len(errors) == 1 and "which is gone" in errors[0], gone.stderr
+    assert "set model.init_from to where it is now" in errors[0] and "Traceback" not in gone.stderr
+    changed = tmp_path / "changed"
+    shutil.copytree(tmp_path / "moved", changed)
+    tensors = load_file(changed / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][0, 0] += 1e-12
+    save_file(tensors, changed / "model.safetensors", metadata={"format": "pt"})
+    refused = run(ref, "parallel.pp=2", "--resume", "auto", f"model.init_from={changed}", check=False)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("hpctrain: error: ")]
+    assert refused.returncode != 0 and len(errors) == 1, refused.stderr
+    assert "not the base its adapters were trained on" in errors[0] and "layers.1.mlp.up.weight" in errors[0]
+    assert sorted(p.name for p in (ref / "checkpoints").glob("step-*")) == ["step-00000002"]
+
+    resumed = run(ref, "parallel.pp=2", "--resume", "auto", f"model.init_from={tmp_path / 'moved'}")
+    assert "at step 2" in resumed.stdout and f"refer to the frozen base {tmp_path / 'moved'}" in resumed.stdout
+    want, got = losses(copy), losses(ref)
+    assert sorted(got) == [1, 2, 3, 4] and all(abs(got[s] - want[s]) <= 1e-10 * abs(want[s]) for s in got)
+    with h5py.File(ref / "checkpoints" / "step-00000004" / "checkpoint.h5") as f:
+        assert json.loads(f.attrs["lora_base"])["path"] == str(tmp_path / "moved")
+    _, model, _ = load_run_model(str(ref))
+    for name, p in model.named_parameters():  # the base, read through the reference: HF's, bit for bit
+        if ".lora_" not in name:
+            assert torch.equal(p.detach()[p.spec.valid_local()], hf[hf_name(name)]), name
+    (tmp_path / "moved").rename(tmp_path / "again")
+    assert dispatch(["export", str(ref), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    with pytest.raises(HpcTrainError, match="which is gone"):
+        dispatch(["export", str(ref), "--format", "hf", "--merge-lora", "--out", str(tmp_path / "merged")])
+    assert not (tmp_path / "merged").exists()
+    assert dispatch(["export", str(ref), "--format", "hf", "--merge-lora", "--out", str(tmp_path / "merged"),
+                     "--base", str(tmp_path / "again")]) == 0
 
 
 def test_bad_lora_input_is_one_line_naming_the_key_on_every_rank(tmp_path):

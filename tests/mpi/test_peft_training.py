@@ -20,9 +20,9 @@ def test_an_imported_adapter_trains_on_tp2_and_exports_to_peft_and_merged_hf(tmp
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
-    from hpctrain.checkpoint.weights import load_model, open_checkpoint
     from hpctrain.cli import dispatch
     from hpctrain.interop.hf import hf_name
+    from hpctrain.interop.sources import load_run_model
 
     hf_dir, adapter = tmp_path / "hf", tmp_path / "adapter"
     random_llama(hf_dir, vocab=257, kv_heads=2)
@@ -48,9 +48,7 @@ def test_an_imported_adapter_trains_on_tp2_and_exports_to_peft_and_merged_hf(tmp
 
     run = tmp_path / "run"
     run_mpi(2, "hpctrain.cli", "train", *common, f"train.run_dir={run}", "parallel.tp=2", module=True, timeout=120)
-    reader = open_checkpoint(str(run))
-    _, ours = load_model(reader)
-    reader.close()
+    _, ours, _ = load_run_model(str(run))  # the base through the checkpoint's reference to tmp_path/ckpt
     hf = load_file(hf_dir / "model.safetensors")
     b = ours.layers["1"].attn.wo.lora_B.weight.detach()
     start = imported["base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight"]

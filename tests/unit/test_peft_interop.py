@@ -128,7 +128,13 @@ def test_generate_on_a_lora_checkpoint_equals_transformers_and_peft(base, tmp_pa
     assert expected != base_only  # the adapters change the greedy text
     printed = capsys.readouterr()
     assert printed.out == "LoRA says" + load_tokenizer("bytes").decode(expected[len(prompt):]) + "\n"
-    assert "LoRA r=4 on q,v,gate]" in printed.err
+    assert "LoRA r=4 on q,v,gate, 10 new tokens, stopped at max_new_tokens]" in printed.err
+    text = load_tokenizer("bytes").decode(expected[len(prompt):])
+    stop = text[4:6]  # --stop cuts the text before its first occurrence and ends generation there
+    hpctrain("generate", tmp_path / "ckpt", "--prompt", "LoRA says", "--max-new-tokens", 10, "--temperature", 0,
+             "--stop", stop, "--stop", "never printed")
+    printed = capsys.readouterr()
+    assert printed.out == "LoRA says" + text[:text.index(stop)] + "\n" and f"stopped at {stop}]" in printed.err
 
 
 def test_init_from_a_lora_checkpoint_needs_adapters_in_the_run(base, tmp_path):

@@ -9,7 +9,7 @@ from hpctrain.data.corpus import load_tokens_collective
 from hpctrain.data.documents import DataError
 from hpctrain.data.packing import PackedSampler, SFTCorpus, pack_documents, sft_split
 from hpctrain.data.sampler import GlobalBatchIterator, SamplerError
-from hpctrain.data.sft import END_OF_TURN, prepare_sft, render
+from hpctrain.data.sft import END_OF_TURN, chat_prompt_ids, prepare_sft, render
 from hpctrain.data.tokenizer import ByteTokenizer, train_bpe, load_tokenizer
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "sft", "tiny.jsonl")
@@ -59,6 +59,9 @@ def test_a_tokenizer_with_eos_ends_the_example_with_it_counted(tmp_path):
     assert [i for i, m in zip(ids, mask) if m] == pieces
     ids, mask = render([("user", "hello"), ("assistant", "four."), ("user", "more")], tok)
     assert ids[-1] == tok.eos_id and mask[-1] == 0  # the conversation ends with a user turn: eos not counted
+    trained, mask = render([("user", "hello"), ("assistant", "four.")], tok)  # generate --chat: the same ids,
+    prompt = chat_prompt_ids("hello", tok)                                    # up to the first counted token
+    assert prompt == trained[:mask.index(1)] and len(prompt) < len(trained)
 
 
 @pytest.mark.parametrize("lines, problem, line", [

@@ -56,10 +56,14 @@ def partition_layers(m, pp: int, explicit: list[int] | None = None) -> list[tupl
     return bounds
 
 
-def flops_per_token(m, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward): 6 * matmul params + causal attention scores."""
+def flops_per_token(m, seq_len: int, lora_rank: int = 0, lora_targets=()) -> float:
+    """Training FLOPs per token (forward + backward): 6 * matmul params + causal attention scores. With LoRA
+    (``lora_rank`` > 0) a frozen weight costs 4 per parameter (forward, and the input's gradient; no weight
+    gradient) and each adapter parameter 6."""
     params = m.n_layers * block_matmul_parameters(m) + m.vocab_size * m.d_model  # LM head matmul
-    return 6.0 * params + 6.0 * m.n_layers * m.d_model * seq_len  # 12*L*d*S/2: causal half
+    per_param = 6.0 if not lora_rank else 4.0
+    adapters = 6.0 * adapter_parameters(m, lora_rank, lora_targets) if lora_rank else 0.0
+    return per_param * params + adapters + 6.0 * m.n_layers * m.d_model * seq_len  # 12*L*d*S/2: causal half
 
 
 def count_parameters(m) -> int:

@@ -188,7 +188,9 @@ MEANINGS: dict[str, str] = {
                           "and any skipped step). metrics.jsonl always gets every step.",
     "train.peak_tflops": "Peak TFLOP/s of one rank's device, for the MFU column. 0 = the published dense peak of "
                          "a known GPU for the run's dtype (A100, H100, H200, V100, MI250X, MI300X: "
-                         "`hpctrain/runtime/device.py`), else unknown (no MFU).",
+                         "`hpctrain/runtime/device.py`), else unknown (no MFU). The model FLOPs per token are "
+                         "6 per matmul parameter plus causal attention; a LoRA run counts 4 per frozen parameter "
+                         "(no weight gradient) and 6 per adapter parameter.",
     "train.device": "`auto`: the GPU that this node-local rank binds (`local_rank % visible GPUs`, honouring "
                     "`CUDA_VISIBLE_DEVICES`) when torch sees CUDA, else the CPU; `cpu`; `cuda` (an error on a "
                     "rank without a GPU). Parameters, gradients, optimizer state, batches and pipeline "

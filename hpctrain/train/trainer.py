@@ -87,7 +87,7 @@ class Trainer:
         self._build_model()
         self._build_data(tokens)
         self.step = 0
-        self.flops_per_token = flops_per_token(self.model_cfg, cfg.train.seq_len)
+        self.flops_per_token = flops_per_token(self.model_cfg, cfg.train.seq_len, cfg.lora.rank, cfg.lora.targets)
         # idle over ideal time with equal stages, (pp - 1) / (V M) (``bubble_fraction``; printed at start-up)
         self.bubble = bubble_fraction(self.layout.pp_size, self.layout.microbatches, self.layout.virtual_stages)
         self.peak_tflops = cfg.train.peak_tflops or peak_tflops(self.device, self.dtype, cfg.train.allow_tf32)

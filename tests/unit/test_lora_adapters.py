@@ -160,3 +160,12 @@ def test_startup_line_counts_trainable_and_frozen_and_the_optimizer_state_saved(
     assert f"optimizer state {12 * trainable / 2**10:.1f} KiB" in half
     m7 = resolve_model(ModelConfig(preset="llama-2-7b"))
     assert "4.19M trainable" in describe(m7, cfg.lora, "float32", cfg.optim)  # PEFT: 4,194,304 for r=8 on q, v
+
+
+def test_mfu_counts_four_flops_per_frozen_parameter_and_six_per_adapter():
+    from hpctrain.models.arithmetic import adapter_parameters, block_matmul_parameters, flops_per_token
+
+    m = resolve_model(load_config(None, ["model.preset=llama-2-7b"]).model)
+    matmul = m.n_layers * block_matmul_parameters(m) + m.vocab_size * m.d_model
+    full, lora = flops_per_token(m, 4096), flops_per_token(m, 4096, 8, ["q", "v"])
+    assert full - lora == 2.0 * matmul - 6.0 * adapter_parameters(m, 8, ["q", "v"]) > 0.3 * full

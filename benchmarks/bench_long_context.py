@@ -41,19 +41,6 @@ FIELDS = ["cp", "seq", "window", "act_mb", "act_vs_cp1", "peak_mb", "above_base_
           "ring_wait_ms"]
 
 
-def resident_mb(field: str = "VmHWM", reset: bool = False) -> float:
-    """This process's peak ("VmHWM") or current ("VmRSS") resident memory in MiB; ``reset``: start a new
-    peak first (Linux: /proc/self/clear_refs)."""
-    if reset:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 class SavedBytes:
     """Sum of the distinct storages autograd saves for backward (the parameters' buffer excepted)."""
 
@@ -74,6 +61,7 @@ def worker(args) -> list[dict]:
     import torch
     from mpi4py import MPI
 
+    from hpctrain.bench.report import resident_mb
     from hpctrain.comm.grid import ProcessGrid
     from hpctrain.config import load_config
     from hpctrain.data.corpus import load_tokens_collective

@@ -23,6 +23,19 @@ def write_records(records: list[dict], json_path: str | None, csv_path: str | No
                 writer.writerow({**r, **{c: json.dumps(r[c]) for c in json_columns if c in r}})
 
 
+def resident_mb(field: str = "VmHWM", reset: bool = False) -> float:
+    """This process's peak ("VmHWM") or current ("VmRSS") resident memory in MiB; ``reset``: start a new
+    peak first (Linux: /proc/self/clear_refs). NaN where /proc/self/status has no such line."""
+    if reset:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def run_benchmark(main) -> None:
     """``sys.exit(main())``, but an exception on one rank aborts the whole MPI job (never a hang)."""
     from hpctrain.runtime.errors_exit import run_and_exit

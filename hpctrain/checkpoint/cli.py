@@ -74,6 +74,10 @@ def _inspect(args) -> int:
                 "hpctrain_version": reader.attrs.get("hpctrain_version"), "model_dtype": reader.attrs.get("model_dtype"),
                 "sampler": reader.attrs.get("sampler"), "total_bytes": sum(t["bytes"] for t in tensors),
                 "tensors": tensors}
+        base = reader.attrs.get("lora_base")
+        if base:  # a LoRA checkpoint that refers to its frozen base
+            info["lora_base"] = {"path": base.get("path"), "checksum": base.get("checksum"),
+                                 "tensors": len(base.get("tensors", {}))}
     if args.json:
         json.dump(info, sys.stdout, indent=1)
         print()
@@ -81,6 +85,9 @@ def _inspect(args) -> int:
     print(f"{info['path']}: step {info['step']}, {'complete' if info['complete'] else 'PARTIAL'}, "
           f"writer {info['writer']}, layout {info['layout']}, {info['model_dtype']}, "
           f"{info['total_bytes'] / 2**20:.2f} MiB, hpctrain {info['hpctrain_version']}")
+    if "lora_base" in info:
+        base = info["lora_base"]
+        print(f"  frozen base: {base['tensors']} tensors referred to at {base['path']} (checksum {base['checksum'][:16]})")
     for t in tensors:
         print(f"  {t['name']:<44} {str(tuple(t['shape'])):<14} {t['dtype']:<8} {t['bytes']:>10} B  "
               f"{t['boxes']} box(es) crc32 {','.join(t['crc32'][:2])}{'...' if t['boxes'] > 2 else ''}")

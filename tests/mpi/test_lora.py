@@ -119,6 +119,7 @@ def test_checkpoints_refer_to_their_hugging_face_base_by_path_and_checksum(tmp_p
     assert reference["tensors"]["embed.weight"] == zlib.crc32(hf["model.embed_tokens.weight"].numpy().tobytes())
     with h5py.File(copy / "checkpoints" / "step-00000002" / "checkpoint.h5") as f:
         assert "model/embed.weight" in f  # lora.checkpoint_base=copy
+    assert f"frozen base: {len(hf)} tensors referred to at {tmp_path / 'hf'}" in ckpt("inspect", str(step2)).stdout
 
     (tmp_path / "hf").rename(tmp_path / "moved")
     gone = run(ref, "parallel.pp=2", "--resume", "auto", check=False)

@@ -70,3 +70,27 @@ def test_an_imported_adapter_trains_on_tp2_and_exports_to_peft_and_merged_hf(tmp
         torch.testing.assert_close(hf_logits(loaded, IDS), mine, rtol=0, atol=1e-10)
         torch.testing.assert_close(hf_logits(merged, IDS), mine, rtol=0, atol=1e-10)
         assert (hf_logits(wrapped.eval(), IDS) - mine).abs().max() > 1e-6  # training moved the adapters
+
+
+def test_bench_lora_compares_lora_with_full_fine_tuning_and_peft(tmp_path):
+    """benchmarks/bench_lora.py end to end on a tiny model: every mode's record; LoRA trains fewer parameters
+    than full fine-tuning (the same count as peft) and its checkpoint, referring to the base, is smaller than
+    the copy. (Timings are reported, never asserted.)"""
+    import subprocess
+    import sys
+
+    from mpirun import ROOT, mpi_env
+
+    out = tmp_path / "lora.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_lora.py"), "--d-model", "64", "--d-ff",
+                             "128", "--layers", "2", "--heads", "4", "--vocab", "300", "--seq", "32", "--steps", "1",
+                             "--warmup", "1", "--json", str(out)], env=mpi_env(), cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert set(records) == {"hpctrain-full", "hpctrain-lora", "hpctrain-lora-all", "torch-full", "peft-lora"}
+    assert records["hpctrain-lora"]["trainable_m"] == records["peft-lora"]["trainable_m"] \
+        < records["hpctrain-lora-all"]["trainable_m"] < records["hpctrain-full"]["trainable_m"]
+    assert records["hpctrain-full"]["trainable_m"] == records["torch-full"]["trainable_m"]
+    assert records["hpctrain-lora"]["ckpt_mb"] < records["hpctrain-lora"]["ckpt_copy_mb"]
+    assert all(r["step_s"] > 0 and r["above_base_mb"] > 0 for r in records.values())

@@ -29,7 +29,8 @@ setup(
         "test": ["pytest", "pytest-timeout", "transformers", "safetensors", "peft"],
         "compression": ["zfpy"],  # compression.method = "zfp" (a manylinux wheel)
         "data": ["tokenizers"],  # data.tokenizer = a tokenizer.json; hpctrain data train-tokenizer
-        "hf": ["safetensors"],  # hpctrain export --format hf, hpctrain import-hf, model.init_from = an HF directory
+        "hf": ["safetensors"],
+        "monitor": ["prometheus-client", "tensorboard"],  # [monitor]: Prometheus metrics, TensorBoard event files  # hpctrain export --format hf, hpctrain import-hf, model.init_from = an HF directory
     },
     entry_points={"console_scripts": ["hpctrain=hpctrain.cli:main"]},
 )

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.arithmetic import lora_target_shapes
+from hpctrain.monitor.metrics import parse_labels
 from hpctrain.models.presets import MODEL_DEFAULTS, PRESET_KEYS, PRESETS  # noqa: F401 (re-exported)
 # the layout rules that need no world size
 from hpctrain.parallel.rules import check_context, check_schedule, check_stages
@@ -182,6 +183,17 @@ class LoraConfig:
 
 
 @dataclass
+class MonitorConfig:
+    """Live monitoring: Prometheus metrics, TensorBoard, per-rank straggler gathering (docs/monitoring.md)."""
+    prometheus_port: int = _field(0, min=0, max=65535)  # rank 0 serves /metrics there; 0 = no server
+    prometheus_addr: str = "127.0.0.1"  # the address it binds (0.0.0.0: every interface)
+    prometheus_textfile: str = ""  # a *.prom file for node_exporter's textfile collector; "" = none
+    labels: list[str] = field(default_factory=list)  # extra constant labels, "name=value"
+    tensorboard: bool = False  # event files under <run_dir>/tensorboard/ (rank 0)
+    interval: int = _field(0, min=0)  # steps between per-rank gathers and textfile writes; 0 = train.log_interval
+
+
+@dataclass
 class Config:
     """The whole run configuration, one attribute per TOML section."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -193,6 +205,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
 
 def _error(where: str, detail: str) -> ConfigError:
@@ -396,6 +409,17 @@ def validate(cfg: Config) -> None:
              f"{t.eval_interval} needs held-out data: set data.valid_fraction (e.g. 0.05)")
     if cfg.lora.rank:
         _check_lora(cfg.lora, m)
+    _check_monitor(cfg.monitor)
+
+
+def _check_monitor(mon: MonitorConfig) -> None:
+    """Label names Prometheus accepts (not hpctrain's own); a textfile node_exporter reads (``*.prom``)."""
+    try:
+        parse_labels(mon.labels)
+    except ValueError as exc:
+        raise _error("monitor.labels", str(exc).removeprefix("monitor.labels: ")) from None
+    _require(not mon.prometheus_textfile or mon.prometheus_textfile.endswith(".prom"), "monitor.prometheus_textfile",
+             f"{mon.prometheus_textfile!r} must end in .prom (node_exporter's textfile collector reads only *.prom)")
 
 
 def _check_lora(lora: LoraConfig, m: ModelConfig) -> None:

@@ -126,6 +126,11 @@ def in_batch_job(environ: Mapping[str, str] | None = None) -> bool:
     return any(_get(name, environ) for name in BATCH_JOB_VARIABLES)
 
 
+def batch_job_id(environ: Mapping[str, str] | None = None) -> str:
+    """The batch scheduler's job id (the first of ``BATCH_JOB_VARIABLES`` set), else ""."""
+    return next((value for name in BATCH_JOB_VARIABLES if (value := _get(name, environ))), "")
+
+
 def omp_num_threads(environ: Mapping[str, str] | None = None) -> int:
     """``$OMP_NUM_THREADS`` (its first level when nested, ``4,2``), default 1: torch's CPU threads."""
     text = _get("OMP_NUM_THREADS", environ)

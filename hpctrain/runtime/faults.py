@@ -12,7 +12,8 @@ and ``tests/mpi/test_hang_report.py`` do):
   Python, the watchdog thread still alive), ``exit`` (``os._exit(9)``: dies without MPI_Finalize),
   ``nan`` (fills the tensor the hook passes, this rank's parameters at ``optimizer``, with NaN: a
   diverged state, for the divergence guard and the checkpoint writers' finite check), ``enospc``
-  (at ``write``: this rank's checkpoint write fails with "No space left on device").
+  (at ``write``: this rank's checkpoint write fails with "No space left on device"), ``slow:S`` (sleep S
+  seconds at that phase of step N and of EVERY later step: a straggler rank).
 
 Without the variable every hook is one attribute test. Nothing in a real run sets it.
 """
@@ -49,8 +50,8 @@ class FaultInjector:
             fault = cls(int(fields["rank"]), int(fields["step"]), fields["phase"], fields["action"])
         except (KeyError, ValueError) as exc:
             raise ValueError(f"{ENV}={spec!r}: expected rank=R,step=N,phase=P,action=A ({exc})") from None
-        if fault.phase not in PHASES or fault.action.split(":")[0] not in ("kill", "stop", "sleep", "exit", "nan", "enospc"):
-            raise ValueError(f"{ENV}={spec!r}: phase must be one of {PHASES}; action kill, stop, sleep:S, exit, nan or enospc")
+        if fault.phase not in PHASES or fault.action.split(":")[0] not in ("kill", "stop", "sleep", "exit", "nan", "enospc", "slow"):
+            raise ValueError(f"{ENV}={spec!r}: phase must be one of {PHASES}; action kill, stop, sleep:S, exit, nan, enospc or slow:S")
         return fault if fault.rank == my_rank else cls()
 
     def __bool__(self) -> bool:
@@ -59,11 +60,16 @@ class FaultInjector:
     def hit(self, phase: str, step: int, tensor=None) -> None:
         """Called at each named point; acts once the (phase, step) matches on the chosen rank. ``tensor``:
         what ``nan`` poisons (ignored by the other actions)."""
-        if self.rank < 0 or phase != self.phase or step != self.step:
+        if self.rank < 0 or phase != self.phase or step < self.step:
+            return
+        action, _, argument = self.action.partition(":")
+        if action == "slow":  # every step from N on, silently (a straggler, not an event)
+            time.sleep(float(argument))
+            return
+        if step != self.step:
             return
         sys.stderr.write(f"hpctrain: fault injection: rank {self.rank} {self.action} at {phase} of step {step}\n")
         sys.stderr.flush()
-        action, _, argument = self.action.partition(":")
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "stop":

@@ -268,6 +268,24 @@ MEANINGS: dict[str, str] = {
                             "without `model.init_from` (a random base) copies. `copy`: every checkpoint holds the "
                             "base too and stands alone (move it anywhere, delete the base). A run may switch "
                             "between the two on resume.",
+    # [monitor]
+    "monitor.prometheus_port": "Rank 0 serves Prometheus metrics at `http://prometheus_addr:PORT/metrics` (the "
+                               "`prometheus_client` package, in a thread of its own: a scrape never blocks a step). 0 = "
+                               "no server. A port in use stops the run before its first step, on every rank, in one "
+                               "line. The metrics: docs/monitoring.md.",
+    "monitor.prometheus_addr": "The address the metrics server binds: `127.0.0.1` (default, this node only) or "
+                               "`0.0.0.0` (every interface, for a Prometheus on another node).",
+    "monitor.prometheus_textfile": "A `*.prom` file for node_exporter's textfile collector, written by rank 0 "
+                                   "atomically (a temporary file renamed) every `monitor.interval` steps, after a "
+                                   "checkpoint and at exit (with `hpctrain_up 0`). \"\" = none. An unwritable path "
+                                   "stops the run before its first step.",
+    "monitor.labels": "Extra constant labels on every series, `[\"cluster=frontier\", \"project=abc\"]` (Prometheus "
+                      "label names; not `run`, `job_id`, `layout` or a metric's own labels, which hpctrain sets).",
+    "monitor.tensorboard": "Rank 0 writes the same scalars as TensorBoard event files under "
+                           "`<train.run_dir>/tensorboard/` (the `tensorboard` package; `tensorboard --logdir` it).",
+    "monitor.interval": "Steps between two gathers of every rank's step time and bytes sent (the straggler and "
+                        "communication metrics: one small collective per interval) and two textfile writes. 0 = "
+                        "`train.log_interval`.",
 }
 
 

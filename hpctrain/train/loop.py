@@ -49,6 +49,7 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
 
 def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     from hpctrain.checkpoint.manager import CheckpointManager
+    from hpctrain.monitor.run_monitor import RunMonitor
     from hpctrain.train.metrics import MetricsLog, finite_or_none
     from hpctrain.train.trainer import Trainer
 
@@ -75,6 +76,8 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     is_root = info.rank == 0
     if is_root:
         _announce(cfg, grid, trainer, device, resumed)
+    monitor = RunMonitor(cfg, grid.world, grid.sizes, cfg.train.run_dir)
+    monitor.start(trainer.step)  # collective; a sink that cannot start stops the run here, on every rank
     last_step = cfg.train.steps if max_steps <= 0 else min(cfg.train.steps, trainer.step + max_steps)
     deadline = _deadline(cfg, grid)
     policy = StopPolicy(signal_flag=flag, last_step=last_step, deadline=deadline,
@@ -90,6 +93,7 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
             policy.record_step(record["step_time_s"])
             if trainer.diverged:  # identical on every rank; the bad update was not applied, nothing is saved
                 log.log(record)
+                monitor.on_step(record)
                 reason = trainer.diverged.stop
                 break
             if cfg.train.eval_interval and (trainer.step % cfg.train.eval_interval == 0 or trainer.step == last_step):
@@ -100,13 +104,16 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
                 policy.record_save(checkpoints.last_save_s)  # None until the first save completes
                 record["time_s"]["checkpoint"] = round(trainer.timer.take("checkpoint"), 6)
             log.log(record)
+            monitor.on_step(record, checkpoints.saved_steps, checkpoints.last_phases)  # collective every interval
         start = time.perf_counter()
         checkpoints.wait()  # an async save of this very step may still be in flight: never save a step twice
         if trainer.diverged is None and trainer.step not in checkpoints.saved_steps and trainer.step != resumed_step:
             checkpoints.save(trainer.state, sync=True)
         checkpoints.close()  # waits for an async save still in flight
         save_s = time.perf_counter() - start
+        monitor.on_saved(trainer.step, checkpoints.saved_steps, checkpoints.last_phases)
     finally:
+        monitor.close()
         flag.restore()
         summary = log.close()
         if trace is not None:

@@ -3,9 +3,10 @@
 times every ``monitor.interval`` steps (collective over the world: every rank calls ``on_step`` for every
 step). A run without any sink does nothing at all (no gathers).
 
-Failures: a sink that cannot start (a port in use, an unwritable textfile or log directory, a missing
-package) stops the run before its first step, on every rank, with one line naming the key; a sink that fails
-later is dropped with one warning and training goes on. ``<run_dir>/monitor.json`` (rank 0) says where the
+Rank 0's step only queues samples: the sinks' thread (``fanout.py``) applies them. Failures: a sink that
+cannot start (a port in use, an unwritable textfile or log directory, a missing package) stops the run
+before its first step, on every rank, with one line naming the key; a sink that fails later is dropped with
+one warning and training goes on. ``<run_dir>/monitor.json`` (rank 0) says where the
 run publishes (for a centre's file-based service discovery, docs/monitoring.md).
 """
 from __future__ import annotations
@@ -13,11 +14,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import time
 from collections import defaultdict
 
 from hpctrain.errors import HpcTrainError, everywhere
+from hpctrain.monitor.fanout import SinkWorker
 from hpctrain.monitor.metrics import layout_label, parse_labels, step_samples
 from hpctrain.monitor.ranks import RankWindow
 from hpctrain.runtime import env
@@ -38,6 +39,7 @@ class RunMonitor:
                          "layout": layout_label(sizes), **parse_labels(mon.labels)}
         self.window, self.sinks, self.skipped, self.last_saved = RankWindow(), [], 0, None
         self.comm_totals = defaultdict(int)  # bytes sent by all ranks, by group, since the start
+        self.worker = None  # rank 0: the sinks' thread (fanout.py), once started
         self.restarts = env.slurm_restart_count()
 
     def start(self, step: int) -> None:
@@ -51,6 +53,7 @@ class RunMonitor:
                 for sink in self.sinks:
                     sink.start()
                 self._write_endpoint()
+                self.worker, self.sinks = SinkWorker(self.sinks), []
             except (HpcTrainError, OSError) as exc:
                 problem = str(exc)
                 self.close(clean=False)
@@ -106,7 +109,6 @@ class RunMonitor:
         if "checkpoint" in (record.get("time_s") or {}):
             samples.append(("hpctrain_checkpoint_seconds", {"phase": "stall"}, record["time_s"]["checkpoint"]))
         if gathered:
-            self._clear("hpctrain_rank_step_seconds")
             samples += [("hpctrain_rank_step_seconds", {"rank": str(gathered.slowest_rank), "which": "slowest"},
                          gathered.slowest_s),
                         ("hpctrain_rank_step_seconds", {"rank": str(gathered.median_rank), "which": "median"},
@@ -115,7 +117,7 @@ class RunMonitor:
             for group, sent in gathered.bytes_by_group.items():
                 self.comm_totals[group] += sent
             samples += [("hpctrain_comm_bytes_total", {"group": g}, n) for g, n in self.comm_totals.items()]
-        self._emit(samples, step, flush=bool(gathered))
+        self._emit(samples, step, flush=bool(gathered), clear=("hpctrain_rank_step_seconds",) if gathered else ())
 
     def on_saved(self, step: int, saved_steps: list[int], save_phases: dict | None) -> None:
         """Rank 0 (others: nothing), after a save outside the step loop (the final one): its gauges."""
@@ -131,35 +133,18 @@ class RunMonitor:
                  ("hpctrain_last_checkpoint_timestamp_seconds", {}, time.time())]
                 + [("hpctrain_checkpoint_seconds", {"phase": p}, s) for p, s in (save_phases or {}).items()])
 
-    def _emit(self, samples, step: int, flush: bool = False) -> None:
-        for sink in list(self.sinks):
-            try:
-                for name, labels, value in samples:
-                    sink.set(name, labels, value, step)
-                if flush:
-                    sink.flush(step)
-            except Exception as exc:  # noqa: BLE001 - monitoring never stops training
-                self._drop(sink, exc)
-
-    def _clear(self, name: str) -> None:
-        for sink in list(self.sinks):
-            try:
-                sink.clear(name)
-            except Exception as exc:  # noqa: BLE001
-                self._drop(sink, exc)
-
-    def _drop(self, sink, exc: BaseException) -> None:
-        self.sinks.remove(sink)
-        print(f"hpctrain: WARNING: monitor: the {sink.name} sink failed ({type(exc).__name__}: {exc}); training "
-              f"goes on without it", file=sys.stderr, flush=True)
+    def _emit(self, samples, step: int, flush: bool = False, clear: tuple[str, ...] = ()) -> None:
+        if self.worker is not None:
+            self.worker.emit(samples, step, flush, clear)
 
     def close(self, clean: bool = True) -> None:
         """Rank 0: ``hpctrain_up`` 0, the last textfile, the server and writers stopped. Never raises."""
-        for sink in list(self.sinks):
+        if self.worker is not None:
+            self.worker.close(clean)
+            self.worker = None
+        for sink in self.sinks:  # started before a failure at start-up, never handed to a worker
             try:
-                if clean:
-                    sink.set("hpctrain_up", {}, 0, 0)
                 sink.close()
-            except Exception as exc:  # noqa: BLE001
-                self._drop(sink, exc)
+            except Exception:  # noqa: BLE001 - the start-up error is what the user sees
+                pass
         self.sinks = []

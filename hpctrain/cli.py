@@ -2,7 +2,8 @@
 
 Subcommands: ``info`` (launch and grid report), ``bench comm`` (collective benchmark),
 ``train`` (training), ``ckpt`` (checkpoint tools), ``trace`` (where a traced run's time went), ``export`` /
-``import-hf`` / ``import-peft`` (Hugging Face Llama and Mistral models, PEFT LoRA adapters). Run them under
+``import-hf`` / ``import-peft`` (Hugging Face Llama and Mistral models, PEFT LoRA adapters), ``runs`` (runs
+that publish metrics). Run them under
 ``mpiexec``/``srun`` for many ranks.
 """
 from __future__ import annotations
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     for extra in ("hpctrain.train.cli", "hpctrain.checkpoint.cli", "hpctrain.profiling.cli",
                   "hpctrain.sweep.cli", "hpctrain.data.cli", "hpctrain.tools.cli", "hpctrain.interop.cli",
-                  "hpctrain.plan.cli"):
+                  "hpctrain.plan.cli", "hpctrain.monitor.cli"):
         if importlib.util.find_spec(extra) is not None:  # subcommands of later layers
             importlib.import_module(extra).add_parser(sub)
     return parser

@@ -77,18 +77,31 @@ def query(port: int, promql: str) -> list:
 
 
 def test_a_real_prometheus_scrapes_a_live_4_rank_run(prometheus, tmp_path):
+    """promtool accepts the shipped rules; `hpctrain runs --file-sd` lists the live run as a target; a real
+    Prometheus finds it through that file, scrapes it every second and answers queries for its loss,
+    throughput and per-rank step times, with the run's labels."""
     rules = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert rules.returncode == 0 and "SUCCESS" in rules.stdout + rules.stderr, rules.stdout + rules.stderr
     port, prom_port = free_port(), free_port()
-    (tmp_path / "prometheus.yml").write_text(
-        f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files: ['{RULES}']\n"
-        f"scrape_configs:\n  - job_name: hpctrain\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n")
-    server = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
-                               f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     run = start_train(4, tmp_path / "run", "train.steps=400", "train.log_interval=20", "monitor.interval=5",
                       f"monitor.prometheus_port={port}", "monitor.labels=[cluster=ci]")
+    server = None
     try:
+        deadline = time.time() + 120
+        while not (tmp_path / "run" / "monitor.json").exists() and time.time() < deadline and run.poll() is None:
+            time.sleep(0.2)
+        listed = subprocess.run([sys.executable, "-m", "hpctrain.cli", "runs", str(tmp_path), "--file-sd",
+                                 str(tmp_path / "targets.json")], capture_output=True, text=True, cwd=ROOT, env=mpi_env(),
+                                timeout=60)
+        assert f"{tmp_path / 'run'}  live" in listed.stdout and "1 scrape target(s)" in listed.stdout, listed.stdout
+        assert json.loads((tmp_path / "targets.json").read_text())[0]["targets"] == [f"127.0.0.1:{port}"]
+        (tmp_path / "prometheus.yml").write_text(  # the centre's way: file-based discovery from `hpctrain runs --file-sd`
+            f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files: ['{RULES}']\n"
+            f"scrape_configs:\n  - job_name: hpctrain\n    honor_labels: true\n    file_sd_configs:\n"
+            f"      - files: ['{tmp_path / 'targets.json'}']\n")
+        server = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                   f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         found, deadline = {}, time.time() + 150
         while time.time() < deadline and len(found) < 3 and run.poll() is None:
             time.sleep(1)
@@ -110,8 +123,9 @@ def test_a_real_prometheus_scrapes_a_live_4_rank_run(prometheus, tmp_path):
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGTERM)  # a graceful stop: the run saves and exits
         out, err = run.communicate(timeout=120)
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
+        if server is not None:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=30)
     assert run.returncode == 0, out[-3000:] + err[-3000:]
 
 

@@ -210,3 +210,77 @@ def test_each_alert_fires_on_the_series_it_watches_and_not_before(tmp_path):
     path.write_text(yaml.safe_dump({"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": tests}))
     result = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+DOC = ROOT / "docs" / "monitoring.md"
+
+
+def doc_block(language: str, containing: str) -> str:
+    """The first fenced ``language`` block of docs/monitoring.md that contains ``containing``."""
+    blocks = re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), re.S)
+    return next(b for b in blocks if containing in b)
+
+
+def test_the_doc_metric_table_is_metrics():
+    rows = [f"| `{m.name}` | {m.kind} | {', '.join(f'`{x}`' for x in m.labels) or '-'} | {m.help} |"
+            for m in METRICS.values()]
+    table = "\n".join(["| metric | kind | labels | meaning |", "|---|---|---|---|", *rows])
+    shown = re.search(r"<!-- metrics:begin[^>]*-->\n(.*?)\n<!-- metrics:end -->", DOC.read_text(), re.S).group(1)
+    assert shown == table, f"docs/monitoring.md: replace the metric table with\n{table}"
+
+
+def test_the_file_sd_snippet_lists_running_scraped_runs(tmp_path):
+    """The doc's monitor.json -> file_sd script: a running scraped job is a target, a finished job and a
+    textfile-only run are not (a stand-in squeue says which job runs)."""
+    runs = {"live": ("101", 9400), "ended": ("102", 9401), "textfile": ("103", 0)}
+    for run, (job, port) in runs.items():
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "monitor.json").write_text(json.dumps({
+            "host": f"node-{run}", "port": port, "addr": "0.0.0.0", "url": f"http://node-{run}:{port}/metrics",
+            "textfile": "", "job_id": job, "run": run, "pid": 1}))
+    (tmp_path / "bin").mkdir()
+    squeue = tmp_path / "bin" / "squeue"
+    squeue.write_text('#!/bin/sh\n[ "$3" = 101 ] && echo RUNNING\nexit 0\n')
+    squeue.chmod(0o755)
+    script = tmp_path / "file_sd.py"
+    script.write_text(doc_block("python", "file_sd"))
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
+    out = subprocess.run(["python3", str(script), *(str(tmp_path / r) for r in [*runs, "missing"])],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [{"targets": ["node-live:9400"], "labels": {"run": "live", "job_id": "101"}}]
+
+
+@needs_promtool
+def test_the_doc_prometheus_config_loads_the_rules(tmp_path):
+    config = yaml.safe_load(doc_block("yaml", "scrape_configs"))
+    assert config["scrape_configs"][0]["job_name"].startswith("hpctrain")  # what HpctrainTargetDown matches
+    config["rule_files"] = [str(RULES)]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    check = subprocess.run([PROMTOOL, "check", "config", str(tmp_path / "prometheus.yml")],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, []),
+    ({"HPCTRAIN_PROM_DIR": "/textfiles/", "SLURM_JOB_PARTITION": "gpu"},
+     ["monitor.prometheus_textfile=/textfiles/hpctrain-123456.prom", "monitor.labels=partition=gpu,user=ann"]),
+    ({"HPCTRAIN_PROM_PORT": "auto", "HPCTRAIN_PROM_LABELS": "cluster=frontier"},
+     ["monitor.prometheus_port=23456", "monitor.prometheus_addr=0.0.0.0",
+      "monitor.labels=partition=none,user=ann,cluster=frontier"]),
+])
+def test_train_sbatch_publishes_the_job_for_prometheus(tmp_path, env, expected):
+    """slurm/train.sbatch run by bash with a stand-in srun that prints its arguments (no Slurm needed)."""
+    (tmp_path / "bin").mkdir()
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    srun.chmod(0o755)
+    base = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HPCTRAIN_DIR": str(tmp_path), "VIRTUAL_ENV": "x",
+            "SLURM_JOB_ID": "123456", "SLURM_JOB_USER": "ann"}
+    out = subprocess.run(["bash", str(ROOT / "slurm" / "train.sbatch"), "--config", "my.toml", "train.steps=9"],
+                         capture_output=True, text=True, env={**base, **env}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    args = out.stdout.splitlines()
+    train = args.index("train")
+    assert args[train + 1:] == [*expected, "--config", "my.toml", "train.steps=9"]

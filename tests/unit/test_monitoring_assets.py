@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -246,7 +247,7 @@ def test_the_file_sd_snippet_lists_running_scraped_runs(tmp_path):
     script = tmp_path / "file_sd.py"
     script.write_text(doc_block("python", "file_sd"))
     env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
-    out = subprocess.run(["python3", str(script), *(str(tmp_path / r) for r in [*runs, "missing"])],
+    out = subprocess.run([sys.executable, str(script), *(str(tmp_path / r) for r in [*runs, "missing"])],
                          capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [{"targets": ["node-live:9400"], "labels": {"run": "live", "job_id": "101"}}]

@@ -2,15 +2,18 @@
 start by rank 0), with where to scrape them and how far they are; ``--file-sd`` turns them into a Prometheus
 ``file_sd_configs`` target file, so a centre's Prometheus finds every run without editing its config.
 
-A run is ``live`` when its rank 0 runs on this host (pid alive), ``ended`` when its ``summary.json`` is newer
-than its ``monitor.json`` or its pid is gone, ``elsewhere`` when it started on another host (its endpoint
-is listed as recorded). Its step is the last line of ``metrics.jsonl``.
+A run is ``ended`` when its ``summary.json`` is newer than its start; else, started on this host, ``live``
+while its rank 0's pid is; started on another host, ``live`` or ``ended`` as ``squeue`` says of its Slurm
+job (RUNNING or not), else ``elsewhere`` (no way to tell: listed, and a scrape target). Its step is the
+last line of ``metrics.jsonl``.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import subprocess
 import time
 
 from hpctrain.errors import HpcTrainError
@@ -51,12 +54,24 @@ def status(run_dir: str, record: dict) -> str:
     if os.path.exists(summary) and os.path.getmtime(summary) >= record.get("started", 0):
         return "ended"
     if record.get("host") != socket.gethostname():
-        return "elsewhere"
+        return slurm_state(record.get("job_id")) or "elsewhere"
     try:
         os.kill(int(record.get("pid", 0)), 0)
     except (OSError, ValueError):
         return "ended"
     return "live"
+
+
+def slurm_state(job_id) -> str | None:
+    """``live`` / ``ended`` for a Slurm job as ``squeue`` sees it; None without a job id or squeue."""
+    if not job_id or shutil.which("squeue") is None:
+        return None
+    try:
+        state = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
+                               timeout=30, stdin=subprocess.DEVNULL).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return "live" if state == "RUNNING" else "ended"
 
 
 def last_step(run_dir: str) -> int | None:

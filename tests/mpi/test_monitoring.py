@@ -102,10 +102,11 @@ def test_a_real_prometheus_scrapes_a_live_4_rank_run(prometheus, tmp_path):
         server = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
                                    f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        names = ("hpctrain_loss", "hpctrain_tokens_per_second", "hpctrain_rank_step_seconds")
         found, deadline = {}, time.time() + 150
-        while time.time() < deadline and len(found) < 3 and run.poll() is None:
+        while time.time() < deadline and not all(found.get(n) for n in names) and run.poll() is None:
             time.sleep(1)
-            for name in ("hpctrain_loss", "hpctrain_tokens_per_second", "hpctrain_rank_step_seconds"):
+            for name in names:
                 try:
                     found[name] = found.get(name) or query(prom_port, f'{name}{{cluster="ci"}}')
                 except OSError:
@@ -126,7 +127,7 @@ def test_a_real_prometheus_scrapes_a_live_4_rank_run(prometheus, tmp_path):
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=30)
-    assert run.returncode == 0, out[-3000:] + err[-3000:]
+    assert run.returncode == 75 and "(signal TERM); checkpoint saved" in out, out[-3000:] + err[-3000:]  # requeue
 
 
 def test_textfile_and_tensorboard_hold_the_runs_numbers_and_name_a_slow_rank(tmp_path):

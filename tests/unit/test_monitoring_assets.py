@@ -2,6 +2,7 @@
 (hpctrain/monitor/metrics.py), cover what a centre watches, and pass promtool: `check rules`, and
 `test rules` on synthetic series (each alert fires when it should and not before)."""
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -231,26 +232,29 @@ def test_the_doc_metric_table_is_metrics():
     assert shown == table, f"docs/monitoring.md: replace the metric table with\n{table}"
 
 
-def test_the_file_sd_snippet_lists_running_scraped_runs(tmp_path):
-    """The doc's monitor.json -> file_sd script: a running scraped job is a target, a finished job and a
-    textfile-only run are not (a stand-in squeue says which job runs)."""
+def test_hpctrain_runs_file_sd_lists_running_scraped_runs(tmp_path):
+    """`hpctrain runs --file-sd` (the doc's way to feed file_sd): a running scraped job on another node is a
+    target, a finished job and a textfile-only run are not (a stand-in squeue says which job runs)."""
     runs = {"live": ("101", 9400), "ended": ("102", 9401), "textfile": ("103", 0)}
     for run, (job, port) in runs.items():
-        (tmp_path / run).mkdir()
-        (tmp_path / run / "monitor.json").write_text(json.dumps({
+        (tmp_path / "runs" / run).mkdir(parents=True)
+        (tmp_path / "runs" / run / "monitor.json").write_text(json.dumps({
             "host": f"node-{run}", "port": port, "addr": "0.0.0.0", "url": f"http://node-{run}:{port}/metrics",
-            "textfile": "", "job_id": job, "run": run, "pid": 1}))
+            "textfile": "", "job_id": job, "run": run, "pid": 1, "started": 0,
+            "labels": {"run": run, "job_id": job, "layout": "dp1-pp1-tp1"}}))
     (tmp_path / "bin").mkdir()
     squeue = tmp_path / "bin" / "squeue"
     squeue.write_text('#!/bin/sh\n[ "$3" = 101 ] && echo RUNNING\nexit 0\n')
     squeue.chmod(0o755)
-    script = tmp_path / "file_sd.py"
-    script.write_text(doc_block("python", "file_sd"))
-    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, str(script), *(str(tmp_path / r) for r in [*runs, "missing"])],
-                         capture_output=True, text=True, env=env, timeout=60)
+    command = doc_block("bash", "--file-sd").split("\n")[0].split()
+    assert command[:2] == ["hpctrain", "runs"]
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    out = subprocess.run([sys.executable, "-m", "hpctrain.cli", "runs", str(tmp_path / "runs"), "--file-sd",
+                          str(tmp_path / "targets.json")], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == [{"targets": ["node-live:9400"], "labels": {"run": "live", "job_id": "101"}}]
+    assert json.loads((tmp_path / "targets.json").read_text()) == [
+        {"targets": ["node-live:9400"], "labels": {"run": "live", "job_id": "101", "layout": "dp1-pp1-tp1"}}]
+    assert "live" in out.stdout and "ended" in out.stdout
 
 
 @needs_promtool

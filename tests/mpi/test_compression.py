@@ -80,12 +80,15 @@ def test_error_feedback_is_what_makes_topk_converge(dense, tmp_path):
 
 @pytest.mark.parametrize("method,layout", [
     ("topk", ["parallel.zero=1"]),
+    ("onebit-adam", ["parallel.zero=1", "compression.warmup_steps=2"]),
+    ("onebit-adam", ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "compression.warmup_steps=2"]),
     ("onebit", ["parallel.tp=2", "parallel.pp=2", "parallel.zero=1", "parallel.microbatches=2"]),
     ("powersgd", ["parallel.pp=2", "parallel.microbatches=2"]),
 ])
 def test_exact_resume_keeps_compression_state(tmp_path, method, layout):
     """N steps + resume + N steps == 2N steps, bit for bit: the residuals (and PowerSGD's Q) are in the
-    checkpoint. 4 ranks; ZeRO-1 (compressed reduce-scatter), tp, pp, gradient accumulation."""
+    checkpoint. 4 ranks; ZeRO-1 (compressed reduce-scatter), tp, pp, gradient accumulation. onebit-adam:
+    resumed after its freeze (warm-up 2), its momentum, frozen variance and both error buffers."""
     common = ["data.max_bytes=300000", "train.progress=false", "train.seq_len=32", "model.n_layers=2",
               "train.steps=8", f"compression.method={method}", "compression.density=0.05", *layout]
     train(tmp_path / "whole", *common, nprocs=4)
@@ -127,3 +130,22 @@ def test_vocabulary_padding_stays_zero_under_lossy_compression():
     result = run_mpi(2, "check_fidelity.py", "--layouts", "2,1,1", "--variants", "1f1b/zero1", "--rtol", "0.5",
                      "model.vocab_size=257", "compression.method=onebit", timeout=120)
     assert "FIDELITY OK 2" in result.stdout
+
+
+def test_onebit_adam_equals_its_reference_on_4_ranks():
+    """float64: at every compressed step the averaged momentum equals the algorithm written out from every
+    replica's gradients (worker and server error feedback), bit for bit, the same on every replica; the
+    variance stays frozen (check_onebit_adam.py). dp=4, dp=2 x tp=2, dp=2 x pp=2; ZeRO-1 off and on."""
+    out = run_mpi(4, "check_onebit_adam.py", "--layouts", "4,1,1;2,2,1;2,1,2", timeout=300).stdout
+    assert "ONEBIT-ADAM OK" in out and out.count("OK dp=") == 6, out
+
+
+def test_onebit_adam_resumed_from_another_method_is_one_line_naming_the_key(tmp_path):
+    common = ["data.max_bytes=300000", "train.progress=false", "train.seq_len=32", "model.n_layers=2",
+              "compression.warmup_steps=2", "checkpoint.async=false"]
+    train(tmp_path, *common, "train.steps=3", "compression.method=topk")
+    out = train(tmp_path, *common, "train.steps=5", "compression.method=onebit-adam", "--resume", "auto", check=False)
+    assert out.returncode == 2, out.output
+    errors = [line for line in out.stderr.splitlines() if "error" in line]
+    assert errors and all("compression.method='onebit-adam'" in line and "compression.method='topk'" in line
+                          for line in errors), out.stderr

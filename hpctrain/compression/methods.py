@@ -10,7 +10,7 @@ import sys
 
 from hpctrain.compression.onebit_adam import OneBitAdamReducer
 from hpctrain.compression.powersgd import PowerSGDReducer
-from hpctrain.compression.quantize import Bf16, Fp16, Int8, OneBit
+from hpctrain.compression.quantize import Bf16, BlockOneBit, Fp16, Int8, OneBit
 from hpctrain.compression.reducer import CompressedReducer, DenseReducer, GradReducer
 from hpctrain.compression.sparse import RandomK, TopK
 from hpctrain.compression.zfp import Zfp
@@ -48,5 +48,5 @@ def build_reducer(cfg, flat, grid, seed: int = 0, stream=sys.stderr, optimizer: 
     if cfg.method == "powersgd":
         return PowerSGDReducer(flat, cfg, seed=seed, node_comms=node_comms)
     if cfg.method == "onebit-adam":  # the momentum, 1 bit (sign + a scale per chunk), after a dense warm-up
-        return OneBitAdamReducer(flat, cfg, OneBit(cfg), seed=seed, node_comms=node_comms)
+        return OneBitAdamReducer(flat, cfg, BlockOneBit(cfg), seed=seed, node_comms=node_comms)
     return CompressedReducer(flat, cfg, COMPRESSORS[cfg.method](cfg), seed=seed, node_comms=node_comms)

@@ -7,7 +7,7 @@ made ``warmup_steps`` steps; with ZeRO-1 too):
   c_r   = beta1 m / p + (1 - beta1) g_r / S       this rank's share of the new momentum (g_r: its own
                                                   unreduced main grads, S: the loss scale; sum_r c_r is
                                                   AdamW's  beta1 m + (1 - beta1) g  for the summed g)
-  m'    = sum_r onebit(c_r + worker error)        compressed all-to-all (sign + one scale per chunk), each
+  m'    = sum_r onebit(c_r + worker error)        compressed all-to-all (sign + a scale per 2048 values), each
                                                   chunk's sum re-compressed with the SERVER error and
                                                   all-gathered (exchange.AlltoallSum, never slice-only):
                                                   the same bits on every rank, also with ZeRO-1

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from hpctrain.compression.quantize import ONEBIT_BLOCK, BlockOneBit
 from hpctrain.config import Config, ConfigError, OptimConfig, apply_overrides, validate
 from hpctrain.optim.flat import FlatOptimizer
 from hpctrain.parallel.data_parallel import FlatParams
@@ -80,3 +81,17 @@ def test_zero1_keeps_the_whole_momentum_with_the_owned_block_as_exp_avg():
     assert whole.numel() == part.bucket.size and part.exp_avg.numel() == part.bucket.size // 2
     assert part.exp_avg.data_ptr() == whole[part.start - part.bucket.start:].data_ptr()
     assert FlatOptimizer(flat, OptimConfig()).full_momentum == {}  # plain AdamW: no extra buffer
+
+
+def test_block_onebit_is_sign_times_each_blocks_mean_magnitude():
+    n = 2 * ONEBIT_BLOCK + 100  # a short last block
+    x = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x[:ONEBIT_BLOCK] *= 1e-4  # blocks of very different magnitudes keep their own scale
+    c = BlockOneBit(None)
+    payload = c.compress(x)
+    assert payload.numel() == c.payload_nbytes(n, x.dtype) == -(-(4 * 3 + -(-n // 8)) // 8) * 8
+    y = c.decompress(payload, n, x.dtype)
+    for lo in range(0, n, ONEBIT_BLOCK):
+        xb = x[lo:lo + ONEBIT_BLOCK]
+        want = torch.where(xb >= 0, 1.0, -1.0).double() * xb.abs().mean().float().double()
+        assert torch.equal(y[lo:lo + ONEBIT_BLOCK], want)

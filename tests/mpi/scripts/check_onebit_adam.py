@@ -11,8 +11,8 @@ the reference (on every rank, from all replicas' g_r) is the algorithm written o
   sum_j = sum_r sent_r[j] (rank order);  out_j = C(sum_j + s_j);  s_j = sum_j + s_j - out_j
   m' = [out_0 ... out_{p-1}] * mask (vocabulary and bucket padding masked)
 
-with C = decompress(compress(.)) of the onebit compressor. Checked: the committed momentum == m' bit
-for bit; it is the same on every rank of the replica group; exp_avg_sq is unchanged since the freeze;
+with C = decompress(compress(.)) of onebit-adam's compressor (sign + a scale per 2048 values). Checked:
+the committed momentum == m' bit for bit; it is the same on every rank of the replica group; exp_avg_sq is unchanged since the freeze;
 the parameters are the same on every replica. Prints "ONEBIT-ADAM OK <n>" on world rank 0.
 """
 import argparse
@@ -21,7 +21,7 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.comm.grid import ProcessGrid
-from hpctrain.compression.quantize import OneBit
+from hpctrain.compression.quantize import BlockOneBit
 from hpctrain.config import load_config
 from hpctrain.data.corpus import load_tokens_collective
 from hpctrain.runtime.launcher import discover
@@ -36,7 +36,7 @@ class Reference:
     """1-bit Adam's averaged momentum from every replica's gradients, with its own error buffers."""
 
     def __init__(self, p, beta1):
-        self.p, self.beta1, self.compressor = p, beta1, OneBit(None)
+        self.p, self.beta1, self.compressor = p, beta1, BlockOneBit(None)
         self.worker, self.server = {}, {}  # (bucket, replica rank) / (bucket, chunk) -> error
 
     def momentum(self, index, momentum, grads, mask):
@@ -110,7 +110,7 @@ def main():
     world = MPI.COMM_WORLD
     base = ["data.max_bytes=300000", "train.global_batch=8", "train.seq_len=16", "model.n_layers=2",
             "train.dtype=float64", "parallel.microbatches=2", "train.lr=1e-2", "model.vocab_size=257",
-            "compression.method=onebit-adam", "compression.warmup_steps=2"] + args.overrides
+            "compression.method=onebit-adam", "compression.warmup_steps=2", "parallel.bucket_mb=0.2"] + args.overrides
     cfg0 = load_config(None, base)
     tokens = load_tokens_collective(world, cfg0.data.source, cfg0.data.cache_dir, cfg0.data.max_bytes)
     total = 0

@@ -1,5 +1,6 @@
 """1-bit Adam without MPI: its bad input, and the optimizer's frozen-variance step against a float64
 reference (the reducer on real ranks: tests/mpi/scripts/check_onebit_adam.py)."""
+import io
 import math
 from types import SimpleNamespace
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from hpctrain.compression.methods import ADAMW_GAPS, warn_adamw_gap
 from hpctrain.compression.quantize import ONEBIT_BLOCK, BlockOneBit
 from hpctrain.config import Config, ConfigError, OptimConfig, apply_overrides, validate
 from hpctrain.optim.flat import FlatOptimizer
@@ -95,3 +97,15 @@ def test_block_onebit_is_sign_times_each_blocks_mean_magnitude():
         xb = x[lo:lo + ONEBIT_BLOCK]
         want = torch.where(xb >= 0, 1.0, -1.0).double() * xb.abs().mean().float().double()
         assert torch.equal(y[lo:lo + ONEBIT_BLOCK], want)
+
+
+@pytest.mark.parametrize("method,optimizer,rank,warned", [
+    ("topk", "adamw", 0, True), ("randomk", "adamw", 0, True), ("onebit", "adamw", 0, True),
+    ("topk", "adamw", 1, False), ("topk", "sgd", 0, False), ("powersgd", "adamw", 0, False),
+    ("onebit-adam", "adamw", 0, False)])
+def test_methods_that_do_not_come_near_dense_adamw_warn_on_rank_0(method, optimizer, rank, warned):
+    stream = io.StringIO()
+    warn_adamw_gap(SimpleNamespace(method=method), optimizer, rank, stream)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == int(warned)
+    assert not warned or (f"compression.method={method!r}" in lines[0] and ADAMW_GAPS[method] in lines[0])

@@ -196,3 +196,22 @@ def test_topk_with_adamw_is_beyond_5_percent_and_says_so_once(dense_adamw, tmp_p
     assert len(warnings) == 1 and "compression.method='topk'" in warnings[0] and "+5.6%" in warnings[0], out.stderr
     sgd = train(tmp_path / "sgd", *SGD[:2], "train.steps=2", "optim.name=sgd", "compression.method=topk")
     assert "with optim.name='adamw' ended" not in sgd.stderr
+
+
+def test_onebit_adam_in_half_precision_and_across_nodes_only(tmp_path):
+    """float16 (loss scaling: the error buffers are in momentum units) and bfloat16 train like float32;
+    scope=inter-node on 2 emulated nodes x 2 ranks sums the shares dense inside a node and 1-bit across
+    nodes: a smaller ratio than every link in 1 bit, the same loss within 5%."""
+    common = ["train.progress=false", "train.steps=30", "compression.method=onebit-adam",
+              "compression.warmup_steps=10"]
+    runs = {}
+    for name, extra, nodes in [("float32", [], None), ("float16", ["train.dtype=float16"], None),
+                               ("bfloat16", ["train.dtype=bfloat16"], None),
+                               ("all", [], ["n0", "n1"]), ("inter", ["compression.scope=inter-node"], ["n0", "n1"])]:
+        train(tmp_path / name, *common, *extra, nprocs=4, fake_nodes=nodes)
+        runs[name] = records(tmp_path / name)
+    reference = sum(r["loss"] for r in runs["float32"][-5:]) / 5
+    for name, rows in runs.items():
+        assert abs(final_loss(tmp_path / name) - reference) <= 0.05 * reference, name
+        assert sum(r["skipped"] for r in rows) <= 2, name
+    assert runs["all"][-1]["compression_ratio"] > 30 and 1.0 < runs["inter"][-1]["compression_ratio"] < 30

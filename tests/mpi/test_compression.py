@@ -135,9 +135,10 @@ def test_vocabulary_padding_stays_zero_under_lossy_compression():
 def test_onebit_adam_equals_its_reference_on_4_ranks():
     """float64: at every compressed step the averaged momentum equals the algorithm written out from every
     replica's gradients (worker and server error feedback), bit for bit, the same on every replica; the
-    variance stays frozen (check_onebit_adam.py). dp=4, dp=2 x tp=2, dp=2 x pp=2; ZeRO-1 off and on."""
-    out = run_mpi(4, "check_onebit_adam.py", "--layouts", "4,1,1;2,2,1;2,1,2", timeout=300).stdout
-    assert "ONEBIT-ADAM OK" in out and out.count("OK dp=") == 6, out
+    variance stays frozen (check_onebit_adam.py). dp=4, dp=2 x tp=2, dp=2 x pp=2, dp=2 x cp=2 (the replica
+    group dp x cp); ZeRO-1 off and on."""
+    out = run_mpi(4, "check_onebit_adam.py", "--layouts", "4,1,1;2,2,1;2,1,2;2,1,1,2", timeout=300).stdout
+    assert "ONEBIT-ADAM OK" in out and out.count("OK dp=") == 8, out
 
 
 def test_onebit_adam_resumed_from_another_method_is_one_line_naming_the_key(tmp_path):

@@ -1,8 +1,8 @@
 """1-bit Adam on real ranks against a reference computed from every replica's gradients (float64).
 
-    mpiexec -n K python -m mpi4py check_onebit_adam.py --layouts "4,1,1;2,2,1;2,1,2" [overrides]
+    mpiexec -n K python -m mpi4py check_onebit_adam.py --layouts "4,1,1;2,2,1;2,1,2;2,1,1,2" [overrides]
 
-For each layout "dp,tp,pp" (ZeRO-1 off and on) train ``--steps`` steps with compression.method=onebit-adam.
+For each layout "dp,tp,pp[,cp]" (ZeRO-1 off and on; with cp the replica group is dp x cp) train ``--steps`` steps with compression.method=onebit-adam.
 At every compressed step each rank records its own main grads g_r and the momentum m before the step;
 the reference (on every rank, from all replicas' g_r) is the algorithm written out plainly:
 
@@ -103,7 +103,7 @@ def check(cfg, world, tokens, steps):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp"')
+    ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp" or "dp,tp,pp,cp"')
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -115,15 +115,15 @@ def main():
     tokens = load_tokens_collective(world, cfg0.data.source, cfg0.data.cache_dir, cfg0.data.max_bytes)
     total = 0
     for layout in args.layouts.split(";"):
-        dp, tp, pp = (int(v) for v in layout.split(","))
+        dp, tp, pp, cp = ([int(v) for v in layout.split(",")] + [1])[:4]
         for zero in (0, 1):
             cfg = load_config(None, base + [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                                            f"parallel.zero={zero}"])
+                                            f"parallel.cp={cp}", f"parallel.zero={zero}"])
             checks = check(cfg, world, tokens, args.steps)
             assert checks > 0
             total += checks
             if world.Get_rank() == 0:
-                print(f"OK dp={dp} tp={tp} pp={pp} zero={zero}: {checks} bucket-steps equal the reference", flush=True)
+                print(f"OK dp={dp} tp={tp} pp={pp} cp={cp} zero={zero}: {checks} bucket-steps equal the reference", flush=True)
     if world.Get_rank() == 0:
         print(f"ONEBIT-ADAM OK {total}")
 

@@ -94,11 +94,11 @@ class CommConfig:
 class CompressionConfig:
     """Gradient compression of the data-parallel reduction (docs/compression.md)."""
     method: str = _field("none", choices=("none", "fp16", "bf16", "int8", "topk", "randomk", "powersgd",
-                                          "onebit", "zfp"))
+                                          "onebit", "zfp", "onebit-adam"))
     density: float = _field(0.01, above=0, max=1)  # topk/randomk: fraction of elements sent
     rank: int = _field(4, min=1)  # powersgd: rank of the low-rank approximation
     error_feedback: bool = True  # add what compression dropped to the next step's gradient
-    warmup_steps: int = _field(0, min=0)  # dense steps before compression starts
+    warmup_steps: int = _field(0, min=0)  # dense steps before compression starts (onebit-adam: > 0)
     scope: str = _field("all", choices=("all", "inter-node"))  # inter-node: dense inside a node
     min_numel: int = _field(0, min=0)  # buckets (powersgd: matrices) with fewer elements go dense
     zfp_rate: float = _field(8.0, above=0, max=32)  # zfp: bits per value (fixed-rate mode)
@@ -409,7 +409,19 @@ def validate(cfg: Config) -> None:
              f"{t.eval_interval} needs held-out data: set data.valid_fraction (e.g. 0.05)")
     if cfg.lora.rank:
         _check_lora(cfg.lora, m)
+    _check_onebit_adam(cfg.compression, cfg.optim)
     _check_monitor(cfg.monitor)
+
+
+def _check_onebit_adam(comp: CompressionConfig, optim: OptimConfig) -> None:
+    """1-bit Adam compresses AdamW's momentum and freezes its variance after a dense warm-up."""
+    if comp.method != "onebit-adam":
+        return
+    _require(optim.name == "adamw", "compression.method",
+             f"'onebit-adam' compresses AdamW's momentum: it needs optim.name='adamw', got {optim.name!r}")
+    _require(comp.warmup_steps > 0, "compression.warmup_steps",
+             "must be > 0 with compression.method='onebit-adam' (its dense AdamW steps: with 0 the variance "
+             "would freeze at its initial zeros)")
 
 
 def _check_monitor(mon: MonitorConfig) -> None:

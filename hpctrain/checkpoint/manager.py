@@ -27,8 +27,8 @@ from hpctrain.checkpoint.directory import (REPLACED_SUFFIX, RETIRED_PREFIX, free
                                            list_checkpoints, read_latest, recover_replaced, resolve_latest, retire)
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
-from hpctrain.checkpoint.state import (ANOTHER_MODEL, BASE_UNUSABLE, CheckpointError, apply_state, read_state,
-                                      snapshot)
+from hpctrain.checkpoint.state import (ANOTHER_METHOD, ANOTHER_MODEL, BASE_UNUSABLE, CheckpointError,
+                                      apply_state, read_state, snapshot)
 from hpctrain.checkpoint.writers import WriteFailed, has_parallel_h5py, write_mpio, write_shards
 from hpctrain.comm.collectives import Communicator
 from hpctrain.errors import HpcTrainError, everywhere
@@ -308,7 +308,7 @@ class CheckpointManager:
                 raise everywhere(CheckpointError(f"--resume auto: the newest checkpoint of {self.dir} was {ANOTHER_MODEL} "
                                       f"than this config ({problem}). Nothing was changed. Make model.* match "
                                       f"the run's config.json, or use another train.run_dir, or --resume none"))
-            if problem and BASE_UNUSABLE in problem:  # every checkpoint of the run refers to the same base
+            if problem and (BASE_UNUSABLE in problem or ANOTHER_METHOD in problem):  # every checkpoint of the run refers to the same base
                 raise everywhere(CheckpointError(f"--resume auto: cannot resume from {path}: {problem}. Nothing "
                                                  f"was changed"))
             if not problem:

@@ -152,6 +152,12 @@ def _read_compression(state: TrainState, reader, staged) -> None:
         staged.compression_note = "the checkpoint has no compression state for this rank"
         return
     theirs = decode_json(reader.read_checked(f"{group}/signature", Box((0,), shape)))
+    methods = {theirs.get("method"), mine.get("method")}
+    if len(methods) > 1 and "onebit-adam" in methods:  # momentum and error buffers of another meaning
+        raise CheckpointError(f"compression.method={mine.get('method')!r}: {reader.path} was written with "
+                              f"compression.method={theirs.get('method')!r}; {ANOTHER_METHOD} (1-bit Adam's "
+                              f"error buffers and frozen variance do not carry over): resume with "
+                              f"compression.method={theirs.get('method')!r}, or start a new run")
     if theirs != json.loads(json.dumps(mine)) or reader.attrs["layout"].get("world") != state.world_size:
         staged.compression_note = "it was written by another compression method, layout or bucket split"
         return
@@ -161,6 +167,7 @@ def _read_compression(state: TrainState, reader, staged) -> None:
             staged.compression[key] = torch.from_numpy(reader.read_checked(name, Box((0,), reader.shape(name))).copy())
 
 
+ANOTHER_METHOD = "another compression method's checkpoint"  # onebit-adam <-> another method: no fallback
 BASE_UNUSABLE = "its LoRA base weights cannot be used"  # in every message of a referred base: no fallback
 
 

@@ -82,3 +82,34 @@ class OneBit(Compressor):
         bits = (packed[:, None] & _BIT_WEIGHTS.to(payload.device)) > 0
         signs = bits.reshape(-1)[:n].to(dtype) * 2 - 1
         return signs * scale
+
+
+ONEBIT_BLOCK = 2048
+
+
+class BlockOneBit(Compressor):
+    """Sign bits packed 8 per byte, times one float32 scale (mean |x|) per block of ``ONEBIT_BLOCK`` values:
+    1 + 32 / 2048 bits per value. The momentum compressor of onebit-adam (a bucket mixes parameters whose
+    momenta differ by orders of magnitude; a scale per chunk would drown the small ones)."""
+    name = "onebit-blocks"
+
+    def payload_nbytes(self, n, dtype):
+        return pad8(4 * -(-n // ONEBIT_BLOCK) + -(-n // 8))
+
+    def compress(self, x):
+        n, blocks = x.numel(), -(-x.numel() // ONEBIT_BLOCK)
+        xb = F.pad(x.abs(), (0, blocks * ONEBIT_BLOCK - n)).view(blocks, ONEBIT_BLOCK)
+        counts = torch.full((blocks,), ONEBIT_BLOCK, dtype=x.dtype, device=x.device)
+        counts[-1] = n - (blocks - 1) * ONEBIT_BLOCK
+        scale = (xb.sum(dim=1) / counts).to(torch.float32)
+        bits = F.pad((x >= 0).to(torch.uint8), (0, -n % 8)).view(-1, 8)
+        packed = (bits * _BIT_WEIGHTS.to(x.device)).sum(dim=1, dtype=torch.uint8)
+        return frame([scale, packed], self.payload_nbytes(n, x.dtype))
+
+    def decompress(self, payload, n, dtype):
+        blocks = -(-n // ONEBIT_BLOCK)
+        scale = payload[:4 * blocks].view(torch.float32).to(dtype)
+        packed = payload[4 * blocks:4 * blocks + -(-n // 8)]
+        bits = (packed[:, None] & _BIT_WEIGHTS.to(payload.device)) > 0
+        signs = bits.reshape(-1)[:n].to(dtype) * 2 - 1
+        return signs * scale.repeat_interleave(ONEBIT_BLOCK)[:n]

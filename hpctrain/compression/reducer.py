@@ -38,9 +38,11 @@ class GradReducer:
         self.dense_bytes = self.sent_bytes = 0  # this step: what dense would send / what was sent
         self.clock = Stopwatch(flat.timer)
         self.overflow = False  # a bucket had inf/NaN (float16 runs check; the trainer skips the step)
+        self.loss_scale = 1.0
 
-    def begin_step(self, step: int) -> None:
-        self.step, self.overflow = step, False
+    def begin_step(self, step: int, loss_scale: float = 1.0) -> None:
+        """``loss_scale``: the factor this step's main grads carry (float16 runs; 1 otherwise)."""
+        self.step, self.overflow, self.loss_scale = step, False, loss_scale
         self.dense_bytes = self.sent_bytes = 0
         self.clock.seconds = 0.0
 
@@ -64,6 +66,9 @@ class GradReducer:
     def step_stats(self) -> dict:
         ratio = self.dense_bytes / self.sent_bytes if self.sent_bytes else 1.0
         return {"compression_ratio": ratio, "compress_s": self.clock.seconds}
+
+    def bind_optimizer(self, optimizer) -> None:
+        """Called once the optimizer exists (a reducer that shares state with it: onebit-adam)."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
@@ -114,7 +119,11 @@ class CompressedReducer(GradReducer):
         if self._dense_now(bucket):
             self._running[bucket.index] = None
             return self.dense._start(bucket)
-        x = self.grads(bucket)
+        return self._start_compressed(bucket, self.grads(bucket), slice_only=self.flat.zero)
+
+    def _start_compressed(self, bucket, x: torch.Tensor, *, slice_only: bool):
+        """The compressed sum of ``x`` (this rank's bucket-sized contribution) over the group, launched;
+        ``slice_only``: only this rank's ZeRO-1 block of the sum is wanted."""
         if self.intra is not None:  # dense inside the node first: this rank sums 1/L of the bucket
             part = torch.empty(x.numel() // self.intra.size, dtype=x.dtype, device=x.device)
             self.intra.reduce_scatter(part, x)
@@ -124,7 +133,7 @@ class CompressedReducer(GradReducer):
         key = f"worker/{bucket.index}"
         corrected = self.memory.corrected(key, x) if self.memory is not None else x
         reduction = self.strategy(self.inter, self.compressor, corrected, clock=self.clock,
-                                  slice_only=self.flat.zero and self.intra is None,
+                                  slice_only=slice_only and self.intra is None,
                                   server_memory=self.memory, server_key=f"server/{bucket.index}",
                                   key=(self.seed, self.step, bucket.index))
         if self.memory is not None:
@@ -136,16 +145,21 @@ class CompressedReducer(GradReducer):
         reduction = self._running.pop(bucket.index)
         if reduction is None:
             return self.dense._finish(bucket)
-        result = reduction.finish()
-        if self.intra is not None:
-            full = torch.empty(bucket.size, dtype=result.dtype, device=result.device)
-            self.intra.allgather(full, result.contiguous())
-            result = full
+        result = self._finish_compressed(bucket, reduction)
         if self.flat.zero:
             bucket.slice_grad.copy_(result if result.numel() == bucket.slice_grad.numel()
                                     else own_block(result, self.comm))
         else:
             self.grads(bucket).copy_(result)
+
+    def _finish_compressed(self, bucket, reduction) -> torch.Tensor:
+        """The sum of a compressed reduction: the whole bucket, or this rank's block (ZeRO-1 slice_only)."""
+        result = reduction.finish()
+        if self.intra is not None:
+            full = torch.empty(bucket.size, dtype=result.dtype, device=result.device)
+            self.intra.allgather(full, result.contiguous())
+            result = full
+        return result
 
     def after_step(self, skipped: bool, scale_ratio: float = 1.0) -> None:
         if self.memory is None:

@@ -9,6 +9,12 @@ Gradient norm (for clipping and logging) is global: each element is counted by e
 (the dp rank whose 1/dp slice of the bucket holds it — with or without ZeRO, so the work is split —,
 and ``SlabSpec.counted_on``: TP rank 0 for TP-replicated weights, never the last stage's
 tied-embedding copy; the checkpoint writer uses the same predicate), then summed over the world.
+
+1-bit Adam (``freeze_variance_after = W``, compression.method = "onebit-adam"): the first W steps are
+AdamW; later steps leave ``exp_avg_sq`` (and its bias correction, 1 - beta2^W) frozen and take the
+momentum the reducer averaged (``momentum_from_reducer``; hpctrain/compression/onebit_adam.py) from
+``full_momentum``: per bucket, the whole bucket's momentum on every rank (with ZeRO-1 too: each rank's
+1-bit share needs all of it; its owned block is the slice's ``exp_avg``).
 """
 from __future__ import annotations
 
@@ -43,8 +49,12 @@ class OptimizerSlice:
 
 
 class FlatOptimizer:
-    def __init__(self, flat, cfg_optim, *, tp_rank: int = 0, master_dtype: torch.dtype | None = None):
+    def __init__(self, flat, cfg_optim, *, tp_rank: int = 0, master_dtype: torch.dtype | None = None,
+                 freeze_variance_after: int | None = None):
         self.flat, self.cfg, self.tp_rank = flat, cfg_optim, tp_rank
+        self.freeze_variance_after = freeze_variance_after
+        self.momentum_from_reducer = False  # set by OneBitAdamReducer.bind_optimizer
+        self.full_momentum: dict[int, torch.Tensor] = {}  # bucket index -> its whole momentum (1-bit Adam)
         param_dtype = flat.param_buffer.dtype
         self.master_dtype = master_dtype or (torch.float32 if param_dtype in (torch.float16, torch.bfloat16)
                                              else param_dtype)
@@ -63,7 +73,13 @@ class FlatOptimizer:
         counted = flat.param_ranges(start, end, lambda p: p.spec.counted_on(self.tp_rank))
         norm_ranges = [r for lo, hi in counted if (r := intersect(lo, hi, count_lo - start, count_hi - start))]
         zeros = lambda: torch.zeros(end - start, dtype=self.master_dtype, device=params.device)  # noqa: E731
-        return OptimizerSlice(bucket, start, end, params, master, zeros(), zeros(),
+        exp_avg = zeros()
+        if self.freeze_variance_after is not None:  # 1-bit Adam: the whole bucket's momentum on every rank
+            whole = exp_avg if (start, end) == (bucket.start, bucket.end) else \
+                torch.zeros(bucket.size, dtype=self.master_dtype, device=params.device)
+            self.full_momentum[bucket.index] = whole
+            exp_avg = whole[start - bucket.start:end - bucket.start]
+        return OptimizerSlice(bucket, start, end, params, master, exp_avg, zeros(),
                               flat.param_ranges(start, end, lambda p: p.dim() >= 2), norm_ranges)
 
     @property
@@ -98,13 +114,17 @@ class FlatOptimizer:
         machine the update took 6.5 ms with three temporaries, 1.0 ms without (docs/benchmarks.md)."""
         self.step_count += 1
         c = self.cfg
+        frozen = self.freeze_variance_after is not None and self.step_count > self.freeze_variance_after
         for s in self.owned_slices:
             grad = self.flat.owned_grad(s.bucket, s.start, s.end).to(self.master_dtype)
             master = s.master
             if c.weight_decay:
                 for lo, hi in s.decay_ranges:
                     master[lo:hi].mul_(1 - lr * c.weight_decay)
-            if c.name == "adamw":
+            if c.name == "adamw" and frozen:
+                frozen_adam_update_(master, grad, s.exp_avg, s.exp_avg_sq, lr, self.step_count, c, grad_coef,
+                                    self._scratch(master), self.freeze_variance_after, self.momentum_from_reducer)
+            elif c.name == "adamw":
                 adamw_update_(master, grad, s.exp_avg, s.exp_avg_sq, lr, self.step_count, c, grad_coef,
                               self._scratch(master))
             elif c.momentum:  # sgd with momentum
@@ -137,6 +157,17 @@ def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     denom = torch.sqrt(exp_avg_sq, out=scratch) if scratch is not None else exp_avg_sq.sqrt()
     denom.div_(math.sqrt(bias2)).add_(c.eps)
     master.addcdiv_(exp_avg, denom, value=-lr / bias1)
+
+
+def frozen_adam_update_(master, grad, exp_avg, exp_avg_sq, lr: float, step: int, c, grad_coef: float,
+                        scratch: torch.Tensor, frozen_at: int, momentum_ready: bool) -> None:
+    """1-bit Adam's step after the freeze: ``exp_avg_sq`` and its bias correction stay as they were at step
+    ``frozen_at``; the momentum is the reducer's average (``momentum_ready``) or, with no reducer to average
+    it (a single replica), AdamW's update from ``grad_coef * grad``."""
+    if not momentum_ready:
+        exp_avg.mul_(c.beta1).add_(grad, alpha=(1 - c.beta1) * grad_coef)
+    denom = torch.sqrt(exp_avg_sq, out=scratch).div_(math.sqrt(1 - c.beta2 ** frozen_at)).add_(c.eps)
+    master.addcdiv_(exp_avg, denom, value=-lr / (1 - c.beta1 ** step))
 
 
 def lr_at(step: int, train) -> float:

@@ -135,12 +135,15 @@ MEANINGS: dict[str, str] = {
     "compression.method": "Gradient compression of the data-parallel reduction: `none` (dense all-reduce), `fp16`, `bf16`, "
                           "`int8` (scale per 256 values), `topk`, `randomk` (keep `density` of the values), "
                           "`powersgd` (rank-`rank` matrices), `onebit` (sign + scale), `zfp` (fixed rate "
-                          "`zfp_rate`, needs zfpy). See docs/compression.md for costs and when each pays.",
+                          "`zfp_rate`, needs zfpy), `onebit-adam` (1-bit Adam: AdamW's momentum in 1 bit after "
+                          "`warmup_steps` dense steps, variance frozen; needs optim.name = adamw). See "
+                          "docs/compression.md for costs and when each pays.",
     "compression.density": "topk / randomk: fraction of each bucket's values sent (0.01 = 1%).",
     "compression.rank": "powersgd: rank r of the approximation P Q^T; a matrix is compressed only if 2 (m+n) r <= m n.",
     "compression.error_feedback": "Keep what compression dropped and add it to the next step's gradient (also "
                                   "on the summed side for the quantizers). Saved in checkpoints.",
-    "compression.warmup_steps": "Dense steps before compression starts.",
+    "compression.warmup_steps": "Dense steps before compression starts (onebit-adam: the dense AdamW steps "
+                                "before the variance freezes; must be > 0).",
     "compression.scope": "`all`: compress every dp link. `inter-node`: dense reduce-scatter inside each node, "
                          "compressed sum across nodes, all-gather inside the node (from the process grid's node map).",
     "compression.min_numel": "Buckets (powersgd: matrices) with fewer elements than this go dense.",

@@ -108,8 +108,12 @@ class Trainer:
                                tp_comm=tp_comm, pp_comm=pp_comm,
                                bucket_mb=p.bucket_mb, zero=layout.zero == 1, timer=self.timer,
                                check_finite=self.dtype == torch.float16,
-                               make_reducer=partial(build_reducer, self.cfg.compression, grid=grid, seed=t.seed))
-        self.optimizer = FlatOptimizer(self.flat, self.cfg.optim, tp_rank=grid.coords["tp"])
+                               make_reducer=partial(build_reducer, self.cfg.compression, grid=grid, seed=t.seed,
+                                                    optimizer=self.cfg.optim.name))
+        comp = self.cfg.compression  # 1-bit Adam: AdamW's variance frozen after the dense warm-up
+        freeze = comp.warmup_steps if comp.method == "onebit-adam" else None
+        self.optimizer = FlatOptimizer(self.flat, self.cfg.optim, tp_rank=grid.coords["tp"], freeze_variance_after=freeze)
+        self.flat.reducer.bind_optimizer(self.optimizer)
         self.executor = PipelineExecutor(self.chunks, pp_comm if layout.pp_size > 1 else None, self.flat,
                                          layout.schedule, layout.microbatches,
                                          (layout.seq_chunk, self.micro_batch, m.d_model),
@@ -163,7 +167,7 @@ class Trainer:
         self.local_model.train()
         self.flat.start_step()
         reducer = self.flat.reducer
-        reducer.begin_step(self.step)
+        reducer.begin_step(self.step, self.scaler.scale)
         self.faults.hit("forward", self.step + 1)
         # no counted token (impossible with `data prepare` output): loss 0, zero gradients
         scaled_loss = self.executor.run(inputs, targets, self.scaler.scale / max(counted, 1), **packing)

@@ -99,7 +99,8 @@ def test_powersgd_compresses_only_matrices_well_below_full_size():
 
 
 def test_every_configurable_method_has_a_compressor():
-    """``compression.method`` choices == the table's names + the two methods that are not chunk-wise."""
+    """``compression.method`` choices == the table's names + the methods that are not a chunk compressor of the
+    gradient (onebit-adam compresses AdamW's momentum with ``onebit``)."""
     choices = {f.name: f.metadata for f in dataclasses.fields(CompressionConfig)}["method"]["choices"]
-    assert set(choices) == set(COMPRESSORS) | {"none", "powersgd"}
+    assert set(choices) == set(COMPRESSORS) | {"none", "powersgd", "onebit-adam"}
     assert all(cls.name == name for name, cls in COMPRESSORS.items())

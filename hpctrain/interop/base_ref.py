@@ -32,7 +32,7 @@ def tensor_crc(source, name: str, shape: tuple[int, ...]) -> int:
     """CRC-32 of the global tensor ``name`` of ``source`` (``sources.open_source``), read by row chunks."""
     if not shape:
         return zlib.crc32(_bytes(source.read(name)))
-    row_bytes = max(1, int(torch.Size(shape[1:]).numel()) * 8)
+    row_bytes = max(1, int(torch.Size(shape[1:]).numel()) * 8)  # chunk sizing: at most 8 bytes an element
     rows = max(1, CHUNK_BYTES // row_bytes)
     crc, rest = 0, tuple(slice(None) for _ in shape[1:])
     for lo in range(0, shape[0], rows):

@@ -71,17 +71,24 @@ def supported_tp(m: ModelConfig) -> list[int]:
     return [t for t in range(1, 65) if not (m.n_heads % t or m.n_kv_heads % t or m.d_ff % t)]
 
 
-def read_config(directory: str) -> dict:
-    path = os.path.join(directory, CONFIG_FILE)
+def read_dir_json(directory: str, name: str, kind: str, error=None):
+    """The JSON file ``name`` of the ``kind`` directory (e.g. "Hugging Face model"); ``error`` (default HFError)
+    names a missing directory, a missing file or an unreadable one."""
+    error = error or HFError
+    path = os.path.join(directory, name)
     if not os.path.isdir(directory):
-        raise HFError(f"{directory}: no such Hugging Face model directory")
+        raise error(f"{directory}: no such {kind} directory")
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
-        raise HFError(f"{directory}: no {CONFIG_FILE}: not a Hugging Face model directory") from None
+        raise error(f"{directory}: no {name}: not a {kind} directory") from None
     except (OSError, ValueError) as exc:
-        raise HFError(f"{path}: unreadable: {exc}") from None
+        raise error(f"{path}: unreadable: {exc}") from None
+
+
+def read_config(directory: str) -> dict:
+    return read_dir_json(directory, CONFIG_FILE, "Hugging Face model")
 
 
 class HFModelDir:

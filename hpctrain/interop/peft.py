@@ -17,7 +17,7 @@ import torch
 
 from hpctrain.config import Config, ConfigError, LoraConfig, validate
 from hpctrain.errors import HpcTrainError
-from hpctrain.interop.hf import hf_name
+from hpctrain.interop.hf import hf_name, read_dir_json
 from hpctrain.interop.hf_config import import_seq_len
 from hpctrain.models.lora import TARGET_MODULES, adapter_shapes
 from hpctrain.runtime.dtypes import torch_dtype
@@ -75,15 +75,7 @@ def merged(name: str, weight: torch.Tensor, adapters: dict[str, torch.Tensor], l
 
 def read_adapter_config(directory: str) -> dict:
     path = os.path.join(directory, ADAPTER_CONFIG)
-    if not os.path.isdir(directory):
-        raise HpcTrainError(f"{directory}: no such PEFT adapter directory")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise HpcTrainError(f"{directory}: no {ADAPTER_CONFIG}: not a PEFT adapter directory") from None
-    except (OSError, ValueError) as exc:
-        raise HpcTrainError(f"{path}: unreadable: {exc}") from None
+    raw = read_dir_json(directory, ADAPTER_CONFIG, "PEFT adapter", HpcTrainError)
     if not isinstance(raw, dict):
         raise HpcTrainError(f"{path}: not a JSON object")
     return raw

@@ -65,7 +65,7 @@ class CheckpointSource:
         from hpctrain.checkpoint.format import Box, model_dataset
 
         dataset, shape = model_dataset(name), self.shapes.get(name)
-        if self._reference and self.reader.shape(dataset) is None and name in parameter_shapes(self.model):
+        if self._reference and self.reader.shape(dataset) is None and shape is not None and not is_adapter(name):
             return self.base.read(name, index)
         if shape is None or self.reader.shape(dataset) != shape:
             raise HpcTrainError(f"{self.reader.path}: {dataset} has shape {self.reader.shape(dataset)}, its config "

@@ -19,7 +19,8 @@ steps and wall time to reach the dense loss, and ``speedup`` = dense wall time t
 time to the same loss (> 1: compression pays on that link). A method that never reaches the target within
 ``--max-steps`` gets no speedup. The optimizer is AdamW (lr 3e-3, constant after 5 warmup steps); ``onebit``
 uses SGD with momentum 0.9 (lr 0.1) and is compared with a dense run that uses the same: sign compression
-needs momentum. The dense run's own time to the target uses the same first-reach rule (loss curves are
+needs momentum. ``onebit-adam`` (1-bit Adam: AdamW's momentum compressed after ``--onebit-adam-warmup``
+dense steps, default ``--steps`` / 5) is compared with dense AdamW; its wall time includes the warm-up. The dense run's own time to the target uses the same first-reach rule (loss curves are
 noisy; all runs see the same batches in the same order).
 
 Each configuration is one ``mpiexec`` job running this file with ``--worker`` (hpctrain's ``Trainer`` driven
@@ -43,7 +44,7 @@ from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WIRE = "/sys/class/net/eth1/statistics/"
-METHODS = ("fp16", "bf16", "int8", "zfp", "topk", "randomk", "powersgd", "onebit")
+METHODS = ("fp16", "bf16", "int8", "zfp", "topk", "randomk", "powersgd", "onebit", "onebit-adam")
 EXTRA = {"randomk": ["compression.density=0.1"], "topk": ["compression.density=0.01"]}
 # optimizer profiles: every method uses AdamW like dense, but sign compression needs momentum SGD (and is
 # compared with a dense run that uses the same)
@@ -65,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, default=0, help="most steps of a method (default 3N)")
     p.add_argument("--window", type=int, default=10, help="steps averaged into a loss (default 10)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each configuration (default 1)")
+    p.add_argument("--onebit-adam-warmup", type=int, default=0,
+                   help="onebit-adam: dense AdamW steps before the variance freezes (default: --steps / 5)")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=8)
@@ -86,7 +89,8 @@ def overrides(args, method: str, profile: str, steps: int) -> list[str]:
             "model.n_heads=4", "model.n_kv_heads=4", f"model.d_ff={4 * d}", f"model.max_seq_len={args.seq_len}",
             "train.dtype=float32", f"train.seq_len={args.seq_len}", f"train.global_batch={args.global_batch}",
             *PROFILES[profile], "train.lr_schedule=constant", f"train.steps={steps}", "train.progress=false", f"compression.method={method}",
-            *EXTRA.get(method, [])]
+            *EXTRA.get(method, []),
+            *([f"compression.warmup_steps={args.onebit_adam_warmup}"] if method == "onebit-adam" else [])]
 
 
 # --------------------------------------------------------------------------- worker (inside mpiexec)
@@ -158,7 +162,7 @@ class Launcher:
         cmd = [*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", f"--method={method}",
                f"--profile={profile}", f"--max-steps={max_steps}", f"--target={target}"]
         cmd += [f"--{k}={getattr(self.args, k.replace('-', '_'))}"
-                for k in ("d-model", "layers", "global-batch", "seq-len", "window")]
+                for k in ("d-model", "layers", "global-batch", "seq-len", "window", "onebit-adam-warmup")]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                    OMP_NUM_THREADS="1", MPIR_CVAR_CH4_PROGRESS_THROTTLE="1")
         env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]  # the venv's hydra mpiexec
@@ -251,7 +255,7 @@ def record(rate, method, profile, summaries, target, dense_wall, repeats) -> dic
             "final_loss": s0["final_loss"], "params": s0["params"], "repeats": repeats}
 
 
-HEADER = (f"{'rate':>8} {'method':>9} {'step ms':>16} {'comm':>5} {'KiB/step':>9} {'wire/model':>10} "
+HEADER = (f"{'rate':>8} {'method':>11} {'step ms':>16} {'comm':>5} {'KiB/step':>9} {'wire/model':>10} "
           f"{'ratio':>6} {'cmp ms':>6} {'steps':>5} {'to target s':>18} {'speedup':>15}")
 
 
@@ -262,7 +266,7 @@ def row(r: dict) -> str:
         return format(v, fmt) + (f" ({lo:{fmt}}-{hi:{fmt}})" if r["repeats"] > 1 else "")
     wire = "-" if r["wire_over_model"] is None else f"{r['wire_over_model']:.3f}"
     name = r["method"] + ("*" if r["optimizer"] != "adamw" else "")
-    return (f"{r['rate']:>8} {name:>9} {rng(r['step_ms'], r['step_ms_min'], r['step_ms_max'], '.0f'):>16} "
+    return (f"{r['rate']:>8} {name:>11} {rng(r['step_ms'], r['step_ms_min'], r['step_ms_max'], '.0f'):>16} "
             f"{r['comm_share']:>5.0%} {r['bytes_per_step'] / 1024:>9.0f} {wire:>10} {r['compression_ratio']:>6.1f} "
             f"{r['compress_ms']:>6.1f} {r['steps_to_target'] or '-':>5} "
             f"{rng(r['time_to_target_s'], r['time_to_target_min_s'], r['time_to_target_max_s'], '.1f'):>18} "
@@ -272,6 +276,7 @@ def row(r: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.max_steps = args.max_steps or 3 * args.steps
+    args.onebit_adam_warmup = args.onebit_adam_warmup or max(1, args.steps // 5)
     if args.worker:
         from hpctrain.bench.report import run_benchmark
         run_benchmark(lambda: worker(args))

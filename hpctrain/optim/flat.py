@@ -14,7 +14,8 @@ tied-embedding copy; the checkpoint writer uses the same predicate), then summed
 AdamW; later steps leave ``exp_avg_sq`` (and its bias correction, 1 - beta2^W) frozen and take the
 momentum the reducer averaged (``momentum_from_reducer``; hpctrain/compression/onebit_adam.py) from
 ``full_momentum``: per bucket, the whole bucket's momentum on every rank (with ZeRO-1 too: each rank's
-1-bit share needs all of it; its owned block is the slice's ``exp_avg``).
+1-bit share needs all of it; its owned block is the slice's ``exp_avg``). The frozen variance's root is
+floored at the bias-corrected |momentum| (``frozen_adam_update_``).
 """
 from __future__ import annotations
 
@@ -163,11 +164,16 @@ def frozen_adam_update_(master, grad, exp_avg, exp_avg_sq, lr: float, step: int,
                         scratch: torch.Tensor, frozen_at: int, momentum_ready: bool) -> None:
     """1-bit Adam's step after the freeze: ``exp_avg_sq`` and its bias correction stay as they were at step
     ``frozen_at``; the momentum is the reducer's average (``momentum_ready``) or, with no reducer to average
-    it (a single replica), AdamW's update from ``grad_coef * grad``."""
+    it (a single replica), AdamW's update from ``grad_coef * grad``. The root of the frozen variance is
+    floored at the bias-corrected |momentum| (hpctrain's, not the paper's: docs/compression.md), so no
+    coordinate moves more than ``lr``, as in AdamW; a coordinate whose gradient was ~0 during the warm-up
+    would otherwise step by ``lr m / eps``."""
     if not momentum_ready:
         exp_avg.mul_(c.beta1).add_(grad, alpha=(1 - c.beta1) * grad_coef)
-    denom = torch.sqrt(exp_avg_sq, out=scratch).div_(math.sqrt(1 - c.beta2 ** frozen_at)).add_(c.eps)
-    master.addcdiv_(exp_avg, denom, value=-lr / (1 - c.beta1 ** step))
+    bias1 = 1 - c.beta1 ** step
+    denom = torch.sqrt(exp_avg_sq, out=scratch).div_(math.sqrt(1 - c.beta2 ** frozen_at))
+    torch.maximum(denom, exp_avg.abs().div_(bias1), out=denom).add_(c.eps)
+    master.addcdiv_(exp_avg, denom, value=-lr / bias1)
 
 
 def lr_at(step: int, train) -> float:

@@ -74,6 +74,15 @@ def add_parser(sub) -> None:
                         "selective (Korthikanti et al.: only the attention core; with --attention fused the same "
                         "as off), off")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="", help="pipeline schedule (default 1f1b)")
+    p.add_argument("--compression", default="",
+                   help="gradient compression of the dp reduction (compression.method: none, fp16, bf16, int8, "
+                        "zfp, onebit, onebit-adam; default: the config's, else none; hpctrain/plan/compressed.py)")
+    p.add_argument("--compression-warmup", type=int, default=-1,
+                   help="onebit-adam: dense steps before compression (default: the config's "
+                        "compression.warmup_steps)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="the run's steps, for onebit-adam's mean step with its dense warm-up (default: the "
+                        "config's train.steps)")
     p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run_plan)
@@ -87,7 +96,8 @@ def _model_and_defaults(spec: str):
     if spec in PRESETS:
         return resolve_model(ModelConfig(preset=spec, vocab_size=0)), {
             "global_batch": 512, "seq_len": min(2048, PRESETS[spec]["max_seq_len"]), "dtype": "bfloat16",
-            "schedule": "1f1b", "bucket_mb": 25.0}
+            "schedule": "1f1b", "bucket_mb": 25.0, "compression": "none", "warmup_steps": 0, "zfp_rate": 8.0,
+            "steps": 0}
     if spec.endswith(".toml") or os.path.exists(spec):
         if not os.path.isfile(spec):
             raise PlanError(f"--model {spec}: no such config file")
@@ -99,7 +109,9 @@ def _model_and_defaults(spec: str):
         return resolve_model(cfg.model), {"global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
                                           "dtype": raw.get("train", {}).get("dtype", "bfloat16"),
                                           "schedule": cfg.parallel.schedule, "bucket_mb": cfg.parallel.bucket_mb,
-                                          "given": given,
+                                          "given": given, "compression": cfg.compression.method,
+                                          "warmup_steps": cfg.compression.warmup_steps,
+                                          "zfp_rate": cfg.compression.zfp_rate, "steps": cfg.train.steps,
                                           "virtual_stages": int(raw.get("parallel", {}).get("virtual_stages", 1))}
     raise PlanError(f"--model {spec!r}: neither a preset ({', '.join(PRESETS)}) nor a TOML config file")
 
@@ -194,18 +206,54 @@ def run_plan(args) -> int:
         raise PlanError(f"--virtual-stages {args.virtual_stages}: must be >= 1, and 1 with the gpipe schedule")
     options = Options(dtype=args.dtype or defaults["dtype"], bucket_mb=defaults["bucket_mb"],
                       virtual_stages=args.virtual_stages, flash_attention=args.attention == "fused",
-                      fused_ring=args.ring == "fused")
+                      fused_ring=args.ring == "fused", compression=args.compression or defaults["compression"],
+                      zfp_rate=defaults["zfp_rate"])
     space = _space(args, defaults.get("given", {}), schedule, machine.devices)
     result = plan(model, machine, global_batch, seq_len, options, space)
+    warmup = _onebit_adam_warmup(args, defaults, model, machine, options, result)
     if args.json:
         print(json.dumps({"model": args.model, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
                           "device": machine.device.name, "global_batch": global_batch, "seq_len": seq_len,
                           "attention_window": model.attention_window, "ring": args.ring,
                           "dtype": options.dtype, "evaluated": result.evaluated,
-                          "plans": [p.to_dict() for p in result.plans[:args.top]],
+                          "compression": options.compression,
+                          "plans": [{**p.to_dict(), **warmup.get(i, {})} for i, p in enumerate(result.plans[:args.top])],
                           "infeasible": [i.to_dict() for i in result.infeasible]}, indent=1))
     else:
         from hpctrain.plan.report import print_plans
 
         print_plans(result, machine, model, args.model, global_batch, seq_len, options, args.top)
+        if warmup:
+            first = warmup[0]
+            print(f"\nonebit-adam: the first {first['compression_warmup_steps']} of {first['run_steps']} steps are "
+                  f"dense AdamW; the table shows the compressed steps after them")
+            for i, row in warmup.items():
+                print(f"{i + 1:>2} dense step {row['dense_step_s']:.3g} s, compressed {row['compressed_step_s']:.3g} s, "
+                      f"run mean {row['run_mean_step_s']:.3g} s/step")
     return 0 if result.plans else 2
+
+
+def _onebit_adam_warmup(args, defaults: dict, model, machine, options, result) -> dict:
+    """onebit-adam: per shown plan (index -> fields), the dense warm-up step of the same layout and the run's
+    mean step (compressed.warmup_average_step_s); {} for other methods."""
+    from dataclasses import replace
+
+    from hpctrain.plan.compressed import warmup_average_step_s
+    from hpctrain.plan.devices import PlanError
+    from hpctrain.plan.planner import predict
+
+    if options.compression != "onebit-adam":
+        return {}
+    warmup = args.compression_warmup if args.compression_warmup >= 0 else defaults["warmup_steps"]
+    steps = args.steps or defaults["steps"]
+    if warmup < 1 or steps < 1:
+        raise PlanError(f"--compression onebit-adam: give --compression-warmup (>= 1 dense steps) and --steps (the "
+                        f"run's length), or a config with compression.warmup_steps and train.steps")
+    dense = replace(options, compression="none")
+    rows = {}
+    for i, pred in enumerate(result.plans[:args.top]):
+        dense_s = predict(model, pred.candidate.layout, machine, pred.candidate.recompute, dense).time.step_s
+        rows[i] = {"compression_warmup_steps": warmup, "run_steps": steps, "dense_step_s": dense_s,
+                   "compressed_step_s": pred.time.step_s,
+                   "run_mean_step_s": warmup_average_step_s(dense_s, pred.time.step_s, warmup, steps)}
+    return rows

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 from hpctrain.plan.devices import DTYPE_BYTES, PlanError
 from hpctrain.plan.machine import GroupPlacement
+from hpctrain.plan.compressed import dp_wire_fraction, payload_fraction
 from hpctrain.plan.memory import fsdp_unit_parameters
 from hpctrain.plan.ring import RING_TILE, SCORE_PASSES, exposed_s, kv_elements, ring_math_dtype, ring_pairs
 from hpctrain.plan.shapes import block_gemms, block_matmul_params, for_tp
@@ -76,7 +77,8 @@ class Options:
     ``scaled_dot_product_attention``): no score matrix stored, the masked half of the score FLOPs skipped;
     False for Megatron-style attention that computes and stores the full square. ``virtual_stages``: the
     interleaved schedule's chunks per stage (1 = plain 1F1B/GPipe). ``dp_compression``: bytes on the wire
-    over dense bytes for the dp gradient reduction (``[compression]``: 0.5 for bf16, 0.25 for int8, ...).
+    over dense bytes for the dp gradient reduction, times what ``compression`` (a ``compression.method``,
+    with ``zfp_rate``) sends: compressed.py (0.5 for bf16, 1/31.5 for onebit-adam, 2/31.5 with ZeRO-1).
     ``pp_scatter_gather``: Megatron-LM's scatter/gather of stage-boundary tensors (each tp rank sends
     ``1 / t`` of it, the receivers all-gather it over tp; Narayanan et al. 2021, section 4.1), used only
     to model Megatron runs: hpctrain sends ``1 / t`` only with sequence parallelism.
@@ -90,6 +92,8 @@ class Options:
     flash_attention: bool = True
     virtual_stages: int = 1
     dp_compression: float = 1.0
+    compression: str = "none"
+    zfp_rate: float = 8.0
     pp_scatter_gather: bool = False
     bucket_mb: float = 25.0
     reserve_gib: float = 2.0
@@ -100,6 +104,7 @@ class Options:
             raise PlanError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
         if self.virtual_stages < 1 or not 0 < self.dp_compression <= 1 or self.bucket_mb <= 0:
             raise PlanError(f"bad options {self}: virtual_stages >= 1, 0 < dp_compression <= 1, bucket_mb > 0")
+        payload_fraction(self.compression, self.zfp_rate)  # a method the model does not know: one line
 
 
 @dataclass(frozen=True)
@@ -262,10 +267,11 @@ def _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p) -> floa
     if d <= 1:
         return 0.0
     reduce_op = "reduce_scatter" if lay.zero >= 1 else "allreduce"
+    fraction = options.dp_compression * dp_wire_fraction(options.compression, lay.zero, options.zfp_rate)
     bucket_bytes = options.bucket_mb * 2**20
     exposed = 0.0
     for s, n, (fwd, bwd, tpf, tpb, cpf, cpb), unit in params:
-        grads = n * max(4, nb) * options.dp_compression
+        grads = n * max(4, nb) * fraction
         whole = machine.collective_s(reduce_op, grads, d, dp_at)
         last = machine.collective_s(reduce_op, min(grads, bucket_bytes), d, dp_at)
         b_slot = bwd + tpb + cpb + p2p
@@ -282,5 +288,5 @@ def _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p) -> floa
     if model.tie_embeddings and lay.pp_size > 1:
         emb = model.vocab_size * model.d_model / t * 4.0
         exposed += machine.collective_s("allreduce", emb, 2, pp_at)
-        exposed += machine.collective_s(reduce_op, emb * options.dp_compression, d, dp_at)
+        exposed += machine.collective_s(reduce_op, emb * fraction, d, dp_at)
     return exposed

@@ -141,6 +141,17 @@ def test_onebit_adam_equals_its_reference_on_4_ranks():
     assert "ONEBIT-ADAM OK" in out and out.count("OK dp=") == 8, out
 
 
+def test_onebit_adam_float16_overflow_after_the_freeze_keeps_the_momentum_and_clears_the_errors():
+    """float16, dp=2 x pp=2, ZeRO-1 off and on: the loss scale is forced to 2^30 at step 4 (after the
+    freeze): the overflowing steps are skipped while the scale halves, the momentum stays bit for bit,
+    both error buffers are cleared, and the steps after equal the reference again (check_onebit_adam.py)."""
+    out = run_mpi(4, "check_onebit_adam.py", "--layouts", "2,1,2", "--steps", "24", "--overflow-at", "4",
+                  "train.dtype=float16", timeout=300).stdout
+    assert "ONEBIT-ADAM OK" in out and out.count("OK dp=") == 2, out
+    skipped = [int(line.split(", ")[-1].split()[0]) for line in out.splitlines() if line.startswith("OK dp=")]
+    assert all(k >= 2 for k in skipped), out  # at least two halvings: 2^30 overflows float16 for a while
+
+
 def test_onebit_adam_resumed_from_another_method_is_one_line_naming_the_key(tmp_path):
     common = ["data.max_bytes=300000", "train.progress=false", "train.seq_len=32", "model.n_layers=2",
               "compression.warmup_steps=2", "checkpoint.async=false"]

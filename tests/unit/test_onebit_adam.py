@@ -49,8 +49,9 @@ def flat_of(dp_size=1, dp_rank=0, zero=False, dtype=torch.float64):
 
 
 def test_variance_freezes_after_the_warmup_and_the_step_matches_a_reference():
-    """Steps 1..W are AdamW; later steps keep exp_avg_sq and its bias correction (1 - beta2^W) and update
-    the momentum from the gradient (a single replica: no reducer averages it)."""
+    """Steps 1..W are AdamW; later steps keep exp_avg_sq and its bias correction (1 - beta2^W), floor its
+    root at the bias-corrected |momentum|, and update the momentum from the gradient (a single replica: no
+    reducer averages it)."""
     warmup, c = 3, OptimConfig(weight_decay=0.0)
     flat = flat_of()
     opt = FlatOptimizer(flat, c, freeze_variance_after=warmup)
@@ -64,8 +65,11 @@ def test_variance_freezes_after_the_warmup_and_the_step_matches_a_reference():
         m = c.beta1 * m + (1 - c.beta1) * grad
         if step <= warmup:
             v = c.beta2 * v + (1 - c.beta2) * grad * grad
-        bias2 = 1 - c.beta2 ** min(step, warmup)
-        x = x - 1e-2 / (1 - c.beta1 ** step) * m / (v.sqrt() / math.sqrt(bias2) + c.eps)
+        bias1, bias2 = 1 - c.beta1 ** step, 1 - c.beta2 ** min(step, warmup)
+        root = v.sqrt() / math.sqrt(bias2)
+        if step > warmup:  # the frozen variance is floored at the squared momentum: no coordinate moves > lr
+            root = torch.maximum(root, m.abs() / bias1)
+        x = x - 1e-2 / bias1 * m / (root + c.eps)
         (part,) = opt.owned_slices
         assert torch.allclose(part.exp_avg_sq, v, rtol=1e-14, atol=0)
         assert torch.allclose(flat.param_buffer, x, rtol=1e-12, atol=1e-15), step

@@ -13,7 +13,9 @@ the reference (on every rank, from all replicas' g_r) is the algorithm written o
 
 with C = decompress(compress(.)) of onebit-adam's compressor (sign + a scale per 2048 values). Checked:
 the committed momentum == m' bit for bit; it is the same on every rank of the replica group; exp_avg_sq is unchanged since the freeze;
-the parameters are the same on every replica. Prints "ONEBIT-ADAM OK <n>" on world rank 0.
+the parameters are the same on every replica. With ``--overflow-at K train.dtype=float16`` the loss scale is
+forced to 2^30 at step K: the float16 overflow skips steps (momentum kept, errors cleared) while the scale
+halves, and later steps equal the reference again. Prints "ONEBIT-ADAM OK <n>" on world rank 0.
 """
 import argparse
 
@@ -39,12 +41,12 @@ class Reference:
         self.p, self.beta1, self.compressor = p, beta1, BlockOneBit(None)
         self.worker, self.server = {}, {}  # (bucket, replica rank) / (bucket, chunk) -> error
 
-    def momentum(self, index, momentum, grads, mask):
+    def momentum(self, index, momentum, grads, mask, scale=1.0):
         p, n = self.p, momentum.numel()
         c = n // p
         sent = []
         for r, g in enumerate(grads):
-            share = momentum * (self.beta1 / p) + g * (1 - self.beta1)
+            share = momentum * (self.beta1 / p) + g * ((1 - self.beta1) / scale)
             error = self.worker.get((index, r))
             corrected = share.clone() if error is None else share + error
             out = torch.cat([roundtrip(self.compressor, corrected[j * c:(j + 1) * c]) for j in range(p)])
@@ -63,7 +65,11 @@ class Reference:
         return torch.cat(chunks) * mask
 
 
-def check(cfg, world, tokens, steps):
+def check(cfg, world, tokens, steps, overflow_at=0):
+    """``overflow_at`` K > 0 (float16): before step K the loss scale is set to 2^30, so the scaled gradients
+    overflow float16 and the scaler halves the scale and skips steps until they fit: each skipped step
+    must leave the momentum as it was and clear both error buffers; the steps after go on equal to the
+    reference (which clears its errors too)."""
     grid = ProcessGrid.from_config(cfg, discover(world), mpi_world=world, timeout_s=120)
     trainer = Trainer(cfg, grid, tokens=tokens)
     reducer, optimizer, flat = trainer.flat.reducer, trainer.optimizer, trainer.flat
@@ -74,21 +80,35 @@ def check(cfg, world, tokens, steps):
 
     def recording_start(bucket):
         if reducer.compressing:
-            seen[bucket.index] = (optimizer.full_momentum[bucket.index].clone(), reducer.grads(bucket).clone())
+            seen[bucket.index] = (optimizer.full_momentum[bucket.index].clone(), reducer.grads(bucket).clone(),
+                                  reducer.loss_scale)
         return start(bucket)
 
     reducer._start = recording_start
-    frozen, checks = None, 0
+    frozen, checks, skipped = None, 0, 0
     for step in range(steps):
         seen.clear()
-        trainer.train_step()
+        if step + 1 == overflow_at:
+            trainer.scaler.scale = 2.0 ** 30
+        before = {i: m.clone() for i, m in optimizer.full_momentum.items()}
+        record = trainer.train_step()
+        if record.skipped:
+            assert seen, f"step {step + 1}: skipped before the freeze"
+            assert all(torch.equal(before[i], m) for i, m in optimizer.full_momentum.items()), \
+                f"step {step + 1}: a skipped step moved the momentum"
+            assert not reducer.memory.residuals, \
+                f"step {step + 1}: a skipped step left error feedback behind"
+            reference.worker.clear()
+            reference.server.clear()
+            skipped += 1
+            continue
         if not seen:
             assert optimizer.step_count <= cfg.compression.warmup_steps, "no compressed step after the warm-up"
             frozen = [s.exp_avg_sq.clone() for s in optimizer.owned_slices]
             continue
-        for index, (momentum, grads) in sorted(seen.items()):
+        for index, (momentum, grads, scale) in sorted(seen.items()):
             everyone = [torch.from_numpy(g) for g in replicas.allgather(grads.numpy())]
-            want = reference.momentum(index, momentum, everyone, reducer.masks[index])
+            want = reference.momentum(index, momentum, everyone, reducer.masks[index], scale)
             got = optimizer.full_momentum[index]
             assert torch.equal(got, want), f"step {step + 1} bucket {index}: {(got - want).abs().max()}"
             others = replicas.allgather(got.numpy().tobytes())
@@ -98,13 +118,15 @@ def check(cfg, world, tokens, steps):
         params = replicas.allgather(flat.param_buffer.numpy().tobytes())
         assert all(p == params[0] for p in params), f"step {step + 1}: parameters differ between replicas"
     grid.close()
-    return checks
+    assert not overflow_at or skipped >= 1, "the forced overflow skipped no step"
+    return checks, skipped
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp" or "dp,tp,pp,cp"')
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--overflow-at", type=int, default=0, help="float16: force an overflow at this step")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     world = MPI.COMM_WORLD
@@ -119,11 +141,12 @@ def main():
         for zero in (0, 1):
             cfg = load_config(None, base + [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
                                             f"parallel.cp={cp}", f"parallel.zero={zero}"])
-            checks = check(cfg, world, tokens, args.steps)
+            checks, skipped = check(cfg, world, tokens, args.steps, args.overflow_at)
             assert checks > 0
             total += checks
             if world.Get_rank() == 0:
-                print(f"OK dp={dp} tp={tp} pp={pp} cp={cp} zero={zero}: {checks} bucket-steps equal the reference", flush=True)
+                print(f"OK dp={dp} tp={tp} pp={pp} cp={cp} zero={zero}: {checks} bucket-steps equal the reference, "
+                      f"{skipped} overflow steps skipped", flush=True)
     if world.Get_rank() == 0:
         print(f"ONEBIT-ADAM OK {total}")
 

@@ -27,8 +27,8 @@ from hpctrain.checkpoint.directory import (REPLACED_SUFFIX, RETIRED_PREFIX, free
                                            list_checkpoints, read_latest, recover_replaced, resolve_latest, retire)
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
-from hpctrain.checkpoint.state import (ANOTHER_METHOD, ANOTHER_MODEL, BASE_UNUSABLE, CheckpointError,
-                                      apply_state, read_state, snapshot)
+from hpctrain.checkpoint.compression_state import ANOTHER_METHOD
+from hpctrain.checkpoint.state import ANOTHER_MODEL, BASE_UNUSABLE, CheckpointError, apply_state, read_state, snapshot
 from hpctrain.checkpoint.writers import WriteFailed, has_parallel_h5py, write_mpio, write_shards
 from hpctrain.comm.collectives import Communicator
 from hpctrain.errors import HpcTrainError, everywhere

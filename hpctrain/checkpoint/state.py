@@ -11,58 +11,20 @@ checkpoint changes nothing. The run is seen only through the contract.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 import hpctrain
-from hpctrain.checkpoint.format import (BASE_REFERENCE_ATTR, FORMAT_NAME, FORMAT_VERSION, Box, decode_json,
-                                        disk_dtype, encode_json, local_range_boxes, model_dataset, optim_dataset)
+from hpctrain.checkpoint.format import (BASE_REFERENCE_ATTR, FORMAT_NAME, FORMAT_VERSION, Box, disk_dtype,
+                                        local_range_boxes, model_dataset, optim_dataset)
+from hpctrain.checkpoint.compression_state import read_compression, snapshot_compression
 from hpctrain.checkpoint.contract import TrainState
+from hpctrain.checkpoint.items import CheckpointError, Snapshot, WriteItem, to_host
 from hpctrain.config import config_to_dict
 from hpctrain.errors import HpcTrainError
 from hpctrain.parallel.lora import is_adapter
-
-
-class CheckpointError(HpcTrainError):
-    """A checkpoint cannot be written or read; the message names the file and the problem."""
-
-
-@dataclass
-class WriteItem:
-    dataset: str
-    box: Box
-    data: np.ndarray  # host copy, disk dtype, shape == box.shape
-
-
-@dataclass
-class Snapshot:
-    """Everything one rank contributes to a checkpoint, copied to host memory (safe to write later)."""
-
-    step: int
-    datasets: dict  # name -> (shape, numpy dtype str): this rank's view; the union is taken at write time
-    items: list[WriteItem] = field(default_factory=list)
-    attrs: dict = field(default_factory=dict)
-    nonfinite: list[str] = field(default_factory=list)  # datasets of ``items`` with inf/NaN, set by the writer
-
-
-def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Host copies of ``tensors``: device tensors go into pinned buffers with non-blocking copies and ONE
-    synchronisation (the stall of a save from GPUs is this device-to-host copy); host tensors pass as is
-    (the snapshot copies their pieces below)."""
-    if not any(t.is_cuda for t in tensors):
-        return tensors
-    hosts = []
-    for t in tensors:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        hosts.append(host)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream())
-    done.synchronize()
-    return hosts
 
 
 def snapshot(state: TrainState) -> Snapshot:
@@ -94,7 +56,7 @@ def snapshot(state: TrainState) -> Snapshot:
     rng = state.rng_state().numpy()
     snap.datasets["rng/torch_cpu"] = ((state.world_size, rng.size), "|u1")
     snap.items.append(WriteItem("rng/torch_cpu", Box((state.rank, 0), (1, rng.size)), rng.reshape(1, -1).copy()))
-    _snapshot_compression(state, snap)
+    snapshot_compression(state, snap)
     cfg = state.config
     snap.attrs = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "hpctrain_version": hpctrain.__version__,
@@ -117,57 +79,6 @@ def _snapshot_frozen(tensors, snap: Snapshot, model_dtype) -> None:
         snap.items.append(WriteItem(model_dataset(p.spec.name), box, _host(values, model_dtype, box)))
 
 
-def compression_group(rank: int) -> str:
-    return f"compression/rank{rank:05d}"
-
-
-def _snapshot_compression(state: TrainState, snap: Snapshot) -> None:
-    """The reducer's state (error-feedback residuals, PowerSGD Q) as this world rank's own 1-D datasets
-    ``compression/rankRRRRR/<key>``, with the reducer's signature beside them (JSON bytes)."""
-    reducer = state.reducer
-    saved = reducer.state_dict()
-    if not saved and not reducer.signature():
-        return
-    group = compression_group(state.rank)
-    host = to_host(list(saved.values()))
-    for key, value in zip(saved, host):
-        array = value.detach().to("cpu").numpy().reshape(-1).copy()
-        snap.datasets[f"{group}/{key}"] = ((array.size,), array.dtype.str)
-        snap.items.append(WriteItem(f"{group}/{key}", Box((0,), (array.size,)), array))
-    signature = encode_json(reducer.signature())
-    snap.datasets[f"{group}/signature"] = ((signature.size,), "|u1")
-    snap.items.append(WriteItem(f"{group}/signature", Box((0,), (signature.size,)), signature))
-
-
-def _read_compression(state: TrainState, reader, staged) -> None:
-    """Stage this rank's reducer state if the checkpoint holds state of the SAME reducer signature (same
-    method, layout, buckets, node split); otherwise the reducer starts fresh and ``staged.compression_note``
-    says why (the documented rule: docs/compression.md)."""
-    mine, rank = state.reducer.signature(), state.rank
-    group = compression_group(rank)
-    shape = reader.shape(f"{group}/signature")
-    if not mine:
-        return
-    if shape is None:
-        staged.compression_note = "the checkpoint has no compression state for this rank"
-        return
-    theirs = decode_json(reader.read_checked(f"{group}/signature", Box((0,), shape)))
-    methods = {theirs.get("method"), mine.get("method")}
-    if len(methods) > 1 and "onebit-adam" in methods:  # momentum and error buffers of another meaning
-        raise CheckpointError(f"compression.method={mine.get('method')!r}: {reader.path} was written with "
-                              f"compression.method={theirs.get('method')!r}; {ANOTHER_METHOD} (1-bit Adam's "
-                              f"error buffers and frozen variance do not carry over): resume with "
-                              f"compression.method={theirs.get('method')!r}, or start a new run")
-    if theirs != json.loads(json.dumps(mine)) or reader.attrs["layout"].get("world") != state.world_size:
-        staged.compression_note = "it was written by another compression method, layout or bucket split"
-        return
-    for name in reader.datasets(prefix=group + "/"):
-        key = name[len(group) + 1:]
-        if key != "signature":
-            staged.compression[key] = torch.from_numpy(reader.read_checked(name, Box((0,), reader.shape(name))).copy())
-
-
-ANOTHER_METHOD = "another compression method's checkpoint"  # onebit-adam <-> another method: no fallback
 BASE_UNUSABLE = "its LoRA base weights cannot be used"  # in every message of a referred base: no fallback
 
 
@@ -298,7 +209,7 @@ def read_state(state: TrainState, reader) -> StagedState:
         row = reader.read_checked("rng/torch_cpu", Box((state.rank, 0), (1, rng_shape[1])))
         staged.rng_row = row.reshape(-1).copy()
     if not weights_only:  # else the reducer starts fresh, as in a new run
-        _read_compression(state, reader, staged)
+        read_compression(state, reader, staged)
     reader.drop_cache()
     return staged
 

@@ -247,8 +247,8 @@ def _onebit_adam_warmup(args, defaults: dict, model, machine, options, result) -
     warmup = args.compression_warmup if args.compression_warmup >= 0 else defaults["warmup_steps"]
     steps = args.steps or defaults["steps"]
     if warmup < 1 or steps < 1:
-        raise PlanError(f"--compression onebit-adam: give --compression-warmup (>= 1 dense steps) and --steps (the "
-                        f"run's length), or a config with compression.warmup_steps and train.steps")
+        raise PlanError("--compression onebit-adam: give --compression-warmup (>= 1 dense steps) and --steps (the "
+                        "run's length), or a config with compression.warmup_steps and train.steps")
     dense = replace(options, compression="none")
     rows = {}
     for i, pred in enumerate(result.plans[:args.top]):

@@ -37,9 +37,11 @@ class SweepRun:
     name: str = field(default="")
 
     def overrides(self) -> list[str]:
-        """``hpctrain train`` overrides that make this run."""
+        """``hpctrain train`` overrides that make this run (the sweep sets the micro-batch COUNT, so a
+        config's ``train.micro_batch_size`` is reset to 0 = derived from it)."""
         return [f"parallel.dp={self.dp}", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
-                f"parallel.microbatches={self.microbatches}", f"train.global_batch={self.global_batch}"]
+                f"parallel.microbatches={self.microbatches}", "train.micro_batch_size=0",
+                f"train.global_batch={self.global_batch}"]
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -87,6 +89,7 @@ def plan_runs(cfg, ranks: list[int], layouts: list[dict] | None, mode: str) -> t
             trial = copy.deepcopy(cfg)
             trial.parallel.dp, trial.parallel.tp, trial.parallel.pp = 0, tp, pp
             trial.parallel.microbatches, trial.train.global_batch = mb, batch
+            trial.train.micro_batch_size = 0  # the sweep's mb is the micro-batch count (overrides() says so)
             label = f"{world} ranks tp={tp} pp={pp} mb={mb}"
             try:
                 layout = Layout.from_config(trial, world)

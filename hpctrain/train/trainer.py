@@ -230,7 +230,7 @@ class Trainer:
         (``_cp_part``); docs stay whole (ring attention masks by global position)."""
         inputs, targets, *packed = batch
         parts = self._to_device(*self._cp_part(inputs, targets, *packed[:1]), *packed[1:])
-        mb, n = self.micro_batch, self.cfg.parallel.microbatches
+        mb, n = self.micro_batch, self.layout.microbatches
         parts = [[part[i * mb:(i + 1) * mb] for i in range(n)] for part in parts]
         return parts[0], parts[1], dict(zip(("masks", "docs"), parts[2:]))
 

@@ -293,8 +293,10 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
           f"{schedule}, {trainer.layout.microbatches} micro-batch(es) of {trainer.micro_batch} sequence(s) per "
           f"replica (gradients accumulated, dp reduction after the last){bubble}, sequence parallel "
           f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {grid.intra_node}, "
-          f"{cfg.train.dtype}, device {describe(device)}" + (f", GPU collectives backend {trainer.backends['dp']}"
-                                   if device.type == "cuda" else ""), flush=True)
+          f"{cfg.train.dtype}, device {describe(device)}, attention {trainer.sdpa.name}"
+          + (f", GPU collectives backend {trainer.backends['dp']}" if device.type == "cuda" else ""), flush=True)
+    if trainer.sdpa.warning:  # the same on every rank: said once
+        print(f"hpctrain: WARNING: {trainer.sdpa.warning}", file=sys.stderr, flush=True)
     if hasattr(trainer.sampler, "describe"):  # packed SFT examples (hpctrain/data/packing.py)
         print(f"hpctrain train: {trainer.sampler.describe()}", flush=True)
     if cfg.lora.rank:

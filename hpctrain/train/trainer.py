@@ -26,6 +26,7 @@ from hpctrain.data.packing import samplers_for
 from hpctrain.data.prepared import check_corpus
 from hpctrain.data.sampler import GlobalBatchIterator, rank_slice
 from hpctrain.errors import HpcTrainError
+from hpctrain.models.attention_backend import choose_sdpa, use_sdpa
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
 from hpctrain.compression import build_reducer
 from hpctrain.optim.flat import FlatOptimizer, lr_at
@@ -86,6 +87,10 @@ class Trainer:
         self.local_batch, self.micro_batch = self.layout.local_batch, self.layout.micro_batch
         self._build_model()
         self._build_data(tokens)
+        # SDPA's kernels, checked once on this device (flash/efficient on CUDA; masks: window or packed documents)
+        masked = self.model_cfg.attention_window > 0 or hasattr(self.sampler, "describe")
+        self.sdpa = choose_sdpa(self.device, self.dtype, self.model_cfg.d_model // self.model_cfg.n_heads, masked)
+        use_sdpa(self.local_model, self.sdpa)
         self.step = 0
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.train.seq_len, cfg.lora.rank, cfg.lora.targets)
         # idle over ideal time with equal stages, (pp - 1) / (V M) (``bubble_fraction``; printed at start-up)

@@ -291,7 +291,7 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
               f"the ideal step" if grid.sizes["pp"] > 1 else "")
     print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
           f"{schedule}, {trainer.layout.microbatches} micro-batch(es) of {trainer.micro_batch} sequence(s) per "
-          f"replica (gradients accumulated, dp reduction after the last){bubble}, sequence parallel "
+          f"replica{bubble}, sequence parallel "
           f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {grid.intra_node}, "
           f"{cfg.train.dtype}, device {describe(device)}, attention {trainer.sdpa.name}"
           + (f", GPU collectives backend {trainer.backends['dp']}" if device.type == "cuda" else ""), flush=True)

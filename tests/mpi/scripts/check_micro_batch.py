@@ -6,8 +6,8 @@ Two layouts: dp=2 (world ranks 0 and 1, a split communicator) and dp=2 x pp=2 (a
 train ``--steps`` steps with the default micro-batching (micro_batch_size=0, one micro-batch) and with
 every ``--sizes`` micro_batch_size; compare losses and final global parameters with the default run
 (relative error <= ``--rtol``, float64) and check the dp reduction: every bucket is reduced exactly once
-per step, after the last micro-batch's gradient is in (``flat.last_microbatch``), with the same bytes on
-the dp group whatever the micro-batch.
+per step, after the last micro-batch's gradient is in (``flat.last_microbatch``), some of them during
+that backward (before ``finish_reduction``), with the same bytes on the dp group whatever the micro-batch.
 """
 import argparse
 
@@ -33,6 +33,13 @@ def train(cfg, mpi_comm, tokens, steps):
         return original(bucket)
 
     flat.reducer.start = counted_start
+    finish, in_backward = flat.finish_reduction, []
+
+    def counted_finish():  # reductions started so far this step were launched by backward's hooks
+        in_backward.append(sum(1 for s, _, _ in starts if s == trainer.step))
+        return finish()
+
+    flat.finish_reduction = counted_finish
     losses, dp_bytes = [], []
     for _ in range(steps):
         record = trainer.train_step()
@@ -42,6 +49,7 @@ def train(cfg, mpi_comm, tokens, steps):
     per_step = [sorted(b for s, b, _ in starts if s == k) for k in range(steps)]
     buckets = list(range(len(flat.buckets)))
     assert all(p == buckets for p in per_step), f"buckets reduced per step {per_step}, expected each of {buckets} once"
+    assert all(n > 0 for n in in_backward), f"no reduction overlapped the last backward: {in_backward}"
     params = trainer.global_parameters()
     micro = (trainer.layout.microbatches, trainer.micro_batch)
     grid.close()

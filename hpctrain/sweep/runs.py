@@ -133,7 +133,8 @@ def summarize(run: SweepRun, run_dir: str, warmup: int) -> dict:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
             "compute_s": max(0.0, inside - comm - bubble), "comm_s": comm, "bubble_s": bubble,
             "bytes_sent": statistics.median(r.get("bytes_sent", 0) for r in steady),
-            "final_loss": records[-1]["loss"], "phases_s": phases}
+            "final_loss": records[-1]["loss"], "phases_s": phases,
+            "peak_memory_gib": next((r["peak_memory_gib"] for r in records if "peak_memory_gib" in r), None)}
 
 
 def add_efficiency(rows: list[dict], mode: str) -> None:

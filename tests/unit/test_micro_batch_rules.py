@@ -68,3 +68,19 @@ def test_plan_uses_the_tomls_micro_batch_size(tmp_path, capsys):
     assert main(["plan", "--model", str(toml), "--nodes", "1", "--gpus-per-node", "8", "--device", "h100"]) == 0
     text = capsys.readouterr().out
     assert "micro-batch 4" in text and "memory per GPU" in text
+
+
+def test_sweep_rows_carry_the_measured_and_predicted_memory(tmp_path):
+    import json
+
+    from hpctrain.sweep.predict import predict_run
+    from hpctrain.sweep.runs import SweepRun, summarize
+
+    records = [{"step": i, "loss": 5.0, "step_time_s": 0.1, "tokens_per_s": 100.0, "time_s": {}} for i in (1, 2)]
+    records[0]["peak_memory_gib"] = 0.25
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+    assert summarize(SweepRun(2, 1, 1, 2, 1, 8), str(tmp_path), warmup=0)["peak_memory_gib"] == 0.25
+    cfg = load_config("configs/tiny.toml")
+    row = {"ranks": 4, "dp": 1, "tp": 2, "pp": 2, "microbatches": 4, "global_batch": 8}
+    small, large = predict_run(cfg, row), predict_run(cfg, {**row, "microbatches": 1})
+    assert 0 < small["predicted_memory_gib"] < large["predicted_memory_gib"]  # micro-batch 2 < 8 sequences

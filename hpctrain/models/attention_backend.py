@@ -23,7 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 FAST = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)  # tried in this order
 NAMES = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.EFFICIENT_ATTENTION: "efficient", SDPBackend.MATH: "math"}
-TRIAL_SEQ = 128  # tokens of the trial call (a multiple of every kernel's block)
+TRIAL_SEQ = 128  # tokens of the trial call when the caller gives none
+MAX_TRIAL_SEQ = 8192  # longer sequences are tried at this length (the mask trial's [S, S] bool stays 64 MiB)
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,13 @@ def attention(q, k, v, choice: SdpaChoice, attn_mask=None):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None)
 
 
-def trial(backend, device, dtype, head_dim: int, masked: bool) -> str:
-    """"" when ``backend`` runs a forward and backward of [1, 2, TRIAL_SEQ, head_dim] ``dtype`` on ``device``
+def trial(backend, device, dtype, head_dim: int, masked: bool, seq: int = TRIAL_SEQ) -> str:
+    """"" when ``backend`` runs a forward and backward of [1, 2, seq, head_dim] ``dtype`` on ``device``
     (causal, or with a causal boolean ``attn_mask`` when ``masked``), else why not (torch's reasons)."""
-    shape = (1, 2, TRIAL_SEQ, head_dim)
+    seq = min(seq, MAX_TRIAL_SEQ)
+    shape = (1, 2, seq, head_dim)
     q, k, v = (torch.full(shape, 0.5, device=device, dtype=dtype, requires_grad=True) for _ in range(3))  # no RNG
-    mask = torch.ones(TRIAL_SEQ, TRIAL_SEQ, dtype=torch.bool, device=device).tril() if masked else None
+    mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril() if masked else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -69,11 +71,11 @@ def trial(backend, device, dtype, head_dim: int, masked: bool) -> str:
             return " ".join(dict.fromkeys(r for r in reasons if r))[:300]
 
 
-def _allowed(device, dtype, head_dim: int, masked: bool, probe) -> tuple[tuple, list[str]]:
+def _allowed(device, dtype, head_dim: int, masked: bool, probe, seq: int) -> tuple[tuple, list[str]]:
     """The FAST kernels that pass ``probe`` (in order), and the reasons of those that do not."""
     ok, why = [], []
     for backend in FAST:
-        reason = probe(backend, device, dtype, head_dim, masked)
+        reason = probe(backend, device, dtype, head_dim, masked, seq)
         if reason:
             why.append(f"{NAMES[backend]}: {reason}")
         else:
@@ -81,14 +83,17 @@ def _allowed(device, dtype, head_dim: int, masked: bool, probe) -> tuple[tuple, 
     return tuple(ok), why
 
 
-def choose_sdpa(device, dtype, head_dim: int, masked: bool = False, probe=trial) -> SdpaChoice:
-    """The kernels for a model of ``dtype`` and ``head_dim`` on ``device`` (``masked``: it also calls SDPA
-    with an ``attn_mask``). ``probe(backend, device, dtype, head_dim, masked)`` -> "" or the reason a kernel
-    cannot run (``trial``; injected in tests). Host devices: ``HOST``, no probe."""
+def choose_sdpa(device, dtype, head_dim: int, masked: bool = False, probe=trial, seq: int = TRIAL_SEQ) -> SdpaChoice:
+    """The kernels for a model of ``dtype`` and ``head_dim`` on ``device`` with sequences of ``seq`` tokens
+    (``masked``: it also calls SDPA with an ``attn_mask``). ``probe(backend, device, dtype, head_dim, masked,
+    seq)`` -> "" or the reason a kernel cannot run (``trial``; injected in tests). Host devices: ``HOST``, no
+    probe."""
     if torch.device(device).type != "cuda":
         return HOST
-    causal, why = _allowed(device, dtype, head_dim, False, probe)
-    masked_ok, masked_why = _allowed(device, dtype, head_dim, True, probe) if masked else ((), [])
+    causal, why = _allowed(device, dtype, head_dim, False, probe, seq)
+    masked_ok, masked_why = _allowed(device, dtype, head_dim, True, probe, seq) if masked else ((), [])
+    if probe is trial:
+        torch.cuda.reset_peak_memory_stats(device)  # the run's peak-memory report leaves the trials out
     name = NAMES[causal[0]] if causal else "math"
     problems = []
     if not causal:

@@ -89,7 +89,8 @@ class Trainer:
         self._build_data(tokens)
         # SDPA's kernels, checked once on this device (flash/efficient on CUDA; masks: window or packed documents)
         masked = self.model_cfg.attention_window > 0 or hasattr(self.sampler, "describe")
-        self.sdpa = choose_sdpa(self.device, self.dtype, self.model_cfg.d_model // self.model_cfg.n_heads, masked)
+        self.sdpa = choose_sdpa(self.device, self.dtype, self.model_cfg.d_model // self.model_cfg.n_heads, masked,
+                                seq=cfg.train.seq_len)
         use_sdpa(self.local_model, self.sdpa)
         self.step = 0
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.train.seq_len, cfg.lora.rank, cfg.lora.targets)

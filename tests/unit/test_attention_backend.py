@@ -15,7 +15,8 @@ def probe_with(unusable: dict):
     """A probe where ``unusable[(backend, masked)]`` is the reason a kernel cannot run; calls are recorded."""
     calls = []
 
-    def probe(backend, device, dtype, head_dim, masked):
+    def probe(backend, device, dtype, head_dim, masked, seq):
+        assert seq == 128
         calls.append((backend, masked))
         return unusable.get((backend, masked), "")
     probe.calls = calls
@@ -80,7 +81,7 @@ def test_the_trial_runs_the_math_kernel_and_use_sdpa_reaches_every_attention():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the real flash/efficient trial calls")
 def test_cuda_selects_a_fast_kernel_for_bfloat16_and_warns_for_float64():
-    fast = choose_sdpa(CUDA, torch.bfloat16, 64, masked=True)
+    fast = choose_sdpa(CUDA, torch.bfloat16, 64, masked=True, seq=1000)  # not a multiple of any block
     assert fast.causal[0] in (FLASH, EFFICIENT) and not fast.warning, fast
     assert fast.masked and fast.masked[0] != MATH, fast  # the efficient kernel takes a boolean mask
     q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -4,7 +4,7 @@
     hpctrain plan --model configs/tiny.toml --nodes 1 --gpus-per-node 4 --profile link.json --json
     hpctrain plan --model llama-3-8b --seq-len 131072 --nodes 2 --gpus-per-node 8 --device h100 --inter-gbps 400
 
-``--model`` is a preset name (``hpctrain/config.py`` PRESETS) or a TOML config (its model, seq_len,
+``--model`` (or ``--config``) is a preset name (``hpctrain/config.py`` PRESETS) or a TOML config (its model, seq_len,
 global batch, dtype and schedule are the defaults of the flags; the keys its ``[parallel]`` section sets
 and its ``train.micro_batch_size`` fix those choices, like the flags ``--dp/--tp/--pp/--cp/--micro-batch/--zero``:
 a GIVEN layout is evaluated instead of searched). ``--micro-batch`` and ``train.micro_batch_size`` are the same
@@ -27,7 +27,8 @@ import tomllib
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="rank the dp x cp x tp x pp layouts of a model on a machine by predicted "
                                     "tokens/s (the performance and memory model, hpctrain/plan)")
-    p.add_argument("--model", default="", help="a model preset (e.g. gpt-1t, gpt3-175b, tiny) or a TOML config")
+    p.add_argument("--model", "--config", default="",
+                   help="a model preset (e.g. gpt-1t, gpt3-175b, tiny) or a TOML config (--config: the same flag)")
     p.add_argument("--nodes", type=int, default=0)
     p.add_argument("--gpus-per-node", type=int, default=0, help="ranks per node")
     p.add_argument("--validate", choices=("published", "ptdp"), default="",

@@ -65,7 +65,7 @@ def test_plan_uses_the_tomls_micro_batch_size(tmp_path, capsys):
     plans = __import__("json").loads(capsys.readouterr().out)["plans"]
     assert plans and all(p["micro_batch"] == 4 and p["microbatches"] == 4 for p in plans)
     assert all(p["memory_gib_per_device"] > 0 for p in plans)
-    assert main(["plan", "--model", str(toml), "--nodes", "1", "--gpus-per-node", "8", "--device", "h100"]) == 0
+    assert main(["plan", "--config", str(toml), "--nodes", "1", "--gpus-per-node", "8", "--device", "h100"]) == 0
     text = capsys.readouterr().out
     assert "micro-batch 4" in text and "memory per GPU" in text
 

@@ -89,3 +89,14 @@ def test_cuda_selects_a_fast_kernel_for_bfloat16_and_warns_for_float64():
                           atol=2e-2)
     slow = choose_sdpa(CUDA, torch.float64, 64)
     assert slow.causal == (MATH,) and "float64" in slow.warning, slow
+
+
+def test_a_restricted_call_traces_without_graph_breaks():
+    """train.compile: ``sdpa_kernel`` inside the compiled region is traced, not a graph break (dynamo only)."""
+    import torch._dynamo
+
+    restricted = HOST.__class__(causal=(MATH,), masked=(MATH,), name="math")
+    q = torch.randn(1, 2, 16, 8)
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()
+    explained = torch._dynamo.explain(lambda q: attention(q, q, q, restricted) + attention(q, q, q, restricted, mask))(q)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons

@@ -110,11 +110,9 @@ def choose_sdpa(device, dtype, head_dim: int, masked: bool = False, probe=trial,
     return SdpaChoice(causal, tuple(masked_ok), name, warning)
 
 
-def use_sdpa(model: torch.nn.Module, choice: SdpaChoice) -> int:
-    """Set ``choice`` on every submodule of ``model`` that calls SDPA (has ``sdpa_choice``); returns how many."""
-    count = 0
+def use_sdpa(model: torch.nn.Module, choice: SdpaChoice) -> SdpaChoice:
+    """Set ``choice`` on every submodule of ``model`` that calls SDPA (has ``sdpa_choice``); returns it."""
     for module in model.modules():
         if hasattr(module, "sdpa_choice"):
             module.sdpa_choice = choice
-            count += 1
-    return count
+    return choice

@@ -50,7 +50,7 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
 def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     from hpctrain.checkpoint.manager import CheckpointManager
     from hpctrain.monitor.run_monitor import RunMonitor
-    from hpctrain.train.metrics import MetricsLog, finite_or_none
+    from hpctrain.train.metrics import MetricsLog, finite_or_none, report_peak_memory
     from hpctrain.train.trainer import Trainer
 
     info = grid.info
@@ -98,7 +98,7 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
                 reason = trainer.diverged.stop
                 break
             if trainer.step == first_step:  # collective: memory per rank, once
-                _report_memory(grid, device, record)
+                report_peak_memory(grid.world, device, record)
             if cfg.train.eval_interval and (trainer.step % cfg.train.eval_interval == 0 or trainer.step == last_step):
                 record["val_loss"] = trainer.evaluate()
                 record["time_s"]["eval"] = round(trainer.timer.take("eval"), 6)
@@ -150,23 +150,6 @@ def _diverged(cfg, grid, verdict, checkpoints, step: int, is_root: bool, lock) -
     lock.release()
     grid.close()
     return leave_with(DIVERGED_EXIT, grid.info.rank, grid.info.node, grid.watchdog.peers)
-
-
-def _report_memory(grid, device, record: dict) -> None:
-    """Collective over the world, after the run's first step: every rank's peak memory (``peak_memory``)
-    gathered on rank 0, which adds ``peak_memory_gib`` (the maximum over the ranks), ``peak_memory_rank`` and
-    ``peak_memory_source`` to ``record`` (metrics.jsonl) and prints one line."""
-    from hpctrain.runtime.peak_memory import peak_memory
-
-    used, source = peak_memory(device)
-    every = grid.world.gather_object(used, root=0)
-    if every is None:
-        return
-    top = max(range(len(every)), key=every.__getitem__)
-    record.update(peak_memory_gib=round(every[top] / 2**30, 4), peak_memory_rank=top, peak_memory_source=source)
-    print(f"hpctrain train: memory per rank after step {record['step']}: peak {every[top] / 2**30:.3f} GiB on rank "
-          f"{top} (least {min(every) / 2**30:.3f} GiB), {source}; `hpctrain plan --model <config>` predicts it per "
-          f"GPU", flush=True)
 
 
 def _agree_to_go_on(policy, trainer, stop) -> str:

@@ -87,11 +87,9 @@ class Trainer:
         self.local_batch, self.micro_batch = self.layout.local_batch, self.layout.micro_batch
         self._build_model()
         self._build_data(tokens)
-        # SDPA's kernels, checked once on this device (flash/efficient on CUDA; masks: window or packed documents)
-        masked = self.model_cfg.attention_window > 0 or hasattr(self.sampler, "describe")
-        self.sdpa = choose_sdpa(self.device, self.dtype, self.model_cfg.d_model // self.model_cfg.n_heads, masked,
-                                seq=cfg.train.seq_len)
-        use_sdpa(self.local_model, self.sdpa)
+        m = self.model_cfg  # SDPA's kernels, checked once on this device (masked: a window or packed documents)
+        self.sdpa = use_sdpa(self.local_model, choose_sdpa(self.device, self.dtype, m.d_model // m.n_heads,
+                             m.attention_window > 0 or hasattr(self.sampler, "describe"), seq=cfg.train.seq_len))
         self.step = 0
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.train.seq_len, cfg.lora.rank, cfg.lora.targets)
         # idle over ideal time with equal stages, (pp - 1) / (V M) (``bubble_fraction``; printed at start-up)

@@ -76,7 +76,8 @@ def test_the_trial_runs_the_math_kernel_and_use_sdpa_reaches_every_attention():
     stage = GPTStage(resolve_model(load_config(None, ["model.n_layers=3"]).model), (0, 3), is_first=True,
                      is_last=True)
     choice = HOST.__class__(causal=(MATH,), name="math")
-    assert use_sdpa(stage, choice) == 3 and all(b.attn.sdpa_choice is choice for b in stage.layers.values())
+    assert use_sdpa(stage, choice) is choice and len(stage.layers) == 3
+    assert all(b.attn.sdpa_choice is choice for b in stage.layers.values())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the real flash/efficient trial calls")

@@ -133,6 +133,7 @@ class TrainConfig:
     seed: int = _field(1234, min=0)
     dtype: str = _field("float32", choices=DTYPE_NAMES)
     global_batch: int = _field(8, min=1)  # sequences per step
+    micro_batch_size: int = _field(0, min=0)  # sequences per forward per replica; 0 = global_batch/dp/microbatches
     seq_len: int = _field(64, min=1)
     lr: float = _field(3e-3, above=0)
     min_lr: float = _field(3e-4, min=0)
@@ -397,7 +398,8 @@ def validate(cfg: Config) -> None:
              f"n_heads={m.n_heads} not divisible by n_kv_heads={m.n_kv_heads}")
     p, t = cfg.parallel, cfg.train
     try:
-        check_schedule(m, p.schedule, p.pp, p.virtual_stages, p.microbatches)
+        if t.micro_batch_size == 0:  # else the micro-batches need dp: Layout.from_config checks the schedule
+            check_schedule(m, p.schedule, p.pp, p.virtual_stages, p.microbatches)
         check_stages(m, p.pp, p.stage_layers, p.virtual_stages)
         check_context(m, t.seq_len, p.cp)
     except HpcTrainError as exc:

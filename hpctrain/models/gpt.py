@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hpctrain.config import resolve_model
+from hpctrain.models.attention_backend import HOST as HOST_SDPA, attention as sdpa
 from hpctrain.models.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
 from hpctrain.models.lora import add_adapters, enabled as lora_enabled
 from hpctrain.parallel.context_parallel import causal_window_mask, default_tile, ring_attention, zigzag_positions
@@ -87,6 +88,7 @@ class Attention(nn.Module):
         self.window = m.attention_window
         self.cp_comm = cp_comm if cp_comm is not None and cp_comm.size > 1 else None
         self.rope = m.positions == "rope"  # learned positions are added to the embedding instead
+        self.sdpa_choice = HOST_SDPA  # the SDPA kernels (attention_backend.use_sdpa sets the device's)
         kw = dict(dtype=dtype, seed=seed, std=m.init_std)
         kv_out = m.n_kv_heads * self.head_dim
         kw["input_mode"] = "none"  # forward() gathers/copies x once for q, k and v
@@ -118,12 +120,12 @@ class Attention(nn.Module):
             if docs is not None:  # block-diagonal causal: [B, 1, S, S]
                 where = torch.arange(seq, device=x.device)
                 mask = causal_window_mask(where, where, self.window) & same_document(docs, docs)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+                out = sdpa(q, k, v, self.sdpa_choice, attn_mask=mask[:, None])
             elif 0 < self.window < seq:
                 where = torch.arange(seq, device=x.device)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_window_mask(where, where, self.window))
+                out = sdpa(q, k, v, self.sdpa_choice, attn_mask=causal_window_mask(where, where, self.window))
             else:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out = sdpa(q, k, v, self.sdpa_choice)
         return self.wo(out.permute(2, 0, 1, 3).reshape(seq, batch, self.local_heads * self.head_dim))
 
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from hpctrain.config import resolve_model
 from hpctrain.parallel.rules import LayoutError  # noqa: F401 (re-exported)
 from hpctrain.parallel.rules import (check_batch, check_context, check_cp_chunks, check_schedule,
-                                    check_stages, check_tp_divisibility, resolve_sizes)
+                                    check_stages, check_tp_divisibility, resolve_microbatches,
+                                    resolve_sizes)
 
 
 def divisors(n: int) -> list[int]:
@@ -40,13 +41,22 @@ class Layout:
 
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "Layout":
-        """The validated layout of ``cfg`` on ``world_size`` ranks (raises on the first broken rule)."""
+        """The validated layout of ``cfg`` on ``world_size`` ranks (raises on the first broken rule). The
+        micro-batches come from ``train.micro_batch_size`` when it is > 0, else ``parallel.microbatches``
+        (``rules.resolve_microbatches``)."""
         p, t = cfg.parallel, cfg.train
         sizes = resolve_sizes(world_size, dp=p.dp, pp=p.pp, tp=p.tp, cp=p.cp)
-        layout = cls(world_size, sizes["dp"], sizes["pp"], sizes["tp"], p.microbatches, t.global_batch,
+        microbatches = resolve_microbatches(t.global_batch, sizes["dp"], p.microbatches, t.micro_batch_size)
+        layout = cls(world_size, sizes["dp"], sizes["pp"], sizes["tp"], microbatches, t.global_batch,
                      t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers), p.virtual_stages,
                      sizes["cp"])
-        layout.validate(resolve_model(cfg.model))
+        try:
+            layout.validate(resolve_model(cfg.model))
+        except LayoutError as exc:
+            if t.micro_batch_size and str(exc).startswith("parallel.microbatches="):
+                raise LayoutError(f"{exc} (the micro-batches are global_batch / (dp x train.micro_batch_size) = "
+                                  f"{t.global_batch} / ({sizes['dp']} x {t.micro_batch_size}))") from None
+            raise
         return layout
 
     def validate(self, model=None) -> None:
@@ -74,7 +84,7 @@ class Layout:
 
     @property
     def micro_batch(self) -> int:
-        """Sequences per micro-batch."""
+        """Sequences per micro-batch (per forward on each replica: ``train.micro_batch_size`` when given)."""
         return self.local_batch // self.microbatches
 
     @property

@@ -14,6 +14,8 @@ for the factorisation of the world, ``LayoutError`` for the rest):
   model: n_heads, n_kv_heads, d_ff divisible by tp (the vocabulary is padded: ``padded_vocab``);
          pp <= n_layers;
          stage_layers (if given) has pp (x virtual_stages) entries >= 1 summing to n_layers
+  micro-batches: train.micro_batch_size > 0 derives them (``resolve_microbatches``): global_batch divisible
+         by dp x micro_batch_size, parallel.microbatches left at 1 or equal to the derived count
   batch: global_batch divisible by dp; the replica batch divisible by micro-batches;
          with sequence parallelism, seq_len (/ cp) divisible by tp
   context: seq_len divisible by 2 x cp (the zig-zag chunks); model.attention_window <= seq_len
@@ -106,6 +108,26 @@ def check_stages(m, pp_size: int, stage_layers: list[int], virtual_stages: int =
                               f"summing to model.n_layers={m.n_layers}{order}")
     elif m.n_layers < pp_size:
         raise LayoutError(f"model.n_layers={m.n_layers} < parallel.pp={pp_size}: every stage needs a layer")
+
+
+def resolve_microbatches(global_batch: int, dp_size: int, microbatches: int, micro_batch_size: int) -> int:
+    """Micro-batches per replica per step. ``micro_batch_size`` (``train.micro_batch_size``, sequences per
+    forward per replica; with cp each cp rank holds its 2 chunks of those sequences) 0: ``microbatches``
+    (``parallel.microbatches``) as given. > 0: ``global_batch / (dp x micro_batch_size)``, which must be an
+    integer; ``parallel.microbatches`` must then be left at 1 (its default) or equal that count."""
+    if micro_batch_size == 0:
+        return microbatches
+    per_step = dp_size * micro_batch_size
+    if global_batch % per_step:
+        raise LayoutError(f"train.global_batch={global_batch} is not divisible by dp x train.micro_batch_size = "
+                          f"{dp_size} x {micro_batch_size} = {per_step}: each of the dp replicas runs "
+                          f"global_batch/dp sequences in micro-batches of micro_batch_size")
+    derived = global_batch // per_step
+    if microbatches not in (1, derived):
+        raise LayoutError(f"parallel.microbatches={microbatches} contradicts train.micro_batch_size={micro_batch_size}"
+                          f": global_batch / (dp x micro_batch_size) = {global_batch} / ({dp_size} x "
+                          f"{micro_batch_size}) = {derived} micro-batches; set one of the two keys")
+    return derived
 
 
 def check_batch(global_batch: int, microbatches: int, seq_len: int, dp_size: int, tp_size: int,

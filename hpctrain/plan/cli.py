@@ -4,10 +4,11 @@
     hpctrain plan --model configs/tiny.toml --nodes 1 --gpus-per-node 4 --profile link.json --json
     hpctrain plan --model llama-3-8b --seq-len 131072 --nodes 2 --gpus-per-node 8 --device h100 --inter-gbps 400
 
-``--model`` is a preset name (``hpctrain/config.py`` PRESETS) or a TOML config (its model, seq_len,
+``--model`` (or ``--config``) is a preset name (``hpctrain/config.py`` PRESETS) or a TOML config (its model, seq_len,
 global batch, dtype and schedule are the defaults of the flags; the keys its ``[parallel]`` section sets
-fix those choices, like the flags ``--dp/--tp/--pp/--cp/--micro-batch/--zero``: a GIVEN layout is evaluated
-instead of searched). Planning is in bfloat16 unless ``--dtype`` or the TOML's ``train.dtype`` says
+and its ``train.micro_batch_size`` fix those choices, like the flags ``--dp/--tp/--pp/--cp/--micro-batch/--zero``:
+a GIVEN layout is evaluated instead of searched). ``--micro-batch`` and ``train.micro_batch_size`` are the same
+notion: sequences per forward per replica. Planning is in bfloat16 unless ``--dtype`` or the TOML's ``train.dtype`` says
 otherwise. Links come from a measured profile
 (``hpctrain bench comm --profile``) or from ``--intra-gbps`` / ``--inter-gbps`` (Gbit/s per rank).
 Context parallelism (``--cp``; searched unless ``--dp/--tp/--pp`` give a layout, which then has cp 1)
@@ -26,7 +27,8 @@ import tomllib
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="rank the dp x cp x tp x pp layouts of a model on a machine by predicted "
                                     "tokens/s (the performance and memory model, hpctrain/plan)")
-    p.add_argument("--model", default="", help="a model preset (e.g. gpt-1t, gpt3-175b, tiny) or a TOML config")
+    p.add_argument("--model", "--config", default="",
+                   help="a model preset (e.g. gpt-1t, gpt3-175b, tiny) or a TOML config (--config: the same flag)")
     p.add_argument("--nodes", type=int, default=0)
     p.add_argument("--gpus-per-node", type=int, default=0, help="ranks per node")
     p.add_argument("--validate", choices=("published", "ptdp"), default="",
@@ -57,7 +59,8 @@ def add_parser(sub) -> None:
                    help="evaluate this context-parallel size only (default: search every cp with --seq-len "
                         "divisible by 2 x cp, or 1 when --dp/--tp/--pp give the layout; 1: no context parallelism)")
     p.add_argument("--micro-batch", type=int, default=0,
-                   help="sequences per micro-batch (Megatron's --micro-batch-size; default: search)")
+                   help="sequences per micro-batch, per forward on each replica (train.micro_batch_size; "
+                        "Megatron's --micro-batch-size; default: the config's, else search)")
     p.add_argument("--virtual-stages", type=int, default=1,
                    help="model chunks per pipeline rank (interleaved 1F1B; default 1)")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
@@ -106,6 +109,10 @@ def _model_and_defaults(spec: str):
             raw = tomllib.load(f)  # which keys the file SETS: those are given, the rest searched
         given = {k: v for k, v in raw.get("parallel", {}).items()
                  if k in ("dp", "tp", "pp", "cp", "microbatches", "zero", "sequence_parallel") and v != 0}
+        if cfg.train.micro_batch_size:  # sequences per forward: the planner's micro_batch
+            given["micro_batch"] = cfg.train.micro_batch_size
+            if given.get("microbatches") == 1:  # its default: train.micro_batch_size derives the count
+                del given["microbatches"]
         return resolve_model(cfg.model), {"global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
                                           "dtype": raw.get("train", {}).get("dtype", "bfloat16"),
                                           "schedule": cfg.parallel.schedule, "bucket_mb": cfg.parallel.bucket_mb,
@@ -163,15 +170,16 @@ def _space(args, given: dict, schedule: str, devices: int):
         return flag if flag else given.get(key, 0)
     dp, tp, pp, cp = pick(args.dp, "dp"), pick(args.tp, "tp"), pick(args.pp, "pp"), pick(args.cp, "cp")
     cp = cp or (1 if dp or tp or pp else 0)  # a given layout has no cp unless it says so
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("micro-batch", args.micro_batch)):
+    micro_batch = args.micro_batch or given.get("micro_batch", 0)
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("micro-batch", micro_batch)):
         if value < 0 or (value and name != "micro-batch" and devices % value):
             raise PlanError(f"--{name} {value}: must be a positive divisor of the {devices} devices")
     zero = (args.zero,) if args.zero is not None else (given["zero"],) if "zero" in given else \
         (0,) if args.no_zero else (0, 1)
     sp = (True,) if args.sequence_parallel else (False,) if args.no_sequence_parallel else \
         (bool(given["sequence_parallel"]),) if "sequence_parallel" in given else (False, True)
-    microbatches = (given["microbatches"],) if "microbatches" in given and not args.micro_batch else ()
-    return SearchSpace(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=args.micro_batch, microbatches=microbatches, zero=zero,
+    microbatches = (given["microbatches"],) if "microbatches" in given and not micro_batch else ()
+    return SearchSpace(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, microbatches=microbatches, zero=zero,
                        sequence_parallel=sp, schedule=schedule,
                        recompute={"auto": ("off", "selective", "full"), "on": ("full",)}.get(args.recompute,
                                                                                           (args.recompute,)))

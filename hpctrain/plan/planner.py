@@ -29,8 +29,9 @@ class SearchSpace:
     the same as "off"). ``cp``: context parallelism is searched over the sizes ``c`` with ``seq_len`` divisible
     by ``2 c`` (the zig-zag chunks; others are never proposed) and chunks ``seq_len / 2c`` of at least
     ``MIN_CP_CHUNK`` tokens. ``dp``/``tp``/``pp``/``cp``
-    > 0 fix that axis and ``micro_batch`` > 0 fixes the sequences per micro-batch (a GIVEN layout:
-    ``hpctrain plan --tp 8 --pp 16 --micro-batch 1``, or a TOML's ``[parallel]`` section)."""
+    > 0 fix that axis and ``micro_batch`` > 0 fixes the sequences per micro-batch, per forward on each
+    replica (the trainer's ``train.micro_batch_size``; a GIVEN layout: ``hpctrain plan --tp 8 --pp 16
+    --micro-batch 1``, or a TOML's ``[parallel]`` section and ``train.micro_batch_size``)."""
 
     dp: int = 0
     tp: int = 0

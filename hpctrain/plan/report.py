@@ -43,7 +43,8 @@ def print_plans(result, machine, model, name: str, global_batch: int, seq_len: i
             mem = ", ".join(f"{k} {v:.1f}" for k, v in p["memory_gib"].items() if v > 0)
             place = " ".join(f"{k}:{v}" for k, v in p["placement"].items())
             chunk = f"; sequence chunk {p['seq_chunk']} tokens per rank" if p.get("cp", 1) > 1 else ""
-            print(f"{i:>2} {parts}\n   memory GiB: {mem}; placement {place}{chunk}")
+            print(f"{i:>2} {parts}\n   memory per GPU {p['memory_gib_per_device']:.1f} GiB: {mem}; micro-batch "
+                  f"{p['micro_batch']} sequence(s) x {p['microbatches']} per replica; placement {place}{chunk}")
     else:
         print("no layout fits: see the reasons below")
     if result.infeasible:

@@ -22,7 +22,7 @@ from pathlib import Path
 FIELDS = ["name", "ranks", "nodes", "dp", "tp", "pp", "microbatches", "global_batch", "status", "steps", "step_s",
           "tokens_per_s", "speedup", "efficiency", "compute_s", "comm_s", "bubble_s", "bytes_sent", "final_loss",
           "predicted_step_s", "predicted_tokens_per_s", "predicted_compute_s", "predicted_comm_s",
-          "predicted_bubble_s", "prediction_error"]
+          "predicted_bubble_s", "prediction_error", "peak_memory_gib", "predicted_memory_gib"]
 
 
 def add_parser(sub) -> None:

@@ -36,7 +36,8 @@ def machine_for(ranks: int, nodes: int, device: str, profile: str | None):
 
 def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None) -> dict | None:
     """``predicted_step_s``, ``predicted_tokens_per_s``, ``predicted_compute_s``, ``predicted_comm_s``
-    (tp + cp + pp + exposed dp + optimizer's reductions) and ``predicted_bubble_s`` for one sweep row; None
+    (tp + cp + pp + exposed dp + optimizer's reductions), ``predicted_bubble_s`` and ``predicted_memory_gib``
+    (memory per rank of the heaviest stage, hpctrain/plan/memory.py, without the reserve) for one sweep row; None
     when the model cannot tell (an invalid layout)."""
     from hpctrain.config import resolve_model
     from hpctrain.plan.cost import Options
@@ -59,4 +60,5 @@ def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None)
     return {"predicted_step_s": parts.step_s, "predicted_tokens_per_s": pred.tokens_per_s,
             "predicted_compute_s": parts.compute_s + parts.optimizer_s,
             "predicted_comm_s": parts.tp_comm_s + parts.cp_comm_s + parts.pp_comm_s + parts.dp_comm_s,
-            "predicted_bubble_s": parts.bubble_s}
+            "predicted_bubble_s": parts.bubble_s,
+            "predicted_memory_gib": pred.memory.total_gib}  # no reserve: next to the run's peak_memory_gib

@@ -37,9 +37,11 @@ class SweepRun:
     name: str = field(default="")
 
     def overrides(self) -> list[str]:
-        """``hpctrain train`` overrides that make this run."""
+        """``hpctrain train`` overrides that make this run (the sweep sets the micro-batch COUNT, so a
+        config's ``train.micro_batch_size`` is reset to 0 = derived from it)."""
         return [f"parallel.dp={self.dp}", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
-                f"parallel.microbatches={self.microbatches}", f"train.global_batch={self.global_batch}"]
+                f"parallel.microbatches={self.microbatches}", "train.micro_batch_size=0",
+                f"train.global_batch={self.global_batch}"]
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -87,6 +89,7 @@ def plan_runs(cfg, ranks: list[int], layouts: list[dict] | None, mode: str) -> t
             trial = copy.deepcopy(cfg)
             trial.parallel.dp, trial.parallel.tp, trial.parallel.pp = 0, tp, pp
             trial.parallel.microbatches, trial.train.global_batch = mb, batch
+            trial.train.micro_batch_size = 0  # the sweep's mb is the micro-batch count (overrides() says so)
             label = f"{world} ranks tp={tp} pp={pp} mb={mb}"
             try:
                 layout = Layout.from_config(trial, world)
@@ -130,7 +133,8 @@ def summarize(run: SweepRun, run_dir: str, warmup: int) -> dict:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
             "compute_s": max(0.0, inside - comm - bubble), "comm_s": comm, "bubble_s": bubble,
             "bytes_sent": statistics.median(r.get("bytes_sent", 0) for r in steady),
-            "final_loss": records[-1]["loss"], "phases_s": phases}
+            "final_loss": records[-1]["loss"], "phases_s": phases,
+            "peak_memory_gib": next((r["peak_memory_gib"] for r in records if "peak_memory_gib" in r), None)}
 
 
 def add_efficiency(rows: list[dict], mode: str) -> None:

@@ -91,7 +91,9 @@ MEANINGS: dict[str, str] = {
                                "1 with gpipe and 1f1b.",
     "parallel.microbatches": "Micro-batches per replica per step: the replica batch (global_batch / dp) is split "
                              "into this many; gradients accumulate over them. The pipeline bubble is "
-                             "(pp - 1) / (virtual_stages x microbatches) of the ideal step.",
+                             "(pp - 1) / (virtual_stages x microbatches) of the ideal step. With "
+                             "`train.micro_batch_size` > 0 it is derived (global_batch / (dp x micro_batch_size)): "
+                             "leave it at 1 or give the same number.",
     "parallel.sequence_parallel": "Split the activations between TP layers into sequence chunks (norms run on "
                                   "S/tp tokens; all-reduce becomes reduce-scatter + all-gather). Needs "
                                   "`train.seq_len` divisible by tp.",
@@ -179,7 +181,15 @@ MEANINGS: dict[str, str] = {
     "train.dtype": "Parameter and activation dtype. bfloat16/float16 keep float32 main gradients and float32 "
                    "master weights in the optimizer; float16 also uses dynamic loss scaling.",
     "train.global_batch": "Sequences per optimizer step over all replicas; divisible by dp, and global_batch / dp "
-                          "by `parallel.microbatches`.",
+                          "by `parallel.microbatches` (with `train.micro_batch_size` > 0: divisible by dp x "
+                          "micro_batch_size).",
+    "train.micro_batch_size": "Sequences per forward (and backward) on each replica; 0 = global_batch / dp / "
+                              "`parallel.microbatches`. > 0: the replica batch runs as global_batch / (dp x "
+                              "micro_batch_size) micro-batches with gradients accumulated in between, and the dp "
+                              "reduction runs once per step, overlapped with the last micro-batch's backward. "
+                              "global_batch must be divisible by dp x micro_batch_size. With cp the micro-batch is "
+                              "still sequences (each cp rank holds its chunks of them). `hpctrain plan` reads it as "
+                              "its `--micro-batch`.",
     "train.seq_len": "Tokens per sequence (<= `model.max_seq_len`).",
     "train.lr": "Peak learning rate (reached after warm-up).",
     "train.min_lr": "Final learning rate of the cosine or linear decay.",

@@ -50,7 +50,7 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
 def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     from hpctrain.checkpoint.manager import CheckpointManager
     from hpctrain.monitor.run_monitor import RunMonitor
-    from hpctrain.train.metrics import MetricsLog, finite_or_none
+    from hpctrain.train.metrics import MetricsLog, finite_or_none, report_peak_memory
     from hpctrain.train.trainer import Trainer
 
     info = grid.info
@@ -87,6 +87,7 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     trace = _start_trace(cfg, grid, trainer)
     stop = StopAgreement(grid.world)  # collective: a persistent request, freed when the grid closes
     interval, save_s, reason = cfg.checkpoint.interval, 0.0, ""
+    first_step = trainer.step + 1
     try:
         while not (reason := _agree_to_go_on(policy, trainer, stop)):
             record = trainer.train_step().as_dict()
@@ -96,6 +97,8 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
                 monitor.on_step(record)
                 reason = trainer.diverged.stop
                 break
+            if trainer.step == first_step:  # collective: memory per rank, once
+                report_peak_memory(grid.world, device, record)
             if cfg.train.eval_interval and (trainer.step % cfg.train.eval_interval == 0 or trainer.step == last_step):
                 record["val_loss"] = trainer.evaluate()
                 record["time_s"]["eval"] = round(trainer.timer.take("eval"), 6)
@@ -270,10 +273,13 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
     bubble = (f", pipeline bubble {formula} = {trainer.bubble:.1%} of "
               f"the ideal step" if grid.sizes["pp"] > 1 else "")
     print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
-          f"{schedule}, {p.microbatches} micro-batches{bubble}, sequence parallel "
+          f"{schedule}, {trainer.layout.microbatches} micro-batch(es) of {trainer.micro_batch} sequence(s) per "
+          f"replica{bubble}, sequence parallel "
           f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {grid.intra_node}, "
-          f"{cfg.train.dtype}, device {describe(device)}" + (f", GPU collectives backend {trainer.backends['dp']}"
-                                   if device.type == "cuda" else ""), flush=True)
+          f"{cfg.train.dtype}, device {describe(device)}, attention {trainer.sdpa.name}"
+          + (f", GPU collectives backend {trainer.backends['dp']}" if device.type == "cuda" else ""), flush=True)
+    if trainer.sdpa.warning:  # the same on every rank: said once
+        print(f"hpctrain: WARNING: {trainer.sdpa.warning}", file=sys.stderr, flush=True)
     if hasattr(trainer.sampler, "describe"):  # packed SFT examples (hpctrain/data/packing.py)
         print(f"hpctrain train: {trainer.sampler.describe()}", flush=True)
     if cfg.lora.rank:

@@ -103,3 +103,20 @@ class MetricsLog:
               f"{summary['mean_tokens_per_s']:.0f} tokens/s, comm {100 * summary['comm_fraction']:.0f}% of step "
               f"time, {summary['wall_time_s']:.1f} s; metrics in {self.path}", file=self.stream, flush=True)
         return summary
+
+
+def report_peak_memory(world, device, record: dict) -> None:
+    """Collective over ``world`` (once, after the run's first step): every rank's peak memory (``peak_memory``)
+    gathered on rank 0, which adds ``peak_memory_gib`` (the maximum over the ranks), ``peak_memory_rank`` and
+    ``peak_memory_source`` to ``record`` (metrics.jsonl) and prints one line."""
+    from hpctrain.runtime.peak_memory import peak_memory
+
+    used, source = peak_memory(device)
+    every = world.gather_object(used, root=0)
+    if every is None:
+        return
+    top = max(range(len(every)), key=every.__getitem__)
+    record.update(peak_memory_gib=round(every[top] / 2**30, 4), peak_memory_rank=top, peak_memory_source=source)
+    print(f"hpctrain train: memory per rank after step {record['step']}: peak {every[top] / 2**30:.3f} GiB on rank "
+          f"{top} (least {min(every) / 2**30:.3f} GiB), {source}; `hpctrain plan --model <config>` predicts it per "
+          f"GPU", flush=True)

@@ -26,6 +26,7 @@ from hpctrain.data.packing import samplers_for
 from hpctrain.data.prepared import check_corpus
 from hpctrain.data.sampler import GlobalBatchIterator, rank_slice
 from hpctrain.errors import HpcTrainError
+from hpctrain.models.attention_backend import choose_sdpa, use_sdpa
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
 from hpctrain.compression import build_reducer
 from hpctrain.optim.flat import FlatOptimizer, lr_at
@@ -86,6 +87,9 @@ class Trainer:
         self.local_batch, self.micro_batch = self.layout.local_batch, self.layout.micro_batch
         self._build_model()
         self._build_data(tokens)
+        m = self.model_cfg  # SDPA's kernels, checked once on this device (masked: a window or packed documents)
+        self.sdpa = use_sdpa(self.local_model, choose_sdpa(self.device, self.dtype, m.d_model // m.n_heads,
+                             m.attention_window > 0 or hasattr(self.sampler, "describe"), seq=cfg.train.seq_len))
         self.step = 0
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.train.seq_len, cfg.lora.rank, cfg.lora.targets)
         # idle over ideal time with equal stages, (pp - 1) / (V M) (``bubble_fraction``; printed at start-up)
@@ -230,7 +234,7 @@ class Trainer:
         (``_cp_part``); docs stay whole (ring attention masks by global position)."""
         inputs, targets, *packed = batch
         parts = self._to_device(*self._cp_part(inputs, targets, *packed[:1]), *packed[1:])
-        mb, n = self.micro_batch, self.cfg.parallel.microbatches
+        mb, n = self.micro_batch, self.layout.microbatches
         parts = [[part[i * mb:(i + 1) * mb] for i in range(n)] for part in parts]
         return parts[0], parts[1], dict(zip(("masks", "docs"), parts[2:]))
 

@@ -1,144 +1,246 @@
 #!/usr/bin/env python
-"""Training throughput on one GPU: hpctrain's Trainer vs a plain PyTorch mixed-precision loop.
+"""Training throughput on one GPU: hpctrain against the best plain-PyTorch loop for the same model.
 
-    mpiexec -n 1 python benchmarks/bench_gpu_train.py --preset gpt2-small --seq-len 1024 --batch 8 \
-        --json bench_gpu_train.json --csv bench_gpu_train.csv
+    python benchmarks/bench_gpu_train.py --presets gpt2-small,gpt2-medium,gpt2-xl --json gpu.json --csv gpu.csv
+    python benchmarks/bench_gpu_train.py --device cpu --presets tiny --seq-len 64 --micro-batch 2 \\
+        --global-batch 4 --warmup 1 --steps 2 --compile false          # the CPU smoke test CI runs
 
-Same model (hpctrain's ``GPTStage``, seeded by name), same batches (hpctrain's sampler over the
-builtin corpus), same AdamW hyper-parameters and gradient clipping at 1.0:
+Per preset, the same model (hpctrain's ``GPTStage``, seeded by name), the same batches (hpctrain's sampler
+over the builtin corpus), the same AdamW hyper-parameters (constant learning rate), gradient clipping at 1.0, the
+same micro-batch
+(``--micro-batch`` sequences per forward) and global batch (``--global-batch``, gradient accumulation in
+between):
 
-    hpctrain     the Trainer with train.device=cuda, train.dtype=bfloat16: bf16 parameters, fp32 main
-                 grads in flat buckets, flat fp32 AdamW masters, global grad norm (the path a multi-rank
-                 run takes, with dp/tp/pp = 1)
-    torch-amp    the common PyTorch recipe: fp32 parameters, ``torch.autocast(bfloat16)``,
-                 ``torch.optim.AdamW(fused=True)``, ``clip_grad_norm_``
+    hpctrain   the Trainer: train.dtype=bfloat16 (bf16 parameters, fp32 main grads in flat buckets, flat fp32
+               AdamW masters, global grad norm: the path a multi-rank run takes, with dp/tp/pp = 1),
+               train.compile, train.micro_batch_size
+    torch      the best plain-PyTorch recipe we know (nanoGPT's): fp32 parameters under
+               ``torch.autocast(bfloat16)``, ``torch.compile(model)``, SDPA (flash on CUDA),
+               ``torch.optim.AdamW(fused=True)``, ``clip_grad_norm_``, ``zero_grad(set_to_none=True)``
 
-Method: ``--warmup`` steps each, then ``--rounds`` rounds of ``--steps`` timed steps of each
-implementation, alternating; a step is timed with ``torch.cuda.synchronize`` on both ends; the median
-over all timed steps is reported. MFU = 6N-style FLOPs per token (``flops_per_token``) x tokens/s /
-the GPU's dense bf16 peak (``hpctrain/runtime/device.py``). ``ratio`` = tokens/s / torch-amp's.
-Needs CUDA; exits with a message otherwise.
+Each (preset, implementation) runs in its own process, so its peak memory and compile caches are its own:
+``--warmup`` steps (compilation included), then ``--steps`` timed steps, each timed with a device
+synchronisation on both ends; the median is reported with the min-max. ``--repeats R`` runs the pair R times,
+alternating. MFU = the trainer's FLOPs per token (``flops_per_token``) x tokens/s / the GPU's dense bf16 peak
+(989 TFLOP/s for an H100 SXM; ``hpctrain/runtime/device.py``). ``ratio`` = hpctrain's tokens/s over torch's.
+Peak memory: ``torch.cuda.max_memory_allocated`` (on CPU, the process's peak RSS).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
-import torch
-
-from hpctrain.bench.report import run_benchmark, write_records
-
-FIELDS = ("impl", "preset", "seq_len", "batch", "tokens_per_s", "step_ms", "step_ms_min", "step_ms_max",
-          "mfu", "ratio", "final_loss", "device")
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = ("preset", "impl", "params", "seq_len", "micro_batch", "global_batch", "compile", "tokens_per_s",
+          "step_ms", "step_ms_min", "step_ms_max", "mfu", "ratio", "peak_memory_gib", "final_loss", "device",
+          "torch", "repeats")
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="gpt2-small")
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default="gpt2-small,gpt2-medium,gpt2-xl", help="model presets, comma-separated")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward (train.micro_batch_size)")
+    p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: --micro-batch)")
+    p.add_argument("--compile", default="true", choices=("true", "false"), help="torch.compile both (default true)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each (preset, implementation), alternating")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per worker process")
     p.add_argument("--json")
     p.add_argument("--csv")
-    return p.parse_args()
+    p.add_argument("--worker", choices=("hpctrain", "torch"), help=argparse.SUPPRESS)
+    p.add_argument("--preset", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
 
 
-def make_trainer(args):
-    from hpctrain.comm.grid import ProcessGrid
+# --------------------------------------------------------------------------- workers (one process each)
+def config(args):
     from hpctrain.config import load_config
-    from hpctrain.runtime.launcher import discover
-    from hpctrain.train.trainer import Trainer
 
-    cfg = load_config(None, [f"model.preset={args.preset}", "model.vocab_size=0", f"train.seq_len={args.seq_len}",
-                             f"train.global_batch={args.batch}", "train.dtype=bfloat16", "train.device=cuda",
-                             "train.steps=1000", "parallel.tp=1", "parallel.pp=1", "train.progress=false",
-                             "data.max_bytes=20000000"])
-    grid = ProcessGrid.from_config(cfg, discover())
-    return Trainer(cfg, grid, device=torch.device("cuda", torch.cuda.current_device())), grid
+    return load_config(None, [f"model.preset={args.preset}", "model.vocab_size=0", f"train.seq_len={args.seq_len}",
+                              f"train.global_batch={args.global_batch}", f"train.micro_batch_size={args.micro_batch}",
+                              "train.dtype=bfloat16" if args.device == "cuda" else "train.dtype=float32",
+                              f"train.device={args.device}", f"train.compile={args.compile}", "train.steps=100000",
+                              "train.progress=false", "train.warmup_steps=0", "train.lr_schedule=constant",
+                              "data.max_bytes=20000000"])
 
 
-class TorchAmp:
-    """The peer: the same GPTStage in fp32 under autocast(bf16), fused AdamW, clip_grad_norm_."""
+class TorchLoop:
+    """The peer: GPTStage in fp32 under autocast(bf16), torch.compile, fused AdamW, accumulation, clipping."""
 
-    def __init__(self, trainer):
+    def __init__(self, cfg, device):
+        import torch
+        from mpi4py import MPI
+
+        from hpctrain.config import resolve_model
+        from hpctrain.data.corpus import load_tokens_collective
+        from hpctrain.data.packing import samplers_for
+        from hpctrain.data.sampler import GlobalBatchIterator
         from hpctrain.models.gpt import GPTStage
+        from hpctrain.runtime import env
 
-        m, t, o = trainer.model_cfg, trainer.cfg.train, trainer.cfg.optim
-        self.model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp_comm=None,
-                              dtype=torch.float32, seed=t.seed).cuda()
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        rest = [p for p in self.model.parameters() if p.dim() < 2]
+        m, t, o = resolve_model(cfg.model), cfg.train, cfg.optim
+        self.model_cfg, self.device = m, device
+        model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp_comm=None, dtype=torch.float32,
+                         seed=t.seed).to(device)
+        self.model = model
+
+        def forward_loss(inputs, targets):  # logits and cross-entropy in one compiled graph, as nanoGPT's
+            return model.loss_sum(model(inputs), targets)
+        self.forward_loss = torch.compile(forward_loss) if str(cfg.train.compile).lower() == "true" else forward_loss
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                      {"params": rest, "weight_decay": 0.0}],
-                                     lr=t.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
-        self.batches, self.tokens = trainer.batches, t.global_batch * t.seq_len
+                                      {"params": rest, "weight_decay": 0.0}], lr=t.lr, betas=(o.beta1, o.beta2),
+                                     eps=o.eps, fused=True)
+        tokens = load_tokens_collective(MPI.COMM_WORLD, cfg.data.source, env.cache_dir(cfg.data.cache_dir),
+                                        cfg.data.max_bytes)
+        sampler, _ = samplers_for(tokens, 0.0, t.seq_len, t.seed)
+        self.batches = GlobalBatchIterator(sampler, t.global_batch, 1, 0)
+        self.micro, self.tokens = t.micro_batch_size or t.global_batch, t.global_batch * t.seq_len
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def train_step(self):
-        inputs, targets = (b.pin_memory().cuda(non_blocking=True) for b in self.batches.next_batch())
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = self.model.loss_sum(self.model(inputs), targets) / self.tokens
-        loss.backward()
+        import torch
+
+        inputs, targets = self.batches.next_batch()[:2]
+        if self.device.type == "cuda":
+            inputs, targets = (b.pin_memory().to(self.device, non_blocking=True) for b in (inputs, targets))
+        total = torch.zeros((), device=self.device)
+        for i in range(0, inputs.shape[0], self.micro):
+            with self.autocast:
+                loss = self.forward_loss(inputs[i:i + self.micro], targets[i:i + self.micro]) / self.tokens
+            loss.backward()
+            total += loss.detach()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return total  # stays on the device: read once, after the timed steps
 
 
-def timed(step) -> tuple[float, float]:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    result = step()
-    loss = result.loss if hasattr(result, "loss") else result
-    torch.cuda.synchronize()
-    return time.perf_counter() - start, loss
+def worker(args) -> int:
+    import torch
 
-
-def main() -> int:
-    args = parse_args()
-    if not torch.cuda.is_available():
-        print("bench_gpu_train: needs a CUDA GPU (torch sees none)", file=sys.stderr)
-        return 2
-    from hpctrain.models.gpt import flops_per_token
+    from hpctrain.models.gpt import count_parameters, flops_per_token
     from hpctrain.runtime.device import peak_tflops
+    from hpctrain.runtime.peak_memory import peak_memory
 
-    trainer, grid = make_trainer(args)
-    impls = {"hpctrain": trainer.train_step, "torch-amp": TorchAmp(trainer).train_step}
-    times = {name: [] for name in impls}
-    losses = {}
-    for name, step in impls.items():
-        for _ in range(args.warmup):
-            timed(step)
-    for _ in range(args.rounds):
-        for name, step in impls.items():
-            for _ in range(args.steps):
-                seconds, losses[name] = timed(step)
-                times[name].append(seconds)
-    tokens = args.batch * args.seq_len
-    fpt = flops_per_token(trainer.model_cfg, args.seq_len)
-    peak = peak_tflops(trainer.device, torch.bfloat16)
+    cfg = config(args)
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    grid = None
+    if args.worker == "hpctrain":
+        from hpctrain.comm.grid import ProcessGrid
+        from hpctrain.runtime.launcher import discover
+        from hpctrain.train.trainer import Trainer
+
+        grid = ProcessGrid.from_config(cfg, discover())
+        trainer = Trainer(cfg, grid, device=device)
+        step, model_cfg = trainer.train_step, trainer.model_cfg
+    else:
+        loop = TorchLoop(cfg, device)
+        step, model_cfg = loop.train_step, loop.model_cfg
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(args.warmup):
+        result = step()
+    times = []
+    for _ in range(args.steps):
+        sync()
+        start = time.perf_counter()
+        result = step()
+        sync()
+        times.append(time.perf_counter() - start)
+    loss = float(result.loss if hasattr(result, "loss") else result)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    median = statistics.median(times)
+    peak = peak_tflops(device, torch.bfloat16)
+    memory, _ = peak_memory(device)
+    print("BENCH " + json.dumps({
+        "impl": args.worker, "preset": args.preset, "params": count_parameters(model_cfg), "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch, "global_batch": args.global_batch, "compile": args.compile,
+        "tokens_per_s": tokens / median, "step_ms": 1e3 * median, "step_ms_min": 1e3 * min(times),
+        "step_ms_max": 1e3 * max(times),
+        "mfu": flops_per_token(model_cfg, args.seq_len) * tokens / median / (peak * 1e12) if peak else None,
+        "peak_memory_gib": memory / 2**30, "final_loss": loss,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__}), flush=True)
+    if grid is not None:
+        grid.close()
+    return 0
+
+
+# --------------------------------------------------------------------------- driver
+def run_worker(args, preset: str, impl: str) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), f"--worker={impl}", f"--preset={preset}",
+           f"--device={args.device}", f"--seq-len={args.seq_len}", f"--micro-batch={args.micro_batch}",
+           f"--global-batch={args.global_batch}", f"--compile={args.compile}", f"--warmup={args.warmup}",
+           f"--steps={args.steps}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.timeout,
+                          stdin=subprocess.DEVNULL)
+    lines = [line[6:] for line in proc.stdout.splitlines() if line.startswith("BENCH ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"bench_gpu_train: {preset} {impl} failed (exit {proc.returncode}):\n"
+                         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[0])
+
+
+def combine(runs: list[dict]) -> dict:
+    """One row from the repeats of one (preset, impl): medians, the range over every repeat's steps."""
+    row = dict(runs[0])
+    for key in ("tokens_per_s", "step_ms", "peak_memory_gib", "final_loss"):
+        row[key] = statistics.median(r[key] for r in runs)
+    row["step_ms_min"], row["step_ms_max"] = min(r["step_ms_min"] for r in runs), max(r["step_ms_max"] for r in runs)
+    row["mfu"] = statistics.median(r["mfu"] for r in runs) if runs[0]["mfu"] is not None else None
+    row["repeats"] = len(runs)
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.global_batch = args.global_batch or args.micro_batch
+    if args.worker:
+        from hpctrain.bench.report import run_benchmark
+        run_benchmark(lambda: worker(args))
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            print("bench_gpu_train: needs a CUDA GPU (torch sees none); --device cpu runs the smoke test",
+                  file=sys.stderr)
+            return 2
+    from hpctrain.bench.report import write_records
+
     records = []
-    for name in impls:
-        med = statistics.median(times[name])
-        records.append({"impl": name, "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch,
-                        "tokens_per_s": tokens / med, "step_ms": med * 1e3, "step_ms_min": min(times[name]) * 1e3,
-                        "step_ms_max": max(times[name]) * 1e3,
-                        "mfu": fpt * tokens / med / (peak * 1e12) if peak else None,
-                        "final_loss": losses[name], "device": torch.cuda.get_device_name()})
-    peer = records[-1]["tokens_per_s"]
-    print(f"{'impl':10} {'tokens/s':>10} {'step ms (min-max)':>22} {'MFU':>6} {'ratio':>6} {'loss':>7}")
-    for r in records:
-        r["ratio"] = r["tokens_per_s"] / peer
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        print(f"{r['impl']:10} {r['tokens_per_s']:10.0f} {r['step_ms']:8.1f} ({r['step_ms_min']:.1f}-"
-              f"{r['step_ms_max']:.1f}) {mfu:>6} {r['ratio']:6.2f} {r['final_loss']:7.3f}")
-    write_records(records, args.json, args.csv, FIELDS)
-    grid.close()
+    print(f"{'preset':12} {'impl':9} {'params':>8} {'tokens/s':>10} {'step ms (min-max)':>24} {'MFU':>6} "
+          f"{'ratio':>6} {'GiB':>6} {'loss':>7}", flush=True)
+    for preset in args.presets.split(","):
+        runs = {"hpctrain": [], "torch": []}
+        for r in range(args.repeats):
+            for impl in (("hpctrain", "torch") if r % 2 == 0 else ("torch", "hpctrain")):
+                runs[impl].append(run_worker(args, preset, impl))
+        rows = {impl: combine(found) for impl, found in runs.items()}
+        for impl, row in rows.items():
+            row["ratio"] = row["tokens_per_s"] / rows["torch"]["tokens_per_s"]
+            mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
+            print(f"{preset:12} {impl:9} {row['params'] / 1e6:7.0f}M {row['tokens_per_s']:10.0f} "
+                  f"{row['step_ms']:9.1f} ({row['step_ms_min']:.1f}-{row['step_ms_max']:.1f}) {mfu:>6} "
+                  f"{row['ratio']:6.2f} {row['peak_memory_gib']:6.2f} {row['final_loss']:7.3f}", flush=True)
+            records.append(row)
+    write_records(records, args.json, args.csv, list(FIELDS))
     return 0
 
 
 if __name__ == "__main__":
-    run_benchmark(main)
+    sys.exit(main())

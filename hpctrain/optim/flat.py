@@ -12,8 +12,8 @@ tied-embedding copy; the checkpoint writer uses the same predicate), then summed
 
 AdamW runs as ONE fused kernel per step (``torch._fused_adamw_``: a multi-tensor kernel on CUDA, a
 vectorised loop on the CPU) over every owned slice, cut into weight-decayed runs (dims >= 2) and the rest
-(``fused_runs``); the gradient multiplier can be a device tensor (``grad_divisor``: the kernel divides the
-gradients by it, in place) and a device flag ``found_inf`` skips the update without a host read
+(``fused_runs``); the gradient multiplier can be a device tensor (the kernel divides the gradients by its
+inverse, in place) and a device flag ``found_inf`` skips the update without a host read
 (hpctrain/train/trainer.py's device verdict). float64 masters (the exactness tests), SGD and 1-bit Adam
 keep the unfused in-place ops (``adamw_update_``): the fused kernel's moment update is a lerp, equal to
 ``adamw_update_`` within float32 rounding, not bitwise (tests/unit/test_fused_adamw.py).
@@ -67,6 +67,8 @@ class FlatOptimizer:
         param_dtype = flat.param_buffer.dtype
         self.master_dtype = master_dtype or (torch.float32 if param_dtype in (torch.float16, torch.bfloat16)
                                              else param_dtype)
+        # updates applied (Adam's bias correction): a host count, and a device one the fused kernel reads
+        self._step_tensor = torch.zeros((), dtype=torch.float32, device=flat.param_buffer.device)
         self.step_count = 0
         self.scratch: torch.Tensor | None = None  # _scratch(): Adam's denominator, reused by every slice
         self.owned_slices = [self._make_slice(bucket, start, end) for bucket, start, end in flat.owned_ranges()]
@@ -74,7 +76,6 @@ class FlatOptimizer:
         applies = (getattr(cfg_optim, "name", None) == "adamw" and freeze_variance_after is None
                    and self.master_dtype != torch.float64 and hasattr(torch, "_fused_adamw_"))
         self.fused = applies if fused is None else fused and applies
-        self._step_tensor = torch.zeros((), dtype=torch.float32, device=flat.param_buffer.device)
         for s in self.owned_slices:
             s.runs = fused_runs(s.end - s.start, s.decay_ranges)
 
@@ -125,31 +126,35 @@ class FlatOptimizer:
                 total += torch.dot(piece, piece).double()
         return total
 
-    def count_skipped(self) -> None:
-        """The last ``step`` was skipped on the device (``found_inf``): it takes no count in the bias correction."""
-        self.step_count -= 1
+    @property
+    def step_count(self) -> int:
+        """Updates applied so far. Fused: counted on the device (a skipped update counts nothing there), so
+        reading it waits for the device (checkpoints do; the step does not)."""
+        return int(self._step_tensor.item()) if self.fused else self._count
+
+    @step_count.setter
+    def step_count(self, count: int) -> None:
+        self._count = count
+        self._step_tensor.fill_(count)
 
     @torch.no_grad()
-    def step(self, lr: float, grad_coef: float = 1.0, grad_divisor: torch.Tensor | None = None,
-             found_inf: torch.Tensor | None = None) -> None:
-        """One update with gradients multiplied by ``grad_coef`` (clipping x loss-scale inverse), or divided
-        by ``grad_divisor`` (a float32 0-d device tensor: the fused kernel reads it on the device; the
+    def step(self, lr: float, grad_coef: float | torch.Tensor = 1.0, found_inf: torch.Tensor | None = None) -> None:
+        """One update with gradients multiplied by ``grad_coef`` (clipping x loss-scale inverse): a float, or
+        a float64 0-d device tensor that the fused kernel reads on the device (as the divisor 1 / coef; the
         gradients are left divided). ``found_inf`` (float32 0-d, 1.0 = skip): the fused kernel skips the
-        update on the device; the caller, once it reads the flag, calls ``count_skipped``. Unfused paths read both
-        on the host.
+        update and its count on the device. The unfused paths read both on the host.
 
         Allocation-free: ``grad_coef`` is folded into the update's coefficients (never a scaled copy
         of the gradients) and Adam's denominator goes into one scratch buffer reused by every slice.
         A fresh multi-MB tensor costs its page faults on every step: at 1.1M parameters on this
         machine the update took 6.5 ms with three temporaries, 1.0 ms without (docs/benchmarks.md)."""
-        self.step_count += 1
         if self.fused:
-            self._fused_step(lr, grad_coef, grad_divisor, found_inf)
+            self._fused_step(lr, grad_coef, found_inf)
             return
         if found_inf is not None and bool(found_inf):
             return
-        if grad_divisor is not None:
-            grad_coef = 1.0 / float(grad_divisor)
+        self._count += 1
+        grad_coef = float(grad_coef)
         c = self.cfg
         frozen = self.freeze_variance_after is not None and self.step_count > self.freeze_variance_after
         for s in self.owned_slices:
@@ -173,12 +178,15 @@ class FlatOptimizer:
                 s.params.copy_(master)
         self.flat.gather_params()
 
-    def _fused_step(self, lr: float, grad_coef: float, grad_divisor, found_inf) -> None:
+    def _fused_step(self, lr: float, grad_coef, found_inf) -> None:
         """``torch._fused_adamw_`` over every owned slice at once: one call for the decayed runs, one for the rest."""
         c = self.cfg
-        if grad_divisor is None and grad_coef != 1.0:
+        grad_divisor = None
+        if isinstance(grad_coef, torch.Tensor):
+            grad_divisor = torch.reciprocal(grad_coef).to(torch.float32)
+        elif grad_coef != 1.0:
             grad_divisor = torch.full((), 1.0 / grad_coef, dtype=torch.float32, device=self._step_tensor.device)
-        self._step_tensor.fill_(self.step_count)
+        self._step_tensor.add_(1)
         groups = {True: ([], [], [], []), False: ([], [], [], [])}
         for s in self.owned_slices:
             grad = self.flat.owned_grad(s.bucket, s.start, s.end).to(self.master_dtype)
@@ -192,6 +200,8 @@ class FlatOptimizer:
                                     lr=lr, beta1=c.beta1, beta2=c.beta2, weight_decay=c.weight_decay if decayed else 0.0,
                                     eps=c.eps, amsgrad=False, maximize=False, grad_scale=grad_divisor,
                                     found_inf=found_inf)
+        if found_inf is not None:
+            self._step_tensor.sub_(found_inf)
         for s in self.owned_slices:
             if s.master is not s.params:
                 s.params.copy_(s.master)

@@ -9,6 +9,13 @@ reached them at different moments.
 Time limit: stop when ``now + margin > deadline``, where margin = one step + ``safety`` x the
 MEASURED duration of the last save (``record_save``); before any save was measured, the margin is
 ``first_margin_s`` (``train.time_limit_margin_s``).
+
+In the training loop the request rides on the step's own reduction (hpctrain/train/verdict.py): a rank's
+reason becomes a one-hot ``stop_slots`` entry of the step's float64 vector summed over the world, and
+``reason_from_slots`` takes the highest set slot (= the highest code, as the max all-reduce would). The
+answer arrives with the step's verdict, one step after the request (or two when the host reads the step
+late), so the time-limit margin counts ``lag_steps`` more steps. ``"max steps"`` needs no agreement (every
+rank counts the same steps). ``StopAgreement`` (its own all-reduce) remains for callers outside a step.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ class StopPolicy:
         self.first_margin_s, self.safety, self.clock = first_margin_s, safety, clock
         self.last_save_s: float | None = None
         self.last_step_s = 0.0
+        self.lag_steps = 0  # steps that run between a request and the agreed answer (a piggy-backed request)
 
     def record_save(self, seconds: float | None) -> None:
         """The last completed save's duration; None (no save measured yet: the first async save may still
@@ -39,7 +47,7 @@ class StopPolicy:
 
     def margin_s(self) -> float:
         save = self.first_margin_s if self.last_save_s is None else self.safety * self.last_save_s
-        return self.last_step_s + save
+        return (1 + self.lag_steps) * self.last_step_s + save
 
     def local_reason(self, step: int) -> str:
         """This rank's view after ``step`` steps: "" (go on) or why to stop."""
@@ -60,6 +68,23 @@ def encode(reason: str) -> int:
 
 def decode(code: int) -> str:
     return f"signal {signal.Signals(code - 100).name.removeprefix('SIG')}" if code >= 100 else REASONS[code]
+
+
+STOP_SLOTS = len(REASONS) + 65  # one-hot slots: codes 0..2, then signals 0..64 (code 100 + n -> slot 3 + n)
+
+
+def stop_slot(reason: str) -> int | None:
+    """The slot of ``reason``'s one-hot entry in a summed stop vector (None: no request)."""
+    code = encode(reason)
+    return None if code == 0 else (code if code < 100 else len(REASONS) + code - 100)
+
+
+def reason_from_slots(slots) -> str:
+    """The agreed reason from the world's summed one-hot slots (a sequence of counts): the highest one set."""
+    for slot in range(len(slots) - 1, 0, -1):
+        if slots[slot] > 0:
+            return decode(slot if slot < len(REASONS) else 100 + slot - len(REASONS))
+    return ""
 
 
 def agree_stop_reason(reason: str, world) -> str:

@@ -1,0 +1,86 @@
+"""The sync-free step (hpctrain/train/verdict.py): the host reading a step's verdict one step late gives
+bitwise the losses, gradient norms, skips and parameters of reading it before the update, through a
+skipped non-finite step, a float16 loss-scale change and a divergence stop; one process (COMM_SELF)."""
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpctrain.comm.grid import ProcessGrid
+from hpctrain.config import load_config
+from hpctrain.data.corpus import load_tokens_collective
+from hpctrain.runtime.launcher import discover
+from hpctrain.train.trainer import Trainer
+
+BASE = ["data.source=builtin", "data.max_bytes=60000", "train.seq_len=16", "train.global_batch=4",
+        "model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
+        "parallel.microbatches=2", "train.warmup_steps=1", "train.lr=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return load_tokens_collective(None, "builtin", None, 60000)
+
+
+def run(tokens, readback: str, steps: int, *overrides, nan_at=(), defer=True):
+    """``steps`` steps with the verdict read at ``readback``; NaN gradients at the steps ``nan_at``.
+    Returns ([(loss, grad_norm, skipped, loss_scale)], parameters, optimizer steps, trainer.step, diverged)."""
+    cfg = load_config(None, BASE + list(overrides))
+    grid = ProcessGrid.from_config(cfg, discover(MPI.COMM_SELF), mpi_world=MPI.COMM_SELF, timeout_s=60)
+    try:
+        trainer = Trainer(cfg, grid, tokens=tokens)
+        assert trainer.readback == ("after" if cfg.train.dtype == "float16" else "late")  # what a run uses
+        trainer.readback = readback
+        reduce = trainer.flat.finish_reduction
+
+        def poisoned():  # an overflow in the dp reduction: every rank's norm is NaN
+            reduce()
+            if trainer.step + 1 in nan_at:
+                trainer.flat.grad_buffer[3] = float("nan")
+        trainer.flat.finish_reduction = poisoned
+        taken = []
+        for _ in range(steps):
+            taken.append(trainer.train_step(defer=defer))
+            if trainer.diverged:
+                break
+        trainer.read_pending()
+        assert all(m.loss is not None for m in trainer.resolved) and trainer.pending is None
+        rows = [(m.loss, m.grad_norm, m.skipped, m.loss_scale) for m in trainer.resolved]
+        return (rows, trainer.flat.param_buffer.clone(), trainer.optimizer.step_count, trainer.step,
+                trainer.diverged)
+    finally:
+        grid.close()
+
+
+def test_late_reads_equal_reads_before_the_update_through_a_skipped_step(tokens):
+    before = run(tokens, "before", 5, "train.nonfinite=skip", nan_at=(3,))
+    late = run(tokens, "late", 5, "train.nonfinite=skip", nan_at=(3,))
+    rows = before[0]
+    assert len(rows) == 5 and [r[2] for r in rows] == [False, False, True, False, False], rows
+    assert rows[2][1] == float("inf") and before[2] == 4  # the skipped step: no update, no bias-correction count
+    assert late[0] == rows and torch.equal(late[1], before[1]) and late[2:4] == before[2:4]
+    no_nan = run(tokens, "late", 2, "train.nonfinite=skip")
+    assert no_nan[0] == rows[:2]  # the poison touched step 3 alone
+
+
+def test_a_divergence_stop_applies_nothing_after_the_bad_step(tokens):
+    """nonfinite=stop: read late, the step after the bad one runs but its update is skipped on the device;
+    the run stops reporting the bad step with the state from before it."""
+    before = run(tokens, "before", 6, nan_at=(3,))
+    late = run(tokens, "late", 6, nan_at=(3,))
+    assert before[4].stop == late[4].stop == "non-finite gradient norm" and before[3] == late[3] == 3
+    assert late[0] == before[0] and len(before[0]) == 3
+    assert torch.equal(late[1], before[1])
+    assert torch.equal(late[1], run(tokens, "before", 2)[1])  # the parameters after step 2
+
+
+def test_float16_scale_changes_the_same_with_the_verdict_read_after_the_update(tokens):
+    """A loss scale large enough to overflow: skipped steps halve it; reading after the queued update
+    (float16's readback) equals reading before it, bitwise."""
+    fp16 = ("train.dtype=float16", f"train.loss_scale={2 ** 19}")
+    before = run(tokens, "before", 5, *fp16)
+    after = run(tokens, "after", 5, *fp16)
+    scales = [r[3] for r in before[0]]
+    skipped = [r[2] for r in before[0]]
+    assert any(skipped) and not all(skipped) and scales[-1] < 2 ** 19, before[0]
+    assert after[0] == before[0] and torch.equal(after[1], before[1]) and after[2] == before[2]
+

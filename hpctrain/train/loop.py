@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+from hpctrain.profiling.cuda_trace import cuda_profiler
 from hpctrain.runtime import env
 from hpctrain.runtime.errors_exit import leave_with
 from hpctrain.train.stop import StopPolicy, decode, encode
@@ -88,6 +89,7 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     log = MetricsLog(cfg.train.run_dir, cfg.train.steps, enabled=is_root, progress=cfg.train.progress,
                      log_interval=cfg.train.log_interval)
     trace = _start_trace(cfg, grid, trainer)
+    kernels = cuda_profiler(cfg.train, grid.info.rank, device)  # train.trace on CUDA: kernels and syncs
     policy.lag_steps = 2 if trainer.readback == "late" else 1  # the request rides on a step: answered after it
     interval, save_s, reason = cfg.checkpoint.interval, 0.0, ""
     try:
@@ -95,6 +97,8 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
             with trainer.timer.phase("sync"):
                 request = policy.local_reason(trainer.step)  # agreed in the step's own reduction
             metrics = trainer.train_step(request, defer=True)  # its verdict is read one step later
+            if kernels is not None:
+                kernels.step()
             policy.record_step(metrics.step_time_s)
             if trainer.diverged:  # identical on every rank: the bad update and all after it were not applied
                 break
@@ -128,6 +132,8 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
         summary = log.close()
         if trace is not None:
             trace.close()
+        if kernels is not None:
+            kernels.stop()
     if is_root and summary:
         summary.update(ranks=grid.info.size, nodes=grid.info.num_nodes, **{k: v for k, v in grid.sizes.items()})
         with open(os.path.join(cfg.train.run_dir, "summary.json"), "w", encoding="utf-8") as f:

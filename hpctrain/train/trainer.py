@@ -189,10 +189,12 @@ class Trainer:
         self.faults.hit("backward", self.step + 1)
         with timer.phase("dp_wait"):
             self.flat.finish_reduction()
+        with timer.phase("loss"):  # counted once: tp rank 0 of the last stage (0.0 elsewhere)
+            loss_share = scaled_loss / scale if grid.coords["tp"] == 0 else 0.0
         with timer.phase("grad_norm"):  # the loss, the norm and the stop request: one all-reduce, on the device
             inv = 1.0 / scale
-            self.verdict.reduce(scaled_loss / scale if grid.coords["tp"] == 0 else 0.0,
-                                self.optimizer.grad_norm_sq_tensor() * inv * inv, stop_request, reducer.overflow)
+            self.verdict.reduce(loss_share, self.optimizer.grad_norm_sq_tensor() * inv * inv, stop_request,
+                                reducer.overflow)
             coef, found_inf = self.verdict.decide(scale)
         lr = lr_at(self.step, t)
         metrics = StepMetrics(self.step + 1, None, lr, None, 0.0, 0.0, 0.0, None, scale, None)
@@ -212,16 +214,13 @@ class Trainer:
                 self.pending = metrics
                 if not (defer and self.readback == "late"):
                     self.read_pending()
-        elapsed = time.perf_counter() - start
-        peak = self.peak_tflops
-        metrics.step_time_s, metrics.tokens_per_s = elapsed, global_tokens / elapsed
-        metrics.mfu = (self.flops_per_token * metrics.tokens_per_s / (peak * 1e12 * grid.info.size)) if peak > 0 else None
+        elapsed, peak = time.perf_counter() - start, self.peak_tflops
         groups = _group_deltas(groups_before, grid.stats.by_group())
-        metrics.comm_time_s, metrics.groups = sum(g["comm_s"] for g in groups.values()), groups
-        metrics.bytes_sent = sum(g["bytes_sent"] for g in groups.values())
-        for key, value in reducer.step_stats().items():
-            setattr(metrics, key, value)
-        metrics.time_s = {k: round(v, 6) for k, v in timer.collect(elapsed).items()}
+        metrics.__dict__.update(step_time_s=elapsed, tokens_per_s=global_tokens / elapsed, groups=groups,
+                                comm_time_s=sum(g["comm_s"] for g in groups.values()),
+                                bytes_sent=sum(g["bytes_sent"] for g in groups.values()), **reducer.step_stats(),
+                                time_s={k: round(v, 6) for k, v in timer.collect(elapsed).items()})
+        metrics.mfu = (self.flops_per_token * metrics.tokens_per_s / (peak * 1e12 * grid.info.size)) if peak > 0 else None
         return metrics
 
     def read_pending(self) -> None:
@@ -234,14 +233,8 @@ class Trainer:
         loss and norm as the device did (and moves the float16 scale), the reducer learns the outcome."""
         if metrics is self.pending:
             self.pending = None
-        reading, old_scale = self.verdict.read(), self.scaler.scale
-        verdict = self.guard.judge(metrics.step, reading.loss, reading.grad_norm, self.scaler)
-        if verdict.skip != reading.skipped:
-            raise RuntimeError(f"step {metrics.step}: the device skipped={reading.skipped}, the guard {verdict.skip}")
-        self.flat.reducer.after_step(verdict.skip, self.scaler.scale / old_scale)
-        metrics.loss, metrics.grad_norm, metrics.skipped = reading.loss, reading.grad_norm, verdict.skip
-        metrics.loss_scale = self.scaler.scale
-        self.agreed_stop = self.agreed_stop or reading.stop
+        verdict, request = self.verdict.judge(metrics, self.guard, self.scaler, self.flat.reducer)
+        self.agreed_stop = self.agreed_stop or request
         if verdict.stop:  # later updates were skipped on the device: the state is that before this step
             self.diverged, self.step = verdict, metrics.step
         self.resolved.append(metrics)

@@ -91,6 +91,19 @@ class StepVerdict:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    def judge(self, metrics, guard, scaler, reducer):
+        """Read the last ``start_read`` into ``metrics`` (loss, grad_norm, skipped, loss_scale): the host ``guard``
+        judges the agreed values as the device did (and moves the float16 ``scaler``), the ``reducer`` learns
+        the outcome. Returns (the guard's Verdict, the agreed stop request)."""
+        reading, old_scale = self.read(), scaler.scale
+        verdict = guard.judge(metrics.step, reading.loss, reading.grad_norm, scaler)
+        if verdict.skip != reading.skipped:
+            raise RuntimeError(f"step {metrics.step}: the device skipped={reading.skipped}, the guard {verdict.skip}")
+        reducer.after_step(verdict.skip, scaler.scale / old_scale)
+        metrics.loss, metrics.grad_norm, metrics.skipped = reading.loss, reading.grad_norm, verdict.skip
+        metrics.loss_scale = scaler.scale
+        return verdict, reading.stop
+
     def read(self) -> Reading:
         """The values of the last ``start_read`` (waits for its copy)."""
         if self.event is not None:

@@ -121,7 +121,7 @@ class Trainer:
                                          layout.schedule, layout.microbatches,
                                          (layout.seq_chunk, self.micro_batch, m.d_model),
                                          self.dtype, device=self.device, timer=self.timer)
-        self.scaler = DynamicLossScaler(t.loss_scale, enabled=self.dtype == torch.float16)
+        self.scaler = DynamicLossScaler(t.loss_scale, enabled=self.dtype == torch.float16, device=self.device)
         self.guard = DivergenceGuard(t.nonfinite, t.max_skipped_steps)
         self.diverged = None  # the last step's Verdict when the run must stop (non-finite, too many skips)
 
@@ -130,8 +130,9 @@ class Trainer:
         grad norm and stop request summed over the world, on the training device) and, for ``evaluate``, the
         loss agreement on a host float64 [1] (broadcast from the last stage over pp, summed over the replicas
         dp x cp). ``readback``: when the host reads a step's verdict: "before" the update (1-bit Adam commits
-        the reducer's momentum first), "after" it is queued (float16's host loss scaler, compressors' error
-        memory), or "late" (one step later with ``train_step(defer=True)``; otherwise right after)."""
+        the reducer's momentum first), "after" it is queued (compressors: their error memory learns of skips
+        and scale changes before the next step), or "late" (one step later with ``train_step(defer=True)``;
+        otherwise right after)."""
         grid, t = self.grid, self.cfg.train
         pp_comm = grid.comm("pp")
         self._loss_value = torch.zeros(1, dtype=torch.float64)
@@ -141,7 +142,7 @@ class Trainer:
         self.verdict = StepVerdict(grid.world, self.device, clip=self.cfg.optim.grad_clip, nonfinite=t.nonfinite,
                                    max_skipped_steps=t.max_skipped_steps, scaler_enabled=self.scaler.enabled)
         self.readback = "before" if self.optimizer.freeze_variance_after is not None else \
-            "after" if self.scaler.enabled or not isinstance(self.flat.reducer, DenseReducer) else "late"
+            "late" if isinstance(self.flat.reducer, DenseReducer) else "after"
         self.pending: StepMetrics | None = None  # a deferred step whose verdict the host has not read
         self.resolved: list[StepMetrics] = []  # metrics read so far (the loop logs and empties it)
         self.agreed_stop = ""  # the agreed stop request, once read
@@ -181,8 +182,9 @@ class Trainer:
 
         self.local_model.train()
         self.flat.start_step()
-        reducer, scale = self.flat.reducer, self.scaler.scale
-        reducer.begin_step(self.step, scale)
+        reducer = self.flat.reducer
+        reducer.begin_step(self.step, self.scaler.scale)  # the host's scale: current where a reducer needs it
+        scale = self.scaler.scale_tensor if self.scaler.enabled else 1.0  # float16: moved on the device
         self.faults.hit("forward", self.step + 1)
         # no counted token (impossible with `data prepare` output): loss 0, zero gradients
         scaled_loss = self.executor.run(inputs, targets, scale / max(counted, 1), **packing)
@@ -195,9 +197,9 @@ class Trainer:
             inv = 1.0 / scale
             self.verdict.reduce(loss_share, self.optimizer.grad_norm_sq_tensor() * inv * inv, stop_request,
                                 reducer.overflow)
-            coef, found_inf = self.verdict.decide(scale)
+            coef, found_inf = self.verdict.decide(self.scaler)
         lr = lr_at(self.step, t)
-        metrics = StepMetrics(self.step + 1, None, lr, None, 0.0, 0.0, 0.0, None, scale, None)
+        metrics = StepMetrics(self.step + 1, None, lr, None, 0.0, 0.0, 0.0, None, None, None)
         if self.readback == "before":  # 1-bit Adam: the reducer commits its momentum before the update
             self.verdict.start_read()
             self._resolve(metrics)

@@ -12,8 +12,9 @@ norm, the clip x loss-scale coefficient (a float64 multiplier for ``FlatOptimize
 (``found_inf``: a non-finite loss or norm, or ``stopped``) and two flags that carry the guard's rules
 (hpctrain/train/guard.py) while the host has not looked yet: a bad step with ``nonfinite = "stop"``, or
 more than ``max_skipped_steps`` consecutive skips, sets ``stopped``, and every later update is skipped on
-the device until the host reads the verdict and stops the run. ``start_read`` copies [loss, grad_norm,
-skipped, stop slots] to (pinned) host memory without blocking and records an event; ``read`` waits on it.
+the device until the host reads the verdict and stops the run; float16's loss scale moves on the device
+(``DynamicLossScaler.update_on_device``). ``start_read`` copies [loss, grad_norm, skipped, loss scale,
+stop slots] to (pinned) host memory without blocking and records an event; ``read`` waits on it.
 The trainer reads at once or one step late (``Trainer.readback``); the host guard then judges the same
 values and must reach the device's skip decision.
 """
@@ -34,6 +35,7 @@ class Reading:
     loss: float  # the global mean token loss
     grad_norm: float  # inf when not finite
     skipped: bool  # the device skipped the update
+    scale: float  # the loss scale after this step (float16; else 1)
     stop: str  # the agreed stop request ("" when none)
 
 
@@ -49,8 +51,8 @@ class StepVerdict:
         self.scaler_enabled = scaler_enabled
         self.stopped = torch.zeros((), dtype=torch.bool, device=device)  # sticky: the run must stop
         self.skips = torch.zeros((), dtype=torch.int64, device=device)  # consecutive skipped steps
-        self.summary = torch.zeros(3 + STOP_SLOTS, dtype=torch.float64, device=device)
-        self.host = torch.zeros(3 + STOP_SLOTS, dtype=torch.float64, pin_memory=device.type == "cuda")
+        self.summary = torch.zeros(4 + STOP_SLOTS, dtype=torch.float64, device=device)
+        self.host = torch.zeros(4 + STOP_SLOTS, dtype=torch.float64, pin_memory=device.type == "cuda")
         self.event = None
 
     def reduce(self, loss_share, norm_sq_share, request: str, overflow: bool) -> None:
@@ -65,9 +67,10 @@ class StepVerdict:
             v[SLOTS + slot] = 1.0
         self._sum()
 
-    def decide(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def decide(self, scaler) -> tuple[torch.Tensor, torch.Tensor]:
         """On the device: (the gradient coefficient, float64 0-d: clip / (norm + 1e-6) capped at 1, over the
-        loss ``scale``; found_inf, float32 0-d: 1.0 skips the update). Updates the sticky flags and the summary."""
+        float16 loss scale; found_inf, float32 0-d: 1.0 skips the update). Updates the sticky flags, the
+        ``scaler``'s device scale (float16: an overflow halves it) and the summary."""
         loss, norm_sq = self.vector[LOSS], self.vector[NORM_SQ]
         finite_loss, finite_norm = torch.isfinite(loss), torch.isfinite(norm_sq)
         grad_norm = torch.where(finite_norm, norm_sq.sqrt(), float("inf"))
@@ -79,9 +82,11 @@ class StepVerdict:
         coef = torch.ones((), dtype=torch.float64, device=loss.device) if self.clip is None else \
             torch.clamp(torch.div(self.clip, grad_norm + 1e-6), max=1.0)
         if self.scaler_enabled:
-            coef = coef / scale
+            coef = coef / scaler.scale_tensor
+            scaler.update_on_device(finite_norm)
         self.summary[0], self.summary[1], self.summary[2] = loss, grad_norm, skip
-        self.summary[3:] = self.vector[SLOTS:]
+        self.summary[3] = scaler.scale_tensor
+        self.summary[4:] = self.vector[SLOTS:]
         return coef, skip.to(torch.float32)
 
     def start_read(self) -> None:
@@ -97,8 +102,9 @@ class StepVerdict:
         the outcome. Returns (the guard's Verdict, the agreed stop request)."""
         reading, old_scale = self.read(), scaler.scale
         verdict = guard.judge(metrics.step, reading.loss, reading.grad_norm, scaler)
-        if verdict.skip != reading.skipped:
-            raise RuntimeError(f"step {metrics.step}: the device skipped={reading.skipped}, the guard {verdict.skip}")
+        if verdict.skip != reading.skipped or scaler.scale != reading.scale:
+            raise RuntimeError(f"step {metrics.step}: the device's verdict (skip {reading.skipped}, loss scale "
+                               f"{reading.scale}) is not the host's (skip {verdict.skip}, {scaler.scale})")
         reducer.after_step(verdict.skip, scaler.scale / old_scale)
         metrics.loss, metrics.grad_norm, metrics.skipped = reading.loss, reading.grad_norm, verdict.skip
         metrics.loss_scale = scaler.scale
@@ -110,4 +116,4 @@ class StepVerdict:
             self.event.synchronize()
             self.event = None
         values = self.host.tolist()
-        return Reading(values[0], values[1], values[2] > 0, reason_from_slots(values[3:]))
+        return Reading(values[0], values[1], values[2] > 0, values[3], reason_from_slots(values[4:]))

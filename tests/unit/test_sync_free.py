@@ -8,6 +8,7 @@ from mpi4py import MPI
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.config import load_config
 from hpctrain.data.corpus import load_tokens_collective
+from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.runtime.launcher import discover
 from hpctrain.train.trainer import Trainer
 
@@ -28,7 +29,7 @@ def run(tokens, readback: str, steps: int, *overrides, nan_at=(), defer=True):
     grid = ProcessGrid.from_config(cfg, discover(MPI.COMM_SELF), mpi_world=MPI.COMM_SELF, timeout_s=60)
     try:
         trainer = Trainer(cfg, grid, tokens=tokens)
-        assert trainer.readback == ("after" if cfg.train.dtype == "float16" else "late")  # what a run uses
+        assert trainer.readback == "late"  # what a run uses (a dense dp reduction, no 1-bit Adam)
         trainer.readback = readback
         reduce = trainer.flat.finish_reduction
 
@@ -73,14 +74,28 @@ def test_a_divergence_stop_applies_nothing_after_the_bad_step(tokens):
     assert torch.equal(late[1], run(tokens, "before", 2)[1])  # the parameters after step 2
 
 
-def test_float16_scale_changes_the_same_with_the_verdict_read_after_the_update(tokens):
-    """A loss scale large enough to overflow: skipped steps halve it; reading after the queued update
-    (float16's readback) equals reading before it, bitwise."""
+def test_float16_scale_changes_on_the_device_equal_the_host_decisions(tokens):
+    """A loss scale large enough to overflow: skipped steps halve it, on the device (the next step's scale,
+    read late) and on the host (checked equal at each read); late, after and before reads agree bitwise."""
     fp16 = ("train.dtype=float16", f"train.loss_scale={2 ** 19}")
     before = run(tokens, "before", 5, *fp16)
-    after = run(tokens, "after", 5, *fp16)
     scales = [r[3] for r in before[0]]
     skipped = [r[2] for r in before[0]]
     assert any(skipped) and not all(skipped) and scales[-1] < 2 ** 19, before[0]
-    assert after[0] == before[0] and torch.equal(after[1], before[1]) and after[2] == before[2]
+    for readback in ("after", "late"):
+        other = run(tokens, readback, 5, *fp16)
+        assert other[0] == before[0] and torch.equal(other[1], before[1]) and other[2] == before[2], readback
 
+
+
+def test_the_device_scale_rule_is_the_hosts():
+    """Halving (down to the minimum), growth every ``growth_interval`` good steps, a reset on overflow, load."""
+    host, device = (DynamicLossScaler(8.0, growth_interval=2, min_scale=2.0) for _ in range(2))
+    for finite in (True, True, True, False, False, False, False, True, True, True, True):
+        host.update(2.0 if finite else float("inf"))
+        device.update_on_device(torch.tensor(finite))
+        assert device.scale_tensor.item() == host.scale and device.good_tensor.item() == host.good_steps
+    assert host.scale == 8.0  # 8 -> 16 (2 good) -> 8 -> 4 -> 2 -> 2 (the minimum) -> 4 (2 good) -> 8 (4 good)
+    device.load_state_dict({"scale": 64.0, "good_steps": 1})
+    device.update_on_device(torch.tensor(True))
+    assert device.scale_tensor.item() == 128.0

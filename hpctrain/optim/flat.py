@@ -197,8 +197,8 @@ class FlatOptimizer:
         for decayed, (masters, grads, exp_avgs, exp_avg_sqs) in groups.items():
             if masters:
                 torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], [self._step_tensor] * len(masters),
-                                    lr=lr, beta1=c.beta1, beta2=c.beta2, weight_decay=c.weight_decay if decayed else 0.0,
-                                    eps=c.eps, amsgrad=False, maximize=False, grad_scale=grad_divisor,
+                                    lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, amsgrad=False, maximize=False,
+                                    weight_decay=c.weight_decay if decayed else 0.0, grad_scale=grad_divisor,
                                     found_inf=found_inf)
         if found_inf is not None:
             self._step_tensor.sub_(found_inf)

@@ -63,11 +63,12 @@ class PipelineExecutor:
             return None
         return handle
 
-    def _execute(self, steps: list, inputs: list, targets: list, loss_scale: float, train: bool,
+    def _execute(self, steps: list, inputs: list, targets: list, loss_scale, train: bool,
                  masks: list | None = None, docs: list | None = None):
         """Run ``steps`` (``schedule_steps``) posting ``step_posts`` between them; returns the summed scaled loss
-        of this rank (a float64 0-d tensor on the device where the last virtual stage lives, else 0.0). ``masks``/``docs``: per micro-batch
-        loss masks and packed document ids (every chunk gets its micro-batch's ``docs``), or None."""
+        of this rank (a float64 0-d tensor on the device where the last virtual stage lives, else 0.0).
+        ``masks``/``docs``: per micro-batch loss masks and packed document ids (every chunk gets its
+        micro-batch's ``docs``), or None."""
         first_recvs, after = step_posts(steps, self.rank, self.stages, len(self.chunks))
         saved, produced, received, outstanding, loss_total = {}, {}, {}, [], 0.0
         timer = self.timer

@@ -5,8 +5,8 @@ carries this rank's wish to stop (``train/stop.py``: a signal, ``train.exit_sign
 time limit) in its own reduction; the agreed answer arrives with the step's verdict, which the host reads
 one step late (``Trainer.train_step(defer=True)``: no host wait inside a step), so the run stops one or
 two steps after the request, every rank after the same step. The end of the run and ``--max-steps`` need
-no agreement. metrics.jsonl gets every step's record once its verdict is read. Then: wait for an in-flight async
-save, save synchronously (unless this step is already saved), log ``{"event": "stop", ...}`` to
+no agreement. metrics.jsonl gets every step's record once its verdict is read. Then: wait for an in-flight
+async save, save synchronously (unless this step is already saved), log ``{"event": "stop", ...}`` to
 metrics.jsonl, and:
 
 - finished, or ``--max-steps`` reached: exit 0;

@@ -2,9 +2,8 @@
 
 ``StopPolicy.local_reason(step)`` is what this rank alone sees: ``"signal USR1"`` (a flag set by the
 handler), ``"time limit"`` (the next step plus a save would not finish before the deadline) or
-``"max steps"``. ``agree_stop_reason(reason, world)`` turns the ranks' views into one answer with ONE tiny
-all-reduce (max of a 4-byte code), so every rank stops after the same step even if the signal
-reached them at different moments.
+``"max steps"``. The ranks' views become one answer (the highest code) so every rank stops after the
+same step even if the signal reached them at different moments.
 
 Time limit: stop when ``now + margin > deadline``, where margin = one step + ``safety`` x the
 MEASURED duration of the last save (``record_save``); before any save was measured, the margin is
@@ -15,14 +14,12 @@ reason becomes a one-hot ``stop_slots`` entry of the step's float64 vector summe
 ``reason_from_slots`` takes the highest set slot (= the highest code, as the max all-reduce would). The
 answer arrives with the step's verdict, one step after the request (or two when the host reads the step
 late), so the time-limit margin counts ``lag_steps`` more steps. ``"max steps"`` needs no agreement (every
-rank counts the same steps). ``StopAgreement`` (its own all-reduce) remains for callers outside a step.
+rank counts the same steps).
 """
 from __future__ import annotations
 
 import signal
 import time
-
-import torch
 
 REASONS = ("", "max steps", "time limit")  # codes 0..2; a signal is 100 + its number (highest wins)
 
@@ -85,26 +82,3 @@ def reason_from_slots(slots) -> str:
         if slots[slot] > 0:
             return decode(slot if slot < len(REASONS) else 100 + slot - len(REASONS))
     return ""
-
-
-def agree_stop_reason(reason: str, world) -> str:
-    """Collective over ``world`` (a Communicator): the reason every rank acts on (the highest code)."""
-    code = torch.tensor([encode(reason)], dtype=torch.int32)
-    if world.size > 1:
-        world.allreduce(code, op="max")
-    return decode(int(code.item()))
-
-
-class StopAgreement:
-    """``agree_stop_reason`` made every step: the 4-byte max through a persistent request on ``world``
-    (``Communicator.recurring_allreduce``; building it is collective over ``world``)."""
-
-    def __init__(self, world):
-        self.code = torch.zeros(1, dtype=torch.int32)
-        self._max = world.recurring_allreduce(self.code, op="max") if world.size > 1 else None
-
-    def agree(self, reason: str) -> str:
-        self.code[0] = encode(reason)
-        if self._max is not None:
-            self._max()
-        return decode(int(self.code.item()))

@@ -222,7 +222,7 @@ class Trainer:
                                 comm_time_s=sum(g["comm_s"] for g in groups.values()),
                                 bytes_sent=sum(g["bytes_sent"] for g in groups.values()), **reducer.step_stats(),
                                 time_s={k: round(v, 6) for k, v in timer.collect(elapsed).items()})
-        metrics.mfu = (self.flops_per_token * metrics.tokens_per_s / (peak * 1e12 * grid.info.size)) if peak > 0 else None
+        metrics.mfu = self.flops_per_token * metrics.tokens_per_s / (peak * 1e12 * grid.info.size) if peak > 0 else None
         return metrics
 
     def read_pending(self) -> None:

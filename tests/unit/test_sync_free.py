@@ -10,6 +10,7 @@ from hpctrain.config import load_config
 from hpctrain.data.corpus import load_tokens_collective
 from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.runtime.launcher import discover
+from hpctrain.train.stop import STOP_SLOTS, decode, encode, reason_from_slots, stop_slot
 from hpctrain.train.trainer import Trainer
 
 BASE = ["data.source=builtin", "data.max_bytes=60000", "train.seq_len=16", "train.global_batch=4",
@@ -99,3 +100,14 @@ def test_the_device_scale_rule_is_the_hosts():
     device.load_state_dict({"scale": 64.0, "good_steps": 1})
     device.update_on_device(torch.tensor(True))
     assert device.scale_tensor.item() == 128.0
+
+
+def test_stop_requests_summed_as_one_hot_slots_agree_on_the_highest():
+    """What the step's world sum of the ranks' stop slots decodes to: the reason a max all-reduce would pick."""
+    for requests in (["", ""], ["", "time limit"], ["time limit", "signal USR1", "", "signal USR1"],
+                     ["signal TERM", "signal USR1"], ["max steps", ""]):
+        summed = [0.0] * STOP_SLOTS
+        for request in requests:
+            if (slot := stop_slot(request)) is not None:
+                summed[slot] += 1.0
+        assert reason_from_slots(summed) == decode(max(encode(r) for r in requests)), requests

@@ -73,6 +73,10 @@ def test_a_divergence_stop_applies_nothing_after_the_bad_step(tokens):
     assert late[0] == before[0] and len(before[0]) == 3
     assert torch.equal(late[1], before[1])
     assert torch.equal(late[1], run(tokens, "before", 2)[1])  # the parameters after step 2
+    skips = ("train.nonfinite=skip", "train.max_skipped_steps=1")  # two skips in a row stop the run too
+    before, late = run(tokens, "before", 6, *skips, nan_at=(2, 3)), run(tokens, "late", 6, *skips, nan_at=(2, 3))
+    assert before[4].stop == late[4].stop == "too many skipped steps" and before[3] == late[3] == 3
+    assert late[0] == before[0] and torch.equal(late[1], before[1]) and late[2] == before[2] == 1
 
 
 def test_float16_scale_changes_on_the_device_equal_the_host_decisions(tokens):

@@ -10,6 +10,14 @@ Gradient norm (for clipping and logging) is global: each element is counted by e
 and ``SlabSpec.counted_on``: TP rank 0 for TP-replicated weights, never the last stage's
 tied-embedding copy; the checkpoint writer uses the same predicate), then summed over the world.
 
+AdamW runs as ONE fused kernel per step (``torch._fused_adamw_``: a multi-tensor kernel on CUDA, a
+vectorised loop on the CPU) over every owned slice, cut into weight-decayed runs (dims >= 2) and the rest
+(``fused_runs``); the gradient multiplier can be a device tensor (the kernel divides the gradients by its
+inverse, in place) and a device flag ``found_inf`` skips the update without a host read
+(hpctrain/train/trainer.py's device verdict). float64 masters (the exactness tests), SGD and 1-bit Adam
+keep the unfused in-place ops (``adamw_update_``): the fused kernel's moment update is a lerp, equal to
+``adamw_update_`` within float32 rounding, not bitwise (tests/unit/test_fused_adamw.py).
+
 1-bit Adam (``freeze_variance_after = W``, compression.method = "onebit-adam"): the first W steps are
 AdamW; later steps leave ``exp_avg_sq`` (and its bias correction, 1 - beta2^W) frozen and take the
 momentum the reducer averaged (``momentum_from_reducer``; hpctrain/compression/onebit_adam.py) from
@@ -43,6 +51,7 @@ class OptimizerSlice:
     exp_avg_sq: torch.Tensor
     decay_ranges: list
     norm_ranges: list
+    runs: list = None  # fused AdamW: (lo, hi, decayed) runs covering [0, end - start), see ``fused_runs``
 
     def state(self, kind: str, lo: int, hi: int) -> torch.Tensor:
         """View of state ``kind`` ("master", "exp_avg", "exp_avg_sq") for absolute flat [lo, hi)."""
@@ -51,7 +60,7 @@ class OptimizerSlice:
 
 class FlatOptimizer:
     def __init__(self, flat, cfg_optim, *, tp_rank: int = 0, master_dtype: torch.dtype | None = None,
-                 freeze_variance_after: int | None = None):
+                 freeze_variance_after: int | None = None, fused: bool | None = None):
         self.flat, self.cfg, self.tp_rank = flat, cfg_optim, tp_rank
         self.freeze_variance_after = freeze_variance_after
         self.momentum_from_reducer = False  # set by OneBitAdamReducer.bind_optimizer
@@ -59,9 +68,17 @@ class FlatOptimizer:
         param_dtype = flat.param_buffer.dtype
         self.master_dtype = master_dtype or (torch.float32 if param_dtype in (torch.float16, torch.bfloat16)
                                              else param_dtype)
+        # updates applied (Adam's bias correction): a host count, and a device one the fused kernel reads
+        self._step_tensor = torch.zeros((), dtype=torch.float32, device=flat.param_buffer.device)
         self.step_count = 0
         self.scratch: torch.Tensor | None = None  # _scratch(): Adam's denominator, reused by every slice
         self.owned_slices = [self._make_slice(bucket, start, end) for bucket, start, end in flat.owned_ranges()]
+        # fused: AdamW without 1-bit Adam's freeze, on float32 masters (None: whenever it applies)
+        applies = (getattr(cfg_optim, "name", None) == "adamw" and freeze_variance_after is None
+                   and self.master_dtype != torch.float64 and hasattr(torch, "_fused_adamw_"))
+        self.fused = applies if fused is None else fused and applies
+        for s in self.owned_slices:
+            s.runs = fused_runs(s.end - s.start, s.decay_ranges)
 
     def _make_slice(self, bucket, start: int, end: int) -> OptimizerSlice:
         flat = self.flat
@@ -96,24 +113,49 @@ class FlatOptimizer:
                 yield piece, part
 
     def grad_norm_sq_local(self, inv_scale: float = 1.0) -> float:
-        """This rank's share of the squared global gradient norm (float64)."""
+        """This rank's share of the squared global gradient norm (float64; a host read)."""
+        return float(self.grad_norm_sq_tensor()) * inv_scale * inv_scale
+
+    def grad_norm_sq_tensor(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm of the gradients as they are (loss scale
+        included): a float64 0-d tensor on the parameters' device, no host read."""
         total = torch.zeros((), dtype=torch.float64, device=self.flat.param_buffer.device)
         for s in self.owned_slices:
             grad = self.flat.owned_grad(s.bucket, s.start, s.end)
             for lo, hi in s.norm_ranges:
                 piece = grad[lo:hi]
-                total += torch.dot(piece, piece).double()  # on the device: one host sync below
-        return float(total) * inv_scale * inv_scale
+                total += torch.dot(piece, piece).double()
+        return total
+
+    @property
+    def step_count(self) -> int:
+        """Updates applied so far. Fused: counted on the device (a skipped update counts nothing there), so
+        reading it waits for the device (checkpoints do; the step does not)."""
+        return int(self._step_tensor.item()) if self.fused else self._count
+
+    @step_count.setter
+    def step_count(self, count: int) -> None:
+        self._count = count
+        self._step_tensor.fill_(count)
 
     @torch.no_grad()
-    def step(self, lr: float, grad_coef: float = 1.0) -> None:
-        """One update with gradients multiplied by ``grad_coef`` (clipping x loss-scale inverse).
+    def step(self, lr: float, grad_coef: float | torch.Tensor = 1.0, found_inf: torch.Tensor | None = None) -> None:
+        """One update with gradients multiplied by ``grad_coef`` (clipping x loss-scale inverse): a float, or
+        a float64 0-d device tensor that the fused kernel reads on the device (as the divisor 1 / coef; the
+        gradients are left divided). ``found_inf`` (float32 0-d, 1.0 = skip): the fused kernel skips the
+        update and its count on the device. The unfused paths read both on the host.
 
         Allocation-free: ``grad_coef`` is folded into the update's coefficients (never a scaled copy
         of the gradients) and Adam's denominator goes into one scratch buffer reused by every slice.
         A fresh multi-MB tensor costs its page faults on every step: at 1.1M parameters on this
         machine the update took 6.5 ms with three temporaries, 1.0 ms without (docs/benchmarks.md)."""
-        self.step_count += 1
+        if self.fused:
+            self._fused_step(lr, grad_coef, found_inf)
+            return
+        if found_inf is not None and bool(found_inf):
+            return
+        self._count += 1
+        grad_coef = float(grad_coef)
         c = self.cfg
         frozen = self.freeze_variance_after is not None and self.step_count > self.freeze_variance_after
         for s in self.owned_slices:
@@ -137,12 +179,54 @@ class FlatOptimizer:
                 s.params.copy_(master)
         self.flat.gather_params()
 
+    def _fused_step(self, lr: float, grad_coef, found_inf) -> None:
+        """``torch._fused_adamw_`` over every owned slice at once: one call for the decayed runs, one for the rest."""
+        c = self.cfg
+        grad_divisor = None
+        if isinstance(grad_coef, torch.Tensor):
+            grad_divisor = torch.reciprocal(grad_coef).to(torch.float32)
+        elif grad_coef != 1.0:
+            grad_divisor = torch.full((), 1.0 / grad_coef, dtype=torch.float32, device=self._step_tensor.device)
+        self._step_tensor.add_(1)
+        groups = {True: ([], [], [], []), False: ([], [], [], [])}
+        for s in self.owned_slices:
+            grad = self.flat.owned_grad(s.bucket, s.start, s.end).to(self.master_dtype)
+            for lo, hi, decayed in s.runs:
+                for into, tensor in zip(groups[decayed and bool(c.weight_decay)], (s.master, grad, s.exp_avg,
+                                                                                  s.exp_avg_sq)):
+                    into.append(tensor[lo:hi])
+        for decayed, (masters, grads, exp_avgs, exp_avg_sqs) in groups.items():
+            if masters:
+                torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], [self._step_tensor] * len(masters),
+                                    lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, amsgrad=False, maximize=False,
+                                    weight_decay=c.weight_decay if decayed else 0.0, grad_scale=grad_divisor,
+                                    found_inf=found_inf)
+        if found_inf is not None:
+            self._step_tensor.sub_(found_inf)
+        for s in self.owned_slices:
+            if s.master is not s.params:
+                s.params.copy_(s.master)
+        self.flat.gather_params()
+
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         """A buffer of ``like``'s length (the largest owned slice, made once), for temporaries."""
         if self.scratch is None:
             longest = max(s.end - s.start for s in self.owned_slices)
             self.scratch = torch.empty(longest, dtype=self.master_dtype, device=like.device)
         return self.scratch[:like.numel()]
+
+
+def fused_runs(length: int, decay_ranges: list) -> list[tuple[int, int, bool]]:
+    """[0, length) cut into runs (lo, hi, decayed): the ``decay_ranges`` (sorted, disjoint) and the gaps."""
+    runs, at = [], 0
+    for lo, hi in decay_ranges:
+        if lo > at:
+            runs.append((at, lo, False))
+        runs.append((lo, hi, True))
+        at = hi
+    if at < length:
+        runs.append((at, length, False))
+    return runs
 
 
 def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

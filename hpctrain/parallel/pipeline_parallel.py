@@ -63,11 +63,12 @@ class PipelineExecutor:
             return None
         return handle
 
-    def _execute(self, steps: list, inputs: list, targets: list, loss_scale: float, train: bool,
-                 masks: list | None = None, docs: list | None = None) -> float:
+    def _execute(self, steps: list, inputs: list, targets: list, loss_scale, train: bool,
+                 masks: list | None = None, docs: list | None = None):
         """Run ``steps`` (``schedule_steps``) posting ``step_posts`` between them; returns the summed scaled loss
-        of this rank (non-zero only where the last virtual stage lives). ``masks``/``docs``: per micro-batch
-        loss masks and packed document ids (every chunk gets its micro-batch's ``docs``), or None."""
+        of this rank (a float64 0-d tensor on the device where the last virtual stage lives, else 0.0).
+        ``masks``/``docs``: per micro-batch loss masks and packed document ids (every chunk gets its
+        micro-batch's ``docs``), or None."""
         first_recvs, after = step_posts(steps, self.rank, self.stages, len(self.chunks))
         saved, produced, received, outstanding, loss_total = {}, {}, {}, [], 0.0
         timer = self.timer
@@ -83,7 +84,7 @@ class PipelineExecutor:
                         y = chunk(x) if docs is None else chunk(x, docs[i])
                         if chunk.is_last:
                             y = chunk.loss_sum(y, targets[i], None if masks is None else masks[i]) * loss_scale
-                            loss_total += float(y.detach())
+                            loss_total = loss_total + y.detach().double()  # on the device: no host read
                         else:
                             produced[("F", i, c)] = y.detach().contiguous()
                     if train:

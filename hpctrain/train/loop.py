@@ -1,9 +1,12 @@
 """The training run: set up, resume, step until an agreed stop, checkpoint, and leave the right exit code.
 
-``run_training(cfg, resume, max_steps)`` is what ``hpctrain train`` calls on every rank. Before each
-step the ranks agree (``train/stop.py``) on whether to stop: a signal (``train.exit_signals``), the
-scheduler's time limit, the end of the run or ``--max-steps``. Then: wait for an in-flight async
-save, save synchronously (unless this step is already saved), log ``{"event": "stop", ...}`` to
+``run_training(cfg, resume, max_steps)`` is what ``hpctrain train`` calls on every rank. Each step
+carries this rank's wish to stop (``train/stop.py``: a signal, ``train.exit_signals``, or the scheduler's
+time limit) in its own reduction; the agreed answer arrives with the step's verdict, which the host reads
+one step late (``Trainer.train_step(defer=True)``: no host wait inside a step), so the run stops one or
+two steps after the request, every rank after the same step. The end of the run and ``--max-steps`` need
+no agreement. metrics.jsonl gets every step's record once its verdict is read. Then: wait for an in-flight
+async save, save synchronously (unless this step is already saved), log ``{"event": "stop", ...}`` to
 metrics.jsonl, and:
 
 - finished, or ``--max-steps`` reached: exit 0;
@@ -18,9 +21,10 @@ import os
 import sys
 import time
 
+from hpctrain.profiling.cuda_trace import cuda_profiler
 from hpctrain.runtime import env
 from hpctrain.runtime.errors_exit import leave_with
-from hpctrain.train.stop import StopAgreement, StopPolicy
+from hpctrain.train.stop import StopPolicy, decode, encode
 
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
 
@@ -85,29 +89,39 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     log = MetricsLog(cfg.train.run_dir, cfg.train.steps, enabled=is_root, progress=cfg.train.progress,
                      log_interval=cfg.train.log_interval)
     trace = _start_trace(cfg, grid, trainer)
-    stop = StopAgreement(grid.world)  # collective: a persistent request, freed when the grid closes
+    kernels = cuda_profiler(cfg.train, grid.info.rank, device)  # train.trace on CUDA: kernels and syncs
+    policy.lag_steps = 2 if trainer.readback == "late" else 1  # the request rides on a step: answered after it
     interval, save_s, reason = cfg.checkpoint.interval, 0.0, ""
     first_step = trainer.step + 1
     try:
-        while not (reason := _agree_to_go_on(policy, trainer, stop)):
-            record = trainer.train_step().as_dict()
-            policy.record_step(record["step_time_s"])
-            if trainer.diverged:  # identical on every rank; the bad update was not applied, nothing is saved
-                log.log(record)
-                monitor.on_step(record)
-                reason = trainer.diverged.stop
+        while trainer.step < last_step:  # "max steps": the same count on every rank, nothing to agree
+            with trainer.timer.phase("sync"):
+                request = policy.local_reason(trainer.step)  # agreed in the step's own reduction
+            metrics = trainer.train_step(request, defer=True)  # its verdict is read one step later
+            if kernels is not None:
+                kernels.step()
+            policy.record_step(metrics.step_time_s)
+            if trainer.diverged:  # identical on every rank: the bad update and all after it were not applied
                 break
             if trainer.step == first_step:  # collective: memory per rank, once
                 report_peak_memory(grid.world, device, record)
             if cfg.train.eval_interval and (trainer.step % cfg.train.eval_interval == 0 or trainer.step == last_step):
-                record["val_loss"] = trainer.evaluate()
-                record["time_s"]["eval"] = round(trainer.timer.take("eval"), 6)
+                metrics.val_loss = trainer.evaluate()
+                metrics.time_s["eval"] = round(trainer.timer.take("eval"), 6)
             if interval and trainer.step % interval == 0 and trainer.step < last_step:
-                checkpoints.save(trainer.state)
-                policy.record_save(checkpoints.last_save_s)  # None until the first save completes
-                record["time_s"]["checkpoint"] = round(trainer.timer.take("checkpoint"), 6)
-            log.log(record)
-            monitor.on_step(record, checkpoints.saved_steps, checkpoints.last_phases)  # collective every interval
+                trainer.read_pending()  # never save a step the guard has not judged
+                if trainer.diverged is None:
+                    checkpoints.save(trainer.state)
+                    policy.record_save(checkpoints.last_save_s)  # None until the first save completes
+                    metrics.time_s["checkpoint"] = round(trainer.timer.take("checkpoint"), 6)
+            _log_read(trainer, log, monitor, checkpoints)
+            if trainer.diverged or trainer.agreed_stop:  # read identically on every rank
+                break
+        trainer.read_pending()
+        _log_read(trainer, log, monitor, checkpoints)
+        reason = _stronger(trainer.agreed_stop, "max steps" if trainer.step >= last_step else "")
+        if trainer.diverged:  # nothing is saved
+            reason = trainer.diverged.stop
         start = time.perf_counter()
         checkpoints.wait()  # an async save of this very step may still be in flight: never save a step twice
         if trainer.diverged is None and trainer.step not in checkpoints.saved_steps and trainer.step != resumed_step:
@@ -121,6 +135,8 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
         summary = log.close()
         if trace is not None:
             trace.close()
+        if kernels is not None:
+            kernels.stop()
     if is_root and summary:
         summary.update(ranks=grid.info.size, nodes=grid.info.num_nodes, **{k: v for k, v in grid.sizes.items()})
         with open(os.path.join(cfg.train.run_dir, "summary.json"), "w", encoding="utf-8") as f:
@@ -152,10 +168,22 @@ def _diverged(cfg, grid, verdict, checkpoints, step: int, is_root: bool, lock) -
     return leave_with(DIVERGED_EXIT, grid.info.rank, grid.info.node, grid.watchdog.peers)
 
 
-def _agree_to_go_on(policy, trainer, stop) -> str:
-    """Collective over the world: "" to train another step, else why every rank stops (``sync`` phase)."""
-    with trainer.timer.phase("sync"):
-        return stop.agree(policy.local_reason(trainer.step))
+def _log_read(trainer, log, monitor, checkpoints) -> None:
+    """Log the steps whose verdict the host has read (``trainer.resolved``, in step order; the same on every
+    rank: the monitor's collective calls stay in step)."""
+    for metrics in trainer.resolved:
+        record = metrics.as_dict()  # with val_loss where the loop evaluated
+        log.log(record)
+        if trainer.diverged is not None and metrics is trainer.resolved[-1]:  # the bad step: nothing after it
+            monitor.on_step(record)
+        else:
+            monitor.on_step(record, checkpoints.saved_steps, checkpoints.last_phases)  # collective every interval
+    trainer.resolved.clear()
+
+
+def _stronger(*reasons: str) -> str:
+    """The reason with the highest stop code (a signal beats the time limit beats max steps)."""
+    return decode(max(encode(r) for r in reasons))
 
 
 def _start_trace(cfg, grid, trainer):

@@ -2,20 +2,24 @@
 
 ``StopPolicy.local_reason(step)`` is what this rank alone sees: ``"signal USR1"`` (a flag set by the
 handler), ``"time limit"`` (the next step plus a save would not finish before the deadline) or
-``"max steps"``. ``agree_stop_reason(reason, world)`` turns the ranks' views into one answer with ONE tiny
-all-reduce (max of a 4-byte code), so every rank stops after the same step even if the signal
-reached them at different moments.
+``"max steps"``. The ranks' views become one answer (the highest code) so every rank stops after the
+same step even if the signal reached them at different moments.
 
 Time limit: stop when ``now + margin > deadline``, where margin = one step + ``safety`` x the
 MEASURED duration of the last save (``record_save``); before any save was measured, the margin is
 ``first_margin_s`` (``train.time_limit_margin_s``).
+
+In the training loop the request rides on the step's own reduction (hpctrain/train/verdict.py): a rank's
+reason becomes a one-hot ``stop_slots`` entry of the step's float64 vector summed over the world, and
+``reason_from_slots`` takes the highest set slot (= the highest code, as the max all-reduce would). The
+answer arrives with the step's verdict, one step after the request (or two when the host reads the step
+late), so the time-limit margin counts ``lag_steps`` more steps. ``"max steps"`` needs no agreement (every
+rank counts the same steps).
 """
 from __future__ import annotations
 
 import signal
 import time
-
-import torch
 
 REASONS = ("", "max steps", "time limit")  # codes 0..2; a signal is 100 + its number (highest wins)
 
@@ -27,6 +31,7 @@ class StopPolicy:
         self.first_margin_s, self.safety, self.clock = first_margin_s, safety, clock
         self.last_save_s: float | None = None
         self.last_step_s = 0.0
+        self.lag_steps = 0  # steps that run between a request and the agreed answer (a piggy-backed request)
 
     def record_save(self, seconds: float | None) -> None:
         """The last completed save's duration; None (no save measured yet: the first async save may still
@@ -39,7 +44,7 @@ class StopPolicy:
 
     def margin_s(self) -> float:
         save = self.first_margin_s if self.last_save_s is None else self.safety * self.last_save_s
-        return self.last_step_s + save
+        return (1 + self.lag_steps) * self.last_step_s + save
 
     def local_reason(self, step: int) -> str:
         """This rank's view after ``step`` steps: "" (go on) or why to stop."""
@@ -62,24 +67,18 @@ def decode(code: int) -> str:
     return f"signal {signal.Signals(code - 100).name.removeprefix('SIG')}" if code >= 100 else REASONS[code]
 
 
-def agree_stop_reason(reason: str, world) -> str:
-    """Collective over ``world`` (a Communicator): the reason every rank acts on (the highest code)."""
-    code = torch.tensor([encode(reason)], dtype=torch.int32)
-    if world.size > 1:
-        world.allreduce(code, op="max")
-    return decode(int(code.item()))
+STOP_SLOTS = len(REASONS) + 65  # one-hot slots: codes 0..2, then signals 0..64 (code 100 + n -> slot 3 + n)
 
 
-class StopAgreement:
-    """``agree_stop_reason`` made every step: the 4-byte max through a persistent request on ``world``
-    (``Communicator.recurring_allreduce``; building it is collective over ``world``)."""
+def stop_slot(reason: str) -> int | None:
+    """The slot of ``reason``'s one-hot entry in a summed stop vector (None: no request)."""
+    code = encode(reason)
+    return None if code == 0 else (code if code < 100 else len(REASONS) + code - 100)
 
-    def __init__(self, world):
-        self.code = torch.zeros(1, dtype=torch.int32)
-        self._max = world.recurring_allreduce(self.code, op="max") if world.size > 1 else None
 
-    def agree(self, reason: str) -> str:
-        self.code[0] = encode(reason)
-        if self._max is not None:
-            self._max()
-        return decode(int(self.code.item()))
+def reason_from_slots(slots) -> str:
+    """The agreed reason from the world's summed one-hot slots (a sequence of counts): the highest one set."""
+    for slot in range(len(slots) - 1, 0, -1):
+        if slots[slot] > 0:
+            return decode(slot if slot < len(REASONS) else 100 + slot - len(REASONS))
+    return ""

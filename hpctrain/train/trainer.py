@@ -9,11 +9,12 @@ An SFT corpus (hpctrain/data/packing.py) gives packed samples with a loss mask a
 loss is the sum of this rank's counted token losses over the global batch's counted tokens (known to
 every rank from the sampler), the documents go to every model chunk (attention stays inside them).
 ``train_step`` runs one global batch; every rank returns the same metrics (loss and grad norm are
-agreed by collectives).
+agreed by one collective on the device, hpctrain/train/verdict.py; the clip coefficient and the skip
+decision stay on the device and reach the fused AdamW as tensors: no host read between the forward and
+the optimizer; the host reads the verdict after the update is queued, or one step later).
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -29,6 +30,7 @@ from hpctrain.errors import HpcTrainError
 from hpctrain.models.attention_backend import choose_sdpa, use_sdpa
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
 from hpctrain.compression import build_reducer
+from hpctrain.compression.reducer import DenseReducer
 from hpctrain.optim.flat import FlatOptimizer, lr_at
 from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.train.guard import DivergenceGuard
@@ -42,6 +44,7 @@ from hpctrain.runtime.device import configure_matmul, peak_tflops
 from hpctrain.runtime.dtypes import torch_dtype
 from hpctrain.runtime.faults import FaultInjector
 from hpctrain.train.state import TrainerState
+from hpctrain.train.verdict import StepVerdict
 
 
 @dataclass
@@ -122,23 +125,31 @@ class Trainer:
                                          layout.schedule, layout.microbatches,
                                          (layout.seq_chunk, self.micro_batch, m.d_model),
                                          self.dtype, device=self.device, timer=self.timer)
-        self.scaler = DynamicLossScaler(t.loss_scale, enabled=self.dtype == torch.float16)
+        self.scaler = DynamicLossScaler(t.loss_scale, enabled=self.dtype == torch.float16, device=self.device)
         self.guard = DivergenceGuard(t.nonfinite, t.max_skipped_steps)
         self.diverged = None  # the last step's Verdict when the run must stop (non-finite, too many skips)
 
     def _build_agreements(self) -> None:
-        """The step's small collectives on fixed float64 [1] buffers, built once as persistent requests
-        (comm/persistent.py; collective, in this order on every rank): the loss (broadcast from the last
-        stage over pp, summed over the replicas dp x cp: each cp rank holds the loss of its tokens) and the
-        squared grad norm (summed over the world)."""
-        grid = self.grid
+        """Collective, in this order on every rank: the step's one reduction (``StepVerdict``: loss, squared
+        grad norm and stop request summed over the world, on the training device) and, for ``evaluate``, the
+        loss agreement on a host float64 [1] (broadcast from the last stage over pp, summed over the replicas
+        dp x cp). ``readback``: when the host reads a step's verdict: "before" the update (1-bit Adam commits
+        the reducer's momentum first), "after" it is queued (compressors: their error memory learns of skips
+        and scale changes before the next step), or "late" (one step later with ``train_step(defer=True)``;
+        otherwise right after)."""
+        grid, t = self.grid, self.cfg.train
         pp_comm = grid.comm("pp")
         self._loss_value = torch.zeros(1, dtype=torch.float64)
         self._loss_ops = [pp_comm.recurring_broadcast(self._loss_value, root=pp_comm.size - 1)] \
             if pp_comm.size > 1 else []
         self._loss_ops.append(grid.comm(grid.replica_axis).recurring_allreduce(self._loss_value))
-        self._norm_sq = torch.zeros(1, dtype=torch.float64)
-        self._norm_sum = grid.world.recurring_allreduce(self._norm_sq)
+        self.verdict = StepVerdict(grid.world, self.device, clip=self.cfg.optim.grad_clip, nonfinite=t.nonfinite,
+                                   max_skipped_steps=t.max_skipped_steps, scaler_enabled=self.scaler.enabled)
+        self.readback = "before" if self.optimizer.freeze_variance_after is not None else \
+            "late" if isinstance(self.flat.reducer, DenseReducer) else "after"
+        self.pending: StepMetrics | None = None  # a deferred step whose verdict the host has not read
+        self.resolved: list[StepMetrics] = []  # metrics read so far (the loop logs and empties it)
+        self.agreed_stop = ""  # the agreed stop request, once read
 
     def _build_data(self, tokens) -> None:
         """The corpus (read by rank 0, broadcast; every rank opens a prepared or SFT one) and this dp rank's
@@ -158,7 +169,12 @@ class Trainer:
                                            grid.coords["dp"])
 
     # ------------------------------------------------------------------ one step
-    def train_step(self) -> StepMetrics:
+    def train_step(self, stop_request: str = "", defer: bool = False) -> StepMetrics:
+        """One global batch. ``stop_request``: this rank's wish to stop after this step (hpctrain/train/stop.py),
+        agreed in the step's reduction: ``agreed_stop`` once read. ``defer`` (with ``readback == "late"``):
+        read this step's verdict at the end of the next step, so the host never waits on the device inside
+        a step; the returned metrics' loss, grad_norm, skipped and loss_scale are None until then. Every
+        metrics read is appended to ``resolved``; ``read_pending()`` reads a deferred one now."""
         t, grid, timer = self.cfg.train, self.grid, self.timer
         if timer.trace is not None:
             timer.trace.begin_step(self.step + 1)
@@ -171,46 +187,63 @@ class Trainer:
         self.local_model.train()
         self.flat.start_step()
         reducer = self.flat.reducer
-        reducer.begin_step(self.step, self.scaler.scale)
+        reducer.begin_step(self.step, self.scaler.scale)  # the host's scale: current where a reducer needs it
+        scale = self.scaler.scale_tensor if self.scaler.enabled else 1.0  # float16: moved on the device
         self.faults.hit("forward", self.step + 1)
         # no counted token (impossible with `data prepare` output): loss 0, zero gradients
-        scaled_loss = self.executor.run(inputs, targets, self.scaler.scale / max(counted, 1), **packing)
+        scaled_loss = self.executor.run(inputs, targets, scale / max(counted, 1), **packing)
         self.faults.hit("backward", self.step + 1)
         with timer.phase("dp_wait"):
             self.flat.finish_reduction()
-        with timer.phase("loss"):
-            loss = self._agree_loss(scaled_loss / self.scaler.scale)
-
-        with timer.phase("grad_norm"):
-            norm_sq = self._norm_sq
-            norm_sq[0] = self.optimizer.grad_norm_sq_local(1.0 / self.scaler.scale)
-            if reducer.overflow:  # inf/NaN a compressor may have dropped (random-k): every rank must skip
-                norm_sq.fill_(float("inf"))
-            self._norm_sum()
-        norm_sq = norm_sq.item()
-        grad_norm = math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("inf")
-        old_scale = self.scaler.scale
-        # the same verdict on every rank: loss and grad_norm are global (hpctrain/train/guard.py)
-        verdict = self.guard.judge(self.step + 1, loss, grad_norm, self.scaler)
-        skipped, self.diverged = verdict.skip, (verdict if verdict.stop else None)
-        reducer.after_step(skipped, self.scaler.scale / old_scale)
+        with timer.phase("loss"):  # counted once: tp rank 0 of the last stage (0.0 elsewhere)
+            loss_share = scaled_loss / scale if grid.coords["tp"] == 0 else 0.0
+        with timer.phase("grad_norm"):  # the loss, the norm and the stop request: one all-reduce, on the device
+            inv = 1.0 / scale
+            self.verdict.reduce(loss_share, self.optimizer.grad_norm_sq_tensor() * inv * inv, stop_request,
+                                reducer.overflow)
+            coef, found_inf = self.verdict.decide(self.scaler)
         lr = lr_at(self.step, t)
+        metrics = StepMetrics(self.step + 1, None, lr, None, 0.0, 0.0, 0.0, None, None, None)
+        if self.readback == "before":  # 1-bit Adam: the reducer commits its momentum before the update
+            self.verdict.start_read()
+            self._resolve(metrics)
         self.faults.hit("optimizer", self.step + 1, self.flat.param_buffer)
-        if not skipped:
-            clip = self.cfg.optim.grad_clip
-            coef = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+        if self.readback != "before" or not metrics.skipped:
             with timer.phase("optimizer"):
-                self.optimizer.step(lr, coef / self.scaler.scale if self.scaler.enabled else coef)
-        self.step += 1
-        elapsed = time.perf_counter() - start
-        tokens_per_s = global_tokens / elapsed
-        peak = self.peak_tflops
-        mfu = (self.flops_per_token * tokens_per_s / (peak * 1e12 * grid.info.size)) if peak > 0 else None
+                self.optimizer.step(lr, coef, found_inf if self.readback != "before" else None)
+        self.step = metrics.step
+        if self.readback != "before":
+            if self.pending is not None:  # the previous step's copy: long done, no wait in steady state
+                self._resolve(self.pending)
+            if self.diverged is None:  # else this step is dropped: its update was skipped on the device
+                self.verdict.start_read()
+                self.pending = metrics
+                if not (defer and self.readback == "late"):
+                    self.read_pending()
+        elapsed, peak = time.perf_counter() - start, self.peak_tflops
         groups = _group_deltas(groups_before, grid.stats.by_group())
-        return StepMetrics(self.step, loss, lr, grad_norm, tokens_per_s, elapsed,
-                           sum(g["comm_s"] for g in groups.values()), mfu, self.scaler.scale, skipped,
-                           sum(g["bytes_sent"] for g in groups.values()), **reducer.step_stats(),
-                           time_s={k: round(v, 6) for k, v in timer.collect(elapsed).items()}, groups=groups)
+        metrics.__dict__.update(step_time_s=elapsed, tokens_per_s=global_tokens / elapsed, groups=groups,
+                                comm_time_s=sum(g["comm_s"] for g in groups.values()),
+                                bytes_sent=sum(g["bytes_sent"] for g in groups.values()), **reducer.step_stats(),
+                                time_s={k: round(v, 6) for k, v in timer.collect(elapsed).items()})
+        metrics.mfu = self.flops_per_token * metrics.tokens_per_s / (peak * 1e12 * grid.info.size) if peak > 0 else None
+        return metrics
+
+    def read_pending(self) -> None:
+        """Read the deferred step's verdict now (waits for the device); nothing once the run diverged."""
+        if self.pending is not None and self.diverged is None:
+            self._resolve(self.pending)
+
+    def _resolve(self, metrics: StepMetrics) -> None:
+        """The host's view of ``metrics.step``'s verdict (its last ``start_read``): the guard judges the agreed
+        loss and norm as the device did (and moves the float16 scale), the reducer learns the outcome."""
+        if metrics is self.pending:
+            self.pending = None
+        verdict, request = self.verdict.judge(metrics, self.guard, self.scaler, self.flat.reducer)
+        self.agreed_stop = self.agreed_stop or request
+        if verdict.stop:  # later updates were skipped on the device: the state is that before this step
+            self.diverged, self.step = verdict, metrics.step
+        self.resolved.append(metrics)
 
     def evaluate(self) -> float:
         """Collective: the mean token loss over the validation batches (``train.eval_steps`` global batches

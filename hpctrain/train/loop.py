@@ -104,7 +104,7 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
             if trainer.diverged:  # identical on every rank: the bad update and all after it were not applied
                 break
             if trainer.step == first_step:  # collective: memory per rank, once
-                report_peak_memory(grid.world, device, record)
+                report_peak_memory(grid.world, device, metrics.__dict__)  # logged with the step
             if cfg.train.eval_interval and (trainer.step % cfg.train.eval_interval == 0 or trainer.step == last_step):
                 metrics.val_loss = trainer.evaluate()
                 metrics.time_s["eval"] = round(trainer.timer.take("eval"), 6)

@@ -89,7 +89,7 @@ def check(cfg, world, tokens, steps, overflow_at=0):
     for step in range(steps):
         seen.clear()
         if step + 1 == overflow_at:
-            trainer.scaler.scale = 2.0 ** 30
+            trainer.scaler.load_state_dict({"scale": 2.0 ** 30, "good_steps": 0})  # host and device scale
         before = {i: m.clone() for i, m in optimizer.full_momentum.items()}
         record = trainer.train_step()
         if record.skipped:

@@ -14,9 +14,10 @@ AdamW runs as ONE fused kernel per step (``torch._fused_adamw_``: a multi-tensor
 vectorised loop on the CPU) over every owned slice, cut into weight-decayed runs (dims >= 2) and the rest
 (``fused_runs``); the gradient multiplier can be a device tensor (the kernel divides the gradients by its
 inverse, in place) and a device flag ``found_inf`` skips the update without a host read
-(hpctrain/train/trainer.py's device verdict). float64 masters (the exactness tests), SGD and 1-bit Adam
-keep the unfused in-place ops (``adamw_update_``): the fused kernel's moment update is a lerp, equal to
-``adamw_update_`` within float32 rounding, not bitwise (tests/unit/test_fused_adamw.py).
+(hpctrain/train/trainer.py's device verdict). float64 masters (the exactness tests), SGD and 1-bit Adam's
+frozen steps keep the unfused in-place ops (``adamw_update_``, ``frozen_adam_update_``): the fused kernel's
+moment update is a lerp, equal to ``adamw_update_`` within float32 rounding, not bitwise
+(tests/unit/test_fused_adamw.py); 1-bit Adam's warm-up is fused, as dense AdamW is.
 
 1-bit Adam (``freeze_variance_after = W``, compression.method = "onebit-adam"): the first W steps are
 AdamW; later steps leave ``exp_avg_sq`` (and its bias correction, 1 - beta2^W) frozen and take the
@@ -73,9 +74,10 @@ class FlatOptimizer:
         self.step_count = 0
         self.scratch: torch.Tensor | None = None  # _scratch(): Adam's denominator, reused by every slice
         self.owned_slices = [self._make_slice(bucket, start, end) for bucket, start, end in flat.owned_ranges()]
-        # fused: AdamW without 1-bit Adam's freeze, on float32 masters (None: whenever it applies)
-        applies = (getattr(cfg_optim, "name", None) == "adamw" and freeze_variance_after is None
-                   and self.master_dtype != torch.float64 and hasattr(torch, "_fused_adamw_"))
+        # fused: AdamW on float32 masters (None: whenever it applies); 1-bit Adam's warm-up too, so that it is
+        # dense AdamW bit for bit; its frozen steps run the unfused ops (frozen_adam_update_)
+        applies = (getattr(cfg_optim, "name", None) == "adamw" and self.master_dtype != torch.float64
+                   and hasattr(torch, "_fused_adamw_"))
         self.fused = applies if fused is None else fused and applies
         for s in self.owned_slices:
             s.runs = fused_runs(s.end - s.start, s.decay_ranges)
@@ -149,12 +151,13 @@ class FlatOptimizer:
         of the gradients) and Adam's denominator goes into one scratch buffer reused by every slice.
         A fresh multi-MB tensor costs its page faults on every step: at 1.1M parameters on this
         machine the update took 6.5 ms with three temporaries, 1.0 ms without (docs/benchmarks.md)."""
-        if self.fused:
+        frozen_next = self.freeze_variance_after is not None and self.step_count >= self.freeze_variance_after
+        if self.fused and not frozen_next:
             self._fused_step(lr, grad_coef, found_inf)
             return
         if found_inf is not None and bool(found_inf):
             return
-        self._count += 1
+        self.step_count = self.step_count + 1  # both counts (a fused optimizer reads the device one)
         grad_coef = float(grad_coef)
         c = self.cfg
         frozen = self.freeze_variance_after is not None and self.step_count > self.freeze_variance_after

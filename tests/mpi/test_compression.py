@@ -182,7 +182,7 @@ def test_onebit_adam_converges_within_3_percent_of_dense_adamw(dense_adamw, tmp_
           nprocs=4, timeout=300)
     rows = records(tmp_path)
     warm = ONEBIT_ADAM_WARMUP + 1  # the loss of step W + 1 is taken before its (first compressed) update
-    assert [r["loss"] for r in rows[:warm]] == [r["loss"] for r in dense_adamw[:warm]]
+    assert [r["loss"] for r in rows[:warm]] == [r["loss"] for r in dense_adamw[:warm]]  # the same fused AdamW
     loss, reference = final_loss(tmp_path, k=10), sum(r["loss"] for r in dense_adamw[-10:]) / 10
     assert abs(loss - reference) <= 0.03 * reference, (loss, reference)
     w = ONEBIT_ADAM_WARMUP  # rows[w - 1]: step W, the last dense one; rows[w]: the first compressed step

@@ -84,7 +84,29 @@ def test_a_device_skip_flag_leaves_everything_unchanged():
 def test_float64_and_sgd_keep_the_unfused_ops():
     assert not FlatOptimizer(flat_of(torch.float64), OptimConfig()).fused
     assert not FlatOptimizer(flat_of(torch.float32), OptimConfig(name="sgd")).fused
-    assert not FlatOptimizer(flat_of(torch.float32), OptimConfig(), freeze_variance_after=2).fused
+
+
+def test_onebit_adam_s_warmup_is_the_fused_dense_adamw_bit_for_bit_then_the_variance_freezes():
+    """1-bit Adam's first W updates are the fused kernel, exactly as a dense AdamW run's; update W + 1 is the
+    unfused frozen-variance step (exp_avg_sq untouched), and the step count goes on from the device's."""
+    dense_flat, onebit_flat = flat_of(torch.float32), flat_of(torch.float32)
+    dense, onebit = FlatOptimizer(dense_flat, OptimConfig()), FlatOptimizer(onebit_flat, OptimConfig(),
+                                                                           freeze_variance_after=2)
+    assert dense.fused and onebit.fused
+    generator = torch.Generator().manual_seed(3)
+    for step in range(1, 4):
+        grad = torch.randn(dense_flat.grad_buffer.numel(), generator=generator)
+        dense_flat.grad_buffer.copy_(grad)
+        onebit_flat.grad_buffer.copy_(grad)
+        variance = onebit.owned_slices[0].exp_avg_sq.clone()
+        dense.step(1e-2, 0.5)
+        onebit.step(1e-2, 0.5)
+        if step <= 2:
+            assert torch.equal(dense_flat.param_buffer, onebit_flat.param_buffer), step
+        else:
+            assert torch.equal(onebit.owned_slices[0].exp_avg_sq, variance)  # frozen
+            assert not torch.equal(dense_flat.param_buffer, onebit_flat.param_buffer)
+        assert onebit.step_count == dense.step_count == step
 
 
 def test_fused_runs_cover_the_slice():

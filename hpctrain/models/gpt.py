@@ -33,7 +33,13 @@ from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallel
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq
 
 
+# ring attention's mpi4py exchanges (and its blocked loop): a graph break by design in a compiled block
+eager_ring_attention = torch.compiler.disable(ring_attention)
+
+
 class RMSNorm(nn.Module):
+    """Bias-free RMSNorm: x / rms(x) * weight, in float32 for half inputs (fused by ``train.compile``)."""
+
     def __init__(self, name, dim, eps, tp_comm, sp, dtype):
         super().__init__()
         spec = make_spec(f"{name}.weight", (dim,), None, tp_comm,
@@ -111,7 +117,7 @@ class Attention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, H, S, hd]
         sparse_window = 0 < self.window and self.window + default_tile(x.device) < seq and seq % 2 == 0
         if self.cp_comm is not None or sparse_window:  # the ring (of one rank: blocks outside the window skipped)
-            out = ring_attention(q, k, v, self.cp_comm, window=self.window, docs=docs)
+            out = eager_ring_attention(q, k, v, self.cp_comm, window=self.window, docs=docs)
         else:
             group = self.local_heads // self.local_kv
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

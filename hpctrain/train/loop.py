@@ -25,10 +25,11 @@ from hpctrain.train.stop import StopAgreement, StopPolicy
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
 
 
-def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None) -> int:
+def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None, verbose: bool = False) -> int:
     """Collective over the world; returns the process exit code (see the module docstring). ``resume``:
     "auto", "none", a checkpoint path, or None (not given: see ``hpctrain/train/run_dir.py``).
-    ``early_signals``: the SignalFlag the entry point made before its imports, if any."""
+    ``early_signals``: the SignalFlag the entry point made before its imports, if any. ``verbose``: rank 0
+    prints the first step's phases and torch.compile's graphs and graph breaks (``--verbose``)."""
     from hpctrain.comm.grid import ProcessGrid
     from hpctrain.runtime.device import select_device
     from hpctrain.runtime.launcher import discover
@@ -42,12 +43,12 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
     lock, resume = _lock_run_dir(cfg, grid, resume)
     grid.watchdog.report_path = os.path.join(cfg.train.run_dir, "hang-report.txt")  # survives a cut pipe
     try:
-        return _train(cfg, grid, device, resume, max_steps, flag, lock)
+        return _train(cfg, grid, device, resume, max_steps, flag, lock, verbose)
     finally:
         lock.release()  # also on errors: a failed start leaves no lock behind
 
 
-def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
+def _train(cfg, grid, device, resume, max_steps, flag, lock, verbose=False) -> int:
     from hpctrain.checkpoint.manager import CheckpointManager
     from hpctrain.monitor.run_monitor import RunMonitor
     from hpctrain.train.metrics import MetricsLog, finite_or_none
@@ -91,6 +92,8 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
         while not (reason := _agree_to_go_on(policy, trainer, stop)):
             record = trainer.train_step().as_dict()
             policy.record_step(record["step_time_s"])
+            if verbose and is_root and trainer.step == (resumed_step or 0) + 1:
+                _first_step_report(trainer, record)
             if trainer.diverged:  # identical on every rank; the bad update was not applied, nothing is saved
                 log.log(record)
                 monitor.on_step(record)
@@ -125,6 +128,19 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
     if trainer.diverged:
         return _diverged(cfg, grid, trainer.diverged, checkpoints, trainer.step, is_root, lock)
     return _finish(cfg, grid, reason, trainer.step, save_s, is_root, lock)  # closes the grid
+
+
+def _first_step_report(trainer, record: dict) -> None:
+    """``--verbose``: the first step's time by phase and what torch.compile made of the model (rank 0)."""
+    from hpctrain.models.compile import compile_report
+
+    phases = ", ".join(f"{k} {v:.3f}" for k, v in sorted(record["time_s"].items(), key=lambda kv: -kv[1]) if v >= 5e-4)
+    print(f"hpctrain train: first step {record['step_time_s']:.3f} s (s by phase: {phases})", flush=True)
+    if trainer.compile_since is None:
+        print(f"hpctrain train: torch.compile off (train.compile={trainer.cfg.train.compile})", flush=True)
+        return
+    for line in compile_report(trainer.compile_since):
+        print(f"hpctrain train: {line}", flush=True)
 
 
 def _diverged(cfg, grid, verdict, checkpoints, step: int, is_root: bool, lock) -> int:

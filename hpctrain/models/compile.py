@@ -1,0 +1,67 @@
+"""``train.compile``: torch.compile of a pipeline stage's transformer blocks (regional compilation).
+
+Each ``Block`` of a ``GPTStage`` (and the last stage's final norm) is compiled in place with
+``nn.Module.compile``: the same module and parameters, the same state-dict names, so the flat-buffer views
+of ``FlatParams``, checkpoints and exports see nothing new. Why blocks and not the whole stage:
+
+- blocks of one shape share one graph (dynamo inlines ``nn.Module``s, parameters are graph inputs), so the
+  compile time does not grow with the number of layers;
+- a compiled region's backward is one autograd node that hands out all its gradients when it ends: per
+  block, the parameters' post-accumulate-grad hooks (the bucketed dp reduction of
+  hpctrain/parallel/data_parallel.py) still fire block by block, overlapped with the rest of the backward;
+  one graph per stage would deliver every gradient at its very end;
+- the tensor/sequence-parallel collectives (hpctrain/parallel/tp_comm.py) and ring attention (cp) are
+  mpi4py calls inside autograd Functions that dynamo cannot trace: they are ``torch.compiler.disable``d,
+  graph breaks by design, and the compiled pieces are the local compute between them (norm; q/k/v
+  projections, rotary, SDPA and output projection; SwiGLU/GELU MLP; residual adds). With tp = cp = 1 a
+  block is one graph without a break; with tp > 1 each collective splits it (4 per block);
+- with ``train.recompute`` the compiled block runs under ``torch.utils.checkpoint``.
+
+The embedding, the LM head and the vocab-parallel loss stay eager (their tp collectives sit in the middle).
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+
+def compile_wanted(setting: str, device: torch.device) -> bool:
+    """``train.compile`` ("true", "false", "auto": on for CUDA devices) for a rank computing on ``device``."""
+    if setting == "auto":
+        return torch.device(device).type == "cuda"
+    return setting == "true"
+
+
+def compile_stage(stage: torch.nn.Module) -> int:
+    """Compile every block (and the final norm) of a GPTStage in place, lazily (on the first call); returns
+    the number of modules compiled."""
+    targets = list(stage.layers.values())
+    if getattr(stage, "is_last", False):
+        targets.append(stage.norm)
+    for module in targets:
+        module.compile()
+    return len(targets)
+
+
+def dynamo_counts() -> dict:
+    """A reading of this process's torch.compile counters: {"graphs", "frames", "breaks": {reason: count}}."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["ok"],
+            "breaks": dict(counters["graph_break"])}
+
+
+def compile_report(since: dict, top: int = 5) -> list[str]:
+    """Lines describing what torch.compile did after the reading ``since`` (``dynamo_counts``): graphs
+    compiled, graph breaks and their most frequent reasons."""
+    now = dynamo_counts()
+    breaks = collections.Counter(now["breaks"])
+    breaks.subtract(since["breaks"])
+    breaks = +breaks  # only the reasons seen since
+    lines = [f"torch.compile: {now['graphs'] - since['graphs']} graph(s) compiled, {sum(breaks.values())} "
+             f"graph break(s)"]
+    for reason, count in breaks.most_common(top):
+        reason = " ".join(str(reason).split()).split(" Hint:")[0]  # dynamo's explanation, without its hints
+        lines.append(f"  {count} x {reason[:240]}")
+    return lines

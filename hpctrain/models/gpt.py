@@ -33,8 +33,10 @@ from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallel
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq
 
 
-# ring attention's mpi4py exchanges (and its blocked loop): a graph break by design in a compiled block
-eager_ring_attention = torch.compiler.disable(ring_attention)
+@torch.compiler.disable  # mpi4py exchanges (and a blocked loop): a graph break by design in a compiled block
+def eager_ring_attention(*args, **kwargs):
+    """``ring_attention``, always run eagerly (hpctrain/models/compile.py)."""
+    return ring_attention(*args, **kwargs)
 
 
 class RMSNorm(nn.Module):

@@ -56,12 +56,20 @@ def compile_report(since: dict, top: int = 5) -> list[str]:
     """Lines describing what torch.compile did after the reading ``since`` (``dynamo_counts``): graphs
     compiled, graph breaks and their most frequent reasons."""
     now = dynamo_counts()
-    breaks = collections.Counter(now["breaks"])
-    breaks.subtract(since["breaks"])
-    breaks = +breaks  # only the reasons seen since
+    seen = collections.Counter(now["breaks"])
+    seen.subtract(since["breaks"])
+    breaks = collections.Counter()
+    for reason, count in (+seen).items():  # only the reasons seen since
+        breaks[_break_kind(str(reason))] += count
     lines = [f"torch.compile: {now['graphs'] - since['graphs']} graph(s) compiled, {sum(breaks.values())} "
              f"graph break(s)"]
-    for reason, count in breaks.most_common(top):
-        reason = " ".join(str(reason).split()).split(" Hint:")[0]  # dynamo's explanation, without its hints
-        lines.append(f"  {count} x {reason[:240]}")
+    lines += [f"  {count} x {reason}" for reason, count in breaks.most_common(top)]
     return lines
+
+
+def _break_kind(reason: str) -> str:
+    """A graph break's reason in one line: the tp/cp collectives' breaks by design (``torch.compiler.disable``,
+    hpctrain/parallel/tp_comm.py, ``eager_ring_attention``), else dynamo's explanation without its hints."""
+    if "torch.compiler.disable" in reason or "function `disable`" in reason:
+        return "a tp/cp collective run eagerly (by design: torch.compiler.disable)"
+    return " ".join(reason.split()).split(" Hint:")[0][:240]

@@ -33,9 +33,11 @@ from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallel
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq
 
 
-@torch.compiler.disable  # mpi4py exchanges (and a blocked loop): a graph break by design in a compiled block
 def eager_ring_attention(*args, **kwargs):
-    """``ring_attention``, always run eagerly (hpctrain/models/compile.py)."""
+    """``ring_attention``; under torch.compile run eagerly (mpi4py exchanges, a blocked loop): a graph break
+    by design (hpctrain/models/compile.py). Decorated lazily: torch._dynamo costs a second to import."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(ring_attention, reason="ring attention (mpi4py)")(*args, **kwargs)
     return ring_attention(*args, **kwargs)
 
 

@@ -82,8 +82,11 @@ def _skip(comm) -> bool:
     return comm is None or comm.size == 1
 
 
-@torch.compiler.disable  # mpi4py calls: a graph break by design in a compiled block (hpctrain/models/compile.py)
 def _tp_collective(op, x, comm):
+    """``op.apply(x, comm)``; under torch.compile run eagerly (its mpi4py calls cannot be traced): a graph
+    break by design (hpctrain/models/compile.py). Decorated lazily: torch._dynamo costs a second to import."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(op.apply, reason="tp collective (mpi4py)")(x, comm)
     return op.apply(x, comm)
 
 

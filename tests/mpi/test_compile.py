@@ -3,7 +3,8 @@
 
 The model is tiny (2 layers, d_model 64) and every run feeds micro-batches of 4 x 32 tokens, so the
 graphs of the 4-rank job and of the CLI run are the same and inductor's cache (default
-/tmp/torchinductor_<user>) serves the later compiles: ~70 s with a cold cache, ~25 s warm.
+/tmp/torchinductor_<user>) serves the later compiles: ~60-70 s in all with a cold cache, ~45 s warm
+(2 cores shared with other jobs).
 """
 import pytest
 

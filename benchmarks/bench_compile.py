@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """train.compile against eager: the step time of the hpctrain Trainer with and without torch.compile.
 
-    mpiexec -n 2 python benchmarks/bench_compile.py model.preset=small [section.key=value ...]
+    mpiexec -n 2 python benchmarks/bench_compile.py [--json out.json] model.preset=small [section.key=value ...]
 
 One MPI job builds two Trainers from the same config (``train.compile=false`` and ``true``) on the same
 ranks and data, runs ``--warmup`` steps of each (the compiled one compiles there), then ``--rounds`` rounds
@@ -13,6 +13,7 @@ step times (> 1: compiled is faster); the line gives the range over rounds.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None, help="write the per-round medians and ratios there (rank 0)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -74,6 +76,11 @@ def main() -> None:
         print(f"{m} {world.size} rank(s): eager {min(eager) * 1e3:.1f}-{max(eager) * 1e3:.1f} ms, compiled "
               f"{min(compiled) * 1e3:.1f}-{max(compiled) * 1e3:.1f} ms, eager/compiled {min(ratios):.2f}-"
               f"{max(ratios):.2f} (range over {args.rounds} rounds of {args.steps} paired steps)", flush=True)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"preset": m, "ranks": world.size, "overrides": args.overrides, "eager_s": eager,
+                           "compiled_s": compiled, "eager_over_compiled": ratios, "torch": torch.__version__}, f,
+                          indent=1)
 
 
 if __name__ == "__main__":

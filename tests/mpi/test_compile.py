@@ -33,6 +33,10 @@ def test_verbose_reports_graphs_and_no_break_with_tp_1(tmp_path):
 
 
 def test_compile_values_toml_booleans_and_overrides():
+    from hpctrain.models.compile import compile_wanted
+
+    assert [compile_wanted("auto", d) for d in ("cpu", "cuda", "cuda:1")] == [False, True, True]
+    assert compile_wanted("true", "cpu") and not compile_wanted("false", "cuda")
     assert config_from_dict({"train": {"compile": True}}).train.compile == "true"
     assert config_from_dict({"train": {"compile": False}}).train.compile == "false"
     assert load_config(None, ["train.compile=auto"]).train.compile == "auto"

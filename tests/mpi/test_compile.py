@@ -6,6 +6,8 @@ graphs of the 4-rank job and of the CLI run are the same and inductor's cache (d
 /tmp/torchinductor_<user>) serves the later compiles: ~60-70 s in all with a cold cache, ~45 s warm
 (2 cores shared with other jobs).
 """
+import json
+
 import pytest
 
 from hpctrain.config import ConfigError, config_from_dict, load_config
@@ -21,15 +23,24 @@ def test_compiled_training_equals_eager_in_dp_tp_pp_layouts():
     assert "COMPILE OK" in result.stdout and result.stdout.count("compiled = eager") == 2, result.stdout
 
 
-def test_verbose_reports_graphs_and_no_break_with_tp_1(tmp_path):
-    result = run_mpi(1, "hpctrain.cli", "train", "--verbose", *SHAPES, "parallel.microbatches=2",
-                     "train.compile=true", "train.steps=2", f"train.run_dir={tmp_path}", "train.progress=false",
-                     module=True, timeout=240)
+def cli_losses(run_dir, *overrides, verbose=False):
+    result = run_mpi(1, "hpctrain.cli", "train", *(["--verbose"] if verbose else []), *SHAPES,
+                     "parallel.microbatches=2", "train.recompute=true", "train.steps=3", f"train.run_dir={run_dir}",
+                     "train.progress=false", *overrides, module=True, timeout=240)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return result, [r["loss"] for r in records if "loss" in r]
+
+
+def test_verbose_reports_no_break_with_tp_1_and_adamw_with_recompute_equals_eager(tmp_path):
+    result, losses = cli_losses(tmp_path / "compiled", "train.compile=true", verbose=True)
     lines = [line for line in result.stdout.splitlines() if "torch.compile:" in line]
     assert len(lines) == 1 and "0 graph break(s)" in lines[0], result.stdout
     graphs = int(lines[0].split("torch.compile: ")[1].split()[0])
     assert graphs >= 1, lines  # the block graph (shared by both blocks) and the final norm's
-    assert "first step" in result.stdout and "forward" in result.stdout and "done: 2 steps" in result.stdout
+    assert "first step" in result.stdout and "forward" in result.stdout and "done: 3 steps" in result.stdout
+    _, eager = cli_losses(tmp_path / "eager", "train.compile=false")
+    assert len(losses) == len(eager) == 3
+    assert max(abs(a - b) / b for a, b in zip(losses, eager)) <= 1e-5, (losses, eager)
 
 
 def test_compile_values_toml_booleans_and_overrides():

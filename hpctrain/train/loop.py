@@ -50,6 +50,7 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
 
 def _train(cfg, grid, device, resume, max_steps, flag, lock, verbose=False) -> int:
     from hpctrain.checkpoint.manager import CheckpointManager
+    from hpctrain.models.compile import first_step_report
     from hpctrain.monitor.run_monitor import RunMonitor
     from hpctrain.train.metrics import MetricsLog, finite_or_none
     from hpctrain.train.trainer import Trainer
@@ -93,7 +94,8 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock, verbose=False) -> i
             record = trainer.train_step().as_dict()
             policy.record_step(record["step_time_s"])
             if verbose and is_root and trainer.step == (resumed_step or 0) + 1:
-                _first_step_report(trainer, record)
+                for line in first_step_report(record, trainer.compile_since, cfg.train.compile):
+                    print(f"hpctrain train: {line}", flush=True)
             if trainer.diverged:  # identical on every rank; the bad update was not applied, nothing is saved
                 log.log(record)
                 monitor.on_step(record)
@@ -128,19 +130,6 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock, verbose=False) -> i
     if trainer.diverged:
         return _diverged(cfg, grid, trainer.diverged, checkpoints, trainer.step, is_root, lock)
     return _finish(cfg, grid, reason, trainer.step, save_s, is_root, lock)  # closes the grid
-
-
-def _first_step_report(trainer, record: dict) -> None:
-    """``--verbose``: the first step's time by phase and what torch.compile made of the model (rank 0)."""
-    from hpctrain.models.compile import compile_report
-
-    phases = ", ".join(f"{k} {v:.3f}" for k, v in sorted(record["time_s"].items(), key=lambda kv: -kv[1]) if v >= 5e-4)
-    print(f"hpctrain train: first step {record['step_time_s']:.3f} s (s by phase: {phases})", flush=True)
-    if trainer.compile_since is None:
-        print(f"hpctrain train: torch.compile off (train.compile={trainer.cfg.train.compile})", flush=True)
-        return
-    for line in compile_report(trainer.compile_since):
-        print(f"hpctrain train: {line}", flush=True)
 
 
 def _diverged(cfg, grid, verdict, checkpoints, step: int, is_root: bool, lock) -> int:
@@ -290,6 +279,8 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
           f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {grid.intra_node}, "
           f"{cfg.train.dtype}, device {describe(device)}" + (f", GPU collectives backend {trainer.backends['dp']}"
                                    if device.type == "cuda" else ""), flush=True)
+    if trainer.compiled:
+        print(f"hpctrain train: torch.compile of every block (train.compile={cfg.train.compile})", flush=True)
     if hasattr(trainer.sampler, "describe"):  # packed SFT examples (hpctrain/data/packing.py)
         print(f"hpctrain train: {trainer.sampler.describe()}", flush=True)
     if cfg.lora.rank:

@@ -38,6 +38,7 @@ def test_verbose_reports_no_break_with_tp_1_and_adamw_with_recompute_equals_eage
     graphs = int(lines[0].split("torch.compile: ")[1].split()[0])
     assert graphs >= 1, lines  # the block graph (shared by both blocks) and the final norm's
     assert "first step" in result.stdout and "forward" in result.stdout and "done: 3 steps" in result.stdout
+    assert "torch.compile of every block (train.compile=true)" in result.stdout
     _, eager = cli_losses(tmp_path / "eager", "train.compile=false")
     assert len(losses) == len(eager) == 3
     assert max(abs(a - b) / b for a, b in zip(losses, eager)) <= 1e-5, (losses, eager)

@@ -11,8 +11,9 @@ of ``FlatParams``, checkpoints and exports see nothing new. Why blocks and not t
   hpctrain/parallel/data_parallel.py) still fire block by block, overlapped with the rest of the backward;
   one graph per stage would deliver every gradient at its very end;
 - the tensor/sequence-parallel collectives (hpctrain/parallel/tp_comm.py) and ring attention (cp) are
-  mpi4py calls inside autograd Functions that dynamo cannot trace: they are ``torch.compiler.disable``d,
-  graph breaks by design, and the compiled pieces are the local compute between them (norm; q/k/v
+  mpi4py calls inside autograd Functions that dynamo cannot trace: when traced they run under
+  ``torch.compiler.disable`` (``tp_comm._tp_collective``, ``gpt.eager_ring_attention``; decided at call
+  time by ``torch.compiler.is_compiling()``, so eager runs never import torch._dynamo), graph breaks by design, and the compiled pieces are the local compute between them (norm; q/k/v
   projections, rotary, SDPA and output projection; SwiGLU/GELU MLP; residual adds). With tp = cp = 1 a
   block is one graph without a break; with tp > 1 each collective splits it (4 per block);
 - with ``train.recompute`` the compiled block runs under ``torch.utils.checkpoint``.

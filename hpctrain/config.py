@@ -140,6 +140,8 @@ class TrainConfig:
     warmup_steps: int = _field(5, min=0)
     lr_schedule: str = _field("cosine", choices=("cosine", "constant", "linear"))
     recompute: bool = False
+    # torch.compile of each block (hpctrain/models/compile.py); TOML true/false are read as "true"/"false"
+    compile: str = _field("false", choices=("false", "true", "auto"))  # auto: on for CUDA devices
     log_interval: int = _field(1, min=1)
     peak_tflops: float = _field(0.0, min=0)  # device peak per rank for MFU; 0 = the GPU's preset, else unknown
     device: str = _field("auto", choices=("auto", "cpu", "cuda"))  # auto: this rank's GPU if any, else CPU
@@ -265,6 +267,13 @@ def _checked_value(where: str, value: Any, ftype: Any) -> Any:
     raise _error(where, f"expected {_type_name(ftype)}, got {value!r}")
 
 
+def _bool_choice(value: Any, f: dataclasses.Field) -> Any:
+    """A TOML boolean for a str key whose choices are "true"/"false"/... (``train.compile = true``) -> its word."""
+    if type(value) is bool and f.type is str and "true" in f.metadata.get("choices", ()):
+        return "true" if value else "false"
+    return value
+
+
 def _parsed_value(where: str, text: str, ftype: Any) -> Any:
     """A value parsed from override text by the field type."""
     s = text.strip()
@@ -295,7 +304,7 @@ def config_from_dict(d: dict) -> Config:
         kwargs = {}
         for key, value in table.items():
             f = _section_field(section, key)
-            kwargs[f.name] = _checked_value(f"{section}.{key}", value, f.type)
+            kwargs[f.name] = _checked_value(f"{section}.{key}", _bool_choice(value, f), f.type)
         sections[section] = section_cls(**kwargs)
     return Config(**sections)
 

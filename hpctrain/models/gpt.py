@@ -34,7 +34,17 @@ from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallel
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq
 
 
+def eager_ring_attention(*args, **kwargs):
+    """``ring_attention``; under torch.compile run eagerly (mpi4py exchanges, a blocked loop): a graph break
+    by design (hpctrain/models/compile.py). Decorated lazily: torch._dynamo costs a second to import."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(ring_attention, reason="ring attention (mpi4py)")(*args, **kwargs)
+    return ring_attention(*args, **kwargs)
+
+
 class RMSNorm(nn.Module):
+    """Bias-free RMSNorm: x / rms(x) * weight, in float32 for half inputs (fused by ``train.compile``)."""
+
     def __init__(self, name, dim, eps, tp_comm, sp, dtype):
         super().__init__()
         spec = make_spec(f"{name}.weight", (dim,), None, tp_comm,
@@ -58,18 +68,29 @@ def local_positions(seq: int, cp_comm, device=None) -> torch.Tensor | None:
     return zigzag_positions(seq * cp_comm.size, cp_comm.rank, cp_comm.size, device=device)
 
 
+def rotary_tables(seq: int, theta: float, head_dim: int, dtype, positions: torch.Tensor | None = None,
+                  device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [S, B or 1, 1, head_dim/2] in ``dtype`` of the rotary angles (computed in float64) at
+    ``positions`` ([S], or [B, S] per row (packed documents); None: 0..S-1)."""
+    half = head_dim // 2
+    freqs = theta ** (-torch.arange(half, dtype=torch.float64, device=device) / half)
+    where = torch.arange(seq, device=device) if positions is None else positions
+    angles = where.to(torch.float64)[..., None] * freqs  # [S, half] or [B, S, half]
+    angles = angles.transpose(0, 1) if angles.dim() == 3 else angles[:, None]  # [S, B or 1, half]
+    return angles.cos().to(dtype)[:, :, None, :], angles.sin().to(dtype)[:, :, None, :]
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate pairs of channels (i, i + hd/2) of x [S, B, H, hd] by the angles of ``rotary_tables``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
 def rotary(x, theta: float, positions: torch.Tensor | None = None):
     """Rotate pairs of channels of x [S, B, H, hd] by position (``positions`` [S], or [B, S] per row (packed
     documents); None: 0..S-1)."""
-    seq, half = x.shape[0], x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
-    where = torch.arange(seq, device=x.device) if positions is None else positions
-    angles = where.to(torch.float64)[..., None] * freqs  # [S, half] or [B, S, half]
-    angles = angles.transpose(0, 1) if angles.dim() == 3 else angles[:, None]  # [S, B or 1, half]
-    cos = angles.cos().to(x.dtype)[:, :, None, :]
-    sin = angles.sin().to(x.dtype)[:, :, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return apply_rotary(x, *rotary_tables(x.shape[0], theta, x.shape[-1], x.dtype, positions, x.device))
 
 
 class Attention(nn.Module):
@@ -98,22 +119,30 @@ class Attention(nn.Module):
         del kw["input_mode"]
         self.wo = RowParallelLinear(f"{name}.wo", m.d_model, m.d_model, tp_comm, sp=sp, **kw)
 
-    def forward(self, x, docs=None):
-        """x [S(/tp), B, D] -> [S(/tp), B, D]; ``docs`` [B, S_global] int64: packed documents, or None."""
+    def rotary_tables(self, seq: int, docs, device, dtype):
+        """cos, sin of this rank's ``seq`` positions (global ones with cp; restarting per document with
+        ``docs``): ``rotary_tables``, computed once per stage forward and shared by its blocks."""
+        positions = local_positions(seq, self.cp_comm, device)
+        if docs is not None:  # positions restart with each document
+            positions = local_document_positions(docs, positions, seq)
+        return rotary_tables(seq, self.theta, self.head_dim, dtype, positions, device)
+
+    def forward(self, x, docs=None, tables=None):
+        """x [S(/tp), B, D] -> [S(/tp), B, D]; ``docs`` [B, S_global] int64: packed documents, or None;
+        ``tables``: the rotary (cos, sin) of ``rotary_tables`` (None: computed here). Given from outside, a
+        compiled block loads them instead of recomputing float64 cos/sin in every fused element."""
         x = gather_seq(x, self.tp_comm) if self.sp else copy_to_tp(x, self.tp_comm)  # one op feeds q, k and v
         seq, batch = x.shape[0], x.shape[1]
         q = self.wq(x).view(seq, batch, self.local_heads, self.head_dim)
         k = self.wk(x).view(seq, batch, self.local_kv, self.head_dim)
         v = self.wv(x).view(seq, batch, self.local_kv, self.head_dim)
-        positions = local_positions(seq, self.cp_comm, x.device)
-        if docs is not None:  # positions restart with each document
-            positions = local_document_positions(docs, positions, seq)
         if self.rope:
-            q, k = rotary(q, self.theta, positions), rotary(k, self.theta, positions)
+            cos, sin = self.rotary_tables(seq, docs, x.device, x.dtype) if tables is None else tables
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, H, S, hd]
         sparse_window = 0 < self.window and self.window + default_tile(x.device) < seq and seq % 2 == 0
         if self.cp_comm is not None or sparse_window:  # the ring (of one rank: blocks outside the window skipped)
-            out = ring_attention(q, k, v, self.cp_comm, window=self.window, docs=docs)
+            out = eager_ring_attention(q, k, v, self.cp_comm, window=self.window, docs=docs)
         else:
             group = self.local_heads // self.local_kv
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -186,8 +215,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(f"{name}.mlp_norm", m.d_model, m.norm_eps, tp_comm, sp, dtype)
         self.mlp = MLP(f"{name}.mlp", m, tp_comm, sp, dtype, seed)
 
-    def forward(self, x, docs=None):
-        x = x + self.attn(self.attn_norm(x), docs)
+    def forward(self, x, docs=None, tables=None):
+        x = x + self.attn(self.attn_norm(x), docs, tables)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -244,14 +273,24 @@ class GPTStage(nn.Module):
             x = self.embed(x.t().contiguous())
             if hasattr(self, "pos_embed"):
                 x = self.pos_embed(x, docs)
+        tables = self._rotary_tables(x, docs)
         for block in self.layers.values():
             recompute = self.recompute and self.training
-            x = checkpoint(block, x, docs, use_reentrant=False) if recompute else block(x, docs)
+            x = checkpoint(block, x, docs, tables, use_reentrant=False) if recompute else block(x, docs, tables)
         if self.is_last:
             x = self.head(self.norm(x))
             if x.shape[-1] > self.vocab_valid:
                 x = x[..., :self.vocab_valid]  # padding columns dropped (a view)
         return x
+
+    def _rotary_tables(self, x, docs):
+        """The blocks' rotary (cos, sin) for the hidden state x [S(/tp), B, D], once per forward; None
+        without rotary positions or blocks."""
+        first = next(iter(self.layers.values()), None)
+        if first is None or not first.attn.rope:
+            return None
+        split = self.tp_comm.size if self.sp and self.tp_comm is not None else 1  # attention sees all S
+        return first.attn.rotary_tables(x.shape[0] * split, docs, x.device, x.dtype)
 
     def loss_sum(self, logits, targets, mask=None):
         """Sum over tokens of the cross-entropy; targets [B, S]; ``mask`` [B, S] bool: only the tokens where it

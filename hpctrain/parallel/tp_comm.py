@@ -82,17 +82,25 @@ def _skip(comm) -> bool:
     return comm is None or comm.size == 1
 
 
+def _tp_collective(op, x, comm):
+    """``op.apply(x, comm)``; under torch.compile run eagerly (its mpi4py calls cannot be traced): a graph
+    break by design (hpctrain/models/compile.py). Decorated lazily: torch._dynamo costs a second to import."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(op.apply, reason="tp collective (mpi4py)")(x, comm)
+    return op.apply(x, comm)
+
+
 def copy_to_tp(x, comm):
-    return x if _skip(comm) else _CopyToTP.apply(x, comm)
+    return x if _skip(comm) else _tp_collective(_CopyToTP, x, comm)
 
 
 def reduce_from_tp(x, comm):
-    return x if _skip(comm) else _ReduceFromTP.apply(x, comm)
+    return x if _skip(comm) else _tp_collective(_ReduceFromTP, x, comm)
 
 
 def gather_seq(x, comm):
-    return x if _skip(comm) else _GatherSeq.apply(x, comm)
+    return x if _skip(comm) else _tp_collective(_GatherSeq, x, comm)
 
 
 def reduce_scatter_seq(x, comm):
-    return x if _skip(comm) else _ReduceScatterSeq.apply(x, comm)
+    return x if _skip(comm) else _tp_collective(_ReduceScatterSeq, x, comm)

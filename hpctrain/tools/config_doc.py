@@ -197,6 +197,14 @@ MEANINGS: dict[str, str] = {
     "train.lr_schedule": "After warm-up: `cosine` or `linear` decay to min_lr at the last step, or `constant`.",
     "train.recompute": "Activation checkpointing: keep only each block's input and recompute the block in "
                        "backward (less memory, about a third more compute).",
+    "train.compile": "`torch.compile` (inductor; C++ on the CPU, Triton on GPUs) of every transformer block of "
+                     "this rank's pipeline stages, one graph per block shape, reused by all blocks: the norms, "
+                     "projections, rotary, attention core, SwiGLU/GELU and residual adds fused. Tensor- and "
+                     "context-parallel collectives run eagerly between the compiled pieces (graph breaks by "
+                     "design); embedding, LM head and loss stay eager. `true`, `false` (TOML booleans work too) "
+                     "or `auto`: on when the run's device is a GPU. The first step pays the compile (seconds "
+                     "to a minute; cached in inductor's cache dir). `hpctrain train --verbose` prints the graphs "
+                     "and graph breaks after the first step. See docs/gpus.md.",
     "train.log_interval": "In batch logs (no terminal) print a progress line every N steps (and always the last "
                           "and any skipped step). metrics.jsonl always gets every step.",
     "train.peak_tflops": "Peak TFLOP/s of one rank's device, for the MFU column. 0 = the published dense peak of "

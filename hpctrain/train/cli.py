@@ -16,6 +16,9 @@ def add_parser(sub) -> None:
                         "directory that holds checkpoints")
     p.add_argument("--max-steps", type=int, default=0, metavar="N",
                    help="run at most N steps in this invocation, checkpoint and exit (job chains); 0 = no limit")
+    p.add_argument("--verbose", action="store_true",
+                   help="rank 0 prints the first step's time by phase and torch.compile's graphs, graph breaks "
+                        "and their reasons (train.compile)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     p.set_defaults(func=run)
 
@@ -39,4 +42,4 @@ def run(args) -> int:
     torch.set_num_threads(env.omp_num_threads())
     cfg = load_config(args.config, args.overrides)
     return run_training(cfg, args.resume or default_resume(), args.max_steps,
-                        early_signals=getattr(args, "early_signals", None))
+                        early_signals=getattr(args, "early_signals", None), verbose=args.verbose)

@@ -29,10 +29,11 @@ from hpctrain.train.stop import StopPolicy, decode, encode
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
 
 
-def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None) -> int:
+def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None, verbose: bool = False) -> int:
     """Collective over the world; returns the process exit code (see the module docstring). ``resume``:
     "auto", "none", a checkpoint path, or None (not given: see ``hpctrain/train/run_dir.py``).
-    ``early_signals``: the SignalFlag the entry point made before its imports, if any."""
+    ``early_signals``: the SignalFlag the entry point made before its imports, if any. ``verbose``: rank 0
+    prints the first step's phases and torch.compile's graphs and graph breaks (``--verbose``)."""
     from hpctrain.comm.grid import ProcessGrid
     from hpctrain.runtime.device import select_device
     from hpctrain.runtime.launcher import discover
@@ -46,13 +47,14 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
     lock, resume = _lock_run_dir(cfg, grid, resume)
     grid.watchdog.report_path = os.path.join(cfg.train.run_dir, "hang-report.txt")  # survives a cut pipe
     try:
-        return _train(cfg, grid, device, resume, max_steps, flag, lock)
+        return _train(cfg, grid, device, resume, max_steps, flag, lock, verbose)
     finally:
         lock.release()  # also on errors: a failed start leaves no lock behind
 
 
-def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
+def _train(cfg, grid, device, resume, max_steps, flag, lock, verbose=False) -> int:
     from hpctrain.checkpoint.manager import CheckpointManager
+    from hpctrain.models.compile import first_step_report
     from hpctrain.monitor.run_monitor import RunMonitor
     from hpctrain.train.metrics import MetricsLog, finite_or_none, report_peak_memory
     from hpctrain.train.trainer import Trainer
@@ -101,6 +103,9 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock) -> int:
             if kernels is not None:
                 kernels.step()
             policy.record_step(metrics.step_time_s)
+            if verbose and is_root and trainer.step == first_step:  # its phases and compile's graph breaks
+                for line in first_step_report(metrics.as_dict(), trainer.compile_since, cfg.train.compile):
+                    print(f"hpctrain train: {line}", flush=True)
             if trainer.diverged:  # identical on every rank: the bad update and all after it were not applied
                 break
             if trainer.step == first_step:  # collective: memory per rank, once
@@ -308,6 +313,8 @@ def _announce(cfg, grid, trainer, device, resumed) -> None:
           + (f", GPU collectives backend {trainer.backends['dp']}" if device.type == "cuda" else ""), flush=True)
     if trainer.sdpa.warning:  # the same on every rank: said once
         print(f"hpctrain: WARNING: {trainer.sdpa.warning}", file=sys.stderr, flush=True)
+    if trainer.compiled:
+        print(f"hpctrain train: torch.compile of every block (train.compile={cfg.train.compile})", flush=True)
     if hasattr(trainer.sampler, "describe"):  # packed SFT examples (hpctrain/data/packing.py)
         print(f"hpctrain train: {trainer.sampler.describe()}", flush=True)
     if cfg.lora.rank:

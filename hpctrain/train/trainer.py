@@ -28,6 +28,7 @@ from hpctrain.data.prepared import check_corpus
 from hpctrain.data.sampler import GlobalBatchIterator, rank_slice
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.attention_backend import choose_sdpa, use_sdpa
+from hpctrain.models.compile import compile_stages, compile_wanted
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
 from hpctrain.compression import build_reducer
 from hpctrain.compression.reducer import DenseReducer
@@ -109,6 +110,8 @@ class Trainer:
                                    cp_comm=cp_comm, lora=self.cfg.lora)
         self.local_model = torch.nn.ModuleList(self.chunks)  # train()/eval()/parameters() of every chunk
         self.local_model.to(self.device)  # initialised on the host from the global generator, then moved
+        self.compiled = compile_wanted(t.compile, self.device)  # every block compiled in place (models/compile.py)
+        self.compile_since = compile_stages(self.chunks) if self.compiled else None  # for --verbose's report
         # the trainable parameters (a LoRA run's adapters; the frozen base stays plain tensors on the device)
         self.flat = FlatParams([p for p in self.local_model.parameters() if p.requires_grad],
                                grid.comm(grid.replica_axis),

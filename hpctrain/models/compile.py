@@ -1,0 +1,95 @@
+"""``train.compile``: torch.compile of a pipeline stage's transformer blocks (regional compilation).
+
+Each ``Block`` of a ``GPTStage`` (and the last stage's final norm) is compiled in place with
+``nn.Module.compile``: the same module and parameters, the same state-dict names, so the flat-buffer views
+of ``FlatParams``, checkpoints and exports see nothing new. Why blocks and not the whole stage:
+
+- blocks of one shape share one graph (dynamo inlines ``nn.Module``s, parameters are graph inputs), so the
+  compile time does not grow with the number of layers;
+- a compiled region's backward is one autograd node that hands out all its gradients when it ends: per
+  block, the parameters' post-accumulate-grad hooks (the bucketed dp reduction of
+  hpctrain/parallel/data_parallel.py) still fire block by block, overlapped with the rest of the backward;
+  one graph per stage would deliver every gradient at its very end;
+- the tensor/sequence-parallel collectives (hpctrain/parallel/tp_comm.py) and ring attention (cp) are
+  mpi4py calls inside autograd Functions that dynamo cannot trace: when traced they run under
+  ``torch.compiler.disable`` (``tp_comm._tp_collective``, ``gpt.eager_ring_attention``; decided at call
+  time by ``torch.compiler.is_compiling()``, so eager runs never import torch._dynamo), graph breaks by design, and the compiled pieces are the local compute between them (norm; q/k/v
+  projections, rotary, SDPA and output projection; SwiGLU/GELU MLP; residual adds). With tp = cp = 1 a
+  block is one graph without a break; with tp > 1 each collective splits it (4 per block);
+- with ``train.recompute`` the compiled block runs under ``torch.utils.checkpoint``.
+
+The embedding, the LM head and the vocab-parallel loss stay eager (their tp collectives sit in the middle).
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+
+def compile_wanted(setting: str, device: torch.device) -> bool:
+    """``train.compile`` ("true", "false", "auto": on for CUDA devices) for a rank computing on ``device``."""
+    if setting == "auto":
+        return torch.device(device).type == "cuda"
+    return setting == "true"
+
+
+def compile_stage(stage: torch.nn.Module) -> int:
+    """Compile every block (and the final norm) of a GPTStage in place, lazily (on the first call); returns
+    the number of modules compiled."""
+    targets = list(stage.layers.values())
+    if getattr(stage, "is_last", False):
+        targets.append(stage.norm)
+    for module in targets:
+        module.compile()
+    return len(targets)
+
+
+def compile_stages(stages) -> dict:
+    """``compile_stage`` on each of this rank's model chunks; returns the ``dynamo_counts`` reading taken
+    before (what ``compile_report`` counts from)."""
+    since = dynamo_counts()
+    for stage in stages:
+        compile_stage(stage)
+    return since
+
+
+def dynamo_counts() -> dict:
+    """A reading of this process's torch.compile counters: {"graphs", "frames", "breaks": {reason: count}}."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["ok"],
+            "breaks": dict(counters["graph_break"])}
+
+
+def compile_report(since: dict, top: int = 5) -> list[str]:
+    """Lines describing what torch.compile did after the reading ``since`` (``dynamo_counts``): graphs
+    compiled, graph breaks and their most frequent reasons."""
+    now = dynamo_counts()
+    seen = collections.Counter(now["breaks"])
+    seen.subtract(since["breaks"])
+    breaks = collections.Counter()
+    for reason, count in (+seen).items():  # only the reasons seen since
+        breaks[_break_kind(str(reason))] += count
+    lines = [f"torch.compile: {now['graphs'] - since['graphs']} graph(s) compiled, {sum(breaks.values())} "
+             f"graph break(s)"]
+    lines += [f"  {count} x {reason}" for reason, count in breaks.most_common(top)]
+    return lines
+
+
+def _break_kind(reason: str) -> str:
+    """A graph break's reason in one line: the tp/cp collectives' breaks by design (``torch.compiler.disable``,
+    hpctrain/parallel/tp_comm.py, ``eager_ring_attention``), else dynamo's explanation without its hints."""
+    if "torch.compiler.disable" in reason or "function `disable`" in reason:
+        return "a tp/cp collective run eagerly (by design: torch.compiler.disable)"
+    return " ".join(reason.split()).split(" Hint:")[0][:240]
+
+
+def first_step_report(record: dict, since: dict | None, setting: str) -> list[str]:
+    """``hpctrain train --verbose``: the first step's time by phase (a StepMetrics dict) and what
+    torch.compile made of the model since the reading ``since`` (None: compile off, ``train.compile=setting``)."""
+    phases = ", ".join(f"{k} {v:.3f}" for k, v in sorted(record["time_s"].items(), key=lambda kv: -kv[1]) if v >= 5e-4)
+    lines = [f"first step {record['step_time_s']:.3f} s (s by phase: {phases})"]
+    if since is None:
+        return lines + [f"torch.compile off (train.compile={setting})"]
+    return lines + compile_report(since)

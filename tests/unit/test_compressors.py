@@ -104,3 +104,19 @@ def test_every_configurable_method_has_a_compressor():
     choices = {f.name: f.metadata for f in dataclasses.fields(CompressionConfig)}["method"]["choices"]
     assert set(choices) == set(COMPRESSORS) | {"none", "powersgd", "onebit-adam"}
     assert all(cls.name == name for name, cls in COMPRESSORS.items())
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 2048 * 3 + 5])
+def test_sign_packing_on_the_host_is_the_device_form_byte_for_byte(n):
+    """numpy's packbits (host tensors) and the torch ops (device tensors) give the same bytes: a payload
+    packed on one side unpacks on the other."""
+    import torch.nn.functional as F
+
+    from hpctrain.compression.quantize import _BIT_WEIGHTS, pack_signs, unpack_signs
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    x[0] = 0.0  # zero counts as + (x >= 0)
+    bits = F.pad((x >= 0).to(torch.uint8), (0, -n % 8)).view(-1, 8)
+    device_form = (bits * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
+    assert torch.equal(pack_signs(x), device_form)
+    assert torch.equal(unpack_signs(device_form, n, torch.float64), torch.where(x >= 0, 1.0, -1.0).double())

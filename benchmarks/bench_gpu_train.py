@@ -13,7 +13,8 @@ between):
 
     hpctrain   the Trainer: train.dtype=bfloat16 (bf16 parameters, fp32 main grads in flat buckets, flat fp32
                AdamW masters, global grad norm: the path a multi-rank run takes, with dp/tp/pp = 1),
-               train.compile, train.micro_batch_size
+               train.compile, train.micro_batch_size, the sync-free step (``train_step(defer=True)``, as
+               ``hpctrain train`` runs it: the verdict is read one step late)
     torch      the best plain-PyTorch recipe we know (nanoGPT's): fp32 parameters under
                ``torch.autocast(bfloat16)``, ``torch.compile(model)``, SDPA (flash on CUDA),
                ``torch.optim.AdamW(fused=True)``, ``clip_grad_norm_``, ``zero_grad(set_to_none=True)``
@@ -144,7 +145,7 @@ def worker(args) -> int:
 
         grid = ProcessGrid.from_config(cfg, discover())
         trainer = Trainer(cfg, grid, device=device)
-        step, model_cfg = trainer.train_step, trainer.model_cfg
+        step, model_cfg = (lambda: trainer.train_step(defer=True)), trainer.model_cfg  # the loop's sync-free step
     else:
         loop = TorchLoop(cfg, device)
         step, model_cfg = loop.train_step, loop.model_cfg
@@ -162,6 +163,9 @@ def worker(args) -> int:
         result = step()
         sync()
         times.append(time.perf_counter() - start)
+    if args.worker == "hpctrain":
+        trainer.read_pending()  # the last step's verdict (read one step late, as in a run)
+        result = trainer.resolved[-1]
     loss = float(result.loss if hasattr(result, "loss") else result)
     tokens = cfg.train.global_batch * cfg.train.seq_len
     median = statistics.median(times)

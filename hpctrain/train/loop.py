@@ -57,6 +57,7 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock, verbose=False) -> i
     from hpctrain.models.compile import first_step_report
     from hpctrain.monitor.run_monitor import RunMonitor
     from hpctrain.train.metrics import MetricsLog, finite_or_none, report_peak_memory
+    from hpctrain.train.announce import announce
     from hpctrain.train.trainer import Trainer
 
     info = grid.info
@@ -81,7 +82,7 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock, verbose=False) -> i
                                                           open_source)
     is_root = info.rank == 0
     if is_root:
-        _announce(cfg, grid, trainer, device, resumed)
+        announce(cfg, grid, trainer, device, resumed)
     monitor = RunMonitor(cfg, grid.world, grid.sizes, cfg.train.run_dir)
     monitor.start(trainer.step)  # collective; a sink that cannot start stops the run here, on every rank
     last_step = cfg.train.steps if max_steps <= 0 else min(cfg.train.steps, trainer.step + max_steps)
@@ -290,44 +291,3 @@ def _finish(cfg, grid, reason: str, step: int, save_s: float, is_root: bool, loc
     if problem:  # rank 0 alone carries the 75 (``leave_with``); the others exit 0
         print(f"hpctrain train: {problem}; exit {STOPPED_EXIT}; continue with --resume auto", flush=True)
     return leave_with(STOPPED_EXIT if problem else 0, grid.info.rank, grid.info.node, grid.watchdog.peers)
-
-
-def _announce(cfg, grid, trainer, device, resumed) -> None:
-    from hpctrain.config import config_to_dict
-    from hpctrain.runtime.device import describe
-
-    info, p = grid.info, cfg.parallel
-    os.makedirs(cfg.train.run_dir, exist_ok=True)
-    with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config_to_dict(cfg), f, indent=1)
-    layout = " x ".join(f"{a}={grid.sizes[a]}" for a in ("dp", "pp", "cp", "tp") if a != "cp" or grid.sizes[a] > 1)
-    schedule = p.schedule + (f" (virtual_stages={p.virtual_stages})" if p.schedule == "interleaved" else "")
-    formula = "(pp-1)/(V M)" if p.schedule == "interleaved" else "(pp-1)/M"
-    bubble = (f", pipeline bubble {formula} = {trainer.bubble:.1%} of "
-              f"the ideal step" if grid.sizes["pp"] > 1 else "")
-    print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
-          f"{schedule}, {trainer.layout.microbatches} micro-batch(es) of {trainer.micro_batch} sequence(s) per "
-          f"replica{bubble}, sequence parallel "
-          f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {grid.intra_node}, "
-          f"{cfg.train.dtype}, device {describe(device)}, attention {trainer.sdpa.name}"
-          + (f", GPU collectives backend {trainer.backends['dp']}" if device.type == "cuda" else ""), flush=True)
-    if trainer.sdpa.warning:  # the same on every rank: said once
-        print(f"hpctrain: WARNING: {trainer.sdpa.warning}", file=sys.stderr, flush=True)
-    if trainer.compiled:
-        print(f"hpctrain train: torch.compile of every block (train.compile={cfg.train.compile})", flush=True)
-    if hasattr(trainer.sampler, "describe"):  # packed SFT examples (hpctrain/data/packing.py)
-        print(f"hpctrain train: {trainer.sampler.describe()}", flush=True)
-    if cfg.lora.rank:
-        from hpctrain.models.lora import describe as describe_lora
-
-        print(f"hpctrain train: {describe_lora(trainer.model_cfg, cfg.lora, cfg.train.dtype, cfg.optim)}", flush=True)
-        reference = trainer.state.base_reference
-        why = "lora.checkpoint_base=copy" if cfg.lora.checkpoint_base == "copy" else "no model.init_from base to refer to"
-        print(f"hpctrain train: checkpoints refer to the frozen base {reference['path']} (checksum "
-              f"{reference['checksum'][:16]}, checked on resume)" if reference else
-              f"hpctrain train: checkpoints copy the frozen base weights ({why})", flush=True)
-    if resumed:
-        print(f"hpctrain train: resumed from {resumed} at step {trainer.step} "
-              f"(sample {trainer.batches.consumed})", flush=True)
-    elif cfg.model.init_from:
-        print(f"hpctrain train: weights initialised from {cfg.model.init_from} (model.init_from)", flush=True)

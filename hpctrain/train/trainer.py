@@ -16,7 +16,6 @@ the optimizer; the host reads the verdict after the update is queued, or one ste
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -29,7 +28,7 @@ from hpctrain.data.sampler import GlobalBatchIterator, rank_slice
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.attention_backend import choose_sdpa, use_sdpa
 from hpctrain.models.compile import compile_stages, compile_wanted
-from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers
+from hpctrain.models.gpt import flops_per_token
 from hpctrain.compression import build_reducer
 from hpctrain.compression.reducer import DenseReducer
 from hpctrain.optim.flat import FlatOptimizer, lr_at
@@ -45,29 +44,9 @@ from hpctrain.runtime.device import configure_matmul, peak_tflops
 from hpctrain.runtime.dtypes import torch_dtype
 from hpctrain.runtime.faults import FaultInjector
 from hpctrain.train.state import TrainerState
+from hpctrain.train.chunks import build_chunks
+from hpctrain.train.step_metrics import StepMetrics, group_deltas
 from hpctrain.train.verdict import StepVerdict
-
-
-@dataclass
-class StepMetrics:
-    step: int
-    loss: float
-    lr: float
-    grad_norm: float
-    tokens_per_s: float
-    step_time_s: float
-    comm_time_s: float
-    mfu: float | None
-    loss_scale: float
-    skipped: bool
-    bytes_sent: int = 0  # bytes this rank sent on all groups this step (Communicator's wire model)
-    compression_ratio: float = 1.0  # gradient traffic: dense bytes / bytes sent
-    compress_s: float = 0.0  # seconds in compress + decompress
-    time_s: dict = None  # {phase: seconds} of this rank (hpctrain/profiling/timers.py), exclusive
-    groups: dict = None  # {group: {"comm_s": blocked seconds, "bytes_sent": bytes}} of this rank
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 class Trainer:
@@ -224,7 +203,7 @@ class Trainer:
                 if not (defer and self.readback == "late"):
                     self.read_pending()
         elapsed, peak = time.perf_counter() - start, self.peak_tflops
-        groups = _group_deltas(groups_before, grid.stats.by_group())
+        groups = group_deltas(groups_before, grid.stats.by_group())
         metrics.__dict__.update(step_time_s=elapsed, tokens_per_s=global_tokens / elapsed, groups=groups,
                                 comm_time_s=sum(g["comm_s"] for g in groups.values()),
                                 bytes_sent=sum(g["bytes_sent"] for g in groups.values()), **reducer.step_stats(),
@@ -319,31 +298,3 @@ class Trainer:
                 full = result.setdefault(name, torch.full(shape, float("nan"), dtype=torch.float64))
                 full[tuple(slice(a, b) for a, b in index)] = torch.from_numpy(array)
         return result
-
-
-def build_chunks(m, layout, pp_rank: int, tp_comm, dtype, seed: int, recompute: bool,
-                 cp_comm=None, lora=None) -> list[GPTStage]:
-    """The model chunks of pp rank ``pp_rank``: chunk c is virtual stage v = c * pp + pp_rank of the
-    pp x V virtual stages (V = ``layout.virtual_stages``), whose layers ``partition_layers`` balances over
-    them (or ``stage_layers`` gives, one entry per virtual stage). The embedding is on v = 0, the norm and
-    LM head on the last; a tied embedding's copy lives there (its grad is summed over pp with rank 0's).
-    ``lora``: the ``[lora]`` section (rank > 0: adapters, the rest frozen)."""
-    pp, chunks = layout.pp_size, layout.virtual_stages
-    ranges = partition_layers(m, pp * chunks, list(layout.stage_layers))
-    out = []
-    for c in range(chunks):
-        v = c * pp + pp_rank
-        out.append(GPTStage(m, ranges[v], is_first=v == 0, is_last=v == pp * chunks - 1, tp_comm=tp_comm,
-                            sp=layout.sequence_parallel, dtype=dtype, seed=seed, recompute=recompute,
-                            cp_comm=cp_comm, lora=lora))
-    return out
-
-
-def _group_deltas(before: dict, after: dict) -> dict:
-    """Per-group blocked seconds and bytes sent between two ``CommStats.by_group`` readings."""
-    out = {}
-    for group, (seconds, sent) in after.items():
-        s0, b0 = before.get(group, (0.0, 0))
-        if seconds > s0 or sent > b0:
-            out[group] = {"comm_s": round(seconds - s0, 6), "bytes_sent": sent - b0}
-    return out

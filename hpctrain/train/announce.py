@@ -1,0 +1,48 @@
+"""The start-up lines of ``hpctrain train`` (rank 0): the layout, schedule, precision, device, attention
+kernel, compile, LoRA and where the run starts from; and the resolved config in <run_dir>/config.json."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def announce(cfg, grid, trainer, device, resumed) -> None:
+    from hpctrain.config import config_to_dict
+    from hpctrain.runtime.device import describe
+
+    info, p = grid.info, cfg.parallel
+    os.makedirs(cfg.train.run_dir, exist_ok=True)
+    with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config_to_dict(cfg), f, indent=1)
+    layout = " x ".join(f"{a}={grid.sizes[a]}" for a in ("dp", "pp", "cp", "tp") if a != "cp" or grid.sizes[a] > 1)
+    schedule = p.schedule + (f" (virtual_stages={p.virtual_stages})" if p.schedule == "interleaved" else "")
+    formula = "(pp-1)/(V M)" if p.schedule == "interleaved" else "(pp-1)/M"
+    bubble = (f", pipeline bubble {formula} = {trainer.bubble:.1%} of "
+              f"the ideal step" if grid.sizes["pp"] > 1 else "")
+    print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
+          f"{schedule}, {trainer.layout.microbatches} micro-batch(es) of {trainer.micro_batch} sequence(s) per "
+          f"replica{bubble}, sequence parallel "
+          f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {grid.intra_node}, "
+          f"{cfg.train.dtype}, device {describe(device)}, attention {trainer.sdpa.name}"
+          + (f", GPU collectives backend {trainer.backends['dp']}" if device.type == "cuda" else ""), flush=True)
+    if trainer.sdpa.warning:  # the same on every rank: said once
+        print(f"hpctrain: WARNING: {trainer.sdpa.warning}", file=sys.stderr, flush=True)
+    if trainer.compiled:
+        print(f"hpctrain train: torch.compile of every block (train.compile={cfg.train.compile})", flush=True)
+    if hasattr(trainer.sampler, "describe"):  # packed SFT examples (hpctrain/data/packing.py)
+        print(f"hpctrain train: {trainer.sampler.describe()}", flush=True)
+    if cfg.lora.rank:
+        from hpctrain.models.lora import describe as describe_lora
+
+        print(f"hpctrain train: {describe_lora(trainer.model_cfg, cfg.lora, cfg.train.dtype, cfg.optim)}", flush=True)
+        reference = trainer.state.base_reference
+        why = "lora.checkpoint_base=copy" if cfg.lora.checkpoint_base == "copy" else "no model.init_from base to refer to"
+        print(f"hpctrain train: checkpoints refer to the frozen base {reference['path']} (checksum "
+              f"{reference['checksum'][:16]}, checked on resume)" if reference else
+              f"hpctrain train: checkpoints copy the frozen base weights ({why})", flush=True)
+    if resumed:
+        print(f"hpctrain train: resumed from {resumed} at step {trainer.step} "
+              f"(sample {trainer.batches.consumed})", flush=True)
+    elif cfg.model.init_from:
+        print(f"hpctrain train: weights initialised from {cfg.model.init_from} (model.init_from)", flush=True)

@@ -4,6 +4,7 @@ removes it before MPI starts, resumes from its checkpoint in shared memory and f
 nothing of the job is left in /dev/shm. (hpctrain/runtime/stale_shm.py; docs/fault-tolerance.md.)"""
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -37,16 +38,14 @@ def job_state(env, job):
     return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "")
 
 
-def attempts(run_dir):
-    """metrics.jsonl's step records split where the step count goes back (a resumed attempt)."""
-    runs = [[]]
-    for r in events(run_dir):
-        if "event" in r:
-            continue
-        if runs[-1] and r["step"] <= runs[-1][-1]["step"]:
-            runs.append([])
-        runs[-1].append(r)
-    return runs
+def attempts(run_dir, resumed_at: int):
+    """metrics.jsonl's step records of the killed attempt and of the one resumed at step ``resumed_at`` (the
+    log's "resumed from ... at step N"). The resumed attempt's first record is the LAST one of step N + 1:
+    the killed attempt may have logged it too (then it is redone), or not (a step's record is written
+    once the next step reads its verdict, so the killed attempt's last step has none)."""
+    steps = [r for r in events(run_dir) if "event" not in r]
+    split = max(i for i, r in enumerate(steps) if r["step"] == resumed_at + 1)
+    return steps[:split], steps[split:]
 
 
 def test_a_rank_killed_in_shm_training_requeues_onto_the_same_node_and_resumes(slurm, tmp_path):
@@ -86,7 +85,8 @@ def killed_and_requeued(slurm, tmp_path):
     log = next(tmp_path.glob("run-*.out")).read_text()
     assert log.count("dp reduction shm") == 2 and "resumed from" in log, log[-3000:]  # both attempts in shm
     assert f"hpctrain: removed /dev/shm/{left[0]}" in log, log[-3000:]
-    first, resumed = attempts(run_dir)
+    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", log).group(1))
+    first, resumed = attempts(run_dir, resumed_at)
     assert resumed[0]["step"] <= first[-1]["step"] + 1 and resumed[-1]["step"] == 60, (first, resumed)
     again = {r["step"]: r["loss"] for r in resumed}
     repeated = [r["step"] for r in first if r["step"] in again]  # steps done before the kill, redone after it

@@ -81,6 +81,7 @@ class FlatOptimizer:
         self.fused = applies if fused is None else fused and applies
         for s in self.owned_slices:
             s.runs = fused_runs(s.end - s.start, s.decay_ranges)
+        self._fused_groups: dict | None = None  # _group_runs(): the kernel's tensor lists, built on the first step
 
     def _make_slice(self, bucket, start: int, end: int) -> OptimizerSlice:
         flat = self.flat
@@ -113,10 +114,6 @@ class FlatOptimizer:
         for part in self.owned_slices:
             for piece in self.flat.pieces(part.start, part.end):
                 yield piece, part
-
-    def grad_norm_sq_local(self, inv_scale: float = 1.0) -> float:
-        """This rank's share of the squared global gradient norm (float64; a host read)."""
-        return float(self.grad_norm_sq_tensor()) * inv_scale * inv_scale
 
     def grad_norm_sq_tensor(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm of the gradients as they are (loss scale
@@ -182,6 +179,22 @@ class FlatOptimizer:
                 s.params.copy_(master)
         self.flat.gather_params()
 
+    def _group_runs(self) -> dict:
+        """{decayed: (masters, grads, exp_avgs, exp_avg_sqs)}: views of every owned run, the fused kernel's
+        tensor lists. Built once and kept (``_fused_groups``) when the gradients are already in the masters'
+        dtype: every tensor is then a view of storage that lives as long as the optimizer."""
+        decay = bool(self.cfg.weight_decay)
+        groups, kept = {True: ([], [], [], []), False: ([], [], [], [])}, True
+        for s in self.owned_slices:
+            owned = self.flat.owned_grad(s.bucket, s.start, s.end)
+            kept = kept and owned.dtype == self.master_dtype
+            grad = owned.to(self.master_dtype)
+            for lo, hi, decayed in s.runs:
+                for into, tensor in zip(groups[decayed and decay], (s.master, grad, s.exp_avg, s.exp_avg_sq)):
+                    into.append(tensor[lo:hi])
+        self._fused_groups = groups if kept else None
+        return groups
+
     def _fused_step(self, lr: float, grad_coef, found_inf) -> None:
         """``torch._fused_adamw_`` over every owned slice at once: one call for the decayed runs, one for the rest."""
         c = self.cfg
@@ -191,14 +204,7 @@ class FlatOptimizer:
         elif grad_coef != 1.0:
             grad_divisor = torch.full((), 1.0 / grad_coef, dtype=torch.float32, device=self._step_tensor.device)
         self._step_tensor.add_(1)
-        groups = {True: ([], [], [], []), False: ([], [], [], [])}
-        for s in self.owned_slices:
-            grad = self.flat.owned_grad(s.bucket, s.start, s.end).to(self.master_dtype)
-            for lo, hi, decayed in s.runs:
-                for into, tensor in zip(groups[decayed and bool(c.weight_decay)], (s.master, grad, s.exp_avg,
-                                                                                  s.exp_avg_sq)):
-                    into.append(tensor[lo:hi])
-        for decayed, (masters, grads, exp_avgs, exp_avg_sqs) in groups.items():
+        for decayed, (masters, grads, exp_avgs, exp_avg_sqs) in (self._fused_groups or self._group_runs()).items():
             if masters:
                 torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], [self._step_tensor] * len(masters),
                                     lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, amsgrad=False, maximize=False,

@@ -36,12 +36,14 @@ def compile_wanted(setting: str, device: torch.device) -> bool:
 
 def compile_stage(stage: torch.nn.Module) -> int:
     """Compile every block (and the final norm) of a GPTStage in place, lazily (on the first call); returns
-    the number of modules compiled."""
+    the number of modules compiled. Random ops (LoRA's dropout) draw from torch's generator as in eager
+    (inductor's ``fallback_random``), not from inductor's own Philox streams: the same masks, so compiled
+    equals eager and a resumed run redraws what it would have drawn."""
     targets = list(stage.layers.values())
     if getattr(stage, "is_last", False):
         targets.append(stage.norm)
     for module in targets:
-        module.compile()
+        module.compile(options={"fallback_random": True})
     return len(targets)
 
 

@@ -21,6 +21,8 @@ import time
 import traceback
 
 QUERY_TAG, ANSWER_TAG = 901, 902
+COMPILER_PATHS = tuple(os.sep.join(("", *parts, "")) for parts in (("torch", "_dynamo"), ("torch", "_inductor"),
+                                                                   ("triton",)))
 PROCESS_STATES = {"T": "stopped (SIGSTOP, or a debugger)", "t": "stopped by a debugger",
                   "Z": "dead (a zombie process)", "X": "dead",
                   "D": "blocked in uninterruptible I/O (a hung file system?)"}
@@ -45,6 +47,19 @@ def where(thread_name: str | None = None, depth: int = 3) -> str:
                       f"{f.lineno} in {f.name}" for f in reversed(frames))
 
 
+def compiling(thread_name: str | None = None) -> bool:
+    """Is the main thread (or ``thread_name``) inside torch.compile: a frame of dynamo, inductor or Triton
+    anywhere on its stack (a compile waits in subprocess or thread pools below them)?"""
+    ident = threading.main_thread().ident if thread_name is None else \
+        next((t.ident for t in threading.enumerate() if t.name == thread_name), None)
+    frame = sys._current_frames().get(ident)
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in COMPILER_PATHS):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def status(watchdog) -> dict:
     """This rank's answer: calls in flight, last completed collective per group, Python position."""
     now = time.monotonic()
@@ -57,7 +72,8 @@ def status(watchdog) -> dict:
         stacks["checkpoint thread"] = where("hpctrain-ckpt")
     blocked = "hpctrain/comm/" in stacks["main thread"].split(" < ")[-1] or "hpctrain/comm/" in stacks["main thread"]
     return {"rank": watchdog.rank, "noticed": watchdog.noticed is not None, "inflight": inflight, "blocked": blocked,
-            "done": done, "started": {group_key(g): g.seq for g in watchdog.groups}, "where": stacks}
+            "done": done, "started": {group_key(g): g.seq for g in watchdog.groups}, "where": stacks,
+            "compiling": compiling()}
 
 
 def answer(watchdog) -> None:
@@ -93,11 +109,13 @@ def collect(watchdog, window_s: float) -> dict[int, dict]:
     return answers
 
 
-def investigate(watchdog, call) -> str | None:
-    """On the watchdog thread of a rank whose ``call`` stalled: the report to print, or None when a lower
-    rank reports (then this one serves queries until the abort, and reports itself if none comes)."""
+def investigate(watchdog, call) -> tuple[str, list[int]]:
+    """On the watchdog thread of a rank whose ``call`` stalled: (the report to print, the ranks that cause the
+    stall when every one of them is alive inside torch.compile, else []). When a lower rank has noticed a
+    stall too, this one first serves queries for a while (that rank reports and aborts the job)."""
     if watchdog.status_comm is None:
-        return format_report(watchdog, call, {watchdog.rank: status(watchdog)}, window_s=0)
+        answers = {watchdog.rank: status(watchdog)}
+        return format_report(watchdog, call, answers, window_s=0), compiling_causes(call, answers)
     window = 2 * watchdog.period + 2.0
     answers = collect(watchdog, window)
     soon = watchdog.timeout_s - 2 * watchdog.period - 1
@@ -109,7 +127,22 @@ def investigate(watchdog, call) -> str | None:
             answer(watchdog)
             time.sleep(0.1)
         answers = collect(watchdog, window)
-    return format_report(watchdog, call, answers, window)
+    return format_report(watchdog, call, answers, window), compiling_causes(call, answers)
+
+
+def missing_ranks(call, answers: dict[int, dict]) -> list[int]:
+    """The world ranks ``call`` waits for: its peer, or the members of its group not inside it."""
+    if call.peer is not None:
+        return [call.comm.members[call.peer]]
+    key = group_key(call.comm)
+    return [m for m in call.comm.members if not _in_call(answers.get(m), key, call.seq)]
+
+
+def compiling_causes(call, answers: dict[int, dict]) -> list[int]:
+    """The ranks that ``call``'s stall comes down to (``wait_chain``) when each of them answered from inside
+    torch.compile (a first step compiling its graphs: slow, not hung); [] otherwise."""
+    causes, _ = wait_chain(answers, missing_ranks(call, answers))
+    return causes if causes and all((answers.get(r) or {}).get("compiling") for r in causes) else []
 
 
 def process_state(rank: int, peers) -> str:
@@ -171,12 +204,9 @@ def format_report(watchdog, call, answers: dict[int, dict], window_s: float) -> 
     age = time.monotonic() - call.start
     lines = [f"hpctrain: hang report from {who(watchdog.rank, peers)}: {call.describe()} has not completed "
              f"in {age:.0f} s (comm.timeout_s = {watchdog.timeout_s:g})."]
-    if call.peer is not None:  # point-to-point: the one rank that matters is the peer
-        missing = [call.comm.members[call.peer]]
-    else:
-        inside = [m for m in call.comm.members if _in_call(answers.get(m), key, call.seq)]
-        lines.append(f"  in the call: ranks {inside}")
-        missing = [m for m in call.comm.members if m not in inside]
+    missing = missing_ranks(call, answers)
+    if call.peer is None:
+        lines.append(f"  in the call: ranks {[m for m in call.comm.members if m not in missing]}")
     causes, waits = wait_chain(answers, missing)
     for rank in causes:
         lines.insert(1, f"  cause: {_state(rank, answers.get(rank), peers, window_s)}")
@@ -195,6 +225,8 @@ def _state(rank: int, info: dict | None, peers, window_s: float) -> str:
         return f"{who(rank, peers)}: it did not answer in {window_s:.0f} s: {process_state(rank, peers)}"
     busy = "; ".join(c["text"] for c in info["inflight"])
     now = f"it is in {busy}" if busy else "it is in no communication call"
+    if info.get("compiling"):
+        now += " (inside torch.compile)"
     stacks = "; ".join(f"{name} at {text}" for name, text in info["where"].items() if text)
     return f"{who(rank, peers)}: {now}; {stacks}"
 

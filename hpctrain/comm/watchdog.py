@@ -14,7 +14,10 @@ does two things once a period:
   (``hang_report.investigate``): ask every rank where it is, name the ranks that never reached the
   call (a rank that does not answer is stopped, dead or stuck in C code: its process state is read
   from ``/proc`` when it runs on this node), print ONE report job-wide, then abort the MPI job (exit
-  code 3).
+  code 3). A stall whose causes are all alive inside torch.compile (``train.compile``'s first step
+  compiling graphs: a pipeline stage waits for its neighbour's compile) is not a hang: the watchdog
+  says so once and restarts the call's stall clock, for at most ``COMPILE_PATIENCE_S`` more; once the
+  compile is over, the call gets one more full ``timeout_s``.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from hpctrain.runtime.errors_exit import abort_grace_s
+
+COMPILE_PATIENCE_S = 3600.0  # a stall whose causes are all inside torch.compile is reported after this much more
 
 
 @dataclass
@@ -130,6 +135,8 @@ class Watchdog:
         self._ids = itertools.count()
         self._stop = threading.Event()
         self.noticed: Call | None = None  # the stalled call this rank is reporting on
+        # id(call) -> (its stall clock restarted at, still waiting for a compile): calls whose peers compile
+        self._compile_waits: dict[int, tuple[float, bool]] = {}
         self._thread = None
         self.period = min(1.0, self.timeout_s / 4) if self.timeout_s > 0 else 1.0
         if self.timeout_s > 0:
@@ -203,13 +210,37 @@ class Watchdog:
                 hang_report.answer(self)
             self._finish_device_calls()
             now = time.monotonic()
-            stalled = [c for c in self.inflight() if now - c.start > self.timeout_s]
+            inflight = self.inflight()
+            live = {id(c) for c in inflight}
+            self._compile_waits = {k: v for k, v in self._compile_waits.items() if k in live}
+            clock = {k: restarted for k, (restarted, _) in self._compile_waits.items()}
+            stalled = [c for c in inflight if now - max(c.start, clock.get(id(c), 0.0)) > self.timeout_s]
             if stalled:
-                self.noticed = min(stalled, key=lambda c: c.start)
-                report = hang_report.investigate(self, self.noticed)
-                if report is not None:
+                self.noticed = call = min(stalled, key=lambda c: c.start)
+                report, compiling = hang_report.investigate(self, call)
+                if compiling and now - call.start < self.timeout_s + COMPILE_PATIENCE_S:
+                    self._wait_for_compile(call, compiling)
+                elif id(call) in self._compile_waits and self._compile_waits[id(call)][1]:
+                    # the ranks it waited for have finished compiling (maybe just now): a full timeout from here
+                    self.noticed, self._compile_waits[id(call)] = None, (time.monotonic(), False)
+                else:
                     self.fire(report)
-                return
+                    return
+
+    def _wait_for_compile(self, call, compiling: list[int]) -> None:
+        """``call`` waits for ranks that are inside torch.compile (a first step compiling): slow, not hung. Its
+        stall clock restarts now; the call's lowest waiting rank says so once."""
+        import sys
+
+        now = time.monotonic()
+        told = id(call) in self._compile_waits
+        self.noticed, self._compile_waits[id(call)] = None, (now, True)
+        if not told and self.rank == min(set(call.comm.members) - set(compiling), default=self.rank):
+            sys.stderr.write(f"hpctrain: rank {self.rank}: {call.describe()} has waited {now - call.start:.0f} s "
+                             f"for rank(s) {compiling}, inside torch.compile (train.compile: the first step compiles "
+                             f"the graphs): not a hang; the hang report waits for them (at most "
+                             f"{COMPILE_PATIENCE_S / 60:.0f} min beyond comm.timeout_s)\n")
+            sys.stderr.flush()
 
     def fire(self, report: str) -> None:
         """Print ``report`` (stderr and ``report_path``), give the launcher time to forward it, abort."""

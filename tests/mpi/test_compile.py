@@ -66,6 +66,18 @@ def test_compiled_lora_dropout_on_packed_sft_examples_equals_eager(tmp_path):
     assert max(abs(a - b) / b for a, b in zip(losses["true"], losses["false"])) <= 1e-6, losses
 
 
+def test_a_stage_waiting_for_its_neighbours_compile_is_not_a_hang(tmp_path):
+    """pp=2 with a cold inductor cache: stage 1 waits in its first receive while stage 0 compiles (then 0 waits
+    for 1's compile), each far longer than comm.timeout_s=3. The watchdog waits for a compiling rank; the
+    same job without compile ends with a hang report when a rank is stopped (tests/mpi/test_hang_report.py)."""
+    result = run_mpi(2, "hpctrain.cli", "train", *SHAPES, "parallel.pp=2", "parallel.tp=1", "train.steps=2",
+                     "train.compile=true", "comm.timeout_s=3", "train.progress=false", f"train.run_dir={tmp_path}",
+                     module=True, timeout=300, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")})
+    assert "hang report from" not in result.stderr and "done: 2 steps" in result.stdout, result.output
+    notes = [line for line in result.stderr.splitlines() if "inside torch.compile" in line]
+    assert notes and all("not a hang" in line for line in notes), result.stderr
+
+
 def test_compile_values_toml_booleans_and_overrides():
     from hpctrain.models.compile import compile_wanted
 

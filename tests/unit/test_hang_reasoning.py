@@ -58,3 +58,28 @@ def test_a_silent_rank_on_another_host_and_a_stopped_one_here():
     assert process_state(1, peers).startswith("running")  # this very process: alive, state R
     peers[1] = (socket.gethostname(), 0, 2 ** 22 + 12345)
     assert process_state(1, peers) == "dead (no such process)"
+
+
+def test_a_stall_whose_causes_all_compile_is_not_a_hang_and_the_report_says_compile():
+    from hpctrain.comm.hang_report import compiling_causes
+
+    pp = FakeComm("pp", [0, 1])
+    waiting = Call("exchange", pp, 64, 1, peer=1)  # rank 0 waits for its pipeline neighbour, rank 1
+    answers = {0: answer(0, [call_info("pp", [0, 1], "exchange", 1, peer=1)]), 1: answer(1, [], where="torch/x.py:1")}
+    assert compiling_causes(waiting, answers) == []  # busy in Python, not compiling: a cause
+    answers[1]["compiling"] = True
+    assert compiling_causes(waiting, answers) == [1]
+    watchdog = Watchdog(0, timeout_s=0, peers=[("h0", 0, 100), ("h1", 1, 101)])
+    assert "it is in no communication call (inside torch.compile)" in format_report(watchdog, waiting, answers, 4)
+    dp = FakeComm("dp", [0, 1, 2])  # two missing ranks: one compiling, one silent (dead or stopped)
+    stalled = Call("allreduce", dp, 8, 3)
+    answers = {0: answer(0, [call_info("dp", [0, 1, 2], "allreduce", 3)]), 1: answers[1]}
+    assert compiling_causes(stalled, answers) == []
+
+
+def test_compiling_is_read_off_the_main_threads_whole_stack():
+    from hpctrain.comm import hang_report
+
+    namespace = {"probe": hang_report.compiling}  # a frame whose code lives under torch/_inductor/
+    exec(compile("seen = probe()", os.sep.join(("", "x", "torch", "_inductor", "fake.py")), "exec"), namespace)
+    assert namespace["seen"] is True and hang_report.compiling() is False

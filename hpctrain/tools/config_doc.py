@@ -113,7 +113,9 @@ MEANINGS: dict[str, str] = {
     # [comm]
     "comm.timeout_s": "Seconds a communication call (collective, point-to-point, checkpoint exchange) may take "
                       "before the job ends with a hang report that names the ranks that never reached the call "
-                      "(exit 3). 0 = no watchdog. `HPCTRAIN_COMM_TIMEOUT`, when set, overrides it.",
+                      "(exit 3). 0 = no watchdog. `HPCTRAIN_COMM_TIMEOUT`, when set, overrides it. A call that waits for "
+                      "ranks inside torch.compile (`train.compile`'s first step) is not reported while they compile "
+                      "(at most an hour more), and gets a full timeout after.",
     "comm.check": "Debugging: before every collective the group's members compare op, size and dtype; a mismatch "
                   "ends the job naming the first differing rank (one extra small allgather per call).",
     "comm.intra_node": "How the ranks of one node reduce with each other in the data-parallel group: `shm` = "

@@ -1,4 +1,5 @@
-"""Saving and resuming: atomic publication, keep-last-K, asynchronous writes, fallback on load.
+"""Saving and resuming: atomic publication, keep-last-K, asynchronous writes; ``CheckpointManager``
+holds one run's checkpoint directory and communicator (resuming, with fallback on load: resume.py).
 
 Save protocol (invariant: ``latest`` only ever names a complete, verified checkpoint):
   1. snapshot the state to host memory (the only stall when ``checkpoint.async`` is on);
@@ -22,16 +23,16 @@ import sys
 import threading
 import time
 
+from hpctrain.checkpoint import resume as resuming
 from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.directory import (REPLACED_SUFFIX, RETIRED_PREFIX, free_bytes, fsync_path, human_size,
-                                           list_checkpoints, read_latest, recover_replaced, resolve_latest, retire)
+                                           list_checkpoints, read_latest, recover_replaced, retire)
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
-from hpctrain.checkpoint.compression_state import ANOTHER_METHOD
-from hpctrain.checkpoint.state import ANOTHER_MODEL, BASE_UNUSABLE, CheckpointError, apply_state, read_state, snapshot
+from hpctrain.checkpoint.state import CheckpointError, snapshot
 from hpctrain.checkpoint.writers import WriteFailed, has_parallel_h5py, write_mpio, write_shards
 from hpctrain.comm.collectives import Communicator
-from hpctrain.errors import HpcTrainError, everywhere
+from hpctrain.errors import everywhere
 from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime.faults import FaultInjector
 from hpctrain.runtime.launcher import missing_thread_multiple
@@ -124,7 +125,9 @@ class CheckpointManager:
         finally:
             self.comm.mpi.Free()
 
-    def _agree(self, error: str | None, what: str, note: str = "") -> None:
+    def agree(self, error: str | None, what: str, note: str = "") -> None:
+        """Collective on ``comm``: raise CheckpointError on every rank if any rank reported ``error``
+        (``raise_if_any_failed``); the wait is the ``agree`` phase."""
         self._arrive_sleeping()
         with self.timer.phase("agree"):
             raise_if_any_failed(self.comm, error, what, note)
@@ -179,12 +182,12 @@ class CheckpointManager:
                     os.makedirs(os.path.join(tmp, "shards"))
             except OSError as exc:
                 error = f"cannot create {tmp}: {exc.strerror or exc}"
-        self._agree(error, f"checkpoint of step {snap.step} in {self.dir}")
+        self.agree(error, f"checkpoint of step {snap.step} in {self.dir}")
         try:
             with timer.phase("prepare"):
                 needed = sum(self.comm.allgather_object(sum(item.data.nbytes for item in snap.items)))
                 error = self._space_problem(tmp, needed, snap.step) if self.rank == 0 else None
-            self._agree(error, f"saving the checkpoint of step {snap.step}", self._intact())
+            self.agree(error, f"saving the checkpoint of step {snap.step}", self._intact())
             error = None
             try:
                 with timer.phase("write"):
@@ -206,7 +209,7 @@ class CheckpointManager:
                 error = (f"non-finite values (inf/NaN) in {', '.join(snap.nonfinite[:3])}"
                          + (f" and {len(snap.nonfinite) - 3} more" if len(snap.nonfinite) > 3 else "")
                          + "; not published, the previous checkpoints are kept")
-            self._agree(error, f"writing checkpoint of step {snap.step} ({self.writer} writer)", self._intact())
+            self.agree(error, f"writing checkpoint of step {snap.step} ({self.writer} writer)", self._intact())
             problems = []
             self.faults.hit("verify", snap.step)
             try:
@@ -214,10 +217,10 @@ class CheckpointManager:
                     problems = reader.verify(self.rank, self.size)
             except Exception as exc:  # noqa: BLE001
                 problems = [f"{type(exc).__name__}: {exc}"]
-            self._agree("; ".join(problems[:3]) or None, f"verifying checkpoint of step {snap.step}")
+            self.agree("; ".join(problems[:3]) or None, f"verifying checkpoint of step {snap.step}")
             with timer.phase("publish"):
                 error = self._publish(tmp, final, snap.step) if self.rank == 0 else None
-            self._agree(error, f"publishing checkpoint of step {snap.step}")
+            self.agree(error, f"publishing checkpoint of step {snap.step}")
         except CheckpointError:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -273,124 +276,14 @@ class CheckpointManager:
             if name.startswith((".tmp-" + STEP_PREFIX, RETIRED_PREFIX)) or name.endswith(REPLACED_SUFFIX):
                 shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
-    # ------------------------------------------------------------------ resuming
+    # ------------------------------------------------------------------ resuming (checkpoint/resume.py)
     def resume(self, state: TrainState, what: str = "auto") -> str | None:
-        """Load ``what`` ("auto": newest usable in this run's checkpoint dir; "none"; or a path) into the
-        run (``trainer.state``; collective). "auto": rank 0 lists the directory once (putting back a step
-        directory an interrupted save moved aside) and broadcasts the candidates, newest first; every
-        rank tries them in that order and falls back together from a corrupt, unreadable or partial one,
-        warning on rank 0. If complete checkpoints exist and none loads, raises (never a silent fresh
-        start). Returns the path loaded, or None (fresh start: nothing to resume)."""
-        if what == "none":
-            return None
-        if what != "auto":  # rank 0 resolves a run or checkpoints directory to its step: one answer for all
-            what = self.comm.broadcast_object(resolve_latest(what) if self.rank == 0 else None, root=0)
-            problem = self._try_load(what, state)
-            if problem:
-                raise everywhere(CheckpointError(f"cannot resume from {what}: {problem}"))
-            return what
-        choice = None
-        if self.rank == 0:  # one view of the directory, chosen once (ranks may see it at different moments)
-            recover_replaced(self.dir)
-            records = list_checkpoints(self.dir)
-            latest = [r for r in records if r["latest"]]
-            named = read_latest(self.dir)
-            if named and not latest:
-                print(f"hpctrain: WARNING: {os.path.join(self.dir, LATEST_POINTER)} names {named}, which does not "
-                      f"exist; looking for the newest complete checkpoint instead", file=sys.stderr, flush=True)
-            others = sorted((r for r in records if r["complete"] and not r["latest"]), key=lambda r: -r["step"])
-            choice = [r["path"] for r in latest + others]
-        candidates = self.comm.broadcast_object(choice, root=0)
-        failures = []
-        for path in candidates:
-            problem = self._try_load(path, state)
-            if problem and ANOTHER_MODEL in problem:  # a config typo must not start over and prune this run
-                raise everywhere(CheckpointError(f"--resume auto: the newest checkpoint of {self.dir} was {ANOTHER_MODEL} "
-                                      f"than this config ({problem}). Nothing was changed. Make model.* match "
-                                      f"the run's config.json, or use another train.run_dir, or --resume none"))
-            if problem and (BASE_UNUSABLE in problem or ANOTHER_METHOD in problem):  # every checkpoint of the run refers to the same base
-                raise everywhere(CheckpointError(f"--resume auto: cannot resume from {path}: {problem}. Nothing "
-                                                 f"was changed"))
-            if not problem:
-                if path != candidates[0] and self.rank == 0:
-                    print(f"hpctrain: resumed from the older checkpoint {path}", file=sys.stderr, flush=True)
-                return path
-            failures.append(f"{os.path.basename(path)}: {problem}")
-            if self.rank == 0:
-                print(f"hpctrain: WARNING: checkpoint {path} is unusable ({problem}); "
-                      f"falling back to the previous complete checkpoint", file=sys.stderr, flush=True)
-        if failures:  # never a silent restart from step 0 over a run whose checkpoints exist
-            raise everywhere(CheckpointError(
-                f"--resume auto: none of the {len(failures)} complete checkpoint(s) in {self.dir} could be loaded "
-                f"({'; '.join(failures[:3])}). Nothing was changed: fix the cause (file system, permissions, "
-                f"config) and run again, or start over with --resume none"))
-        return None
+        """Load ``what`` ("auto": the newest usable checkpoint of this run's dir; "none"; or a path) into
+        the run (``trainer.state``; collective): every rank loads the same one, falling back together
+        (``resume.resume``). Returns the path loaded, or None (fresh start: nothing to resume)."""
+        return resuming.resume(self, state, what)
 
     def set_aside_newer(self, step: int) -> list[str]:
-        """Rank 0, after resuming at ``step``: move this directory's step directories of later steps
-        (another lineage: a rollback with ``--resume PATH``, or ones that failed to load) into
-        ``superseded/<UTC time>/``, so pruning and a later ``--resume auto`` see only the lineage being
-        trained. Nothing is deleted. Returns the names moved (other ranks: [])."""
-        if self.rank != 0:
-            return []
-        newer = [r for r in list_checkpoints(self.dir) if r["step"] > step]
-        if not newer:
-            return []
-        target = os.path.join(self.dir, "superseded", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
-        os.makedirs(target, exist_ok=True)
-        for record in newer:
-            os.rename(record["path"], os.path.join(target, os.path.basename(record["path"])))
-        fsync_path(self.dir)
-        return [os.path.basename(r["path"]) for r in newer]
-
-    def _try_load(self, path: str, state: TrainState) -> str | None:
-        """Collective; returns the agreed problem (None = loaded). Phases, agreed between: open; read
-        what this rank needs, checking CRCs on those bytes (the run is untouched); verify the
-        boxes no rank read; then apply. Every byte is read once."""
-        reader, error, staged, timer = None, None, None, self.timer
-        started = time.perf_counter()
-        timer.collect(0.0)
-        try:
-            with timer.phase("open"):
-                reader = CheckpointReader(path)
-            if not reader.complete:
-                error = f"no {COMPLETE_MARKER} marker: partial checkpoint"
-        except Exception as exc:  # noqa: BLE001
-            error = str(exc)
-        try:
-            for phase in ("open", "read", "verify"):
-                if error is None and phase == "read":
-                    try:
-                        with timer.phase("read + CRC"):
-                            staged = read_state(state, reader)
-                    except HpcTrainError as exc:
-                        error = str(exc)
-                    except Exception as exc:  # noqa: BLE001 - a damaged file on one rank (ValueError, OSError,
-                        error = f"{type(exc).__name__}: {exc}"  # KeyError, ...): agreed, then fallen back from
-                elif phase == "verify":
-                    mine = (sorted(reader.checked), staged.compression_note) if error is None else ([], None)
-                    with timer.phase("agree"):
-                        read_by_anyone, notes = zip(*self.comm.allgather_object(mine))
-                    note = next((n for n in notes if n), None)
-                    if error is None:
-                        skip = set().union(*map(set, read_by_anyone))
-                        try:
-                            with timer.phase("verify"):
-                                problems = reader.problems + reader.verify(self.rank, self.size, skip=skip)
-                        except Exception as exc:  # noqa: BLE001 - agreed below like any other problem
-                            problems = [f"{type(exc).__name__}: {exc}"]
-                        error = "; ".join(problems[:3]) or None
-                try:
-                    self._agree(error, "")
-                except CheckpointError as exc:
-                    return str(exc).removeprefix(" failed: ")
-        finally:
-            if reader is not None:
-                reader.close()
-        with timer.phase("apply"):
-            apply_state(state, staged)
-        self.last_phases = timer.collect(time.perf_counter() - started)
-        if note and self.rank == 0:
-            print(f"hpctrain: WARNING: compression state (error-feedback residuals, PowerSGD Q) not restored: "
-                  f"{note}; it starts from zero (docs/compression.md)", file=sys.stderr, flush=True)
-        return None
+        """Rank 0, after resuming at ``step``: move the step directories of later steps into
+        ``superseded/<UTC time>/`` (``resume.set_aside_newer``). Returns the names moved (other ranks: [])."""
+        return resuming.set_aside_newer(self.dir, step) if self.rank == 0 else []

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue #26's GPU measurements in three stages of under 10 minutes each, for a short lease on one GPU
+# Issue #26's GPU measurements in four stages of under 10 minutes each, for a short lease on one GPU
 # (the project's lent H100/H200; any node with one GPU will do). Run from the repository root:
 #
-#   benchmarks/gpu_session.sh check        # versions, tests/gpu (incl. the sync-free audit), the CUDA trace's host waits
+#   benchmarks/gpu_session.sh check        # versions, gcc/Python.h for Triton, tests/gpu (incl. the sync-free audit)
+#   benchmarks/gpu_session.sh trace        # a compiled bf16 run under torch.profiler; `hpctrain trace`: host waits
 #   benchmarks/gpu_session.sh small        # bench_gpu_train: gpt2-small and gpt2-medium, hpctrain vs compiled torch
 #   benchmarks/gpu_session.sh xl           # bench_gpu_train: gpt2-xl (~1.5B), micro-batch 8
 #   DEVICE=cpu benchmarks/gpu_session.sh all   # the same stages at toy sizes on a CPU (a dry run of this script)
@@ -17,6 +18,7 @@ DEVICE="${DEVICE:-cuda}"
 OUT="${OUT:-$PWD/gpu-session}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-lo}"  # one node: NCCL's bootstrap needs no other interface
 status=0
 
 run() {  # run LOG COMMAND...: tee the output into $OUT/LOG, remember a failure
@@ -37,39 +39,31 @@ bench() {  # bench NAME PRESETS MICRO GLOBAL: hpctrain against compiled plain Py
   fi
 }
 
-check() {
-  run check.log "$PYTHON" -c "import torch, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda',
-torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+check() {  # versions, what Triton needs, then tests/gpu (incl. the sync-free audit on CUDA)
+  run check.log "$PYTHON" -c "import sys, sysconfig, os, shutil, torch; print(sys.version.split()[0], 'torch',
+torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU');
+print('gcc', shutil.which('gcc'), '| Python.h', os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"
   if [ "$DEVICE" = cuda ]; then
     run check.log "$PYTHON" -m pytest tests/gpu -q -p no:cacheprovider -rs --timeout 540
   fi
+}
+
+trace() {  # a compiled run traced with torch.profiler: host waits per step, split at the optimizer
   local dtype=bfloat16; [ "$DEVICE" = cpu ] && dtype=float32
   rm -rf "$OUT/sync-free"
-  run check.log "$PYTHON" -m hpctrain.cli train --config configs/tiny.toml parallel.tp=1 parallel.pp=1 \
+  run trace.log "$PYTHON" -m hpctrain.cli train --config configs/tiny.toml parallel.tp=1 parallel.pp=1 \
     train.device="$DEVICE" train.dtype=$dtype train.compile=true train.steps=12 train.trace=true train.trace_steps=4 \
     train.progress=false train.run_dir="$OUT/sync-free"
-  run check.log "$PYTHON" - "$OUT/sync-free" <<'PY'
-import glob, json, sys
-# host waits between a step's first forward kernel and its fused AdamW kernel (docs/gpus.md: none expected)
-paths = glob.glob(f"{sys.argv[1]}/trace/cuda-rank*.json")
-if not paths:
-    sys.exit(print("no CUDA trace (train.trace writes one on CUDA only)") or 0)
-events = json.load(open(paths[0]))["traceEvents"]
-waits = sorted(e["ts"] for e in events if e.get("name") in ("cudaStreamSynchronize", "cudaEventSynchronize",
-               "cudaDeviceSynchronize") or (e.get("name", "").startswith("cudaMemcpy") and "Async" not in e["name"]))
-adam = sorted(e["ts"] for e in events if "fused_adam" in e.get("name", "").lower() and e.get("cat") == "kernel")
-print(f"{len(waits)} host waits in the traced steps; fused AdamW kernels: {len(adam)}")
-print("waits (us):", [round(w) for w in waits[:24]])
-print("AdamW kernels (us):", [round(a) for a in adam[:8]])
-PY
+  run trace.log "$PYTHON" -m hpctrain.cli trace "$OUT/sync-free"   # CUDA: "host waits before the optimizer ...: 0"
 }
 
 case "${1:-}" in
   check) check ;;
+  trace) trace ;;
   small) bench small gpt2-small,gpt2-medium 16 32 ;;
   xl) bench xl gpt2-xl 8 32 ;;
-  all) check; bench small gpt2-small,gpt2-medium 16 32; bench xl gpt2-xl 8 32 ;;
-  *) echo "usage: $0 check|small|xl|all  (DEVICE=cpu for a dry run; outputs in \$OUT)" >&2; exit 2 ;;
+  all) check; trace; bench small gpt2-small,gpt2-medium 16 32; bench xl gpt2-xl 8 32 ;;
+  *) echo "usage: $0 check|trace|small|xl|all  (DEVICE=cpu for a dry run; outputs in \$OUT)" >&2; exit 2 ;;
 esac
 echo "== outputs in $OUT:"; ls "$OUT"
 exit $status

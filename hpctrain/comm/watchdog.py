@@ -176,8 +176,9 @@ class Watchdog:
         """The host part of call ``token`` returned but its device work (an NCCL kernel on a stream) may
         still be queued: keep it in flight until ``done()`` (a CUDA event query) is true. The watchdog
         thread polls it every period, so a collective that never completes on the GPU is reported like
-        one that never returns, instead of blocking a later host synchronisation forever."""
-        if done():
+        one that never returns, instead of blocking a later host synchronisation forever. Without a watchdog
+        thread (``timeout_s`` 0) nothing polls: the call ends now."""
+        if self._thread is None or done():
             self.end(token)
         else:
             self._device[token] = done

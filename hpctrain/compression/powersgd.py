@@ -30,11 +30,25 @@ class PowerSGDReducer(CompressedReducer):
     def __init__(self, flat, cfg, *, seed: int = 0, node_comms=None):
         super().__init__(flat, cfg, compressor=None, seed=seed, node_comms=node_comms)
         self.q: dict[str, torch.Tensor] = {}
+        self._dense_positions: dict[int, torch.Tensor] = {}  # bucket index -> its dense positions (_dense_index)
         if node_comms:  # PowerSGD's sums are all-reduces; the node split would need P and Q per part
             self.intra, self.inter = None, self.comm
 
     def _dense_now(self, bucket) -> bool:
         return self.step < self.cfg.warmup_steps or bucket.size < self.cfg.min_numel
+
+    def _dense_index(self, bucket, device) -> torch.Tensor:
+        """The positions of ``bucket`` (relative to its start) that go dense (parameters too small to
+        compress, padding): built once on the host, an index tensor on ``device`` (a boolean mask would
+        make the device count its elements for the host: a sync on a GPU)."""
+        if bucket.index not in self._dense_positions:
+            dense = torch.ones(bucket.size, dtype=torch.bool)
+            for p in bucket.params:
+                offset, n = self.flat.offset_of(p)
+                if compressible(tuple(p.shape), self.cfg.rank, self.cfg.min_numel):
+                    dense[offset - bucket.start:offset - bucket.start + n] = False
+            self._dense_positions[bucket.index] = dense.nonzero().squeeze(1).to(device)
+        return self._dense_positions[bucket.index]
 
     def _warm_q(self, name: str, cols: int, dtype, device) -> torch.Tensor:
         if name not in self.q:
@@ -50,18 +64,17 @@ class PowerSGDReducer(CompressedReducer):
             return self.dense._start(bucket)
         flat, comm = self.flat, self.comm
         grads = self.grads(bucket)
-        if flat.check_finite and not bool(torch.isfinite(grads).all()):
-            self.overflow = True
-        matrices, dense = [], torch.ones(bucket.size, dtype=torch.bool, device=grads.device)
+        self.note_nonfinite(grads)
+        matrices = []
         for p in bucket.params:
             offset, n = flat.offset_of(p)
             if compressible(tuple(p.shape), self.cfg.rank, self.cfg.min_numel):
                 matrices.append((p.spec.name, grads[offset - bucket.start:offset - bucket.start + n].view(p.shape)))
-                dense[offset - bucket.start:offset - bucket.start + n] = False
+        dense = self._dense_index(bucket, grads.device)
         with self.clock:
             corrected = [(name, self._corrected(name, m)) for name, m in matrices]
             ps = [m @ self._warm_q(name, m.shape[1], m.dtype, m.device) for name, m in corrected]
-            first = torch.cat([p.reshape(-1) for p in ps] + [grads[dense]])
+            first = torch.cat([p.reshape(-1) for p in ps] + [grads.index_select(0, dense)])
         comm.allreduce(first)
         with self.clock:
             offset, qs = 0, []
@@ -72,7 +85,7 @@ class PowerSGDReducer(CompressedReducer):
                 if self.memory is not None:
                     self.memory.remember(f"residual/{name}", m, p @ q.t())
                 qs.append((name, p, q))
-            grads[dense] = first[offset:]
+            grads.index_copy_(0, dense, first[offset:])
             second = torch.cat([q.reshape(-1) for _, _, q in qs]) if qs else None
         if second is not None:
             comm.allreduce(second)

@@ -37,7 +37,7 @@ class GradReducer:
         self.step = 0
         self.dense_bytes = self.sent_bytes = 0  # this step: what dense would send / what was sent
         self.clock = Stopwatch(flat.timer)
-        self.overflow = False  # a bucket had inf/NaN (float16 runs check; the trainer skips the step)
+        self.overflow = False  # a bucket had inf/NaN: False, or a device bool (float16 runs; see note_nonfinite)
         self.loss_scale = 1.0
 
     def begin_step(self, step: int, loss_scale: float = 1.0) -> None:
@@ -45,6 +45,13 @@ class GradReducer:
         self.step, self.overflow, self.loss_scale = step, False, loss_scale
         self.dense_bytes = self.sent_bytes = 0
         self.clock.seconds = 0.0
+
+    def note_nonfinite(self, x: torch.Tensor) -> None:
+        """float16 runs (``flat.check_finite``): fold "``x`` holds inf/NaN" into ``overflow`` on the device, with
+        no host read in the backward; the step's verdict turns it into an infinite norm (every rank skips)."""
+        if self.flat.check_finite:
+            bad = ~torch.isfinite(x).all()
+            self.overflow = bad if self.overflow is False else self.overflow | bad
 
     def start(self, bucket):
         before = self.comm.stats.total_sent()
@@ -128,8 +135,7 @@ class CompressedReducer(GradReducer):
             part = torch.empty(x.numel() // self.intra.size, dtype=x.dtype, device=x.device)
             self.intra.reduce_scatter(part, x)
             x = part
-        if self.flat.check_finite and not bool(torch.isfinite(x).all()):
-            self.overflow = True
+        self.note_nonfinite(x)
         key = f"worker/{bucket.index}"
         corrected = self.memory.corrected(key, x) if self.memory is not None else x
         reduction = self.strategy(self.inter, self.compressor, corrected, clock=self.clock,

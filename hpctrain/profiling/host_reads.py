@@ -3,7 +3,9 @@
 On CUDA the host only queues work, until it needs a value the device computes: ``.item()``, ``float(t)``,
 ``int(t)``, ``bool(t)`` or ``if t:`` (aten ``_local_scalar_dense``, ``is_nonzero``, ``equal``), an op
 whose output shape depends on the data (``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave``
-without ``output_size``) or a blocking copy from the GPU to host memory. Each of them stalls the queue
+without ``output_size``, indexing with a boolean mask), a blocking copy between the GPU and pageable host memory, or a Python number
+stored into a tensor element (``v[i] = 0.0``: torch lifts the number into a host tensor and copies it
+over, a synchronous host-to-device copy on a GPU). Each of them stalls the queue
 until the device has caught up: a sync inside the training step. ``torch.cuda.set_sync_debug_mode``
 reports them on a GPU; ``HostReadAudit`` reports the same calls on any device, the CPU included, so the
 sync-free step (hpctrain/train/verdict.py) is proven free of them by a test on a machine without a GPU
@@ -19,6 +21,7 @@ from __future__ import annotations
 import collections
 import os
 import traceback
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,12 +41,19 @@ class HostReadAudit(TorchDispatchMode):
         super().__init__()
         self.package = os.path.abspath(package or os.path.dirname(os.path.dirname(HERE)))
         self.sites: collections.Counter = collections.Counter()
+        self._lifted: weakref.WeakSet = weakref.WeakSet()  # Python numbers torch made into host tensors
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _waits_for_device(func, args, kwargs):
-            self.sites[(func._opname, self._site())] += 1
-        return func(*args, **kwargs)
+        name = func._opname
+        if name == "copy_" and args[1] in self._lifted:
+            self.sites[("copy_ of a Python number", self._site())] += 1
+        elif _waits_for_device(func, args, kwargs):
+            self.sites[(name, self._site())] += 1
+        out = func(*args, **kwargs)
+        if name == "lift_fresh":
+            self._lifted.add(out)
+        return out
 
     def _site(self) -> str:
         for frame in reversed(traceback.extract_stack()):
@@ -64,12 +74,16 @@ def _waits_for_device(func, args, kwargs) -> bool:
         return True
     if name in DATA_SHAPED:
         return not (name == "repeat_interleave" and kwargs.get("output_size") is not None)
-    if name == "_to_copy":  # t.to("cpu"), t.cpu()
+    if name in ("index", "index_put", "index_put_") and len(args) > 1:  # t[mask], t[mask] = x
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] or ())
+    if name == "_to_copy":  # t.to("cpu"), t.cpu(), host.to("cuda")
         source, target, non_blocking = args[0], kwargs.get("device"), kwargs.get("non_blocking", False)
-    elif name == "copy_":  # host_tensor.copy_(t)
+    elif name == "copy_":  # host_tensor.copy_(t), device_tensor.copy_(host)
         source, target = args[1], args[0].device
         non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
     else:
         return False
-    return not non_blocking and isinstance(source, torch.Tensor) and source.device.type != "cpu" and \
-        target is not None and torch.device(target).type == "cpu"
+    if non_blocking or not isinstance(source, torch.Tensor) or target is None:
+        return False
+    here, there = source.device.type, torch.device(target).type
+    return (here != "cpu" and there == "cpu") or (here == "cpu" and there != "cpu" and not source.is_pinned())

@@ -28,6 +28,7 @@ import statistics
 from collections import defaultdict
 
 from hpctrain.errors import HpcTrainError
+from hpctrain.profiling.cuda_trace import host_wait_lines
 
 BALANCED = 1.05  # a rank whose compute is within 5% of the others' median is not called slow
 COMPUTE_PHASES = ("forward", "backward", "optimizer", "grad_norm", "compress", "loss", "dp_wait", "other")
@@ -154,4 +155,6 @@ def run_trace_report(run_dir: str, as_json: bool = False) -> int:
         print(f"non-blocking calls on {group}: {100 * min(shares):.0f}-{100 * max(shares):.0f}% of their time "
               f"in flight was hidden behind other work (the rest was waited on)")
     print(f"merged trace: {merged} (open in https://ui.perfetto.dev or chrome://tracing)")
+    for line in host_wait_lines(run_dir):  # CUDA runs: where the host waited for the device
+        print(line)
     return 0

@@ -57,19 +57,23 @@ class StepVerdict:
 
     def reduce(self, loss_share, norm_sq_share, request: str, overflow: bool) -> None:
         """Collective over the world: this rank's shares (0-d tensors or floats) summed into ``vector``.
-        ``overflow``: a compressor dropped inf/NaN (the norm is made inf: every rank skips)."""
+        ``overflow`` (False, True or a device bool): a compressor dropped inf/NaN (the norm is made inf: every
+        rank skips)."""
         v = self.vector
         v.zero_()
-        v[LOSS] = loss_share
-        v[NORM_SQ] = float("inf") if overflow else norm_sq_share
+        _put(v[LOSS], loss_share)
+        if isinstance(overflow, torch.Tensor):
+            norm_sq_share = torch.where(overflow, float("inf"), norm_sq_share)
+        _put(v[NORM_SQ], float("inf") if overflow is True else norm_sq_share)
         slot = stop_slot(request)
         if slot is not None:
-            v[SLOTS + slot] = 1.0
+            v[SLOTS + slot].fill_(1.0)
         self._sum()
 
     def decide(self, scaler) -> tuple[torch.Tensor, torch.Tensor]:
         """On the device: (the gradient coefficient, float64 0-d: clip / (norm + 1e-6) capped at 1, over the
-        float16 loss scale; found_inf, float32 0-d: 1.0 skips the update). Updates the sticky flags, the
+        float16 loss scale; the number 1.0 without clipping and loss scale, so the fused AdamW does not rewrite
+        the gradients; found_inf, float32 0-d: 1.0 skips the update). Updates the sticky flags, the
         ``scaler``'s device scale (float16: an overflow halves it) and the summary."""
         loss, norm_sq = self.vector[LOSS], self.vector[NORM_SQ]
         finite_loss, finite_norm = torch.isfinite(loss), torch.isfinite(norm_sq)
@@ -79,8 +83,7 @@ class StepVerdict:
         skip = skip_now | self.stopped
         self.skips.copy_(torch.where(skip_now, self.skips + 1, 0))
         self.stopped.logical_or_((bad & self.stop_on_bad) | (self.skips > self.max_skipped_steps))
-        coef = torch.ones((), dtype=torch.float64, device=loss.device) if self.clip is None else \
-            torch.clamp(torch.div(self.clip, grad_norm + 1e-6), max=1.0)
+        coef = 1.0 if self.clip is None else torch.clamp(torch.div(self.clip, grad_norm + 1e-6), max=1.0)
         if self.scaler_enabled:
             coef = coef / scaler.scale_tensor
             scaler.update_on_device(finite_norm)
@@ -117,3 +120,13 @@ class StepVerdict:
             self.event = None
         values = self.host.tolist()
         return Reading(values[0], values[1], values[2] > 0, values[3], reason_from_slots(values[4:]))
+
+
+def _put(element: torch.Tensor, value) -> None:
+    """``element`` (a 0-d view) = ``value`` without a host wait: a tensor is copied on the device, a Python
+    number filled in (``v[i] = 0.0`` would lift it into a host tensor and copy that over: a synchronous
+    host-to-device copy on a GPU)."""
+    if isinstance(value, torch.Tensor):
+        element.copy_(value)
+    else:
+        element.fill_(value)

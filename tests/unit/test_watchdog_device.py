@@ -45,3 +45,9 @@ def test_device_work_that_never_completes_fires_the_hang_report(capfd, monkeypat
         assert "allreduce" in capfd.readouterr().err
     finally:
         dog.close()
+
+
+def test_without_a_watchdog_thread_device_work_ends_at_once():
+    dog = Watchdog(0, timeout_s=0)  # comm.timeout_s = 0: nothing would ever poll the event
+    _end(dog, dog.begin("allreduce", group()), SimpleNamespace(device_done=lambda: False))
+    assert dog.inflight() == [] and dog._device == {}

@@ -60,6 +60,7 @@ class NcclWork:
 
     def __init__(self, event, finish=None, keepalive=None):
         self.event, self.finish, self.keepalive, self.done = event, finish, keepalive, False
+        self.device = torch.cuda.current_device()  # the rank's GPU, for queries from other threads
 
     def test(self) -> bool:
         if not self.done and self.event.query():
@@ -67,8 +68,10 @@ class NcclWork:
         return self.done
 
     def device_done(self) -> bool:
-        """True once the NCCL kernel has run on the GPU (the watchdog polls this: ``Watchdog.end_when``)."""
-        return self.event.query()
+        """True once the NCCL kernel has run on the GPU (the watchdog polls this: ``Watchdog.end_when``). Asked on
+        the watchdog's thread, under the rank's device: a thread without one would open a CUDA context on GPU 0."""
+        with torch.cuda.device(self.device):
+            return self.event.query()
 
     def wait(self) -> None:
         if not self.done:

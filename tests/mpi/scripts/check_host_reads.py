@@ -19,13 +19,17 @@ from hpctrain.comm.grid import ProcessGrid
 from hpctrain.config import load_config
 from hpctrain.data.corpus import load_tokens_collective
 from hpctrain.profiling.host_reads import HostReadAudit
+from hpctrain.runtime.device import select_device
 from hpctrain.runtime.launcher import discover
 from hpctrain.train.trainer import Trainer
 
 
 def audited_steps(cfg, world, tokens, steps: int) -> list[str]:
-    grid = ProcessGrid.from_config(cfg, discover(world), mpi_world=world, timeout_s=120)
-    trainer = Trainer(cfg, grid, tokens=tokens)
+    info = discover(world)
+    device = select_device(cfg.train.device, info)  # as `hpctrain train` picks it (cuda: this rank's GPU)
+    grid = ProcessGrid.from_config(cfg, info, mpi_world=world, timeout_s=120)
+    trainer = Trainer(cfg, grid, tokens=tokens, device=device)
+    assert cfg.train.device != "cuda" or trainer.device.type == "cuda", trainer.device
     trainer.train_step(defer=True)  # the first step builds what later steps reuse
     cuda = trainer.device.type == "cuda"
     with HostReadAudit() as audit, warnings.catch_warnings(record=True) as caught:

@@ -223,7 +223,14 @@ class ProcessGrid:
     def use_device(self, device) -> dict[str, str]:
         """Collective over the world: set up every group's backend for tensors on ``device`` (NCCL
         communicators are created here, in one fixed order on every rank, never lazily inside a
-        point-to-point call that only two ranks make). Returns {axis: backend name}."""
+        point-to-point call that only two ranks make). Returns {axis: backend name}. On CUDA, backward
+        hooks (the dp buckets) run on autograd's device thread, so MPI must allow calls from a thread other
+        than the main one (SERIALIZED at least; refused on every rank, without communication, otherwise)."""
+        if str(device).startswith("cuda"):
+            problem = missing_thread_multiple("training on CUDA (backward hooks run on autograd's device thread)",
+                                              needed="SERIALIZED")
+            if problem:  # the same on every rank: refused without communication
+                raise everywhere(LaunchError(problem))
         self.device = device
         return {axis: self.comm(axis).prepare_device(device) for axis in self._axes_and_world()}
 

@@ -108,17 +108,18 @@ THREAD_LEVEL_HELP = ("Cray MPICH: export MPICH_MAX_THREAD_SAFETY=multiple; Open 
                      "otherwise")
 
 
-def missing_thread_multiple(feature: str) -> str | None:
+def missing_thread_multiple(feature: str, needed: str = "MULTIPLE") -> str | None:
     """Why ``feature`` (which calls MPI from a helper thread) cannot run, or None: the MPI library gave
-    less than MPI_THREAD_MULTIPLE (``MPI.Query_thread``), so concurrent calls from two threads are
-    undefined. The message names the level provided and how to get MULTIPLE on common MPIs."""
+    less than MPI_THREAD_``needed`` (MULTIPLE: calls from two threads at once; SERIALIZED: from any thread,
+    one at a time; ``MPI.Query_thread``). The message names the level provided and how to get MULTIPLE
+    on common MPIs."""
     from mpi4py import MPI
 
     provided = MPI.Query_thread()
-    if provided >= MPI.THREAD_MULTIPLE:
+    if provided >= {"SERIALIZED": MPI.THREAD_SERIALIZED, "MULTIPLE": MPI.THREAD_MULTIPLE}[needed]:
         return None
     names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
-    return (f"{feature} calls MPI from a helper thread, which needs MPI_THREAD_MULTIPLE, but this MPI "
+    return (f"{feature} calls MPI from a helper thread, which needs MPI_THREAD_{needed}, but this MPI "
             f"provides MPI_THREAD_{names.get(provided, provided)}. {THREAD_LEVEL_HELP}")
 
 

@@ -22,3 +22,17 @@ def test_helper_thread_features_are_refused_by_name_without_thread_multiple(tmp_
     assert saves.returncode == 2 and "checkpoint.async=false" in saves.stderr, saves.output[-2000:]
     plain = train(tmp_path, "comm.timeout_s=0", "checkpoint.async=false")
     assert plain.returncode == 0 and "done: 2 steps" in plain.stdout, plain.output[-2000:]
+
+
+def test_cuda_training_needs_at_least_serialized_and_says_so(tmp_path):
+    """On CUDA the dp bucket hooks run on autograd's device thread: MPI_THREAD_FUNNELED is refused when the
+    grid prepares the device, before any CUDA call (so this CPU machine can check it)."""
+    script = tmp_path / "use_cuda.py"
+    script.write_text("from hpctrain.comm.grid import ProcessGrid\nfrom hpctrain.errors import HpcTrainError\n"
+                      "from hpctrain.runtime.launcher import discover\n"
+                      "grid = ProcessGrid.build(discover(), dp=2, timeout_s=0)\n"
+                      "try:\n    grid.use_device('cuda:0')\nexcept HpcTrainError as exc:\n    print('REFUSED', exc)\n")
+    result = run_mpi(2, str(script), env={"MPI4PY_RC_THREAD_LEVEL": "funneled"}, timeout=60)
+    refusals = [line for line in result.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refusals) == 2, result.output
+    assert "needs MPI_THREAD_SERIALIZED, but this MPI provides MPI_THREAD_FUNNELED" in refusals[0], refusals

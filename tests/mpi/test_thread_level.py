@@ -31,7 +31,7 @@ def test_cuda_training_needs_at_least_serialized_and_says_so(tmp_path):
     script.write_text("from hpctrain.comm.grid import ProcessGrid\nfrom hpctrain.errors import HpcTrainError\n"
                       "from hpctrain.runtime.launcher import discover\n"
                       "grid = ProcessGrid.build(discover(), dp=2, timeout_s=0)\n"
-                      "try:\n    grid.use_device('cuda:0')\nexcept HpcTrainError as exc:\n    print('REFUSED', exc)\n")
+                      "try:\n    grid.use_device('cuda:0')\nexcept HpcTrainError as exc:\n    print(f'REFUSED {exc}', flush=True)  # one write\n")
     result = run_mpi(2, str(script), env={"MPI4PY_RC_THREAD_LEVEL": "funneled"}, timeout=60)
     # both ranks refuse (their lines may interleave on the shared stdout)
     assert result.stdout.count("REFUSED training on CUDA") == 2, result.output

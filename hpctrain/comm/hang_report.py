@@ -32,13 +32,18 @@ def group_key(comm) -> str:
     return f"{comm.name}{list(comm.members)}"
 
 
-def where(thread_name: str | None = None, depth: int = 3) -> str:
-    """Innermost ``depth`` frames of the main thread (or of the thread called ``thread_name``)."""
+def _top_frame(thread_name: str | None = None):
+    """The current frame of the main thread (or of the thread called ``thread_name``), or None."""
     if thread_name is None:
         ident = threading.main_thread().ident
     else:
         ident = next((t.ident for t in threading.enumerate() if t.name == thread_name), None)
-    frame = sys._current_frames().get(ident)
+    return sys._current_frames().get(ident)
+
+
+def where(thread_name: str | None = None, depth: int = 3) -> str:
+    """Innermost ``depth`` frames of the main thread (or of the thread called ``thread_name``)."""
+    frame = _top_frame(thread_name)
     if frame is None:
         return ""
     frames = traceback.extract_stack(frame)[-depth:]
@@ -50,9 +55,7 @@ def where(thread_name: str | None = None, depth: int = 3) -> str:
 def compiling(thread_name: str | None = None) -> bool:
     """Is the main thread (or ``thread_name``) inside torch.compile: a frame of dynamo, inductor or Triton
     anywhere on its stack (a compile waits in subprocess or thread pools below them)?"""
-    ident = threading.main_thread().ident if thread_name is None else \
-        next((t.ident for t in threading.enumerate() if t.name == thread_name), None)
-    frame = sys._current_frames().get(ident)
+    frame = _top_frame(thread_name)
     while frame is not None:
         if any(part in frame.f_code.co_filename for part in COMPILER_PATHS):
             return True

@@ -30,25 +30,28 @@ class PowerSGDReducer(CompressedReducer):
     def __init__(self, flat, cfg, *, seed: int = 0, node_comms=None):
         super().__init__(flat, cfg, compressor=None, seed=seed, node_comms=node_comms)
         self.q: dict[str, torch.Tensor] = {}
-        self._dense_positions: dict[int, torch.Tensor] = {}  # bucket index -> its dense positions (_dense_index)
+        self._layouts: dict[int, tuple] = {}  # bucket index -> (compressed parameters, dense positions)
         if node_comms:  # PowerSGD's sums are all-reduces; the node split would need P and Q per part
             self.intra, self.inter = None, self.comm
 
     def _dense_now(self, bucket) -> bool:
         return self.step < self.cfg.warmup_steps or bucket.size < self.cfg.min_numel
 
-    def _dense_index(self, bucket, device) -> torch.Tensor:
-        """The positions of ``bucket`` (relative to its start) that go dense (parameters too small to
-        compress, padding): built once on the host, an index tensor on ``device`` (a boolean mask would
-        make the device count its elements for the host: a sync on a GPU)."""
-        if bucket.index not in self._dense_positions:
-            dense = torch.ones(bucket.size, dtype=torch.bool)
+    def _layout(self, bucket, device) -> tuple[list, torch.Tensor]:
+        """``bucket``'s split, built once: ([(name, lo, hi, shape)] of the parameters PowerSGD compresses,
+        relative to the bucket's start; the positions that go dense (small parameters, padding) as an index
+        tensor on ``device``: a boolean mask would make the device count its elements for the host, a sync
+        on a GPU)."""
+        if bucket.index not in self._layouts:
+            compressed, dense = [], torch.ones(bucket.size, dtype=torch.bool)
             for p in bucket.params:
                 offset, n = self.flat.offset_of(p)
                 if compressible(tuple(p.shape), self.cfg.rank, self.cfg.min_numel):
-                    dense[offset - bucket.start:offset - bucket.start + n] = False
-            self._dense_positions[bucket.index] = dense.nonzero().squeeze(1).to(device)
-        return self._dense_positions[bucket.index]
+                    lo = offset - bucket.start
+                    compressed.append((p.spec.name, lo, lo + n, p.shape))
+                    dense[lo:lo + n] = False
+            self._layouts[bucket.index] = compressed, dense.nonzero().squeeze(1).to(device)
+        return self._layouts[bucket.index]
 
     def _warm_q(self, name: str, cols: int, dtype, device) -> torch.Tensor:
         if name not in self.q:
@@ -65,12 +68,8 @@ class PowerSGDReducer(CompressedReducer):
         flat, comm = self.flat, self.comm
         grads = self.grads(bucket)
         self.note_nonfinite(grads)
-        matrices = []
-        for p in bucket.params:
-            offset, n = flat.offset_of(p)
-            if compressible(tuple(p.shape), self.cfg.rank, self.cfg.min_numel):
-                matrices.append((p.spec.name, grads[offset - bucket.start:offset - bucket.start + n].view(p.shape)))
-        dense = self._dense_index(bucket, grads.device)
+        compressed, dense = self._layout(bucket, grads.device)
+        matrices = [(name, grads[lo:hi].view(shape)) for name, lo, hi, shape in compressed]
         with self.clock:
             corrected = [(name, self._corrected(name, m)) for name, m in matrices]
             ps = [m @ self._warm_q(name, m.shape[1], m.dtype, m.device) for name, m in corrected]

@@ -3,10 +3,10 @@
 On CUDA the host only queues work, until it needs a value the device computes: ``.item()``, ``float(t)``,
 ``int(t)``, ``bool(t)`` or ``if t:`` (aten ``_local_scalar_dense``, ``is_nonzero``, ``equal``), an op
 whose output shape depends on the data (``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave``
-without ``output_size``, indexing with a boolean mask), a blocking copy between the GPU and pageable host memory, or a Python number
-stored into a tensor element (``v[i] = 0.0``: torch lifts the number into a host tensor and copies it
-over, a synchronous host-to-device copy on a GPU). Each of them stalls the queue
-until the device has caught up: a sync inside the training step. ``torch.cuda.set_sync_debug_mode``
+without ``output_size``, indexing with a boolean mask), a blocking copy between the GPU and pageable host
+memory, or a Python number stored into a tensor element (``v[i] = 0.0``: torch lifts the number into a
+host tensor and copies it over, a synchronous host-to-device copy on a GPU). Each of them stalls the
+queue until the device has caught up: a sync inside the training step. ``torch.cuda.set_sync_debug_mode``
 reports them on a GPU; ``HostReadAudit`` reports the same calls on any device, the CPU included, so the
 sync-free step (hpctrain/train/verdict.py) is proven free of them by a test on a machine without a GPU
 (tests/mpi/test_host_reads.py).

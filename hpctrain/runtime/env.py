@@ -7,6 +7,7 @@ Settings (a bad value raises ``EnvError`` naming the variable; an empty variable
     HPCTRAIN_CACHE          path   the config key, else ~/.cache/hpctrain   data.cache_dir  cache_dir
     HPCTRAIN_ERROR_GRACE_S  float  1.0                                      -               error_grace_s
     HPCTRAIN_FAULT          str    "" (no fault; test-only)                 -               fault_spec
+    HPCTRAIN_FAULT_ONCE     path   "" (fire on every launch; test-only)     -               fault_once_marker
     HPCTRAIN_GLOO_ADDR      str    loopback, or rank 0's hostname           -               gloo_addr
     HPCTRAIN_NS_DIR         path   /tmp/hpctrain-ns                         -               ns_dir
 
@@ -30,7 +31,7 @@ from typing import Mapping
 from hpctrain.errors import HpcTrainError
 
 SETTINGS = ("HPCTRAIN_COMM_TIMEOUT", "HPCTRAIN_CACHE", "HPCTRAIN_ERROR_GRACE_S", "HPCTRAIN_FAULT",
-            "HPCTRAIN_GLOO_ADDR", "HPCTRAIN_NS_DIR")
+            "HPCTRAIN_FAULT_ONCE", "HPCTRAIN_GLOO_ADDR", "HPCTRAIN_NS_DIR")
 BATCH_JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "COBALT_JOBID", "FLUX_JOB_ID")
 
 
@@ -87,6 +88,12 @@ def error_grace_s(environ: Mapping[str, str] | None = None) -> float:
 def fault_spec(environ: Mapping[str, str] | None = None) -> str:
     """``$HPCTRAIN_FAULT`` (test-only; ``""`` = none), parsed and validated by ``runtime/faults.py``."""
     return _get("HPCTRAIN_FAULT", environ) or ""
+
+
+def fault_once_marker(environ: Mapping[str, str] | None = None) -> str:
+    """``$HPCTRAIN_FAULT_ONCE`` (test-only): a file path; the fault fires only while it does not exist and
+    creates it, so a resubmitted or requeued job runs clean (``""`` = fire every launch)."""
+    return _get("HPCTRAIN_FAULT_ONCE", environ) or ""
 
 
 def gloo_addr(environ: Mapping[str, str] | None = None) -> str | None:

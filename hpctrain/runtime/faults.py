@@ -5,7 +5,9 @@ and ``tests/mpi/test_hang_report.py`` do):
 
 - ``phase``: ``forward`` (before the step's pipeline forward/backward), ``backward`` (after it, before
   the data-parallel reduction completes), ``optimizer`` (before the update) of training step N; ``corpus``
-  (before the corpus broadcast) and ``trace`` (before the trace's clock sync), both at start-up: step 0
+  (before the corpus broadcast), ``trace`` (before the trace's clock sync) and ``launch`` (after MPI_Init,
+before the process grid is built: the others wait in its first collective, as behind a launch stuck in
+the PMI), all at start-up: step 0
   (counted from 1); ``write``, ``verify``, ``publish`` of the checkpoint of step N (``publish``: on
   rank 0 after the step directory is renamed into place, before ``latest`` is updated);
 - ``action``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself), ``sleep:S`` (stall S seconds in
@@ -14,6 +16,9 @@ and ``tests/mpi/test_hang_report.py`` do):
   diverged state, for the divergence guard and the checkpoint writers' finite check), ``enospc``
   (at ``write``: this rank's checkpoint write fails with "No space left on device"), ``slow:S`` (sleep S
   seconds at that phase of step N and of EVERY later step: a straggler rank).
+
+With ``HPCTRAIN_FAULT_ONCE=PATH`` the fault fires only if PATH does not exist yet, and creates it first: the
+first launch fails, a resubmitted or requeued one runs clean (``tests/integration/test_slurm_sweep.py``).
 
 Without the variable every hook is one attribute test. Nothing in a real run sets it.
 """
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 
 from hpctrain.runtime import env
 
-PHASES = ("forward", "backward", "optimizer", "write", "verify", "publish", "corpus", "trace")
+PHASES = ("forward", "backward", "optimizer", "write", "verify", "publish", "corpus", "trace", "launch")
 ENV = "HPCTRAIN_FAULT"
 
 
@@ -38,6 +43,7 @@ class FaultInjector:
     step: int = 0
     phase: str = ""
     action: str = ""
+    once_marker: str = ""  # $HPCTRAIN_FAULT_ONCE: fire only while this file does not exist
 
     @classmethod
     def from_env(cls, my_rank: int, environ=None) -> "FaultInjector":
@@ -47,7 +53,8 @@ class FaultInjector:
             return cls()
         try:
             fields = dict(part.split("=", 1) for part in spec.split(","))
-            fault = cls(int(fields["rank"]), int(fields["step"]), fields["phase"], fields["action"])
+            fault = cls(int(fields["rank"]), int(fields["step"]), fields["phase"], fields["action"],
+                        env.fault_once_marker(environ))
         except (KeyError, ValueError) as exc:
             raise ValueError(f"{ENV}={spec!r}: expected rank=R,step=N,phase=P,action=A ({exc})") from None
         if fault.phase not in PHASES or fault.action.split(":")[0] not in ("kill", "stop", "sleep", "exit", "nan", "enospc", "slow"):
@@ -66,7 +73,7 @@ class FaultInjector:
         if action == "slow":  # every step from N on, silently (a straggler, not an event)
             time.sleep(float(argument))
             return
-        if step != self.step:
+        if step != self.step or not self._first_time():
             return
         sys.stderr.write(f"hpctrain: fault injection: rank {self.rank} {self.action} at {phase} of step {step}\n")
         sys.stderr.flush()
@@ -84,3 +91,13 @@ class FaultInjector:
             tensor.fill_(float("nan"))
         else:
             time.sleep(float(argument or 3600))
+
+    def _first_time(self) -> bool:
+        """False once an earlier launch fired this fault (its ``once_marker`` exists); True otherwise."""
+        if not self.once_marker:
+            return True
+        try:
+            os.close(os.open(self.once_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False

@@ -11,6 +11,9 @@ tokens/s, compute / exposed communication / bubble, efficiency, and the performa
 prediction where it has one) and ``OUT/throughput.png``, ``efficiency.png``, ``breakdown.png``.
 ``--resume`` reuses the finished runs of an earlier sweep into the same OUT (an unfinished run's
 directory is renamed aside, never deleted); without it an existing run directory is an error.
+With sbatch, a job that never starts (``--start-timeout`` seconds running without getting through MPI's
+start-up, or failed before its first step other than with hpctrain's exit 2) is cancelled and resubmitted, up to ``--resubmits``
+times, each said in the output; a run that started and is slow is never cut short before ``--timeout``.
 """
 from __future__ import annotations
 
@@ -42,6 +45,11 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="reuse the finished runs already in --out")
     p.add_argument("--timeout", type=float, default=0,
                    help="seconds per run with mpiexec (default 600), for all jobs with sbatch (default 3600)")
+    p.add_argument("--start-timeout", type=float, default=600,
+                   help="sbatch: a job running this many seconds whose ranks never got through MPI's start-up "
+                        "(no run-directory lock, no step) is cancelled and resubmitted (default 600)")
+    p.add_argument("--resubmits", type=int, default=2,
+                   help="sbatch: how often a run whose job never started is resubmitted (default 2)")
     p.add_argument("--ranks-per-node", type=int, default=0,
                    help="ranks per node: sbatch --nodes/--ntasks-per-node from it; mpiexec -ppn (MPICH/hydra)")
     p.add_argument("--sbatch-arg", action="append", default=[], help="sbatch: an extra sbatch option (repeat)")
@@ -105,7 +113,11 @@ def _launcher(args):
     from hpctrain.sweep.launch import MpiexecLauncher, SbatchLauncher
 
     if args.launcher == "sbatch":
-        return SbatchLauncher(args.timeout or 3600, args.ranks_per_node, args.sbatch_arg)
+        if args.start_timeout <= 0 or args.resubmits < 0:
+            raise SweepError(f"--start-timeout must be > 0 and --resubmits >= 0 (got {args.start_timeout:g} and "
+                             f"{args.resubmits})")
+        return SbatchLauncher(args.timeout or 3600, args.ranks_per_node, args.sbatch_arg,
+                              start_timeout_s=args.start_timeout, resubmits=args.resubmits)
     return MpiexecLauncher(args.mpiexec or "mpiexec", args.timeout or 600, ranks_per_node=args.ranks_per_node)
 
 

@@ -37,7 +37,7 @@ def write_plots(rows: list[dict], out_dir: str, title: str) -> list[str]:
     ax.plot(ranks, [r["tokens_per_s"] for r in best], "o-", label="measured (best layout)")
     predicted = [r.get("predicted_tokens_per_s") for r in best]
     if any(p is not None for p in predicted):
-        ax.plot(ranks, predicted, "s--", label="predicted (hpctrain plan model)")
+        ax.plot(ranks, [float("nan") if p is None else p for p in predicted], "s--", label="predicted (hpctrain plan model)")
     ideal = [best[0]["tokens_per_s"] * k / ranks[0] for k in ranks]
     ax.plot(ranks, ideal, ":", color="gray", label="linear")
     for r in best:

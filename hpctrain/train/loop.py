@@ -24,6 +24,7 @@ import time
 from hpctrain.profiling.cuda_trace import cuda_profiler
 from hpctrain.runtime import env
 from hpctrain.runtime.errors_exit import leave_with
+from hpctrain.runtime.faults import FaultInjector
 from hpctrain.train.stop import StopPolicy, decode, encode
 
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
@@ -40,6 +41,7 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
     from hpctrain.runtime.signals import SignalFlag
 
     info = discover()
+    FaultInjector.from_env(info.rank).hit("launch", 0)  # test-only: a start-up that never finishes
     # a signal during start-up is not lost: the entry point's flag is narrowed to the config's signals
     flag = early_signals.retarget(cfg.train.exit_signals) if early_signals else SignalFlag(cfg.train.exit_signals)
     device = select_device(cfg.train.device, info)

@@ -56,7 +56,7 @@ def nccl_constant(module, table, key):
 
 
 class NcclWork:
-    __slots__ = ("event", "finish", "keepalive", "done")
+    __slots__ = ("event", "finish", "keepalive", "done", "device")
 
     def __init__(self, event, finish=None, keepalive=None):
         self.event, self.finish, self.keepalive, self.done = event, finish, keepalive, False

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import signal
+import time
 import subprocess
 
 from hpctrain.errors import HpcTrainError
@@ -34,6 +35,7 @@ class SignalFlag:
 
     def __init__(self, names):
         self.received: str | None = None
+        self.received_at: float | None = None  # time.time() of that signal (the stop's timing in metrics.jsonl)
         self._previous = {}
         for name in names:
             signum = _signum(name)
@@ -57,6 +59,7 @@ class SignalFlag:
     def _handle(self, signum, _frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name.removeprefix("SIG")
+            self.received_at = time.time()
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():

@@ -32,6 +32,7 @@ class StopPolicy:
         self.last_save_s: float | None = None
         self.last_step_s = 0.0
         self.lag_steps = 0  # steps that run between a request and the agreed answer (a piggy-backed request)
+        self.signal_seen_after: int | None = None  # steps done when this rank first saw the signal
 
     def record_save(self, seconds: float | None) -> None:
         """The last completed save's duration; None (no save measured yet: the first async save may still
@@ -49,12 +50,26 @@ class StopPolicy:
     def local_reason(self, step: int) -> str:
         """This rank's view after ``step`` steps: "" (go on) or why to stop."""
         if self.signal_flag is not None and self.signal_flag.received:
+            if self.signal_seen_after is None:
+                self.signal_seen_after = step
             return f"signal {self.signal_flag.received}"
         if self.deadline is not None and self.clock() + self.margin_s() > self.deadline:
             return "time limit"
         if step >= self.last_step:
             return "max steps"
         return ""
+
+
+    def signal_timing(self, stop_step: int) -> dict:
+        """How long a signal stop took, for the stop event: ``signal_seen_after_step`` (steps done when this
+        rank first saw the flag; the signal arrived during the step after it or later), ``steps_after_signal``
+        (steps run after that: 1 + ``lag_steps`` at most) and ``signal_to_saved_s`` (from the signal to now,
+        the final save done). Empty when no signal stopped the run."""
+        if self.signal_seen_after is None or self.signal_flag is None or self.signal_flag.received_at is None:
+            return {}
+        return {"signal_seen_after_step": self.signal_seen_after,
+                "steps_after_signal": stop_step - self.signal_seen_after,
+                "signal_to_saved_s": round(self.clock() - self.signal_flag.received_at, 3)}
 
 
 def encode(reason: str) -> int:

@@ -95,6 +95,14 @@ def test_a_job_that_cannot_be_requeued_exits_75(slurm, tmp_path):
     signal_after_steps(env, job, run_dir)
     stop = wait_for(lambda: [e for e in events(run_dir) if e.get("event") == "stop"], 120, "the stop")[0]
     assert stop["reason"] == "signal USR1"
+    # the stop's timing as docs/slurm.md states it: the request rides on the next step, whose verdict is read
+    # during the step after it (the dense reducer's late read), then the save: at most 2 steps after the
+    # step in which rank 0 saw the signal
+    print(f"signal to saved: {stop['steps_after_signal']} steps, {stop['signal_to_saved_s']} s, save "
+          f"{stop['save_s']} s (after step {stop['signal_seen_after_step']})")
+    assert 1 <= stop["steps_after_signal"] <= 2, stop
+    assert stop["step"] == stop["signal_seen_after_step"] + stop["steps_after_signal"]
+    assert 0 < stop["save_s"] <= stop["signal_to_saved_s"], stop
 
     def finished():
         out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout

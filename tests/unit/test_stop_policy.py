@@ -110,3 +110,16 @@ def test_an_unmeasured_save_keeps_the_first_margin():
     policy.record_step(5.0)
     policy.record_save(None)  # the first async save is still running: nothing measured yet
     assert policy.margin_s() == 65.0  # not 5 s: a time-limit stop in this window still has its margin
+
+
+def test_a_signal_stop_reports_when_it_was_seen_and_how_long_it_took():
+    now = [500.0]
+    flag = SimpleNamespace(received=None, received_at=None)
+    policy = StopPolicy(signal_flag=flag, last_step=100, clock=lambda: now[0])
+    assert policy.local_reason(6) == "" and policy.signal_timing(9) == {}
+    flag.received, flag.received_at = "USR1", 499.5
+    assert policy.local_reason(7) == "signal USR1"
+    assert policy.local_reason(8) == "signal USR1"  # still set: the first sighting is kept
+    now[0] = 503.0
+    assert policy.signal_timing(9) == {"signal_seen_after_step": 7, "steps_after_signal": 2,
+                                       "signal_to_saved_s": 3.5}

@@ -2,6 +2,9 @@
 # Issue #26's GPU measurements in four stages of under 10 minutes each, for a short lease on one GPU
 # (the project's lent H100/H200; any node with one GPU will do). Run from the repository root:
 #
+#   benchmarks/gpu_session.sh quick        # everything in one command, < 8 min on one H100 with cold compile
+#                                          # caches: tests/gpu, then gpt2-small and gpt2-xl (gpt2-medium if time
+#                                          # is left) against compiled torch; ONE table at the end, with targets
 #   benchmarks/gpu_session.sh check        # versions, gcc/Python.h for Triton, tests/gpu (incl. the sync-free audit)
 #   benchmarks/gpu_session.sh trace        # a compiled bf16 run under torch.profiler; `hpctrain trace`: host waits
 #   benchmarks/gpu_session.sh small        # bench_gpu_train: gpt2-small and gpt2-medium, hpctrain vs compiled torch
@@ -39,6 +42,35 @@ bench() {  # bench NAME PRESETS MICRO GLOBAL: hpctrain against compiled plain Py
   fi
 }
 
+quick() {  # tests/gpu, then the bench presets while the budget lasts; one table (gpu_session_table.py)
+  local start=$SECONDS budget=${QUICK_BUDGET_S:-450}
+  run quick.log "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+  if [ "$DEVICE" = cuda ]; then
+    run quick.log timeout 240 "$PYTHON" -m pytest tests/gpu -q -p no:cacheprovider -rs --timeout 200 \
+      --junitxml="$OUT/tests-gpu.xml"
+  else  # the dry run: the table's test line from a small CPU test file
+    run quick.log timeout 240 "$PYTHON" -m pytest tests/unit/test_stop_policy.py -q -p no:cacheprovider \
+      --junitxml="$OUT/tests-gpu.xml"
+  fi
+  local preset mb seconds
+  for preset in gpt2-small:16:90 gpt2-xl:8:150 gpt2-medium:16:110; do  # name:micro-batch:seconds it needs
+    IFS=: read -r name mb seconds <<< "$preset"
+    if [ $((SECONDS - start + seconds)) -gt "$budget" ]; then
+      echo "== quick: $name left out ($((SECONDS - start)) s used of $budget)" | tee -a "$OUT/quick.log"; continue
+    fi
+    if [ "$DEVICE" = cpu ]; then
+      run quick.log "$PYTHON" benchmarks/bench_gpu_train.py --device cpu --presets tiny --seq-len 64 --micro-batch 2 \
+        --global-batch 4 --warmup 1 --steps 2 --window 1 --compile false --json "$OUT/quick-$name.json"
+    else
+      run quick.log "$PYTHON" benchmarks/bench_gpu_train.py --presets "$name" --micro-batch "$mb" --global-batch 32 \
+        --warmup 3 --steps 10 --window 5 --timeout 300 --json "$OUT/quick-$name.json"
+    fi
+  done
+  echo "== quick: $((SECONDS - start)) s" | tee -a "$OUT/quick.log"
+  "$PYTHON" benchmarks/gpu_session_table.py --junit "$OUT/tests-gpu.xml" "$OUT"/quick-*.json | tee "$OUT/quick-table.txt"
+}
+
 check() {  # versions, what Triton needs, then tests/gpu (incl. the sync-free audit on CUDA)
   run check.log "$PYTHON" -c "import sys, sysconfig, os, shutil, torch; print(sys.version.split()[0], 'torch',
 torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU');
@@ -58,12 +90,13 @@ trace() {  # a compiled run traced with torch.profiler: host waits per step, spl
 }
 
 case "${1:-}" in
+  quick) quick ;;
   check) check ;;
   trace) trace ;;
   small) bench small gpt2-small,gpt2-medium 16 32 ;;
   xl) bench xl gpt2-xl 8 32 ;;
   all) check; trace; bench small gpt2-small,gpt2-medium 16 32; bench xl gpt2-xl 8 32 ;;
-  *) echo "usage: $0 check|trace|small|xl|all  (DEVICE=cpu for a dry run; outputs in \$OUT)" >&2; exit 2 ;;
+  *) echo "usage: $0 quick|check|trace|small|xl|all  (DEVICE=cpu for a dry run; outputs in \$OUT)" >&2; exit 2 ;;
 esac
 echo "== outputs in $OUT:"; ls "$OUT"
 exit $status

@@ -163,9 +163,25 @@ def test_onebit_adam_resumed_from_another_method_is_one_line_naming_the_key(tmp_
                           for line in errors), out.stderr
 
 
+def test_leaving_or_retiming_onebit_adam_on_resume_is_one_line_naming_the_key(tmp_path):
+    """A onebit-adam checkpoint past its freeze (warm-up 2, step 3) resumed with compression.method=none, or
+    with another compression.warmup_steps, is refused: exit 2, one line naming the key, nothing written."""
+    common = ["data.max_bytes=300000", "train.progress=false", "train.seq_len=32", "model.n_layers=2",
+              "checkpoint.async=false", "compression.method=onebit-adam"]
+    train(tmp_path, *common, "train.steps=3", "compression.warmup_steps=2")
+    state = {p.relative_to(tmp_path): p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    for change, key in ((["compression.method=none"], "compression.method='none': "),
+                        (["compression.warmup_steps=10"], "compression.warmup_steps=10: ")):
+        out = train(tmp_path, *common, "train.steps=5", *change, "--resume", "auto", check=False)
+        errors = [line for line in out.stderr.splitlines() if line.startswith("hpctrain: error: ")]
+        assert out.returncode == 2 and len(errors) == 1 and key in errors[0], out.stderr
+        assert "Nothing was changed" in errors[0] and "Traceback" not in out.stderr
+        assert {p.relative_to(tmp_path): p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == state
+
+
 # AdamW (the default optimizer), dp = 4: the mean loss of the last 10 of 120 steps, tiny config
 ADAMW = ["train.progress=false", "train.steps=120"]
-ONEBIT_ADAM_WARMUP = 30
+ONEBIT_ADAM_WARMUP = 36  # 30% of the run: within 3% on every seed measured (benchmarks/onebit_adam_gap.py)
 
 
 @pytest.fixture(scope="module")
@@ -175,15 +191,23 @@ def dense_adamw(tmp_path_factory):
     return records(run_dir)
 
 
-def test_onebit_adam_converges_within_3_percent_of_dense_adamw(dense_adamw, tmp_path):
-    """1-bit Adam (warm-up 30 of 120 steps): its warm-up is dense AdamW bit for bit, and its mean loss of the
-    last 10 steps is within 3% of dense AdamW's, while the dp traffic after the warm-up is ~30x smaller."""
-    train(tmp_path, *ADAMW, "compression.method=onebit-adam", f"compression.warmup_steps={ONEBIT_ADAM_WARMUP}",
-          nprocs=4, timeout=300)
+@pytest.mark.parametrize("seed", [None, 3])  # None: the default seed, the reference the other tests share
+def test_onebit_adam_converges_within_3_percent_of_dense_adamw(dense_adamw, tmp_path, seed):
+    """1-bit Adam (warm-up 36 of 120 steps): its warm-up is dense AdamW bit for bit, and its mean loss of the
+    last 10 steps is within 3% of dense AdamW's (seed 3 was the worst at shorter warm-ups), while the dp
+    traffic after the warm-up is ~30x smaller; a warm-up of 30% or more is not warned about."""
+    seeded = [] if seed is None else [f"train.seed={seed}"]
+    dense = dense_adamw
+    if seed is not None:
+        train(tmp_path / "dense", *ADAMW, *seeded, nprocs=4, timeout=300)
+        dense = records(tmp_path / "dense")
+    out = train(tmp_path, *ADAMW, *seeded, "compression.method=onebit-adam",
+                f"compression.warmup_steps={ONEBIT_ADAM_WARMUP}", nprocs=4, timeout=300)
+    assert "compression.warmup_steps=" not in out.stderr  # no short-warm-up warning at 30%
     rows = records(tmp_path)
     warm = ONEBIT_ADAM_WARMUP + 1  # the loss of step W + 1 is taken before its (first compressed) update
-    assert [r["loss"] for r in rows[:warm]] == [r["loss"] for r in dense_adamw[:warm]]  # the same fused AdamW
-    loss, reference = final_loss(tmp_path, k=10), sum(r["loss"] for r in dense_adamw[-10:]) / 10
+    assert [r["loss"] for r in rows[:warm]] == [r["loss"] for r in dense[:warm]]  # the same fused AdamW
+    loss, reference = final_loss(tmp_path, k=10), sum(r["loss"] for r in dense[-10:]) / 10
     assert abs(loss - reference) <= 0.03 * reference, (loss, reference)
     w = ONEBIT_ADAM_WARMUP  # rows[w - 1]: step W, the last dense one; rows[w]: the first compressed step
     assert rows[w - 1]["compression_ratio"] == 1.0 and rows[w]["compression_ratio"] > 20

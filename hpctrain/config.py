@@ -35,6 +35,12 @@ _COMPARISONS = {"min": (">=", operator.ge), "above": (">", operator.gt), "below"
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
+# Upper bounds of the size keys, far beyond any model (they keep the arithmetic of a typo small); whether a
+# model fits is checked against the memory of the ranks when a run starts (hpctrain/train/memory_check.py)
+_SIZE_MAX = 1 << 24  # widths, vocabulary, sequence lengths, batch sizes
+_COUNT_MAX = 1 << 14  # layers, heads, model chunks
+
+
 def _field(default: Any, **rule: Any) -> Any:
     """Dataclass field with a validation rule: choices=(...), min=x (>=), above=x (>), below=x (<), max=x (<=)."""
     return field(default=default, metadata=rule)
@@ -44,14 +50,14 @@ def _field(default: Any, **rule: Any) -> Any:
 class ModelConfig:
     """Transformer model; keys left unset (0, "auto", not given) take the preset's value (see resolve_model)."""
     preset: str = _field("tiny", choices=(*PRESETS, "custom"))  # "custom": give every size explicitly
-    vocab_size: int = _field(0, above=0)  # 0 = the preset's (custom: 256, byte-level tokens)
-    vocab_multiple: int = _field(128, min=1)  # embedding/LM head rows: vocab_size padded to a multiple of this x tp
-    d_model: int = _field(0, above=0)
-    n_layers: int = _field(0, above=0)
-    n_heads: int = _field(0, above=0)
-    n_kv_heads: int = _field(0, above=0)
-    d_ff: int = _field(0, above=0)
-    max_seq_len: int = _field(0, above=0)
+    vocab_size: int = _field(0, above=0, max=_SIZE_MAX)  # 0 = the preset's (custom: 256, byte-level tokens)
+    vocab_multiple: int = _field(128, min=1, max=65536)  # embedding/LM head rows: vocab_size padded to a multiple of this x tp
+    d_model: int = _field(0, above=0, max=_SIZE_MAX)
+    n_layers: int = _field(0, above=0, max=_COUNT_MAX)
+    n_heads: int = _field(0, above=0, max=_COUNT_MAX)
+    n_kv_heads: int = _field(0, above=0, max=_COUNT_MAX)
+    d_ff: int = _field(0, above=0, max=_SIZE_MAX)
+    max_seq_len: int = _field(0, above=0, max=_SIZE_MAX)
     tie_embeddings: bool | None = None  # None = the preset's (custom: false)
     rope_theta: float = _field(0.0, above=0)  # 0 = the preset's (custom: 10000)
     mlp: str = _field("auto", choices=("auto", "swiglu", "gelu"))  # auto = the preset's (custom: swiglu)
@@ -60,6 +66,8 @@ class ModelConfig:
     init_std: float = _field(0.02, above=0)
     attention_window: int = _field(0, min=0)  # sliding-window attention: token t sees t-W+1..t; 0 = full causal
     init_from: str = ""  # HF Llama dir or hpctrain checkpoint: its weights at step 0 (not on resume); "" = random
+    fused_head_loss: bool = True  # last stage: LM head + cross-entropy in chunks of tokens (false: full logits)
+    loss_chunk_tokens: int = _field(0, min=0)  # tokens per chunk of the fused head + loss; 0 = automatic
 
 
 @dataclass
@@ -70,8 +78,8 @@ class ParallelConfig:
     pp: int = _field(1, min=1)
     cp: int = _field(1, min=1)  # context parallelism: ranks sharing each sequence (ring attention)
     schedule: str = _field("1f1b", choices=("gpipe", "1f1b", "interleaved"))
-    virtual_stages: int = _field(1, min=1)  # model chunks per pp rank (interleaved: >= 2)
-    microbatches: int = _field(1, min=1)
+    virtual_stages: int = _field(1, min=1, max=_COUNT_MAX)  # model chunks per pp rank (interleaved: >= 2)
+    microbatches: int = _field(1, min=1, max=_SIZE_MAX)
     sequence_parallel: bool = False
     zero: int = _field(0, choices=(0, 1))
     bucket_mb: float = _field(25.0, above=0)
@@ -132,9 +140,9 @@ class TrainConfig:
     steps: int = _field(50, min=0)
     seed: int = _field(1234, min=0)
     dtype: str = _field("float32", choices=DTYPE_NAMES)
-    global_batch: int = _field(8, min=1)  # sequences per step
-    micro_batch_size: int = _field(0, min=0)  # sequences per forward per replica; 0 = global_batch/dp/microbatches
-    seq_len: int = _field(64, min=1)
+    global_batch: int = _field(8, min=1, max=_SIZE_MAX)  # sequences per step
+    micro_batch_size: int = _field(0, min=0, max=_SIZE_MAX)  # sequences per forward per replica; 0 = global_batch/dp/microbatches
+    seq_len: int = _field(64, min=1, max=_SIZE_MAX)
     lr: float = _field(3e-3, above=0)
     min_lr: float = _field(3e-4, min=0)
     warmup_steps: int = _field(5, min=0)
@@ -152,7 +160,7 @@ class TrainConfig:
     requeue: str = _field("auto", choices=("auto", "never"))  # auto: scontrol requeue on a signal/time stop
     loss_scale: float = _field(65536.0, above=0)  # initial dynamic loss scale for float16
     nonfinite: str = _field("stop", choices=("stop", "skip"))  # a non-finite loss/grad norm: stop (exit 4, nothing saved) or skip the step
-    max_skipped_steps: int = _field(20, min=1)  # consecutive skipped steps (any cause, float16 overflow too) before the run stops
+    max_skipped_steps: int = _field(20, min=1)  # consecutive skipped steps before the run stops (float16 overflow: at scale 1)
     run_dir: str = "runs/default"
     progress: bool = True
     eval_interval: int = _field(0, min=0)  # steps between validation losses (needs data.valid_fraction); 0 = off
@@ -229,7 +237,9 @@ def _section_class(section: str) -> type:
     classes = {f.name: f.type for f in dataclasses.fields(Config)}
     if section not in classes:
         raise ConfigError("config: " + _unknown("section", section, list(classes)))
-    return classes[section]
+    cls = classes[section]
+    assert isinstance(cls, type)  # a class, not a string: this module does not postpone annotations
+    return cls
 
 
 def _section_field(section: str, key: str) -> dataclasses.Field:
@@ -338,6 +348,9 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
                 cfg = config_from_dict(tomllib.load(fh))
         except OSError as exc:
             raise ConfigError(f"config: cannot read config file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:  # TOML is UTF-8 text
+            raise ConfigError(f"config: cannot read config file {path}: not UTF-8 text (byte "
+                              f"0x{exc.object[exc.start]:02x} at offset {exc.start}); TOML files are UTF-8") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config: invalid TOML in {path}: {exc}") from None
         except ConfigError as exc:
@@ -351,17 +364,26 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
 
 
 # The keys that define the function a model computes (and its weights' shapes): two configs that agree on
-# these hold interchangeable weights (max_seq_len, init_std, init_from and preset do not matter).
+# these hold interchangeable weights (init_std, init_from, preset and vocab_multiple, the padding of the true
+# vocab_size, do not matter; max_seq_len only with learned positions: the rows of their table).
 ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings",
                      "rope_theta", "norm_eps", "mlp", "positions", "attention_window")
 
 
-def architecture_differences(theirs: ModelConfig, ours: ModelConfig) -> list[str]:
-    """``model.KEY is X there, Y here`` for each architecture key on which two model configs differ
-    (both resolved or not: presets are resolved here)."""
-    a, b = resolve_model(theirs), resolve_model(ours)
-    return [f"model.{k} is {getattr(a, k)!r} there, {getattr(b, k)!r} here" for k in ARCHITECTURE_KEYS
-            if getattr(a, k) != getattr(b, k)]
+def architecture(m: ModelConfig) -> dict[str, Any]:
+    """{key: value} of m's architecture keys, resolved (+ max_seq_len with learned positions)."""
+    r = resolve_model(m)
+    keys = ARCHITECTURE_KEYS + (("max_seq_len",) if r.positions == "learned" else ())
+    return {k: getattr(r, k) for k in keys}
+
+
+def architecture_differences(theirs: ModelConfig | dict, ours: ModelConfig | dict) -> list[str]:
+    """``model.KEY is X there, Y here`` for each architecture key on which two models differ (model configs,
+    resolved here, or ``architecture`` dicts, e.g. a checkpoint's)."""
+    a = theirs if isinstance(theirs, dict) else architecture(theirs)
+    b = ours if isinstance(ours, dict) else architecture(ours)
+    keys = list(b) + [k for k in a if k not in b]
+    return [f"model.{k} is {a.get(k)!r} there, {b.get(k)!r} here" for k in keys if a.get(k) != b.get(k)]
 
 
 def resolve_model(m: ModelConfig) -> ModelConfig:

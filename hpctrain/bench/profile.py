@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 import numpy as np
 import torch
@@ -113,7 +114,7 @@ BLOCK_SHAPE = {"d_model": 256, "n_heads": 8, "n_kv_heads": 4, "d_ff": 1024, "seq
 def _block_model():
     from hpctrain.config import ModelConfig, resolve_model
 
-    shape = {k: v for k, v in BLOCK_SHAPE.items() if k not in ("seq_len", "micro_batch")}
+    shape: dict[str, Any] = {k: v for k, v in BLOCK_SHAPE.items() if k not in ("seq_len", "micro_batch")}
     return resolve_model(ModelConfig(preset="custom", vocab_size=256, n_layers=1, **shape))
 
 

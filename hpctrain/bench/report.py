@@ -63,7 +63,7 @@ def timed_rounds(impls, rounds: int, steps: int, world, activate, after_round=No
     """``rounds`` rounds of ``steps`` timed steps of every impl in turn, the order rotated each round (so no
     implementation always runs first); ``activate(impl, on)`` brackets an impl's timed steps (its phase
     timers), ``after_round(rnd, times)`` runs after each. Returns {impl.name: step seconds}."""
-    times = {impl.name: [] for impl in impls}
+    times: dict[str, list[float]] = {impl.name: [] for impl in impls}
     for rnd in range(rounds):
         k = rnd % len(impls)
         for impl in impls[k:] + impls[:k]:

@@ -74,6 +74,7 @@ def _inspect(args) -> int:
                 "hpctrain_version": reader.attrs.get("hpctrain_version"), "model_dtype": reader.attrs.get("model_dtype"),
                 "sampler": reader.attrs.get("sampler"), "total_bytes": sum(t["bytes"] for t in tensors),
                 "tensors": tensors}
+        info["architecture"] = _architecture(reader.attrs)
         base = reader.attrs.get("lora_base")
         if base:  # a LoRA checkpoint that refers to its frozen base
             info["lora_base"] = {"path": base.get("path"), "checksum": base.get("checksum"),
@@ -85,6 +86,9 @@ def _inspect(args) -> int:
     print(f"{info['path']}: step {info['step']}, {'complete' if info['complete'] else 'PARTIAL'}, "
           f"writer {info['writer']}, layout {info['layout']}, {info['model_dtype']}, "
           f"{info['total_bytes'] / 2**20:.2f} MiB, hpctrain {info['hpctrain_version']}")
+    arch = info["architecture"]
+    print(f"  architecture: fingerprint {arch['fingerprint']}{'' if arch['recorded'] else ' (from its config)'}: "
+          + ", ".join(f"{k}={v}" for k, v in arch["keys"].items()))
     if "lora_base" in info:
         base = info["lora_base"]
         print(f"  frozen base: {base['tensors']} tensors referred to at {base['path']} (checksum {base['checksum'][:16]})")
@@ -92,6 +96,15 @@ def _inspect(args) -> int:
         print(f"  {t['name']:<44} {str(tuple(t['shape'])):<14} {t['dtype']:<8} {t['bytes']:>10} B  "
               f"{t['boxes']} box(es) crc32 {','.join(t['crc32'][:2])}{'...' if t['boxes'] > 2 else ''}")
     return 0
+
+
+def _architecture(attrs: dict) -> dict:
+    """The model the checkpoint was written for (checkpoint/architecture.py): its keys and fingerprint, and
+    whether it recorded them (older checkpoints: derived from their config)."""
+    from hpctrain.checkpoint.architecture import ARCHITECTURE_ATTR, fingerprint, of_checkpoint
+
+    keys = of_checkpoint(attrs)
+    return {"fingerprint": fingerprint(keys), "keys": keys, "recorded": ARCHITECTURE_ATTR in attrs}
 
 
 def _verify(args) -> int:

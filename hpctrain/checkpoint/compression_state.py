@@ -33,6 +33,28 @@ def snapshot_compression(state: TrainState, snap: Snapshot) -> None:
     snap.items.append(WriteItem(f"{group}/signature", Box((0,), (signature.size,)), signature))
 
 
+def check_onebit_adam(state: TrainState, reader) -> None:
+    """CheckpointError when 1-bit Adam is entered from another compressing method's checkpoint or left (a
+    onebit-adam checkpoint resumed with another method, ``none`` too: ``ANOTHER_METHOD``), or when
+    ``compression.warmup_steps`` changes after the variance froze, or to below the optimizer steps already
+    made (``OTHER_FREEZE``). A change inside the warm-up, to at least those steps, is fine."""
+    from hpctrain.config import config_from_dict
+
+    ours, theirs = state.config.compression, config_from_dict(reader.attrs["config"]).compression
+    if ours.method != theirs.method and "onebit-adam" in (ours.method, theirs.method) and theirs.method != "none":
+        raise CheckpointError(f"compression.method={ours.method!r}: {reader.path} was written with "
+                              f"compression.method={theirs.method!r}; {ANOTHER_METHOD} (1-bit Adam's "
+                              f"error buffers and frozen variance do not carry over): resume with "
+                              f"compression.method={theirs.method!r}, or start a new run")
+    steps = int(reader.attrs.get("optimizer_step", 0))  # the optimizer steps made: dense while < warmup_steps
+    if ours.method == theirs.method == "onebit-adam" and ours.warmup_steps != theirs.warmup_steps \
+            and (steps >= theirs.warmup_steps or steps > ours.warmup_steps):
+        raise CheckpointError(f"compression.warmup_steps={ours.warmup_steps}: {reader.path} (optimizer step "
+                              f"{steps}) was written with compression.warmup_steps={theirs.warmup_steps}: "
+                              f"{OTHER_FREEZE}: resume with compression.warmup_steps={theirs.warmup_steps}, or "
+                              f"start a new run")
+
+
 def read_compression(state: TrainState, reader, staged) -> None:
     """Stage this rank's reducer state if the checkpoint holds state of the SAME reducer signature (same
     method, layout, buckets, node split); otherwise the reducer starts fresh and ``staged.compression_note``
@@ -46,12 +68,6 @@ def read_compression(state: TrainState, reader, staged) -> None:
         staged.compression_note = "the checkpoint has no compression state for this rank"
         return
     theirs = decode_json(reader.read_checked(f"{group}/signature", Box((0,), shape)))
-    methods = {theirs.get("method"), mine.get("method")}
-    if len(methods) > 1 and "onebit-adam" in methods:  # momentum and error buffers of another meaning
-        raise CheckpointError(f"compression.method={mine.get('method')!r}: {reader.path} was written with "
-                              f"compression.method={theirs.get('method')!r}; {ANOTHER_METHOD} (1-bit Adam's "
-                              f"error buffers and frozen variance do not carry over): resume with "
-                              f"compression.method={theirs.get('method')!r}, or start a new run")
     if theirs != json.loads(json.dumps(mine)) or reader.attrs["layout"].get("world") != state.world_size:
         staged.compression_note = "it was written by another compression method, layout or bucket split"
         return
@@ -62,3 +78,5 @@ def read_compression(state: TrainState, reader, staged) -> None:
 
 
 ANOTHER_METHOD = "another compression method's checkpoint"  # onebit-adam <-> another method: no fallback
+OTHER_FREEZE = ("1-bit Adam's warm-up may change only while it runs, to at least the optimizer steps made (its "
+                "end freezes the variance)")  # no fallback

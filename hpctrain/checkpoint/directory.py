@@ -7,14 +7,18 @@ system functions, no MPI: the manager calls them on rank 0 (or on every rank, re
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, MASTER_FILE, STEP_PREFIX
 
 
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
 def human_size(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    for unit in _UNITS:
         if nbytes < 1024 or unit == "TiB":
             return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
         nbytes /= 1024
@@ -25,6 +29,38 @@ def free_bytes(path: str) -> int:
     """Bytes this user may still write on the file system holding ``path`` (``statvfs``)."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+METADATA_BYTES = 1 << 20  # room kept for HDF5's metadata on top of a checkpoint's data
+
+
+def space_shortfall(step: int, data_bytes: int, free: int, where: str) -> str | None:
+    """Why the checkpoint of ``step`` (``data_bytes`` of tensors, every rank's) cannot be written in
+    ``where`` with ``free`` bytes left, saying by how much; None when it fits (with its metadata)."""
+    needed = data_bytes + METADATA_BYTES
+    if needed <= free:
+        return None
+    unit = human_size(needed).split()[1]  # the three figures in one unit, so they add up as printed
+
+    def size(n: int) -> str:
+        text = f"{n / 1024 ** _UNITS.index(unit):.1f} {unit}"
+        return human_size(n) if unit == "B" or text.startswith("0.0 ") else text
+    return (f"the checkpoint of step {step} does not fit in {where}: it needs {size(needed)} with metadata "
+            f"({human_size(data_bytes)} of data + {human_size(METADATA_BYTES)}), {size(free)} free: "
+            f"{size(needed - free)} short")
+
+
+def enospc_detail(error: str, data_bytes: int, path: str, where: str) -> str:
+    """``error`` (a failed write's line), with the space figures added when the OS said "no space left on
+    device" (ENOSPC): the free space of ``path``'s file system now and what the checkpoint needs."""
+    if os.strerror(errno.ENOSPC).lower() not in error.lower():
+        return error
+    try:
+        free = f"{human_size(free_bytes(path))} free"
+    except OSError:
+        free = "free space unknown"
+    return (f"{error} (no space left on device: {free} in {where} now, the checkpoint needs "
+            f"{human_size(data_bytes + METADATA_BYTES)} with metadata)")
 
 
 def fsync_path(path: str) -> None:
@@ -75,7 +111,7 @@ def recover_replaced(directory: str) -> list[str]:
     """Rank 0: put back a published step directory that a save of the same step moved aside
     (``step-N.replaced``) when the new copy never took its name (a kill between the two renames).
     Returns the steps put back."""
-    restored = []
+    restored: list[str] = []
     if not os.path.isdir(directory):
         return restored
     for name in os.listdir(directory):

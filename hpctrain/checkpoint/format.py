@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from typing import Any
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,12 +104,12 @@ def local_range_boxes(spec, a: int, b: int) -> list[tuple[Box, int, int]]:
 
 
 def crc32(array: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
+    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1).data) & 0xFFFFFFFF
 
 
 def encode_json(obj) -> np.ndarray:
     return np.frombuffer(json.dumps(obj, sort_keys=True).encode(), dtype=np.uint8)
 
 
-def decode_json(array) -> object:
+def decode_json(array) -> Any:
     return json.loads(bytes(np.asarray(array, dtype=np.uint8)).decode())

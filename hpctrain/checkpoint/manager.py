@@ -25,10 +25,12 @@ import time
 
 from hpctrain.checkpoint import resume as resuming
 from hpctrain.checkpoint.contract import TrainState
-from hpctrain.checkpoint.directory import (REPLACED_SUFFIX, RETIRED_PREFIX, free_bytes, fsync_path, human_size,
-                                           list_checkpoints, read_latest, recover_replaced, retire)
+from hpctrain.checkpoint.directory import (REPLACED_SUFFIX, RETIRED_PREFIX, enospc_detail, free_bytes, fsync_path,
+                                           human_size, list_checkpoints, read_latest, recover_replaced, retire,
+                                           space_shortfall)
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
+from hpctrain.checkpoint.references import kept_note, referenced
 from hpctrain.checkpoint.state import CheckpointError, snapshot
 from hpctrain.checkpoint.writers import WriteFailed, has_parallel_h5py, write_mpio, write_shards
 from hpctrain.comm.collectives import Communicator
@@ -39,13 +41,14 @@ from hpctrain.runtime.launcher import missing_thread_multiple
 
 
 def raise_if_any_failed(comm, error: str | None, what: str, note: str = "") -> None:
-    """Collective: raise CheckpointError on every rank if any rank reported an error (``note``, e.g.
-    what is still intact, ends the message)."""
+    """Collective: raise CheckpointError on every rank if any rank reported an error (once when every rank
+    reported the same one; ``note``, e.g. what is still intact, ends the message)."""
     errors = [(r, e) for r, e in enumerate(comm.allgather_object(error)) if e]
     if errors:
-        details = "; ".join(f"rank {r}: {e}" for r, e in errors[:4])
+        same = len(errors) == comm.size > 1 and len({e for _, e in errors}) == 1  # e.g. another model: said once
+        details = errors[0][1] if same else "; ".join(f"rank {r}: {e}" for r, e in errors[:4])
         raise everywhere(CheckpointError(f"{what} failed: {details}"
-                                         + (f" (and {len(errors) - 4} more)" if len(errors) > 4 else "")
+                                         + (f" (and {len(errors) - 4} more)" if len(errors) > 4 and not same else "")
                                          + (f"; {note}" if note else "")))
 
 
@@ -75,14 +78,17 @@ class CheckpointManager:
         self.rank, self.size = self.comm.rank, self.comm.size
         self.faults = FaultInjector.from_env(self.rank)
         self.poll_sleep_s = poll_sleep_s
-        self._thread, self._error = None, None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
         self._cleaned = False
         self.saved_steps: list[int] = []
         self._space_warned = False  # the low-space warning is printed once per run
+        self._kept_referenced: set[str] = set()  # steps kept for a run that refers to them (said once each)
         self.last_save_s: float | None = None  # wall time of the last completed write + verify + publish
         # the last save's or resume's phases (prepare, write, fsync, verify, publish, agree; open, read + CRC,
         # verify, apply, agree), in seconds: one save or resume runs at a time, on one thread
-        self.timer, self.last_phases = PhaseTimer(), {}
+        self.timer = PhaseTimer()
+        self.last_phases: dict[str, float] = {}
 
     # ------------------------------------------------------------------ saving
     def save(self, state: TrainState, sync: bool = False) -> None:
@@ -140,10 +146,11 @@ class CheckpointManager:
 
     def _space_problem(self, tmp: str, needed: int, step: int) -> str | None:
         """Rank 0, before writing: the data of every rank must fit in the free space of ``tmp``'s file
-        system (plus 1 MiB of HDF5 metadata); below twice that, warn once."""
+        system (plus 1 MiB of HDF5 metadata: ``space_shortfall``); below twice that, warn once."""
         free = free_bytes(tmp)
-        if needed + (1 << 20) > free:
-            return f"the checkpoint of step {step} needs {human_size(needed)}, {human_size(free)} are free in {self.dir}"
+        problem = space_shortfall(step, needed, free, self.dir)
+        if problem:
+            return problem
         if 2 * needed > free and not self._space_warned:
             self._space_warned = True
             print(f"hpctrain: WARNING: {human_size(free)} free in {self.dir}, less than twice a checkpoint "
@@ -205,6 +212,8 @@ class CheckpointManager:
                 error = f"{exc.filename or tmp}: {exc.strerror or exc}"
             except Exception as exc:  # noqa: BLE001 - agreed below
                 error = f"{type(exc).__name__}: {exc}"
+            if error is not None:
+                error = enospc_detail(error, needed, tmp, self.dir)
             if error is None and snap.nonfinite:  # a diverged state is never published
                 error = (f"non-finite values (inf/NaN) in {', '.join(snap.nonfinite[:3])}"
                          + (f" and {len(snap.nonfinite) - 3} more" if len(snap.nonfinite) > 3 else "")
@@ -258,12 +267,18 @@ class CheckpointManager:
         return None
 
     def _prune(self) -> None:
+        """Retire the published checkpoints beyond ``keep``, except one another run refers to as its LoRA
+        base (checkpoint/references.py), which is kept (said once per step)."""
         if self.keep <= 0:
             return
-        published = [r for r in list_checkpoints(self.dir) if r["complete"]]
-        for record in published[:-self.keep]:
-            if not record["latest"]:
+        markers = referenced(self.dir)
+        for record in [r for r in list_checkpoints(self.dir) if r["complete"]][:-self.keep]:
+            name = os.path.basename(record["path"])
+            if name not in markers and not record["latest"]:
                 retire(record["path"])
+            elif name in markers and name not in self._kept_referenced:
+                self._kept_referenced.add(name)
+                print(kept_note(record["path"], self.keep, *markers[name][0]), flush=True)
 
     def _remove_leftovers(self) -> None:
         """Rank 0, before the first save: delete what crashed earlier saves and prunes left behind

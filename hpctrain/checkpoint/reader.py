@@ -16,7 +16,7 @@ import numpy as np
 
 from hpctrain.checkpoint.format import COMPLETE_MARKER, FORMAT_NAME, MASTER_FILE, Box, crc32, decode_json
 
-JSON_ATTRS = ("config", "layout", "sampler", "loss_scaler", "lora_base")
+JSON_ATTRS = ("config", "layout", "sampler", "loss_scaler", "lora_base", "architecture")
 
 
 class CheckpointReader:
@@ -41,7 +41,7 @@ class CheckpointReader:
         self._by_dataset: dict[str, list[int]] = {}
         for i, (name, _, _) in enumerate(self._boxes):
             self._by_dataset.setdefault(name, []).append(i)
-        self._cache: dict[int, np.ndarray] = {}
+        self._cache: dict[int, np.ndarray | None] = {}  # None: the box failed its check
         self.checked: set[int] = set()  # manifest box indices whose CRC read_checked() has computed
         self.problems: list[str] = []    # what read_checked() found wrong
         self.bytes_read = 0              # bytes read from the file so far, by read() and all that uses it
@@ -122,9 +122,10 @@ class CheckpointReader:
             if i not in self._cache:
                 self.checked.add(i)
                 self._cache[i] = self._checked_box(i, self.problems)
-            if self._cache[i] is not None:
+            cached = self._cache[i]
+            if cached is not None:
                 out[tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, box.offset))] = \
-                    self._cache[i][tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, written.offset))]
+                    cached[tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, written.offset))]
             covered += int(np.prod([y - x for x, y in zip(lo, hi)]))
         if covered != box.size:
             self.problems.append(f"dataset {name} box {box.offset}+{box.shape}: the manifest covers {covered} "

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from hpctrain.checkpoint.compression_state import ANOTHER_METHOD
+from hpctrain.checkpoint.compression_state import ANOTHER_METHOD, OTHER_FREEZE
 from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.directory import fsync_path, list_checkpoints, read_latest, recover_replaced, resolve_latest
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER
@@ -60,7 +60,7 @@ def resume(manager, state: TrainState, what: str = "auto") -> str | None:
             raise everywhere(CheckpointError(f"--resume auto: the newest checkpoint of {manager.dir} was {ANOTHER_MODEL} "
                                              f"than this config ({problem}). Nothing was changed. Make model.* match "
                                              f"the run's config.json, or use another train.run_dir, or --resume none"))
-        if problem and (BASE_UNUSABLE in problem or ANOTHER_METHOD in problem):  # every checkpoint of the run refers to the same base
+        if problem and any(s in problem for s in (BASE_UNUSABLE, ANOTHER_METHOD, OTHER_FREEZE)):  # config: no fallback
             raise everywhere(CheckpointError(f"--resume auto: cannot resume from {path}: {problem}. Nothing "
                                              f"was changed"))
         if not problem:
@@ -121,11 +121,13 @@ def try_load(manager, path: str, state: TrainState) -> str | None:
                 except Exception as exc:  # noqa: BLE001 - a damaged file on one rank (ValueError, OSError,
                     error = f"{type(exc).__name__}: {exc}"  # KeyError, ...): agreed, then fallen back from
             elif phase == "verify":
-                mine = (sorted(reader.checked), staged.compression_note) if error is None else ([], None)
+                mine: tuple = ([], None)
+                if error is None and reader is not None and staged is not None:  # no error: opened and read
+                    mine = (sorted(reader.checked), staged.compression_note)
                 with timer.phase("agree"):
                     read_by_anyone, notes = zip(*manager.comm.allgather_object(mine))
                 note = next((n for n in notes if n), None)
-                if error is None:
+                if error is None and reader is not None:
                     skip = set().union(*map(set, read_by_anyone))
                     try:
                         with timer.phase("verify"):
@@ -140,6 +142,7 @@ def try_load(manager, path: str, state: TrainState) -> str | None:
     finally:
         if reader is not None:
             reader.close()
+    assert staged is not None  # agreed: no rank had a problem, every rank read its state
     with timer.phase("apply"):
         apply_state(state, staged)
     manager.last_phases = timer.collect(time.perf_counter() - started)

@@ -19,7 +19,9 @@ import torch
 import hpctrain
 from hpctrain.checkpoint.format import (BASE_REFERENCE_ATTR, FORMAT_NAME, FORMAT_VERSION, Box, disk_dtype,
                                         local_range_boxes, model_dataset, optim_dataset)
-from hpctrain.checkpoint.compression_state import read_compression, snapshot_compression
+from hpctrain.checkpoint.architecture import ARCHITECTURE_ATTR, of_checkpoint
+from hpctrain.checkpoint.architecture import record as record_architecture
+from hpctrain.checkpoint.compression_state import check_onebit_adam, read_compression, snapshot_compression
 from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.items import CheckpointError, Snapshot, WriteItem, to_host
 from hpctrain.config import config_to_dict
@@ -63,6 +65,7 @@ def snapshot(state: TrainState) -> Snapshot:
         "step": root.step, "config": config_to_dict(cfg), "layout": dict(state.layout),
         "sampler": root.sampler, "loss_scaler": root.loss_scaler,
         "optimizer_step": root.optimizer_step, "model_dtype": cfg.train.dtype,
+        ARCHITECTURE_ATTR: record_architecture(state.model_config),
     }
     if state.base_reference is not None:
         snap.attrs[BASE_REFERENCE_ATTR] = state.base_reference
@@ -109,16 +112,15 @@ ANOTHER_MODEL = "written for another model"  # in every incompatibility message:
 
 
 def check_compatible(state: TrainState, reader) -> None:
-    """Raise CheckpointError if this rank's parameters are missing or shaped differently in the checkpoint
-    (a weights-only checkpoint: also if any architecture key of its model config differs; any checkpoint: if
-    model.mlp or model.positions differ, which a GELU MLP's up/down could otherwise take from SwiGLU's; any
-    but a weights-only one without adapters: if lora.rank, lora.targets or lora.alpha differ)."""
+    """Raise CheckpointError if the checkpoint was written for another model: any of its architecture keys
+    (``checkpoint/architecture.py``: sizes, heads, vocab_size, rope_theta, norm_eps, window, mlp, positions,
+    tied embeddings) differs from this run's, each named; any but a weights-only one without adapters: if
+    lora.rank, lora.targets or lora.alpha differ; or if this rank's parameters are missing or shaped
+    differently in it."""
     from hpctrain.config import architecture_differences, config_from_dict
 
     theirs = config_from_dict(reader.attrs["config"])
-    differences = architecture_differences(theirs.model, state.model_config)
-    if not is_weights_only(reader.attrs):
-        differences = [d for d in differences if d.startswith(("model.mlp ", "model.positions "))]
+    differences = architecture_differences(of_checkpoint(reader.attrs), state.model_config)
     if not is_weights_only(reader.attrs) or theirs.lora.rank:  # adapters (``import-peft``) need their [lora]
         differences += lora_differences(theirs.lora, state.config.lora)
     if differences:
@@ -181,8 +183,9 @@ def read_state(state: TrainState, reader) -> StagedState:
     optimizer state of the ranges it owns NOW. Changes nothing in the run."""
     check_compatible(state, reader)
     weights_only = is_weights_only(reader.attrs)
-    if not weights_only:  # a data order this run cannot continue: found before any byte is read
+    if not weights_only:  # a data order, or 1-bit Adam state, this run cannot continue: found before any byte is read
         state.check_sampler(reader.attrs["sampler"])
+        check_onebit_adam(state, reader)
     tensors = state.tensors()
     staged = StagedState(attrs=reader.attrs)
     if reader.attrs.get(BASE_REFERENCE_ATTR):

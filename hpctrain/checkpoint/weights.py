@@ -57,7 +57,8 @@ def load_model(reader, dtype: torch.dtype | None = None, read=None):
                      lora=cfg.lora)  # a LoRA run: base and adapters
     with torch.no_grad():
         for param in model.parameters():
-            spec = param.spec  # the global (true-vocabulary) shape; padding rows stay zero
+            # the global (true-vocabulary) shape; padding rows stay zero
+            spec = param.spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
             param[spec.valid_local()] = read(spec.name) if read else _read_dataset(reader, spec)
     return cfg, model.eval()
 

@@ -197,7 +197,7 @@ def write_or_error(path: str, write) -> str | None:
     Python can only print ("Exception ignored in h5py._objects.ObjectID.__dealloc__", once per
     object: hundreds of tracebacks for one full disk). Those are collected here instead, and the
     first one names the error when ``write`` itself raised something vaguer."""
-    ignored = []
+    ignored: list[sys.UnraisableHookArgs] = []
     previous, sys.unraisablehook = sys.unraisablehook, ignored.append
     try:
         write()

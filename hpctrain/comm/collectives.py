@@ -24,6 +24,7 @@ docs/architecture.md). Ranks in ``src``/``dst``/``root`` are ranks WITHIN this g
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,11 @@ from hpctrain.comm.handle import Handle, _end  # noqa: F401 - _end: tests import
 from hpctrain.comm.persistent import Recurring
 from hpctrain.comm.watchdog import CommStats, Watchdog
 from hpctrain.errors import HpcTrainError
+
+if TYPE_CHECKING:
+    from hpctrain.comm.backends.nccl import NcclBackend
+    from hpctrain.comm.backends.staged import HostStagedBackend
+    from hpctrain.comm.watchdog import OpCounter
 
 BACKEND_CHOICES = ("auto", "mpi", "cuda-mpi", "nccl")
 
@@ -60,10 +66,10 @@ class Communicator:
         self.stats = stats
         self.backend_choice = backend
         self._host = MpiBackend(mpi_comm)
-        self._device = None  # created on the first CUDA tensor (NCCL init is collective and costly)
+        self._device: MpiBackend | HostStagedBackend | NcclBackend | None = None  # created on the first CUDA tensor (NCCL init is collective and costly)
         self.shm = None  # a ShmRoute (comm.intra_node, intra_node.py): CPU float sums in shared memory
         self.recurring: list[Recurring] = []  # persistent small collectives on this group (freed at close)
-        self._counters = {}  # op -> this group's OpCounter in ``stats``
+        self._counters: dict[str, OpCounter] = {}  # op -> this group's OpCounter in ``stats``
         self.check = check
         self.trace = None  # a TraceRecorder (train.trace): every call recorded while it is active
         self.seq = self.p2p_seq = 0  # collectives / point-to-point calls started on this group (Watchdog)
@@ -88,8 +94,10 @@ class Communicator:
         Must be called by every rank of the group, in the same order for every group (NCCL init is
         collective); a host ``device`` needs nothing.
         """
-        if device.type != "cuda" or self._device is not None:
-            return "mpi" if device.type != "cuda" else self._device.name
+        if device.type != "cuda":
+            return "mpi"
+        if self._device is not None:
+            return self._device.name
         from hpctrain.comm.backends.nccl import NcclBackend, distinct_gpus, nccl_available
         from hpctrain.comm.backends.staged import HostStagedBackend
 
@@ -121,10 +129,11 @@ class Communicator:
 
     # ---------------------------------------------------------------- plumbing
     def _run(self, op: str, nbytes: int, nonblocking: bool, method, *args, peer=None, fingerprint=None,
-             wire: float | None = None):
+             wire: float | None = None, route: str = ""):
         """Count, watch and time ``method(*args, nonblocking)`` (the hot path: attribute updates only).
         ``peer``: the group rank of a point-to-point call; ``fingerprint``: what comm.check compares;
-        ``wire``: bytes sent per byte of ``nbytes`` (default (p-1)/p)."""
+        ``wire``: bytes sent per byte of ``nbytes`` (default (p-1)/p); ``route``: how the call travels when
+        not through MPI (the shm route's name, for hang reports)."""
         counter = self._counters.get(op)
         if counter is None:
             counter = self._counters[op] = self.stats.ops[(self.name, op)]
@@ -136,6 +145,8 @@ class Communicator:
             self.check_same_call(op, fingerprint)
         watchdog, trace = self.watchdog, self.trace
         token = watchdog.begin(op, self, nbytes, peer)
+        if route:
+            watchdog.set_route(token, route)
         start = time.perf_counter()
         if nonblocking:
             traced = (trace, self.name, op, nbytes, sent, start) if trace is not None and trace.active else None
@@ -188,24 +199,28 @@ class Communicator:
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", nonblocking: bool = False):
         """In place: every rank's ``tensor`` becomes the sum / average / max over the group."""
         backend = self._host if not tensor.is_cuda else self.backend_for(tensor)
+        route = ""
         if self.shm is not None and self.shm.takes(tensor, op):
-            backend = self.shm
+            backend, route = self.shm, self.shm.route
         return self._run("allreduce", tensor.nbytes, nonblocking, backend.allreduce, tensor, op,
-                         fingerprint=(op, tensor.dtype, tensor.numel()), wire=2 * (self.size - 1) / self.size)
+                         fingerprint=(op, tensor.dtype, tensor.numel()), wire=2 * (self.size - 1) / self.size,
+                         route=route)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                        nonblocking: bool = False):
         """``input`` (size*n elements, block r for group rank r) reduced; block ``self.rank`` -> ``output`` (n)."""
-        backend = self.shm if self.shm is not None and self.shm.takes(input, op) else self.backend_for(input)
+        shm = self.shm if self.shm is not None and self.shm.takes(input, op) else None
+        backend = shm if shm is not None else self.backend_for(input)
         return self._run("reduce_scatter", input.nbytes, nonblocking, backend.reduce_scatter, output, input, op,
-                         fingerprint=(op, input.dtype, input.numel()))
+                         fingerprint=(op, input.dtype, input.numel()), route=shm.route if shm is not None else "")
 
     def allgather(self, output: torch.Tensor, input: torch.Tensor | None = None, nonblocking: bool = False):
         """``output`` (size*n elements) gets every rank's ``input`` (n) in group-rank order.
         ``input=None``: in place, this rank's block of ``output`` already holds its contribution."""
-        backend = self.shm if self.shm is not None and self.shm.takes(output) else self.backend_for(output)
+        shm = self.shm if self.shm is not None and self.shm.takes(output) else None
+        backend = shm if shm is not None else self.backend_for(output)
         return self._run("allgather", output.nbytes, nonblocking, backend.allgather, output, input,
-                         fingerprint=(output.dtype, output.numel()))
+                         fingerprint=(output.dtype, output.numel()), route=shm.route if shm is not None else "")
 
     def alltoall(self, output: torch.Tensor, input: torch.Tensor, nonblocking: bool = False):
         """``input`` (size*n elements): block j goes to group rank j; ``output`` (size*n): block j came

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from hpctrain.comm.collectives import Communicator
 from hpctrain.comm.intra_node import setup_intra_node
@@ -23,6 +24,9 @@ from hpctrain.parallel.layout import Layout
 from hpctrain.parallel.rules import resolve_sizes
 from hpctrain.runtime import env
 from hpctrain.runtime.launcher import RankInfo, missing_thread_multiple
+
+if TYPE_CHECKING:
+    import torch
 
 AXES = ("dp", "pp", "cp", "tp")  # outermost -> innermost
 
@@ -56,7 +60,7 @@ class ProcessGrid:
         self._comms, self.crosses_nodes, self.world = comms, crosses_nodes, world
         self.layout: Layout | None = None  # set by from_config
         self.watchdog, self.stats, self.warnings = watchdog, stats, warnings
-        self.device = None  # set by use_device
+        self.device: torch.device | None = None  # set by use_device
         self.intra_node = "mpi"  # how the dp group reduces CPU floats: "shm", "shm-hierarchical" or "mpi"
         self._extra: list[Communicator] = []  # sub-groups split off later (node_split)
 
@@ -128,7 +132,7 @@ class ProcessGrid:
             position = {r: _position(c, varying, sizes) for r, c in coords_of.items()}
             colors = sorted(set(key_of.values()))
             mine = key_of[info.rank]
-            members = tuple(sorted((r for r in range(info.size) if key_of[r] == mine), key=position.get))
+            members = tuple(sorted((r for r in range(info.size) if key_of[r] == mine), key=position.__getitem__))
             mpi_comm = mpi_world.Split(color=colors.index(mine), key=position[info.rank])
             if mpi_comm.Get_rank() != position[info.rank] or mpi_comm.Get_size() != len(members):
                 raise GridError(f"internal: {name} communicator rank {mpi_comm.Get_rank()} != coordinate "
@@ -199,6 +203,7 @@ class ProcessGrid:
                              comm.backend_choice, comm.check)
         intra.trace = inter.trace = comm.trace
         if comm._device is not None:  # the device backends of the sub-groups, in the same order everywhere
+            assert self.device is not None  # use_device gave comm its device backend
             for sub in (intra, inter):
                 sub.prepare_device(self.device)
         self._extra.extend((intra, inter))

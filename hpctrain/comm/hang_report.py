@@ -38,7 +38,7 @@ def _top_frame(thread_name: str | None = None):
         ident = threading.main_thread().ident
     else:
         ident = next((t.ident for t in threading.enumerate() if t.name == thread_name), None)
-    return sys._current_frames().get(ident)
+    return sys._current_frames().get(ident) if ident is not None else None
 
 
 def where(thread_name: str | None = None, depth: int = 3) -> str:
@@ -134,11 +134,32 @@ def investigate(watchdog, call) -> tuple[str, list[int]]:
 
 
 def missing_ranks(call, answers: dict[int, dict]) -> list[int]:
-    """The world ranks ``call`` waits for: its peer, or the members of its group not inside it."""
+    """The world ranks ``call`` waits for: its peer, or the members of its group not inside it (through a
+    shared-memory window: those that have not arrived at the barrier this rank waits in, ``shm_progress``)."""
     if call.peer is not None:
         return [call.comm.members[call.peer]]
+    progress = shm_progress(call)
+    if progress is not None:
+        return [m for m in call.comm.members if not progress[m][1]]
     key = group_key(call.comm)
     return [m for m in call.comm.members if not _in_call(answers.get(m), key, call.seq)]
+
+
+def shm_progress(call) -> dict[int, tuple[bool, bool]] | None:
+    """For ``call`` made through its group's shared-memory window on this node (comm.intra_node's route):
+    {world rank: (it has entered the call, it has arrived at the barrier this rank waits in)}, read from the
+    window's headers (shm.py ``progress``), which a stopped rank cannot hide. None for any other call, with
+    no arrival counts, or while this rank's window works on another call (comm.shm_progress = thread)."""
+    if call.peer is not None or getattr(call, "route", "") != "shared memory":
+        return None
+    progress = getattr(getattr(getattr(call.comm, "shm", None), "shm", None), "progress", None)
+    state = progress() if progress is not None else None
+    if state is None:
+        return None
+    entries, arrivals, target, me = state
+    if entries[me] != call.seq:
+        return None
+    return {call.comm.members[j]: (entries[j] == call.seq, arrivals[j] >= target) for j in range(len(entries))}
 
 
 def compiling_causes(call, answers: dict[int, dict]) -> list[int]:
@@ -213,8 +234,10 @@ def format_report(watchdog, call, answers: dict[int, dict], window_s: float) -> 
     causes, waits = wait_chain(answers, missing)
     for rank in causes:
         lines.insert(1, f"  cause: {_state(rank, answers.get(rank), peers, window_s)}")
+    progress = shm_progress(call)
     for member in missing:
-        lines.append("  " + _missing_line(member, call, key, answers.get(member), peers, window_s))
+        entered = progress is not None and progress[member][0]
+        lines.append("  " + _missing_line(member, call, key, answers.get(member), peers, window_s, entered))
     for rank, text in sorted(waits.items()):
         lines.append(f"  rank {rank} waits in {text}")
     lines.append(f"Aborting the job (exit 3). A stopped or hung rank is the usual cause; raise comm.timeout_s "
@@ -234,9 +257,15 @@ def _state(rank: int, info: dict | None, peers, window_s: float) -> str:
     return f"{who(rank, peers)}: {now}; {stacks}"
 
 
-def _missing_line(member: int, call, key: str, info: dict | None, peers, window_s: float) -> str:
-    verb = (f"has not entered {call.op} #{call.seq} on group {call.comm.name} {list(call.comm.members)}"
+def _missing_line(member: int, call, key: str, info: dict | None, peers, window_s: float,
+                  entered: bool = False) -> str:
+    """One line on a rank ``call`` waits for; ``entered``: the shared-memory window shows it inside the call."""
+    route = f" ({call.route})" if getattr(call, "route", "") else ""
+    verb = (f"has not entered {call.op} #{call.seq}{route} on group {call.comm.name} {list(call.comm.members)}"
             if call.peer is None else f"(the peer of this {call.op})")
+    if entered:
+        verb = (f"entered {call.op} #{call.seq}{route} on group {call.comm.name} {list(call.comm.members)} and "
+                f"is inside the shared-memory exchange, but has not arrived at the barrier this rank waits in")
     if info is None:
         return f"{who(member, peers)} {verb}: it did not answer in {window_s:.0f} s: {process_state(member, peers)}"
     op, seq, ago = info["done"].get(key, (None, 0, None))

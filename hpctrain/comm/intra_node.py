@@ -32,6 +32,7 @@ from hpctrain.comm.shm import ShmCollectives, ShmSpansNodes, ShmUnavailable
 from hpctrain.errors import HpcTrainError, everywhere
 
 SHM_DTYPES = frozenset((torch.float32, torch.float64))  # a set: a hash lookup on the hot path
+ROUTE_NAMES = {"shm": "shared memory", "shm-hierarchical": "shared memory within nodes, MPI between"}
 
 
 class IntraNodeError(HpcTrainError):
@@ -111,6 +112,8 @@ class ShmRoute:
         if self.when not in ("thread", "call"):
             raise ValueError(f"ShmRoute: when={self.when!r}; expected thread or call")
         self.worker = _Worker() if self.when == "thread" else None
+        self.route = ROUTE_NAMES.get(shm.kind, shm.kind)  # how a hang report names this route's calls
+        self._enter = getattr(shm, "enter", None)  # one node's window: publish the call's number in it
 
     @staticmethod
     def takes(tensor: torch.Tensor, op: str = "sum") -> bool:
@@ -118,6 +121,8 @@ class ShmRoute:
         return op == "sum" and tensor.dtype in SHM_DTYPES and not tensor.is_cuda and tensor.is_contiguous()
 
     def _start(self, call, args, nonblocking: bool):
+        if self._enter is not None:  # the Communicator has just numbered this call (Watchdog.begin)
+            call, args = self._entered, (self.shm.comm.seq, call, args)
         if self.worker is not None:
             work = self.worker.submit(call, args)
             if nonblocking:
@@ -126,6 +131,12 @@ class ShmRoute:
             return None
         call(*args)
         return _FINISHED if nonblocking else None
+
+    def _entered(self, seq: int, call, args) -> None:
+        """``call(*args)`` as the group's collective number ``seq``, published in the window first."""
+        assert self._enter is not None  # _start routes a call here only then
+        self._enter(seq)
+        call(*args)
 
     def allreduce(self, tensor, op="sum", nonblocking=False):
         shm = self.shm

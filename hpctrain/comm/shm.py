@@ -20,18 +20,25 @@ MPI ``Barrier`` on the node communicator: 2.2 us) fenced by ``Win.Sync()`` insid
 ``Lock_all`` epoch (the MPI-3 shared-memory model). Each slot has two halves used alternately, so the
 barrier that opens call k+1 also proves every peer finished reading call k's half: two barriers per
 allreduce, one per reduce_scatter / allgather. Every call is registered with the group's watchdog as
-one collective (``shm allreduce #k on group ...``), so a stopped rank is named in a hang report.
+one collective (``shm allreduce #k on group ...``), so a stopped rank is named in a hang report; each rank
+also publishes in its header the number of the call it is in (``enter``), so a peer's report can tell a
+rank stopped inside the exchange from one that never entered it (``progress``, hang_report.py).
 """
 from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from hpctrain.comm.shm_memory import populate
 from hpctrain.errors import HpcTrainError
+from hpctrain.runtime.faults import FaultInjector
+
+if TYPE_CHECKING:
+    from hpctrain.comm.watchdog import OpCounter
 
 SHM_OPS = ("allreduce", "reduce_scatter", "allgather")
 ALIGN = 64  # bytes: slots and halves start on a cache line
@@ -43,6 +50,18 @@ class ShmUnavailable(HpcTrainError):
 
 class ShmSpansNodes(ShmUnavailable):
     """The group spans nodes (the hierarchical scheme, hierarchical.py, may still serve it)."""
+
+
+def _faulty(sync, fault: FaultInjector):
+    """``sync`` followed by ``fault.hit("shm", N)`` at this rank's N-th barrier: it arrived (the peers go on to
+    the next barrier and wait there), then it stops, stalls or dies inside the exchange."""
+    count = [0]
+
+    def sync_then_fault() -> None:
+        sync()
+        count[0] += 1
+        fault.hit("shm", count[0])
+    return sync_then_fault
 
 
 def _slice(length: int, n: int, j: int) -> tuple[int, int]:
@@ -89,23 +108,43 @@ class ShmCollectives:
             self.node.Free()
             raise ShmUnavailable(f"shared-memory collectives on group '{comm.name}': cannot allocate a shared "
                                  f"window of {ALIGN + 2 * self.capacity} bytes per rank ({reason})")
+        assert self.win is not None  # allocated on every rank: none gave a reason
         self.win.Lock_all(MPI.MODE_NOCHECK)
-        self.slots, self.arrivals = [], []  # per group rank: its slot (uint8, both halves); its barrier count
+        # per group rank: its slot (uint8, both halves); in its header its barrier count and the sequence
+        # number of the call it is in (``enter``; read by a peer's hang report: ``progress``)
+        self.slots, self.arrivals, self.entries = [], [], []
         for j in range(self.size):
             buf, _ = self.win.Shared_query(j)
-            memory = np.frombuffer(buf, dtype=np.uint8, count=ALIGN + 2 * self.capacity)
+            memory = np.frombuffer(  # type: ignore[call-overload]  # numpy's stub lacks mpi4py's buffer type
+                buf, dtype=np.uint8, count=ALIGN + 2 * self.capacity)
             self.arrivals.append(memory[:8].view(np.int64))
+            self.entries.append(memory[8:16].view(np.int64))
             self.slots.append(memory[ALIGN:])
-        self.arrivals[self.rank][0] = 0
+        self.arrivals[self.rank][0] = self.entries[self.rank][0] = 0
         self._arrived = 0  # barriers this rank has entered
         self._peers = [self.arrivals[j] for j in range(self.size) if j != self.rank]
         self.barrier = barrier
         self._sync = self._flag_barrier if barrier == "flags" else self._mpi_barrier
+        fault = FaultInjector.from_env(comm.members[comm.rank])
+        if fault.phase == "shm":  # test-only: this rank stops or stalls after its N-th barrier (faults.py)
+            self._sync = _faulty(self._sync, fault)
         self.node.Barrier()  # every counter is zero before anyone counts
         self._half = 0
-        self._counters = {}
+        self._counters: dict[str, OpCounter] = {}
 
     # ---------------------------------------------------------------- plumbing
+    def enter(self, seq: int) -> None:
+        """Publish in this rank's header that it is in the group's collective number ``seq`` (the watchdog's)."""
+        self.entries[self.rank][0] = seq
+
+    def progress(self) -> tuple[list[int], list[int], int, int] | None:
+        """From the window, which a stopped peer cannot hide: (the call each group rank last entered, the
+        barriers each has arrived at, the barrier this rank is in or last left, this rank); None after
+        ``close`` or with the MPI barrier (no arrival counts)."""
+        if self.win is None or self.barrier != "flags":
+            return None
+        return ([int(e[0]) for e in self.entries], [int(a[0]) for a in self.arrivals], self._arrived, self.rank)
+
     def _views(self, dtype: np.dtype, count: int) -> list[np.ndarray]:
         """The next half of every slot as ``count`` elements of ``dtype`` (switches halves)."""
         start = self._half * self.capacity
@@ -115,6 +154,7 @@ class ShmCollectives:
 
     def _mpi_barrier(self) -> None:
         """Every rank's writes to its slot are visible to every peer (a memory barrier + node barrier)."""
+        assert self.win is not None, "shm collectives used after close()"
         self.win.Sync()
         self.node.Barrier()
         self.win.Sync()
@@ -123,6 +163,7 @@ class ShmCollectives:
         """The same through the window: publish this rank's arrival count, spin until every peer's has
         reached it (``Win.Sync`` is the memory fence around it). Spins ~50 us, then yields the core,
         then sleeps 50 us per check (an oversubscribed node, or a peer stuck: the watchdog reports it)."""
+        assert self.win is not None, "shm collectives used after close()"
         self.win.Sync()
         self._arrived += 1
         target = self._arrived
@@ -147,6 +188,7 @@ class ShmCollectives:
         counter.bytes += nbytes
         watchdog = self.comm.watchdog
         token = watchdog.begin(op, self.comm, nbytes)
+        self.entries[self.rank][0] = self.comm.seq  # ``enter``: the call number begin gave it
         start = time.perf_counter()
         try:
             body(*args)
@@ -230,7 +272,7 @@ class ShmCollectives:
                              f"{self.size} x the input")
         blocks = self._array(output, "allgather").reshape(self.size, -1)
         in_place = input is None
-        source = blocks[self.rank] if in_place else self._array(input, "allgather")
+        source = blocks[self.rank] if input is None else self._array(input, "allgather")
         self._watched("shm allgather", output.nbytes, self._allgather, blocks, source, in_place)
 
     def _allgather(self, blocks: np.ndarray, source: np.ndarray, in_place: bool) -> None:

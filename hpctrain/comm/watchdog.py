@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hpctrain.runtime.errors_exit import abort_grace_s
@@ -72,17 +73,20 @@ class Call:
     """One call in flight: ``op`` on ``comm`` (a Communicator), collective number ``seq`` on that group
     (or, for point-to-point, this rank's ``seq``-th message with group rank ``peer``)."""
 
-    __slots__ = ("op", "comm", "nbytes", "seq", "peer", "start", "numbered")
+    __slots__ = ("op", "comm", "nbytes", "seq", "peer", "start", "numbered", "route")
 
     def __init__(self, op: str, comm, nbytes: int, seq: int, peer: int | None = None):
         self.op, self.comm, self.nbytes, self.seq, self.peer = op, comm, nbytes, seq, peer
         self.numbered = True
+        self.route = ""  # how it travels when not MPI: "shared memory" (comm.intra_node's route)
         self.start = time.monotonic()
 
     def describe(self) -> str:
+        route = f" ({self.route})" if self.route else ""
         size = f" of {self.nbytes} bytes" if self.nbytes else ""
         peer = f" with group rank {self.peer} (world rank {self.comm.members[self.peer]})" if self.peer is not None else ""
-        return f"{self.op} #{self.seq}{size}{peer} on group '{self.comm.name}' (world ranks {list(self.comm.members)})"
+        return (f"{self.op} #{self.seq}{route}{size}{peer} on group '{self.comm.name}' "
+                f"(world ranks {list(self.comm.members)})")
 
 
 class Slot:
@@ -131,7 +135,7 @@ class Watchdog:
         self.report_path: str | None = None
         self.groups: list = []  # every Communicator on this watchdog (their sequence numbers)
         self._inflight: dict[int, Call] = {}
-        self._device: dict[int, object] = {}  # token -> done(): calls whose host part returned, device work queued
+        self._device: dict[int, Callable[[], bool]] = {}  # token -> done(): calls whose host part returned, device work queued
         self._ids = itertools.count()
         self._stop = threading.Event()
         self.noticed: Call | None = None  # the stalled call this rank is reporting on
@@ -161,6 +165,12 @@ class Watchdog:
         if peer == -1:
             self._inflight[token].numbered = False
         return token
+
+    def set_route(self, token: int, route: str) -> None:
+        """Call ``token`` travels by ``route`` ("shared memory"): its reports say so."""
+        call = self._inflight.get(token)
+        if call is not None:
+            call.route = route
 
     def end(self, token: int) -> None:
         call = self._inflight.pop(token, None)

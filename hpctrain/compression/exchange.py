@@ -14,10 +14,14 @@ non-blocking in the constructor (so backward overlaps it) and completes in ``fin
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from hpctrain.profiling.timers import NULL_TIMER
+
+if TYPE_CHECKING:
+    from hpctrain.comm.handle import Handle
 
 
 class Stopwatch:
@@ -38,6 +42,8 @@ class Stopwatch:
 
 class _InFlight:
     """A reduction whose first exchange (``self.handle``) is in flight."""
+
+    handle: Handle  # started by the subclass's __init__
 
     def test(self) -> bool:
         return self.handle.test()

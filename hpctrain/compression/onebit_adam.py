@@ -23,6 +23,8 @@ rank's chunk), checkpoint state like every method's. The momentum and variance a
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hpctrain.compression.reducer import CompressedReducer
@@ -31,7 +33,7 @@ from hpctrain.compression.reducer import CompressedReducer
 class OneBitAdamReducer(CompressedReducer):
     def __init__(self, flat, cfg, compressor, *, seed: int = 0, node_comms=None):
         super().__init__(flat, cfg, compressor, seed=seed, node_comms=node_comms)
-        self.optimizer = None
+        self.optimizer: Any = None  # optim's FlatOptimizer (bind_optimizer): a layer above, not imported
         self.pending: dict[int, torch.Tensor] = {}  # bucket index -> m' of this step, until after_step
         self.synced = False  # the full momentum is the same on every rank (ZeRO-1: gathered once)
         self.masks = {b.index: self._real_elements(b) for b in flat.buckets}

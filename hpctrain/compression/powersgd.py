@@ -91,6 +91,7 @@ class PowerSGDReducer(CompressedReducer):
         with self.clock:
             offset = 0
             for (name, p, q), (_, target) in zip(qs, matrices):
+                assert second is not None  # qs is not empty
                 q = second[offset:offset + q.numel()].view_as(q)
                 offset += q.numel()
                 self.q[name] = q.clone()

@@ -15,10 +15,15 @@ compressed sum across nodes on 1/L of the bucket (L ranks per node), then an all
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from hpctrain.compression.exchange import STRATEGIES, Stopwatch, own_block
 from hpctrain.compression.memory import ErrorFeedback
+
+if TYPE_CHECKING:
+    from hpctrain.comm.collectives import Communicator
 
 
 class Done:
@@ -37,7 +42,7 @@ class GradReducer:
         self.step = 0
         self.dense_bytes = self.sent_bytes = 0  # this step: what dense would send / what was sent
         self.clock = Stopwatch(flat.timer)
-        self.overflow = False  # a bucket had inf/NaN: False, or a device bool (float16 runs; see note_nonfinite)
+        self.overflow: bool | torch.Tensor = False  # a bucket had inf/NaN: False, or a device bool (float16 runs; see note_nonfinite)
         self.loss_scale = 1.0
 
     def begin_step(self, step: int, loss_scale: float = 1.0) -> None:
@@ -115,9 +120,10 @@ class CompressedReducer(GradReducer):
         self.cfg, self.compressor, self.seed = cfg, compressor, seed
         self.dense = DenseReducer(flat)
         self.memory = ErrorFeedback() if cfg.error_feedback else None
+        self.intra: Communicator | None
         self.intra, self.inter = node_comms if node_comms else (None, self.comm)
         self.strategy = STRATEGIES[compressor.strategy] if compressor is not None else None
-        self._running = {}  # bucket index -> reduction in flight (None: dense this step)
+        self._running: dict[int, Any] = {}  # bucket index -> reduction in flight (None: dense this step)
 
     def _dense_now(self, bucket) -> bool:
         return self.step < self.cfg.warmup_steps or bucket.size < self.cfg.min_numel or self.inter.size == 1
@@ -138,6 +144,7 @@ class CompressedReducer(GradReducer):
         self.note_nonfinite(x)
         key = f"worker/{bucket.index}"
         corrected = self.memory.corrected(key, x) if self.memory is not None else x
+        assert self.strategy is not None  # a compressor was given
         reduction = self.strategy(self.inter, self.compressor, corrected, clock=self.clock,
                                   slice_only=slice_only and self.intra is None,
                                   server_memory=self.memory, server_key=f"server/{bucket.index}",

@@ -52,7 +52,7 @@ def load_tokens(source: str = BUILTIN_SOURCE, cache_dir: str = "", max_bytes: in
 
 
 def load_tokens_collective(mpi_comm, source: str = BUILTIN_SOURCE, cache_dir: str = "",
-                           max_bytes: int = 0) -> np.ndarray:
+                           max_bytes: int = 0) -> np.ndarray | PreparedCorpus | SFTCorpus:
     """Collective ``load_tokens`` over an mpi4py communicator (``None``: single process).
 
     Rank 0 loads (building the builtin cache), then broadcasts success or its error;
@@ -83,6 +83,7 @@ def load_tokens_collective(mpi_comm, source: str = BUILTIN_SOURCE, cache_dir: st
     if not status["ok"]:
         raise everywhere(DataError(status["message"])) from root_error
     if rank == 0:
+        assert tokens is not None  # status ok: rank 0 loaded them
         return tokens
     try:
         cache_path = status["cache_path"]

@@ -23,7 +23,7 @@ def builtin_source_files() -> list[str]:
     stdlib_root = sysconfig.get_paths()["stdlib"]
     if not os.path.isdir(stdlib_root):
         raise DataError(f"builtin corpus: stdlib folder {stdlib_root!r} does not exist")
-    paths = []
+    paths: list[str] = []
     for folder, subfolders, names in os.walk(stdlib_root):
         subfolders[:] = [d for d in subfolders if d not in SKIPPED_STDLIB_DIRS]
         paths.extend(os.path.join(folder, n) for n in names if n.endswith(".py"))
@@ -41,7 +41,7 @@ def _is_text_file(path: str) -> bool:
 
 def folder_text_files(folder: str) -> list[str]:
     """The text-like files under ``folder`` (recursive, sorted, hidden entries and binary files skipped)."""
-    paths = []
+    paths: list[str] = []
     for current, subfolders, names in os.walk(folder):
         subfolders[:] = [d for d in subfolders if not d.startswith(".")]
         paths.extend(os.path.join(current, n) for n in names if not n.startswith("."))

@@ -96,7 +96,8 @@ def is_prepared(path: str) -> bool:
 
 def _shares(sizes: list[int], nranks: int) -> list[list[int]]:
     """Document indices per rank, largest first to the least loaded rank (greedy balance)."""
-    loads, shares = [0] * nranks, [[] for _ in range(nranks)]
+    loads = [0] * nranks
+    shares: list[list[int]] = [[] for _ in range(nranks)]
     for d in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         r = loads.index(min(loads))
         shares[r].append(d)

@@ -113,6 +113,8 @@ class ReferencedBase:
 
     def __init__(self, reference: dict, fallback: str, model_cfg, what: str, open_source, verify_all: bool = False):
         self.path = locate(reference, fallback, what)
+        recorded = reference.get("path", "")
+        self.gone = recorded if recorded and not os.path.exists(recorded) else None  # the fallback stands in
         self.what, self.model_cfg, self.verify_all = what, model_cfg, verify_all
         self.source = open_source(self.path)
         self.base_path = getattr(self.source, "base_path", None) or self.path
@@ -134,6 +136,12 @@ class ReferencedBase:
 
     def _raise_if_different(self, crcs: dict[str, int]) -> None:
         bad = differences(self.reference, crcs)
+        if bad and self.gone:  # the recorded base is gone; model.init_from (or --base) holds another one
+            raise HpcTrainError(f"{self.what} refers to its LoRA base weights at {self.gone}, which is gone; "
+                                f"{self.path}, where it was looked for instead, is {MISMATCH}: {len(bad)} "
+                                f"tensor(s) differ (first: {bad[0]}; checksum "
+                                f"{self.reference.get('checksum', '?')[:16]}). Put the base back at {self.gone}, "
+                                f"or point model.init_from (export, generate: --base) at a copy of it")
         if bad:
             raise HpcTrainError(mismatch_message(self.path, self.what, self.reference, bad))
 

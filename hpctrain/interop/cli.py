@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
     e.add_argument("--force", action="store_true", help="replace a non-empty --out")
     e.add_argument("--base", default="", metavar="PATH",
                    help="where a LoRA run's base is now, if it moved from the path its checkpoints refer to")
+    e.add_argument("--base-model", default="", metavar="HF_DIR|NAME",
+                   help="--format peft: the adapter's base_model_name_or_path (default: the Hugging Face "
+                        "directory the run's base came from, else null with a warning)")
     e.set_defaults(func=run_export)
     i = sub.add_parser("import-hf", help="turn a Hugging Face Llama/Mistral model into a step-0 hpctrain "
                                          "checkpoint",

@@ -50,7 +50,7 @@ def parameter_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     m = resolve_model(m)
     d, hd = m.d_model, m.d_model // m.n_heads
     kv = m.n_kv_heads * hd
-    shapes = {"embed.weight": (m.vocab_size, d)}
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (m.vocab_size, d)}
     if m.positions == "learned":
         shapes["pos_embed.weight"] = (m.max_seq_len, d)
     gate = (("mlp.gate", (m.d_ff, d)),) if m.mlp == "swiglu" else ()

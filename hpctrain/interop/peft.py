@@ -66,9 +66,10 @@ def merged(name: str, weight: torch.Tensor, adapters: dict[str, torch.Tensor], l
     """``weight`` of the base parameter ``name`` plus its adapter's alpha/r B A (in float64, then the
     weight's dtype); unchanged when ``name`` has no adapter."""
     linear = name.removesuffix(".weight")
-    a, b = adapters.get(f"{linear}.lora_A.weight"), adapters.get(f"{linear}.lora_B.weight")
+    a = adapters.get(f"{linear}.lora_A.weight")
     if a is None:
         return weight
+    b = adapters[f"{linear}.lora_B.weight"]  # an adapter has both factors
     delta = (lora.alpha / lora.rank) * (b.double() @ a.double())
     return (weight.double() + delta).to(weight.dtype)
 

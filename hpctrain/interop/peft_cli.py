@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from types import SimpleNamespace
 
 from hpctrain.errors import HpcTrainError
@@ -32,18 +33,19 @@ def add_import_parser(sub) -> None:
 
 def base_model_path(init_from: str, depth: int = 4) -> str | None:
     """The Hugging Face directory a run's base came from (its ``model.init_from``, followed through hpctrain
-    checkpoints' own init_from / imported_from), else the init_from path itself, else None."""
+    checkpoints' own init_from / imported_from), which PEFT can load; None when there is none (no init_from,
+    an hpctrain-trained base, a path that is gone)."""
     from hpctrain.checkpoint.weights import config_of, open_checkpoint
     from hpctrain.interop.sources import is_hf_dir
 
-    if not init_from:
+    if not init_from or not os.path.exists(init_from) or depth == 0:
         return None
-    if not os.path.exists(init_from) or is_hf_dir(init_from) or depth == 0:
-        return os.path.abspath(init_from) if os.path.exists(init_from) else init_from
+    if is_hf_dir(init_from):
+        return os.path.abspath(init_from)
     try:
         reader = open_checkpoint(init_from)
     except HpcTrainError:
-        return os.path.abspath(init_from)
+        return None
     try:
         attrs, cfg = reader.attrs, config_of(reader)
     finally:
@@ -51,7 +53,7 @@ def base_model_path(init_from: str, depth: int = 4) -> str | None:
     for earlier in (cfg.model.init_from, attrs.get("imported_from", "")):
         if earlier and os.path.exists(earlier) and is_hf_dir(earlier):
             return os.path.abspath(earlier)
-    return base_model_path(cfg.model.init_from, depth - 1) if cfg.model.init_from else os.path.abspath(init_from)
+    return base_model_path(cfg.model.init_from, depth - 1)
 
 
 def read_run(path: str, merge_lora: bool, want: str, base: str = "") -> SimpleNamespace:
@@ -77,9 +79,9 @@ def read_run(path: str, merge_lora: bool, want: str, base: str = "") -> SimpleNa
             raise HpcTrainError(f"hpctrain export --merge-lora: {source.dir} has no LoRA adapters to merge")
         base_names = parameter_shapes(m)
         adapters = {n: source.read(n) for n in source.shapes if n not in base_names}
-        base = {} if want == "peft" else {n: merged(n, source.read(n), adapters, lora) if lora else source.read(n)
-                                          for n in base_names}
-        return SimpleNamespace(model=m, dtype=source.dtype, tensors=base, adapters=adapters, lora=lora,
+        tensors = {} if want == "peft" else {n: merged(n, source.read(n), adapters, lora) if lora else source.read(n)
+                                             for n in base_names}
+        return SimpleNamespace(model=m, dtype=source.dtype, tensors=tensors, adapters=adapters, lora=lora,
                                config=source.config, step=source.attrs.get("step"), dir=source.dir)
     finally:
         source.close()
@@ -99,12 +101,18 @@ def run_export_peft(args) -> int:
         run = read_run(args.checkpoint, False, "peft")
         lora, adapters = run.lora, run.adapters
         dtype = run.dtype if args.dtype == "auto" else args.dtype
-        base = base_model_path(run.config.model.init_from)
+        init_from = run.config.model.init_from
+        base = getattr(args, "base_model", "") or base_model_path(init_from)
         files = write_peft(tmp, lora, adapters, dtype, base)
     params = sum(t.numel() for t in adapters.values())
+    if base is None:  # PEFT loads a Hugging Face model (or hub name) only: say what to do
+        print(f"hpctrain export: WARNING: base_model_name_or_path is null: the run's base ("
+              f"{init_from or 'random, no model.init_from'}) is no Hugging Face model directory that PEFT can "
+              f"load. Export the base with `hpctrain export BASE --format hf --out DIR` and pass --base-model DIR "
+              f"(or set base_model_name_or_path in adapter_config.json)", file=sys.stderr, flush=True)
     print(f"hpctrain export: {run.dir} (step {run.step}) -> {os.path.abspath(args.out)}: a PEFT LoRA adapter "
           f"(r={lora.rank}, alpha={lora.alpha:g}, on {','.join(lora.targets)}), {', '.join(files)}; {params:,} "
-          f"parameters in {dtype}; base_model_name_or_path: {base or 'unknown (the run had no model.init_from)'}")
+          f"parameters in {dtype}; base_model_name_or_path: {base}")
     return 0
 
 

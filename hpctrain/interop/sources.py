@@ -13,7 +13,8 @@ import os
 import torch
 
 from hpctrain.checkpoint.contract import TrainState
-from hpctrain.config import architecture_differences, resolve_model
+from hpctrain.checkpoint.architecture import of_checkpoint
+from hpctrain.config import ModelConfig, architecture_differences, resolve_model
 from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.interop.base_ref import ReferencedBase
 from hpctrain.interop.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFModelDir, parameter_shapes
@@ -41,13 +42,15 @@ class CheckpointSource:
             self.reader.close()
             raise
         self.config, self.model = cfg, resolve_model(cfg.model)
+        self.architecture = of_checkpoint(self.reader.attrs)  # the model it was written for (recorded keys)
         self.dtype = str(self.reader.attrs.get("model_dtype", cfg.train.dtype))
         self.attrs = self.reader.attrs
         self.lora = cfg.lora if cfg.lora.rank else None  # a LoRA run's checkpoint: base + adapters
         self.shapes = parameter_shapes(self.model)
         if self.lora:
             self.shapes.update(adapter_shapes(self.model, self.lora))
-        self._reference, self._base_hint, self._base = self.attrs.get("lora_base"), base, None
+        self._reference, self._base_hint = self.attrs.get("lora_base"), base
+        self._base: ReferencedBase | None = None
 
     @property
     def base(self):
@@ -123,7 +126,7 @@ def is_hf_dir(path: str) -> bool:
         return True  # HFModelDir says what is wrong with it
 
 
-def check_same_model(source_model, ours, where: str) -> None:
+def check_same_model(source_model: ModelConfig | dict, ours: ModelConfig, where: str) -> None:
     """HpcTrainError listing every architecture key (heads, sizes, rope_theta, ...) that differs."""
     differences = architecture_differences(source_model, ours)
     if differences:
@@ -162,7 +165,7 @@ def init_weights(state: TrainState, path: str, world) -> None:
     tensors = state.tensors()
     try:
         source = open_source(path)
-        check_same_model(source.model, state.model_config, path)
+        check_same_model(getattr(source, "architecture", source.model), state.model_config, path)
         with_adapters = check_adapters(source, state.config.lora, path)
         for p in tensors.params:
             if is_adapter(p.spec.name) and not with_adapters:

@@ -92,6 +92,7 @@ def write_weights_only(directory: str, cfg, tensors: dict, dtype: str, source: s
     import hpctrain
     from hpctrain.checkpoint.format import (COMPLETE_MARKER, FORMAT_NAME, FORMAT_VERSION, LATEST_POINTER, Box,
                                             disk_dtype, model_dataset, step_dirname)
+    from hpctrain.checkpoint.architecture import ARCHITECTURE_ATTR, record
     from hpctrain.checkpoint.reader import CheckpointReader
     from hpctrain.checkpoint.state import Snapshot, WriteItem
     from hpctrain.checkpoint.writers import write_shards
@@ -108,7 +109,7 @@ def write_weights_only(directory: str, cfg, tensors: dict, dtype: str, source: s
                   "layout": {"dp": 1, "pp": 1, "tp": 1, "zero": 0, "world": 1},
                   "sampler": {"consumed": 0, "seed": cfg.train.seed, "seq_len": cfg.train.seq_len},
                   "loss_scaler": {"scale": cfg.train.loss_scale, "good_steps": 0},
-                  "weights_only": True, "imported_from": source}
+                  "weights_only": True, "imported_from": source, ARCHITECTURE_ATTR: record(cfg.model)}
     step_dir = os.path.join(directory, step_dirname(0))
     os.makedirs(os.path.join(step_dir, "shards"))
     write_shards(_OneRank(), step_dir, snap)

@@ -9,7 +9,7 @@ no matmul FLOPs (rope has neither).
 """
 from __future__ import annotations
 
-from hpctrain.parallel.rules import check_stages
+from hpctrain.parallel.rules import check_stages, padded_vocab
 
 
 def mlp_matrices(m) -> int:
@@ -54,6 +54,28 @@ def partition_layers(m, pp: int, explicit: list[int] | None = None) -> list[tupl
         bounds.append((start, start + c))
         start += c
     return bounds
+
+
+def rank_parameters(m, tp: int, pp: int, pp_rank: int, stage_layers=(), virtual_stages: int = 1) -> dict[str, int]:
+    """Parameters on one tp rank of pipeline rank ``pp_rank``, as train/chunks.py builds its chunks (virtual
+    stage v = c x pp + pp_rank of pp x ``virtual_stages``), by part: "vocabulary" (embedding rows on v = 0,
+    LM head rows on the last, of the PADDED vocabulary / tp; a tied head is the embedding with one stage),
+    "blocks" (matrices / tp, norms; the final norm), "positions" (a learned table on v = 0)."""
+    stages = pp * virtual_stages
+    ranges = partition_layers(m, stages, list(stage_layers) or None)
+    rows = padded_vocab(m, tp) // tp
+    parts = {"vocabulary": 0, "blocks": 0, "positions": 0}
+    for chunk in range(virtual_stages):
+        v = chunk * pp + pp_rank
+        lo, hi = ranges[v]
+        parts["blocks"] += (hi - lo) * (block_matmul_parameters(m) // tp + 2 * m.d_model)
+        if v == 0:
+            parts["vocabulary"] += rows * m.d_model
+            parts["positions"] += position_parameters(m)
+        if v == stages - 1:
+            parts["blocks"] += m.d_model
+            parts["vocabulary"] += 0 if (m.tie_embeddings and stages == 1) else rows * m.d_model
+    return parts
 
 
 def flops_per_token(m, seq_len: int, lora_rank: int = 0, lora_targets=()) -> float:

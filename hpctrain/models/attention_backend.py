@@ -1,42 +1,75 @@
-"""Which kernel ``F.scaled_dot_product_attention`` runs: flash / memory-efficient on CUDA, checked once.
+"""Which kernel ``F.scaled_dot_product_attention`` runs: the fastest of cuDNN / flash / memory-efficient on CUDA.
 
-    choice = choose_sdpa(device, dtype, head_dim, masked=window > 0 or packed)  # trial calls on CUDA
+    choice = choose_sdpa(device, dtype, head_dim, masked=window > 0 or packed, seq=S, heads=H, batch=B)
     use_sdpa(model, choice)            # every Attention module (``sdpa_choice``) calls SDPA under it
     out = attention(q, k, v, choice)   # [B, H, S, hd]; causal, or with ``attn_mask`` [.., S, S] bool
 
-On CUDA the fast kernels (``FLASH_ATTENTION``, ``EFFICIENT_ATTENTION``) are tried once at start-up with a
-forward and backward call of the model's dtype and head size, causal, and when the model uses masks
-(a sliding window, packed documents: flash takes no ``attn_mask``) with a boolean mask too. Calls then
-run under ``sdpa_kernel`` with the kernels that passed, so a later call that cannot use them fails loudly
-instead of silently taking the slow path; when none passed, the math kernel with ONE warning naming why
-(``SdpaChoice.warning``; the trainer prints it on rank 0). On the host nothing is restricted: torch's own
+On CUDA the fast kernels (``CUDNN_ATTENTION``, ``FLASH_ATTENTION``, ``EFFICIENT_ATTENTION``) each get a trial
+at start-up (``trial``): a forward and backward of the run's dtype, head size, heads, micro-batch and length
+(causal; and, when the model uses masks, a sliding window or packed documents, with a boolean mask too: flash
+takes no ``attn_mask``), checked (constant inputs give a known output), then ``TRIAL_REPS`` more timed with
+CUDA events. The kernels that passed run in order of their time, fastest first (``sdpa_kernel`` with
+``set_priority``): a later call that none of them takes fails loudly instead of silently taking the slow
+path. With ``gather`` (an allgather over the world) every rank takes the slowest rank's time of each kernel,
+so all ranks choose alike. When none passed: the math kernel with ONE warning naming why
+(``SdpaChoice.warning``); a kernel that raised in its trial, or that this torch install lacks (cuDNN), is
+named in ONE note with the kernel used instead (``SdpaChoice.note``); the trainer prints both on rank 0,
+and the timings (``SdpaChoice.timings``) with ``--verbose``. On the host nothing is restricted: torch's own
 choice, reported as "math/cpu". Ring attention (cp > 1, long sliding windows) does not call SDPA.
 """
 from __future__ import annotations
 
+import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-FAST = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)  # tried in this order
-NAMES = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.EFFICIENT_ATTENTION: "efficient", SDPBackend.MATH: "math"}
+CUDNN = SDPBackend.CUDNN_ATTENTION
+FAST = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, CUDNN)  # all tried; equal times: this order
+NAMES = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.EFFICIENT_ATTENTION: "efficient", SDPBackend.MATH: "math",
+         CUDNN: "cudnn"}
 TRIAL_SEQ = 128  # tokens of the trial call when the caller gives none
 MAX_TRIAL_SEQ = 8192  # longer sequences are tried at this length (the mask trial's [S, S] bool stays 64 MiB)
+TRIAL_REPS = 3  # timed forward + backward calls per kernel, after one untimed (plans, autotuning) and checked
+
+
+@dataclass(frozen=True)
+class TrialShape:
+    """The trial's q, k, v: [batch, heads, seq, head_dim] (the model's local heads, micro-batch, length)."""
+
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One kernel's trial: ``ms`` per forward + backward, or None with ``reason`` when it cannot run;
+    ``failed``: it raised, gave a wrong result or is missing from this install (not torch refusing these inputs)."""
+
+    ms: float | None
+    reason: str = ""
+    failed: bool = False
 
 
 @dataclass(frozen=True)
 class SdpaChoice:
-    """The SDPA kernels allowed for causal calls and for calls with an ``attn_mask`` (() = torch's own
-    choice, unrestricted); ``name`` for the start-up line; ``warning``: why the fast kernels are not used
-    ("" when they are)."""
+    """The SDPA kernels allowed for causal calls and for calls with an ``attn_mask``, fastest first (() =
+    torch's own choice, unrestricted); ``name`` for the start-up line; ``warning``: why the fast kernels are
+    not used ("" when they are); ``note``: kernels that failed their trial and what runs instead;
+    ``timings``: each kernel's trial (--verbose)."""
 
     causal: tuple = ()
     masked: tuple = ()
     name: str = "math/cpu"
     warning: str = ""
+    note: str = ""
+    timings: str = ""
 
 
 HOST = SdpaChoice()
@@ -48,71 +81,94 @@ def attention(q, k, v, choice: SdpaChoice, attn_mask=None):
     backends = choice.causal if attn_mask is None else choice.masked
     if not backends:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None)
-    with sdpa_kernel(list(backends)):
+    with sdpa_kernel(list(backends), set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None)
 
 
-def trial(backend, device, dtype, head_dim: int, masked: bool, seq: int = TRIAL_SEQ) -> str:
-    """"" when ``backend`` runs a forward and backward of [1, 2, seq, head_dim] ``dtype`` on ``device``
-    (causal, or with a causal boolean ``attn_mask`` when ``masked``), else why not (torch's reasons)."""
-    seq = min(seq, MAX_TRIAL_SEQ)
-    shape = (1, 2, seq, head_dim)
-    q, k, v = (torch.full(shape, 0.5, device=device, dtype=dtype, requires_grad=True) for _ in range(3))  # no RNG
-    mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril() if masked else None
+def trial(backend, device, dtype, shape: TrialShape, masked: bool, reps: int = TRIAL_REPS) -> Trial:
+    """``backend``'s forward and backward of q, k, v ``shape`` (laid out as the model's [S, B, H, hd],
+    permuted) of ``dtype`` on ``device``, causal or, when ``masked``, with a causal boolean ``attn_mask``:
+    the time per call (``reps`` calls timed by CUDA events after one checked call), or why it cannot run."""
+    if backend is CUDNN and not torch.backends.cudnn.is_available():
+        return Trial(None, "cuDNN is not available in this torch install", failed=True)
+    seq = min(shape.seq, MAX_TRIAL_SEQ)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
+            leaves = [torch.full((seq, shape.batch, shape.heads, shape.head_dim), 0.5, device=device, dtype=dtype,
+                                 requires_grad=True) for _ in range(3)]  # constant: no RNG, a known output
+            q, k, v = (t.permute(1, 2, 0, 3) for t in leaves)
+            mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril() if masked else None
             with sdpa_kernel([backend]):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked)
-            out.float().sum().backward()
-            return ""
-        except RuntimeError as exc:
-            reasons = [str(w.message).strip().splitlines()[0] for w in caught] or [str(exc).splitlines()[0]]
-            return " ".join(dict.fromkeys(r for r in reasons if r))[:300]
+                out.float().sum().backward()
+                if not torch.allclose(out.float(), torch.full_like(out, 0.5, dtype=torch.float32), atol=1e-2):
+                    return Trial(None, "wrong result (constant inputs: every output must be 0.5)", failed=True)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked)
+                    out.float().sum().backward()
+                end.record()
+                end.synchronize()
+            return Trial(start.elapsed_time(end) / reps)
+        except Exception as exc:  # noqa: BLE001 - any failure of a kernel is a reason, never a traceback
+            # torch's checks said no (on CUDA with warnings naming why), not the kernel failing
+            refused = any(text in str(exc) for text in ("No available kernel", "No viable backend"))
+            reasons = [str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()]
+            if not (refused and reasons):
+                reasons = [f"{type(exc).__name__}: {(str(exc).strip() or '?').splitlines()[0]}"]
+            return Trial(None, " ".join(dict.fromkeys(reasons))[:300], failed=not refused)
 
 
-def _allowed(device, dtype, head_dim: int, masked: bool, probe, seq: int) -> tuple[tuple, list[str]]:
-    """The FAST kernels that pass ``probe`` (in order), and the reasons of those that do not."""
-    ok, why = [], []
-    for backend in FAST:
-        reason = probe(backend, device, dtype, head_dim, masked, seq)
-        if reason:
-            why.append(f"{NAMES[backend]}: {reason}")
-        else:
-            ok.append(backend)
-    return tuple(ok), why
-
-
-def choose_sdpa(device, dtype, head_dim: int, masked: bool = False, probe=trial, seq: int = TRIAL_SEQ) -> SdpaChoice:
-    """The kernels for a model of ``dtype`` and ``head_dim`` on ``device`` with sequences of ``seq`` tokens
-    (``masked``: it also calls SDPA with an ``attn_mask``). ``probe(backend, device, dtype, head_dim, masked,
-    seq)`` -> "" or the reason a kernel cannot run (``trial``; injected in tests). Host devices: ``HOST``, no
-    probe."""
+def choose_sdpa(device, dtype, head_dim: int, masked: bool = False, probe=trial, seq: int = TRIAL_SEQ,
+                heads: int = 2, batch: int = 1, gather: Callable[[list], list] | None = None) -> SdpaChoice:
+    """The kernels for a model of ``dtype``, ``head_dim`` and ``heads`` (local) on ``device``, with micro-batches
+    of ``batch`` sequences of ``seq`` tokens (``masked``: it also calls SDPA with an ``attn_mask``).
+    ``probe(backend, device, dtype, TrialShape, masked)`` -> ``Trial`` (``trial``; injected in tests);
+    ``gather``: an allgather of Python objects over the ranks that must choose alike (each kernel's time is
+    the slowest rank's; a kernel fails if it fails anywhere), or None. Host devices: ``HOST``, no probe."""
     if torch.device(device).type != "cuda":
         return HOST
-    causal, why = _allowed(device, dtype, head_dim, False, probe, seq)
-    masked_ok, masked_why = _allowed(device, dtype, head_dim, True, probe, seq) if masked else ((), [])
+    shape = TrialShape(batch, heads, seq, head_dim)
+    kinds = (False, True) if masked else (False,)
+    trials = {(b, m): probe(b, device, dtype, shape, m) for m in kinds for b in FAST}
     if probe is trial:
         torch.cuda.reset_peak_memory_stats(device)  # the run's peak-memory report leaves the trials out
-    name = NAMES[causal[0]] if causal else "math"
+    keys = list(trials)
+    times = [math.inf if trials[key].ms is None else float(trials[key].ms) for key in keys]
+    if gather is not None:
+        times = [max(ranks) for ranks in zip(*gather(times))]
+    ms = dict(zip(keys, times))
+    order = {m: tuple(sorted((b for b in FAST if ms[(b, m)] < math.inf), key=lambda b: ms[(b, m)]))
+             for m in kinds}
     problems = []
-    if not causal:
-        causal = (SDPBackend.MATH,)
-        problems.append(f"causal attention ({'; '.join(why)})")
-    if masked:
-        if not masked_ok:
-            masked_ok = (SDPBackend.MATH,)
-            problems.append(f"masked attention (sliding window / packed documents: {'; '.join(masked_why)})")
-        name += f" (masked: {NAMES[masked_ok[0]]})"
+    for m, what in ((False, "causal attention"), (True, "masked attention (sliding window / packed documents)")):
+        if m in order and not order[m]:
+            order[m] = (SDPBackend.MATH,)
+            problems.append(f"{what} ({'; '.join(_why(trials, m))})")
+    name = NAMES[order[False][0]] + (f" (masked: {NAMES[order[True][0]]})" if masked else "")
     dtype_name = str(dtype).removeprefix("torch.")
     warning = (f"SDPA falls back to the math kernel for {' and '.join(problems)} with {dtype_name}, head_dim "
                f"{head_dim}: slower and O(S^2) memory" if problems else "")
-    return SdpaChoice(causal, tuple(masked_ok), name, warning)
+    failed = sorted({f"{NAMES[b]} ({t.reason})" for (b, _), t in trials.items() if t.failed})
+    note = (f"SDPA kernel(s) {'; '.join(failed)} failed their trial: attention runs {name}"
+            if failed and not problems else "")
+    timings = "; ".join(f"{'masked' if m else 'causal'}: " + ", ".join(
+        f"{NAMES[b]} {ms[(b, m)]:.3f} ms" if ms[(b, m)] < math.inf else f"{NAMES[b]} -" for b in FAST) for m in kinds)
+    return SdpaChoice(order[False], order.get(True, ()), name, warning, note, timings)
+
+
+def _why(trials: dict, masked: bool) -> list[str]:
+    """"kernel: reason" of every kernel that did not pass its ``masked`` trial on this rank (another rank's
+    failure, with ``gather``: "passed here, not on every rank")."""
+    return [f"{NAMES[b]}: {t.reason or 'passed here, not on every rank'}" for (b, m), t in trials.items()
+            if m == masked]
 
 
 def use_sdpa(model: torch.nn.Module, choice: SdpaChoice) -> SdpaChoice:
     """Set ``choice`` on every submodule of ``model`` that calls SDPA (has ``sdpa_choice``); returns it."""
     for module in model.modules():
         if hasattr(module, "sdpa_choice"):
-            module.sdpa_choice = choice
+            module.sdpa_choice = choice  # type: ignore[assignment]  # Module.__setattr__'s stub takes only Tensor/Module
     return choice

@@ -23,8 +23,12 @@ The embedding, the LM head and the vocab-parallel loss stay eager (their tp coll
 from __future__ import annotations
 
 import collections
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hpctrain.models.gpt import GPTStage
 
 
 def compile_wanted(setting: str, device: torch.device) -> bool:
@@ -34,7 +38,7 @@ def compile_wanted(setting: str, device: torch.device) -> bool:
     return setting == "true"
 
 
-def compile_stage(stage: torch.nn.Module) -> int:
+def compile_stage(stage: GPTStage) -> int:
     """Compile every block (and the final norm) of a GPTStage in place, lazily (on the first call); returns
     the number of modules compiled. Random ops (LoRA's dropout) draw from torch's generator as in eager
     (inductor's ``fallback_random``), not from inductor's own Philox streams: the same masks, so compiled
@@ -70,7 +74,7 @@ def compile_report(since: dict, top: int = 5) -> list[str]:
     now = dynamo_counts()
     seen = collections.Counter(now["breaks"])
     seen.subtract(since["breaks"])
-    breaks = collections.Counter()
+    breaks: collections.Counter[str] = collections.Counter()
     for reason, count in (+seen).items():  # only the reasons seen since
         breaks[_break_kind(str(reason))] += count
     lines = [f"torch.compile: {now['graphs'] - since['graphs']} graph(s) compiled, {sum(breaks.values())} "

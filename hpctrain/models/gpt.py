@@ -26,6 +26,7 @@ from hpctrain.models.attention_backend import HOST as HOST_SDPA, attention as sd
 from hpctrain.models.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
 from hpctrain.models.lora import add_adapters, enabled as lora_enabled
 from hpctrain.parallel.context_parallel import causal_window_mask, default_tile, ring_attention, zigzag_positions
+from hpctrain.parallel.head_loss import chunk_tokens, fused_head_cross_entropy
 from hpctrain.parallel.packed import local_document_positions, same_document
 from hpctrain.parallel.rules import check_tp_divisibility, padded_vocab
 from hpctrain.parallel.slab import init_from_global_, make_spec
@@ -51,7 +52,7 @@ class RMSNorm(nn.Module):
                          partial_grad_over_tp=bool(sp and tp_comm and tp_comm.size > 1))
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
         init_from_global_(self.weight, spec, 0, None)
-        self.weight.spec = spec
+        self.weight.spec = spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
         self.eps = eps
 
     def forward(self, x):
@@ -191,7 +192,9 @@ class LearnedPositions(nn.Module):
         spec = make_spec("pos_embed.weight", (m.max_seq_len, m.d_model), None, tp_comm, partial_grad_over_tp=split_seq)
         self.weight = nn.Parameter(torch.empty(spec.local_shape, dtype=dtype))
         init_from_global_(self.weight, spec, seed, m.init_std)
-        self.weight.spec = spec
+        self.weight.spec = spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
+        self.chunk_index: int
+        self.split_over: int
         self.chunk_index, self.split_over = (tp_comm.rank, tp_comm.size) if split_seq else (0, 1)
         self.cp_comm = cp_comm
 
@@ -228,7 +231,8 @@ class GPTStage(nn.Module):
     [vocab_start, vocab_start + n) (with tp = 1 the whole true vocabulary, [S, B, vocab_size]). The LM
     head holds ``padded_vocab`` rows; their padding columns are cut off here, before any loss, softmax or
     sampling sees them (so the padding rows get zero gradient). ``loss_sum`` turns the logits into the SUM
-    of per-token losses (the trainer divides by the global count of counted tokens). ``docs`` [B, S_global]:
+    of per-token losses (the trainer divides by the global count of counted tokens); ``forward_loss``: both,
+    fused over chunks of tokens without logits (hpctrain/parallel/head_loss.py). ``docs`` [B, S_global]:
     the packed documents of every position (hpctrain/parallel/packed.py), or None. ``lora``: a ``[lora]``
     section with rank > 0 adds adapters and freezes the rest (hpctrain/models/lora.py); None or rank 0: none.
     """
@@ -265,10 +269,20 @@ class GPTStage(nn.Module):
                                                  seed=seed, std=m.init_std, padded_out=vocab)
             spec = self.head.w.spec  # head rows: vocabulary ids [vocab_start, + vocab_valid), then padding
             self.vocab_start, self.vocab_valid = spec.tp_rank * spec.local_shape[0], spec.valid_shape[0]
+            self.fused_loss, self.loss_chunk = m.fused_head_loss, m.loss_chunk_tokens
         if lora_enabled(lora):  # adapters on the lora.targets linears; every other weight frozen
             add_adapters(self, m, lora, tp_comm, dtype, seed)
 
     def forward(self, x, docs=None):
+        x = self._trunk(x, docs)
+        if self.is_last:
+            x = self.head(x)
+            if x.shape[-1] > self.vocab_valid:
+                x = x[..., :self.vocab_valid]  # padding columns dropped (a view)
+        return x
+
+    def _trunk(self, x, docs):
+        """Embedding (first stage), blocks, final norm (last stage): the stage without its LM head."""
         if self.is_first:
             x = self.embed(x.t().contiguous())
             if hasattr(self, "pos_embed"):
@@ -277,17 +291,13 @@ class GPTStage(nn.Module):
         for block in self.layers.values():
             recompute = self.recompute and self.training
             x = checkpoint(block, x, docs, tables, use_reentrant=False) if recompute else block(x, docs, tables)
-        if self.is_last:
-            x = self.head(self.norm(x))
-            if x.shape[-1] > self.vocab_valid:
-                x = x[..., :self.vocab_valid]  # padding columns dropped (a view)
-        return x
+        return self.norm(x) if self.is_last else x
 
     def _rotary_tables(self, x, docs):
         """The blocks' rotary (cos, sin) for the hidden state x [S(/tp), B, D], once per forward; None
         without rotary positions or blocks."""
         first = next(iter(self.layers.values()), None)
-        if first is None or not first.attn.rope:
+        if not isinstance(first, Block) or not first.attn.rope:  # None: no blocks
             return None
         split = self.tp_comm.size if self.sp and self.tp_comm is not None else 1  # attention sees all S
         return first.attn.rotary_tables(x.shape[0] * split, docs, x.device, x.dtype)
@@ -296,4 +306,16 @@ class GPTStage(nn.Module):
         """Sum over tokens of the cross-entropy; targets [B, S]; ``mask`` [B, S] bool: only the tokens where it
         is True count (None: all). Talks on tp."""
         losses = vocab_parallel_cross_entropy(logits, targets.t().contiguous(), self.tp_comm, self.vocab_start)
+        return losses.sum() if mask is None else torch.where(mask.t(), losses, 0).sum()
+
+    def forward_loss(self, x, targets, mask=None, docs=None):
+        """The last stage's ``loss_sum(forward(x, docs), targets, mask)``; with ``model.fused_head_loss`` over
+        chunks of ``model.loss_chunk_tokens`` tokens, never [S, B, vocab] logits. Talks on tp."""
+        if not self.fused_loss or self.head.lora is not None:
+            return self.loss_sum(self(x, docs), targets, mask)
+        h = self._trunk(x, docs)
+        h = gather_seq(h, self.tp_comm) if self.sp else copy_to_tp(h, self.tp_comm)  # as the head's input
+        chunk = chunk_tokens(self.loss_chunk, h.shape[0] * h.shape[1], self.head.w.shape[0])
+        losses = fused_head_cross_entropy(h.flatten(0, 1), self.head.w, targets.t().reshape(-1), self.tp_comm,
+                                          self.vocab_start, self.vocab_valid, chunk).view(h.shape[:2])
         return losses.sum() if mask is None else torch.where(mask.t(), losses, 0).sum()

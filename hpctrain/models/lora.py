@@ -37,7 +37,9 @@ def add_adapters(stage: nn.Module, m, lora, tp_comm, dtype, seed: int) -> None:
     """Adapters on the ``lora.targets`` linears of every block of ``stage`` (a GPTStage, its ``layers``
     built), then freeze everything else of it. ``m``: the resolved model config (validated targets)."""
     shapes = lora_target_shapes(m)
-    for index, block in stage.layers.items():
+    layers = stage.layers
+    assert isinstance(layers, nn.ModuleDict)
+    for index, block in layers.items():
         for target in lora.targets:
             path, column = TARGET_MODULES[target]
             in_features, out_features = shapes[target]

@@ -6,9 +6,13 @@ scrape renders in the server's thread, never in the training step."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.monitor.metrics import METRICS
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 
 class PrometheusSink:
@@ -26,9 +30,12 @@ class PrometheusSink:
         self._pc, self.port, self.addr, self.textfile = pc, port, addr, textfile
         self.constant = dict(constant)
         self.registry = pc.CollectorRegistry(auto_describe=True)
-        self._metrics, self._totals, self.server = {}, {}, None
+        self._metrics: dict[str, pc.Counter | pc.Gauge] = {}
+        self._totals: dict[tuple, float] = {}  # (counter, its labels) -> the running total set last
+        self.server: WSGIServer | None = None
         for m in METRICS.values():
             labelnames = (*self.constant, *m.labels)
+            metric: pc.Counter | pc.Gauge
             if m.kind == "counter":  # prometheus_client appends _total itself
                 metric = pc.Counter(m.name.removesuffix("_total"), m.help, labelnames, registry=self.registry)
             else:

@@ -47,7 +47,7 @@ def summarize(per_rank: list[tuple[float, dict]]) -> RankSummary:
     order = sorted(range(len(per_rank)), key=lambda r: (per_rank[r][0], r))
     slowest, median = order[-1], order[(len(order) - 1) // 2]
     slow_s, median_s = per_rank[slowest][0], per_rank[median][0]
-    totals = defaultdict(int)
+    totals: defaultdict[str, int] = defaultdict(int)
     for _, sent in per_rank:
         for group, n in sent.items():
             totals[group] += n

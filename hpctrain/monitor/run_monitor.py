@@ -16,6 +16,7 @@ import os
 import socket
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 
 from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.monitor.fanout import SinkWorker
@@ -37,9 +38,10 @@ class RunMonitor:
         self.is_root = world.rank == 0
         self.constant = {"run": os.path.basename(os.path.abspath(run_dir)), "job_id": env.batch_job_id(),
                          "layout": layout_label(sizes), **parse_labels(mon.labels)}
-        self.window, self.sinks, self.skipped, self.last_saved = RankWindow(), [], 0, None
-        self.comm_totals = defaultdict(int)  # bytes sent by all ranks, by group, since the start
-        self.worker = None  # rank 0: the sinks' thread (fanout.py), once started
+        self.window, self.skipped, self.last_saved = RankWindow(), 0, None
+        self.sinks: list = []  # rank 0 until start hands them to the worker: PrometheusSink, TensorBoardSink
+        self.comm_totals: defaultdict[str, int] = defaultdict(int)  # bytes sent by all ranks, by group, since the start
+        self.worker: SinkWorker | None = None  # rank 0: the sinks' thread (fanout.py), once started
         self.restarts = env.slurm_restart_count()
 
     def start(self, step: int) -> None:
@@ -64,7 +66,8 @@ class RunMonitor:
                     ("hpctrain_restarts_total", {}, self.restarts)], step, flush=True)
 
     def _make_sinks(self) -> list:
-        mon, sinks = self.cfg, []
+        mon = self.cfg
+        sinks: list = []
         if mon.prometheus_port or mon.prometheus_textfile:
             from hpctrain.monitor.prometheus import PrometheusSink
 
@@ -91,7 +94,7 @@ class RunMonitor:
             json.dump(record, f, indent=1)
         os.replace(path + ".tmp", path)
 
-    def on_step(self, record: dict, saved_steps: list[int] = (), save_phases: dict | None = None) -> None:
+    def on_step(self, record: dict, saved_steps: Sequence[int] = (), save_phases: dict | None = None) -> None:
         """Every rank, after every step (``record``: the step's metrics, ``val_loss`` when it evaluated;
         ``saved_steps``/``save_phases``: the checkpoint manager's published steps and the last save's phases).
         Collective every ``interval`` steps."""

@@ -29,7 +29,8 @@ class TensorBoardSink:
             self.writer = SummaryWriter(log_dir=log_dir)
         except OSError as exc:
             raise HpcTrainError(f"monitor.tensorboard: cannot write {log_dir}: {exc.strerror or exc}") from None
-        self.log_dir, self.pending, self.last_step = log_dir, {}, 0
+        self.log_dir, self.last_step = log_dir, 0
+        self.pending: dict[str, float] = {}  # tag -> the value to write at the next flush
 
     def start(self) -> None:
         pass

@@ -29,7 +29,7 @@ floored at the bias-corrected |momentum| (``frozen_adam_update_``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,7 +52,7 @@ class OptimizerSlice:
     exp_avg_sq: torch.Tensor
     decay_ranges: list
     norm_ranges: list
-    runs: list = None  # fused AdamW: (lo, hi, decayed) runs covering [0, end - start), see ``fused_runs``
+    runs: list = field(default_factory=list)  # fused AdamW: (lo, hi, decayed) runs covering [0, end - start), see ``fused_runs``
 
     def state(self, kind: str, lo: int, hi: int) -> torch.Tensor:
         """View of state ``kind`` ("master", "exp_avg", "exp_avg_sq") for absolute flat [lo, hi)."""
@@ -165,6 +165,7 @@ class FlatOptimizer:
                 for lo, hi in s.decay_ranges:
                     master[lo:hi].mul_(1 - lr * c.weight_decay)
             if c.name == "adamw" and frozen:
+                assert self.freeze_variance_after is not None  # frozen: 1-bit Adam's variance freeze
                 frozen_adam_update_(master, grad, s.exp_avg, s.exp_avg_sq, lr, self.step_count, c, grad_coef,
                                     self._scratch(master), self.freeze_variance_after, self.momentum_from_reducer)
             elif c.name == "adamw":
@@ -184,7 +185,8 @@ class FlatOptimizer:
         tensor lists. Built once and kept (``_fused_groups``) when the gradients are already in the masters'
         dtype: every tensor is then a view of storage that lives as long as the optimizer."""
         decay = bool(self.cfg.weight_decay)
-        groups, kept = {True: ([], [], [], []), False: ([], [], [], [])}, True
+        groups: dict[bool, tuple[list, list, list, list]] = {True: ([], [], [], []), False: ([], [], [], [])}
+        kept = True
         for s in self.owned_slices:
             owned = self.flat.owned_grad(s.bucket, s.start, s.end)
             kept = kept and owned.dtype == self.master_dtype

@@ -58,12 +58,8 @@ def zigzag_split(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.
 
 def zigzag_merge(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     """The inverse of ``zigzag_split``: every cp rank's local part (in cp rank order) -> the global tensor."""
-    cp = len(parts)
-    chunks = [None] * (2 * cp)
-    for rank, part in enumerate(parts):
-        first, second = part.chunk(2, dim=dim)
-        chunks[rank], chunks[2 * cp - 1 - rank] = first, second
-    return torch.cat(chunks, dim=dim)
+    halves = [part.chunk(2, dim=dim) for part in parts]  # rank r holds chunks r and 2 cp - 1 - r
+    return torch.cat([first for first, _ in halves] + [second for _, second in reversed(halves)], dim=dim)
 
 
 # ---------------------------------------------------------------- blocks

@@ -43,7 +43,7 @@ class RingStep:
 
     def __init__(self, comm, tensor: torch.Tensor, tag: int):
         tensor = tensor.contiguous()
-        self._sent = tensor  # alive until the send completes
+        self._sent: torch.Tensor | None = tensor  # alive until the send completes
         self.received = torch.empty_like(tensor)
         self.handle = comm.exchange(sends=[(tensor, next_rank(comm), tag)],
                                     recvs=[(self.received, prev_rank(comm), tag)])

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ class Bucket:
     params: list = field(default_factory=list)
     deferred: bool = False
     pending: int = 0
-    handle: object = None
+    handle: Any = None  # the reducer's reduction in flight (test/wait), None when idle
     slice_grad: torch.Tensor | None = None  # ZeRO: this rank's reduced slice
     index: int = 0  # position in FlatParams.buckets (the reducer's key for per-bucket state)
 
@@ -131,7 +132,8 @@ class FlatParams:
         regular = [p for p in ordered if not needs_pre_reduction(p)]
         # the grads partial over tp first: one contiguous span, summed by one all-reduce (_pre_reduce)
         deferred = sorted((p for p in ordered if needs_pre_reduction(p)), key=lambda p: not p.spec.partial_grad_over_tp)
-        buckets, start = [], 0
+        buckets: list[Bucket] = []
+        start = 0
         groups: list[tuple[list, bool]] = []
         current: list = []
         for p in regular:
@@ -178,6 +180,7 @@ class FlatParams:
     def _launch(self, bucket: Bucket) -> None:
         if self.dp_size == 1:
             if self.zero:
+                assert bucket.slice_grad is not None  # ZeRO: every bucket has its slice
                 bucket.slice_grad.copy_(self.grad_buffer[bucket.start:bucket.end])
             return
         bucket.handle = self.reducer.start(bucket)
@@ -235,7 +238,10 @@ class FlatParams:
         return ranges
 
     def owned_grad(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
-        return bucket.slice_grad if self.zero else self.grad_buffer[start:end]
+        if self.zero:
+            assert bucket.slice_grad is not None  # ZeRO: every bucket has its slice
+            return bucket.slice_grad
+        return self.grad_buffer[start:end]
 
     def gather_params(self) -> None:
         """ZeRO-1: after the owned ranges were updated, all-gather parameters in place over dp."""
@@ -265,7 +271,7 @@ class FlatParams:
         elements from ``spec.valid_numel`` on: never trained, never saved)."""
         ranges = []
         for piece in self.pieces(start, end):
-            first_pad = max(piece.param_lo, piece.param.spec.valid_numel)
+            first_pad = max(piece.param_lo, piece.param.spec.valid_numel)  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
             if first_pad < piece.param_hi:
                 ranges.append((piece.flat_lo + first_pad - piece.param_lo - start, piece.flat_hi - start))
         return ranges

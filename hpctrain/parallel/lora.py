@@ -52,7 +52,7 @@ class LoraFactor(nn.Module):
     def __init__(self, spec, dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(spec.local_shape, dtype=dtype))
-        self.weight.spec = spec
+        self.weight.spec = spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
 
 
 def attach_lora(linear: nn.Module, name: str, in_features: int, out_features: int, tp_comm, *, column: bool,
@@ -68,7 +68,7 @@ def attach_lora(linear: nn.Module, name: str, in_features: int, out_features: in
     linear.lora_A = LoraFactor(a_spec, dtype)
     linear.lora_B = LoraFactor(b_spec, dtype)  # zero
     kaiming_uniform_global_(linear.lora_A.weight, a_spec, seed)
-    linear.lora = LoraSettings(alpha / rank, dropout)
+    linear.lora = LoraSettings(alpha / rank, dropout)  # type: ignore[assignment]  # Module.__setattr__'s stub takes only Tensor/Module
 
 
 @torch.no_grad()
@@ -85,13 +85,14 @@ def kaiming_uniform_global_(param: torch.Tensor, spec, seed: int) -> None:
 def lora_delta(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The adapter's contribution to ``linear``'s output for input x [..., in(/tp)]: [..., out(/tp)]
     (row-parallel: a partial sum over tp, reduced with the base output). No communication."""
-    settings = linear.lora
+    settings, lora_a, lora_b = linear.lora, linear.lora_A, linear.lora_B  # set by attach_lora
+    assert isinstance(settings, LoraSettings) and isinstance(lora_a, LoraFactor) and isinstance(lora_b, LoraFactor)
     if settings.dropout and linear.training:
         x = F.dropout(x, settings.dropout)
-    return F.linear(F.linear(x, linear.lora_A.weight), linear.lora_B.weight) * settings.scaling
+    return F.linear(F.linear(x, lora_a.weight), lora_b.weight) * settings.scaling
 
 
 def freeze_all_but_adapters(module: nn.Module) -> None:
     """requires_grad=False on every parameter of ``module`` that is not a LoRA factor (the frozen base)."""
     for p in module.parameters():
-        p.requires_grad_(is_adapter(p.spec.name))
+        p.requires_grad_(is_adapter(p.spec.name))  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)

@@ -70,7 +70,9 @@ class PipelineExecutor:
         ``masks``/``docs``: per micro-batch loss masks and packed document ids (every chunk gets its
         micro-batch's ``docs``), or None."""
         first_recvs, after = step_posts(steps, self.rank, self.stages, len(self.chunks))
-        saved, produced, received, outstanding, loss_total = {}, {}, {}, [], 0.0
+        produced: dict[tuple[str, int, int], torch.Tensor] = {}  # (op, micro-batch, chunk) -> to send
+        received: dict[tuple[str, int, int], torch.Tensor] = {}  # (op, micro-batch, chunk) -> arrived
+        saved, outstanding, loss_total = {}, [], 0.0
         timer = self.timer
         self._post(first_recvs, produced, received)
         for step, post in zip(steps, after):
@@ -81,11 +83,12 @@ class PipelineExecutor:
                     if train and not chunk.is_first:
                         x.requires_grad_()
                     with timer.phase("forward"):
-                        y = chunk(x) if docs is None else chunk(x, docs[i])
-                        if chunk.is_last:
-                            y = chunk.loss_sum(y, targets[i], None if masks is None else masks[i]) * loss_scale
+                        doc = None if docs is None else docs[i]
+                        if chunk.is_last:  # the head and the loss (fused: no logits; models/gpt.py)
+                            y = chunk.forward_loss(x, targets[i], None if masks is None else masks[i], doc) * loss_scale
                             loss_total = loss_total + y.detach().double()  # on the device: no host read
                         else:
+                            y = chunk(x, doc)
                             produced[("F", i, c)] = y.detach().contiguous()
                     if train:
                         saved[(i, c)] = (x, y)
@@ -98,6 +101,7 @@ class PipelineExecutor:
                     with timer.phase("backward"):
                         torch.autograd.backward(y, grad)
                     if not chunk.is_first:
+                        assert x.grad is not None  # x: the received activation, a leaf that requires grad
                         produced[("B", i, c)] = x.grad.contiguous()
             handle = self._post(post, produced, received)
             if handle is not None:

@@ -16,7 +16,8 @@ def _keyed(plans) -> list[list[dict]]:
     """Per rank, per post: {(src, dst, n-th message between them, kind): tag}."""
     keyed = []
     for rank, plan in enumerate(plans):
-        count, posts = collections.Counter(), []
+        count: collections.Counter[tuple] = collections.Counter()
+        posts = []
         for post in plan:
             ops = {}
             for kind, peer, tag in post:

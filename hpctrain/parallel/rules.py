@@ -43,12 +43,15 @@ def resolve_sizes(world_size: int, dp: int = 0, pp: int = 1, tp: int = 1, cp: in
     model = tp * pp * cp
     if dp == 0:
         if world_size % model:
-            raise GridError(f"world size {world_size} is not divisible by {names} = {values} = {model}; "
+            keys = " x ".join(f"parallel.{a}" for a in names.split("*"))
+            raise GridError(f"world size {world_size} is not divisible by {names} = {values} = {model} ({keys}); "
                             f"launch a multiple of {model} ranks or change {names.replace('*', '/')}")
         dp = world_size // model
     if dp * model != world_size:
-        product = f"dp*pp*tp = {dp}*{pp}*{tp}" if cp == 1 else f"dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp}"
-        raise GridError(f"{product} = {dp * model} but the job has {world_size} ranks; "
+        names = "dp*pp*tp" if cp == 1 else "dp*pp*cp*tp"
+        product = f"{names} = {dp}*{pp}*{tp}" if cp == 1 else f"{names} = {dp}*{pp}*{cp}*{tp}"
+        keys = " x ".join(f"parallel.{a}" for a in names.split("*"))
+        raise GridError(f"{product} = {dp * model} but the job has {world_size} ranks ({keys}); "
                         f"launch {dp * model} ranks or set parallel.dp=0 to derive dp")
     return {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
 

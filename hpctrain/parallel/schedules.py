@@ -138,7 +138,8 @@ def simulate(kind: str, stages: int, microbatches: int, chunks: int = 1, forward
 
 def in_order(plans: list[list[list[tuple]]], chunks: int = 1) -> bool:
     """Whether, for every ordered pair of ranks, the n-th send carries the message of the n-th receive."""
-    stages, flows = len(plans), {}
+    stages = len(plans)
+    flows: dict[tuple, list] = {}  # (src, dst, "send"/"recv") -> the messages in posting order
     for rank, plan in enumerate(plans):
         for post in plan:
             for op in post:
@@ -175,8 +176,9 @@ def timeline(kind: str, stages: int, microbatches: int, chunks: int = 1, forward
     its rank's previous one and for its input: forward of virtual stage v - 1, backward of v + 1, or the
     last virtual stage's own forward)."""
     plans = [schedule_actions(kind, s, stages, microbatches, chunks) for s in range(stages)]
-    done, pos, clock = {}, [0] * stages, [0] * stages
-    out = [[] for _ in range(stages)]
+    done: dict[tuple, int] = {}  # (op, micro-batch, rank, chunk) -> end time
+    pos, clock = [0] * stages, [0] * stages
+    out: list[list[tuple[int, int, tuple]]] = [[] for _ in range(stages)]
     progressed = True
     while progressed:
         progressed = False
@@ -187,7 +189,7 @@ def timeline(kind: str, stages: int, microbatches: int, chunks: int = 1, forward
                 need = (op, i, *source) if source else (("F", i, s, c) if op == "B" else None)
                 if need is not None and need not in done:
                     break
-                start = max(clock[s], done.get(need, 0))
+                start = max(clock[s], done.get(need, 0) if need is not None else 0)
                 clock[s] = done[(op, i, s, c)] = start + (forward if op == "F" else backward)
                 out[s].append((start, clock[s], (op, i, c)))
                 pos[s] += 1

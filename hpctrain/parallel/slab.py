@@ -54,6 +54,7 @@ class SlabSpec:
     @property
     def split_length(self) -> int:
         """Length of ``split_dim`` over all tp ranks, padding included."""
+        assert self.split_dim is not None, f"{self.name} is not split over tp"
         return self.padded_dim if self.padded_dim is not None else self.global_shape[self.split_dim]
 
     @property
@@ -66,6 +67,7 @@ class SlabSpec:
 
     def _real_rows(self) -> tuple[int, int]:
         """Global [start, stop) of this rank's real (non-padding) indices along ``split_dim``."""
+        assert self.split_dim is not None, f"{self.name} is not split over tp"
         n, true = self.split_length // self.tp_size, self.global_shape[self.split_dim]
         return min(self.tp_rank * n, true), min((self.tp_rank + 1) * n, true)
 
@@ -118,10 +120,11 @@ def make_spec(name: str, global_shape, split_dim, tp_comm, padded_dim: int | Non
     rank = 0 if tp_comm is None else tp_comm.rank
     if padded_dim == global_shape[0]:
         padded_dim = None
-    length = padded_dim if padded_dim is not None else (None if split_dim is None else global_shape[split_dim])
-    if split_dim is not None and length % size:
-        raise ValueError(f"{name}: dimension {split_dim} of global shape {tuple(global_shape)} (padded to "
-                         f"{length}) is not divisible by tp={size}")
+    if split_dim is not None:
+        length = padded_dim if padded_dim is not None else global_shape[split_dim]
+        if length % size:
+            raise ValueError(f"{name}: dimension {split_dim} of global shape {tuple(global_shape)} (padded to "
+                             f"{length}) is not divisible by tp={size}")
     return SlabSpec(name, tuple(global_shape), split_dim, rank, size, padded_dim=padded_dim, **flags)
 
 

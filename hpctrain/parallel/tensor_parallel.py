@@ -30,7 +30,7 @@ from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq, reduce_from_tp, re
 def _param(spec, dtype, seed, std):
     p = nn.Parameter(torch.empty(spec.local_shape, dtype=dtype))
     init_from_global_(p, spec, seed, std)
-    p.spec = spec
+    p.spec = spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
     return p
 
 

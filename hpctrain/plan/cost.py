@@ -59,6 +59,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpctrain.parallel.layout import Layout
 from hpctrain.plan.devices import DTYPE_BYTES, PlanError
 from hpctrain.plan.machine import GroupPlacement
 from hpctrain.plan.compressed import dp_wire_fraction, payload_fraction
@@ -112,7 +113,7 @@ class Candidate:
     """A layout (hpctrain.parallel.layout.Layout, already validated) and its recomputation: "off",
     "selective" or "full" (True/False are read as "full"/"off")."""
 
-    layout: object
+    layout: Layout
     recompute: str = "off"
 
     def __post_init__(self):

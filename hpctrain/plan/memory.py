@@ -133,4 +133,5 @@ def memory(model, layout, recompute, options) -> Memory:
                    activation_bytes(model, layout, st, recompute, options) / GIB, options.reserve_gib, st.index)
         if best is None or m.total_gib > best.total_gib:
             best = m
+    assert best is not None  # a layout has at least one stage
     return best

@@ -140,7 +140,7 @@ def predict(model, layout, machine, recompute="off", options: Options = Options(
 
 
 def _describe(lay: Layout, recompute: str = "off") -> dict:
-    d = {"dp": lay.dp_size, "tp": lay.tp_size, "pp": lay.pp_size, "microbatches": lay.microbatches}
+    d: dict[str, object] = {"dp": lay.dp_size, "tp": lay.tp_size, "pp": lay.pp_size, "microbatches": lay.microbatches}
     if lay.cp_size > 1:
         d["cp"] = lay.cp_size
     if lay.sequence_parallel:

@@ -109,7 +109,9 @@ def ring_pairs(seq_len: int, cp: int, window: int = 0, tile: int = RING_TILE) ->
         computed = (2 * diagonal + chunk * chunk,) + (2 * chunk * chunk,) * (cp - 1)
         visible = (chunk * (chunk + 1) + chunk * chunk,) + (2 * chunk * chunk,) * (cp - 1)
         return RingWork(computed, visible, 1.0 - sum(computed) / (cp * 4 * chunk * chunk))
-    computed, visible, done = [], [], 0
+    computed_at: list[int] = []  # per ring step
+    visible_at: list[int] = []
+    done = 0
     for step in range(cp):
         worst = (0, 0)
         for rank in range(cp):
@@ -119,9 +121,9 @@ def ring_pairs(seq_len: int, cp: int, window: int = 0, tile: int = RING_TILE) ->
             total = (sum(p[0] for p in pair), sum(p[1] for p in pair))
             done += total[0]
             worst = max(worst, total)
-        computed.append(worst[0])
-        visible.append(worst[1])
-    return RingWork(tuple(computed), tuple(visible), 1.0 - done / (cp * cp * 4 * chunk * chunk))
+        computed_at.append(worst[0])
+        visible_at.append(worst[1])
+    return RingWork(tuple(computed_at), tuple(visible_at), 1.0 - done / (cp * cp * 4 * chunk * chunk))
 
 
 def kv_elements(model, micro_batch: int, seq_len: int, cp: int, tp: int) -> float:

@@ -30,6 +30,9 @@ READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal"})  # a value int
 DATA_SHAPED = frozenset({"nonzero", "masked_select", "unique_consecutive", "_unique2", "unique_dim",
                          "repeat_interleave", "nonzero_static"})  # output shape depends on the values
 HERE = os.path.abspath(__file__)
+# torch.cuda.set_sync_debug_mode("warn"): each synchronising CUDA call warns with this text (c10/cuda); the mode's
+# one-time notice ("Synchronization debug mode is a prototype feature ...") is not a host read
+SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 class HostReadAudit(TorchDispatchMode):
@@ -65,6 +68,12 @@ class HostReadAudit(TorchDispatchMode):
     def lines(self) -> list[str]:
         """One line per site, most calls first."""
         return [f"{calls} x {op} at {site}" for (op, site), calls in self.sites.most_common()]
+
+
+def sync_warnings(messages) -> list[str]:
+    """The texts of ``messages`` (warnings or their messages) that torch's sync debug mode gave for a
+    synchronising CUDA call: its host reads on a GPU."""
+    return [str(getattr(m, "message", m)) for m in messages if SYNC_WARNING in str(getattr(m, "message", m))]
 
 
 def _waits_for_device(func, args, kwargs) -> bool:

@@ -33,10 +33,14 @@ def abort_grace_s() -> float:
 def run_and_exit(main, argv=None) -> int:
     """Call ``main(argv)``; on error print ``hpctrain: error: rank R: ...`` and end the whole job.
 
-    A user error (HpcTrainError) usually happens on every rank at once (they validate the same
-    input): each prints its message, and after a grace period ``HPCTRAIN_ERROR_GRACE_S`` (1 s) the job
-    is aborted with exit code 2, so a rank that failed alone cannot leave its peers waiting forever in a
-    collective. Any other exception prints its traceback and aborts with exit code 1.
+    A user error (HpcTrainError) usually happens on every rank at once (they validate the same input):
+    each prints its message, and the ranks agree on the ending (``agree_to_exit``, bounded by the grace
+    period ``HPCTRAIN_ERROR_GRACE_S``, 1 s): when every rank is here with the same exit code, each returns
+    it (2) and MPI is finalised as the process exits, so MPICH removes its /dev/shm segment (an abort
+    leaves it: 2 MiB per job and node, until a small /dev/shm is full and a later job dies of SIGBUS).
+    Otherwise (a rank failed alone, its peers wait in a collective, or is gone) the job is aborted with
+    the code, so nothing waits forever. Any other exception prints its traceback and ends the job the
+    same way with exit code 1.
     """
     exc_value = None
     try:
@@ -59,9 +63,74 @@ def run_and_exit(main, argv=None) -> int:
         sys.stderr.flush()
     sys.stdout.flush()
     if mpi_world is not None and size > 1:
-        time.sleep(abort_grace_s())
+        if agree_to_exit(mpi_world, code, abort_grace_s()):
+            _leave_by(EXIT_DEADLINE_S)  # MPI_Finalize at exit: if it never returns, the kernel ends the process
+            return code
         mpi_world.Abort(code)
     return code
+
+
+AGREE_TAG = 32001  # point-to-point tag on the world communicator used by ``agree_to_exit`` alone
+EXIT_DEADLINE_S = 30  # after an agreed error: the longest the interpreter's exit (MPI_Finalize) may take
+
+
+def agree_to_exit(world, code: int, grace_s: float, poll_s: float = 0.002) -> bool:
+    """Whether every rank of ``world`` (an mpi4py communicator) is leaving with ``code``: each sends its code
+    to rank 0, which answers every rank once all have arrived with the same code (True), or when its wait of
+    ``grace_s`` is over or a code differs (False). The other ranks wait ``2 x grace_s`` for the answer (rank 0
+    may arrive up to ``grace_s`` after them): a rank that is gone or stuck in a collective never answers, so
+    the others stop waiting (False: abort). Non-blocking point-to-point only, on a tag nothing else uses."""
+    rank, size = world.Get_rank(), world.Get_size()
+    if rank != 0:
+        world.isend(code, dest=0, tag=AGREE_TAG)  # left pending if rank 0 never receives it: an abort follows
+        return bool(_wait_for(world.irecv(source=0, tag=AGREE_TAG), 2 * grace_s, poll_s))
+    pending = {r: world.irecv(source=r, tag=AGREE_TAG) for r in range(1, size)}
+    deadline, same = time.monotonic() + grace_s, True
+    while pending and same and time.monotonic() < deadline:
+        for r, request in list(pending.items()):
+            done, value = request.test()
+            if done:
+                del pending[r]
+                same = same and value == code
+        if pending:
+            time.sleep(poll_s)
+    agreed = same and not pending
+    answers = [world.isend(agreed, dest=r, tag=AGREE_TAG) for r in range(1, size)]
+    if agreed:  # every rank waits for its answer: the sends complete
+        _wait_for(_All(answers), grace_s, poll_s)
+    return agreed
+
+
+class _All:
+    """``test`` of several requests: (all done, None)."""
+
+    def __init__(self, requests):
+        self.requests = requests
+
+    def test(self):
+        self.requests = [r for r in self.requests if not r.test()[0]]
+        return not self.requests, None
+
+
+def _wait_for(request, timeout_s: float, poll_s: float):
+    """The value of ``request`` (an mpi4py request), or None when it is not done within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, value = request.test()
+        if done:
+            return value if value is not None else True
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(poll_s)
+
+
+def _leave_by(seconds: int) -> None:
+    """A kernel alarm that ends this process ``seconds`` from now unless it has exited (a finalisation that
+    hangs: the launcher then ends the others); no thread, so it works after Python stops running code."""
+    import signal
+
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(seconds)
 
 
 def leave_with(code: int, rank: int, node: int, peers, settle_s: float = 1.0, timeout_s: float = 10.0) -> int:

@@ -9,7 +9,9 @@ and ``tests/mpi/test_hang_report.py`` do):
 before the process grid is built: the others wait in its first collective, as behind a launch stuck in
 the PMI), all at start-up: step 0
   (counted from 1); ``write``, ``verify``, ``publish`` of the checkpoint of step N (``publish``: on
-  rank 0 after the step directory is renamed into place, before ``latest`` is updated);
+  rank 0 after the step directory is renamed into place, before ``latest`` is updated); ``shm``: N counts
+  this rank's barriers in a shared-memory window instead (comm.intra_node, hpctrain/comm/shm.py): after
+  its N-th, inside the exchange, where its peers wait for it at the next one;
 - ``action``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself), ``sleep:S`` (stall S seconds in
   Python, the watchdog thread still alive), ``exit`` (``os._exit(9)``: dies without MPI_Finalize),
   ``nan`` (fills the tensor the hook passes, this rank's parameters at ``optimizer``, with NaN: a
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 from hpctrain.runtime import env
 
-PHASES = ("forward", "backward", "optimizer", "write", "verify", "publish", "corpus", "trace", "launch")
+PHASES = ("forward", "backward", "optimizer", "write", "verify", "publish", "corpus", "trace", "launch", "shm")
 ENV = "HPCTRAIN_FAULT"
 
 

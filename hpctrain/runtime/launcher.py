@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hpctrain.errors import LaunchError
@@ -27,7 +28,7 @@ class LauncherEnv:
     source: str = ""  # the variables read, for error messages
 
 
-def _int(env: dict, key: str) -> int | None:
+def _int(env: Mapping[str, str], key: str) -> int | None:
     value = env.get(key)
     try:
         return int(value) if value is not None else None
@@ -35,7 +36,7 @@ def _int(env: dict, key: str) -> int | None:
         return None
 
 
-def read_launcher_env(env: dict | None = None) -> LauncherEnv:
+def read_launcher_env(env: Mapping[str, str] | None = None) -> LauncherEnv:
     """Identify the launcher from environment variables, most specific first.
 
     mpiexec inside a Slurm batch script inherits the batch shell's ``SLURM_*`` variables, so MPI

@@ -111,6 +111,7 @@ def _aside(path: str) -> str:
 
 def _launcher(args):
     from hpctrain.sweep.launch import MpiexecLauncher, SbatchLauncher
+    from hpctrain.sweep.runs import SweepError
 
     if args.launcher == "sbatch":
         if args.start_timeout <= 0 or args.resubmits < 0:

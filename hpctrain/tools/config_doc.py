@@ -71,6 +71,18 @@ MEANINGS: dict[str, str] = {
                        "must describe the same model (an error lists the differences). Applies only when nothing is "
                        "resumed, so a requeued job continues from its own checkpoint. Optimizer state starts fresh. "
                        "See docs/models-and-data.md.",
+    "model.fused_head_loss": "The last pipeline stage computes the LM head and the cross-entropy together over chunks "
+                             "of tokens (and over the vocab-parallel slabs with tp), never holding [tokens, vocab] "
+                             "logits: backward recomputes each chunk's logits (about a third more head FLOPs, far "
+                             "less memory; docs/benchmarks.md). Losses and gradients equal the plain path's (float64: "
+                             "1e-10 in every layout). `false`: logits, then the vocab-parallel cross-entropy (the "
+                             "fallback). Generation and export always compute plain logits. Not part of the model: "
+                             "a run may change it on resume.",
+    "model.loss_chunk_tokens": "Tokens per chunk of the fused head + loss (`model.fused_head_loss`), of the last "
+                               "stage's micro-batch tokens (micro_batch x seq_len / cp). 0 = automatic: one chunk "
+                               "when the float32 logits of all tokens over this rank's vocabulary slab fit 256 MiB, "
+                               "else as many tokens as fit (a multiple of 128). A size that does not divide the "
+                               "tokens is fine (the last chunk is smaller). The start-up line names the chunk.",
     # [parallel]
     "parallel.dp": "Data-parallel replicas. 0 = world size / (tp x pp x cp); otherwise dp x pp x cp x tp must "
                    "equal the number of ranks.",
@@ -222,8 +234,10 @@ MEANINGS: dict[str, str] = {
                           "state is saved synchronously, then the job is requeued (`train.requeue`) or exits "
                           "with code 75. Slurm's `--signal=USR1@SECONDS` sends the first.",
     "train.time_limit_s": "Stop (and save) before this many seconds of wall time have passed since start. 0 = the "
-                          "Slurm job's end time (`squeue -o %e`), or no limit outside Slurm. The stop leaves one "
-                          "step plus twice the MEASURED duration of the last save.",
+                          "Slurm job's end time (`squeue -o %e`), or no limit outside Slurm. The stop is checked "
+                          "before each step and leaves 3 steps (the one about to run and the 2 its request takes "
+                          "to be agreed: the verdict is read a step late; 2 with an immediate verdict) plus twice "
+                          "the MEASURED duration of the last save ([slurm.md](slurm.md#time-limits)).",
     "train.time_limit_margin_s": "Time kept for the final save before any save has been measured in this job.",
     "train.requeue": "`auto`: after a stop by signal or time limit under Slurm, rank 0 runs `scontrol requeue` "
                      "and every rank exits 0 (the job resumes from the checkpoint); if the job cannot be "
@@ -235,9 +249,11 @@ MEANINGS: dict[str, str] = {
     "train.nonfinite": "A non-finite loss, or (without float16 loss scaling) a non-finite gradient norm, is never "
                        "applied. `stop`: the run stops at once, saves nothing, logs a stop event and exits 4. "
                        "`skip`: the step is skipped and training goes on (see max_skipped_steps).",
-    "train.max_skipped_steps": "Consecutive skipped steps (non-finite, or float16 overflow) after which the run "
-                               "stops as with nonfinite = stop (exit 4): a float16 scale at its minimum that still "
-                               "overflows would otherwise skip forever.",
+    "train.max_skipped_steps": "Consecutive skipped steps after which the run stops as with nonfinite = stop "
+                               "(exit 4): non-finite steps, and float16 overflows at the minimum loss scale (1) "
+                               "that would otherwise skip forever. An overflow while the scale is above 1 only "
+                               "halves it (the scaler's search, as Megatron-LM and DeepSpeed): any "
+                               "train.loss_scale recovers.",
     "train.run_dir": "Directory of the run: metrics.jsonl, config.json, summary.json, checkpoints/.",
     "train.progress": "Show a live progress bar when stdout is a terminal.",
     "train.eval_interval": "Every N steps (and at the last step) compute the validation loss over "
@@ -250,9 +266,10 @@ MEANINGS: dict[str, str] = {
     "train.trace_steps": "How many steps `train.trace` records, from the second step of the run on (the first "
                          "opens connections and warms caches).",
     # [checkpoint]
-    "checkpoint.interval": "Save every N steps. 0 = only at the end of the run (or of a `--max-steps` job). "
-                           "Saving on a scheduler signal is not implemented yet: a killed job resumes from "
-                           "the last interval checkpoint.",
+    "checkpoint.interval": "Save every N steps. 0 = only at the end of the run (or of a `--max-steps` job, or "
+                           "of a stop by signal or time limit, which always saves). A job killed without "
+                           "warning (kill -9, a node failure) resumes from the last interval checkpoint, so "
+                           "with 0 it starts over.",
     "checkpoint.keep": "Complete checkpoints to keep; older ones are deleted after a newer one is published.",
     "checkpoint.async": "Write in a background thread after a host snapshot, while training continues "
                         "(the next save or the end of the run waits for it).",
@@ -330,7 +347,7 @@ def allowed(f: dataclasses.Field) -> str:
     parts = []
     if "choices" in rule:
         parts.append(", ".join(f"`{c}`" for c in rule["choices"]))
-    for name, symbol in (("min", ">="), ("above", ">"), ("below", "<")):
+    for name, symbol in (("min", ">="), ("above", ">"), ("below", "<"), ("max", "<=")):
         if name in rule:
             parts.append(f"{symbol} {rule[name]}")
     if parts and f.name in _PRESET_KEYS:
@@ -343,7 +360,8 @@ def allowed(f: dataclasses.Field) -> str:
 def default_of(f: dataclasses.Field):
     if f.default is not dataclasses.MISSING:
         return f.default
-    return f.default_factory()  # type: ignore[misc]
+    assert f.default_factory is not dataclasses.MISSING, f"{f.name} has no default"
+    return f.default_factory()
 
 
 def sections():

@@ -46,6 +46,7 @@ def collect_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False,
     routes = grid.world.gather_object(grid.intra_node, root=0)
     if info.rank != 0:
         return None, grid
+    assert records is not None and routes is not None  # gathered on rank 0
     ranks_per_node = [info.node_of_rank.count(n) for n in range(info.num_nodes)]
     document = {
         "launcher": info.launcher.name,

@@ -7,8 +7,10 @@ import os
 import sys
 
 
-def announce(cfg, grid, trainer, device, resumed) -> None:
+def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None:
     from hpctrain.config import config_to_dict
+    from hpctrain.parallel.head_loss import describe_head
+    from hpctrain.parallel.rules import padded_vocab
     from hpctrain.runtime.device import describe
 
     info, p = grid.info, cfg.parallel
@@ -20,14 +22,21 @@ def announce(cfg, grid, trainer, device, resumed) -> None:
     formula = "(pp-1)/(V M)" if p.schedule == "interleaved" else "(pp-1)/M"
     bubble = (f", pipeline bubble {formula} = {trainer.bubble:.1%} of "
               f"the ideal step" if grid.sizes["pp"] > 1 else "")
+    m, tp = trainer.model_cfg, grid.sizes["tp"]  # the last stage's tokens per micro-batch, its vocabulary slab
+    head = describe_head(m.fused_head_loss, m.loss_chunk_tokens, trainer.micro_batch * cfg.train.seq_len //
+                         grid.sizes["cp"], padded_vocab(m, tp) // tp)
     print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
           f"{schedule}, {trainer.layout.microbatches} micro-batch(es) of {trainer.micro_batch} sequence(s) per "
           f"replica{bubble}, sequence parallel "
           f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {grid.intra_node}, "
-          f"{cfg.train.dtype}, device {describe(device)}, attention {trainer.sdpa.name}"
+          f"{cfg.train.dtype}, device {describe(device)}, attention {trainer.sdpa.name}, {head}"
           + (f", GPU collectives backend {trainer.backends['dp']}" if device.type == "cuda" else ""), flush=True)
     if trainer.sdpa.warning:  # the same on every rank: said once
         print(f"hpctrain: WARNING: {trainer.sdpa.warning}", file=sys.stderr, flush=True)
+    if trainer.sdpa.note:  # a fast kernel that raised in its trial, or cuDNN missing: what runs instead
+        print(f"hpctrain train: {trainer.sdpa.note}", flush=True)
+    if verbose and trainer.sdpa.timings:  # each SDPA kernel's trial, forward + backward
+        print(f"hpctrain train: attention kernel trials (forward + backward): {trainer.sdpa.timings}", flush=True)
     if trainer.compiled:
         print(f"hpctrain train: torch.compile of every block (train.compile={cfg.train.compile})", flush=True)
     if hasattr(trainer.sampler, "describe"):  # packed SFT examples (hpctrain/data/packing.py)

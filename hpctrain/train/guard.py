@@ -10,8 +10,11 @@ world), so every rank reaches the same verdict without another collective:
   would turn inf into NaN: coefficient clip / inf = 0, times inf);
 - divergence with ``train.nonfinite = "stop"`` (default): the update is skipped and the run stops
   without saving (exit ``DIVERGED_EXIT``); with ``"skip"``: the update is skipped and training goes on;
-- ``train.max_skipped_steps`` consecutive skipped steps of any cause stop the run the same way (a
-  float16 run whose scale reached its minimum and still overflows would otherwise skip forever).
+- more than ``train.max_skipped_steps`` consecutive skipped steps stop the run the same way (a float16 run
+  whose scale reached its minimum and still overflows would otherwise skip forever). A float16 overflow
+  counts only when the step ran at the scaler's minimum scale (``min_scale``, 1): above it the skip halves
+  the scale and is the scaler's search, so any initial ``train.loss_scale`` recovers (as Megatron-LM and
+  DeepSpeed); such a skip neither counts nor ends a run of counted skips.
 
 Megatron-LM's ``check_for_nan_in_loss_and_grad`` stops on a NaN; this guard also keeps the bad state
 out of checkpoints (the run saves nothing after it) and the checkpoint writers refuse non-finite data.
@@ -41,16 +44,20 @@ class DivergenceGuard:
         bad = None
         if not math.isfinite(loss):
             bad = ("non-finite loss", f"loss = {loss}")
+        at_minimum = scaler.enabled and scaler.scale <= scaler.min_scale  # the scale this step ran with
         overflow = scaler.update(grad_norm) if scaler.enabled else False  # the scaler's skip: not divergence
         if bad is None and not scaler.enabled and not math.isfinite(grad_norm):
             bad = ("non-finite gradient norm", f"gradient norm = {grad_norm}")
         skip = overflow or bad is not None
-        self.consecutive_skips = self.consecutive_skips + 1 if skip else 0
+        if bad is not None or (overflow and at_minimum):  # the same rule as StepVerdict.decide (verdict.py)
+            self.consecutive_skips += 1
+        elif not skip:
+            self.consecutive_skips = 0
         if bad is not None and self.mode == "stop":
             return Verdict(True, bad[0], f"step {step}: {bad[0]} ({bad[1]})")
         if self.consecutive_skips > self.max_skipped_steps:
-            why = (f"float16 loss scale {scaler.scale:g}{' (its minimum)' if scaler.scale <= scaler.min_scale else ''}"
-                   f" and the gradients still overflow" if overflow and bad is None else (bad or ("", ""))[1])
+            why = (f"float16 loss scale {scaler.scale:g} (its minimum) and the gradients still overflow"
+                   if overflow and bad is None else (bad or ("", ""))[1])
             return Verdict(True, "too many skipped steps",
                            f"step {step}: {self.consecutive_skips} consecutive steps skipped, more than "
                            f"train.max_skipped_steps = {self.max_skipped_steps} (the last: {why})")

@@ -39,6 +39,7 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
     from hpctrain.runtime.device import select_device
     from hpctrain.runtime.launcher import discover
     from hpctrain.runtime.signals import SignalFlag
+    from hpctrain.train.memory_check import check_memory
 
     info = discover()
     FaultInjector.from_env(info.rank).hit("launch", 0)  # test-only: a start-up that never finishes
@@ -46,26 +47,33 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
     flag = early_signals.retarget(cfg.train.exit_signals) if early_signals else SignalFlag(cfg.train.exit_signals)
     device = select_device(cfg.train.device, info)
     grid = ProcessGrid.from_config(cfg, info)
-    lock, resume = _lock_run_dir(cfg, grid, resume)
+    try:
+        check_memory(cfg, grid, device)  # a model that cannot fit is refused before it is allocated, on every rank
+    except Exception:
+        grid.close()  # every rank raises alike (agreed by one allgather): nothing is left waiting
+        raise
+    lock, decision = _lock_run_dir(cfg, grid, resume)
     grid.watchdog.report_path = os.path.join(cfg.train.run_dir, "hang-report.txt")  # survives a cut pipe
     try:
-        return _train(cfg, grid, device, resume, max_steps, flag, lock, verbose)
+        return _train(cfg, grid, device, decision, max_steps, flag, lock, verbose)
     finally:
         lock.release()  # also on errors: a failed start leaves no lock behind
 
 
-def _train(cfg, grid, device, resume, max_steps, flag, lock, verbose=False) -> int:
+def _train(cfg, grid, device, decision, max_steps, flag, lock, verbose=False) -> int:
     from hpctrain.checkpoint.manager import CheckpointManager
+    from hpctrain.checkpoint.references import protect
     from hpctrain.models.compile import first_step_report
     from hpctrain.monitor.run_monitor import RunMonitor
     from hpctrain.train.metrics import MetricsLog, finite_or_none, report_peak_memory
     from hpctrain.train.announce import announce
+    from hpctrain.train.run_dir import set_aside_agreed
     from hpctrain.train.trainer import Trainer
 
     info = grid.info
     trainer = Trainer(cfg, grid, device=device)
     checkpoints = CheckpointManager(cfg.checkpoint, grid, cfg.train.run_dir)
-    resumed = checkpoints.resume(trainer.state, resume)
+    resumed = checkpoints.resume(trainer.state, decision.resume)
     resumed_step = trainer.step if resumed else None  # stopping before a step must not save it again
     if resumed:
         moved = checkpoints.set_aside_newer(trainer.step)
@@ -83,10 +91,17 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock, verbose=False) -> i
             trainer.state.base_reference = make_reference(cfg.model.init_from, trainer.model_cfg, grid.world,
                                                           open_source)
     is_root = info.rank == 0
-    if is_root:
-        announce(cfg, grid, trainer, device, resumed)
     monitor = RunMonitor(cfg, grid.world, grid.sizes, cfg.train.run_dir)
     monitor.start(trainer.step)  # collective; a sink that cannot start stops the run here, on every rank
+    try:  # every start-up check has passed: only now is an earlier run set aside
+        set_aside_agreed(grid.world, decision, cfg.train.run_dir, checkpoints.dir)
+    except BaseException:
+        monitor.close()
+        raise
+    if is_root:
+        if trainer.state.base_reference is not None:  # a step of another run's checkpoints: kept from its pruning
+            protect(trainer.state.base_reference["path"], checkpoints.dir)
+        announce(cfg, grid, trainer, device, resumed, verbose)
     last_step = cfg.train.steps if max_steps <= 0 else min(cfg.train.steps, trainer.step + max_steps)
     deadline = _deadline(cfg, grid)
     policy = StopPolicy(signal_flag=flag, last_step=last_step, deadline=deadline,
@@ -114,7 +129,7 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock, verbose=False) -> i
             if trainer.step == first_step:  # collective: memory per rank, once
                 report_peak_memory(grid.world, device, metrics.__dict__)  # logged with the step
             if cfg.train.eval_interval and (trainer.step % cfg.train.eval_interval == 0 or trainer.step == last_step):
-                metrics.val_loss = trainer.evaluate()
+                metrics.val_loss = trainer.evaluate()  # type: ignore[attr-defined]  # a key of eval steps' records only
                 metrics.time_s["eval"] = round(trainer.timer.take("eval"), 6)
             if interval and trainer.step % interval == 0 and trainer.step < last_step:
                 trainer.read_pending()  # never save a step the guard has not judged
@@ -151,7 +166,8 @@ def _train(cfg, grid, device, resume, max_steps, flag, lock, verbose=False) -> i
             json.dump(finite_or_none(summary), f, indent=1, allow_nan=False)
     if trainer.diverged:
         return _diverged(cfg, grid, trainer.diverged, checkpoints, trainer.step, is_root, lock)
-    return _finish(cfg, grid, reason, trainer.step, save_s, is_root, lock)  # closes the grid
+    timing = policy.signal_timing(trainer.step) if reason.startswith("signal") else {}
+    return _finish(cfg, grid, reason, trainer.step, save_s, is_root, lock, timing)  # closes the grid
 
 
 def _diverged(cfg, grid, verdict, checkpoints, step: int, is_root: bool, lock) -> int:
@@ -215,7 +231,7 @@ def _start_trace(cfg, grid, trainer):
 def _lock_run_dir(cfg, grid, resume: str | None):
     """Collective: rank 0 takes the run directory's lock and decides what this start does with an
     earlier run there (``decide_start``); every rank raises if it is in use or refused. Returns the lock
-    and the agreed resume mode ("auto", "none" or a path)."""
+    and the agreed StartDecision (its resume mode, "auto", "none" or a path, and what to set aside later)."""
     from hpctrain.errors import everywhere
     from hpctrain.train.run_dir import RunDirHoldsARun, decide_start
     from hpctrain.train.run_lock import RunDirInUse, RunLock, unusable_directory
@@ -239,15 +255,12 @@ def _lock_run_dir(cfg, grid, resume: str | None):
                                     resume)
         except OSError as exc:
             decision = None
-            problem = f"train.run_dir={cfg.train.run_dir}: cannot set the earlier run aside: {exc}"
-        if decision and decision.set_aside:
-            print(f"hpctrain train: a fresh start: the earlier run's files in {cfg.train.run_dir} were moved to "
-                  f"{decision.set_aside}", flush=True)
+            problem = f"train.run_dir={cfg.train.run_dir}: cannot read the earlier run: {exc}"
     problem, decision = grid.world.broadcast_object((problem, decision), root=0)
     if problem or decision.problem:
         lock.release()
         raise everywhere(RunDirInUse(problem) if problem else RunDirHoldsARun(decision.problem))
-    return lock, decision.resume
+    return lock, decision
 
 
 def _deadline(cfg, grid) -> float | None:
@@ -261,19 +274,19 @@ def _deadline(cfg, grid) -> float | None:
     return grid.world.broadcast_object(mine, root=0)
 
 
-def _finish(cfg, grid, reason: str, step: int, save_s: float, is_root: bool, lock) -> int:
+def _finish(cfg, grid, reason: str, step: int, save_s: float, is_root: bool, lock, timing: dict) -> int:
     """Log the stop, close the grid, then requeue if asked: ``scontrol requeue`` kills the job's tasks
     at once, so everything is on disk and MPI is finalised first (a task killed inside MPI leaves
     shared-memory segments that the requeued attempt, with the same step id, would attach to).
     Returns this rank's exit code: 0, or 75 on rank 0 (it leaves last: ``leave_with``) where the job
-    stops without a requeue."""
+    stops without a requeue. ``timing``: a signal stop's ``StopPolicy.signal_timing``, logged with it."""
     from hpctrain.runtime.signals import requeue_slurm_job, slurm_job_to_requeue
 
     early = reason.startswith("signal") or reason == "time limit"
     job = slurm_job_to_requeue() if early and cfg.train.requeue == "auto" else None
     if is_root:
         event = {"event": "stop", "reason": reason, "step": step, "save_s": round(save_s, 3),
-                 "restart_count": env.slurm_restart_count(), "requeue": job}
+                 "restart_count": env.slurm_restart_count(), "requeue": job, **timing}
         with open(os.path.join(cfg.train.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
             f.write(json.dumps(event) + "\n")
         if early:

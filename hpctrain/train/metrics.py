@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from typing import Any
 
 SUMMARY_WINDOW = 10_000  # steps whose timings the summary keeps (3 floats each)
 
@@ -42,8 +43,10 @@ class MetricsLog:
         self.enabled, self.total, self.log_interval = enabled, total_steps, max(1, log_interval)
         self.stream = stream or sys.stdout
         self.steps = self.skipped = 0
-        self.first_loss = self.final_loss = None
-        self.timings = collections.deque(maxlen=SUMMARY_WINDOW)  # (tokens_per_s, step_time_s, comm_time_s)
+        self.first_loss: float | None = None
+        self.final_loss: float | None = None
+        # (tokens_per_s, step_time_s, comm_time_s) of the last steps
+        self.timings: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=SUMMARY_WINDOW)
         self.started = time.perf_counter()
         self._file = self._bar = None
         if not enabled:
@@ -67,6 +70,7 @@ class MetricsLog:
         self.first_loss = record["loss"] if self.first_loss is None else self.first_loss
         self.final_loss = record["loss"]
         self.timings.append((record["tokens_per_s"], record["step_time_s"], record["comm_time_s"]))
+        assert self._file is not None  # opened when enabled
         self._file.write(json_line(record))
         self._file.flush()
         status = (f"loss {record['loss']:.4f}  "
@@ -86,12 +90,13 @@ class MetricsLog:
             return {}
         if self._bar is not None:
             self._bar.stop()
+        assert self._file is not None  # opened when enabled
         self._file.close()
         if not self.steps:
             return {}
         timings = list(self.timings)
         tail = timings[len(timings) // 2:] if len(timings) > 1 else timings  # steady state: skip warm-up half
-        summary = {
+        summary: dict[str, Any] = {
             "steps": self.steps, "first_loss": self.first_loss, "final_loss": self.final_loss,
             "mean_tokens_per_s": sum(t[0] for t in tail) / len(tail),
             "mean_step_time_s": sum(t[1] for t in tail) / len(tail),

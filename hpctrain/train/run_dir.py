@@ -2,7 +2,9 @@
 
 ``hpctrain train`` never mixes two runs: a fresh start never appends to another run's
 ``metrics.jsonl`` and never silently replaces its checkpoints. Rank 0 decides, under the run lock,
-before anything is written (``decide_start``), and every rank follows the broadcast decision:
+before anything is written (``decide_start``), and every rank follows the broadcast decision; the earlier
+run is set aside only once every start-up check has passed (``set_aside_agreed``: a start that fails, say
+on a Prometheus port in use, leaves it where it was):
 
 | ``--resume``  | checkpoints found | what happens                                                      |
 |---------------|-------------------|-------------------------------------------------------------------|
@@ -22,9 +24,9 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from hpctrain.errors import HpcTrainError
+from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.runtime import env
 from hpctrain.train.run_lock import LOCK_NAME
 
@@ -40,8 +42,9 @@ class RunDirHoldsARun(HpcTrainError):
 @dataclass
 class StartDecision:
     resume: str  # "auto", "none" or a checkpoint path: what CheckpointManager.resume gets
-    set_aside: str | None = None  # where the earlier run's files went, or None
+    set_aside: str | None = None  # where the earlier run's files went (``carry_out``), or None
     problem: str | None = None  # refuse to start (identical message on every rank)
+    earlier: list[str] = field(default_factory=list)  # the earlier run's files a fresh start sets aside
 
 
 def default_resume(environ=None) -> str | None:
@@ -102,6 +105,31 @@ def decide_start(run_dir: str, checkpoint_dir: str, resume: str | None) -> Start
             f"(its files are moved to {os.path.join(run_dir, SUPERSEDED)}/), or choose another train.run_dir"))
     if resume == "auto" and steps:
         return StartDecision("auto")
-    earlier = _earlier_outputs(run_dir, checkpoint_dir)
-    where = set_aside(earlier, run_dir, checkpoint_dir) if earlier else None
-    return StartDecision("none", set_aside=where)
+    return StartDecision("none", earlier=_earlier_outputs(run_dir, checkpoint_dir))
+
+
+def carry_out(decision: StartDecision, run_dir: str, checkpoint_dir: str) -> str | None:
+    """Rank 0: move the earlier run's files of ``decision`` (those still there) into ``superseded/``
+    (``set_aside``); returns, and sets ``decision.set_aside`` to, where they went (None: nothing to move)."""
+    still = [path for path in decision.earlier if os.path.lexists(path)]
+    decision.set_aside = set_aside(still, run_dir, checkpoint_dir) if still else None
+    return decision.set_aside
+
+
+def set_aside_agreed(world, decision: StartDecision, run_dir: str, checkpoint_dir: str) -> None:
+    """Collective over ``world`` (the world Communicator; every rank holds the same ``decision``), once every
+    start-up check has passed: rank 0 carries out the set-aside and says where; an error, on every rank."""
+    if not decision.earlier:
+        return
+    problem = None
+    if world.rank == 0:
+        try:
+            where = carry_out(decision, run_dir, checkpoint_dir)
+            if where:
+                print(f"hpctrain train: a fresh start: the earlier run's files in {run_dir} were moved to {where}",
+                      flush=True)
+        except OSError as exc:
+            problem = f"train.run_dir={run_dir}: cannot set the earlier run aside: {exc}"
+    problem = world.broadcast_object(problem, root=0)
+    if problem:
+        raise everywhere(HpcTrainError(problem))

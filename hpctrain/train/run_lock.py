@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Any
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.runtime import env
@@ -88,12 +89,17 @@ class DirectoryLock:
         self.directory, self.key = directory, key
         self.path = os.path.join(directory, LOCK_NAME)
         self.held = False
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.slurm_job_id(environ),
+        self.created: list[str] = []  # directories ``acquire`` made (absent before), deepest first
+        self.me: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.slurm_job_id(environ),
                    "restart": env.slurm_restart_count(environ), "started": time.time(),
                    "token": uuid.uuid4().hex}
 
     def acquire(self) -> str | None:
         """Take the lock; returns a warning when a stale lock was taken over. Raises RunDirInUse."""
+        path, self.created = os.path.abspath(self.directory), []
+        while not os.path.isdir(path) and os.path.dirname(path) != path:
+            self.created.append(path)  # deepest first: ``release`` removes them again while they are empty
+            path = os.path.dirname(path)
         os.makedirs(self.directory, exist_ok=True)
         mine = f"{self.path}.{self.me['token']}"
         with open(mine, "w", encoding="utf-8") as f:
@@ -164,7 +170,7 @@ class DirectoryLock:
 
     def _is_mine(self) -> bool:
         owner, _ = _read(self.path)
-        return bool(owner) and owner.get("token") == self.me["token"]
+        return bool(owner and owner.get("token") == self.me["token"])
 
     def heartbeat(self) -> None:
         if self.held and self._is_mine():
@@ -175,6 +181,8 @@ class DirectoryLock:
                   f"holds it", file=sys.stderr, flush=True)
 
     def release(self) -> None:
+        """Drop the lock, and the directories ``acquire`` made if nothing was written in them (a failed start
+        leaves no trace)."""
         if self.held:
             self.held = False
             if self._is_mine():
@@ -182,6 +190,12 @@ class DirectoryLock:
                     os.unlink(self.path)
                 except FileNotFoundError:
                     pass
+        for path in self.created:
+            try:
+                os.rmdir(path)  # only while empty
+            except OSError:
+                break
+        self.created = []
 
 
 class RunLock:
@@ -194,10 +208,10 @@ class RunLock:
         self.locks = [DirectoryLock(run_dir, "train.run_dir", environ)]
         inside = checkpoint_dir is None or os.path.abspath(os.path.dirname(checkpoint_dir.rstrip(os.sep))) == \
             os.path.abspath(run_dir)
-        if not inside:
+        if checkpoint_dir is not None and not inside:
             self.locks.append(DirectoryLock(checkpoint_dir, "checkpoint.dir", environ))
         self._stop = threading.Event()
-        self._thread = None
+        self._thread: threading.Thread | None = None
 
     @property
     def held(self) -> bool:

@@ -34,7 +34,8 @@ class TrainerState:
         t = self._trainer
         flat, opt, coords = t.flat, t.optimizer, t.grid.coords
         kinds = opt.state_kinds
-        ranges, owner = [], {}
+        ranges: list[OwnedRange] = []
+        owner: dict[int, int] = {}  # id(slice) -> its index in ranges
         for part in opt.owned_slices:
             owner[id(part)] = len(ranges)
             ranges.append(OwnedRange(part.params, {kind: getattr(part, kind) for kind in kinds}))

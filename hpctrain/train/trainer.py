@@ -70,9 +70,12 @@ class Trainer:
         self.local_batch, self.micro_batch = self.layout.local_batch, self.layout.micro_batch
         self._build_model()
         self._build_data(tokens)
-        m = self.model_cfg  # SDPA's kernels, checked once on this device (masked: a window or packed documents)
-        self.sdpa = use_sdpa(self.local_model, choose_sdpa(self.device, self.dtype, m.d_model // m.n_heads,
-                             m.attention_window > 0 or hasattr(self.sampler, "describe"), seq=cfg.train.seq_len))
+        m = self.model_cfg  # SDPA's fastest kernels, timed once on this device (masked: a window or packed documents)
+        masked = m.attention_window > 0 or hasattr(self.sampler, "describe")
+        self.sdpa = use_sdpa(self.local_model, choose_sdpa(
+            self.device, self.dtype, m.d_model // m.n_heads, masked,
+            seq=cfg.train.seq_len, heads=max(1, m.n_heads // self.layout.tp_size), batch=self.micro_batch,
+            gather=grid.world.allgather_object))  # every rank takes the same kernels
         self.step = 0
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.train.seq_len, cfg.lora.rank, cfg.lora.targets)
         # idle over ideal time with equal stages, (pp - 1) / (V M) (``bubble_fraction``; printed at start-up)
@@ -98,7 +101,7 @@ class Trainer:
                                bucket_mb=p.bucket_mb, zero=layout.zero == 1, timer=self.timer,
                                check_finite=self.dtype == torch.float16,
                                make_reducer=partial(build_reducer, self.cfg.compression, grid=grid, seed=t.seed,
-                                                    optimizer=self.cfg.optim.name))
+                                                    optimizer=self.cfg.optim.name, steps=t.steps))
         comp = self.cfg.compression  # 1-bit Adam: AdamW's variance frozen after the dense warm-up
         freeze = comp.warmup_steps if comp.method == "onebit-adam" else None
         self.optimizer = FlatOptimizer(self.flat, self.cfg.optim, tp_rank=grid.coords["tp"], freeze_variance_after=freeze)
@@ -250,8 +253,8 @@ class Trainer:
         inputs, targets, *packed = batch
         parts = self._to_device(*self._cp_part(inputs, targets, *packed[:1]), *packed[1:])
         mb, n = self.micro_batch, self.layout.microbatches
-        parts = [[part[i * mb:(i + 1) * mb] for i in range(n)] for part in parts]
-        return parts[0], parts[1], dict(zip(("masks", "docs"), parts[2:]))
+        micro = [[part[i * mb:(i + 1) * mb] for i in range(n)] for part in parts]
+        return micro[0], micro[1], dict(zip(("masks", "docs"), micro[2:]))
 
     def _cp_part(self, *batch: torch.Tensor) -> list[torch.Tensor]:
         """This cp rank's zig-zag chunks of each [B, S] batch tensor -> [B, S/cp] (unchanged when cp = 1)."""
@@ -284,15 +287,16 @@ class Trainer:
         pieces = []
         if self.grid.coords["dp"] == 0 and self.grid.coords["cp"] == 0:
             for p in self.local_model.parameters():
-                if not p.spec.tied_copy:
-                    index = [(s.start, s.stop) for s in p.spec.local_slices()]
-                    real = p.detach()[p.spec.valid_local()]  # without vocabulary padding rows
-                    pieces.append((p.spec.name, p.spec.global_shape, index,
+                spec = p.spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
+                if not spec.tied_copy:
+                    index = [(s.start, s.stop) for s in spec.local_slices()]
+                    real = p.detach()[spec.valid_local()]  # without vocabulary padding rows
+                    pieces.append((spec.name, spec.global_shape, index,
                                    real.to("cpu", torch.float64).numpy().copy()))
         gathered = self.grid.world.gather_object(pieces, root=0)
         if gathered is None:
             return None
-        result = {}
+        result: dict[str, torch.Tensor] = {}
         for rank_pieces in gathered:
             for name, shape, index, array in rank_pieces:
                 full = result.setdefault(name, torch.full(shape, float("nan"), dtype=torch.float64))

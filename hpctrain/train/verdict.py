@@ -11,7 +11,8 @@ counted part of the squared gradient norm (``FlatOptimizer.grad_norm_sq_tensor``
 norm, the clip x loss-scale coefficient (a float64 multiplier for ``FlatOptimizer.step``), the skip flag
 (``found_inf``: a non-finite loss or norm, or ``stopped``) and two flags that carry the guard's rules
 (hpctrain/train/guard.py) while the host has not looked yet: a bad step with ``nonfinite = "stop"``, or
-more than ``max_skipped_steps`` consecutive skips, sets ``stopped``, and every later update is skipped on
+more than ``max_skipped_steps`` consecutive counted skips (a float16 overflow counts only at the minimum
+loss scale: guard.py), sets ``stopped``, and every later update is skipped on
 the device until the host reads the verdict and stops the run; float16's loss scale moves on the device
 (``DynamicLossScaler.update_on_device``). ``start_read`` copies [loss, grad_norm, skipped, loss scale,
 stop slots] to (pinned) host memory without blocking and records an event; ``read`` waits on it.
@@ -53,9 +54,9 @@ class StepVerdict:
         self.skips = torch.zeros((), dtype=torch.int64, device=device)  # consecutive skipped steps
         self.summary = torch.zeros(4 + STOP_SLOTS, dtype=torch.float64, device=device)
         self.host = torch.zeros(4 + STOP_SLOTS, dtype=torch.float64, pin_memory=device.type == "cuda")
-        self.event = None
+        self.event: torch.cuda.Event | None = None
 
-    def reduce(self, loss_share, norm_sq_share, request: str, overflow: bool) -> None:
+    def reduce(self, loss_share, norm_sq_share, request: str, overflow: bool | torch.Tensor) -> None:
         """Collective over the world: this rank's shares (0-d tensors or floats) summed into ``vector``.
         ``overflow`` (False, True or a device bool): a compressor dropped inf/NaN (the norm is made inf: every
         rank skips)."""
@@ -70,7 +71,7 @@ class StepVerdict:
             v[SLOTS + slot].fill_(1.0)
         self._sum()
 
-    def decide(self, scaler) -> tuple[torch.Tensor, torch.Tensor]:
+    def decide(self, scaler) -> tuple[torch.Tensor | float, torch.Tensor]:
         """On the device: (the gradient coefficient, float64 0-d: clip / (norm + 1e-6) capped at 1, over the
         float16 loss scale; the number 1.0 without clipping and loss scale, so the fused AdamW does not rewrite
         the gradients; found_inf, float32 0-d: 1.0 skips the update). Updates the sticky flags, the
@@ -81,7 +82,10 @@ class StepVerdict:
         skip_now = ~(finite_loss & finite_norm)
         bad = ~finite_loss if self.scaler_enabled else skip_now  # float16: an overflow is the scaler's, not bad
         skip = skip_now | self.stopped
-        self.skips.copy_(torch.where(skip_now, self.skips + 1, 0))
+        counted = skip_now  # guard.py's rule: a float16 overflow above the minimum scale is the scaler's search
+        if self.scaler_enabled:
+            counted = ~finite_loss | (skip_now & (scaler.scale_tensor <= scaler.min_scale))
+        self.skips.copy_(torch.where(counted, self.skips + 1, torch.where(skip_now, self.skips, 0)))
         self.stopped.logical_or_((bad & self.stop_on_bad) | (self.skips > self.max_skipped_steps))
         coef = 1.0 if self.clip is None else torch.clamp(torch.div(self.clip, grad_norm + 1e-6), max=1.0)
         if self.scaler_enabled:

@@ -2,8 +2,10 @@
 
 tests/mpi/test_host_reads.py proves on the CPU that hpctrain's step code makes no ``.item()``-style read;
 here the same audit runs on CUDA tensors, where it also sees blocking device-to-host copies, with torch's
-sync debug mode on (every synchronising CUDA call torch makes warns): bfloat16 eager and float16 compiled
-(the device loss scale). Skips without CUDA.
+sync debug mode on (every synchronising CUDA call torch makes warns "called a synchronizing CUDA operation";
+the mode's one-time "prototype feature" notice is not counted: ``host_reads.sync_warnings``, tested on the CPU
+in tests/unit/test_cuda_paths_on_cpu.py): bfloat16 eager and float16 compiled (the device loss scale). Skips
+without CUDA.
 """
 import pytest
 import torch

@@ -228,7 +228,39 @@ def test_missing_checkpoint_and_other_model_shape(two_checkpoints, tmp_path):
     _all_ranks_fail(result, 2, "no such checkpoint file")
     latest = two_checkpoints / "checkpoints" / "step-00000004"
     result = train(2, tmp_path / "y", *F32, "model.d_ff=512", "--resume", str(latest), check=False)
-    _all_ranks_fail(result, 2, "checkpoint of another model shape")
+    _all_ranks_fail(result, 2, "model.d_ff is 256 there, 512 here")
+
+
+def test_a_resume_into_another_model_is_refused_naming_every_key_and_changes_nothing(two_checkpoints, tmp_path):
+    """Slurm's automatic resume (no --resume) of a run whose config now has fewer layers and another
+    rope_theta and norm_eps (every parameter of that model is in the checkpoint, shaped alike) is refused in one
+    line naming each key with both values: exit 2, nothing written, pruned or moved. The newest checkpoint has
+    no fingerprint (as written before it existed: derived from its config); an explicit --resume of one that
+    has it refuses another attention_window. `ckpt inspect` prints the fingerprint."""
+    run_dir = _copy(two_checkpoints, tmp_path)
+    step2, step4 = run_dir / "checkpoints" / "step-00000002", run_dir / "checkpoints" / "step-00000004"
+    arch = json.loads(ckpt("inspect", str(step4), "--json").stdout)["architecture"]
+    assert arch["recorded"] and arch["keys"]["n_layers"] == 2 and len(arch["fingerprint"]) == 16
+    assert f"architecture: fingerprint {arch['fingerprint']}: vocab_size=256, d_model=64, n_layers=2, " \
+           in ckpt("inspect", str(step4)).stdout
+    with h5py.File(step4 / "checkpoint.h5", "r+") as f:
+        del f.attrs["architecture"]
+    assert json.loads(ckpt("inspect", str(step4), "--json").stdout)["architecture"] == {**arch, "recorded": False}
+    state = {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    result = run_mpi(2, "hpctrain.cli", "train", f"train.run_dir={run_dir}", *F32, "parallel.tp=2", "train.steps=12",
+                     "checkpoint.interval=2", "checkpoint.keep=1", "model.n_layers=1", "model.rope_theta=500000",
+                     "model.norm_eps=1e-6", module=True, timeout=240, check=False,
+                     env={"SLURM_JOB_ID": "1", "SLURM_RESTART_COUNT": "1"})
+    assert result.returncode == 2, result.output[-3000:]
+    _all_ranks_fail(result, 2, "model.n_layers is 2 there, 1 here")
+    line = next(x for x in result.stderr.splitlines() if x.startswith("hpctrain: error: "))
+    assert "model.rope_theta is 10000.0 there, 500000.0 here" in line and "Nothing was changed" in line
+    assert "model.norm_eps is 1e-05 there, 1e-06 here" in line and "Traceback" not in result.stderr
+    assert {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*")} == state
+    other = train(2, tmp_path / "other", *F32, "parallel.tp=2", "model.attention_window=8", "--resume", str(step2),
+                  check=False)
+    _all_ranks_fail(other, 2, "model.attention_window is 0 there, 8 here")
+    assert not list((tmp_path / "other").rglob("step-*"))
 
 
 def test_resume_auto_with_another_model_is_an_error_that_changes_nothing(two_checkpoints, tmp_path):

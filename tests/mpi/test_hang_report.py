@@ -66,3 +66,20 @@ def test_the_report_names_the_missing_rank(tmp_path, fault, overrides, where):
     assert cause and where in cause.group(1), stderr
     report = (tmp_path / "run" / "hang-report.txt").read_text()  # also on disk, whatever the pipe did
     assert "cause: rank 3" in report
+
+
+def test_a_rank_stopped_inside_a_shared_memory_reduction_is_named_as_inside_it(tmp_path):
+    """dp = 4 on one node: the gradient allreduce goes through the shared-memory window (comm.intra_node);
+    rank 3 stops right after its 5th barrier there (the first of a chunk), the others wait at the next one.
+    The report names the route, and rank 3 as inside the exchange (the window's header), not as absent."""
+    code, stderr, seconds = run_with_fault(tmp_path / "run", "rank=3,step=5,phase=shm,action=stop", "parallel.pp=1",
+                                           "comm.intra_node=shm")
+    assert code == 3 and seconds < TIMEOUT_S + 30, (code, seconds, stderr[-3000:])
+    assert stderr.count("hpctrain: hang report from") == 1, stderr
+    assert re.search(r"allreduce #\d+ \(shared memory\) of \d+ bytes on group 'dp' \(world ranks \[0, 1, 2, 3\]\) "
+                     r"has not completed", stderr), stderr
+    assert re.search(r"  rank 3 \(node 0 \S+, pid \d+\) entered allreduce #\d+ \(shared memory\) on group dp "
+                     r"\[0, 1, 2, 3\] and is inside the shared-memory exchange, but has not arrived at the barrier "
+                     r"this rank waits in: it did not answer in \d+ s: stopped \(SIGSTOP", stderr), stderr
+    assert "rank 3 (node" in stderr and "has not entered" not in stderr, stderr
+    assert re.search(r"  cause: rank 3 \(node 0 \S+, pid \d+\): .*stopped \(SIGSTOP", stderr), stderr

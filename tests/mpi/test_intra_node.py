@@ -67,7 +67,8 @@ def test_a_stopped_rank_in_a_routed_shm_reduction_is_named(progress):
     result = run_self_stopping(2, "check_shm.py", "stop-route", progress, env={"HPCTRAIN_COMM_TIMEOUT": "3"})
     report = result.stderr
     assert result.returncode not in (0, 124, 137) and "not detected" not in result.stdout, result.output
-    assert "allreduce #4 of 4000 bytes on group 'world' (world ranks [0, 1]) has not completed" in report, report
+    assert "allreduce #4 (shared memory) of 4000 bytes on group 'world' (world ranks [0, 1]) has not completed" \
+        in report, report
     cause = re.search(r"  cause: rank 1 \(node 0 \S+, pid \d+\): (.*)", report)
     assert cause and "stopped (SIGSTOP" in cause.group(1), report
 

@@ -156,6 +156,45 @@ def test_checkpoints_refer_to_their_hugging_face_base_by_path_and_checksum(tmp_p
                      "--base", str(tmp_path / "again")]) == 0
 
 
+def test_a_base_step_another_run_refers_to_is_kept_by_its_pruning(tmp_path, capsys):
+    """A LoRA run from model.init_from=RUN_DIR refers to that run's step 2 and marks it; the base run goes on with
+    checkpoint.keep=1 and keeps step 2 (saying so once), so the LoRA run resumes. Once the step is gone anyway,
+    export/generate say so, naming it (not "another base"), and --format peft writes base_model_name_or_path
+    null with a warning (an hpctrain base, not a PEFT-loadable one) unless --base-model names one."""
+    import shutil
+
+    from hpctrain.cli import dispatch
+
+    base, lora = tmp_path / "base", tmp_path / "lora"
+    keep = ["checkpoint.async=false", "checkpoint.interval=2", "checkpoint.keep=1", "parallel.pp=1"]
+    train(2, base, *F64, *keep, "train.steps=2")
+    first = train(2, lora, *F64, *keep, *LORA, "train.steps=2", f"model.init_from={base}")
+    (marker,) = (base / "checkpoints" / "references").glob("*.json")
+    assert json.loads(marker.read_text()) == {"step": "step-00000002", "by": str(lora / "checkpoints")}
+    assert f"{marker} keeps it for this run" in first.stdout, first.stdout
+    more = train(2, base, *F64, *keep, "train.steps=6", "--resume", "auto")
+    assert more.stdout.count("keeping ") == 1 and f"the run of {lora / 'checkpoints'} refers to it" in more.stdout
+    assert sorted(p.name for p in (base / "checkpoints").glob("step-*")) == ["step-00000002", "step-00000006"]
+    again = train(2, lora, *F64, *keep, *LORA, "train.steps=4", f"model.init_from={base}", "--resume", "auto")
+    assert "at step 2" in again.stdout and "keeps it for this run" not in again.stdout
+
+    shutil.rmtree(base / "checkpoints" / "step-00000002")
+    gone = f"{base / 'checkpoints' / 'step-00000002'}, which is gone"
+    for command in (["export", str(lora), "--format", "hf", "--merge-lora", "--out", str(tmp_path / "merged")],
+                    ["generate", str(lora), "--prompt", "a", "--max-new-tokens", "1"]):
+        with pytest.raises(HpcTrainError, match="which is gone") as err:
+            dispatch(command)
+        assert gone in str(err.value) and "not the base its adapters were trained on" in str(err.value), err.value
+    capsys.readouterr()
+    assert dispatch(["export", str(lora), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    assert "WARNING: base_model_name_or_path is null" in capsys.readouterr().err
+    assert dispatch(["export", str(lora), "--format", "peft", "--out", str(tmp_path / "named"), "--base-model",
+                     str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "named" / "adapter_config.json").read_text())["base_model_name_or_path"] \
+        == str(tmp_path / "hf")
+
+
 def test_bad_lora_input_is_one_line_naming_the_key_on_every_rank(tmp_path):
     """(every bad [lora] value's message: tests/unit/test_lora_adapters.py)"""
     message = "lora.rank: 40 exceeds the dimensions of target 'v' (in 64, out 32)"

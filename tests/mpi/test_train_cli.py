@@ -1,6 +1,7 @@
 """`hpctrain train` end to end on real ranks: metrics, precision modes, and clear errors."""
 import json
 import math
+import socket
 
 import pytest
 
@@ -53,6 +54,18 @@ def test_float16_overflow_skips_the_step_and_says_so(tmp_path):
     assert "SKIPPED (inf/NaN loss or gradients" in result.stdout
 
 
+def test_a_huge_initial_float16_loss_scale_halves_until_it_trains_instead_of_stopping(tmp_path):
+    """train.loss_scale=1e12 overflows ~20 steps in a row (more than max_skipped_steps=20 before the fix:
+    exit 4 at step 21); overflows above the minimum scale only halve it, so the run recovers and finishes."""
+    result = train(2, tmp_path, "train.steps=30", "train.dtype=float16", "train.loss_scale=1e12",
+                   "parallel.tp=2", "parallel.pp=1", check=False)
+    assert result.returncode == 0, result.output[-3000:]
+    records = read_metrics(tmp_path)
+    skipped = [r["skipped"] for r in records]
+    assert len(records) == 30 and sum(skipped) > 15 and not any(skipped[-5:]), skipped
+    assert records[-1]["loss_scale"] < 1e6 and math.isfinite(records[-1]["loss"])
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.tpp=2"], "parallel.tpp"),
     (["parallel.tp=3"], "not divisible by tp*pp"),
@@ -100,3 +113,24 @@ def test_a_used_run_directory_is_refused_then_set_aside_never_mixed(tmp_path):
     assert (aside / "checkpoints" / "step-00000002" / "COMPLETE").exists()
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]  # the new run's log holds the new run only
     assert (tmp_path / "checkpoints" / "step-00000002" / "COMPLETE").exists()
+
+
+def test_a_start_that_fails_its_checks_leaves_the_earlier_run_where_it_was(tmp_path):
+    """--resume none sets the earlier run aside only once every start-up check has passed: a Prometheus port in
+    use stops the start (exit 2, one line naming the key) with the earlier run's files and checkpoints untouched."""
+    step = tmp_path / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("")
+    (tmp_path / "checkpoints" / "latest").write_text("step-00000002\n")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    state = {p.relative_to(tmp_path): p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        result = run_mpi(2, "hpctrain.cli", "train", "--resume", "none", "--config", "configs/tiny.toml", *FAST,
+                         f"train.run_dir={tmp_path}", "train.steps=2", "parallel.pp=1",
+                         f"monitor.prometheus_port={busy.getsockname()[1]}", module=True, timeout=120, check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hpctrain: error: ")]
+    assert result.returncode == 2 and len(errors) == 1 and "monitor.prometheus_port" in errors[0], result.output
+    assert "Traceback" not in result.stderr and "moved to" not in result.stdout
+    assert {p.relative_to(tmp_path): p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == state

@@ -48,7 +48,7 @@ def test_a_full_file_system_stops_the_run_with_one_line_and_keeps_latest(tmp_pat
     result, seconds = train(tmp_path / "run", f"checkpoint.dir={small_fs}/ckpt")
     assert result.returncode == 2 and seconds < 60, (seconds, result.output[-3000:])
     line = one_error_line(result)
-    assert "checkpoint of step 4 needs" in line and "are free in" in line, line
+    assert "checkpoint of step 4 does not fit in" in line and "with metadata" in line and " short" in line, line
     assert "intact (latest: " in line and "step-00000002" in line, line
     assert (small_fs / "ckpt" / "latest").read_text().strip() == "step-00000002"
     assert sorted(p.name for p in (small_fs / "ckpt").iterdir()) == ["latest", "step-00000002"]  # no .tmp left
@@ -62,6 +62,7 @@ def test_an_enospc_on_one_rank_only_ends_the_job_in_seconds(tmp_path):
     line = one_error_line(result)
     assert "writing checkpoint of step 4" in line and "rank 1: " in line, line
     assert "shard-00001.h5: No space left on device (errno 28)" in line, line
+    assert "(no space left on device: " in line and "free in " in line and "with metadata)" in line, line
     assert "intact (latest: " in line and "step-00000002" in line, line
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["latest", "step-00000002"]
 

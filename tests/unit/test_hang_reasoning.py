@@ -83,3 +83,29 @@ def test_compiling_is_read_off_the_main_threads_whole_stack():
     namespace = {"probe": hang_report.compiling}  # a frame whose code lives under torch/_inductor/
     exec(compile("seen = probe()", os.sep.join(("", "x", "torch", "_inductor", "fake.py")), "exec"), namespace)
     assert namespace["seen"] is True and hang_report.compiling() is False
+
+
+def test_a_shared_memory_call_is_named_so_and_a_rank_stopped_inside_it_has_entered():
+    """Rank 2 entered dp allreduce #5 through the shared-memory window (its header says so) but stopped before
+    the second barrier, where ranks 0 and 1 wait; rank 3 never entered (its header names call #4)."""
+    from types import SimpleNamespace
+
+    dp = FakeComm("dp", [0, 1, 2, 3])
+    entries, arrivals = [5, 5, 5, 4], [10, 10, 9, 8]  # this rank (0) waits in its 10th barrier
+    dp.shm = SimpleNamespace(shm=SimpleNamespace(progress=lambda: (entries, arrivals, 10, 0)))
+    stalled = Call("allreduce", dp, 64, 5)
+    stalled.route = "shared memory"
+    watchdog = Watchdog(0, timeout_s=0, peers=[("h0", 0, 100 + r) for r in range(4)])
+    answers = {0: answer(0, [call_info("dp", [0, 1, 2, 3], "allreduce", 5)]),
+               1: answer(1, [call_info("dp", [0, 1, 2, 3], "allreduce", 5)])}  # 2 and 3 do not answer
+    report = format_report(watchdog, stalled, answers, window_s=4)
+    assert "allreduce #5 (shared memory) of 64 bytes on group 'dp' (world ranks [0, 1, 2, 3]) has not completed" \
+        in report, report
+    assert "in the call: ranks [0, 1]" in report, report
+    assert "rank 2 (node 0 h0, pid 102) entered allreduce #5 (shared memory) on group dp [0, 1, 2, 3] and is " \
+           "inside the shared-memory exchange, but has not arrived at the barrier this rank waits in: it did " \
+           "not answer" in report, report
+    assert "rank 3 (node 0 h0, pid 103) has not entered allreduce #5 (shared memory)" in report, report
+    assert "rank 2 (node 0 h0, pid 102) has not entered" not in report, report
+    entries[0] = 6  # this rank's window is already in a later call (a worker thread): no evidence, as before
+    assert "rank 2 (node 0 h0, pid 102) has not entered allreduce #5" in format_report(watchdog, stalled, answers, 4)

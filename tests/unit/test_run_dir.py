@@ -1,7 +1,7 @@
 """What a training start does with a run directory that already holds a run (hpctrain/train/run_dir.py)."""
 from pathlib import Path
 
-from hpctrain.train.run_dir import SUPERSEDED, decide_start, default_resume
+from hpctrain.train.run_dir import SUPERSEDED, carry_out, decide_start, default_resume
 
 
 def a_run(run_dir: Path, checkpoint_dir: Path, complete: bool = True) -> None:
@@ -26,7 +26,9 @@ def test_resume_auto_keeps_the_run_and_resume_none_sets_it_aside(tmp_path):
     assert decide_start(str(tmp_path), str(tmp_path / "checkpoints"), "auto").resume == "auto"
     assert (tmp_path / "metrics.jsonl").exists()
     decision = decide_start(str(tmp_path), str(tmp_path / "checkpoints"), "none")
-    aside = Path(decision.set_aside)
+    assert (tmp_path / "metrics.jsonl").exists() and decision.set_aside is None  # decided, nothing moved yet
+    aside = Path(carry_out(decision, str(tmp_path), str(tmp_path / "checkpoints")))
+    assert decision.set_aside == str(aside)
     assert decision.resume == "none" and decision.problem is None and aside.parent == tmp_path / SUPERSEDED
     assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert (aside / "checkpoints" / "step-00000005" / "COMPLETE").exists()
@@ -38,6 +40,7 @@ def test_a_run_without_complete_checkpoints_starts_fresh_without_appending(tmp_p
     for resume in (None, "auto"):
         decision = decide_start(str(tmp_path), str(tmp_path / "checkpoints"), resume)
         assert decision.problem is None and decision.resume == "none"
+        carry_out(decision, str(tmp_path), str(tmp_path / "checkpoints"))
         assert not (tmp_path / "metrics.jsonl").exists()
         (tmp_path / "metrics.jsonl").write_text("x\n")  # the next start finds an earlier log again
     assert len(list((tmp_path / SUPERSEDED).iterdir())) == 2  # two fresh starts, two folders, nothing lost
@@ -47,14 +50,15 @@ def test_an_outside_checkpoint_dir_is_set_aside_in_place(tmp_path):
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpts"
     a_run(run_dir, ckpt)
     decision = decide_start(str(run_dir), str(ckpt), "none")
-    stamp = Path(decision.set_aside).name
+    stamp = Path(carry_out(decision, str(run_dir), str(ckpt))).name
     assert (ckpt / SUPERSEDED / stamp / "step-00000005" / "COMPLETE").exists()
     assert (run_dir / SUPERSEDED / stamp / "metrics.jsonl").exists()
 
 
 def test_a_path_resumes_and_an_empty_directory_is_a_plain_fresh_start(tmp_path):
     assert decide_start(str(tmp_path), str(tmp_path / "checkpoints"), "/some/step-00000007").resume == "/some/step-00000007"
-    assert decide_start(str(tmp_path / "new"), str(tmp_path / "new" / "checkpoints"), None).set_aside is None
+    decision = decide_start(str(tmp_path / "new"), str(tmp_path / "new" / "checkpoints"), None)
+    assert decision.earlier == [] and carry_out(decision, str(tmp_path / "new"), "") is None
 
 
 def test_inside_a_batch_job_a_missing_resume_means_auto():

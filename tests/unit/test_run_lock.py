@@ -82,3 +82,17 @@ def test_the_heartbeat_thread_keeps_the_lock_fresh_between_steps(tmp_path):
     assert time.time() - (tmp_path / LOCK_NAME).stat().st_mtime < 500
     lock.release()
     assert not lock.held and not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_start_that_fails_leaves_no_directory_it_made_but_keeps_anything_written(tmp_path):
+    run_dir = tmp_path / "made" / "run"
+    lock = RunLock(str(run_dir), enabled=True)
+    lock.acquire()
+    assert (run_dir / LOCK_NAME).exists()
+    lock.release()  # nothing was written: the directories the lock made are gone, not the ones before it
+    assert not (tmp_path / "made").exists() and tmp_path.exists()
+    lock = RunLock(str(run_dir), enabled=True)
+    lock.acquire()
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    lock.release()
+    assert (run_dir / "metrics.jsonl").exists() and not (run_dir / LOCK_NAME).exists()

@@ -93,6 +93,26 @@ def test_float16_scale_changes_on_the_device_equal_the_host_decisions(tokens):
 
 
 
+def test_a_huge_initial_float16_scale_halves_until_it_trains_and_only_minimum_scale_overflows_count(tokens):
+    """train.loss_scale=1e12 overflows ~20 steps in a row while halving: not divergence (the scaler's search),
+    so even max_skipped_steps=2 lets it recover; device and host agree on every step (checked at each read)."""
+    big = ("train.dtype=float16", "train.loss_scale=1e12", "train.max_skipped_steps=2")
+    before, late = run(tokens, "before", 28, *big), run(tokens, "late", 28, *big)
+    skipped = [r[2] for r in before[0]]
+    assert before[4] is None and len(before[0]) == 28 and sum(skipped) > 2 and not any(skipped[-3:]), before[0]
+    assert late[0] == before[0] and torch.equal(late[1], before[1]) and late[4] is None
+    # overflows AT the minimum scale (1) count: two in a row are more than max_skipped_steps=1
+    at_minimum = ("train.dtype=float16", "train.loss_scale=1", "train.max_skipped_steps=1")
+    before, late = run(tokens, "before", 5, *at_minimum, nan_at=(2, 3)), run(tokens, "late", 5, *at_minimum,
+                                                                             nan_at=(2, 3))
+    assert before[4].stop == late[4].stop == "too many skipped steps" and before[3] == late[3] == 3
+    assert "(its minimum)" in before[4].detail and late[0] == before[0]
+    above = ("train.dtype=float16", "train.loss_scale=1024", "train.max_skipped_steps=1")  # halving: not counted
+    before, late = run(tokens, "before", 5, *above, nan_at=(2, 3)), run(tokens, "late", 5, *above, nan_at=(2, 3))
+    assert before[4] is None and late[4] is None and [r[2] for r in before[0]] == [False, True, True, False, False]
+    assert late[0] == before[0] and torch.equal(late[1], before[1])
+
+
 def test_the_device_scale_rule_is_the_hosts():
     """Halving (down to the minimum), growth every ``growth_interval`` good steps, a reset on overflow, load."""
     host, device = (DynamicLossScaler(8.0, growth_interval=2, min_scale=2.0) for _ in range(2))

@@ -51,3 +51,24 @@ def test_without_a_watchdog_thread_device_work_ends_at_once():
     dog = Watchdog(0, timeout_s=0)  # comm.timeout_s = 0: nothing would ever poll the event
     _end(dog, dog.begin("allreduce", group()), SimpleNamespace(device_done=lambda: False))
     assert dog.inflight() == [] and dog._device == {}
+
+
+def test_a_device_query_that_raises_keeps_the_call_watched_and_the_thread_alive():
+    dog = Watchdog(0, timeout_s=30)
+    answers = iter([RuntimeError("CUDA error: an illegal memory access"), False, True])
+
+    def done():
+        answer = next(answers, True)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+    try:
+        _end(dog, dog.begin("allreduce", group()), SimpleNamespace(device_done=lambda: False))
+        token = dog.begin("allgather", group())
+        dog._device[token] = done  # as end_when leaves it, polled from the next period on
+        deadline = time.monotonic() + 20
+        while [c.op for c in dog.inflight()] != ["allreduce"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [c.op for c in dog.inflight()] == ["allreduce"] and dog._thread.is_alive()
+    finally:
+        dog.close()

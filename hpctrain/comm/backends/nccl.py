@@ -56,10 +56,13 @@ def nccl_constant(module, table, key):
 
 
 class NcclWork:
-    __slots__ = ("event", "finish", "keepalive", "done", "device")
+    """A call's completion: ``event`` (recorded on the group's stream after the NCCL kernel); ``keepalive``:
+    the tensors it reads and writes, held until ``wait`` has ordered the compute stream after it."""
 
-    def __init__(self, event, finish=None, keepalive=None):
-        self.event, self.finish, self.keepalive, self.done = event, finish, keepalive, False
+    __slots__ = ("event", "keepalive", "done", "device")
+
+    def __init__(self, event, keepalive=None):
+        self.event, self.keepalive, self.done = event, keepalive, False
         self.device = torch.cuda.current_device()  # the rank's GPU, for queries from other threads
 
     def test(self) -> bool:
@@ -76,8 +79,6 @@ class NcclWork:
     def wait(self) -> None:
         if not self.done:
             torch.cuda.current_stream().wait_event(self.event)
-            if self.finish is not None:
-                self.finish()
             self.done, self.keepalive = True, None
 
 
@@ -122,7 +123,7 @@ class NcclBackend:
         once (no host synchronisation), non-blocking ones when the handle is waited."""
         event = torch.cuda.Event()
         event.record(self.side)
-        work = NcclWork(event, None, keepalive)
+        work = NcclWork(event, keepalive)
         if not nonblocking:
             work.wait()
         return work
@@ -200,8 +201,3 @@ class NcclBackend:
         if self.comm is not None:
             self.comm.destroy()
             self.comm = None
-
-    def barrier(self):
-        one = torch.ones(1, device="cuda")
-        self.allreduce(one)
-        torch.cuda.current_stream().synchronize()

@@ -72,6 +72,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rtol", type=float, default=1e-10)
     ap.add_argument("--param-rtol", type=float, default=None)
+    ap.add_argument("--reference", default="", help='","-separated overrides of the one-process reference only '
+                                                    '(e.g. model.fused_head_loss=false: the other head path)')
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     world = MPI.COMM_WORLD
@@ -88,6 +90,7 @@ def main():
                             ("gpipe", 1) if "gpipe" in words else ("1f1b", 1))
             combos.append((schedule, "sp" in words, 1 if "zero1" in words else 0))
     single = [o for o in base if not o.startswith("parallel.stage_layers")]  # a split for pp > 1 only
+    single += [o for o in args.reference.split(",") if o]
     cfg0 = load_config(None, single)
     tokens = load_tokens_collective(world, cfg0.data.source, cfg0.data.cache_dir, cfg0.data.max_bytes)
     reference = None

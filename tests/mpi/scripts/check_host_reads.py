@@ -6,8 +6,8 @@ Each case is "dp=A tp=B pp=C cp=D[:extra overrides separated by spaces]" (sizes 
 takes one step, then ``--steps`` steps ``train_step(defer=True)`` (the training loop's call) under
 ``HostReadAudit`` (hpctrain/profiling/host_reads.py): every ``.item()``, ``bool(tensor)``, data-shaped op
 or blocking device-to-host copy that hpctrain's code makes inside them is a site where the host would
-wait for a GPU; on CUDA, torch's own sync debug mode ("warn") is on as well and each warning it gives
-is a site too. World rank 0 prints each case's sites over all ranks and "HOST READS OK" when none.
+wait for a GPU; on CUDA, torch's own sync debug mode ("warn") is on as well and each "called a synchronizing
+CUDA operation" warning it gives is a site too (``sync_warnings``; not the mode's one-time notice). World rank 0 prints each case's sites over all ranks and "HOST READS OK" when none.
 """
 import argparse
 import warnings
@@ -18,7 +18,7 @@ from mpi4py import MPI
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.config import load_config
 from hpctrain.data.corpus import load_tokens_collective
-from hpctrain.profiling.host_reads import HostReadAudit
+from hpctrain.profiling.host_reads import HostReadAudit, sync_warnings
 from hpctrain.runtime.device import select_device
 from hpctrain.runtime.launcher import discover
 from hpctrain.train.trainer import Trainer
@@ -32,20 +32,20 @@ def audited_steps(cfg, world, tokens, steps: int) -> list[str]:
     assert cfg.train.device != "cuda" or trainer.device.type == "cuda", trainer.device
     trainer.train_step(defer=True)  # the first step builds what later steps reuse
     cuda = trainer.device.type == "cuda"
-    with HostReadAudit() as audit, warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if cuda:
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
+    if cuda:  # before recording: its one-time "prototype feature" notice is no host read
+        torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with HostReadAudit() as audit, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             for _ in range(steps):
                 trainer.train_step(defer=True)
-        finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
     trainer.read_pending()
     assert trainer.diverged is None and len(trainer.resolved) == steps + 1, trainer.resolved
     grid.close()
-    return audit.lines() + [f"cuda sync debug: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    return audit.lines() + [f"cuda sync debug: {text}" for text in sync_warnings(caught)]
 
 
 def main():

@@ -1,0 +1,109 @@
+"""Refusing, before anything is allocated, a model that cannot fit: a lower bound of each rank's bytes
+against the memory it may still take (``runtime/peak_memory.available_memory``), agreed by every rank.
+
+Per rank (``models/arithmetic.rank_parameters``: its pipeline chunks, the PADDED vocabulary / tp):
+parameters x dtype bytes; unless LoRA freezes them, float32 main gradients (float64 in float64) and
+AdamW's two moments (+ float32 master weights in 16-bit training; ZeRO-1 divides them by dp x cp), as
+plan/memory.py counts them; and one micro-batch of the input of every block on the rank (the least any
+schedule keeps: full recomputation). SGD's state, more micro-batches, logits, torch and the corpus come on
+top, so a refusal is certain and passing is no promise. On the host the ranks of a node share its memory
+(their sum against the node's available memory); on CUDA each rank has its device's free memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpctrain.checkpoint.directory import human_size
+from hpctrain.config import ConfigError, resolve_model
+from hpctrain.models.arithmetic import partition_layers, rank_parameters
+from hpctrain.parallel.rules import padded_vocab
+from hpctrain.runtime.peak_memory import available_memory
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+@dataclass
+class Need:
+    """A lower bound of one rank's bytes, by part, and what dominates it (keys named, for the message)."""
+
+    parameters: int
+    parts: dict[str, int]  # "parameters", "gradients", "optimizer", "activations"
+    largest: str  # the configuration keys behind the largest share, with their values
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def rank_need(cfg, layout, pp_rank: int) -> Need:
+    """The lower bound for one rank of pipeline rank ``pp_rank`` of ``layout`` (a validated Layout)."""
+    m, t = resolve_model(cfg.model), cfg.train
+    tp, nb = layout.tp_size, DTYPE_BYTES[t.dtype]
+    counts = rank_parameters(m, tp, layout.pp_size, pp_rank, layout.stage_layers, layout.virtual_stages)
+    n = sum(counts.values())
+    trainable = 0 if cfg.lora.rank else n  # LoRA: the adapters alone (left out: a lower bound)
+    state = 2 * max(4, nb) + (4 if nb == 2 else 0) if cfg.optim.name == "adamw" else 0
+    ranges = partition_layers(m, layout.pp_size * layout.virtual_stages, list(layout.stage_layers) or None)
+    layers = sum(hi - lo for lo, hi in ranges[pp_rank::layout.pp_size])
+    tokens = layout.micro_batch * (layout.seq_len // layout.cp_size)
+    activations = layers * tokens * m.d_model * nb // (tp if layout.sequence_parallel else 1)
+    parts = {"parameters": n * nb, "gradients": trainable * max(4, nb),
+             "optimizer": trainable * state // (layout.replica_size if layout.zero else 1),
+             "activations": activations}
+    per_param = (parts["parameters"] + parts["gradients"] + parts["optimizer"]) / max(n, 1)
+    shares = {part: count * per_param for part, count in counts.items()}
+    shares["activations"] = activations
+    return Need(n, parts, _keys(max(shares, key=shares.__getitem__), m, layout, layers))
+
+
+def _keys(part: str, m, layout, layers: int) -> str:
+    if part == "vocabulary":
+        return (f"the embedding and LM head: model.vocab_size={m.vocab_size} padded to {padded_vocab(m, layout.tp_size)} "
+                f"rows (a multiple of model.vocab_multiple={m.vocab_multiple} x parallel.tp={layout.tp_size}) x "
+                f"model.d_model={m.d_model}")
+    if part == "positions":
+        return f"the learned positions: model.max_seq_len={m.max_seq_len} x model.d_model={m.d_model}"
+    if part == "activations":
+        return (f"one micro-batch's activations: {layout.micro_batch} sequences (train.global_batch / "
+                f"train.micro_batch_size) x train.seq_len={layout.seq_len} x model.d_model={m.d_model} x {layers} "
+                f"blocks")
+    return (f"the blocks: {layers} of model.n_layers={m.n_layers} x (model.d_model={m.d_model}, "
+            f"model.d_ff={m.d_ff})")
+
+
+def check_memory(cfg, grid, device) -> None:
+    """Collective over ``grid.world``: raise ConfigError on every rank when some rank's (on the host: some
+    node's) lower bound exceeds what it may still allocate. One allgather, before the model exists."""
+    need = rank_need(cfg, grid.layout, grid.coords["pp"])
+    rows = grid.world.allgather_object((grid.info.node, grid.info.hostname, grid.coords["pp"], need.total,
+                                        available_memory(device)))
+    problem = first_shortfall(rows, device.type == "cuda")
+    if problem is None:
+        return
+    rank, ranks, together, (free, where) = problem
+    worst = rank_need(cfg, grid.layout, rows[rank][2])
+    parts = ", ".join(f"{name} {human_size(size)}" for name, size in worst.parts.items() if size)
+    sharing = f"; the {ranks} ranks of host {rows[rank][1]} need {human_size(together)} together" if ranks > 1 else ""
+    raise ConfigError(f"config: the model does not fit in memory: rank {rank} needs at least "
+                      f"{human_size(worst.total)} ({parts}; {worst.parameters:,} parameters, the most for "
+                      f"{worst.largest}){sharing}, but {human_size(free)} are {where}; make the model or the "
+                      f"micro-batch smaller, or spread it over more ranks (parallel.tp, parallel.pp, parallel.zero=1)")
+
+
+def first_shortfall(rows, per_rank: bool) -> tuple[int, int, int, tuple[int, str]] | None:
+    """(the rank that needs the most where memory runs short, the ranks sharing that memory, their bytes
+    together, (bytes available, where)), or None when everything fits. ``rows``: (node, hostname, pp rank,
+    bytes needed, (bytes available, where) or None when unknown) per world rank; ``per_rank``: each rank
+    has its own memory (CUDA), else the ranks of a node share its host memory, as its lowest rank read it."""
+    for rank, (node, _host, _pp, needed, room) in enumerate(rows):
+        if room is None:
+            continue
+        if per_rank:
+            if needed > room[0]:
+                return rank, 1, needed, room
+            continue
+        local = [r for r, row in enumerate(rows) if row[0] == node]
+        together = sum(rows[r][3] for r in local)
+        if rank == local[0] and together > room[0]:
+            return max(local, key=lambda r: rows[r][3]), len(local), together, room
+    return None

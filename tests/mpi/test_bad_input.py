@@ -1,0 +1,52 @@
+"""Bad values of the recently added keys, end to end on 2 real ranks: every rank raises the same one-line
+error naming the key, marked as raised alike everywhere (printed once, exit 2), and nothing is written
+to the run directory. One launch runs the cases in-process (scripts/check_bad_inputs.py); one more goes
+through the CLI for the printed line and the exit code. Many more cases, without MPI:
+tests/unit/test_bad_input_sweep.py."""
+import json
+
+from mpirun import run_mpi
+
+CASES = [  # (overrides, the key the line names)
+    (["parallel.cp=3"], "parallel.cp"),
+    (["parallel.cp=2", "parallel.tp=1", "parallel.pp=1", "parallel.dp=2"], "parallel.cp"),  # 1 x 1 x 2 x 2 != 2
+    (["parallel.virtual_stages=2"], "parallel.virtual_stages"),
+    (["parallel.schedule=interleaved", "parallel.virtual_stages=3", "parallel.tp=1", "parallel.pp=2"],
+     "parallel.virtual_stages"),
+    (["model.vocab_multiple=1000000000"], "model.vocab_multiple"),
+    (["model.mlp=relu"], "model.mlp"),
+    (["model.positions=alibi"], "model.positions"),
+    (["lora.rank=4", "lora.targets=[q,qkv]"], "lora.targets"),
+    (["lora.rank=4", "lora.alpha=nan"], "lora.alpha"),
+    (["monitor.labels=[a=b,a=c]"], "monitor.labels"),
+    (["monitor.prometheus_port=70000"], "monitor.prometheus_port"),
+    (["monitor.prometheus_port=PORT_IN_USE"], "monitor.prometheus_port"),
+    (["compression.method=onebit-adam"], "compression.warmup_steps"),
+    (["compression.density=2"], "compression.density"),
+    (["train.micro_batch_size=3", "parallel.pp=1", "parallel.tp=1"], "train.micro_batch_size"),
+    (["model.vocab_size=16777216", "model.d_model=65536", "model.n_heads=64", "model.n_kv_heads=64"],
+     "model.vocab_size=16777216 padded to"),  # fits no host: refused by the memory check, before allocation
+]
+
+
+def test_bad_values_are_refused_alike_on_every_rank_and_write_nothing(tmp_path):
+    result = run_mpi(2, "check_bad_inputs.py", str(tmp_path / "runs"), json.dumps([c for c, _ in CASES]),
+                     timeout=240)
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
+    for (overrides, key), ranks in zip(CASES, json.loads(line.removeprefix("RESULTS "))):
+        assert len(ranks) == 2, (overrides, ranks)
+        for kind, alike, message, written in ranks:
+            assert message is not None and "\n" not in message and key in message, (overrides, kind, message)
+            assert alike and "NOT A USER ERROR" not in message, (overrides, kind, message)
+            assert not written, (overrides, "the run directory was created")
+        assert ranks[0][2] == ranks[1][2], (overrides, ranks)  # the same line on both ranks
+
+
+def test_the_cli_prints_one_line_exits_2_and_writes_nothing(tmp_path):
+    result = run_mpi(2, "hpctrain.cli", "train", "--config", "configs/tiny.toml", "model.vocab_multiple=0",
+                     f"train.run_dir={tmp_path / 'run'}", module=True, timeout=90, check=False)
+    assert result.returncode == 2, result.output[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hpctrain: error: ")]
+    assert errors == ["hpctrain: error: all 2 ranks: config: model.vocab_multiple: must be >= 1, got 0"], \
+        result.stderr
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()

@@ -68,6 +68,7 @@ class ModelConfig:
     init_from: str = ""  # HF Llama dir or hpctrain checkpoint: its weights at step 0 (not on resume); "" = random
     fused_head_loss: bool = True  # last stage: LM head + cross-entropy in chunks of tokens (false: full logits)
     loss_chunk_tokens: int = _field(0, min=0)  # tokens per chunk of the fused head + loss; 0 = automatic
+    residual_dtype: str = _field("auto", choices=("auto", "float32"))  # float32: a half run's residual stream in float32
 
 
 @dataclass

@@ -44,7 +44,8 @@ def eager_ring_attention(*args, **kwargs):
 
 
 class RMSNorm(nn.Module):
-    """Bias-free RMSNorm: x / rms(x) * weight, in float32 for half inputs (fused by ``train.compile``)."""
+    """Bias-free RMSNorm: x / rms(x) * weight, in float32 for half inputs (fused by ``train.compile``); the
+    output is in the weight's dtype (a float32 residual stream feeds half-precision sublayers)."""
 
     def __init__(self, name, dim, eps, tp_comm, sp, dtype):
         super().__init__()
@@ -58,7 +59,16 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         compute = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         y = compute * torch.rsqrt(compute.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.to(x.dtype) * self.weight
+        return y.to(self.weight.dtype) * self.weight
+
+
+def residual_dtype(m, dtype: torch.dtype) -> torch.dtype:
+    """The residual stream's dtype for training dtype ``dtype``: float32 when ``model.residual_dtype`` is
+    "float32" and ``dtype`` is a half type (Megatron's --fp32-residual-connection), else ``dtype`` itself (a
+    float32/float64 run is never narrowed)."""
+    if getattr(m, "residual_dtype", "auto") == "float32" and dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return dtype
 
 
 def local_positions(seq: int, cp_comm, device=None) -> torch.Tensor | None:
@@ -226,7 +236,8 @@ class Block(nn.Module):
 class GPTStage(nn.Module):
     """Layers ``[first_layer, last_layer)`` of the GPT; the first stage embeds, the last computes logits.
 
-    forward: first stage ids [B, S] -> hidden; other stages hidden [S(/tp), B, D] -> hidden;
+    forward: first stage ids [B, S] -> hidden; other stages hidden [S(/tp), B, D] -> hidden (hidden in
+    ``residual_dtype``: the training dtype, or float32 with ``model.residual_dtype``);
     the last stage returns vocab-parallel logits [S, B, n]: this tp rank's real vocabulary ids
     [vocab_start, vocab_start + n) (with tp = 1 the whole true vocabulary, [S, B, vocab_size]). The LM
     head holds ``padded_vocab`` rows; their padding columns are cut off here, before any loss, softmax or
@@ -246,6 +257,9 @@ class GPTStage(nn.Module):
         check_tp_divisibility(m, tp_size)
         self.is_first, self.is_last, self.tp_comm, self.sp, self.recompute = is_first, is_last, tp_comm, sp, recompute
         self.layer_range = layer_range
+        # the residual stream (embedding output, between blocks and stages, the final norm's input) may be
+        # wider than the weights: each sublayer computes in ``dtype`` (``residual_dtype``)
+        self.compute_dtype, self.residual_dtype = dtype, residual_dtype(m, dtype)
         vocab = padded_vocab(m, tp_size)
         if is_first:
             self.embed = VocabParallelEmbedding("embed", m.vocab_size, m.d_model, tp_comm, sp=sp, dtype=dtype,
@@ -284,7 +298,7 @@ class GPTStage(nn.Module):
     def _trunk(self, x, docs):
         """Embedding (first stage), blocks, final norm (last stage): the stage without its LM head."""
         if self.is_first:
-            x = self.embed(x.t().contiguous())
+            x = self.embed(x.t().contiguous()).to(self.residual_dtype)
             if hasattr(self, "pos_embed"):
                 x = self.pos_embed(x, docs)
         tables = self._rotary_tables(x, docs)
@@ -300,7 +314,7 @@ class GPTStage(nn.Module):
         if not isinstance(first, Block) or not first.attn.rope:  # None: no blocks
             return None
         split = self.tp_comm.size if self.sp and self.tp_comm is not None else 1  # attention sees all S
-        return first.attn.rotary_tables(x.shape[0] * split, docs, x.device, x.dtype)
+        return first.attn.rotary_tables(x.shape[0] * split, docs, x.device, self.compute_dtype)  # as q and k
 
     def loss_sum(self, logits, targets, mask=None):
         """Sum over tokens of the cross-entropy; targets [B, S]; ``mask`` [B, S] bool: only the tokens where it

@@ -82,6 +82,10 @@ class FlatOptimizer:
         for s in self.owned_slices:
             s.runs = fused_runs(s.end - s.start, s.decay_ranges)
         self._fused_groups: dict | None = None  # _group_runs(): the kernel's tensor lists, built on the first step
+        # half-precision models: the parameters and their float32 masters, written after each fused update by
+        # ONE torch._foreach_copy_ (the same rounding as each slice's copy_); empty when the masters are the params
+        separate = [s for s in self.owned_slices if s.master is not s.params]
+        self._master_copies = ([s.params for s in separate], [s.master for s in separate])
 
     def _make_slice(self, bucket, start: int, end: int) -> OptimizerSlice:
         flat = self.flat
@@ -214,9 +218,8 @@ class FlatOptimizer:
                                     found_inf=found_inf)
         if found_inf is not None:
             self._step_tensor.sub_(found_inf)
-        for s in self.owned_slices:
-            if s.master is not s.params:
-                s.params.copy_(s.master)
+        if self._master_copies[0]:
+            torch._foreach_copy_(*self._master_copies)
         self.flat.gather_params()
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:

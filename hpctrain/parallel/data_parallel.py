@@ -7,7 +7,10 @@ models). Both are cut into buckets of about ``bucket_mb``, in reverse parameter 
 backward produces them), each padded to a multiple of dp. A rank OWNS a range of each bucket: the
 whole bucket without ZeRO, its 1/dp slice with ZeRO-1. The optimizer updates owned ranges only.
 
-Reduction. A backward hook per parameter adds its grad into the main-grad view; on the last
+Reduction. A backward hook per parameter copies its first grad of the step into the main-grad view and
+adds the later micro-batches' (no zeroing pass over the buffer: a parameter that got no grad this step,
+and the bucket's padding, which a compressed reducer may have written, are zeroed right before the bucket
+is reduced, ``_settle``); on the last
 micro-batch, once every parameter of a bucket has reported, the bucket's non-blocking reduction
 starts through ``self.reducer`` (a ``hpctrain.compression.GradReducer``: dense all-reduce SUM, or
 reduce-scatter into ``slice_grads`` with ZeRO, by default; a compressed reducer with
@@ -118,6 +121,9 @@ class FlatParams:
             if zero:
                 bucket.slice_grad = torch.zeros(bucket.size // self.dp_size, dtype=self.grad_dtype, device=device)
         self.last_microbatch = False
+        self._unwritten: set[int] = set(self._offsets)  # ids of the parameters with no grad yet this step
+        # each bucket's padding past its parameters, [lo, hi) in the flat buffers (only with dp > 1)
+        self._bucket_padding = {b.index: (b.start + sum(p.numel() for p in b.params), b.end) for b in self.buckets}
         # vocabulary padding rows inside the owned ranges: their reduced grads are zeroed (a lossy
         # compressor, e.g. onebit, may turn the zeros into noise), so they stay zero and never count
         self._owned_padding = [(b, lo, hi, pads) for b, lo, hi in self.owned_ranges()
@@ -154,14 +160,19 @@ class FlatParams:
 
     # ---------------------------------------------------------------- one step
     def start_step(self) -> None:
-        """Zero the main grads; reset bucket readiness."""
-        self.grad_buffer.zero_()
+        """Reset bucket readiness; every parameter's next grad is its first of the step (copied, not added:
+        the main grads are not zeroed, ``_settle`` zeroes what got no grad before a reduction reads it)."""
         self.last_microbatch = False
+        self._unwritten = set(self._offsets)
         for bucket in self.buckets:
             bucket.pending, bucket.handle = len(bucket.params), None
 
     def _on_grad_ready(self, p) -> None:
-        p.main_grad.add_(p.grad)
+        if id(p) in self._unwritten:  # the step's first grad: the same values as 0 + grad
+            self._unwritten.discard(id(p))
+            p.main_grad.copy_(p.grad)
+        else:
+            p.main_grad.add_(p.grad)
         p.grad = None
         if not self.last_microbatch:
             return
@@ -177,7 +188,20 @@ class FlatParams:
             if bucket.handle is not None:
                 bucket.handle.test()
 
+    def _settle(self, bucket: Bucket) -> None:
+        """Before anything reads the bucket's main grads: zero those of its parameters that got no grad this
+        step (as ``start_step`` once zeroed the whole buffer) and its padding (a compressed reducer writes the
+        whole bucket). Idempotent."""
+        for p in bucket.params:
+            if id(p) in self._unwritten:
+                self._unwritten.discard(id(p))
+                p.main_grad.zero_()
+        lo, hi = self._bucket_padding[bucket.index]
+        if lo < hi:
+            self.grad_buffer[lo:hi].zero_()
+
     def _launch(self, bucket: Bucket) -> None:
+        self._settle(bucket)
         if self.dp_size == 1:
             if self.zero:
                 assert bucket.slice_grad is not None  # ZeRO: every bucket has its slice
@@ -189,6 +213,7 @@ class FlatParams:
         """After the last micro-batch's backward: pre-reduce deferred grads, reduce them, wait for all."""
         for bucket in self.buckets:
             if bucket.deferred:
+                self._settle(bucket)
                 self._pre_reduce(bucket)
                 self._launch(bucket)
             elif bucket.handle is None and bucket.pending > 0:

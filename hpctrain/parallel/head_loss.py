@@ -45,8 +45,9 @@ def describe_head(fused: bool, setting: int, tokens: int, vocab_local: int) -> s
     """The start-up line's words for the last stage's head and loss over ``tokens`` tokens per micro-batch."""
     if not fused:
         return "head: logits + vocab-parallel CE (model.fused_head_loss=false)"
-    chunk = chunk_tokens(setting, tokens, vocab_local)
-    return f"head: fused chunked CE (chunk {chunk} tokens of {tokens}{', automatic' if setting == 0 else ''})"
+    chunk, how = chunk_tokens(setting, tokens, vocab_local), ", automatic" if setting == 0 else ""
+    size = f"one chunk of {tokens} tokens" if chunk >= tokens else f"chunks of {chunk} of {tokens} tokens"
+    return f"head: fused chunked CE ({size}{how})"
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +73,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
             target_logit[s:e] = logits.gather(-1, local[s:e, None]).squeeze(-1).masked_fill(~inside[s:e], 0.0)
             sum_exp[s:e] = logits.sub_(top[:, None]).exp_().sum(dim=-1)
             local_max[s:e] = top
+            del logits  # before the next chunk's: one chunk of logits alive at a time
         if tp_comm is not None and tp_comm.size > 1:
             global_max = local_max.clone()
             tp_comm.allreduce(global_max, op="max")
@@ -111,6 +113,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
                     grad_w[:n_valid].addmm_(grad.t(), h[s:e])
                 else:
                     grad_w[:n_valid] += grad.t() @ h[s:e]
+            del probs, grad  # before the next chunk's
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None

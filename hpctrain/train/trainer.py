@@ -28,7 +28,7 @@ from hpctrain.data.sampler import GlobalBatchIterator, rank_slice
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.attention_backend import choose_sdpa, use_sdpa
 from hpctrain.models.compile import compile_stages, compile_wanted
-from hpctrain.models.gpt import flops_per_token
+from hpctrain.models.gpt import flops_per_token, residual_dtype
 from hpctrain.compression import build_reducer
 from hpctrain.compression.reducer import DenseReducer
 from hpctrain.optim.flat import FlatOptimizer, lr_at
@@ -109,7 +109,7 @@ class Trainer:
         self.executor = PipelineExecutor(self.chunks, pp_comm if layout.pp_size > 1 else None, self.flat,
                                          layout.schedule, layout.microbatches,
                                          (layout.seq_chunk, self.micro_batch, m.d_model),
-                                         self.dtype, device=self.device, timer=self.timer)
+                                         residual_dtype(m, self.dtype), device=self.device, timer=self.timer)
         self.scaler = DynamicLossScaler(t.loss_scale, enabled=self.dtype == torch.float16, device=self.device)
         self.guard = DivergenceGuard(t.nonfinite, t.max_skipped_steps)
         self.diverged = None  # the last step's Verdict when the run must stop (non-finite, too many skips)

@@ -26,7 +26,7 @@ mount -t tmpfs -o size=6m tmpfs /dev/shm || exit 99
 for i in $(seq 1 16); do {launch} train.run_dir={tmp_path}/bad train.bogus_key=$i >/dev/null 2>&1; echo "bad $i: $?"; done
 for i in $(seq 1 4); do {launch} train.run_dir={tmp_path}/bad {' '.join(TOO_BIG)} >/dev/null 2>&1; echo "big $i: $?"; done
 echo "left: $(ls -A /dev/shm | tr '\\n' ' ')"
-{launch} train.run_dir={tmp_path}/good train.steps=3 train.global_batch=4 2>&1; echo "good: $?"
+{launch} train.run_dir={tmp_path}/good train.steps=3 2>&1; echo "good: $?"
 echo "left after: $(ls -A /dev/shm | tr '\\n' ' ')"
 """
     proc = subprocess.run(["timeout", "-k", "5", "500", "unshare", "--mount", "sh", "-c", script], capture_output=True,

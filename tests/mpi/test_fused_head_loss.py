@@ -2,7 +2,10 @@
 process running the plain head (logits, then the vocab-parallel cross-entropy): float64 losses and final
 parameters within 1e-10 with chunks of 5 tokens (dividing no micro-batch), over tp with and without sequence
 parallelism (a vocabulary of 257: a slab of 1 real row, at tp=4 one of none), pp, cp, LoRA and packed SFT
-examples (loss masks). The one-process function against the plain one: tests/unit/test_head_loss.py."""
+examples (loss masks); the CLI's start-up line names the head, and float32 training and validation losses
+equal the plain head's. The one-process function against the plain one: tests/unit/test_head_loss.py."""
+import json
+
 from mpirun import ROOT, run_mpi
 
 EXACT = ["--param-rtol", "1e-10", "--rtol", "1e-10", "--reference", "model.fused_head_loss=false",
@@ -31,3 +34,23 @@ def test_lora_on_packed_sft_examples_equals_the_plain_head(tmp_path):
     out = fidelity(2, "1,2,1;1,1,2", "sp", f"data.source={data}", "train.seq_len=256", "train.global_batch=4",
                    "lora.rank=4", "lora.alpha=6", "lora.targets=[q,v,down]")
     assert out.count("OK dp=") == 2 and out.count("LORA OK") == 3
+
+
+def test_the_cli_names_the_head_and_its_losses_and_validation_equal_the_plain_heads(tmp_path):
+    """tp=2 with SP, float32: the start-up line names the fused head's chunks; the training and validation
+    losses equal those of model.fused_head_loss=false to float32 rounding."""
+    def run(name, *overrides):
+        result = run_mpi(2, "hpctrain.cli", "train", "--config", "configs/tiny.toml", "parallel.tp=2", "parallel.pp=1",
+                         "parallel.sequence_parallel=true", "train.steps=3", "train.progress=false",
+                         "data.valid_fraction=0.1", "train.eval_interval=3", "train.eval_steps=1",
+                         f"train.run_dir={tmp_path / name}", *overrides, module=True, timeout=120)
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return result.stdout, [(r["loss"], r.get("val_loss")) for r in records if "loss" in r]
+
+    out, fused = run("fused", "model.loss_chunk_tokens=50")
+    assert "head: fused chunked CE (chunks of 50 of 128 tokens)" in out, out
+    out, plain = run("plain", "model.fused_head_loss=false")
+    assert "head: logits + vocab-parallel CE (model.fused_head_loss=false)" in out, out
+    assert len(fused) == len(plain) == 3 and fused[-1][1] is not None, fused
+    for (a, va), (b, vb) in zip(fused, plain):
+        assert abs(a - b) <= 1e-5 * b and (va is None) == (vb is None) and (va is None or abs(va - vb) <= 1e-5 * vb)

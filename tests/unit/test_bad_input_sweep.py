@@ -43,6 +43,7 @@ CASES = [  # (overrides, world size or None for load-time, the key the line must
     (["model.mlp=SwiGLU"], None, "model.mlp", "expected one of"),
     (["model.positions=alibi"], None, "model.positions", "expected one of auto, rope, learned"),
     (["model.positions="], None, "model.positions", "expected one of"),
+    (["model.residual_dtype=bfloat16"], None, "model.residual_dtype", "expected one of auto, float32"),
     (["lora.rank=-1"], None, "lora.rank", "must be >= 0"),
     (["lora.rank=100000"], None, "lora.rank", "exceeds the dimensions"),
     (["lora.rank=r"], None, "lora.rank", "expected int"),

@@ -169,7 +169,8 @@ def test_chunk_size_setting_and_start_up_words():
     auto = chunk_tokens(0, 8192, 50304)
     assert auto % 128 == 0 and auto * 50304 * 4 <= AUTO_CHUNK_BYTES < (auto + 128) * 50304 * 4
     assert chunk_tokens(0, 10**6, AUTO_CHUNK_BYTES // 4) == 1
-    assert describe_head(True, 0, 8192, 50304) == f"head: fused chunked CE (chunk {auto} tokens of 8192, automatic)"
+    assert describe_head(True, 0, 8192, 50304) == f"head: fused chunked CE (chunks of {auto} of 8192 tokens, automatic)"
+    assert describe_head(True, 500, 128, 256) == "head: fused chunked CE (one chunk of 128 tokens)"
     assert "fused_head_loss=false" in describe_head(False, 0, 8192, 50304)
     with pytest.raises(ConfigError, match="model.loss_chunk_tokens"):
         load_config(None, ["model.loss_chunk_tokens=-1"])

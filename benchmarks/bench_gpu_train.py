@@ -27,6 +27,10 @@ min-max. ``--repeats R`` runs the pair R times,
 alternating. MFU = the trainer's FLOPs per token (``flops_per_token``) x tokens/s / the GPU's dense bf16 peak
 (989 TFLOP/s for an H100 SXM; ``hpctrain/runtime/device.py``). ``ratio`` = hpctrain's tokens/s over torch's.
 Peak memory: ``torch.cuda.max_memory_allocated`` (on CPU, the process's peak RSS).
+
+``--residual-dtype float32`` sets hpctrain's ``model.residual_dtype`` (a float32 residual stream around bfloat16
+sublayers, as the loop's autocast keeps it; the loop is unchanged). The JSON records each row's
+``residual_dtype`` and ``losses``, the loss of every step (warm-up included), to compare the two loops' training.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("preset", "impl", "params", "seq_len", "micro_batch", "global_batch", "compile", "tokens_per_s",
           "step_ms", "step_ms_min", "step_ms_max", "mfu", "ratio", "peak_memory_gib", "final_loss", "device",
-          "torch", "repeats")
+          "torch", "repeats", "residual_dtype")
 
 
 def parse_args(argv=None):
@@ -60,6 +64,8 @@ def parse_args(argv=None):
                    help="steps per timed window: the device is synchronised only at a window's ends, so the host "
                         "may queue the next step while the GPU runs this one (a one-step window syncs every step)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each (preset, implementation), alternating")
+    p.add_argument("--residual-dtype", default="auto", choices=("auto", "float32"),
+                   help="hpctrain's model.residual_dtype (the loop keeps its float32 residual under autocast)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per worker process")
     p.add_argument("--json")
     p.add_argument("--csv")
@@ -77,7 +83,8 @@ def config(args):
                               "train.dtype=bfloat16" if args.device == "cuda" else "train.dtype=float32",
                               f"train.device={args.device}", f"train.compile={args.compile}", "train.steps=100000",
                               "train.progress=false", "train.warmup_steps=0", "train.lr_schedule=constant",
-                              "data.max_bytes=20000000"])
+                              "data.max_bytes=20000000"]
+                       + ([f"model.residual_dtype={args.residual_dtype}"] if args.worker == "hpctrain" else []))
 
 
 class TorchLoop:
@@ -114,6 +121,7 @@ class TorchLoop:
         self.batches = GlobalBatchIterator(sampler, t.global_batch, 1, 0)
         self.micro, self.tokens = t.micro_batch_size or t.global_batch, t.global_batch * t.seq_len
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+        self.losses: list = []  # every step's loss, on the device
 
     def train_step(self):
         import torch
@@ -130,6 +138,7 @@ class TorchLoop:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        self.losses.append(total)
         return total  # stays on the device: read once, after the timed steps
 
 
@@ -151,9 +160,11 @@ def worker(args) -> int:
         grid = ProcessGrid.from_config(cfg, discover())
         trainer = Trainer(cfg, grid, device=device)
         step, model_cfg = (lambda: trainer.train_step(defer=True)), trainer.model_cfg  # the loop's sync-free step
+        residual = str(trainer.executor.act_dtype).removeprefix("torch.")
     else:
         loop = TorchLoop(cfg, device)
         step, model_cfg = loop.train_step, loop.model_cfg
+        residual = "float32"  # fp32 parameters: autocast computes matmuls in bf16, the residual adds in fp32
 
     def sync():
         if device.type == "cuda":
@@ -173,6 +184,9 @@ def worker(args) -> int:
     if args.worker == "hpctrain":
         trainer.read_pending()  # the last step's verdict (read one step late, as in a run)
         result = trainer.resolved[-1]
+        losses = [m.loss for m in trainer.resolved]
+    else:
+        losses = [float(v) for v in loop.losses]
     loss = float(result.loss if hasattr(result, "loss") else result)
     tokens = cfg.train.global_batch * cfg.train.seq_len
     median = statistics.median(times)
@@ -186,7 +200,7 @@ def worker(args) -> int:
         "mfu": flops_per_token(model_cfg, args.seq_len) * tokens / median / (peak * 1e12) if peak else None,
         "peak_memory_gib": memory / 2**30, "final_loss": loss,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__}), flush=True)
+        "torch": torch.__version__, "residual_dtype": residual, "losses": losses}), flush=True)
     if grid is not None:
         grid.close()
     return 0
@@ -197,7 +211,7 @@ def run_worker(args, preset: str, impl: str) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), f"--worker={impl}", f"--preset={preset}",
            f"--device={args.device}", f"--seq-len={args.seq_len}", f"--micro-batch={args.micro_batch}",
            f"--global-batch={args.global_batch}", f"--compile={args.compile}", f"--warmup={args.warmup}",
-           f"--steps={args.steps}", f"--window={args.window}"]
+           f"--steps={args.steps}", f"--window={args.window}", f"--residual-dtype={args.residual_dtype}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.timeout,
                           stdin=subprocess.DEVNULL)
@@ -209,7 +223,8 @@ def run_worker(args, preset: str, impl: str) -> dict:
 
 
 def combine(runs: list[dict]) -> dict:
-    """One row from the repeats of one (preset, impl): medians, the range over every repeat's steps."""
+    """One row from the repeats of one (preset, impl): medians, the range over every repeat's steps (``losses``:
+    the first repeat's)."""
     row = dict(runs[0])
     for key in ("tokens_per_s", "step_ms", "peak_memory_gib", "final_loss"):
         row[key] = statistics.median(r[key] for r in runs)

@@ -9,6 +9,8 @@
 #   benchmarks/gpu_session.sh trace        # a compiled bf16 run under torch.profiler; `hpctrain trace`: host waits
 #   benchmarks/gpu_session.sh small        # bench_gpu_train: gpt2-small and gpt2-medium, hpctrain vs compiled torch
 #   benchmarks/gpu_session.sh xl           # bench_gpu_train: gpt2-xl (~1.5B), micro-batch 8
+#   benchmarks/gpu_session.sh residual     # gpt2-xl, 20 steps, hpctrain's residual stream bf16 (auto) then float32
+#                                          # (model.residual_dtype), each against the loop: per-step loss gaps, < 8 min
 #   DEVICE=cpu benchmarks/gpu_session.sh all   # the same stages at toy sizes on a CPU (a dry run of this script)
 #
 # Outputs go to $OUT (default ./gpu-session): one log per stage, the benchmarks' JSON/CSV, the trace
@@ -80,6 +82,29 @@ print('gcc', shutil.which('gcc'), '| Python.h', os.path.exists(os.path.join(sysc
   fi
 }
 
+residual() {  # does a float32 residual stream (model.residual_dtype) close the gpt2-xl loss gap to the loop?
+  local r
+  for r in auto float32; do
+    if [ "$DEVICE" = cpu ]; then
+      run residual.log "$PYTHON" benchmarks/bench_gpu_train.py --device cpu --presets tiny --seq-len 64 --micro-batch 2 \
+        --global-batch 4 --warmup 1 --steps 3 --window 1 --compile false --residual-dtype $r --json "$OUT/residual-$r.json"
+    else
+      run residual.log "$PYTHON" benchmarks/bench_gpu_train.py --presets gpt2-xl --micro-batch 8 --global-batch 32 \
+        --warmup 4 --steps 16 --window 4 --timeout 300 --residual-dtype $r --json "$OUT/residual-$r.json"
+    fi
+  done
+  "$PYTHON" - "$OUT"/residual-auto.json "$OUT"/residual-float32.json <<'EOF' 2>&1 | tee -a "$OUT/residual.log"
+import json, sys
+for path in sys.argv[1:]:  # each: hpctrain's row and the loop's, every step's loss
+    rows = {r["impl"]: r for r in json.load(open(path))}
+    hp, loop = rows["hpctrain"], rows["torch"]
+    gaps = [abs(a - b) for a, b in zip(hp["losses"], loop["losses"])]
+    print(f"residual {hp['residual_dtype']:9} |loss - loop's| mean {sum(gaps) / len(gaps):.4f} max {max(gaps):.4f} "
+          f"over {len(gaps)} steps; last {hp['losses'][-1]:.4f} vs {loop['losses'][-1]:.4f}; "
+          f"{hp['tokens_per_s']:.0f} tokens/s (loop {loop['tokens_per_s']:.0f})")
+EOF
+}
+
 trace() {  # a compiled run traced with torch.profiler: host waits per step, split at the optimizer
   local dtype=bfloat16; [ "$DEVICE" = cpu ] && dtype=float32
   rm -rf "$OUT/sync-free"
@@ -95,8 +120,9 @@ case "${1:-}" in
   trace) trace ;;
   small) bench small gpt2-small,gpt2-medium 16 32 ;;
   xl) bench xl gpt2-xl 8 32 ;;
+  residual) residual ;;
   all) check; trace; bench small gpt2-small,gpt2-medium 16 32; bench xl gpt2-xl 8 32 ;;
-  *) echo "usage: $0 quick|check|trace|small|xl|all  (DEVICE=cpu for a dry run; outputs in \$OUT)" >&2; exit 2 ;;
+  *) echo "usage: $0 quick|check|trace|small|xl|residual|all  (DEVICE=cpu for a dry run; outputs in \$OUT)" >&2; exit 2 ;;
 esac
 echo "== outputs in $OUT:"; ls "$OUT"
 exit $status

@@ -266,3 +266,10 @@ class ProcessGrid:
         for comm in self.communicators():
             comm.close()
         self.watchdog.close()
+
+    def free_requests(self) -> None:
+        """Local (no collective): free every group's persistent MPI requests, so that MPI_Finalize on an
+        error path finds none left (MPICH says "freeing inactive persistent request" for each)."""
+        for comm in self.communicators():
+            for op in comm.recurring:
+                op.free()

@@ -1,6 +1,7 @@
 """Turning exceptions into one clear message per rank and a job-wide non-zero exit, never a hang."""
 from __future__ import annotations
 
+import atexit
 import sys
 import time
 import traceback
@@ -36,8 +37,10 @@ def run_and_exit(main, argv=None) -> int:
     A user error (HpcTrainError) usually happens on every rank at once (they validate the same input):
     each prints its message, and the ranks agree on the ending (``agree_to_exit``, bounded by the grace
     period ``HPCTRAIN_ERROR_GRACE_S``, 1 s): when every rank is here with the same exit code, each returns
-    it (2) and MPI is finalised as the process exits, so MPICH removes its /dev/shm segment (an abort
-    leaves it: 2 MiB per job and node, until a small /dev/shm is full and a later job dies of SIGBUS).
+    it (2) through ``leave_with`` (MPI finalised, rank 0 carries the code and leaves last, so that
+    ``srun --kill-on-bad-exit`` reports 2 rather than killing a peer mid-finalisation), and MPICH removes its
+    /dev/shm segment (an abort leaves it: 2 MiB per job and node, until a small /dev/shm is full and a later
+    job dies of SIGBUS).
     Otherwise (a rank failed alone, its peers wait in a collective, or is gone) the job is aborted with
     the code, so nothing waits forever. Any other exception prints its traceback and ends the job the
     same way with exit code 1.
@@ -63,9 +66,13 @@ def run_and_exit(main, argv=None) -> int:
         sys.stderr.flush()
     sys.stdout.flush()
     if mpi_world is not None and size > 1:
-        if agree_to_exit(mpi_world, code, abort_grace_s()):
-            _leave_by(EXIT_DEADLINE_S)  # MPI_Finalize at exit: if it never returns, the kernel ends the process
-            return code
+        peers = agree_to_exit(mpi_world, code, abort_grace_s())
+        if peers is not None:
+            _leave_by(EXIT_DEADLINE_S)  # if MPI_Finalize never returns, the kernel ends the process
+            # the Python exit handlers now, as the interpreter would at exit (the watchdog's stops its thread,
+            # which must not call MPI after leave_with's MPI_Finalize); mpi4py's own runs at C level, later
+            atexit._run_exitfuncs()
+            return leave_with(code, rank, peers[rank][1], peers)
         mpi_world.Abort(code)
     return code
 
@@ -74,16 +81,24 @@ AGREE_TAG = 32001  # point-to-point tag on the world communicator used by ``agre
 EXIT_DEADLINE_S = 30  # after an agreed error: the longest the interpreter's exit (MPI_Finalize) may take
 
 
-def agree_to_exit(world, code: int, grace_s: float, poll_s: float = 0.002) -> bool:
-    """Whether every rank of ``world`` (an mpi4py communicator) is leaving with ``code``: each sends its code
-    to rank 0, which answers every rank once all have arrived with the same code (True), or when its wait of
-    ``grace_s`` is over or a code differs (False). The other ranks wait ``2 x grace_s`` for the answer (rank 0
-    may arrive up to ``grace_s`` after them): a rank that is gone or stuck in a collective never answers, so
-    the others stop waiting (False: abort). Non-blocking point-to-point only, on a tag nothing else uses."""
+def agree_to_exit(world, code: int, grace_s: float, poll_s: float = 0.002) -> list | None:
+    """Whether every rank of ``world`` (an mpi4py communicator) is leaving with ``code``: each sends its code,
+    host and pid to rank 0, which answers every rank once all have arrived with the same code, or when its
+    wait of ``grace_s`` is over or a code differs. Returns the peers [(host, host, pid)] per rank, as
+    ``leave_with`` takes them, when all agree; None otherwise (abort). The other ranks wait ``2 x grace_s``
+    for the answer (rank 0 may arrive up to ``grace_s`` after them): a rank that is gone or stuck in a
+    collective never answers, so the others stop waiting. Non-blocking point-to-point only, on a tag nothing
+    else uses."""
+    import os
+    import socket
+
     rank, size = world.Get_rank(), world.Get_size()
+    mine = (code, socket.gethostname(), os.getpid())
     if rank != 0:
-        world.isend(code, dest=0, tag=AGREE_TAG)  # left pending if rank 0 never receives it: an abort follows
-        return bool(_wait_for(world.irecv(source=0, tag=AGREE_TAG), 2 * grace_s, poll_s))
+        world.isend(mine, dest=0, tag=AGREE_TAG)  # left pending if rank 0 never receives it: an abort follows
+        answer = _wait_for(world.irecv(source=0, tag=AGREE_TAG), 2 * grace_s, poll_s)
+        return answer if isinstance(answer, list) else None
+    arrived = {0: mine}
     pending = {r: world.irecv(source=r, tag=AGREE_TAG) for r in range(1, size)}
     deadline, same = time.monotonic() + grace_s, True
     while pending and same and time.monotonic() < deadline:
@@ -91,14 +106,15 @@ def agree_to_exit(world, code: int, grace_s: float, poll_s: float = 0.002) -> bo
             done, value = request.test()
             if done:
                 del pending[r]
-                same = same and value == code
+                arrived[r] = value
+                same = same and value[0] == code
         if pending:
             time.sleep(poll_s)
-    agreed = same and not pending
-    answers = [world.isend(agreed, dest=r, tag=AGREE_TAG) for r in range(1, size)]
-    if agreed:  # every rank waits for its answer: the sends complete
+    peers = [(arrived[r][1], arrived[r][1], arrived[r][2]) for r in range(size)] if same and not pending else None
+    answers = [world.isend(peers or False, dest=r, tag=AGREE_TAG) for r in range(1, size)]
+    if peers is not None:  # every rank waits for its answer: the sends complete
         _wait_for(_All(answers), grace_s, poll_s)
-    return agreed
+    return peers
 
 
 class _All:

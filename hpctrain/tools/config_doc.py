@@ -83,6 +83,15 @@ MEANINGS: dict[str, str] = {
                                "when the float32 logits of all tokens over this rank's vocabulary slab fit 256 MiB, "
                                "else as many tokens as fit (a multiple of 128). A size that does not divide the "
                                "tokens is fine (the last chunk is smaller). The start-up line names the chunk.",
+    "model.residual_dtype": "The dtype of the residual stream of a bfloat16/float16 model: `auto` (default), the training "
+                            "dtype; `float32`: the embedding's output, what every block takes and returns, what pipeline "
+                            "stages send each other and the final norm's input stay float32, while every sublayer computes in "
+                            "the training dtype (each norm's output is cast to it, each sublayer's output added to the float32 "
+                            "residual: Megatron's --fp32-residual-connection, and what the loop of fp32 parameters under "
+                            "torch.autocast keeps). Costs the residual's activation memory and pipeline bytes twice over. "
+                            "float32/float64 runs are never narrowed: there it changes nothing. Why `auto` stays the "
+                            "default, and the measurements: docs/gpus.md. Not part of the model: a run may change it on "
+                            "resume.",
     # [parallel]
     "parallel.dp": "Data-parallel replicas. 0 = world size / (tp x pp x cp); otherwise dp x pp x cp x tp must "
                    "equal the number of ranks.",

@@ -56,6 +56,9 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
     grid.watchdog.report_path = os.path.join(cfg.train.run_dir, "hang-report.txt")  # survives a cut pipe
     try:
         return _train(cfg, grid, device, decision, max_steps, flag, lock, verbose)
+    except BaseException:
+        grid.free_requests()  # the error ends the job: MPI_Finalize at exit must find no request left
+        raise
     finally:
         lock.release()  # also on errors: a failed start leaves no lock behind
 

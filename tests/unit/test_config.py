@@ -1,6 +1,7 @@
 """Unit tests for hpctrain.config: TOML loading, overrides, validation, presets, round trips."""
 import contextlib
 import json
+import os
 import pathlib
 import tomllib
 
@@ -219,6 +220,34 @@ def test_invalid_toml_names_path_and_reason(tmp_path):
     with pytest.raises(tomllib.TOMLDecodeError) as original:
         tomllib.loads("[train\nsteps = 1\n")
     assert str(original.value) in str(info.value)
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    path = tmp_path / "b.toml"
+    path.write_bytes(b"\xff\xfe[train]\n")  # the issue's file (a UTF-16 byte-order mark)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert str(info.value) == (f"config: cannot read config file {path}: not UTF-8 text (byte 0xff at offset 0); "
+                               f"TOML files are UTF-8"), str(info.value)
+    assert info.value.everywhere
+
+
+def test_every_unreadable_config_file_is_one_line_naming_it(tmp_path):
+    (tmp_path / "dir.toml").mkdir()
+    locked = tmp_path / "locked.toml"
+    locked.write_text("[train]\nsteps = 1\n")
+    locked.chmod(0)
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('[data]\nsource = "caf\u00e9.txt"\n'.encode("latin-1"))
+    cases = [(tmp_path / "missing.toml", "No such file or directory"), (tmp_path / "dir.toml", "Is a directory"),
+             (latin1, "not UTF-8 text (byte 0xe9 at offset 20)"), (write_toml(tmp_path, "[train\n"), "invalid TOML")]
+    if os.geteuid() != 0:  # root reads a file of mode 000
+        cases.append((locked, "Permission denied"))
+    for path, reason in cases:
+        with pytest.raises(ConfigError) as info:
+            load_config(str(path))
+        message = str(info.value)
+        assert str(path) in message and reason in message and "\n" not in message, message
 
 
 @pytest.mark.parametrize("override, fragment", [

@@ -80,3 +80,39 @@ def test_optimizer_slices_describe_owned_state_and_norm_ranges():
     assert torch.equal(part.state("exp_avg", 1, 3), torch.tensor([1.0, 2.0]))
     assert [(piece.param.spec.name, piece.flat_lo) for piece, _ in opt.owned_pieces()] == \
         [("v", 0), ("w", 2)]
+
+
+class SumOfOne:
+    """A dp group of "2" whose reduction keeps this rank's values and records what it read."""
+
+    size, rank = 2, 0
+
+    def __init__(self):
+        self.stats, self.read = SimpleNamespace(total_sent=lambda: 0), []
+
+    def allreduce(self, x, nonblocking=False):
+        self.read.append(x.clone())
+        return SimpleNamespace(test=lambda: True, wait=lambda: None)
+
+
+def test_main_grads_are_copied_then_added_and_stale_values_never_reach_the_reduction():
+    """No zeroing pass over the buffer: a step's first grad is copied, later ones added; a parameter with no
+    grad this step and the bucket's padding (a compressed reducer writes it) are zeroed before the reduction."""
+    a, b = (nn.Parameter(torch.ones(shape, dtype=torch.bfloat16)) for shape in ((2, 3), (3,)))
+    a.spec, b.spec = SlabSpec("a", (2, 3)), SlabSpec("b", (3,))
+    comm = SumOfOne()
+    flat = FlatParams([a, b], comm)  # one bucket: b at [0, 3), a at [3, 9), padding [9, 10)
+    assert flat.grad_buffer.dtype == torch.float32 and flat.buckets[0].size == 10
+    for step, both in enumerate([False, True]):
+        users = (a, b) if both else (a,)
+        flat.grad_buffer.fill_(7.0)  # stale: last step's reduced grads, noise in the padding
+        flat.start_step()
+        for last in (False, True):  # two micro-batches
+            flat.last_microbatch = last
+            sum((p.float() * (2.0 if last else 3.0)).sum() for p in users).backward()
+        flat.finish_reduction()
+        read = comm.read[step]
+        assert torch.equal(read[3:9], torch.full((6,), 5.0)), read  # 3 + 2: copied, then added
+        assert torch.equal(read[:3], torch.full((3,), 5.0 if both else 0.0)), read  # no grad: zero, not 7
+        assert read[9] == 0, read  # the padding
+        assert torch.equal(flat.grad_buffer, read)

@@ -2,7 +2,7 @@
 stream (the embedding's output, what every block takes and returns, the pipeline's activation buffers, the final
 norm's input) is float32 while every sublayer computes in bfloat16 (the norms' outputs, q/k/v and their rotary
 tables, the logits); float32/float64 models are never narrowed. One process (the 2- and 4-rank layouts:
-tests/mpi/test_residual_dtype.py)."""
+tests/mpi/test_residual_layouts.py)."""
 import math
 
 import pytest

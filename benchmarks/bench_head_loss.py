@@ -14,7 +14,8 @@ head W [padded vocab, hidden] (the vocabulary padded to a multiple of 128 as ``m
 - ``peak_mib``: the process's peak resident memory during the steps (VmHWM of /proc/self/status, reset through
   /proc/self/clear_refs first) less its resident memory before them (torch, the inputs): what the step
   allocates at its peak (its own dh and dW included);
-- ``saved_mib``: the bytes autograd saves for backward in the step (storages counted once, h and W not).
+- ``saved_mib``: the bytes autograd saves for backward in the step (storages counted once, h and W not;
+  the fused path's dh and dW, formed in forward, are counted).
 One torch thread (``--threads``); ``--chunks``: extra fused rows with fixed ``model.loss_chunk_tokens``.
 Writes <out>.csv and <out>.json.
 """
@@ -62,11 +63,11 @@ def child(args) -> dict:
     chunk = chunk_tokens(args.chunk, args.tokens, padded) if args.path == "fused" else args.tokens
 
     def step():
-        if args.path == "fused":
-            losses = fused_head_cross_entropy(h, weight, targets, None, 0, args.vocab, chunk)
+        if args.path == "fused":  # the summed loss; dh and dW formed in forward
+            total = fused_head_cross_entropy(h, weight, targets, None, 0, args.vocab, chunk)
         else:
-            losses = vocab_parallel_cross_entropy(F.linear(h, weight)[:, :args.vocab], targets, None, 0)
-        loss = losses.sum() / args.tokens
+            total = vocab_parallel_cross_entropy(F.linear(h, weight)[:, :args.vocab], targets, None, 0).sum()
+        loss = total / args.tokens
         loss.backward()
         return float(loss)
 

@@ -330,6 +330,6 @@ class GPTStage(nn.Module):
         h = self._trunk(x, docs)
         h = gather_seq(h, self.tp_comm) if self.sp else copy_to_tp(h, self.tp_comm)  # as the head's input
         chunk = chunk_tokens(self.loss_chunk, h.shape[0] * h.shape[1], self.head.w.shape[0])
-        losses = fused_head_cross_entropy(h.flatten(0, 1), self.head.w, targets.t().reshape(-1), self.tp_comm,
-                                          self.vocab_start, self.vocab_valid, chunk).view(h.shape[:2])
-        return losses.sum() if mask is None else torch.where(mask.t(), losses, 0).sum()
+        return fused_head_cross_entropy(h.flatten(0, 1), self.head.w, targets.t().reshape(-1), self.tp_comm,
+                                        self.vocab_start, self.vocab_valid, chunk,
+                                        None if mask is None else mask.t().reshape(-1))  # the summed loss

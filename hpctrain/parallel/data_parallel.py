@@ -7,11 +7,9 @@ models). Both are cut into buckets of about ``bucket_mb``, in reverse parameter 
 backward produces them), each padded to a multiple of dp. A rank OWNS a range of each bucket: the
 whole bucket without ZeRO, its 1/dp slice with ZeRO-1. The optimizer updates owned ranges only.
 
-Reduction. A backward hook per parameter copies its first grad of the step into the main-grad view and
-adds the later micro-batches' (no zeroing pass over the buffer: a parameter that got no grad this step,
-and the bucket's padding, which a compressed reducer may have written, are zeroed right before the bucket
-is reduced, ``_settle``); on the last
-micro-batch, once every parameter of a bucket has reported, the bucket's non-blocking reduction
+Reduction. A backward hook per parameter copies its step's first grad into the main-grad view, adds later
+ones (no zeroing pass: ``_settle`` zeroes what got no grad, and the padding, before a bucket is read); on the
+last micro-batch, once every parameter of a bucket has reported, the bucket's non-blocking reduction
 starts through ``self.reducer`` (a ``hpctrain.compression.GradReducer``: dense all-reduce SUM, or
 reduce-scatter into ``slice_grads`` with ZeRO, by default; a compressed reducer with
 ``[compression]``) while backward continues; hooks call ``test()`` on pending handles to drive MPI
@@ -189,9 +187,8 @@ class FlatParams:
                 bucket.handle.test()
 
     def _settle(self, bucket: Bucket) -> None:
-        """Before anything reads the bucket's main grads: zero those of its parameters that got no grad this
-        step (as ``start_step`` once zeroed the whole buffer) and its padding (a compressed reducer writes the
-        whole bucket). Idempotent."""
+        """Before anything reads the bucket: zero the main grads of its parameters with no grad this step and its
+        padding (a compressed reducer writes the whole bucket). Idempotent."""
         for p in bucket.params:
             if id(p) in self._unwritten:
                 self._unwritten.discard(id(p))

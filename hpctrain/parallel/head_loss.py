@@ -1,22 +1,31 @@
 """The LM head and the vocab-parallel cross-entropy fused over chunks of tokens (``model.fused_head_loss``).
 
-    losses = fused_head_cross_entropy(h, weight, targets, tp_comm, vocab_start, n_valid, chunk)
+    loss = fused_head_cross_entropy(h, weight, targets, tp_comm, vocab_start, n_valid, chunk, mask)
 
 ``h`` [N, D]: the head's input on every tp rank (replicated; gathered along the sequence first with SP),
 ``weight`` [V_local, D]: this tp rank's head rows, of which the first ``n_valid`` are the vocabulary ids
 [vocab_start, vocab_start + n_valid) (the rest padding, never read: their gradient is exactly zero),
 ``targets`` [N] global ids (an id outside [0, vocab_size), e.g. an ignore index, gets the unfused path's
-log(sum exp(logit - max)) and no onehot; the caller masks it). Returns the per-token loss [N] (float32 for
-half inputs, as the unfused path).
+log(sum exp(logit - max)) and no onehot), ``mask`` [N] bool: the tokens that count (None: all). Returns
+the SUM of the counted tokens' losses, a scalar (float32 for half inputs, as the unfused path).
 
-Forward, for each chunk of ``chunk`` tokens (the last may be smaller): logits = h_c @ W^T in h's dtype,
-then in float32 (float64 stays float64) this rank's max, sum of exp(logit - max) and target logit, kept
-per token; after the loop two all-reduces over tp (max; then the target logits, whether a slab held the
-target and the sums rescaled to the global max: Megatron's vocab-parallel cross-entropy, once for all chunks). Saved for backward:
-h, W, the targets and the per-token logsumexp; never [N, V] logits. Backward recomputes each chunk's
-logits, forms (softmax - onehot) * grad in float32, and writes dh's rows of the chunk and adds the chunk's
-share of dW (summed in float32 for half weights over several chunks): no communication (the caller's ``copy_to_tp`` /
-``gather_seq`` sums dh over tp as for the plain head).
+Training (grad mode, h or W requiring grad; float32, bfloat16, float64): the gradient is formed in forward
+(Liger's fused linear cross-entropy). Per chunk of ``chunk`` tokens (the last may be smaller): logits =
+h_c @ W^T in h's dtype; in float32 (float64 stays float64) this rank's max, target logit and exp(logit -
+max) with its sum; under tp ONE all-gather of these per-token numbers ([4, c] per rank; every rank combines
+them alike: Megatron's vocab-parallel cross-entropy, chunk by chunk); the chunk's losses and at once its
+(softmax - onehot) * mask -> dh rows = grad @ W, dW += grad^T @ h_c. Three head matmuls per step, never
+[N, V] logits. Kept for backward: dh [N, D] (h's dtype: the size of h) and dW [V_local, D] (float32 for
+half weights over several chunks, else W's dtype); backward only multiplies them by the scalar grad_output
+(in float32 for half ones), in place, and autograd frees them (a second backward over the same forward is
+refused). No communication in backward: the caller's ``copy_to_tp`` / ``gather_seq`` sums dh over tp as
+for the plain head. A frozen W (LoRA) gets no dW, an h without grad no dh.
+
+Without gradients (eval, no_grad) the loss pass alone runs: per-chunk statistics, then two all-reduces over
+tp for all chunks (max; then the target logits, whether a slab held the target and the sums rescaled to the
+global max). float16 trains through that pass too and a backward that recomputes each chunk's logits (4
+head matmuls) and applies grad_output (the loss scale) before its half casts: unscaled dW sums of a chunk
+could pass float16's range.
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ import torch.nn.functional as F
 
 AUTO_CHUNK_BYTES = 256 * 2**20  # model.loss_chunk_tokens = 0: a chunk's float32 logits at most this
 _HALF = (torch.float16, torch.bfloat16)
+_SCALE_BYTES = 64 * 2**20  # backward scales half gradients in float32 pieces of at most this
 
 
 def chunk_tokens(setting: int, tokens: int, vocab_local: int) -> int:
@@ -54,8 +64,101 @@ def _float(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in _HALF else x
 
 
+def _slab_stats(h: torch.Tensor, w: torch.Tensor, local: torch.Tensor, inside: torch.Tensor,
+                stat: torch.dtype) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk h [c, D] against this rank's real rows w [n, D]: (exp(logit - max) [c, n] in ``stat``, None
+    when n = 0; this rank's max [c] (-inf when n = 0); sum of those exps [c]; target logit [c], 0 where the
+    target is not in the slab)."""
+    c = h.shape[0]
+    if not w.shape[0]:
+        zeros = torch.zeros(c, dtype=stat, device=h.device)
+        return None, torch.full((c,), float("-inf"), dtype=stat, device=h.device), zeros, zeros.clone()
+    logits = _float(F.linear(h, w))  # [c, n]: the only per-vocabulary tensor, one chunk's at a time
+    top = logits.max(dim=-1).values
+    target = logits.gather(-1, local[:, None]).squeeze(-1).masked_fill(~inside, 0.0)
+    exp = logits.sub_(top[:, None]).exp_()
+    return exp, top, exp.sum(dim=-1), target
+
+
+def _gather_stats(tp_comm: Any, top: torch.Tensor, sum_exp: torch.Tensor, target: torch.Tensor,
+                  found: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One all-gather of every tp rank's [4, c] (max, sum of exp, target logit, target found) ->
+    (global max, sum of exp at it, target logit, found, this rank's factor exp(max - global max)), [c]
+    each, combined in rank order: the same numbers on every rank."""
+    mine = torch.stack([top, sum_exp, target, found])
+    every = mine.new_empty((tp_comm.size,) + tuple(mine.shape))
+    tp_comm.allgather(every, mine)
+    best = every[:, 0].amax(dim=0)
+    total = (every[:, 1] * (every[:, 0] - best).exp()).sum(dim=0)  # a rank without columns: 0 * 0
+    return best, total, every[:, 2].sum(dim=0), every[:, 3].sum(dim=0), (top - best).exp()
+
+
+def _scale(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``t`` *= the scalar ``g``, in place; a half ``t`` in float32 pieces (``g`` is not rounded to half)."""
+    if t.dtype not in _HALF:
+        return t.mul_(g.to(t.dtype))
+    rows = max(1, _SCALE_BYTES // (4 * max(t[0].numel(), 1))) if t.shape[0] else 1
+    for s in range(0, t.shape[0], rows):
+        t[s:s + rows] = t[s:s + rows].float().mul_(g)
+    return t
+
+
 class _FusedHeadCrossEntropy(torch.autograd.Function):
-    """h [N, D], weight [V_local, D], targets [N] -> per-token loss [N]; see the module docstring."""
+    """h [N, D], weight [V_local, D], targets [N], mask [N] or None -> the counted tokens' loss sum [];
+    dh and dW formed in forward (the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                mask: Optional[torch.Tensor], tp_comm: Any, vocab_start: int, n_valid: int,
+                chunk: int) -> torch.Tensor:
+        n, w = h.shape[0], weight[:n_valid]
+        stat = torch.float32 if h.dtype in _HALF else h.dtype
+        grad_h = (torch.empty_like(h) if n_valid else torch.zeros_like(h)) if ctx.needs_input_grad[0] else None
+        acc = torch.float32 if weight.dtype in _HALF and chunk < n else weight.dtype  # one chunk: as unfused
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+        local, inside = _local_targets(targets, vocab_start, n_valid)
+        onehot = (inside if mask is None else inside & mask).to(stat).neg()  # - onehot of the counted tokens
+        losses = torch.empty(n, dtype=stat, device=h.device)
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            exp, top, sum_exp, target = _slab_stats(h[s:e], w, local[s:e], inside[s:e], stat)
+            found = inside[s:e].to(stat)
+            rescale: Optional[torch.Tensor] = None
+            if tp_comm is not None and tp_comm.size > 1:  # every rank, columns or not
+                top, sum_exp, target, found, rescale = _gather_stats(tp_comm, top, sum_exp, target, found)
+            losses[s:e] = sum_exp.log() - target.sub_(top * found)
+            if exp is None or (grad_h is None and grad_w is None):
+                continue
+            row = sum_exp.reciprocal() if rescale is None else rescale.div_(sum_exp)  # exp -> softmax
+            if mask is not None:
+                row.mul_(mask[s:e])
+            exp.mul_(row[:, None]).scatter_add_(-1, local[s:e, None], onehot[s:e, None])
+            grad = exp.to(h.dtype)  # (softmax - onehot) * mask of the chunk [c, n_valid]
+            if grad_h is not None:
+                torch.mm(grad, w, out=grad_h[s:e])
+            if grad_w is not None:
+                if acc == grad.dtype:
+                    grad_w[:n_valid].addmm_(grad.t(), h[s:e])
+                else:
+                    grad_w[:n_valid] += grad.t() @ h[s:e]
+            del exp, grad  # before the next chunk's
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return losses.sum() if mask is None else torch.where(mask, losses, 0).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        grad_h, grad_w = ctx.saved_tensors  # a second backward: autograd's "modified by an inplace operation"
+        if grad_h is not None:
+            grad_h = _scale(grad_h, grad_loss)
+        if grad_w is not None:
+            grad_w = _scale(grad_w, grad_loss).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+class _RecomputedHeadCrossEntropy(torch.autograd.Function):
+    """h [N, D], weight [V_local, D], targets [N] -> per-token loss [N]: the loss pass (no gradients, and
+    float16's path), backward recomputing each chunk's logits (the module docstring)."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp_comm: Any,
@@ -68,12 +171,8 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         local, inside = _local_targets(targets, vocab_start, n_valid)
         for s in range(0, n if n_valid else 0, chunk):
             e = min(s + chunk, n)
-            logits = _float(F.linear(h[s:e], w))  # [c, n_valid]
-            top = logits.max(dim=-1).values
-            target_logit[s:e] = logits.gather(-1, local[s:e, None]).squeeze(-1).masked_fill(~inside[s:e], 0.0)
-            sum_exp[s:e] = logits.sub_(top[:, None]).exp_().sum(dim=-1)
-            local_max[s:e] = top
-            del logits  # before the next chunk's: one chunk of logits alive at a time
+            _, local_max[s:e], sum_exp[s:e], target_logit[s:e] = _slab_stats(h[s:e], w, local[s:e],
+                                                                              inside[s:e], stat)
         if tp_comm is not None and tp_comm.size > 1:
             global_max = local_max.clone()
             tp_comm.allreduce(global_max, op="max")
@@ -126,7 +225,13 @@ def _local_targets(targets: torch.Tensor, vocab_start: int, n_valid: int) -> tup
 
 
 def fused_head_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp_comm: Any,
-                             vocab_start: int, n_valid: int, chunk: int) -> torch.Tensor:
-    """Per-token loss [N] of the head ``weight`` [V_local, D] (rows [0, n_valid) real) on ``h`` [N, D] and
-    targets [N], ``chunk`` tokens at a time (> 0). Talks on tp in forward (two all-reduces), never in backward."""
-    return _FusedHeadCrossEntropy.apply(h, weight, targets, tp_comm, vocab_start, n_valid, chunk)
+                             vocab_start: int, n_valid: int, chunk: int,
+                             mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum over the tokens where ``mask`` [N] is True (None: all) of the cross-entropy of the head ``weight``
+    [V_local, D] (rows [0, n_valid) real) on ``h`` [N, D] against ``targets`` [N], ``chunk`` tokens at a
+    time (> 0). Training: dh and dW formed in forward, one all-gather per chunk on tp; else (and float16)
+    two all-reduces on tp in forward. Never talks in backward."""
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad) and h.dtype != torch.float16:
+        return _FusedHeadCrossEntropy.apply(h, weight, targets, mask, tp_comm, vocab_start, n_valid, chunk)
+    losses = _RecomputedHeadCrossEntropy.apply(h, weight, targets, tp_comm, vocab_start, n_valid, chunk)
+    return losses.sum() if mask is None else torch.where(mask, losses, 0).sum()

@@ -73,8 +73,8 @@ MEANINGS: dict[str, str] = {
                        "See docs/models-and-data.md.",
     "model.fused_head_loss": "The last pipeline stage computes the LM head and the cross-entropy together over chunks "
                              "of tokens (and over the vocab-parallel slabs with tp), never holding [tokens, vocab] "
-                             "logits: backward recomputes each chunk's logits (about a third more head FLOPs, far "
-                             "less memory; docs/benchmarks.md). Losses and gradients equal the plain path's (float64: "
+                             "logits: forward forms dh and dW chunk by chunk with the logits (the plain path's 3 head "
+                             "matmuls; float16 recomputes them in backward: 4), far less memory (docs/benchmarks.md). Losses and gradients equal the plain path's (float64: "
                              "1e-10 in every layout). `false`: logits, then the vocab-parallel cross-entropy (the "
                              "fallback). Generation and export always compute plain logits. Not part of the model: "
                              "a run may change it on resume.",

@@ -25,11 +25,12 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
     m, tp = trainer.model_cfg, grid.sizes["tp"]  # the last stage's tokens per micro-batch, its vocabulary slab
     head = describe_head(m.fused_head_loss, m.loss_chunk_tokens, trainer.micro_batch * cfg.train.seq_len //
                          grid.sizes["cp"], padded_vocab(m, tp) // tp)
+    residual = " (float32 residual)" if trainer.executor.act_dtype != trainer.dtype else ""  # model.residual_dtype
     print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
           f"{schedule}, {trainer.layout.microbatches} micro-batch(es) of {trainer.micro_batch} sequence(s) per "
           f"replica{bubble}, sequence parallel "
           f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {grid.intra_node}, "
-          f"{cfg.train.dtype}, device {describe(device)}, attention {trainer.sdpa.name}, {head}"
+          f"{cfg.train.dtype}{residual}, device {describe(device)}, attention {trainer.sdpa.name}, {head}"
           + (f", GPU collectives backend {trainer.backends['dp']}" if device.type == "cuda" else ""), flush=True)
     if trainer.sdpa.warning:  # the same on every rank: said once
         print(f"hpctrain: WARNING: {trainer.sdpa.warning}", file=sys.stderr, flush=True)

@@ -1,13 +1,15 @@
 """The fused LM head + cross-entropy (hpctrain/parallel/head_loss.py, ``model.fused_head_loss``) on one
-process: float64 losses and gradients equal today's logits + ``vocab_parallel_cross_entropy`` (1e-10) for
-chunks that do not divide the tokens, ignore-index and masked tokens, a padded vocabulary, tp slabs (threads,
-one slab empty), the GPT's tied/untied head with LoRA and packed masks; bf16 as close as the unfused path;
-no [tokens, vocab] tensor is saved for backward. Every layout on real ranks: tests/mpi/test_fused_head_loss.py."""
+process: float64 summed losses and gradients equal today's logits + ``vocab_parallel_cross_entropy`` (1e-10)
+for chunks that do not divide the tokens, ignore-index and masked tokens, a padded vocabulary, tp slabs
+(threads, one slab empty), the GPT's tied/untied head with LoRA and packed masks, a frozen head, micro-batches
+accumulated, without gradients; bf16 and float16 as close as the unfused path; 3 head matmuls per chunk
+(float16: 4); no [tokens, vocab] tensor is saved for backward. Every layout on real ranks: tests/mpi/test_fused_head_loss.py."""
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpctrain.config import ConfigError, LoraConfig, load_config, resolve_model
 from hpctrain.models.gpt import GPTStage
@@ -30,10 +32,17 @@ class _ThreadComm:
         tensor.copy_(stacked.amax(0) if op == "max" else stacked.sum(0))
         self.board["barrier"].wait()
 
+    def allgather(self, output, input):
+        self.board["parts"][self.rank] = input.clone()
+        self.board["barrier"].wait()
+        output.copy_(torch.stack(self.board["parts"]).view(output.shape))
+        self.board["barrier"].wait()
 
-def unfused(h, weight, targets, n_valid, tp_comm=None, vocab_start=0):
-    """Today's path: full logits, padding columns cut, vocab-parallel cross-entropy."""
-    return vocab_parallel_cross_entropy(F.linear(h, weight)[..., :n_valid], targets, tp_comm, vocab_start)
+
+def unfused(h, weight, targets, n_valid, mask=None, tp_comm=None, vocab_start=0):
+    """Today's path: full logits, padding columns cut, vocab-parallel cross-entropy, summed where ``mask``."""
+    losses = vocab_parallel_cross_entropy(F.linear(h, weight)[..., :n_valid], targets, tp_comm, vocab_start)
+    return losses.sum() if mask is None else torch.where(mask, losses, 0).sum()
 
 
 def problem(tokens, dim, vocab, padded, seed, dtype=torch.float64):
@@ -42,13 +51,14 @@ def problem(tokens, dim, vocab, padded, seed, dtype=torch.float64):
     weight = torch.randn(padded, dim, generator=g, dtype=dtype)
     weight[vocab:] = 1.0  # padding rows: never read
     targets = torch.randint(0, vocab, (tokens,), generator=g)
-    targets[::5] = -100  # ignore index: loss logsumexp (masked by the caller)
-    grad = torch.rand(tokens, generator=g, dtype=torch.float64) * (torch.rand(tokens, generator=g) < 0.7)
-    return h, weight, targets, grad.to(torch.float32 if dtype != torch.float64 else dtype)
+    targets[::5] = -100  # ignore index: loss logsumexp (mostly masked by the caller)
+    mask = torch.rand(tokens, generator=g) < 0.7
+    grad = torch.tensor(0.37, dtype=torch.float32 if dtype != torch.float64 else dtype)  # d(objective)/d(sum)
+    return h, weight, targets, mask, grad
 
 
-def loss_and_grads(fn, h, weight, *args):
-    h, weight = h.clone().requires_grad_(), weight.clone().requires_grad_()
+def loss_and_grads(fn, h, weight, *args, weight_grad=True):
+    h, weight = h.clone().requires_grad_(), weight.clone().requires_grad_(weight_grad)
     loss = fn(h, weight, *args)
     return loss, h, weight
 
@@ -56,27 +66,34 @@ def loss_and_grads(fn, h, weight, *args):
 @pytest.mark.parametrize("tokens, dim, vocab, padded, chunk", [
     (37, 8, 51, 64, 5), (37, 8, 51, 64, 37), (37, 8, 51, 64, 100), (16, 4, 7, 7, 1), (64, 16, 300, 384, 24),
 ])
-def test_one_process_equals_the_unfused_loss_and_gradients(tokens, dim, vocab, padded, chunk):
-    h, weight, targets, grad = problem(tokens, dim, vocab, padded, seed=tokens + chunk)
-    ref, ref_h, ref_w = loss_and_grads(lambda a, b: unfused(a, b, targets, vocab), h, weight)
+@pytest.mark.parametrize("masked", [True, False])
+def test_one_process_equals_the_unfused_loss_and_gradients(tokens, dim, vocab, padded, chunk, masked):
+    h, weight, targets, mask, grad = problem(tokens, dim, vocab, padded, seed=tokens + chunk)
+    mask = mask if masked else None
+    ref, ref_h, ref_w = loss_and_grads(lambda a, b: unfused(a, b, targets, vocab, mask), h, weight)
     ref.backward(grad)
-    got, got_h, got_w = loss_and_grads(lambda a, b: fused_head_cross_entropy(a, b, targets, None, 0, vocab, chunk),
-                                       h, weight)
+    got, got_h, got_w = loss_and_grads(lambda a, b: fused_head_cross_entropy(a, b, targets, None, 0, vocab, chunk,
+                                                                             mask), h, weight)
     got.backward(grad)
+    assert got.shape == ()
     torch.testing.assert_close(got, ref, **EXACT)
     torch.testing.assert_close(got_h.grad, ref_h.grad, **EXACT)
     torch.testing.assert_close(got_w.grad, ref_w.grad, **EXACT)
     assert not got_w.grad[vocab:].any()  # padding rows: exactly zero gradient
-    torch.testing.assert_close(got[targets >= 0], F.cross_entropy(h @ weight[:vocab].t(), targets.clamp_min(0),
-                                                                  reduction="none")[targets >= 0], **EXACT)
+    if masked:
+        assert not got_h.grad[~mask].any()  # a token that does not count: exactly zero gradient
+    counted = targets >= 0
+    torch.testing.assert_close(fused_head_cross_entropy(h, weight, targets, None, 0, vocab, chunk, counted),
+                               F.cross_entropy(h @ weight[:vocab].t(), targets, reduction="sum"), **EXACT)
 
 
 def test_tp_slabs_with_an_empty_one_equal_one_process():
     """257 ids over 4 'ranks' (threads) of 128 rows: 128/128/1/0 real ones; losses equal one process's,
-    dh summed over the ranks (the caller's copy_to_tp) and each slab's dW equal its rows of the whole."""
+    dh summed over the ranks (the caller's copy_to_tp) and each slab's dW equal its rows of the whole;
+    training (one all-gather a chunk) and the loss without gradients (two all-reduces) alike."""
     tokens, dim, vocab = 23, 6, 257
-    h, weight, targets, grad = problem(tokens, dim, vocab, 512, seed=3)
-    ref, ref_h, ref_w = loss_and_grads(lambda a, b: unfused(a, b, targets, vocab), h, weight)
+    h, weight, targets, mask, grad = problem(tokens, dim, vocab, 512, seed=3)
+    ref, ref_h, ref_w = loss_and_grads(lambda a, b: unfused(a, b, targets, vocab, mask), h, weight)
     ref.backward(grad)
     board = {"size": 4, "parts": [None] * 4, "barrier": threading.Barrier(4)}
     results = [None] * 4
@@ -86,9 +103,11 @@ def test_tp_slabs_with_an_empty_one_equal_one_process():
         n_valid = max(0, min(vocab - lo, 128))
         slab = weight[lo:lo + 128]
         loss, gh, gw = loss_and_grads(lambda a, b: fused_head_cross_entropy(a, b, targets, _ThreadComm(board, r), lo,
-                                                                            n_valid, 5), h, slab)
+                                                                            n_valid, 5, mask), h, slab)
         loss.backward(grad)
-        results[r] = (loss.detach(), gh.grad, gw.grad)
+        with torch.no_grad():
+            again = fused_head_cross_entropy(h, slab, targets, _ThreadComm(board, r), lo, n_valid, 5, mask)
+        results[r] = (loss.detach(), gh.grad, gw.grad, again)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
     for t in threads:
@@ -96,8 +115,9 @@ def test_tp_slabs_with_an_empty_one_equal_one_process():
     for t in threads:
         t.join(timeout=60)
     assert all(r is not None for r in results)
-    for r, (loss, _, gw) in enumerate(results):
+    for r, (loss, _, gw, again) in enumerate(results):
         torch.testing.assert_close(loss, ref.detach(), **EXACT)
+        torch.testing.assert_close(again, ref.detach(), **EXACT)
         torch.testing.assert_close(gw, ref_w.grad[r * 128:(r + 1) * 128], **EXACT)
     torch.testing.assert_close(sum(r[1] for r in results), ref_h.grad, **EXACT)
     assert not results[3][1].any() and not results[2][2][1:].any()
@@ -148,19 +168,73 @@ def test_nothing_of_tokens_x_vocab_is_saved_for_backward():
         assert by_vocab == ([] if fused else [(12, 4, 61)]), shapes
 
 
-def test_bfloat16_is_as_close_to_float64_as_the_unfused_path():
-    h, weight, targets, grad = problem(96, 32, 500, 512, seed=4)
-    exact, exact_h, exact_w = loss_and_grads(lambda a, b: unfused(a, b, targets, 500), h, weight)
+@pytest.mark.parametrize("dtype, chunk", [(torch.bfloat16, 40), (torch.bfloat16, 96), (torch.float16, 40)])
+def test_half_precision_is_as_close_to_float64_as_the_unfused_path(dtype, chunk):
+    """Also with grad_output 1 / 4097 (not a power of two: half gradients are scaled in float32)."""
+    h, weight, targets, mask, _ = problem(96, 32, 500, 512, seed=4)
+    grad = torch.tensor(1 / 4097, dtype=torch.float64)
+    exact, exact_h, exact_w = loss_and_grads(lambda a, b: unfused(a, b, targets, 500, mask), h, weight)
     exact.backward(grad)
     errors = {}
-    for name, fn in (("unfused", lambda a, b: unfused(a, b, targets, 500)),
-                     ("fused", lambda a, b: fused_head_cross_entropy(a, b, targets, None, 0, 500, 40))):
-        loss, gh, gw = loss_and_grads(fn, h.bfloat16(), weight.bfloat16())
-        assert loss.dtype == torch.float32 and gh.dtype == gw.dtype == torch.bfloat16
+    for name, fn in (("unfused", lambda a, b: unfused(a, b, targets, 500, mask)),
+                     ("fused", lambda a, b: fused_head_cross_entropy(a, b, targets, None, 0, 500, chunk, mask))):
+        loss, gh, gw = loss_and_grads(fn, h.to(dtype), weight.to(dtype))
+        assert loss.dtype == torch.float32 and gh.dtype == gw.dtype == dtype
         loss.backward(grad.float())
         errors[name] = [float((a.detach().double() - b.detach()).abs().max() / b.detach().abs().max())
                         for a, b in ((loss, exact), (gh.grad, exact_h.grad), (gw.grad, exact_w.grad))]
     assert all(f <= 2 * u + 1e-3 for f, u in zip(errors["fused"], errors["unfused"])), errors
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
+                               torch.ops.aten.addmm_.default)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype, head_grad, matmuls", [
+    (torch.float64, True, 3 * 4), (torch.float64, False, 2 * 4), (torch.float16, True, 4 * 4)])
+def test_head_matmuls_per_chunk_and_a_frozen_head(dtype, head_grad, matmuls):
+    """Training forms dh and dW with the logits: 3 head matmuls a chunk (2 with a frozen head: no dW),
+    none in backward; float16 recomputes the logits in backward (4). Without gradients: 1 a chunk."""
+    h, weight, targets, mask, grad = problem(37, 8, 51, 64, seed=9, dtype=dtype)
+    ref, ref_h, _ = loss_and_grads(lambda a, b: unfused(a, b, targets, 51, mask), h.double(), weight.double())
+    ref.backward(grad.double())
+    with _CountMatmuls() as counted:
+        loss, gh, gw = loss_and_grads(lambda a, b: fused_head_cross_entropy(a, b, targets, None, 0, 51, 10, mask),
+                                      h, weight, weight_grad=head_grad)
+        loss.backward(grad)
+    assert counted.count == matmuls and (gw.grad is not None) == head_grad
+    tol = EXACT if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(gh.grad.double(), ref_h.grad, **tol)
+    with _CountMatmuls() as counted, torch.no_grad():
+        again = fused_head_cross_entropy(gh, gw, targets, None, 0, 51, 10, mask)
+    assert counted.count == 4 and not again.requires_grad
+    torch.testing.assert_close(again.double(), ref.detach(), **tol)
+
+
+def test_micro_batches_accumulate_and_a_second_backward_is_refused():
+    """Two forwards before their backwards (GPipe's order): each backward adds its own stored dh/dW
+    (dW into the weight's grad); a second backward over one forward raises instead of adding stale grads."""
+    h, weight, targets, mask, grad = problem(40, 8, 51, 64, seed=11)
+    halves = [(slice(0, 23), 0.5), (slice(23, 40), 2.0)]
+    ref_h, ref_w = h.clone().requires_grad_(), weight.clone().requires_grad_()
+    got_h, got_w = h.clone().requires_grad_(), weight.clone().requires_grad_()
+    losses = [fused_head_cross_entropy(got_h[rows], got_w, targets[rows], None, 0, 51, 7, mask[rows]) * g
+              for rows, g in halves]
+    for loss in reversed(losses):
+        loss.backward(retain_graph=True)
+    for rows, g in halves:
+        (unfused(ref_h[rows], ref_w, targets[rows], 51, mask[rows]) * g).backward()
+    torch.testing.assert_close(got_h.grad, ref_h.grad, **EXACT)
+    torch.testing.assert_close(got_w.grad, ref_w.grad, **EXACT)
+    with pytest.raises(RuntimeError, match="inplace"):
+        losses[0].backward()
 
 
 def test_chunk_size_setting_and_start_up_words():

@@ -48,8 +48,8 @@ def test_hierarchical_collectives_are_exact_and_a_stopped_rank_is_named(hosts):
     assert out.count("dp reduction shm-hierarchical") == 4, out + err
     assert out.count("HIERARCHICAL OK 8 shapes") == 4, out + err
     assert code not in (0, 124, 137) and "not detected" not in out, (code, out + err)
-    stalled = re.search(r"allreduce #(\d+) of 8000 bytes on group 'dp' \(world ranks \[0, 1, 2, 3\]\) has not "
-                        r"completed", err)
+    stalled = re.search(r"allreduce #(\d+) \(shared memory within nodes, MPI between\) of 8000 bytes on group 'dp' "
+                        r"\(world ranks \[0, 1, 2, 3\]\) has not completed", err)
     assert stalled, err
     assert "dp-inter" not in err and "dp-intra" not in err, err
     assert re.search(r"  cause: rank 3 \(node 1 h2, pid \d+\)", err), err

@@ -134,13 +134,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
                 row.mul_(mask[s:e])
             exp.mul_(row[:, None]).scatter_add_(-1, local[s:e, None], onehot[s:e, None])
             grad = exp.to(h.dtype)  # (softmax - onehot) * mask of the chunk [c, n_valid]
-            if grad_h is not None:
-                torch.mm(grad, w, out=grad_h[s:e])
-            if grad_w is not None:
-                if acc == grad.dtype:
-                    grad_w[:n_valid].addmm_(grad.t(), h[s:e])
-                else:
-                    grad_w[:n_valid] += grad.t() @ h[s:e]
+            _add_chunk_grads(grad, h[s:e], w, grad_h, grad_w, s, n_valid)
             del exp, grad  # before the next chunk's
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
@@ -205,13 +199,7 @@ class _RecomputedHeadCrossEntropy(torch.autograd.Function):
             probs = _float(F.linear(h[s:e], w)).sub_(logsumexp[s:e, None]).exp_()  # softmax [c, n_valid]
             probs.scatter_add_(-1, local[s:e, None], inside[s:e, None].to(probs.dtype).neg())  # - onehot
             grad = probs.mul_(grad_loss[s:e, None]).to(h.dtype)  # dL/dlogits of the chunk
-            if grad_h is not None:
-                grad_h[s:e] = grad @ w
-            if grad_w is not None:
-                if acc == grad.dtype:
-                    grad_w[:n_valid].addmm_(grad.t(), h[s:e])
-                else:
-                    grad_w[:n_valid] += grad.t() @ h[s:e]
+            _add_chunk_grads(grad, h[s:e], w, grad_h, grad_w, s, n_valid)
             del probs, grad  # before the next chunk's
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
@@ -235,3 +223,16 @@ def fused_head_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: tor
         return _FusedHeadCrossEntropy.apply(h, weight, targets, mask, tp_comm, vocab_start, n_valid, chunk)
     losses = _RecomputedHeadCrossEntropy.apply(h, weight, targets, tp_comm, vocab_start, n_valid, chunk)
     return losses.sum() if mask is None else torch.where(mask, losses, 0).sum()
+
+
+def _add_chunk_grads(grad, h_chunk, w, grad_h, grad_w, start: int, n_valid: int) -> None:
+    """One chunk's share of the head's gradients from ``grad`` = dL/dlogits [c, n_valid]: its rows of ``grad_h``
+    ([N, D], from row ``start``) = grad @ w, and grad^T @ h_chunk added to ``grad_w``'s first ``n_valid`` rows
+    (in ``grad_w``'s dtype: float32 when bf16 chunks accumulate). Either may be None (not wanted)."""
+    if grad_h is not None:
+        torch.mm(grad, w, out=grad_h[start:start + grad.shape[0]])
+    if grad_w is not None:
+        if grad_w.dtype == grad.dtype:
+            grad_w[:n_valid].addmm_(grad.t(), h_chunk)
+        else:
+            grad_w[:n_valid] += grad.t() @ h_chunk

@@ -66,6 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=1, help="runs of each (preset, implementation), alternating")
     p.add_argument("--residual-dtype", default="auto", choices=("auto", "float32"),
                    help="hpctrain's model.residual_dtype (the loop keeps its float32 residual under autocast)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra config override for hpctrain's run (repeatable), e.g. model.fused_head_loss=false")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="print the N costliest device kernels of the timed steps (torch.profiler)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per worker process")
     p.add_argument("--json")
     p.add_argument("--csv")
@@ -84,7 +88,8 @@ def config(args):
                               f"train.device={args.device}", f"train.compile={args.compile}", "train.steps=100000",
                               "train.progress=false", "train.warmup_steps=0", "train.lr_schedule=constant",
                               "data.max_bytes=20000000"]
-                       + ([f"model.residual_dtype={args.residual_dtype}"] if args.worker == "hpctrain" else []))
+                       + ([f"model.residual_dtype={args.residual_dtype}", *args.set] if args.worker == "hpctrain"
+                          else []))
 
 
 class TorchLoop:
@@ -173,6 +178,12 @@ def worker(args) -> int:
     for _ in range(args.warmup):
         result = step()
     times = []  # seconds per step of each window: the host queues ahead inside a window, as in a run
+    profiler = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        profiler = profile(activities=[ProfilerActivity.CPU]
+                           + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
+        profiler.__enter__()
     for first in range(0, args.steps, args.window):
         count = min(args.window, args.steps - first)
         sync()
@@ -181,6 +192,11 @@ def worker(args) -> int:
             result = step()
         sync()
         times.append((time.perf_counter() - start) / count)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(profiler.key_averages().table(sort_by=sort, row_limit=args.profile, max_name_column_width=70),
+              file=sys.stderr, flush=True)
     if args.worker == "hpctrain":
         trainer.read_pending()  # the last step's verdict (read one step late, as in a run)
         result = trainer.resolved[-1]
@@ -211,11 +227,14 @@ def run_worker(args, preset: str, impl: str) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), f"--worker={impl}", f"--preset={preset}",
            f"--device={args.device}", f"--seq-len={args.seq_len}", f"--micro-batch={args.micro_batch}",
            f"--global-batch={args.global_batch}", f"--compile={args.compile}", f"--warmup={args.warmup}",
-           f"--steps={args.steps}", f"--window={args.window}", f"--residual-dtype={args.residual_dtype}"]
+           f"--steps={args.steps}", f"--window={args.window}", f"--residual-dtype={args.residual_dtype}",
+           f"--profile={args.profile}", *(f"--set={kv}" for kv in args.set)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.timeout,
                           stdin=subprocess.DEVNULL)
     lines = [line[6:] for line in proc.stdout.splitlines() if line.startswith("BENCH ")]
+    if args.profile:
+        print(proc.stderr[-12000:], file=sys.stderr, flush=True)
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"bench_gpu_train: {preset} {impl} failed (exit {proc.returncode}):\n"
                          f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -24,6 +24,9 @@ OUT="${OUT:-$PWD/gpu-session}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-lo}"  # one node: NCCL's bootstrap needs no other interface
+if [ "$(id -u)" = 0 ]; then  # Open MPI's mpiexec refuses root without these (the lent GPU machines run as root)
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
 status=0
 
 run() {  # run LOG COMMAND...: tee the output into $OUT/LOG, remember a failure

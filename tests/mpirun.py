@@ -45,6 +45,9 @@ def mpi_env(extra: dict | None = None) -> dict:
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "HPCTRAIN_ERROR_GRACE_S": "0.5",
                 "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
+    if os.geteuid() == 0:  # Open MPI's mpiexec refuses root without these (MPICH ignores them)
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.update(extra or {})
     return env
 

@@ -4,7 +4,9 @@
 
 ``h`` [N, D]: the head's input on every tp rank (replicated; gathered along the sequence first with SP),
 ``weight`` [V_local, D]: this tp rank's head rows, of which the first ``n_valid`` are the vocabulary ids
-[vocab_start, vocab_start + n_valid) (the rest padding, never read: their gradient is exactly zero),
+[vocab_start, vocab_start + n_valid) (the rest padding: the matmuls span them, for aligned shapes, but
+their logits are set to -inf, so they enter no loss and their gradient is exactly zero; padding rows must
+be finite, as the model's zero-initialised ones are),
 ``targets`` [N] global ids (an id outside [0, vocab_size), e.g. an ignore index, gets the unfused path's
 log(sum exp(logit - max)) and no onehot), ``mask`` [N] bool: the tokens that count (None: all). Returns
 the SUM of the counted tokens' losses, a scalar (float32 for half inputs, as the unfused path).
@@ -64,16 +66,27 @@ def _float(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in _HALF else x
 
 
-def _slab_stats(h: torch.Tensor, w: torch.Tensor, local: torch.Tensor, inside: torch.Tensor,
+def _logits(h: torch.Tensor, w: torch.Tensor, n_valid: int) -> torch.Tensor:
+    """A chunk h [c, D] against this rank's whole slab w [V_local, D] -> float logits [c, V_local] (float64
+    stays float64), the padding columns [n_valid, V_local) at -inf. The matmul runs over the padded slab, not
+    its first n_valid rows: an odd row count (GPT-2's 50257) leaves cuBLAS only its slow unaligned kernels
+    (measured on an H100: 64 ms a step of sm75 cutlass kernels at gpt2-small, docs/benchmarks.md)."""
+    logits = _float(F.linear(h, w))  # the only per-vocabulary tensor, one chunk's at a time
+    if n_valid < w.shape[0]:
+        logits[:, n_valid:] = float("-inf")  # exp -> 0: padding never enters a sum, a max or a gradient
+    return logits
+
+
+def _slab_stats(h: torch.Tensor, w: torch.Tensor, n_valid: int, local: torch.Tensor, inside: torch.Tensor,
                 stat: torch.dtype) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A chunk h [c, D] against this rank's real rows w [n, D]: (exp(logit - max) [c, n] in ``stat``, None
-    when n = 0; this rank's max [c] (-inf when n = 0); sum of those exps [c]; target logit [c], 0 where the
-    target is not in the slab)."""
+    """A chunk h [c, D] against this rank's slab w [V_local, D] (rows [0, n_valid) real): (exp(logit - max)
+    [c, V_local] in ``stat``, 0 in the padding columns, None when n_valid = 0; this rank's max [c] (-inf when
+    n_valid = 0); sum of those exps [c]; target logit [c], 0 where the target is not in the slab)."""
     c = h.shape[0]
-    if not w.shape[0]:
+    if not n_valid:
         zeros = torch.zeros(c, dtype=stat, device=h.device)
         return None, torch.full((c,), float("-inf"), dtype=stat, device=h.device), zeros, zeros.clone()
-    logits = _float(F.linear(h, w))  # [c, n]: the only per-vocabulary tensor, one chunk's at a time
+    logits = _logits(h, w, n_valid)
     top = logits.max(dim=-1).values
     target = logits.gather(-1, local[:, None]).squeeze(-1).masked_fill(~inside, 0.0)
     exp = logits.sub_(top[:, None]).exp_()
@@ -111,7 +124,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 mask: Optional[torch.Tensor], tp_comm: Any, vocab_start: int, n_valid: int,
                 chunk: int) -> torch.Tensor:
-        n, w = h.shape[0], weight[:n_valid]
+        n, w = h.shape[0], weight
         stat = torch.float32 if h.dtype in _HALF else h.dtype
         grad_h = (torch.empty_like(h) if n_valid else torch.zeros_like(h)) if ctx.needs_input_grad[0] else None
         acc = torch.float32 if weight.dtype in _HALF and chunk < n else weight.dtype  # one chunk: as unfused
@@ -121,7 +134,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         losses = torch.empty(n, dtype=stat, device=h.device)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            exp, top, sum_exp, target = _slab_stats(h[s:e], w, local[s:e], inside[s:e], stat)
+            exp, top, sum_exp, target = _slab_stats(h[s:e], w, n_valid, local[s:e], inside[s:e], stat)
             found = inside[s:e].to(stat)
             rescale: Optional[torch.Tensor] = None
             if tp_comm is not None and tp_comm.size > 1:  # every rank, columns or not
@@ -133,8 +146,8 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
             if mask is not None:
                 row.mul_(mask[s:e])
             exp.mul_(row[:, None]).scatter_add_(-1, local[s:e, None], onehot[s:e, None])
-            grad = exp.to(h.dtype)  # (softmax - onehot) * mask of the chunk [c, n_valid]
-            _add_chunk_grads(grad, h[s:e], w, grad_h, grad_w, s, n_valid)
+            grad = exp.to(h.dtype)  # (softmax - onehot) * mask of the chunk [c, V_local], 0 in the padding
+            _add_chunk_grads(grad, h[s:e], w, grad_h, grad_w, s)
             del exp, grad  # before the next chunk's
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
@@ -157,7 +170,7 @@ class _RecomputedHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp_comm: Any,
                 vocab_start: int, n_valid: int, chunk: int) -> torch.Tensor:
-        n, w = h.shape[0], weight[:n_valid]
+        n, w = h.shape[0], weight
         stat = torch.float32 if h.dtype in _HALF else h.dtype
         local_max = torch.full((n,), float("-inf"), dtype=stat, device=h.device)
         sum_exp = torch.zeros(n, dtype=stat, device=h.device)
@@ -165,7 +178,7 @@ class _RecomputedHeadCrossEntropy(torch.autograd.Function):
         local, inside = _local_targets(targets, vocab_start, n_valid)
         for s in range(0, n if n_valid else 0, chunk):
             e = min(s + chunk, n)
-            _, local_max[s:e], sum_exp[s:e], target_logit[s:e] = _slab_stats(h[s:e], w, local[s:e],
+            _, local_max[s:e], sum_exp[s:e], target_logit[s:e] = _slab_stats(h[s:e], w, n_valid, local[s:e],
                                                                               inside[s:e], stat)
         if tp_comm is not None and tp_comm.size > 1:
             global_max = local_max.clone()
@@ -187,7 +200,7 @@ class _RecomputedHeadCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         h, weight, targets, logsumexp = ctx.saved_tensors
         n, n_valid, chunk = h.shape[0], ctx.n_valid, ctx.chunk
-        w = weight[:n_valid]
+        w = weight
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(h) if want_h else None
         acc = torch.float32 if weight.dtype in _HALF and chunk < n else weight.dtype  # one chunk: as unfused
@@ -196,10 +209,10 @@ class _RecomputedHeadCrossEntropy(torch.autograd.Function):
         grad_loss = grad_loss.to(logsumexp.dtype)
         for s in range(0, n if n_valid and (want_h or want_w) else 0, chunk):
             e = min(s + chunk, n)
-            probs = _float(F.linear(h[s:e], w)).sub_(logsumexp[s:e, None]).exp_()  # softmax [c, n_valid]
+            probs = _logits(h[s:e], w, n_valid).sub_(logsumexp[s:e, None]).exp_()  # softmax [c, V_local]
             probs.scatter_add_(-1, local[s:e, None], inside[s:e, None].to(probs.dtype).neg())  # - onehot
             grad = probs.mul_(grad_loss[s:e, None]).to(h.dtype)  # dL/dlogits of the chunk
-            _add_chunk_grads(grad, h[s:e], w, grad_h, grad_w, s, n_valid)
+            _add_chunk_grads(grad, h[s:e], w, grad_h, grad_w, s)
             del probs, grad  # before the next chunk's
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
@@ -225,14 +238,15 @@ def fused_head_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: tor
     return losses.sum() if mask is None else torch.where(mask, losses, 0).sum()
 
 
-def _add_chunk_grads(grad, h_chunk, w, grad_h, grad_w, start: int, n_valid: int) -> None:
-    """One chunk's share of the head's gradients from ``grad`` = dL/dlogits [c, n_valid]: its rows of ``grad_h``
-    ([N, D], from row ``start``) = grad @ w, and grad^T @ h_chunk added to ``grad_w``'s first ``n_valid`` rows
-    (in ``grad_w``'s dtype: float32 when bf16 chunks accumulate). Either may be None (not wanted)."""
+def _add_chunk_grads(grad, h_chunk, w, grad_h, grad_w, start: int) -> None:
+    """One chunk's share of the head's gradients from ``grad`` = dL/dlogits [c, V_local] (0 in the padding
+    columns): its rows of ``grad_h`` ([N, D], from row ``start``) = grad @ w, and grad^T @ h_chunk added to
+    ``grad_w`` [V_local, D] (in its dtype: float32 when bf16 chunks accumulate). Either may be None (not
+    wanted). Every operand spans the padded slab, so the matmuls keep aligned shapes."""
     if grad_h is not None:
         torch.mm(grad, w, out=grad_h[start:start + grad.shape[0]])
     if grad_w is not None:
         if grad_w.dtype == grad.dtype:
-            grad_w[:n_valid].addmm_(grad.t(), h_chunk)
+            grad_w.addmm_(grad.t(), h_chunk)
         else:
-            grad_w[:n_valid] += grad.t() @ h_chunk
+            grad_w += grad.t() @ h_chunk

@@ -192,7 +192,7 @@ def synthetic_snapshot(rank: int, world: int, target_bytes: int, tensors: int, c
     """3 x ``tensors`` float32 datasets [world*rows, cols]; this rank owns rows [rank*rows, (rank+1)*rows).
     ``attrs``: root attributes of a real snapshot (``checkpoint_attrs``), the step replaced."""
     from hpctrain.checkpoint.format import Box
-    from hpctrain.checkpoint.state import Snapshot, WriteItem
+    from hpctrain.checkpoint.transfer import Snapshot, WriteItem
 
     kinds = ("model", "optim/exp_avg", "optim/exp_avg_sq")
     rows = max(1, int(target_bytes) // (len(kinds) * tensors * cols * 4))
@@ -209,8 +209,8 @@ def synthetic_snapshot(rank: int, world: int, target_bytes: int, tensors: int, c
 
 
 def checkpoint_attrs(cfg, tokens) -> dict:
-    """The root attributes ``hpctrain.checkpoint.state.snapshot`` gives a fresh Trainer of ``cfg`` (collective)."""
-    from hpctrain.checkpoint.state import snapshot
+    """The root attributes ``hpctrain.checkpoint.transfer.snapshot`` gives a fresh Trainer of ``cfg`` (collective)."""
+    from hpctrain.checkpoint.transfer import snapshot
 
     trainer = new_trainer(cfg, tokens)
     attrs = dict(snapshot(trainer.state).attrs)
@@ -396,7 +396,7 @@ def timed_step(comm, trainer) -> float:
 
 
 def run_async(args, comm, cfg, tokens) -> tuple[list[dict], object]:
-    from hpctrain.checkpoint.state import snapshot
+    from hpctrain.checkpoint.transfer import snapshot
     from hpctrain.models.gpt import count_parameters
 
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -404,14 +404,14 @@ def run_async(args, comm, cfg, tokens) -> tuple[list[dict], object]:
     mgr = new_manager(args, cfg.checkpoint, trainer.grid, cfg.train.run_dir)
     ckpt_bytes = comm.allreduce(snapshot_bytes(snapshot(trainer.state)), op=MPI.SUM)
     if rank == 0:
-        print(f"bench_checkpoint: async: Trainer {args.model} ({count_parameters(trainer.model_cfg) / 1e6:.2f} M "
+        print(f"bench_checkpoint: async: Trainer {args.model} ({count_parameters(trainer.parts.model_cfg) / 1e6:.2f} M "
               f"params), ZeRO-1 over {size} ranks, {mgr.writer} writer, checkpoint {ckpt_bytes / MiB:.1f} MiB",
               file=sys.stderr, flush=True)
     for _ in range(2):  # warm-up
         timed_step(comm, trainer)
     sync_s, stall_s, base_steps, overlap_steps, bg_s, idle_s = [], [], [], [], [], []
     sync_phases, stall_phases, bg_phases = [], [], []
-    timer = trainer.timer  # the save's blocking part is its "checkpoint" phase; the rest: mgr.last_phases
+    timer = trainer.parts.timer  # the save's blocking part is its "checkpoint" phase; the rest: mgr.last_phases
     for rnd in range(args.async_repeats):
         base_steps += [timed_step(comm, trainer) for _ in range(args.base_steps)]
         seconds, _ = timed(comm, mgr.save, trainer.state, sync=True)
@@ -548,7 +548,7 @@ def run(args) -> list[dict]:
                 records += got
             if "restart" in parts:
                 if "async" not in parts:  # a checkpoint to resume from
-                    from hpctrain.checkpoint.state import snapshot
+                    from hpctrain.checkpoint.transfer import snapshot
 
                     trainer = new_trainer(cfg, tokens)
                     trainer.train_step()

@@ -127,7 +127,7 @@ def worker(args) -> int:
             break  # every rank sees the same agreed loss: they stop together
     ranks = MPI.COMM_WORLD.gather({"host": MPI.Get_processor_name(), "steps": steps}, root=0)
     if grid.info.rank == 0:
-        print("BENCH " + json.dumps({"ranks": ranks, "params": count_parameters(trainer.model_cfg),
+        print("BENCH " + json.dumps({"ranks": ranks, "params": count_parameters(trainer.parts.model_cfg),
                                      "nodes": grid.info.num_nodes}), flush=True)
     grid.close()
     return 0

@@ -164,8 +164,8 @@ def worker(args) -> int:
 
         grid = ProcessGrid.from_config(cfg, discover())
         trainer = Trainer(cfg, grid, device=device)
-        step, model_cfg = (lambda: trainer.train_step(defer=True)), trainer.model_cfg  # the loop's sync-free step
-        residual = str(trainer.executor.act_dtype).removeprefix("torch.")
+        step, model_cfg = (lambda: trainer.train_step(defer=True)), trainer.parts.model_cfg  # the loop's sync-free step
+        residual = str(trainer.parts.executor.act_dtype).removeprefix("torch.")
     else:
         loop = TorchLoop(cfg, device)
         step, model_cfg = loop.train_step, loop.model_cfg
@@ -199,8 +199,9 @@ def worker(args) -> int:
               file=sys.stderr, flush=True)
     if args.worker == "hpctrain":
         trainer.read_pending()  # the last step's verdict (read one step late, as in a run)
-        result = trainer.resolved[-1]
-        losses = [m.loss for m in trainer.resolved]
+        finished = trainer.finished_steps()
+        result = finished[-1]
+        losses = [m.loss for m in finished]
     else:
         losses = [float(v) for v in loop.losses]
     loss = float(result.loss if hasattr(result, "loss") else result)

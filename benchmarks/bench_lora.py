@@ -105,10 +105,10 @@ def hpctrain_worker(args) -> dict:
         trainer = Trainer(cfg, grid, tokens=tokens)
         init_weights(trainer.state, args.hf, grid.world)
         if lora and checkpoint_base == "reference":
-            trainer.state.base_reference = make_reference(args.hf, trainer.model_cfg, grid.world, open_source)
+            trainer.state.base_reference = make_reference(args.hf, trainer.parts.model_cfg, grid.world, open_source)
         if not record:
             times, peak = timed(trainer.train_step, args.warmup, args.steps)
-            trainable = sum(p.spec.valid_numel for p in trainer.local_model.parameters() if p.requires_grad)  # no padding rows
+            trainable = sum(p.spec.valid_numel for p in trainer.parts.local_model.parameters() if p.requires_grad)  # no padding rows
             record = dict(trainable_m=round(trainable / 1e6, 3), step_s=round(statistics.median(times), 3),
                           peak_mb=round(peak, 1), above_base_mb=round(peak - base_mb, 1))
         else:

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.arithmetic import lora_target_shapes
-from hpctrain.monitor.metrics import parse_labels
+from hpctrain.monitor.catalog import parse_labels
 from hpctrain.models.presets import MODEL_DEFAULTS, PRESET_KEYS, PRESETS  # noqa: F401 (re-exported)
 # the layout rules that need no world size
 from hpctrain.parallel.rules import check_context, check_schedule, check_stages
@@ -38,7 +38,7 @@ _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False,
 # Upper bounds of the size keys, far beyond any model (they keep the arithmetic of a typo small); whether a
 # model fits is checked against the memory of the ranks when a run starts (hpctrain/train/memory_check.py)
 _SIZE_MAX = 1 << 24  # widths, vocabulary, sequence lengths, batch sizes
-_COUNT_MAX = 1 << 14  # layers, heads, model chunks
+_COUNT_MAX = 1 << 14  # layers, heads, virtual stages
 
 
 def _field(default: Any, **rule: Any) -> Any:
@@ -66,8 +66,8 @@ class ModelConfig:
     init_std: float = _field(0.02, above=0)
     attention_window: int = _field(0, min=0)  # sliding-window attention: token t sees t-W+1..t; 0 = full causal
     init_from: str = ""  # HF Llama dir or hpctrain checkpoint: its weights at step 0 (not on resume); "" = random
-    fused_head_loss: bool = True  # last stage: LM head + cross-entropy in chunks of tokens (false: full logits)
-    loss_chunk_tokens: int = _field(0, min=0)  # tokens per chunk of the fused head + loss; 0 = automatic
+    fused_head_loss: bool = True  # last stage: LM head + cross-entropy in loss chunks (false: full logits)
+    loss_chunk_tokens: int = _field(0, min=0)  # tokens per loss chunk of the fused head + loss; 0 = automatic
     residual_dtype: str = _field("auto", choices=("auto", "float32"))  # float32: a half run's residual stream in float32
 
 
@@ -79,7 +79,7 @@ class ParallelConfig:
     pp: int = _field(1, min=1)
     cp: int = _field(1, min=1)  # context parallelism: ranks sharing each sequence (ring attention)
     schedule: str = _field("1f1b", choices=("gpipe", "1f1b", "interleaved"))
-    virtual_stages: int = _field(1, min=1, max=_COUNT_MAX)  # model chunks per pp rank (interleaved: >= 2)
+    virtual_stages: int = _field(1, min=1, max=_COUNT_MAX)  # virtual stages per pp rank (interleaved: >= 2)
     microbatches: int = _field(1, min=1, max=_SIZE_MAX)
     sequence_parallel: bool = False
     zero: int = _field(0, choices=(0, 1))

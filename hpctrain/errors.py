@@ -27,7 +27,3 @@ class GridError(HpcTrainError):
     """The requested dp x pp x tp layout cannot be built on this world."""
 
     everywhere = True  # every rank validates the same layout
-
-
-class CommTimeout(HpcTrainError):
-    """A collective or point-to-point operation did not complete within its timeout."""

@@ -5,6 +5,14 @@ A module may import modules of its own layer and of the layers below it, never a
 imports included; modules of one layer must not import each other in a cycle. A module belongs to the
 unit (a package or a module) with the longest name that is it or holds it; the root ``hpctrain`` unit
 is ``hpctrain/__init__.py`` alone.
+
+data, plan, sweep and monitor sit as low as their imports allow (data needs only runtime; plan only
+config; sweep only plan and below; monitor only config and below). The commands (``hpctrain/commands/``, one module per subcommand) and the
+entry point (``hpctrain/cli.py``) are the top layer, so no library package sits high for its command.
+
+No torch, no MPI: the modules of the layers in ``NO_TORCH_LAYERS`` (base, config, plan, sweep) import
+neither torch nor mpi4py anywhere, and importing all of them loads neither (tests/unit/test_layers.py
+checks both); every other layer needs torch.
 """
 from __future__ import annotations
 
@@ -13,28 +21,30 @@ ROOT = "hpctrain"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("hpctrain", "hpctrain.errors", "hpctrain.layers")),
     ("runtime", ("hpctrain.runtime",)),
+    ("data", ("hpctrain.data",)),
     ("profiling", ("hpctrain.profiling",)),
     ("config", ("hpctrain.parallel.rules", "hpctrain.config", "hpctrain.parallel.layout",
                 "hpctrain.models.arithmetic",
-                "hpctrain.models.presets", "hpctrain.monitor.metrics")),
+                "hpctrain.models.presets", "hpctrain.monitor.catalog")),
+    ("plan", ("hpctrain.plan",)),
+    ("sweep", ("hpctrain.sweep",)),
+    ("monitor", ("hpctrain.monitor",)),
     ("backends", ("hpctrain.comm.backends",)),
     ("collectives", ("hpctrain.comm",)),
     ("grid", ("hpctrain.comm.grid",)),
-    ("data", ("hpctrain.data",)),
     ("compression", ("hpctrain.compression",)),
     ("parallel", ("hpctrain.parallel",)),
     ("models", ("hpctrain.models",)),
     ("optim", ("hpctrain.optim",)),
     ("checkpoint", ("hpctrain.checkpoint",)),
     ("interop", ("hpctrain.interop",)),
-    ("monitor", ("hpctrain.monitor",)),
     ("train", ("hpctrain.train",)),
-    ("plan", ("hpctrain.plan",)),
-    ("sweep", ("hpctrain.sweep",)),
     ("bench", ("hpctrain.bench",)),
     ("tools", ("hpctrain.tools",)),
-    ("cli", ("hpctrain.cli",)),
+    ("cli", ("hpctrain.commands", "hpctrain.cli")),
 )
+
+NO_TORCH_LAYERS: tuple[str, ...] = ("base", "config", "plan", "sweep")  # neither torch nor mpi4py
 
 
 def unit_of(module: str) -> str:

@@ -6,7 +6,7 @@ fails if code here names anything else of the trainer. Every member is this rank
 communicates. Tensors are views: copying into them changes the run.
 
 What a checkpoint holds of a rank (docs/checkpoint-format.md):
-  model pieces      ``tensors().params``: the local slab of every parameter this rank holds; a FROZEN one
+  model slabs       ``tensors().params``: the local slab of every parameter this rank holds; a FROZEN one
                     (a LoRA run's base weights) has no optimizer state and is written whole by one rank
   optimizer pieces  ``tensors().pieces``: the parameter elements whose optimizer state this rank owns,
                     with ``state_kinds`` per element, inside the owned ``tensors().ranges``
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, eq=False)
-class ModelPiece:
+class ModelSlab:
     """One parameter this rank holds: ``data`` is its local slab, shape ``spec.local_shape``, of the global
     parameter ``spec.name`` (``spec``: its SlabSpec: ``global_shape``, ``local_slices()``, ``tied_copy``;
     a padded vocabulary's slab has zero padding rows past ``spec.valid_local()``, never saved or loaded).
@@ -44,6 +44,9 @@ class ModelPiece:
     data: torch.Tensor
     frozen: bool = False
     written: bool = False
+
+
+ModelPiece = ModelSlab  # the old name, until hpctrain/train/state.py says ModelSlab
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,7 +83,7 @@ class OptimizerPiece:
 class TrainTensors:
     """This rank's tensors in a checkpoint (views into the run)."""
 
-    params: list[ModelPiece]  # every parameter this rank holds, in model order (tied copy included)
+    params: list[ModelSlab]  # every parameter this rank holds, in model order (tied copy included)
     ranges: list[OwnedRange]  # the flat ranges whose optimizer state this rank owns
     pieces: list[OptimizerPiece]  # every parameter piece inside ``ranges``, in flat order
     state_kinds: tuple[str, ...]  # ("exp_avg", "exp_avg_sq"), + "master" when it is a separate copy
@@ -128,7 +131,7 @@ class BaseWeights(Protocol):
 
 @runtime_checkable
 class TrainState(Protocol):
-    """One rank's training state, as checkpoints (checkpoint/state.py) and ``model.init_from``
+    """One rank's training state, as checkpoints (checkpoint/transfer.py) and ``model.init_from``
     (interop/sources.py) save and restore it."""
 
     rank: int  # world rank

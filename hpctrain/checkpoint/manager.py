@@ -31,7 +31,7 @@ from hpctrain.checkpoint.directory import (REPLACED_SUFFIX, RETIRED_PREFIX, enos
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
 from hpctrain.checkpoint.references import kept_note, referenced
-from hpctrain.checkpoint.state import CheckpointError, snapshot
+from hpctrain.checkpoint.transfer import CheckpointError, snapshot
 from hpctrain.checkpoint.writers import WriteFailed, has_parallel_h5py, write_mpio, write_shards
 from hpctrain.comm.collectives import Communicator
 from hpctrain.errors import everywhere

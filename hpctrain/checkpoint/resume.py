@@ -21,7 +21,7 @@ from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.directory import fsync_path, list_checkpoints, read_latest, recover_replaced, resolve_latest
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER
 from hpctrain.checkpoint.reader import CheckpointReader
-from hpctrain.checkpoint.state import ANOTHER_MODEL, BASE_UNUSABLE, CheckpointError, apply_state, read_state
+from hpctrain.checkpoint.transfer import ANOTHER_MODEL, BASE_UNUSABLE, CheckpointError, apply_state, read_state
 from hpctrain.errors import HpcTrainError, everywhere
 
 

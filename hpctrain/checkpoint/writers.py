@@ -31,7 +31,7 @@ import numpy as np
 
 from hpctrain.checkpoint.format import MASTER_FILE, Box, crc32, encode_json
 from hpctrain.checkpoint.reader import JSON_ATTRS
-from hpctrain.checkpoint.state import WriteItem
+from hpctrain.checkpoint.transfer import WriteItem
 
 
 def has_parallel_h5py() -> bool:

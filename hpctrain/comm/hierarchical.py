@@ -3,7 +3,7 @@
 ``HierarchicalCollectives`` serves a group (the dp group) of G = N x L ranks, L on each of N nodes, in
 node-major order (group rank g = n*L + l: node n, position l on it), through two sub-groups from
 ``ProcessGrid.node_split``: ``intra`` (the L members on this node: a ``ShmCollectives`` window) and
-``inter`` (the N members at position l, one per node: raw MPI). Per chunk (``CHUNK_BYTES`` per rank):
+``inter`` (the N members at position l, one per node: raw MPI). Per portion (``PORTION_BYTES`` per rank):
 
 - ``allreduce(x)``: every rank copies x into its slot; rank l sums slice l (balanced, any length) of
   its node's slots in local order 0..L-1, MPI ``Allreduce`` over ``inter`` adds the N node sums and
@@ -31,8 +31,8 @@ import numpy as np
 from hpctrain.comm.shm import ShmCollectives, ShmUnavailable, _slice
 
 HIERARCHICAL = "shm-hierarchical"  # grid.intra_node / hpctrain info: how the dp group reduces CPU floats
-CHUNK_BYTES = 1 << 20  # per rank per window half: 16 MiB allreduce across 2 emulated hosts, 4 ranks:
-# 256 KiB chunks 64-83 ms, 1 MiB 25-37 ms, 4 MiB 28-36 ms (MPI 39-70 ms; docs/benchmarks.md)
+PORTION_BYTES = 1 << 20  # per rank per window half: 16 MiB allreduce across 2 emulated hosts, 4 ranks:
+# 256 KiB portions 64-83 ms, 1 MiB 25-37 ms, 4 MiB 28-36 ms (MPI 39-70 ms; docs/benchmarks.md)
 
 
 class HierarchicalCollectives:
@@ -47,7 +47,7 @@ class HierarchicalCollectives:
         self.shm, self.inter, self.sum = shm, inter_mpi, MPI.SUM
         self.nodes, self.local_size, self.local = inter_mpi.Get_size(), shm.size, shm.rank
         self.size, self.rank = self.nodes * self.local_size, group_rank
-        self._scratch = np.empty(shm.capacity, dtype=np.uint8)  # reduce_scatter's node sums ([N, chunk])
+        self._scratch = np.empty(shm.capacity, dtype=np.uint8)  # reduce_scatter's node sums ([N, portion])
         self._array = shm._array
 
     def _allreduce(self, flat: np.ndarray) -> None:
@@ -105,7 +105,7 @@ class HierarchicalCollectives:
         self.shm.close()
 
 
-def hierarchical_collectives(comm, node_split, spans: str, capacity_bytes: int = CHUNK_BYTES):
+def hierarchical_collectives(comm, node_split, spans: str, capacity_bytes: int = PORTION_BYTES):
     """Collective over ``comm`` (a group that spans nodes; ``spans``: the reason flat shm refused it):
     ``(HierarchicalCollectives, "")``, or ``(None, reason)`` alike on every member when the scheme
     cannot serve it. ``node_split()``: ``ProcessGrid.node_split``'s ((intra, inter), None) | (None, why);

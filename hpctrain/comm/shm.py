@@ -7,7 +7,7 @@ and maps every peer's slot as a numpy view (``Win.Shared_query``: no copies thro
 
 Operations on contiguous host (CPU) torch tensors of a numpy dtype (not bfloat16: numpy cannot add it),
 worked on through their numpy views (a numpy call costs ~0.5 us, a torch call ~3 us), in place, any
-length (tensors larger than ``capacity_bytes`` go in chunks):
+length (tensors larger than ``capacity_bytes`` go through the window in portions of that size):
 - ``reduce_scatter(output, input)``: each rank copies ``input`` into its slot; after a barrier, rank r
   sums ITS block reading every peer's slot in rank order 0..n-1 (``(s0 + s1) + s2 ...``);
 - ``allgather(output, input)``: each rank copies ``input`` into its slot, then reads every peer's;
@@ -72,9 +72,10 @@ def _slice(length: int, n: int, j: int) -> tuple[int, int]:
 class ShmCollectives:
     """Shared-memory allreduce / reduce_scatter / allgather over ``comm`` (collective to build and close).
 
-    ``capacity_bytes``: bytes per rank per half (rounded up to 64); larger tensors are chunked. The
-    default 256 KiB keeps a chunk cache-resident between the copy-in and the peers' reads: at 2 ranks on
-    this machine 16 MiB allreduce takes 1.1 ms with 256 KiB chunks, 3.7 ms with 16 MiB ones (MPI: 2.9).
+    ``capacity_bytes``: bytes per rank per half (rounded up to 64); a larger tensor goes through in
+    portions of this size. The default 256 KiB keeps a portion cache-resident between the copy-in and the
+    peers' reads: at 2 ranks on this machine 16 MiB allreduce takes 1.1 ms with 256 KiB portions,
+    3.7 ms with 16 MiB ones (MPI: 2.9).
     ``barrier``: "flags" (arrival counters in the window, spun on) or "mpi" (``Barrier`` on the node).
     Raises ``ShmUnavailable`` (the same on every rank) when the group spans nodes or the window
     cannot be allocated or backed with memory (a full or tiny /dev/shm: shm_memory.py).

@@ -45,15 +45,9 @@ class OpCounter:
 
 @dataclass
 class CommStats:
-    """Per (group, op) counters; ``total_seconds`` feeds the trainer's ``comm_time_s``."""
+    """Per (group, op) counters; ``by_group`` feeds the trainer's ``comm_time_s`` and ``groups``."""
 
     ops: dict = field(default_factory=lambda: defaultdict(OpCounter))
-
-    def total_seconds(self) -> float:
-        return sum(c.seconds for c in self.ops.values())
-
-    def total_bytes(self) -> int:
-        return sum(c.bytes for c in self.ops.values())
 
     def total_sent(self) -> int:
         """Bytes this rank sent on all groups (metrics.jsonl ``bytes_sent`` is its per-step difference)."""

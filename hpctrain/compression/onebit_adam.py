@@ -48,9 +48,11 @@ class OneBitAdamReducer(CompressedReducer):
             mask[lo:hi] = 0
         return mask
 
+    outcome_before_update = True  # it commits (or drops) its averaged momentum before the optimizer runs
+    shares_momentum = True  # the optimizer takes the momentum this reducer averaged (``momentum_from_reducer``)
+
     def bind_optimizer(self, optimizer) -> None:
         self.optimizer = optimizer
-        optimizer.momentum_from_reducer = True
 
     @property
     def compressing(self) -> bool:

@@ -37,6 +37,15 @@ class Done:
 
 
 class GradReducer:
+    """The replica group's gradient reduction, bucket by bucket. What the step asks of it
+    (hpctrain/train/build.py, hpctrain/train/outcomes.py): whether it must learn a step's outcome
+    (``after_step``) before the update runs (``outcome_before_update``) or before the next step
+    (``outcome_before_next_step``; else the host may read the verdict a step late), and whether the
+    optimizer takes its momentum from it (``shares_momentum``)."""
+    outcome_before_update = False
+    outcome_before_next_step = False
+    shares_momentum = False
+
     def __init__(self, flat):
         self.flat, self.comm = flat, flat.dp_comm
         self.step = 0
@@ -114,6 +123,7 @@ class DenseReducer(GradReducer):
 
 class CompressedReducer(GradReducer):
     """``compressor`` (a ``base.Compressor``) with error feedback when ``cfg.error_feedback``."""
+    outcome_before_next_step = True  # a skipped step's error memory is dropped, a new loss scale applied
 
     def __init__(self, flat, cfg, compressor, *, seed: int = 0, node_comms=None):
         super().__init__(flat)

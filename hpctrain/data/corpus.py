@@ -194,17 +194,17 @@ def _read_folder(folder: str, max_bytes: int) -> bytes:
 
 def _join_files(paths: list[str], max_bytes: int) -> bytes:
     """Contents of paths joined by FILE_SEPARATOR; stops reading once max_bytes (> 0) is reached."""
-    chunks, total = [], 0
+    parts, total = [], 0
     for index, path in enumerate(paths):
         if index:
-            chunks.append(FILE_SEPARATOR)
+            parts.append(FILE_SEPARATOR)
             total += len(FILE_SEPARATOR)
         data = _read_file(path, 0)
-        chunks.append(data)
+        parts.append(data)
         total += len(data)
         if 0 < max_bytes <= total:
             break
-    joined = b"".join(chunks)
+    joined = b"".join(parts)
     return joined[:max_bytes] if max_bytes > 0 else joined
 
 

@@ -132,14 +132,14 @@ def prepare(comm, inputs: list[str], tokenizer, out: str, force: bool = False, p
     mine = _shares([os.path.getsize(p) for p in docs], size)[rank]
     lengths, problem = {}, None
     try:
-        chunks = []
+        token_lists = []
         for d in _progress(mine, progress and rank == 0, f"rank 0 of {size}: tokenizing"):
             ids = _tokenize_file(docs[d], tokenizer)
             lengths[d] = len(ids)
-            chunks.append(ids)
+            token_lists.append(ids)
         dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
         np.save(os.path.join(parts, f"rank{rank}.npy"),
-                np.concatenate(chunks).astype(dtype) if chunks else np.empty(0, dtype=dtype))
+                np.concatenate(token_lists).astype(dtype) if token_lists else np.empty(0, dtype=dtype))
     except (DataError, OSError) as exc:
         problem = f"rank {rank}: {exc}"
     problems = [p for p in comm.allgather_object(problem) if p]

@@ -8,7 +8,7 @@ The reference is the checkpoint's root attribute ``lora_base`` (JSON, docs/check
      "checksum": sha256 (hex) of the sorted (name, CRC-32) pairs: one value to compare and print}
 
 Every check reads the base whole once, spread over the ranks (rank r takes the sorted names r, r + size, ...,
-in chunks of at most ``CHUNK_BYTES``): when the reference is made (after ``model.init_from``) and when a
+at most ``READ_BYTES`` at a time): when the reference is made (after ``model.init_from``) and when a
 checkpoint is resumed. A base whose bytes changed, or one that is gone, stops the resume with one line that
 names it; ``model.init_from`` of the resumed run is where the base is looked for when its recorded path is gone.
 """
@@ -24,16 +24,16 @@ import torch
 from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.interop.hf import parameter_shapes
 
-CHUNK_BYTES = 64 << 20
+READ_BYTES = 64 << 20  # the most of a tensor one read takes (whole rows)
 MISMATCH = "not the base its adapters were trained on"  # in every mismatch message: resume does not fall back
 
 
 def tensor_crc(source, name: str, shape: tuple[int, ...]) -> int:
-    """CRC-32 of the global tensor ``name`` of ``source`` (``sources.open_source``), read by row chunks."""
+    """CRC-32 of the global tensor ``name`` of ``source`` (``sources.open_source``), read ``READ_BYTES`` of rows at a time."""
     if not shape:
         return zlib.crc32(_bytes(source.read(name)))
-    row_bytes = max(1, int(torch.Size(shape[1:]).numel()) * 8)  # chunk sizing: at most 8 bytes an element
-    rows = max(1, CHUNK_BYTES // row_bytes)
+    row_bytes = max(1, int(torch.Size(shape[1:]).numel()) * 8)  # at most 8 bytes an element
+    rows = max(1, READ_BYTES // row_bytes)
     crc, rest = 0, tuple(slice(None) for _ in shape[1:])
     for lo in range(0, shape[0], rows):
         crc = zlib.crc32(_bytes(source.read(name, (slice(lo, min(lo + rows, shape[0])),) + rest)), crc)

@@ -1,6 +1,6 @@
-"""What import and export write, shared by cli.py and peft_cli.py: ``staged_output`` (a temporary directory
-beside ``--out``, renamed at the end: nothing half-written) and the weights-only step-0 checkpoint with its
-``model.toml``.
+"""What import and export write, shared by commands/interop.py and commands/peft.py: ``staged_output``
+(a temporary directory beside ``--out``, renamed at the end: nothing half-written) and the weights-only
+step-0 checkpoint with its ``model.toml``.
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def write_weights_only(directory: str, cfg, tensors: dict, dtype: str, source: s
                                             disk_dtype, model_dataset, step_dirname)
     from hpctrain.checkpoint.architecture import ARCHITECTURE_ATTR, record
     from hpctrain.checkpoint.reader import CheckpointReader
-    from hpctrain.checkpoint.state import Snapshot, WriteItem
+    from hpctrain.checkpoint.transfer import Snapshot, WriteItem
     from hpctrain.checkpoint.writers import write_shards
     from hpctrain.config import config_to_dict
 

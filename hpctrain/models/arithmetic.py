@@ -57,16 +57,16 @@ def partition_layers(m, pp: int, explicit: list[int] | None = None) -> list[tupl
 
 
 def rank_parameters(m, tp: int, pp: int, pp_rank: int, stage_layers=(), virtual_stages: int = 1) -> dict[str, int]:
-    """Parameters on one tp rank of pipeline rank ``pp_rank``, as train/chunks.py builds its chunks (virtual
-    stage v = c x pp + pp_rank of pp x ``virtual_stages``), by part: "vocabulary" (embedding rows on v = 0,
+    """Parameters on one tp rank of pipeline rank ``pp_rank``, as the trainer builds its virtual stages (the
+    c-th is v = c x pp + pp_rank of pp x ``virtual_stages``), by part: "vocabulary" (embedding rows on v = 0,
     LM head rows on the last, of the PADDED vocabulary / tp; a tied head is the embedding with one stage),
     "blocks" (matrices / tp, norms; the final norm), "positions" (a learned table on v = 0)."""
     stages = pp * virtual_stages
     ranges = partition_layers(m, stages, list(stage_layers) or None)
     rows = padded_vocab(m, tp) // tp
     parts = {"vocabulary": 0, "blocks": 0, "positions": 0}
-    for chunk in range(virtual_stages):
-        v = chunk * pp + pp_rank
+    for c in range(virtual_stages):
+        v = c * pp + pp_rank
         lo, hi = ranges[v]
         parts["blocks"] += (hi - lo) * (block_matmul_parameters(m) // tp + 2 * m.d_model)
         if v == 0:

@@ -52,8 +52,8 @@ def compile_stage(stage: GPTStage) -> int:
 
 
 def compile_stages(stages) -> dict:
-    """``compile_stage`` on each of this rank's model chunks; returns the ``dynamo_counts`` reading taken
-    before (what ``compile_report`` counts from)."""
+    """``compile_stage`` on each of this rank's stage modules (one per virtual stage); returns the
+    ``dynamo_counts`` reading taken before (what ``compile_report`` counts from)."""
     since = dynamo_counts()
     for stage in stages:
         compile_stage(stage)

@@ -191,10 +191,11 @@ class MLP(nn.Module):
 
 class LearnedPositions(nn.Module):
     """GPT's absolute position table ``pos_embed.weight`` [max_seq_len, D], replicated over TP, added to the
-    token embedding on the first stage. With sequence parallelism the embedding is this tp rank's sequence
-    chunk [S/tp, B, D], positions ``tp_rank * S/tp`` onwards, and the table's gradient is partial per tp rank
+    token embedding on the first stage. With sequence parallelism the embedding is this tp rank's local
+    sequence [S/tp, B, D], positions ``tp_rank * S/tp`` onwards, and the table's gradient is partial per tp rank
     (summed over TP like the norms'); without it every tp rank adds all S positions and gets the whole grad.
-    With context parallelism the positions are those of this cp rank's zig-zag tokens (then the tp chunk)."""
+    With context parallelism the positions are those of this cp rank's zig-zag stripes (then the tp rank's
+    part of them)."""
 
     def __init__(self, m, tp_comm, sp, dtype, seed, cp_comm=None):
         super().__init__()
@@ -203,14 +204,14 @@ class LearnedPositions(nn.Module):
         self.weight = nn.Parameter(torch.empty(spec.local_shape, dtype=dtype))
         init_from_global_(self.weight, spec, seed, m.init_std)
         self.weight.spec = spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
-        self.chunk_index: int
+        self.sp_index: int  # which S/tp part of the sequence this tp rank holds (0 without SP)
         self.split_over: int
-        self.chunk_index, self.split_over = (tp_comm.rank, tp_comm.size) if split_seq else (0, 1)
+        self.sp_index, self.split_over = (tp_comm.rank, tp_comm.size) if split_seq else (0, 1)
         self.cp_comm = cp_comm
 
     def forward(self, x, docs=None):
         """x [S_local, B, D] -> x + the table's rows of this rank's positions (per document when ``docs``)."""
-        start, full = self.chunk_index * x.shape[0], x.shape[0] * self.split_over
+        start, full = self.sp_index * x.shape[0], x.shape[0] * self.split_over
         positions = local_positions(full, self.cp_comm, x.device)
         if docs is not None:
             positions = local_document_positions(docs, positions, full)[:, start:start + x.shape[0]]
@@ -243,7 +244,7 @@ class GPTStage(nn.Module):
     head holds ``padded_vocab`` rows; their padding columns are cut off here, before any loss, softmax or
     sampling sees them (so the padding rows get zero gradient). ``loss_sum`` turns the logits into the SUM
     of per-token losses (the trainer divides by the global count of counted tokens); ``forward_loss``: both,
-    fused over chunks of tokens without logits (hpctrain/parallel/head_loss.py). ``docs`` [B, S_global]:
+    fused over loss chunks (of tokens) without logits (hpctrain/parallel/head_loss.py). ``docs`` [B, S_global]:
     the packed documents of every position (hpctrain/parallel/packed.py), or None. ``lora``: a ``[lora]``
     section with rank > 0 adds adapters and freezes the rest (hpctrain/models/lora.py); None or rank 0: none.
     """
@@ -324,7 +325,7 @@ class GPTStage(nn.Module):
 
     def forward_loss(self, x, targets, mask=None, docs=None):
         """The last stage's ``loss_sum(forward(x, docs), targets, mask)``; with ``model.fused_head_loss`` over
-        chunks of ``model.loss_chunk_tokens`` tokens, never [S, B, vocab] logits. Talks on tp."""
+        loss chunks of ``model.loss_chunk_tokens`` tokens, never [S, B, vocab] logits. Talks on tp."""
         if not self.fused_loss or self.head.lora is not None:
             return self.loss_sum(self(x, docs), targets, mask)
         h = self._trunk(x, docs)

@@ -61,10 +61,14 @@ class OptimizerSlice:
 
 class FlatOptimizer:
     def __init__(self, flat, cfg_optim, *, tp_rank: int = 0, master_dtype: torch.dtype | None = None,
-                 freeze_variance_after: int | None = None, fused: bool | None = None):
+                 freeze_variance_after: int | None = None, momentum_from_reducer: bool = False,
+                 fused: bool | None = None):
         self.flat, self.cfg, self.tp_rank = flat, cfg_optim, tp_rank
         self.freeze_variance_after = freeze_variance_after
-        self.momentum_from_reducer = False  # set by OneBitAdamReducer.bind_optimizer
+        self.momentum_from_reducer = momentum_from_reducer  # 1-bit Adam: the reducer averages the momentum
+        # 1-bit Adam runs its frozen steps unfused and reads a skip on the host: the step's outcome must be
+        # known before the update (hpctrain/train/outcomes.py)
+        self.outcome_before_update = freeze_variance_after is not None
         self.full_momentum: dict[int, torch.Tensor] = {}  # bucket index -> its whole momentum (1-bit Adam)
         param_dtype = flat.param_buffer.dtype
         self.master_dtype = master_dtype or (torch.float32 if param_dtype in (torch.float16, torch.bfloat16)

@@ -1,8 +1,6 @@
 """Dynamic loss scaling for float16 training (bf16, float32 and float64 use a fixed scale of 1)."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -10,10 +8,9 @@ class DynamicLossScaler:
     """Halve the scale and skip the step on inf/NaN gradients; double it after ``growth_interval`` good steps.
 
     The decision uses the GLOBAL gradient norm (already agreed by an all-reduce), so every rank skips
-    or steps together. It is made twice, by the same rule: on the device (``update_on_device``, into
-    ``scale_tensor``, which the step multiplies the loss by: no host read) and on the host when the step's
-    verdict is read (``update``, into ``scale``, what checkpoints and metrics see; hpctrain/train/verdict.py
-    checks that both agree).
+    or steps together. It is made once, on the device (``update_on_device``, into ``scale_tensor``, which
+    the step multiplies the loss by: no host read); the host's ``scale`` and ``good_steps`` (what checkpoints
+    and metrics see) follow the device's when a step's verdict is read (``follow``).
     """
 
     def __init__(self, initial: float = 65536.0, growth_interval: int = 1000, enabled: bool = True,
@@ -24,21 +21,14 @@ class DynamicLossScaler:
         self.scale_tensor = torch.full((), self.scale, dtype=torch.float64, device=device)
         self.good_tensor = torch.zeros((), dtype=torch.int64, device=device)
 
-    def update(self, grad_norm: float) -> bool:
-        """Record this step's (scaled) gradient norm; True if the step must be skipped."""
-        if not self.enabled:
-            return False
-        if not math.isfinite(grad_norm):
-            self.scale = max(self.min_scale, self.scale / 2)
-            self.good_steps = 0
-            return True
-        self.good_steps += 1
-        if self.good_steps % self.growth_interval == 0:
-            self.scale *= 2
-        return False
+    def follow(self, scale: float, good_steps: int) -> None:
+        """The host's copy of the device's scale and good-step count, read after a step."""
+        if self.enabled:
+            self.scale, self.good_steps = scale, good_steps
 
     def update_on_device(self, finite_norm: torch.Tensor) -> None:
-        """``update``'s rule on the device tensors, from a bool 0-d tensor (the gradient norm is finite)."""
+        """From a bool 0-d tensor (the gradient norm is finite): an overflow halves the scale (not below
+        ``min_scale``) and resets the good steps; every ``growth_interval``-th good step doubles it."""
         if not self.enabled:
             return
         good = torch.where(finite_norm, self.good_tensor + 1, 0)

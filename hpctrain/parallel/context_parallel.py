@@ -1,13 +1,13 @@
 """Context parallelism: the zig-zag split of the sequence over the cp group, and ring attention on it.
 
-Zig-zag: a sequence of S tokens is cut into 2 x cp chunks of S/(2cp); cp rank r holds chunks r and
-2cp-1-r (an early and a late one), so under a causal mask every rank has the same work. Local tensors
-are ``[B, S/cp, ...]``: chunk r then chunk 2cp-1-r; ``zigzag_positions`` gives their GLOBAL positions
+Zig-zag: a sequence of S tokens is cut into 2 x cp stripes of S/(2cp) tokens; cp rank r holds stripes r
+and 2cp-1-r (an early and a late one), so under a causal mask every rank has the same work. Local tensors
+are ``[B, S/cp, ...]``: stripe r then stripe 2cp-1-r; ``zigzag_positions`` gives their GLOBAL positions
 (RoPE, masks).
 
 Ring attention (``ring_attention``, on the cp group): each rank attends with its local queries to the
 K/V it holds while passing them on to the next rank (cp_comm.py), cp steps, so every query sees every
-key. Work is done per "block": one tile of local queries x one tile of the held keys (the chunks cut
+key. Work is done per "block": one tile of local queries x one tile of the held keys (the stripes cut
 into runs of at most ``tile`` tokens, so a block's scores stay small). Blocks entirely in the future are
 skipped, diagonal ones masked, and with a sliding window W (token t attends t-W+1..t) blocks entirely
 outside every query's window are skipped too (``RingStats`` counts them). Partial results combine by
@@ -30,8 +30,8 @@ from hpctrain.parallel.packed import same_document
 
 
 # ---------------------------------------------------------------- the zig-zag split
-def zigzag_chunks(cp_rank: int, cp: int) -> tuple[int, int]:
-    """The two global chunk indices (of 2 x cp) that cp rank ``cp_rank`` holds, in local order."""
+def zigzag_stripes(cp_rank: int, cp: int) -> tuple[int, int]:
+    """The two global stripe indices (of 2 x cp) that cp rank ``cp_rank`` holds, in local order."""
     return cp_rank, 2 * cp - 1 - cp_rank
 
 
@@ -44,21 +44,21 @@ def check_divisible(seq_len: int, cp: int) -> None:
 def zigzag_positions(seq_len: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
     """Global positions ``[seq_len / cp]`` (int64) of cp rank ``cp_rank``'s local tokens."""
     check_divisible(seq_len, cp)
-    chunk = seq_len // (2 * cp)
-    return torch.cat([torch.arange(i * chunk, (i + 1) * chunk, device=device)
-                      for i in zigzag_chunks(cp_rank, cp)])
+    stripe = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * stripe, (i + 1) * stripe, device=device)
+                      for i in zigzag_stripes(cp_rank, cp)])
 
 
 def zigzag_split(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
     """This rank's local part of a global tensor: ``[B, S, ...]`` -> ``[B, S/cp, ...]`` (dim 1 by default)."""
     check_divisible(x.shape[dim], cp)
-    pieces = x.chunk(2 * cp, dim=dim)
-    return torch.cat([pieces[i] for i in zigzag_chunks(cp_rank, cp)], dim=dim)
+    stripes = x.chunk(2 * cp, dim=dim)
+    return torch.cat([stripes[i] for i in zigzag_stripes(cp_rank, cp)], dim=dim)
 
 
 def zigzag_merge(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     """The inverse of ``zigzag_split``: every cp rank's local part (in cp rank order) -> the global tensor."""
-    halves = [part.chunk(2, dim=dim) for part in parts]  # rank r holds chunks r and 2 cp - 1 - r
+    halves = [part.chunk(2, dim=dim) for part in parts]  # rank r holds stripes r and 2 cp - 1 - r
     return torch.cat([first for first, _ in halves] + [second for _, second in reversed(halves)], dim=dim)
 
 
@@ -100,25 +100,25 @@ def block_kind(q_first: int, q_len: int, k_first: int, k_len: int, window: int) 
     return "masked"
 
 
-def _tiles(rank: int, cp: int, chunk: int, tile: int) -> list[tuple[slice, int]]:
+def _tiles(rank: int, cp: int, stripe: int, tile: int) -> list[tuple[slice, int]]:
     """(local slice, global first position) of each tile of cp rank ``rank``'s tokens."""
-    return [(slice(i * chunk + off, i * chunk + min(off + tile, chunk)), c * chunk + off)
-            for i, c in enumerate(zigzag_chunks(rank, cp)) for off in range(0, chunk, tile)]
+    return [(slice(i * stripe + off, i * stripe + min(off + tile, stripe)), c * stripe + off)
+            for i, c in enumerate(zigzag_stripes(rank, cp)) for off in range(0, stripe, tile)]
 
 
-def block_plan(q_rank: int, kv_rank: int, cp: int, chunk: int, window: int, tile: int = 0) -> list[Block]:
-    """Every block of cp rank ``q_rank``'s queries against cp rank ``kv_rank``'s keys, chunks of ``chunk``
-    tokens cut into tiles of ``tile`` (0 or more than ``chunk``: whole chunks, 4 blocks); skipped ones included
-    (kind "skip")."""
-    tile = chunk if tile <= 0 else min(tile, chunk)
+def block_plan(q_rank: int, kv_rank: int, cp: int, stripe: int, window: int, tile: int = 0) -> list[Block]:
+    """Every block of cp rank ``q_rank``'s queries against cp rank ``kv_rank``'s keys, stripes of ``stripe``
+    tokens cut into tiles of ``tile`` (0 or more than ``stripe``: whole stripes, 4 blocks); skipped ones
+    included (kind "skip")."""
+    tile = stripe if tile <= 0 else min(tile, stripe)
     return [Block(qs, ks, qf, kf, block_kind(qf, qs.stop - qs.start, kf, ks.stop - ks.start, window))
-            for qs, qf in _tiles(q_rank, cp, chunk, tile) for ks, kf in _tiles(kv_rank, cp, chunk, tile)]
+            for qs, qf in _tiles(q_rank, cp, stripe, tile) for ks, kf in _tiles(kv_rank, cp, stripe, tile)]
 
 
-def _blocks(q_rank, kv_rank, cp, chunk, window, tile, device, stats, docs=None):
+def _blocks(q_rank, kv_rank, cp, stripe, window, tile, device, stats, docs=None):
     """The blocks to compute: (query slice, key slice, mask [Sq, Sk] / [B, 1, 1, Sq, Sk] (with ``docs``) or
     None); counts into ``stats``."""
-    plan = block_plan(q_rank, kv_rank, cp, chunk, window, tile)
+    plan = block_plan(q_rank, kv_rank, cp, stripe, window, tile)
     todo = []
     for block in plan:
         if block.kind == "skip":
@@ -193,7 +193,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, comm, window, scale, tile, stats, docs):
         rank, cp = _group(comm)
         batch, heads, local, dim = q.shape
-        kv_heads, chunk, dtype = k.shape[1], local // 2, _compute_dtype(q.dtype)
+        kv_heads, stripe, dtype = k.shape[1], local // 2, _compute_dtype(q.dtype)
         queries = q.to(dtype).reshape(batch, kv_heads, heads // kv_heads, local, dim)
         out = torch.zeros_like(queries)
         lse = torch.full(queries.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
@@ -201,7 +201,7 @@ class _RingAttention(torch.autograd.Function):
         for i in range(cp):
             step = ring_step(comm, kv, KV_TAG) if i < cp - 1 else None
             held = kv.to(dtype).unsqueeze(3)  # [2, B, Hkv, 1, Sl, Dh]
-            for qs, ks, mask in _blocks(rank, (rank - i) % cp, cp, chunk, window, tile, q.device, stats, docs):
+            for qs, ks, mask in _blocks(rank, (rank - i) % cp, cp, stripe, window, tile, q.device, stats, docs):
                 out_b, lse_b = block_attention(queries[..., qs, :], held[0, ..., ks, :], held[1, ..., ks, :],
                                                mask, scale)
                 out[..., qs, :], lse[..., qs] = merge_partials(out[..., qs, :], lse[..., qs], out_b, lse_b)
@@ -220,7 +220,7 @@ class _RingAttention(torch.autograd.Function):
         comm, window, scale, tile = ctx.comm, ctx.window, ctx.scale, ctx.tile
         rank, cp = _group(comm)
         batch, heads, local, dim = q.shape
-        kv_heads, chunk, dtype = k.shape[1], local // 2, _compute_dtype(q.dtype)
+        kv_heads, stripe, dtype = k.shape[1], local // 2, _compute_dtype(q.dtype)
         shape = (batch, kv_heads, heads // kv_heads, local, dim)
         grouped, dout = q.to(dtype).reshape(shape), grad_out.to(dtype).reshape(shape)
         delta = (dout * out.to(dtype).reshape(shape)).sum(-1)
@@ -230,7 +230,7 @@ class _RingAttention(torch.autograd.Function):
             step = ring_step(comm, kv, KV_TAG) if i < cp - 1 else None
             held = kv.to(dtype).unsqueeze(3)
             dkv = torch.zeros(held.shape, dtype=dtype, device=q.device)  # this block's dK/dV from my queries
-            for qs, ks, mask in _blocks(rank, (rank - i) % cp, cp, chunk, window, tile, q.device, ctx.stats,
+            for qs, ks, mask in _blocks(rank, (rank - i) % cp, cp, stripe, window, tile, q.device, ctx.stats,
                                         ctx.docs):
                 dq_a, dk_b, dv_b = block_grads(grouped[..., qs, :], held[0, ..., ks, :], held[1, ..., ks, :],
                                                dout[..., qs, :], lse[..., qs], delta[..., qs], mask, scale)
@@ -265,7 +265,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, wind
     ``[B, Hkv, Sl, Dh]`` for this rank's Sl = S/cp local tokens (``zigzag_split`` order), Hq a multiple
     of Hkv; ``window`` W > 0: token t attends t-W+1..t only; ``scale`` default 1/sqrt(Dh); ``stats``: a
     ``RingStats`` to count computed / skipped blocks; ``tile``: the longest query or key run of one block
-    (the scores of a block are ``[B, Hq, tile, tile]``; 0 = whole chunks; None = ``default_tile``); ``docs``
+    (the scores of a block are ``[B, Hq, tile, tile]``; 0 = whole stripes; None = ``default_tile``); ``docs``
     ``[B, S]`` int64: the document of every GLOBAL position (packed sequences: attention stays inside
     documents), or None. Returns ``[B, Hq, Sl, Dh]`` in q's dtype.
     Every rank of the group must call it with the same shapes (a collective).
@@ -275,7 +275,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, wind
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[1] % k.shape[1] or q.shape[2] % 2:
         raise ValueError(f"ring_attention: Hq {q.shape[1]} must be a multiple of Hkv {k.shape[1]} and the local "
-                         f"length {q.shape[2]} even (two zig-zag chunks)")
+                         f"length {q.shape[2]} even (two zig-zag stripes)")
     if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
         raise ValueError(f"ring_attention: q, k, v must share dtype and device; got {q.dtype}/{k.dtype}/{v.dtype} "
                          f"on {q.device}/{k.device}/{v.device}")

@@ -61,7 +61,7 @@ class RingStep:
 def ring_plan(rank: int, cp: int) -> list[list[tuple[str, int, int]]]:
     """The posts of one ring attention call (forward and backward) on cp rank ``rank``, in the order
     ``context_parallel.py`` issues them: ``[[("send" | "recv", peer, tag)]]``, one list per exchange, for
-    ``rendezvous.strict_rendezvous_completes`` (tests/unit/test_context_parallel.py records the real calls
+    ``schedules.rendezvous_completes`` (tests/unit/test_context_parallel.py records the real calls
     and compares). Backward, pass i's K/V exchange is posted before the dK/dV exchange of pass i - 1."""
     after, before = (rank + 1) % cp, (rank - 1) % cp
 

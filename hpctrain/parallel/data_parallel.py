@@ -11,7 +11,7 @@ Reduction. A backward hook per parameter copies its step's first grad into the m
 ones (no zeroing pass: ``_settle`` zeroes what got no grad, and the padding, before a bucket is read); on the
 last micro-batch, once every parameter of a bucket has reported, the bucket's non-blocking reduction
 starts through ``self.reducer`` (a ``hpctrain.compression.GradReducer``: dense all-reduce SUM, or
-reduce-scatter into ``slice_grads`` with ZeRO, by default; a compressed reducer with
+reduce-scatter into each bucket's ``slice_grad`` with ZeRO, by default; a compressed reducer with
 ``[compression]``) while backward continues; hooks call ``test()`` on pending handles to drive MPI
 progress. ``finish_reduction`` completes all.
 Gradients are SUMMED over dp: the loss is already divided by the global token count.

@@ -1,4 +1,5 @@
-"""The LM head and the vocab-parallel cross-entropy fused over chunks of tokens (``model.fused_head_loss``).
+"""The LM head and the vocab-parallel cross-entropy fused over loss chunks (``model.fused_head_loss``): runs of
+``model.loss_chunk_tokens`` tokens (what "chunk" means in hpctrain: docs/architecture.md, "Words").
 
     loss = fused_head_cross_entropy(h, weight, targets, tp_comm, vocab_start, n_valid, chunk, mask)
 
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 AUTO_CHUNK_BYTES = 256 * 2**20  # model.loss_chunk_tokens = 0: a chunk's float32 logits at most this
 _HALF = (torch.float16, torch.bfloat16)
-_SCALE_BYTES = 64 * 2**20  # backward scales half gradients in float32 pieces of at most this
+_SCALE_BYTES = 64 * 2**20  # backward scales half gradients in float32, at most this many bytes at a time
 
 
 def chunk_tokens(setting: int, tokens: int, vocab_local: int) -> int:
@@ -107,7 +108,7 @@ def _gather_stats(tp_comm: Any, top: torch.Tensor, sum_exp: torch.Tensor, target
 
 
 def _scale(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``t`` *= the scalar ``g``, in place; a half ``t`` in float32 pieces (``g`` is not rounded to half)."""
+    """``t`` *= the scalar ``g``, in place; a half ``t`` in float32, rows at a time (``g`` is not rounded to half)."""
     if t.dtype not in _HALF:
         return t.mul_(g.to(t.dtype))
     rows = max(1, _SCALE_BYTES // (4 * max(t[0].numel(), 1))) if t.shape[0] else 1

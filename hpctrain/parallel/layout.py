@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from hpctrain.config import resolve_model
 from hpctrain.parallel.rules import LayoutError  # noqa: F401 (re-exported)
-from hpctrain.parallel.rules import (check_batch, check_context, check_cp_chunks, check_schedule,
+from hpctrain.parallel.rules import (check_batch, check_context, check_cp_stripes, check_schedule,
                                     check_stages, check_tp_divisibility, resolve_microbatches,
                                     resolve_sizes)
 
@@ -36,8 +36,8 @@ class Layout:
     zero: int = 0
     schedule: str = "1f1b"
     stage_layers: tuple[int, ...] = field(default_factory=tuple)
-    virtual_stages: int = 1  # model chunks per pp rank (interleaved schedule)
-    cp_size: int = 1  # context parallelism: ranks sharing each sequence (zig-zag chunks, ring attention)
+    virtual_stages: int = 1  # virtual stages per pp rank (interleaved schedule)
+    cp_size: int = 1  # context parallelism: ranks sharing each sequence (zig-zag stripes, ring attention)
 
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "Layout":
@@ -68,7 +68,7 @@ class Layout:
             check_stages(model, self.pp_size, list(self.stage_layers), self.virtual_stages)
             check_context(model, self.seq_len, self.cp_size, self.tp_size)
         else:
-            check_cp_chunks(self.seq_len, self.cp_size)
+            check_cp_stripes(self.seq_len, self.cp_size)
         check_batch(self.global_batch, self.microbatches, self.seq_len, self.dp_size, self.tp_size,
                     self.sequence_parallel, self.cp_size)
 
@@ -94,6 +94,7 @@ class Layout:
 
     @property
     def seq_chunk(self) -> int:
-        """Tokens per rank along the sequence between tensor-parallel layers: seq_len / cp (/ tp with SP)."""
+        """The local sequence: tokens per rank along the sequence between tensor-parallel layers, seq_len / cp
+        (/ tp with SP). (Named ``seq_chunk`` as the ``hpctrain plan --json`` field it fills.)"""
         local = self.seq_len // self.cp_size
         return local // self.tp_size if self.sequence_parallel else local

@@ -1,37 +1,38 @@
 """Pipeline parallelism: the execution of a schedule (``schedules.py``) with MPI point-to-point on the PP group.
 
-A rank holds one model chunk (gpipe, 1f1b) or V (interleaved): chunk c of pp rank r is virtual stage
-v = c * pp + r. Forward of a micro-batch through virtual stage v receives its input from v - 1 and sends its
-output to v + 1; backward receives the output grad from v + 1 and sends the input grad to v - 1, all on the
-PP group (tags ACT_TAG / GRAD_TAG). Between two steps of the schedule (``schedule_steps``) the executor posts
-ONE group: the sends of the step just run with the receives of the next step (``step_posts``: one
-``Communicator.exchange``, one NCCL group on GPUs, as Megatron's send_forward_recv_backward); a group without
-receives is not waited until the end of the step. ``simulate`` proves these posts deadlock-free and in order
-under NCCL's strict rendezvous for every (pp, V, M) in the tests.
+A pp rank r holds one virtual stage (gpipe, 1f1b) or V (interleaved, ``parallel.virtual_stages``): its c-th
+is virtual stage v = c * pp + r, a ``GPTStage`` module. Forward of a micro-batch through virtual stage v
+receives its input from v - 1 and sends its output to v + 1; backward receives the output grad from v + 1
+and sends the input grad to v - 1, all on the PP group (tags ACT_TAG / GRAD_TAG). Between two steps of the
+schedule (``schedule_steps``) the executor posts ONE group: the sends of the step just run with the receives
+of the next step (``step_posts``: one ``Communicator.exchange``, one NCCL group on GPUs, as Megatron's
+send_forward_recv_backward); a group without receives is not waited until the end of the step. ``simulate``
+proves these posts deadlock-free and in order under NCCL's strict rendezvous (``schedules.rendezvous_completes``)
+for every (pp, V, M) in the tests.
 """
 from __future__ import annotations
 
 import torch
 
-from hpctrain.parallel.schedules import (bubble_fraction, p2p_posts, posts_complete,  # noqa: F401 (re-exported)
-                                         schedule_actions, schedule_steps, simulate, step_posts)
+from hpctrain.parallel.schedules import (bubble_fraction, p2p_posts, schedule_actions,  # noqa: F401 (re-exported)
+                                         schedule_steps, simulate, step_posts)
 from hpctrain.profiling.timers import NULL_TIMER
 
 ACT_TAG, GRAD_TAG = 21, 22
 
 
 class PipelineExecutor:
-    """Runs one training step's micro-batches through this rank's model chunks.
+    """Runs one training step's micro-batches through this rank's virtual stages.
 
-    ``chunks``: the GPTStage of each model chunk held here, in chunk order (one unless interleaved);
+    ``stage_modules``: the GPTStage of each virtual stage held here, c = 0..V-1 (one unless interleaved);
     ``pp_comm``: the PP Communicator (None when pp == 1); ``flat``: the FlatParams whose ``last_microbatch``
     flag gates the DP bucket reduction. ``act_shape``: [S(/tp), mb, D]. ``timer``: a PhaseTimer; phases
     ``forward``, ``backward``, ``pp_wait`` (receives, send completion).
     """
 
-    def __init__(self, chunks, pp_comm, flat, kind: str, microbatches: int, act_shape, act_dtype,
+    def __init__(self, stage_modules, pp_comm, flat, kind: str, microbatches: int, act_shape, act_dtype,
                  device=None, timer=NULL_TIMER):
-        self.chunks = list(chunks)
+        self.stage_modules = list(stage_modules)
         self.pp_comm, self.flat, self.timer, self.kind = pp_comm, flat, timer, kind
         self.stages = 1 if pp_comm is None else pp_comm.size
         self.rank = 0 if pp_comm is None else pp_comm.rank
@@ -40,7 +41,8 @@ class PipelineExecutor:
         self.device = torch.device("cpu") if device is None else device
 
     def _steps(self, forward_only: bool) -> list:
-        return schedule_steps(self.kind, self.rank, self.stages, self.microbatches, len(self.chunks), forward_only)
+        return schedule_steps(self.kind, self.rank, self.stages, self.microbatches, len(self.stage_modules),
+                              forward_only)
 
     def _post(self, ops: list, produced: dict, received: dict):
         """Post one group: sends of ``produced[(op, i, c)]``, receives into new buffers ``received[...]``.
@@ -67,40 +69,40 @@ class PipelineExecutor:
                  masks: list | None = None, docs: list | None = None):
         """Run ``steps`` (``schedule_steps``) posting ``step_posts`` between them; returns the summed scaled loss
         of this rank (a float64 0-d tensor on the device where the last virtual stage lives, else 0.0).
-        ``masks``/``docs``: per micro-batch loss masks and packed document ids (every chunk gets its
-        micro-batch's ``docs``), or None."""
-        first_recvs, after = step_posts(steps, self.rank, self.stages, len(self.chunks))
-        produced: dict[tuple[str, int, int], torch.Tensor] = {}  # (op, micro-batch, chunk) -> to send
-        received: dict[tuple[str, int, int], torch.Tensor] = {}  # (op, micro-batch, chunk) -> arrived
+        ``masks``/``docs``: per micro-batch loss masks and packed document ids (every virtual stage gets
+        its micro-batch's ``docs``), or None."""
+        first_recvs, after = step_posts(steps, self.rank, self.stages, len(self.stage_modules))
+        produced: dict[tuple[str, int, int], torch.Tensor] = {}  # (op, micro-batch, c) -> to send
+        received: dict[tuple[str, int, int], torch.Tensor] = {}  # (op, micro-batch, c) -> arrived
         saved, outstanding, loss_total = {}, [], 0.0
         timer = self.timer
         self._post(first_recvs, produced, received)
         for step, post in zip(steps, after):
             for op, i, c in step:
-                chunk = self.chunks[c]
+                module = self.stage_modules[c]
                 if op == "F":
-                    x = inputs[i] if chunk.is_first else received.pop(("F", i, c))
-                    if train and not chunk.is_first:
+                    x = inputs[i] if module.is_first else received.pop(("F", i, c))
+                    if train and not module.is_first:
                         x.requires_grad_()
                     with timer.phase("forward"):
                         doc = None if docs is None else docs[i]
-                        if chunk.is_last:  # the head and the loss (fused: no logits; models/gpt.py)
-                            y = chunk.forward_loss(x, targets[i], None if masks is None else masks[i], doc) * loss_scale
+                        if module.is_last:  # the head and the loss (fused: no logits; models/gpt.py)
+                            y = module.forward_loss(x, targets[i], None if masks is None else masks[i], doc) * loss_scale
                             loss_total = loss_total + y.detach().double()  # on the device: no host read
                         else:
-                            y = chunk(x, doc)
+                            y = module(x, doc)
                             produced[("F", i, c)] = y.detach().contiguous()
                     if train:
                         saved[(i, c)] = (x, y)
                         self.flat.progress()
                 else:
                     x, y = saved.pop((i, c))
-                    # a parameter lives in one chunk: its last backward is this chunk's last micro-batch
+                    # a parameter lives in one virtual stage: its last backward is that stage's last micro-batch
                     self.flat.last_microbatch = i == self.microbatches - 1
-                    grad = None if chunk.is_last else received.pop(("B", i, c))
+                    grad = None if module.is_last else received.pop(("B", i, c))
                     with timer.phase("backward"):
                         torch.autograd.backward(y, grad)
-                    if not chunk.is_first:
+                    if not module.is_first:
                         assert x.grad is not None  # x: the received activation, a leaf that requires grad
                         produced[("B", i, c)] = x.grad.contiguous()
             handle = self._post(post, produced, received)

@@ -18,7 +18,7 @@ for the factorisation of the world, ``LayoutError`` for the rest):
          by dp x micro_batch_size, parallel.microbatches left at 1 or equal to the derived count
   batch: global_batch divisible by dp; the replica batch divisible by micro-batches;
          with sequence parallelism, seq_len (/ cp) divisible by tp
-  context: seq_len divisible by 2 x cp (the zig-zag chunks); model.attention_window <= seq_len
+  context: seq_len divisible by 2 x cp (the zig-zag stripes); model.attention_window <= seq_len
 """
 from __future__ import annotations
 
@@ -75,17 +75,17 @@ def check_tp_divisibility(m, tp_size: int) -> None:
 
 
 def check_schedule(m, schedule: str, pp_size: int, virtual_stages: int, microbatches: int) -> None:
-    """Interleaved 1F1B: V >= 2 model chunks per rank (V > 1 with no other schedule), pp >= 2, every virtual
-    stage a layer, micro-batches a multiple of pp (Megatron's rule: they run through the chunks in groups
-    of pp)."""
+    """Interleaved 1F1B: V >= 2 virtual stages per pp rank (V > 1 with no other schedule), pp >= 2, every
+    virtual stage a layer, micro-batches a multiple of pp (Megatron's rule: they run through each virtual stage
+    in groups of pp)."""
     if schedule != "interleaved":
         if virtual_stages != 1:
             raise LayoutError(f"parallel.virtual_stages={virtual_stages} needs parallel.schedule=interleaved "
-                              f"(gpipe and 1f1b hold one model chunk per pp rank; use virtual_stages=1)")
+                              f"(gpipe and 1f1b hold one virtual stage per pp rank; use virtual_stages=1)")
         return
     if virtual_stages < 2:
-        raise LayoutError(f"parallel.schedule=interleaved needs parallel.virtual_stages >= 2 (model chunks per pp "
-                          f"rank), got {virtual_stages}")
+        raise LayoutError(f"parallel.schedule=interleaved needs parallel.virtual_stages >= 2 (virtual stages "
+                          f"per pp rank), got {virtual_stages}")
     if pp_size < 2:
         raise LayoutError(f"parallel.schedule=interleaved needs parallel.pp >= 2, got pp={pp_size}")
     if m.n_layers < virtual_stages * pp_size:
@@ -94,8 +94,8 @@ def check_schedule(m, schedule: str, pp_size: int, virtual_stages: int, microbat
                           f"needs a layer)")
     if microbatches % pp_size:
         raise LayoutError(f"parallel.microbatches={microbatches} must be a multiple of parallel.pp={pp_size} with "
-                          f"the interleaved schedule (as Megatron requires: micro-batches go through each model "
-                          f"chunk in groups of pp)")
+                          f"the interleaved schedule (as Megatron requires: micro-batches go through each virtual "
+                          f"stage in groups of pp)")
 
 
 def check_stages(m, pp_size: int, stage_layers: list[int], virtual_stages: int = 1) -> None:
@@ -106,7 +106,7 @@ def check_stages(m, pp_size: int, stage_layers: list[int], virtual_stages: int =
         if len(stage_layers) != stages or sum(stage_layers) != m.n_layers or min(stage_layers) < 1:
             what = f"pp={pp_size}" if virtual_stages == 1 else \
                 f"pp x virtual_stages = {pp_size}x{virtual_stages} = {stages}"
-            order = "" if virtual_stages == 1 else ", one per virtual stage v = chunk x pp + rank in order"
+            order = "" if virtual_stages == 1 else ", one per virtual stage v = c x pp + rank in order"
             raise LayoutError(f"parallel.stage_layers={stage_layers} must have {what} entries >= 1 "
                               f"summing to model.n_layers={m.n_layers}{order}")
     elif m.n_layers < pp_size:
@@ -115,7 +115,7 @@ def check_stages(m, pp_size: int, stage_layers: list[int], virtual_stages: int =
 
 def resolve_microbatches(global_batch: int, dp_size: int, microbatches: int, micro_batch_size: int) -> int:
     """Micro-batches per replica per step. ``micro_batch_size`` (``train.micro_batch_size``, sequences per
-    forward per replica; with cp each cp rank holds its 2 chunks of those sequences) 0: ``microbatches``
+    forward per replica; with cp each cp rank holds its 2 stripes of those sequences) 0: ``microbatches``
     (``parallel.microbatches``) as given. > 0: ``global_batch / (dp x micro_batch_size)``, which must be an
     integer; ``parallel.microbatches`` must then be left at 1 (its default) or equal that count."""
     if micro_batch_size == 0:
@@ -148,15 +148,15 @@ def check_batch(global_batch: int, microbatches: int, seq_len: int, dp_size: int
         raise LayoutError(f"sequence parallelism needs {what} divisible by tp={tp_size}")
 
 
-def check_cp_chunks(seq_len: int, cp_size: int) -> None:
-    """Each cp rank holds 2 of the 2 x cp chunks of every sequence."""
+def check_cp_stripes(seq_len: int, cp_size: int) -> None:
+    """Each cp rank holds 2 of the 2 x cp zig-zag stripes of every sequence."""
     if cp_size > 1 and seq_len % (2 * cp_size):
         raise LayoutError(f"train.seq_len={seq_len} must be divisible by 2 x parallel.cp = {2 * cp_size}: each "
-                          f"cp rank holds 2 of the 2 x cp sequence chunks (the load-balanced zig-zag split)")
+                          f"cp rank holds 2 of the 2 x cp stripes of each sequence (the load-balanced zig-zag split)")
 
 
 def check_context(m, seq_len: int, cp_size: int, tp_size: int = 1) -> None:
-    """Context parallelism cuts every sequence into 2 x cp zig-zag chunks; a sliding window must fit the
+    """Context parallelism cuts every sequence into 2 x cp zig-zag stripes; a sliding window must fit the
     sequence. (The heads split over tp only, checked by ``check_tp_divisibility``: the ring keeps each tp
     rank's GQA groups whole, since n_heads / n_kv_heads is an integer.)"""
     window = getattr(m, "attention_window", 0)
@@ -165,4 +165,4 @@ def check_context(m, seq_len: int, cp_size: int, tp_size: int = 1) -> None:
                           f"set train.seq_len >= {window} (a model's own window, e.g. an imported Mistral's "
                           f"sliding_window, is part of its function), or model.attention_window=0 for full "
                           f"causal attention")
-    check_cp_chunks(seq_len, cp_size)
+    check_cp_stripes(seq_len, cp_size)

@@ -6,8 +6,8 @@ holds (a split along ``split_dim`` over the TP group, or the whole tensor when r
 Pipeline stages simply do not hold the parameters of other stages (except the tied embedding's
 copy, marked by ``tied``). Words (one meaning each, docs/architecture.md): a **slab** is this tp
 split of a parameter; a **slice** is a ZeRO-1 owner's part of the flat optimizer state
-(``optim/flat.py`` ``OptimizerSlice``); a **chunk** is a sequence-parallel part of the sequence; a
-**shard** is one rank's checkpoint file (``shards/shard-RRRRR.h5``).
+(``optim/flat.py`` ``OptimizerSlice``); a **piece** is one parameter's part of an owned flat range (what a
+checkpoint box is made of); a **shard** is one rank's checkpoint file (``shards/shard-RRRRR.h5``).
 
 Padding (the vocabulary, docs/parallelism.md): ``global_shape`` is always the TRUE tensor (what
 checkpoints and exports hold); ``padded_dim`` is the split dimension's length over all tp ranks when it is

@@ -4,7 +4,7 @@ Shapes are sequence-first: inputs ``[S, B, D]``; with sequence parallelism (``sp
 activations between blocks are ``[S/tp, B, D]`` and each layer gathers / reduce-scatters them.
 All communication is on the TP group's ``Communicator`` (``tp_comm``); ``tp_comm=None`` or size 1 = no-op.
 
-    ColumnParallelLinear   W [out/tp, in]   in: replicated (or SP-chunked) -> out: split on last dim
+    ColumnParallelLinear   W [out/tp, in]   in: replicated (or SP-split) -> out: split on last dim
     RowParallelLinear      W [out, in/tp]   in: split on last dim -> out: reduced (or SP reduce-scattered)
     VocabParallelEmbedding W [V/tp, D]      ids -> [S, B, D] reduced (or SP reduce-scattered)
 
@@ -38,7 +38,7 @@ class ColumnParallelLinear(nn.Module):
     """y[..., out/tp] = x @ W_local.T; backward all-reduces dL/dx over TP (or reduce-scatters with SP).
 
     ``input_mode``: "copy" (x replicated: identity forward, all-reduce backward), "gather" (x is
-    SP-chunked: all-gather forward, reduce-scatter backward) or "none" (the caller already did one of
+    SP-split: all-gather forward, reduce-scatter backward) or "none" (the caller already did one of
     those for several layers sharing x, e.g. q/k/v or gate/up).
     """
 

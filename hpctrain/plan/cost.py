@@ -28,7 +28,7 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
   more in the recomputed forward; the embedding's, the LM head's and the cross-entropy's on the first
   and last stages.
 - pp: a micro-batch's forward input and backward gradient cross each boundary, ``b S h`` bytes
-  (``/ t`` with SP: each tp rank sends its sequence chunk), point to point; charged in every pipeline
+  (``/ t`` with SP: each tp rank sends its local sequence), point to point; charged in every pipeline
   slot (x virtual stages).
 - A slot is ``forward + backward + tp + cp + pp`` of one micro-batch. Step = ``M x slot_max`` (the slowest
   stage paces the steady state) ``+ (pp - 1) / v x mean slot of the other stages`` (the bubble: fill and
@@ -77,9 +77,9 @@ class Options:
     ``dtype``: the training dtype (peak and bytes). ``flash_attention``: a fused causal kernel (hpctrain's
     ``scaled_dot_product_attention``): no score matrix stored, the masked half of the score FLOPs skipped;
     False for Megatron-style attention that computes and stores the full square. ``virtual_stages``: the
-    interleaved schedule's chunks per stage (1 = plain 1F1B/GPipe). ``dp_compression``: bytes on the wire
-    over dense bytes for the dp gradient reduction, times what ``compression`` (a ``compression.method``,
-    with ``zfp_rate``) sends: compressed.py (0.5 for bf16, 1/31.5 for onebit-adam, 2/31.5 with ZeRO-1).
+    interleaved schedule's virtual stages per pp rank (1 = plain 1F1B/GPipe). ``dp_compression``: bytes on
+    the wire over dense bytes for the dp gradient reduction, times what ``compression`` (a
+    ``compression.method``, with ``zfp_rate``) sends: compressed.py (0.5 for bf16, 1/31.5 for onebit-adam, 2/31.5 with ZeRO-1).
     ``pp_scatter_gather``: Megatron-LM's scatter/gather of stage-boundary tensors (each tp rank sends
     ``1 / t`` of it, the receivers all-gather it over tp; Narayanan et al. 2021, section 4.1), used only
     to model Megatron runs: hpctrain sends ``1 / t`` only with sequence parallelism.

@@ -17,7 +17,7 @@ from hpctrain.plan.shapes import for_tp, model_flops_per_token
 
 ENGINE_ZERO = (0, 1)  # the ZeRO stages hpctrain's engine trains with (config.py parallel.zero)
 ENGINE_NOTE = "planner-only: hpctrain's engine trains with zero 0 or 1"
-MIN_CP_CHUNK = 512  # the search's shortest zig-zag chunk (tokens): thinner ring blocks are latency-bound
+MIN_CP_STRIPE = 512  # the search's shortest zig-zag stripe (tokens): thinner ring blocks are latency-bound
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ class SearchSpace:
     2 and 3 / FSDP are modelled for comparison with other frameworks only, when asked), sequence parallelism only with tp > 1; ``recompute``: the
     kinds tried ("selective" is skipped when others are tried too and attention is fused: it is then
     the same as "off"). ``cp``: context parallelism is searched over the sizes ``c`` with ``seq_len`` divisible
-    by ``2 c`` (the zig-zag chunks; others are never proposed) and chunks ``seq_len / 2c`` of at least
-    ``MIN_CP_CHUNK`` tokens. ``dp``/``tp``/``pp``/``cp``
+    by ``2 c`` (the zig-zag stripes; others are never proposed) and stripes ``seq_len / 2c`` of at least
+    ``MIN_CP_STRIPE`` tokens. ``dp``/``tp``/``pp``/``cp``
     > 0 fix that axis and ``micro_batch`` > 0 fixes the sequences per micro-batch, per forward on each
     replica (the trainer's ``train.micro_batch_size``; a GIVEN layout: ``hpctrain plan --tp 8 --pp 16
     --micro-batch 1``, or a TOML's ``[parallel]`` section and ``train.micro_batch_size``)."""
@@ -153,8 +153,8 @@ def _describe(lay: Layout, recompute: str = "off") -> dict:
 
 
 def _searched_cp(seq_len: int, cp: int) -> bool:
-    """Whether the search tries ``cp``: no cp, or 2 x cp zig-zag chunks of at least MIN_CP_CHUNK tokens."""
-    return cp == 1 or (seq_len % (2 * cp) == 0 and seq_len // (2 * cp) >= MIN_CP_CHUNK)
+    """Whether the search tries ``cp``: no cp, or 2 x cp zig-zag stripes of at least MIN_CP_STRIPE tokens."""
+    return cp == 1 or (seq_len % (2 * cp) == 0 and seq_len // (2 * cp) >= MIN_CP_STRIPE)
 
 
 def plan(model, machine, global_batch: int, seq_len: int, options: Options = Options(),

@@ -14,7 +14,7 @@ attention kernel, and the reported throughput per GPU in the source's own conven
 ``calibration=True`` rows tuned the device presets (devices.py); every other row is HELD OUT: no
 constant was fitted to it. Where a source leaves a layout detail out, ``assumed`` says what this table
 takes and why. One rule for the virtual stages no source states: Megatron-LM / NeMo runs since 2022
-(Korthikanti, Nemotron, Llama 3's Megatron-style schedule) interleave one layer per model chunk (V =
+(Korthikanti, Nemotron, Llama 3's Megatron-style schedule) interleave one layer per virtual stage (V =
 layers / pp, as run_table_1.sh does for 530B); DeepSpeed's pipeline (MT-NLG, BLOOM) has no interleaving. ``python -m hpctrain.plan.validate`` (or ``hpctrain plan --validate published``) prints
 the comparison; tests/unit/test_plan_published.py asserts its error and the published layout's rank.
 """
@@ -82,18 +82,19 @@ RUNS: tuple[Run, ...] = (
     Run("gpt-22b korthikanti", KORTHIKANTI, GPT_22B, "a100", 8, SELENE, 2048, 4, 8, 1, 4, 1, "selective",
         True, 0, "unfused", False, "mfu", 0.415 * 312, calibration=True),
     Run("gpt3-175b korthikanti", KORTHIKANTI, GPT3_175B, "a100", 64, SELENE, 2048, 64, 8, 8, 1, 12, "selective",
-        True, 0, "unfused", False, "mfu", 0.514 * 312, calibration=True, assumed="V=12 (one layer per chunk)"),
+        True, 0, "unfused", False, "mfu", 0.514 * 312, calibration=True, assumed="V=12 (one layer per virtual stage)"),
     Run("nemotron4-340b 1536", NEMOTRON, NEMOTRON4_340B, "h100", 1536, DGX_H100, 4096, 768, 8, 12, 1, 8, "off",
         True, 1, "fused", False, "mfu", 0.424 * 989, calibration=True,
-        assumed="V=8 (one layer per chunk, NeMo's habit), no recomputation, distributed optimizer"),
+        assumed="V=8 (one layer per virtual stage, NeMo's habit), no recomputation, distributed optimizer"),
     # held out
     Run("gpt-530b korthikanti", KORTHIKANTI, GPT_530B, "a100", 280, SELENE, 2048, 280, 8, 35, 1, 3, "selective",
-        True, 0, "unfused", False, "mfu", 0.560 * 312, assumed="V=3 (one layer per chunk)"),
+        True, 0, "unfused", False, "mfu", 0.560 * 312, assumed="V=3 (one layer per virtual stage)"),
     Run("gpt-1t korthikanti", KORTHIKANTI, GPT_1T, "a100", 512, SELENE, 2048, 512, 8, 64, 1, 2, "selective",
-        True, 0, "unfused", False, "mfu", 0.563 * 312, assumed="V=2 (one layer per chunk)"),
+        True, 0, "unfused", False, "mfu", 0.563 * 312, assumed="V=2 (one layer per virtual stage)"),
     Run("gpt-530b 2240 selective", KORTHIKANTI_2240, GPT_530B, "a100", 2240, SELENE, 2048, 2240, 8, 35, 1, 3,
         "selective", True, 0, "unfused", False, "mfu", 0.542 * 312,
-        assumed="batch 2240 (= GPUs, as in the paper's Table 3 runs; V=3 needs micro-batches a multiple of pp); V=3 (one layer per chunk)"),
+        assumed="batch 2240 (= GPUs, as in the paper's Table 3 runs; V=3 needs micro-batches a multiple of pp); "
+                "V=3 (one layer per virtual stage)"),
     Run("gpt-530b 2240 full", KORTHIKANTI_2240, GPT_530B, "a100", 2240, SELENE, 2048, 2240, 8, 35, 1, 3,
         "full", False, 0, "unfused", True, "mfu", 0.421 * 312, assumed="as the selective row"),
     Run("mt-nlg-530b 2240", MT_NLG, MT_NLG_530B, "a100", 2240, SELENE, 2048, 1920, 8, 35, 1, 1, "full",
@@ -110,7 +111,7 @@ RUNS: tuple[Run, ...] = (
         True, 1, "fused", False, "mfu", 0.410 * 989, assumed="as 1536"),
     Run("llama3-405b 8192", LLAMA3, LLAMA3_405B, "h100", 8192, META_RSC, 8192, 2048, 8, 16, 1, 8, "selective",
         True, 3, "fused", False, "mfu", 430.0,
-        assumed="V=8 (one layer per chunk: the paper drops one layer from the first and last stages); "
+        assumed="V=8 (one layer per virtual stage: the paper drops one layer from the first and last stages); "
                 "zero=3: FSDP, which 'shards the model, optimizer, and gradients' (" + LLAMA3_FSDP + "; "
                 "planner-only, modelled as in memory.py / cost.py); selective recomputation (no scores with "
                 "a fused kernel)"),

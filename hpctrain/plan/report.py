@@ -42,9 +42,9 @@ def print_plans(result, machine, model, name: str, global_batch: int, seq_len: i
             parts = ", ".join(f"{k} {v:.3g}" for k, v in p["breakdown_s"].items() if v > 0)
             mem = ", ".join(f"{k} {v:.1f}" for k, v in p["memory_gib"].items() if v > 0)
             place = " ".join(f"{k}:{v}" for k, v in p["placement"].items())
-            chunk = f"; sequence chunk {p['seq_chunk']} tokens per rank" if p.get("cp", 1) > 1 else ""
+            local = f"; local sequence {p['seq_chunk']} tokens per rank" if p.get("cp", 1) > 1 else ""
             print(f"{i:>2} {parts}\n   memory per GPU {p['memory_gib_per_device']:.1f} GiB: {mem}; micro-batch "
-                  f"{p['micro_batch']} sequence(s) x {p['microbatches']} per replica; placement {place}{chunk}")
+                  f"{p['micro_batch']} sequence(s) x {p['microbatches']} per replica; placement {place}{local}")
     else:
         print("no layout fits: see the reasons below")
     if result.infeasible:

@@ -1,9 +1,9 @@
 """The performance and memory model of context parallelism (cp): ring attention's blocks, bytes and exposure.
 
 hpctrain's ring (hpctrain/parallel/context_parallel.py, cp_comm.py): a sequence of ``S`` tokens is cut into
-``2 cp`` chunks of ``c = S / 2cp``; cp rank ``r`` holds chunks ``r`` and ``2cp-1-r`` (zig-zag). Attention runs
-``cp`` steps; at step ``i`` rank ``r`` attends with its queries to the K/V of rank ``r - i`` while the next K/V
-block travels (one non-blocking exchange with its ring neighbours). Work is done in blocks of at most
+``2 cp`` stripes of ``c = S / 2cp`` tokens; cp rank ``r`` holds stripes ``r`` and ``2cp-1-r`` (zig-zag).
+Attention runs ``cp`` steps; at step ``i`` rank ``r`` attends with its queries to the K/V of rank ``r - i``
+while the next K/V block travels (one non-blocking exchange with its ring neighbours). Work is done in blocks of at most
 ``RING_TILE`` queries x ``RING_TILE`` keys: a block whose every query is before (or, with a sliding window
 ``W``, ``W`` or more tokens after) every key is skipped; a partly visible block is computed whole, with a
 mask (plain matrix products, no causal-skipping kernel).
@@ -72,13 +72,13 @@ def _block_kind(nearest: int, farthest: int, window: int) -> str:
     return "masked"
 
 
-def _chunk_pair(q_first: int, k_first: int, chunk: int, tile: int, window: int) -> tuple[int, int]:
-    """(pairs computed, pairs visible) of one query chunk x one key chunk, cut into ``tile`` blocks (``tile``
-    divides ``chunk``): a block's kind depends only on the tile offset ``d``, which ``n - |d|`` blocks share."""
-    whole = _block_kind(q_first - (k_first + chunk - 1), q_first + chunk - 1 - k_first, window)
+def _stripe_pair(q_first: int, k_first: int, stripe: int, tile: int, window: int) -> tuple[int, int]:
+    """(pairs computed, pairs visible) of one query stripe x one key stripe, cut into ``tile`` blocks (``tile``
+    divides ``stripe``): a block's kind depends only on the tile offset ``d``, which ``n - |d|`` blocks share."""
+    whole = _block_kind(q_first - (k_first + stripe - 1), q_first + stripe - 1 - k_first, window)
     if whole != "masked":
-        return (0, 0) if whole == "skip" else (chunk * chunk, chunk * chunk)
-    n, computed, visible = chunk // tile, 0, 0
+        return (0, 0) if whole == "skip" else (stripe * stripe, stripe * stripe)
+    n, computed, visible = stripe // tile, 0, 0
     for d in range(-(n - 1), n):
         qf, kf = q_first + max(d, 0) * tile, k_first + max(-d, 0) * tile
         if _block_kind(qf - (kf + tile - 1), qf + tile - 1 - kf, window) == "skip":
@@ -100,15 +100,15 @@ class RingWork:
 
 def ring_pairs(seq_len: int, cp: int, window: int = 0, tile: int = RING_TILE) -> RingWork:
     """The blocks of one ring attention on ``cp`` ranks for one sequence (module docstring)."""
-    chunk = seq_len // (2 * cp)
-    tile = min(tile, chunk) if tile > 0 else chunk
-    if chunk % tile:
-        tile = chunk  # hpctrain cuts a last, shorter tile; whole chunks are the close, simple bound
+    stripe = seq_len // (2 * cp)
+    tile = min(tile, stripe) if tile > 0 else stripe
+    if stripe % tile:
+        tile = stripe  # hpctrain cuts a last, shorter tile; whole stripes are the close, simple bound
     if window <= 0 or window >= seq_len:  # full causal: every rank alike (the zig-zag balance)
-        diagonal = (chunk // tile) * (chunk // tile + 1) // 2 * tile * tile  # a chunk against itself
-        computed = (2 * diagonal + chunk * chunk,) + (2 * chunk * chunk,) * (cp - 1)
-        visible = (chunk * (chunk + 1) + chunk * chunk,) + (2 * chunk * chunk,) * (cp - 1)
-        return RingWork(computed, visible, 1.0 - sum(computed) / (cp * 4 * chunk * chunk))
+        diagonal = (stripe // tile) * (stripe // tile + 1) // 2 * tile * tile  # a stripe against itself
+        computed = (2 * diagonal + stripe * stripe,) + (2 * stripe * stripe,) * (cp - 1)
+        visible = (stripe * (stripe + 1) + stripe * stripe,) + (2 * stripe * stripe,) * (cp - 1)
+        return RingWork(computed, visible, 1.0 - sum(computed) / (cp * 4 * stripe * stripe))
     computed_at: list[int] = []  # per ring step
     visible_at: list[int] = []
     done = 0
@@ -116,14 +116,14 @@ def ring_pairs(seq_len: int, cp: int, window: int = 0, tile: int = RING_TILE) ->
         worst = (0, 0)
         for rank in range(cp):
             owner = (rank - step) % cp
-            pair = [_chunk_pair(qc * chunk, kc * chunk, chunk, tile, window)
+            pair = [_stripe_pair(qc * stripe, kc * stripe, stripe, tile, window)
                     for qc in (rank, 2 * cp - 1 - rank) for kc in (owner, 2 * cp - 1 - owner)]
             total = (sum(p[0] for p in pair), sum(p[1] for p in pair))
             done += total[0]
             worst = max(worst, total)
         computed_at.append(worst[0])
         visible_at.append(worst[1])
-    return RingWork(tuple(computed_at), tuple(visible_at), 1.0 - done / (cp * cp * 4 * chunk * chunk))
+    return RingWork(tuple(computed_at), tuple(visible_at), 1.0 - done / (cp * cp * 4 * stripe * stripe))
 
 
 def kv_elements(model, micro_batch: int, seq_len: int, cp: int, tp: int) -> float:

@@ -86,8 +86,8 @@ def recompute_layer_bytes(model, micro_batch: int, seq_len: int, tp: int, sequen
 
 def in_flight(layout, stage: Stage, virtual_stages: int = 1) -> float:
     """Micro-batches' worth of the stage's layers whose activations ``stage`` holds at once: 1F1B
-    ``min(pp - s, M)``, GPipe ``M``; interleaved 1F1B with ``V`` chunks of ``layers / V`` each holds
-    Megatron's warm-up ``2 (pp - s - 1) + (V - 1) pp`` chunk micro-batches plus one, so
+    ``min(pp - s, M)``, GPipe ``M``; interleaved 1F1B with ``V`` virtual stages of ``layers / V`` each holds
+    Megatron's warm-up ``2 (pp - s - 1) + (V - 1) pp`` (micro-batch, virtual stage) units plus one, so
     ``(2 (pp - s - 1) + (V - 1) pp + 1) / V`` of the stage's layers (at most ``M``)."""
     p, s, m, v = layout.pp_size, stage.index, layout.microbatches, virtual_stages
     if layout.schedule == "gpipe":

@@ -6,46 +6,45 @@ import json
 import os
 import sys
 
+from hpctrain.config import config_to_dict
+from hpctrain.models.lora import describe as describe_lora
+from hpctrain.parallel.head_loss import describe_head
+from hpctrain.parallel.rules import padded_vocab
+from hpctrain.runtime.device import describe
+
 
 def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None:
-    from hpctrain.config import config_to_dict
-    from hpctrain.parallel.head_loss import describe_head
-    from hpctrain.parallel.rules import padded_vocab
-    from hpctrain.runtime.device import describe
-
-    info, p = grid.info, cfg.parallel
+    info, p, parts = grid.info, cfg.parallel, trainer.parts
     os.makedirs(cfg.train.run_dir, exist_ok=True)
     with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config_to_dict(cfg), f, indent=1)
     layout = " x ".join(f"{a}={grid.sizes[a]}" for a in ("dp", "pp", "cp", "tp") if a != "cp" or grid.sizes[a] > 1)
     schedule = p.schedule + (f" (virtual_stages={p.virtual_stages})" if p.schedule == "interleaved" else "")
     formula = "(pp-1)/(V M)" if p.schedule == "interleaved" else "(pp-1)/M"
-    bubble = (f", pipeline bubble {formula} = {trainer.bubble:.1%} of "
+    bubble = (f", pipeline bubble {formula} = {parts.bubble:.1%} of "
               f"the ideal step" if grid.sizes["pp"] > 1 else "")
-    m, tp = trainer.model_cfg, grid.sizes["tp"]  # the last stage's tokens per micro-batch, its vocabulary slab
-    head = describe_head(m.fused_head_loss, m.loss_chunk_tokens, trainer.micro_batch * cfg.train.seq_len //
+    m, tp = parts.model_cfg, grid.sizes["tp"]  # the last stage's tokens per micro-batch, its vocabulary slab
+    head = describe_head(m.fused_head_loss, m.loss_chunk_tokens, parts.layout.micro_batch * cfg.train.seq_len //
                          grid.sizes["cp"], padded_vocab(m, tp) // tp)
-    residual = " (float32 residual)" if trainer.executor.act_dtype != trainer.dtype else ""  # model.residual_dtype
+    residual = " (float32 residual)" if parts.executor.act_dtype != parts.dtype else ""  # model.residual_dtype
     print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
-          f"{schedule}, {trainer.layout.microbatches} micro-batch(es) of {trainer.micro_batch} sequence(s) per "
+          f"{schedule}, {parts.layout.microbatches} micro-batch(es) of {parts.layout.micro_batch} sequence(s) per "
           f"replica{bubble}, sequence parallel "
           f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {grid.intra_node}, "
-          f"{cfg.train.dtype}{residual}, device {describe(device)}, attention {trainer.sdpa.name}, {head}"
-          + (f", GPU collectives backend {trainer.backends['dp']}" if device.type == "cuda" else ""), flush=True)
-    if trainer.sdpa.warning:  # the same on every rank: said once
-        print(f"hpctrain: WARNING: {trainer.sdpa.warning}", file=sys.stderr, flush=True)
-    if trainer.sdpa.note:  # a fast kernel that raised in its trial, or cuDNN missing: what runs instead
-        print(f"hpctrain train: {trainer.sdpa.note}", flush=True)
-    if verbose and trainer.sdpa.timings:  # each SDPA kernel's trial, forward + backward
-        print(f"hpctrain train: attention kernel trials (forward + backward): {trainer.sdpa.timings}", flush=True)
-    if trainer.compiled:
+          f"{cfg.train.dtype}{residual}, device {describe(device)}, attention {parts.sdpa.name}, {head}"
+          + (f", GPU collectives backend {parts.backends['dp']}" if device.type == "cuda" else ""), flush=True)
+    if parts.sdpa.warning:  # the same on every rank: said once
+        print(f"hpctrain: WARNING: {parts.sdpa.warning}", file=sys.stderr, flush=True)
+    if parts.sdpa.note:  # a fast kernel that raised in its trial, or cuDNN missing: what runs instead
+        print(f"hpctrain train: {parts.sdpa.note}", flush=True)
+    if verbose and parts.sdpa.timings:  # each SDPA kernel's trial, forward + backward
+        print(f"hpctrain train: attention kernel trials (forward + backward): {parts.sdpa.timings}", flush=True)
+    if parts.compiled:
         print(f"hpctrain train: torch.compile of every block (train.compile={cfg.train.compile})", flush=True)
-    if hasattr(trainer.sampler, "describe"):  # packed SFT examples (hpctrain/data/packing.py)
-        print(f"hpctrain train: {trainer.sampler.describe()}", flush=True)
+    if hasattr(parts.data.sampler, "describe"):  # packed SFT examples (hpctrain/data/packing.py)
+        print(f"hpctrain train: {parts.data.sampler.describe()}", flush=True)
     if cfg.lora.rank:
-        from hpctrain.models.lora import describe as describe_lora
-
-        print(f"hpctrain train: {describe_lora(trainer.model_cfg, cfg.lora, cfg.train.dtype, cfg.optim)}", flush=True)
+        print(f"hpctrain train: {describe_lora(parts.model_cfg, cfg.lora, cfg.train.dtype, cfg.optim)}", flush=True)
         reference = trainer.state.base_reference
         why = "lora.checkpoint_base=copy" if cfg.lora.checkpoint_base == "copy" else "no model.init_from base to refer to"
         print(f"hpctrain train: checkpoints refer to the frozen base {reference['path']} (checksum "
@@ -53,6 +52,6 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
               f"hpctrain train: checkpoints copy the frozen base weights ({why})", flush=True)
     if resumed:
         print(f"hpctrain train: resumed from {resumed} at step {trainer.step} "
-              f"(sample {trainer.batches.consumed})", flush=True)
+              f"(sample {parts.data.batches.consumed})", flush=True)
     elif cfg.model.init_from:
         print(f"hpctrain train: weights initialised from {cfg.model.init_from} (model.init_from)", flush=True)

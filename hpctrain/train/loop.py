@@ -16,18 +16,76 @@ metrics.jsonl, and:
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
+from hpctrain.checkpoint.directory import list_checkpoints
+from hpctrain.checkpoint.manager import CheckpointManager
+from hpctrain.checkpoint.references import protect
+from hpctrain.comm.grid import ProcessGrid
+from hpctrain.errors import everywhere
+from hpctrain.interop.base_ref import make_reference
+from hpctrain.interop.sources import init_weights, open_source
+from hpctrain.models.compile import first_step_report
+from hpctrain.monitor.run_monitor import RunMonitor
 from hpctrain.profiling.cuda_trace import cuda_profiler
+from hpctrain.profiling.trace import TraceRecorder
 from hpctrain.runtime import env
+from hpctrain.runtime.device import select_device
 from hpctrain.runtime.errors_exit import leave_with
 from hpctrain.runtime.faults import FaultInjector
+from hpctrain.runtime.launcher import discover
+from hpctrain.runtime.signals import (SignalFlag, requeue_slurm_job, scheduler_deadline,
+                                      slurm_job_to_requeue)
+from hpctrain.train.announce import announce
+from hpctrain.train.guard import DIVERGED_EXIT
+from hpctrain.train.memory_check import check_memory
+from hpctrain.train.metrics import MetricsLog, report_peak_memory
+from hpctrain.train.run_dir import RunDirHoldsARun, decide_start, set_aside_agreed
+from hpctrain.train.run_lock import RunDirInUse, RunLock, unusable_directory
 from hpctrain.train.stop import StopPolicy, decode, encode
+from hpctrain.train.trainer import Trainer
 
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
+
+
+@dataclass
+class Run:
+    """One training run's parts on this rank, from ``_start`` to ``_leave``."""
+    cfg: Any
+    grid: ProcessGrid
+    device: Any
+    trainer: Trainer
+    checkpoints: CheckpointManager
+    monitor: RunMonitor
+    log: MetricsLog
+    policy: StopPolicy
+    flag: SignalFlag
+    lock: RunLock
+    trace: TraceRecorder | None
+    kernels: Any  # the CUDA profiler of train.trace, or None
+    verbose: bool
+    resumed: str | None  # the checkpoint resumed from
+    resumed_step: int | None  # its step: stopping before a step must not save it again
+    last_step: int
+
+    @property
+    def is_root(self) -> bool:
+        return self.grid.info.rank == 0
+
+
+@dataclass
+class Ending:
+    """How the run ends (``_save_and_stop``): its stop event's reason, step and fields, and the exit code."""
+    reason: str
+    step: int
+    event: dict
+    exit_code: int
+    requeue: str | None = None  # the Slurm job to requeue after MPI is finalised
+    message: str = ""  # a diverged run's one line for the user
 
 
 def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None, verbose: bool = False) -> int:
@@ -35,12 +93,6 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
     "auto", "none", a checkpoint path, or None (not given: see ``hpctrain/train/run_dir.py``).
     ``early_signals``: the SignalFlag the entry point made before its imports, if any. ``verbose``: rank 0
     prints the first step's phases and torch.compile's graphs and graph breaks (``--verbose``)."""
-    from hpctrain.comm.grid import ProcessGrid
-    from hpctrain.runtime.device import select_device
-    from hpctrain.runtime.launcher import discover
-    from hpctrain.runtime.signals import SignalFlag
-    from hpctrain.train.memory_check import check_memory
-
     info = discover()
     FaultInjector.from_env(info.rank).hit("launch", 0)  # test-only: a start-up that never finishes
     # a signal during start-up is not lost: the entry point's flag is narrowed to the config's signals
@@ -55,7 +107,9 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
     lock, decision = _lock_run_dir(cfg, grid, resume)
     grid.watchdog.report_path = os.path.join(cfg.train.run_dir, "hang-report.txt")  # survives a cut pipe
     try:
-        return _train(cfg, grid, device, decision, max_steps, flag, lock, verbose)
+        run = _start(cfg, grid, device, decision, max_steps, flag, lock, verbose)
+        ending = _train(run)
+        return _leave(run, ending)  # closes the grid
     except BaseException:
         grid.free_requests()  # the error ends the job: MPI_Finalize at exit must find no request left
         raise
@@ -63,37 +117,22 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
         lock.release()  # also on errors: a failed start leaves no lock behind
 
 
-def _train(cfg, grid, device, decision, max_steps, flag, lock, verbose=False) -> int:
-    from hpctrain.checkpoint.manager import CheckpointManager
-    from hpctrain.checkpoint.references import protect
-    from hpctrain.models.compile import first_step_report
-    from hpctrain.monitor.run_monitor import RunMonitor
-    from hpctrain.train.metrics import MetricsLog, finite_or_none, report_peak_memory
-    from hpctrain.train.announce import announce
-    from hpctrain.train.run_dir import set_aside_agreed
-    from hpctrain.train.trainer import Trainer
-
-    info = grid.info
+def _start(cfg, grid, device, decision, max_steps: int, flag, lock, verbose: bool) -> Run:
+    """Collective: build the trainer, resume (or take ``model.init_from``), start the monitor, set an earlier
+    run aside (only now that every start-up check has passed), say what runs, start the traces."""
     trainer = Trainer(cfg, grid, device=device)
     checkpoints = CheckpointManager(cfg.checkpoint, grid, cfg.train.run_dir)
     resumed = checkpoints.resume(trainer.state, decision.resume)
-    resumed_step = trainer.step if resumed else None  # stopping before a step must not save it again
     if resumed:
         moved = checkpoints.set_aside_newer(trainer.step)
         if moved:
             print(f"hpctrain train: resumed at step {trainer.step}; the later checkpoints {', '.join(moved)} "
                   f"were moved to {os.path.join(checkpoints.dir, 'superseded')}/ (another lineage)", flush=True)
     if resumed is None and cfg.model.init_from:  # a fresh start (not a resume) from given weights
-        from hpctrain.interop.sources import init_weights
-
         init_weights(trainer.state, cfg.model.init_from, grid.world)
         if cfg.lora.rank and cfg.lora.checkpoint_base == "reference":
-            from hpctrain.interop.base_ref import make_reference
-            from hpctrain.interop.sources import open_source
-
-            trainer.state.base_reference = make_reference(cfg.model.init_from, trainer.model_cfg, grid.world,
+            trainer.state.base_reference = make_reference(cfg.model.init_from, trainer.parts.model_cfg, grid.world,
                                                           open_source)
-    is_root = info.rank == 0
     monitor = RunMonitor(cfg, grid.world, grid.sizes, cfg.train.run_dir)
     monitor.start(trainer.step)  # collective; a sink that cannot start stops the run here, on every rank
     try:  # every start-up check has passed: only now is an earlier run set aside
@@ -101,111 +140,149 @@ def _train(cfg, grid, device, decision, max_steps, flag, lock, verbose=False) ->
     except BaseException:
         monitor.close()
         raise
+    is_root = grid.info.rank == 0
     if is_root:
         if trainer.state.base_reference is not None:  # a step of another run's checkpoints: kept from its pruning
             protect(trainer.state.base_reference["path"], checkpoints.dir)
         announce(cfg, grid, trainer, device, resumed, verbose)
     last_step = cfg.train.steps if max_steps <= 0 else min(cfg.train.steps, trainer.step + max_steps)
-    deadline = _deadline(cfg, grid)
-    policy = StopPolicy(signal_flag=flag, last_step=last_step, deadline=deadline,
+    policy = StopPolicy(signal_flag=flag, last_step=last_step, deadline=_deadline(cfg, grid),
                         first_margin_s=cfg.train.time_limit_margin_s)
+    policy.lag_steps = trainer.outcomes.lag_steps  # the request rides on a step: answered after it
     log = MetricsLog(cfg.train.run_dir, cfg.train.steps, enabled=is_root, progress=cfg.train.progress,
                      log_interval=cfg.train.log_interval)
     trace = _start_trace(cfg, grid, trainer)
     kernels = cuda_profiler(cfg.train, grid.info.rank, device)  # train.trace on CUDA: kernels and syncs
-    policy.lag_steps = 2 if trainer.readback == "late" else 1  # the request rides on a step: answered after it
-    interval, save_s, reason = cfg.checkpoint.interval, 0.0, ""
-    first_step = trainer.step + 1
+    return Run(cfg, grid, device, trainer, checkpoints, monitor, log, policy, flag, lock, trace, kernels, verbose,
+               resumed, trainer.step if resumed else None, last_step)
+
+
+def _train(run: Run) -> Ending:
+    """The steps, then the last save and the stop event; the outputs are closed however it ends."""
     try:
-        while trainer.step < last_step:  # "max steps": the same count on every rank, nothing to agree
-            with trainer.timer.phase("sync"):
-                request = policy.local_reason(trainer.step)  # agreed in the step's own reduction
-            metrics = trainer.train_step(request, defer=True)  # its verdict is read one step later
-            if kernels is not None:
-                kernels.step()
-            policy.record_step(metrics.step_time_s)
-            if verbose and is_root and trainer.step == first_step:  # its phases and compile's graph breaks
-                for line in first_step_report(metrics.as_dict(), trainer.compile_since, cfg.train.compile):
-                    print(f"hpctrain train: {line}", flush=True)
-            if trainer.diverged:  # identical on every rank: the bad update and all after it were not applied
-                break
-            if trainer.step == first_step:  # collective: memory per rank, once
-                report_peak_memory(grid.world, device, metrics.__dict__)  # logged with the step
-            if cfg.train.eval_interval and (trainer.step % cfg.train.eval_interval == 0 or trainer.step == last_step):
-                metrics.val_loss = trainer.evaluate()  # type: ignore[attr-defined]  # a key of eval steps' records only
-                metrics.time_s["eval"] = round(trainer.timer.take("eval"), 6)
-            if interval and trainer.step % interval == 0 and trainer.step < last_step:
-                trainer.read_pending()  # never save a step the guard has not judged
-                if trainer.diverged is None:
-                    checkpoints.save(trainer.state)
-                    policy.record_save(checkpoints.last_save_s)  # None until the first save completes
-                    metrics.time_s["checkpoint"] = round(trainer.timer.take("checkpoint"), 6)
-            _log_read(trainer, log, monitor, checkpoints)
-            if trainer.diverged or trainer.agreed_stop:  # read identically on every rank
-                break
-        trainer.read_pending()
-        _log_read(trainer, log, monitor, checkpoints)
-        reason = _stronger(trainer.agreed_stop, "max steps" if trainer.step >= last_step else "")
-        if trainer.diverged:  # nothing is saved
-            reason = trainer.diverged.stop
+        _steps(run)
+        ending = _save_and_stop(run)
+    finally:
+        run.monitor.close()
+        run.flag.restore()
+        summary = run.log.close()
+        if run.trace is not None:
+            run.trace.close()
+        if run.kernels is not None:
+            run.kernels.stop()
+    if run.is_root and summary:
+        grid = run.grid
+        run.log.write_summary(summary, ranks=grid.info.size, nodes=grid.info.num_nodes, **grid.sizes)
+    return ending
+
+
+def _steps(run: Run) -> None:
+    """Step until the last step, an agreed stop or a divergence (read identically on every rank)."""
+    cfg, trainer, policy, checkpoints = run.cfg, run.trainer, run.policy, run.checkpoints
+    first_step = trainer.step + 1
+    while trainer.step < run.last_step:  # "max steps": the same count on every rank, nothing to agree
+        with trainer.parts.timer.phase("sync"):
+            request = policy.local_reason(trainer.step)  # agreed in the step's own reduction
+        metrics = trainer.train_step(request, defer=True)  # its verdict is read one step later
+        if run.kernels is not None:
+            run.kernels.step()
+        policy.record_step(metrics.step_time_s)
+        if run.verbose and run.is_root and trainer.step == first_step:  # its phases and compile's graph breaks
+            for line in first_step_report(metrics.as_dict(), trainer.parts.compile_since, cfg.train.compile):
+                print(f"hpctrain train: {line}", flush=True)
+        if trainer.diverged:  # the bad update and all after it were not applied
+            break
+        if trainer.step == first_step:  # collective: memory per rank, once
+            report_peak_memory(run.grid.world, run.device, metrics.__dict__)  # logged with the step
+        if cfg.train.eval_interval and (trainer.step % cfg.train.eval_interval == 0 or trainer.step == run.last_step):
+            metrics.val_loss = trainer.evaluate()  # type: ignore[attr-defined]  # a key of eval steps' records only
+            metrics.time_s["eval"] = round(trainer.parts.timer.take("eval"), 6)
+        interval = cfg.checkpoint.interval
+        if interval and trainer.step % interval == 0 and trainer.step < run.last_step:
+            trainer.read_pending()  # never save a step whose verdict is unread
+            if trainer.diverged is None:
+                checkpoints.save(trainer.state)
+                policy.record_save(checkpoints.last_save_s)  # None until the first save completes
+                metrics.time_s["checkpoint"] = round(trainer.parts.timer.take("checkpoint"), 6)
+        _log_finished(run)
+        if trainer.diverged or trainer.agreed_stop:
+            break
+    trainer.read_pending()
+    _log_finished(run)
+
+
+def _save_and_stop(run: Run) -> Ending:
+    """How the run ends, with its stop event logged (metrics.jsonl): diverged (nothing saved: the newest
+    checkpoint named), or finished / stopped early after the last save (unless this step is saved already:
+    an async save of it may still be in flight, so wait first)."""
+    cfg, trainer, checkpoints = run.cfg, run.trainer, run.checkpoints
+    if trainer.diverged:
+        kept = [r for r in list_checkpoints(checkpoints.dir) if r["complete"]] if run.is_root else []
+        event = {"reason": trainer.diverged.stop, "step": trainer.step, "detail": trainer.diverged.detail,
+                 "checkpoint": kept[-1]["path"] if kept else None}
+        newest = f"the newest checkpoint is step {kept[-1]['step']} ({kept[-1]['path']})" if kept else "no checkpoint"
+        ending = Ending(trainer.diverged.stop, trainer.step, event, DIVERGED_EXIT,
+                        message=f"stopped at {trainer.diverged.detail}; the update was not applied and nothing "
+                                f"was saved; {newest}; exit {DIVERGED_EXIT}")
+    else:
+        reason = _stronger(trainer.agreed_stop, "max steps" if trainer.step >= run.last_step else "")
         start = time.perf_counter()
         checkpoints.wait()  # an async save of this very step may still be in flight: never save a step twice
-        if trainer.diverged is None and trainer.step not in checkpoints.saved_steps and trainer.step != resumed_step:
+        if trainer.step not in checkpoints.saved_steps and trainer.step != run.resumed_step:
             checkpoints.save(trainer.state, sync=True)
         checkpoints.close()  # waits for an async save still in flight
         save_s = time.perf_counter() - start
-        monitor.on_saved(trainer.step, checkpoints.saved_steps, checkpoints.last_phases)
-    finally:
-        monitor.close()
-        flag.restore()
-        summary = log.close()
-        if trace is not None:
-            trace.close()
-        if kernels is not None:
-            kernels.stop()
-    if is_root and summary:
-        summary.update(ranks=grid.info.size, nodes=grid.info.num_nodes, **{k: v for k, v in grid.sizes.items()})
-        with open(os.path.join(cfg.train.run_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(finite_or_none(summary), f, indent=1, allow_nan=False)
-    if trainer.diverged:
-        return _diverged(cfg, grid, trainer.diverged, checkpoints, trainer.step, is_root, lock)
-    timing = policy.signal_timing(trainer.step) if reason.startswith("signal") else {}
-    return _finish(cfg, grid, reason, trainer.step, save_s, is_root, lock, timing)  # closes the grid
+        run.monitor.on_saved(trainer.step, checkpoints.saved_steps, checkpoints.last_phases)
+        early = reason.startswith("signal") or reason == "time limit"
+        job = slurm_job_to_requeue() if early and cfg.train.requeue == "auto" else None
+        timing = run.policy.signal_timing(trainer.step) if reason.startswith("signal") else {}
+        event = {"reason": reason, "step": trainer.step, "save_s": round(save_s, 3),
+                 "restart_count": env.slurm_restart_count(), "requeue": job, **timing}
+        ending = Ending(reason, trainer.step, event, STOPPED_EXIT if early else 0, job)
+    run.log.event({"event": "stop", **ending.event})
+    return ending
 
 
-def _diverged(cfg, grid, verdict, checkpoints, step: int, is_root: bool, lock) -> int:
-    """Log the stop and the one line that says why; nothing was saved after the bad step. The launcher's
-    exit code is DIVERGED_EXIT (``leave_with``: rank 0 carries it and leaves last)."""
-    from hpctrain.checkpoint.directory import list_checkpoints
-    from hpctrain.train.guard import DIVERGED_EXIT
-    from hpctrain.train.metrics import json_line
-
-    if is_root:
-        kept = [r for r in list_checkpoints(checkpoints.dir) if r["complete"]]
-        newest = f"the newest checkpoint is step {kept[-1]['step']} ({kept[-1]['path']})" if kept else "no checkpoint"
-        event = {"event": "stop", "reason": verdict.stop, "step": step, "detail": verdict.detail,
-                 "checkpoint": kept[-1]["path"] if kept else None}
-        with open(os.path.join(cfg.train.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
-            f.write(json_line(event))
-        print(f"hpctrain train: stopped at {verdict.detail}; the update was not applied and nothing was saved; "
-              f"{newest}; exit {DIVERGED_EXIT}", flush=True)
+def _leave(run: Run, ending: Ending) -> int:
+    """Say how it ended (rank 0), close the grid, then requeue if asked: ``scontrol requeue`` kills the job's
+    tasks at once, so everything is on disk and MPI is finalised first (a task killed inside MPI leaves
+    shared-memory segments that the requeued attempt, with the same step id, would attach to). Returns this
+    rank's exit code: 0, DIVERGED_EXIT or STOPPED_EXIT on rank 0 (it leaves last: ``leave_with``)."""
+    grid, early = run.grid, ending.exit_code == STOPPED_EXIT
+    if run.is_root:
+        if ending.exit_code == DIVERGED_EXIT:
+            print(f"hpctrain train: {ending.message}", flush=True)
+        elif early:
+            print(f"hpctrain train: stopped at step {ending.step} ({ending.reason}); checkpoint saved in "
+                  f"{ending.event['save_s']:.1f} s" + (f"; requeueing Slurm job {ending.requeue}"
+                                                        if ending.requeue else ""), flush=True)
     grid.world.barrier()
-    lock.release()
+    run.lock.release()  # before a requeue: the next attempt must find the directory free
     grid.close()
-    return leave_with(DIVERGED_EXIT, grid.info.rank, grid.info.node, grid.watchdog.peers)
+    if not ending.requeue:
+        if run.is_root and early:
+            print(f"hpctrain train: exit {STOPPED_EXIT}; continue with --resume auto", flush=True)
+        return leave_with(ending.exit_code, grid.info.rank, grid.info.node, grid.watchdog.peers)
+    from mpi4py import MPI  # here, not at the top: importing mpi4py initialises MPI
+
+    MPI.Finalize()
+    problem = requeue_slurm_job(ending.requeue) if run.is_root else None
+    if problem:  # rank 0 alone carries the 75 (``leave_with``); the others exit 0
+        print(f"hpctrain train: {problem}; exit {STOPPED_EXIT}; continue with --resume auto", flush=True)
+    return leave_with(STOPPED_EXIT if problem else 0, grid.info.rank, grid.info.node, grid.watchdog.peers)
 
 
-def _log_read(trainer, log, monitor, checkpoints) -> None:
-    """Log the steps whose verdict the host has read (``trainer.resolved``, in step order; the same on every
-    rank: the monitor's collective calls stay in step)."""
-    for metrics in trainer.resolved:
+def _log_finished(run: Run) -> None:
+    """Log the steps whose verdict was read (in step order; the same on every rank: the monitor's collective
+    calls stay in step)."""
+    finished = run.trainer.finished_steps()
+    for metrics in finished:
         record = metrics.as_dict()  # with val_loss where the loop evaluated
-        log.log(record)
-        if trainer.diverged is not None and metrics is trainer.resolved[-1]:  # the bad step: nothing after it
-            monitor.on_step(record)
-        else:
-            monitor.on_step(record, checkpoints.saved_steps, checkpoints.last_phases)  # collective every interval
-    trainer.resolved.clear()
+        run.log.log(record)
+        if run.trainer.diverged is not None and metrics is finished[-1]:  # the bad step: nothing after it
+            run.monitor.on_step(record)
+        else:  # collective every interval
+            run.monitor.on_step(record, run.checkpoints.saved_steps, run.checkpoints.last_phases)
 
 
 def _stronger(*reasons: str) -> str:
@@ -217,16 +294,14 @@ def _start_trace(cfg, grid, trainer):
     """Collective when ``train.trace``: a TraceRecorder on the trainer's timer and every group."""
     if not cfg.train.trace:
         return None
-    from hpctrain.profiling.trace import TraceRecorder
-
     first = trainer.step + 2  # the run's first step opens connections: trace the ones after it
     recorder = TraceRecorder(grid.info.rank, os.path.join(cfg.train.run_dir, "trace"), first,
                              first + cfg.train.trace_steps - 1,
                              meta={"world_size": grid.info.size, "hostname": grid.info.hostname,
                                    "node": grid.info.node, **{f"{a}_rank": c for a, c in grid.coords.items()}})
-    trainer.faults.hit("trace", 0)  # test-only: a rank stopped here leaves the others in the sync
+    trainer.parts.faults.hit("trace", 0)  # test-only: a rank stopped here leaves the others in the sync
     recorder.sync(grid.world)
-    trainer.timer.trace = recorder
+    trainer.parts.timer.trace = recorder
     grid.set_trace(recorder)
     return recorder
 
@@ -235,10 +310,6 @@ def _lock_run_dir(cfg, grid, resume: str | None):
     """Collective: rank 0 takes the run directory's lock and decides what this start does with an
     earlier run there (``decide_start``); every rank raises if it is in use or refused. Returns the lock
     and the agreed StartDecision (its resume mode, "auto", "none" or a path, and what to set aside later)."""
-    from hpctrain.errors import everywhere
-    from hpctrain.train.run_dir import RunDirHoldsARun, decide_start
-    from hpctrain.train.run_lock import RunDirInUse, RunLock, unusable_directory
-
     lock = RunLock(cfg.train.run_dir, enabled=grid.info.rank == 0, checkpoint_dir=cfg.checkpoint.dir or None)
     problem, decision = None, None
     if grid.info.rank == 0:
@@ -268,44 +339,8 @@ def _lock_run_dir(cfg, grid, resume: str | None):
 
 def _deadline(cfg, grid) -> float | None:
     """``train.time_limit_s`` from now, or the scheduler's end time (rank 0 asks, all agree)."""
-    from hpctrain.runtime.signals import scheduler_deadline
-
     if cfg.train.time_limit_s > 0:
         mine = time.time() + cfg.train.time_limit_s
     else:
         mine = scheduler_deadline() if grid.info.rank == 0 else None
     return grid.world.broadcast_object(mine, root=0)
-
-
-def _finish(cfg, grid, reason: str, step: int, save_s: float, is_root: bool, lock, timing: dict) -> int:
-    """Log the stop, close the grid, then requeue if asked: ``scontrol requeue`` kills the job's tasks
-    at once, so everything is on disk and MPI is finalised first (a task killed inside MPI leaves
-    shared-memory segments that the requeued attempt, with the same step id, would attach to).
-    Returns this rank's exit code: 0, or 75 on rank 0 (it leaves last: ``leave_with``) where the job
-    stops without a requeue. ``timing``: a signal stop's ``StopPolicy.signal_timing``, logged with it."""
-    from hpctrain.runtime.signals import requeue_slurm_job, slurm_job_to_requeue
-
-    early = reason.startswith("signal") or reason == "time limit"
-    job = slurm_job_to_requeue() if early and cfg.train.requeue == "auto" else None
-    if is_root:
-        event = {"event": "stop", "reason": reason, "step": step, "save_s": round(save_s, 3),
-                 "restart_count": env.slurm_restart_count(), "requeue": job, **timing}
-        with open(os.path.join(cfg.train.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
-            f.write(json.dumps(event) + "\n")
-        if early:
-            print(f"hpctrain train: stopped at step {step} ({reason}); checkpoint saved in {save_s:.1f} s"
-                  + (f"; requeueing Slurm job {job}" if job else ""), flush=True)
-    grid.world.barrier()
-    lock.release()  # before a requeue: the next attempt must find the directory free
-    grid.close()
-    if not job:
-        if is_root and early:
-            print(f"hpctrain train: exit {STOPPED_EXIT}; continue with --resume auto", flush=True)
-        return leave_with(STOPPED_EXIT if early else 0, grid.info.rank, grid.info.node, grid.watchdog.peers)
-    from mpi4py import MPI
-
-    MPI.Finalize()
-    problem = requeue_slurm_job(job) if is_root else None
-    if problem:  # rank 0 alone carries the 75 (``leave_with``); the others exit 0
-        print(f"hpctrain train: {problem}; exit {STOPPED_EXIT}; continue with --resume auto", flush=True)
-    return leave_with(STOPPED_EXIT if problem else 0, grid.info.rank, grid.info.node, grid.watchdog.peers)

@@ -1,7 +1,7 @@
 """Refusing, before anything is allocated, a model that cannot fit: a lower bound of each rank's bytes
 against the memory it may still take (``runtime/peak_memory.available_memory``), agreed by every rank.
 
-Per rank (``models/arithmetic.rank_parameters``: its pipeline chunks, the PADDED vocabulary / tp):
+Per rank (``models/arithmetic.rank_parameters``: its virtual stages, the PADDED vocabulary / tp):
 parameters x dtype bytes; unless LoRA freezes them, float32 main gradients (float64 in float64) and
 AdamW's two moments (+ float32 master weights in 16-bit training; ZeRO-1 divides them by dp x cp), as
 plan/memory.py counts them; and one micro-batch of the input of every block on the rank (the least any

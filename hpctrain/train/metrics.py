@@ -1,4 +1,5 @@
-"""Step metrics out: ``<run_dir>/metrics.jsonl`` (one JSON line per step), a progress display and a summary.
+"""Step metrics out: ``<run_dir>/metrics.jsonl`` (one JSON line per step, then the stop event), a progress
+display and a summary (``summary.json``). The one writer of both files.
 
 Only world rank 0 writes; every rank holds the same numbers (they are agreed by collectives).
 On a terminal the progress is a rich bar with loss and throughput; in batch logs (no TTY) it is
@@ -83,6 +84,18 @@ class MetricsLog:
             print(f"step {record['step']}/{self.total}  {status}  grad_norm {record['grad_norm']:.3f}  "
                   f"step {record['step_time_s'] * 1000:.0f} ms (comm {record['comm_time_s'] * 1000:.0f} ms)",
                   file=self.stream, flush=True)
+
+    def event(self, record: dict) -> None:
+        """One non-step line (``{"event": "stop", ...}``), strict JSON, before ``close``."""
+        if self.enabled:
+            assert self._file is not None  # opened when enabled
+            self._file.write(json_line(record))
+            self._file.flush()
+
+    def write_summary(self, summary: dict, **run: Any) -> None:
+        """``<run_dir>/summary.json``: ``close``'s summary and the ``run``'s shape (ranks, nodes, axes)."""
+        with open(os.path.join(os.path.dirname(self.path), "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(finite_or_none({**summary, **run}), f, indent=1, allow_nan=False)
 
     def close(self) -> dict:
         """Stop the display, print and return the summary."""

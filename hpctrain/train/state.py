@@ -15,9 +15,9 @@ class TrainerState:
         self._trainer = trainer
         grid, cfg = trainer.grid, trainer.cfg
         self.rank, self.world_size = grid.info.rank, grid.info.size
-        self.config, self.model_config, self.timer = cfg, trainer.model_cfg, trainer.timer
+        self.config, self.model_config, self.timer = cfg, trainer.parts.model_cfg, trainer.parts.timer
         self.layout = {**grid.sizes, "zero": cfg.parallel.zero, "world": grid.info.size}
-        self.reducer = trainer.flat.reducer
+        self.reducer = trainer.parts.reducer
         self.base_reference = None  # set by model.init_from (train/loop.py) or a resumed checkpoint
 
     def open_base(self, reference: dict, what: str):
@@ -32,7 +32,7 @@ class TrainerState:
         pieces: ``owned_pieces()``, written by the ZeRO owner (or replica rank 0) where
         ``SlabSpec.counted_on`` this tp rank."""
         t = self._trainer
-        flat, opt, coords = t.flat, t.optimizer, t.grid.coords
+        flat, opt, coords = t.parts.flat, t.parts.optimizer, t.grid.coords
         kinds = opt.state_kinds
         ranges: list[OwnedRange] = []
         owner: dict[int, int] = {}  # id(slice) -> its index in ranges
@@ -46,26 +46,27 @@ class TrainerState:
                   for piece, part in opt.owned_pieces()]
         params = [ModelPiece(p.spec, p.data) if p.requires_grad else
                   ModelPiece(p.spec, p.data, frozen=True, written=first_replica and p.spec.counted_on(coords["tp"]))
-                  for p in t.local_model.parameters()]
+                  for p in t.parts.local_model.parameters()]
         return TrainTensors(params, ranges, pieces, kinds, flat.param_buffer.dtype, opt.master_dtype)
 
     def root_state(self) -> RootState:
         t = self._trainer
-        return RootState(t.step, t.optimizer.step_count, t.batches.state_dict(), t.scaler.state_dict())
+        parts = t.parts
+        return RootState(t.step, parts.optimizer.step_count, parts.data.batches.state_dict(), parts.scaler.state_dict())
 
     def set_steps(self, step: int, optimizer_step: int) -> None:
         self._trainer.step = step
-        self._trainer.optimizer.step_count = optimizer_step
+        self._trainer.parts.optimizer.step_count = optimizer_step
 
     def check_sampler(self, state: dict) -> None:
-        self._trainer.batches.check_state_dict(state)
+        self._trainer.parts.data.batches.check_state_dict(state)
 
     def load_sampler(self, state: dict) -> None:
-        self._trainer.batches.load_state_dict(state)
+        self._trainer.parts.data.batches.load_state_dict(state)
 
     def load_loss_scaler(self, state: dict) -> None:
-        if self._trainer.scaler.enabled:
-            self._trainer.scaler.load_state_dict(state)
+        if self._trainer.parts.scaler.enabled:
+            self._trainer.parts.scaler.load_state_dict(state)
 
     def rng_state(self) -> torch.Tensor:
         return torch.get_rng_state()  # the Trainer seeds torch's global generator per rank

@@ -10,7 +10,7 @@ MEASURED duration of the last save (``record_save``); before any save was measur
 ``first_margin_s`` (``train.time_limit_margin_s``).
 
 In the training loop the request rides on the step's own reduction (hpctrain/train/verdict.py): a rank's
-reason becomes a one-hot ``stop_slots`` entry of the step's float64 vector summed over the world, and
+reason becomes a one-hot entry (``stop_slot``) of the step's float64 vector summed over the world, and
 ``reason_from_slots`` takes the highest set slot (= the highest code, as the max all-reduce would). The
 answer arrives with the step's verdict, one step after the request (or two when the host reads the step
 late), so the time-limit margin counts ``lag_steps`` more steps. ``"max steps"`` needs no agreement (every

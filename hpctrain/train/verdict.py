@@ -7,17 +7,21 @@ host read; a host vector: an MPI persistent request). Each rank puts in its shar
 counted (tp rank 0 of the last pipeline stage: the world sum is the sum over the replicas dp x cp), its
 counted part of the squared gradient norm (``FlatOptimizer.grad_norm_sq_tensor``), its stop request.
 
-``decide`` computes from the reduced values, on the device and so identically on every rank: the gradient
-norm, the clip x loss-scale coefficient (a float64 multiplier for ``FlatOptimizer.step``), the skip flag
-(``found_inf``: a non-finite loss or norm, or ``stopped``) and two flags that carry the guard's rules
-(hpctrain/train/guard.py) while the host has not looked yet: a bad step with ``nonfinite = "stop"``, or
-more than ``max_skipped_steps`` consecutive counted skips (a float16 overflow counts only at the minimum
-loss scale: guard.py), sets ``stopped``, and every later update is skipped on
-the device until the host reads the verdict and stops the run; float16's loss scale moves on the device
-(``DynamicLossScaler.update_on_device``). ``start_read`` copies [loss, grad_norm, skipped, loss scale,
-stop slots] to (pinned) host memory without blocking and records an event; ``read`` waits on it.
-The trainer reads at once or one step late (``Trainer.readback``); the host guard then judges the same
-values and must reach the device's skip decision.
+``decide`` makes THE decisions of the step, on the device and so identically on every rank; nothing on
+the host decides them again:
+
+- the gradient norm and the clip x loss-scale coefficient (a float64 multiplier for ``FlatOptimizer.step``);
+- skip (``found_inf``): a non-finite loss or norm, or the run already stopped;
+- float16's loss scale (``DynamicLossScaler.update_on_device``): an overflow halves it, down to its minimum;
+- stop (sticky; every later update is skipped until the host reads it and ends the run): a bad step (a
+  non-finite loss; without float16 also a non-finite norm) with ``train.nonfinite = "stop"``, or more than
+  ``max_skipped_steps`` consecutive counted skips. A float16 overflow counts only when the step ran at the
+  minimum scale: above it the skip is the scaler's search, so any initial ``train.loss_scale`` recovers (as
+  in Megatron-LM and DeepSpeed), and such a skip neither counts nor ends a run of counted skips.
+
+``start_read`` copies the step's summary (``Reading``'s fields) to (pinned) host memory without blocking and
+records an event; ``read`` waits on it. When the host reads is ``StepOutcomes``' business
+(hpctrain/train/outcomes.py); what it prints about a stop, guard.py's.
 """
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ import torch
 from hpctrain.train.stop import STOP_SLOTS, reason_from_slots, stop_slot
 
 LOSS, NORM_SQ, SLOTS = 0, 1, 2  # the reduced vector: loss, squared gradient norm, then the stop slots
+SUMMARY = 7  # the summary: loss, grad_norm, skipped, scale, good_steps, skips, stop_code; then the stop slots
+# why the device stopped the run (``Reading.stop_code``; guard.py words it): 0 = it did not
+NONFINITE_LOSS, NONFINITE_NORM, TOO_MANY_SKIPS = 1, 2, 3
 
 
 @dataclass
@@ -37,6 +44,9 @@ class Reading:
     grad_norm: float  # inf when not finite
     skipped: bool  # the device skipped the update
     scale: float  # the loss scale after this step (float16; else 1)
+    good_steps: int  # the scaler's count of good steps after this step (float16; else 0)
+    skips: int  # consecutive counted skips after this step
+    stop_code: int  # why the run stopped at this step: NONFINITE_LOSS, NONFINITE_NORM, TOO_MANY_SKIPS; 0: it did not
     stop: str  # the agreed stop request ("" when none)
 
 
@@ -52,8 +62,8 @@ class StepVerdict:
         self.scaler_enabled = scaler_enabled
         self.stopped = torch.zeros((), dtype=torch.bool, device=device)  # sticky: the run must stop
         self.skips = torch.zeros((), dtype=torch.int64, device=device)  # consecutive skipped steps
-        self.summary = torch.zeros(4 + STOP_SLOTS, dtype=torch.float64, device=device)
-        self.host = torch.zeros(4 + STOP_SLOTS, dtype=torch.float64, pin_memory=device.type == "cuda")
+        self.summary = torch.zeros(SUMMARY + STOP_SLOTS, dtype=torch.float64, device=device)
+        self.host = torch.zeros(SUMMARY + STOP_SLOTS, dtype=torch.float64, pin_memory=device.type == "cuda")
         self.event: torch.cuda.Event | None = None
 
     def reduce(self, loss_share, norm_sq_share, request: str, overflow: bool | torch.Tensor) -> None:
@@ -82,18 +92,23 @@ class StepVerdict:
         skip_now = ~(finite_loss & finite_norm)
         bad = ~finite_loss if self.scaler_enabled else skip_now  # float16: an overflow is the scaler's, not bad
         skip = skip_now | self.stopped
-        counted = skip_now  # guard.py's rule: a float16 overflow above the minimum scale is the scaler's search
+        counted = skip_now  # a float16 overflow above the minimum scale is the scaler's search: not counted
         if self.scaler_enabled:
             counted = ~finite_loss | (skip_now & (scaler.scale_tensor <= scaler.min_scale))
         self.skips.copy_(torch.where(counted, self.skips + 1, torch.where(skip_now, self.skips, 0)))
-        self.stopped.logical_or_((bad & self.stop_on_bad) | (self.skips > self.max_skipped_steps))
+        stop_bad = bad & self.stop_on_bad
+        code = torch.where(stop_bad, torch.where(finite_loss, NONFINITE_NORM, NONFINITE_LOSS),
+                           torch.where(self.skips > self.max_skipped_steps, TOO_MANY_SKIPS, 0))
+        code = torch.where(self.stopped, 0, code)  # stopped earlier: that step carries the reason
+        self.stopped.logical_or_(code > 0)
         coef = 1.0 if self.clip is None else torch.clamp(torch.div(self.clip, grad_norm + 1e-6), max=1.0)
         if self.scaler_enabled:
             coef = coef / scaler.scale_tensor
             scaler.update_on_device(finite_norm)
         self.summary[0], self.summary[1], self.summary[2] = loss, grad_norm, skip
-        self.summary[3] = scaler.scale_tensor
-        self.summary[4:] = self.vector[SLOTS:]
+        self.summary[3], self.summary[4] = scaler.scale_tensor, scaler.good_tensor
+        self.summary[5], self.summary[6] = self.skips, code
+        self.summary[SUMMARY:] = self.vector[SLOTS:]
         return coef, skip.to(torch.float32)
 
     def start_read(self) -> None:
@@ -103,27 +118,14 @@ class StepVerdict:
             self.event = torch.cuda.Event()
             self.event.record()
 
-    def judge(self, metrics, guard, scaler, reducer):
-        """Read the last ``start_read`` into ``metrics`` (loss, grad_norm, skipped, loss_scale): the host ``guard``
-        judges the agreed values as the device did (and moves the float16 ``scaler``), the ``reducer`` learns
-        the outcome. Returns (the guard's Verdict, the agreed stop request)."""
-        reading, old_scale = self.read(), scaler.scale
-        verdict = guard.judge(metrics.step, reading.loss, reading.grad_norm, scaler)
-        if verdict.skip != reading.skipped or scaler.scale != reading.scale:
-            raise RuntimeError(f"step {metrics.step}: the device's verdict (skip {reading.skipped}, loss scale "
-                               f"{reading.scale}) is not the host's (skip {verdict.skip}, {scaler.scale})")
-        reducer.after_step(verdict.skip, scaler.scale / old_scale)
-        metrics.loss, metrics.grad_norm, metrics.skipped = reading.loss, reading.grad_norm, verdict.skip
-        metrics.loss_scale = scaler.scale
-        return verdict, reading.stop
-
     def read(self) -> Reading:
         """The values of the last ``start_read`` (waits for its copy)."""
         if self.event is not None:
             self.event.synchronize()
             self.event = None
         values = self.host.tolist()
-        return Reading(values[0], values[1], values[2] > 0, values[3], reason_from_slots(values[4:]))
+        return Reading(values[0], values[1], values[2] > 0, values[3], int(values[4]), int(values[5]), int(values[6]),
+                       reason_from_slots(values[SUMMARY:]))
 
 
 def _put(element: torch.Tensor, value) -> None:

@@ -10,7 +10,7 @@ from hpctrain.checkpoint.format import COMPLETE_MARKER, FORMAT_NAME, FORMAT_VERS
 from hpctrain.checkpoint.directory import list_checkpoints, read_latest, retire
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.reader import CheckpointReader
-from hpctrain.checkpoint.state import Snapshot, WriteItem
+from hpctrain.checkpoint.transfer import Snapshot, WriteItem
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.config import CheckpointConfig
 

@@ -22,3 +22,13 @@ def test_the_check_fails_on_a_drifted_doc(tmp_path):
     drifted = tmp_path / "configuration.md"
     drifted.write_text(text.replace("| `microbatches`", "| `micro_batches`", 1), encoding="utf-8")
     assert check(drifted).returncode == 1
+
+
+def test_the_introduction_names_every_section():
+    import dataclasses
+
+    from hpctrain.config import Config
+
+    intro = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8").split("## Overrides")[0]
+    named = [s for s in (f.name for f in dataclasses.fields(Config)) if f"`[{s}]`" in intro]
+    assert named == [f.name for f in dataclasses.fields(Config)], named

@@ -1,14 +1,14 @@
-"""Context parallelism's pieces on one process (hpctrain/parallel/context_parallel.py): the zig-zag chunk
+"""Context parallelism's pieces on one process (hpctrain/parallel/context_parallel.py): the zig-zag stripe
 assignment, the block plan, the log-sum-exp merge, and ring attention on a ring of one rank; the ring on
 real ranks is tests/mpi/test_ring_attention.py."""
 import pytest
 import torch
 
 from hpctrain.parallel.context_parallel import (RingStats, block_attention, block_plan, causal_window_mask,
-                                                merge_partials, ring_attention, zigzag_chunks, zigzag_merge,
+                                                merge_partials, ring_attention, zigzag_stripes, zigzag_merge,
                                                 zigzag_positions, zigzag_split)
 from hpctrain.parallel.cp_comm import ring_plan
-from hpctrain.parallel.rendezvous import strict_rendezvous_completes
+from hpctrain.parallel.schedules import rendezvous_completes
 from ring_helpers import reference_attention, ring_of_threads
 
 
@@ -22,7 +22,7 @@ def test_zigzag_covers_every_position_once_and_round_trips(cp):
     for r, part in enumerate(parts):
         assert part.shape == (2, seq // cp, 5)
         assert torch.equal(part[0, :, 0], positions[r])
-        first, second = zigzag_chunks(r, cp)
+        first, second = zigzag_stripes(r, cp)
         assert positions[r][0] == first * 3 and positions[r][-1] == second * 3 + 2
     assert torch.equal(zigzag_merge(parts), x)
     y = torch.randn(4, 3, seq, 2)
@@ -55,18 +55,18 @@ def test_lse_merge_of_two_key_halves_is_full_softmax_attention():
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
 def test_block_plan_balances_causal_work_and_skips_outside_the_window(cp):
-    chunk = 6
-    seq = 2 * cp * chunk
+    stripe = 6
+    seq = 2 * cp * stripe
     pos = torch.arange(seq)
-    for window in (0, 1, 5, chunk * 3, seq):
+    for window in (0, 1, 5, stripe * 3, seq):
         allowed = causal_window_mask(pos, pos, window)
-        for tile in (0, 4, 3, 1):  # whole chunks; tiles of 4 + 2; of 3; single tokens
+        for tile in (0, 4, 3, 1):  # whole stripes; tiles of 4 + 2; of 3; single tokens
             per_rank = []
             for r in range(cp):
                 q_pos, plan = zigzag_positions(seq, r, cp), []
                 for src in range(cp):
                     k_pos = zigzag_positions(seq, src, cp)
-                    for block in block_plan(r, src, cp, chunk, window, tile):
+                    for block in block_plan(r, src, cp, stripe, window, tile):
                         mask = allowed[q_pos[block.q]][:, k_pos[block.k]]  # the kind agrees with the tokens' mask
                         assert block.kind == ("skip" if not mask.any() else "full" if mask.all() else "masked")
                         assert block.q_first == q_pos[block.q][0] and block.k_first == k_pos[block.k][0]
@@ -74,10 +74,10 @@ def test_block_plan_balances_causal_work_and_skips_outside_the_window(cp):
                 # every (query, key) pair in exactly one block
                 assert sum((b.q.stop - b.q.start) * (b.k.stop - b.k.start) for b in plan) == cp * (seq // cp) ** 2
                 per_rank.append(sum(block.kind != "skip" for block in plan))
-            if tile == 0 and window in (0, seq):  # full causal: the lower triangle of chunk pairs, evenly
+            if tile == 0 and window in (0, seq):  # full causal: the lower triangle of stripe pairs, evenly
                 assert per_rank == [2 * cp + 1] * cp
-            if tile == 0:  # exactly the chunk pairs with a visible key
-                assert sum(per_rank) == allowed.view(2 * cp, chunk, 2 * cp, chunk).any(3).any(1).sum()
+            if tile == 0:  # exactly the stripe pairs with a visible key
+                assert sum(per_rank) == allowed.view(2 * cp, stripe, 2 * cp, stripe).any(3).any(1).sum()
             if window == 5 and cp > 1 and tile == 0:
                 assert sum(per_rank) < 2 * cp * (2 * cp + 1) // 2
 
@@ -97,7 +97,7 @@ def test_ring_of_one_rank_is_attention(heads, kv_heads, window, tile):
     assert torch.allclose(out, expected, rtol=0, atol=1e-12)
     for g, w in zip(got, want):
         assert torch.allclose(g, w, rtol=0, atol=1e-12), (g - w).abs().max()
-    if tile == 0:  # 2 chunks of 6 tokens: (0, 1) is in the future; forward + backward
+    if tile == 0:  # 2 stripes of 6 tokens: (0, 1) is in the future; forward + backward
         assert stats.computed + stats.skipped == 2 * 4 and stats.computed == 2 * 3
     else:  # 4 tiles of 4 + 2 tokens
         assert stats.computed + stats.skipped == 2 * 16 and stats.computed < 2 * 16
@@ -138,7 +138,7 @@ def test_ring_of_threads_is_attention(cp, heads, kv_heads, window, tile):
         assert torch.allclose(merged, ref, rtol=0, atol=1e-12)
     assert all(len(plan) == 3 * cp - 2 for plan in plans)
     assert plans == [ring_plan(r, cp) for r in range(cp)]  # the plan as issued is the documented one
-    assert strict_rendezvous_completes(plans)  # and cannot deadlock, even on NCCL
+    assert rendezvous_completes(plans)  # and cannot deadlock, even on NCCL
 
 
 def test_the_strict_model_detects_a_ring_deadlock():
@@ -146,10 +146,10 @@ def test_the_strict_model_detects_a_ring_deadlock():
     cp = 3
     ungrouped = [[[("send", (r + 1) % cp, 0)], [("recv", (r - 1) % cp, 0)]] for r in range(cp)]
     grouped = [[[("send", (r + 1) % cp, 0), ("recv", (r - 1) % cp, 0)]] for r in range(cp)]
-    assert not strict_rendezvous_completes(ungrouped)
-    assert strict_rendezvous_completes(grouped)
+    assert not rendezvous_completes(ungrouped)
+    assert rendezvous_completes(grouped)
     mislabelled = [[[("send", (r + 1) % cp, 0 if r else 1), ("recv", (r - 1) % cp, 0)]] for r in range(cp)]
-    assert not strict_rendezvous_completes(mislabelled)
+    assert not rendezvous_completes(mislabelled)
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4, 5, 8, 16])
@@ -157,10 +157,10 @@ def test_the_ring_plan_cannot_deadlock_at_any_size(cp):
     """The deadlock simulator over the ring's documented send/recv plan (cp_comm.ring_plan); swapping two
     posts of one rank (a dK/dV pass before its K/V pass) breaks the pairwise order and is caught."""
     plans = [ring_plan(r, cp) for r in range(cp)]
-    assert all(len(plan) == 3 * cp - 2 for plan in plans) and strict_rendezvous_completes(plans)
+    assert all(len(plan) == 3 * cp - 2 for plan in plans) and rendezvous_completes(plans)
     swapped = [list(plan) for plan in plans]
     swapped[0][cp - 1], swapped[0][cp] = swapped[0][cp], swapped[0][cp - 1]  # backward's first KV <-> GRAD
-    assert not strict_rendezvous_completes(swapped)
+    assert not rendezvous_completes(swapped)
 
 
 def test_a_long_sequence_with_a_short_window_skips_blocks_on_one_rank_and_equals_the_sdpa_mask(monkeypatch):

@@ -17,8 +17,8 @@ from hpctrain.checkpoint.weights import load_model, open_checkpoint  # noqa: E40
 from hpctrain.cli import dispatch  # noqa: E402
 from hpctrain.config import Config, ModelConfig  # noqa: E402
 from hpctrain.errors import HpcTrainError  # noqa: E402
-from hpctrain.interop.cli import write_weights_only  # noqa: E402
 from hpctrain.interop.hf import HFError, HFModelDir, hf_name, parameter_shapes, supported_tp  # noqa: E402
+from hpctrain.interop.staging import write_weights_only  # noqa: E402
 from hpctrain.models.gpt import GPTStage  # noqa: E402
 from hpctrain.parallel.layout import Layout  # noqa: E402
 

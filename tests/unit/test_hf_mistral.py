@@ -19,9 +19,9 @@ from hpctrain.checkpoint.weights import load_model, open_checkpoint  # noqa: E40
 from hpctrain.cli import dispatch  # noqa: E402
 from hpctrain.config import Config, ConfigError, ModelConfig, validate  # noqa: E402
 from hpctrain.errors import HpcTrainError  # noqa: E402
-from hpctrain.interop.cli import write_weights_only  # noqa: E402
 from hpctrain.interop.hf import HFError, HFModelDir, parameter_shapes  # noqa: E402
 from hpctrain.interop.sources import check_same_model  # noqa: E402
+from hpctrain.interop.staging import write_weights_only  # noqa: E402
 from hpctrain.tools.generate import generate_ids  # noqa: E402
 
 WINDOW = 8

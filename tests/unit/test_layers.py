@@ -1,13 +1,15 @@
 """The layer table (hpctrain/layers.py) holds for every import in hpctrain/, function-level ones included:
-each points to its module's layer or one below, nothing imports in a cycle, and docs/architecture.md
-shows the same table."""
+each points to its module's layer or one below, nothing imports in a cycle, the layers of NO_TORCH_LAYERS
+import neither torch nor mpi4py, and docs/architecture.md shows the same table."""
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from hpctrain.layers import LAYERS, ROOT, layer_of, unit_of
+from hpctrain.layers import LAYERS, NO_TORCH_LAYERS, ROOT, layer_of, unit_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,6 +102,26 @@ def unit_cycles(root: Path) -> list[str]:
     return [" <-> ".join(c) for c in cycles(edges)]
 
 
+HEAVY = ("torch", "mpi4py")
+
+
+def no_torch_modules(root: Path) -> dict[str, Path]:
+    units = {unit for name, layer in LAYERS if name in NO_TORCH_LAYERS for unit in layer}
+    return {module: path for module, path in modules(root).items() if unit_of(module) in units}
+
+
+def heavy_imports(root: Path) -> list[str]:
+    """file:line for every torch or mpi4py import in a module of a NO_TORCH_LAYERS layer, function-level too."""
+    found = []
+    for module, path in no_torch_modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.relative_to(root)}:{node.lineno}: {module} (layer {LAYERS[layer_of(module)][0]}) "
+                      f"imports {name}" for name in names if name.split(".")[0] in HEAVY]
+    return sorted(found)
+
+
 def test_every_module_has_a_layer():
     for module in modules(REPO):
         unit_of(module)  # raises, naming the module
@@ -107,6 +129,20 @@ def test_every_module_has_a_layer():
 
 def test_every_import_points_to_its_layer_or_below():
     assert violations(REPO) == []
+
+
+def test_the_no_torch_layers_import_neither_torch_nor_mpi4py():
+    assert heavy_imports(REPO) == []
+
+
+def test_importing_the_no_torch_layers_loads_neither_torch_nor_mpi4py():
+    """What they import from other layers (runtime, profiling, the parent packages) is light at import too."""
+    names = sorted(no_torch_modules(REPO))
+    assert "hpctrain.plan.planner" in names and "hpctrain.sweep.runs" in names
+    code = (f"import importlib, sys\nfor m in {names!r}: importlib.import_module(m)\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout.strip()) == (0, "[]"), out.stderr
 
 
 def test_no_import_cycle_between_modules():
@@ -140,6 +176,15 @@ def test_the_checker_resolves_relative_and_submodule_imports(tmp_path):
     assert violations(tmp_path) == [
         "hpctrain/comm/watchdog.py:1: hpctrain.comm.watchdog (layer collectives) imports hpctrain.comm.grid "
         "(layer grid, above it)"]
+
+
+def test_the_checker_names_a_torch_import_in_a_no_torch_layer(tmp_path):
+    write(tmp_path, "hpctrain/plan/cost.py", "import math\n\n\ndef f():\n    import torch.nn\n")
+    write(tmp_path, "hpctrain/sweep/runs.py", "from mpi4py import MPI\n")
+    write(tmp_path, "hpctrain/train/loop.py", "import torch\n")
+    assert heavy_imports(tmp_path) == [
+        "hpctrain/plan/cost.py:5: hpctrain.plan.cost (layer plan) imports torch.nn",
+        "hpctrain/sweep/runs.py:1: hpctrain.sweep.runs (layer sweep) imports mpi4py"]
 
 
 def test_the_checker_finds_a_cycle_through_a_function_level_import(tmp_path):

@@ -76,7 +76,7 @@ def test_interleaved_layout_and_its_layers():
     """Each virtual stage (chunk c of rank r is v = c pp + r) gets its layers; the embedding on v = 0 and
     the head on the last; stage_layers lists virtual stages."""
     from hpctrain.config import resolve_model
-    from hpctrain.train.trainer import build_chunks
+    from hpctrain.train.build import build_stages
 
     overrides = ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.n_layers=6",
                  "parallel.stage_layers=1,2,2,1", "parallel.tp=1"]
@@ -84,12 +84,12 @@ def test_interleaved_layout_and_its_layers():
     assert (lay.virtual_stages, lay.pp_size) == (2, 2)
     cfg = load_config("configs/tiny.toml", overrides)
     m = resolve_model(cfg.model)
-    rank0, rank1 = (build_chunks(m, lay, r, None, torch.float64, 0, False) for r in (0, 1))
+    rank0, rank1 = (build_stages(m, lay, r, None, torch.float64, 0, False) for r in (0, 1))
     assert [c.layer_range for c in rank0] == [(0, 1), (3, 5)] and [c.layer_range for c in rank1] == [(1, 3), (5, 6)]
     assert [(c.is_first, c.is_last) for c in rank0 + rank1] == [(True, False), (False, False), (False, False),
                                                                  (False, True)]
     balanced = layout(2, *overrides[:3], "parallel.tp=1")
-    ranges = [c.layer_range for r in (0, 1) for c in build_chunks(m, balanced, r, None, torch.float64, 0, False)]
+    ranges = [c.layer_range for r in (0, 1) for c in build_stages(m, balanced, r, None, torch.float64, 0, False)]
     assert ranges == [(0, 1), (3, 5), (1, 3), (5, 6)]  # the embedding and head weigh 1/4 block each here
 
 

@@ -43,7 +43,7 @@ def test_one_rank_holds_what_the_trainer_builds():
     grid = ProcessGrid.from_config(cfg, discover(MPI.COMM_SELF), mpi_world=MPI.COMM_SELF, timeout_s=60)
     try:
         trainer = Trainer(cfg, grid, tokens=load_tokens_collective(None, "builtin", None, 60000))
-        built = sum(p.numel() for p in trainer.local_model.parameters())
+        built = sum(p.numel() for p in trainer.parts.local_model.parameters())
     finally:
         grid.close()
     assert sum(rank_parameters(resolve_model(cfg.model), 1, 1, 0).values()) == built

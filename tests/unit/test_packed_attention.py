@@ -103,7 +103,7 @@ def test_trainer_loss_is_the_hand_computed_masked_cross_entropy(tmp_path):
     grid = ProcessGrid.from_config(cfg, discover(MPI.COMM_SELF), mpi_world=MPI.COMM_SELF, timeout_s=60)
     try:
         trainer = Trainer(cfg, grid, tokens=tokens)
-        stage = trainer.chunks[0]
+        stage = trainer.parts.stages[0]
 
         def by_hand(sampler, start):
             inputs, targets, mask, docs = sampler.batch(start, 4)
@@ -119,9 +119,9 @@ def test_trainer_loss_is_the_hand_computed_masked_cross_entropy(tmp_path):
             assert count == sampler.counted(start, 4) > 0
             return total / count
 
-        valid = by_hand(trainer.valid_sampler, 0)
+        valid = by_hand(trainer.parts.data.valid_sampler, 0)
         assert trainer.evaluate() == pytest.approx(valid, rel=1e-12)
-        first = by_hand(trainer.sampler, 0)
+        first = by_hand(trainer.parts.data.sampler, 0)
         assert trainer.train_step().loss == pytest.approx(first, rel=1e-12)
     finally:
         grid.close()

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters in and out (hpctrain/interop/peft.py, peft_cli.py): export -> peft.PeftModel logits,
+"""PEFT LoRA adapters in and out (hpctrain/interop/peft.py, commands/peft.py): export -> peft.PeftModel logits,
 a peft-saved adapter -> import-peft -> hpctrain logits, merged export -> transformers logits, greedy
 generation = transformers + peft, bad input. One process, float64, models built locally by transformers."""
 import json

@@ -2,9 +2,20 @@
 import pytest
 
 from hpctrain.optim.loss_scale import DynamicLossScaler
-from hpctrain.parallel.pipeline_parallel import (bubble_fraction, p2p_posts, posts_complete, schedule_actions,
-                                                 simulate)
-from hpctrain.parallel.schedules import in_order, schedule_steps, step_posts, timeline
+from hpctrain.parallel.pipeline_parallel import bubble_fraction, p2p_posts, schedule_actions, simulate
+from hpctrain.parallel.schedules import labelled, rendezvous_completes, schedule_steps, step_posts, timeline
+
+
+def posts_complete(plans, virtual_stages=1) -> bool:
+    """Pipeline posts (``p2p_posts`` per pp rank) under the strict rendezvous model, as ``simulate`` runs them."""
+    return rendezvous_completes(labelled(plans, virtual_stages))
+
+
+def in_order(plans, virtual_stages=1) -> bool:
+    """Whether, for every ordered pair of ranks, the n-th send carries the message of the n-th receive: the
+    same check with every rank posting all its operations at once (then nothing can block on a rendezvous,
+    only a message the receiver does not expect stays unmatched)."""
+    return posts_complete([[[op for post in plan for op in post]] for plan in plans], virtual_stages)
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
@@ -50,18 +61,19 @@ def test_bubble_fraction():
     assert bubble_fraction(1, 8) == 0
 
 
-@pytest.mark.parametrize("kind,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3),
-                                         ("interleaved", 4)])
+@pytest.mark.parametrize("kind,virtual_stages", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                                 ("interleaved", 3), ("interleaved", 4)])
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("groups", [1, 2, 4])
-def test_the_schedule_data_idles_for_bubble_fraction(kind, chunks, stages, groups):
-    """Timing the action lists (forward 1 unit, backward 2, one chunk) gives the bubble that start-up prints."""
+def test_the_schedule_data_idles_for_bubble_fraction(kind, virtual_stages, stages, groups):
+    """Timing the action lists (forward 1 unit, backward 2, per virtual stage) gives the bubble that start-up
+    prints."""
     m = groups * stages
-    rows = timeline(kind, stages, m, chunks)
+    rows = timeline(kind, stages, m, virtual_stages)
     span = max(end for row in rows for _, end, _ in row)
-    ideal = 3 * m * chunks
+    ideal = 3 * m * virtual_stages
     assert all(sum(e - s for s, e, _ in row) == ideal for row in rows)
-    assert (span - ideal) / ideal == pytest.approx(bubble_fraction(stages, m, chunks))
+    assert (span - ideal) / ideal == pytest.approx(bubble_fraction(stages, m, virtual_stages))
 
 
 def test_unknown_schedule():
@@ -92,45 +104,45 @@ def test_grouped_posts_avoid_the_nccl_deadlock_of_ungrouped_sends():
 
 
 def test_every_send_has_one_matching_receive():
-    for kind, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)):
+    for kind, virtual_stages in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)):
         for stages in (2, 3, 4):
-            for m in (1, 2, 5) if chunks == 1 else (stages, 2 * stages):
-                ops = {s: [op for post in p2p_posts(kind, s, stages, m, chunks) for op in post]
+            for m in (1, 2, 5) if virtual_stages == 1 else (stages, 2 * stages):
+                ops = {s: [op for post in p2p_posts(kind, s, stages, m, virtual_stages) for op in post]
                        for s in range(stages)}
                 sends = sorted((s, peer, a, i) for s in ops for k, a, i, peer, _ in ops[s] if k == "send")
                 recvs = sorted((peer, s, a, i) for s in ops for k, a, i, peer, _ in ops[s] if k == "recv")
-                assert sends == recvs and len(sends) == 2 * m * (stages * chunks - 1)
+                assert sends == recvs and len(sends) == 2 * m * (stages * virtual_stages - 1)
 
 
 @pytest.mark.parametrize("stages", range(2, 9))
-@pytest.mark.parametrize("chunks", [2, 3, 4])
-def test_interleaved_is_complete_ordered_and_deadlock_free(stages, chunks):
-    """Every (pp, V, M) with M a multiple of pp up to 4 pp: each rank runs every (micro-batch, chunk) forward
-    and backward once, a forward after its input exists, and the posts complete in order under strict
+@pytest.mark.parametrize("virtual_stages", [2, 3, 4])
+def test_interleaved_is_complete_ordered_and_deadlock_free(stages, virtual_stages):
+    """Every (pp, V, M) with M a multiple of pp up to 4 pp: each rank runs every (micro-batch, virtual stage)
+    forward and backward once, a forward after its input exists, and the posts complete in order under strict
     rendezvous (training and forward-only)."""
     for m in range(stages, 4 * stages + 1, stages):
         for stage in range(stages):
-            actions = schedule_actions("interleaved", stage, stages, m, chunks)
-            units = [(i, c) for i in range(m) for c in range(chunks)]
+            actions = schedule_actions("interleaved", stage, stages, m, virtual_stages)
+            units = [(i, c) for i in range(m) for c in range(virtual_stages)]
             assert sorted(actions) == sorted([("F", *u) for u in units] + [("B", *u) for u in units])
             for u in units:
                 assert actions.index(("F", *u)) < actions.index(("B", *u))
-            # Megatron's order: forwards chunk-major in groups of pp micro-batches, backwards from the last chunk
+            # Megatron's order: forwards by virtual stage in groups of pp micro-batches, backwards from the last
             forwards = [(i, c) for op, i, c in actions if op == "F"]
             assert forwards[:stages] == [(i, 0) for i in range(stages)]
             assert forwards[stages] == (0, 1)
-            assert [c for op, _, c in actions if op == "B"][0] == chunks - 1
-        assert simulate("interleaved", stages, m, chunks), (stages, chunks, m)
-        assert simulate("interleaved", stages, m, chunks, forward_only=True), (stages, chunks, m)
+            assert [c for op, _, c in actions if op == "B"][0] == virtual_stages - 1
+        assert simulate("interleaved", stages, m, virtual_stages), (stages, virtual_stages, m)
+        assert simulate("interleaved", stages, m, virtual_stages, forward_only=True), (stages, virtual_stages, m)
 
 
 def test_interleaved_warmup_is_megatrons():
     """(pp - r - 1) * 2 + (V - 1) * pp forwards before the first backward, all of them when M == pp."""
-    for stages, chunks, m in ((4, 2, 8), (4, 3, 12), (2, 2, 6)):
+    for stages, virtual_stages, m in ((4, 2, 8), (4, 3, 12), (2, 2, 6)):
         for r in range(stages):
-            actions = schedule_actions("interleaved", r, stages, m, chunks)
+            actions = schedule_actions("interleaved", r, stages, m, virtual_stages)
             first_b = next(k for k, a in enumerate(actions) if a[0] == "B")
-            assert first_b == min((stages - r - 1) * 2 + (chunks - 1) * stages, m * chunks) + 1
+            assert first_b == min((stages - r - 1) * 2 + (virtual_stages - 1) * stages, m * virtual_stages) + 1
     assert [a[0] for a in schedule_actions("interleaved", 3, 4, 4, 2)] == ["F"] * 8 + ["B"] * 8
 
 

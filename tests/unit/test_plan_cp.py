@@ -41,12 +41,12 @@ def test_ring_pairs_count_the_blocks_ring_attention_computes(seq, cp, window, ti
     """The planner's count (pure arithmetic) against the block plan ring_attention runs and a brute count of
     the visible (query, key) pairs, per step, the busiest rank."""
     work = ring_pairs(seq, cp, window, tile)
-    chunk = seq // (2 * cp)
+    stripe = seq // (2 * cp)
     for step in range(cp):
         computed, visible = [], []
         for rank in range(cp):
             owner = (rank - step) % cp
-            blocks = block_plan(rank, owner, cp, chunk, window, tile)
+            blocks = block_plan(rank, owner, cp, stripe, window, tile)
             computed.append(sum((b.q.stop - b.q.start) * (b.k.stop - b.k.start) for b in blocks if b.kind != "skip"))
             mask = causal_window_mask(zigzag_positions(seq, rank, cp), zigzag_positions(seq, owner, cp), window)
             visible.append(int(mask.sum()))

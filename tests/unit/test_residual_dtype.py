@@ -74,7 +74,7 @@ def train(tokens, steps: int, *overrides):
     try:
         trainer = Trainer(cfg, grid, tokens=tokens)
         losses = [trainer.train_step().loss for _ in range(steps)]
-        return trainer.executor.act_dtype, losses, trainer.evaluate()
+        return trainer.parts.executor.act_dtype, losses, trainer.evaluate()
     finally:
         grid.close()
 

@@ -37,7 +37,7 @@ def contract_names() -> set[str]:
     """Every name the contract defines: TrainState's and ReducerState's members, the dataclasses' fields
     and methods."""
     names = members(contract.TrainState) | members(contract.ReducerState)
-    for cls in (contract.ModelPiece, contract.OwnedRange, contract.OptimizerPiece, contract.TrainTensors,
+    for cls in (contract.ModelSlab, contract.OwnedRange, contract.OptimizerPiece, contract.TrainTensors,
                 contract.RootState):
         names |= {f.name for f in dataclasses.fields(cls)} | {n for n, v in vars(cls).items()
                                                              if callable(v) and n[0] != "_"}
@@ -129,7 +129,7 @@ def params(*specs, dtype=torch.float32):
 
 
 def stand_in_trainer(ps, *, dp_rank, zero, tp_rank=0, frozen=()):
-    """What TrainerState reads of a Trainer, built from real FlatParams and FlatOptimizer over a fake dp group;
+    """What TrainerState reads of a Trainer (its step and ``parts``), built from real FlatParams and FlatOptimizer over a fake dp group;
     ``frozen``: parameters of the model outside them (requires_grad=False: a LoRA run's base)."""
     flat = FlatParams(ps, SimpleNamespace(size=2, rank=dp_rank), zero=zero)
     for p in frozen:
@@ -139,11 +139,11 @@ def stand_in_trainer(ps, *, dp_rank, zero, tp_rank=0, frozen=()):
                            coords={"dp": dp_rank, "tp": tp_rank, "pp": 0, "cp": 0})
     cfg = SimpleNamespace(parallel=SimpleNamespace(zero=int(zero)))
     state_dict = lambda: {"position": 7}  # noqa: E731
-    return SimpleNamespace(grid=grid, cfg=cfg, model_cfg="model", timer="timer", flat=flat, step=5,
-                           local_model=local_model,
-                           optimizer=FlatOptimizer(flat, SimpleNamespace(), tp_rank=tp_rank),
-                           batches=SimpleNamespace(state_dict=state_dict),
-                           scaler=SimpleNamespace(state_dict=lambda: {}, enabled=False))
+    parts = SimpleNamespace(model_cfg="model", timer="timer", flat=flat, reducer=flat.reducer,
+                            local_model=local_model, optimizer=FlatOptimizer(flat, SimpleNamespace(), tp_rank=tp_rank),
+                            data=SimpleNamespace(batches=SimpleNamespace(state_dict=state_dict)),
+                            scaler=SimpleNamespace(state_dict=lambda: {}, enabled=False))
+    return SimpleNamespace(grid=grid, cfg=cfg, step=5, parts=parts)
 
 
 def test_trainer_state_maps_owned_pieces_and_who_writes():
@@ -187,11 +187,11 @@ def test_frozen_parameters_are_model_pieces_without_optimizer_state_written_once
 
 def test_trainer_state_root_state_and_step_counters():
     trainer = stand_in_trainer(params(SlabSpec("w", (2, 2))), dp_rank=0, zero=False)
-    trainer.optimizer.step_count = 4
+    trainer.parts.optimizer.step_count = 4
     state = TrainerState(trainer)
     assert state.root_state() == contract.RootState(5, 4, {"position": 7}, {})
     state.set_steps(11, 9)
-    assert (trainer.step, trainer.optimizer.step_count) == (11, 9)
+    assert (trainer.step, trainer.parts.optimizer.step_count) == (11, 9)
     state.load_loss_scaler({"scale": 2.0})  # no loss scaling in this run: ignored
 
 

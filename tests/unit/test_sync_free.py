@@ -18,6 +18,10 @@ BASE = ["data.source=builtin", "data.max_bytes=60000", "train.seq_len=16", "trai
         "parallel.microbatches=2", "train.warmup_steps=1", "train.lr=1e-2"]
 
 
+# when the host reads a step's verdict (hpctrain/train/outcomes.py): (read_before_update, may_defer)
+READS = {"before": (True, False), "after": (False, False), "late": (False, True)}
+
+
 @pytest.fixture(scope="module")
 def tokens():
     return load_tokens_collective(None, "builtin", None, 60000)
@@ -30,24 +34,27 @@ def run(tokens, readback: str, steps: int, *overrides, nan_at=(), defer=True):
     grid = ProcessGrid.from_config(cfg, discover(MPI.COMM_SELF), mpi_world=MPI.COMM_SELF, timeout_s=60)
     try:
         trainer = Trainer(cfg, grid, tokens=tokens)
-        assert trainer.readback == "late"  # what a run uses (a dense dp reduction, no 1-bit Adam)
-        trainer.readback = readback
-        reduce = trainer.flat.finish_reduction
+        outcomes = trainer.outcomes  # a run reads late (a dense dp reduction, no 1-bit Adam)
+        assert outcomes.may_defer and not outcomes.read_before_update
+        outcomes.read_before_update, outcomes.may_defer = READS[readback]
+        flat = trainer.parts.flat
+        reduce = flat.finish_reduction
 
         def poisoned():  # an overflow in the dp reduction: every rank's norm is NaN
             reduce()
             if trainer.step + 1 in nan_at:
-                trainer.flat.grad_buffer[3] = float("nan")
-        trainer.flat.finish_reduction = poisoned
+                flat.grad_buffer[3] = float("nan")
+        flat.finish_reduction = poisoned
         taken = []
         for _ in range(steps):
             taken.append(trainer.train_step(defer=defer))
             if trainer.diverged:
                 break
         trainer.read_pending()
-        assert all(m.loss is not None for m in trainer.resolved) and trainer.pending is None
-        rows = [(m.loss, m.grad_norm, m.skipped, m.loss_scale) for m in trainer.resolved]
-        return (rows, trainer.flat.param_buffer.clone(), trainer.optimizer.step_count, trainer.step,
+        finished = trainer.finished_steps()
+        assert all(m.loss is not None for m in finished) and outcomes.pending is None
+        rows = [(m.loss, m.grad_norm, m.skipped, m.loss_scale) for m in finished]
+        return (rows, flat.param_buffer.clone(), trainer.parts.optimizer.step_count, trainer.step,
                 trainer.diverged)
     finally:
         grid.close()
@@ -95,7 +102,7 @@ def test_float16_scale_changes_on_the_device_equal_the_host_decisions(tokens):
 
 def test_a_huge_initial_float16_scale_halves_until_it_trains_and_only_minimum_scale_overflows_count(tokens):
     """train.loss_scale=1e12 overflows ~20 steps in a row while halving: not divergence (the scaler's search),
-    so even max_skipped_steps=2 lets it recover; device and host agree on every step (checked at each read)."""
+    so even max_skipped_steps=2 lets it recover; the host follows the device's scale at each read."""
     big = ("train.dtype=float16", "train.loss_scale=1e12", "train.max_skipped_steps=2")
     before, late = run(tokens, "before", 28, *big), run(tokens, "late", 28, *big)
     skipped = [r[2] for r in before[0]]
@@ -113,14 +120,18 @@ def test_a_huge_initial_float16_scale_halves_until_it_trains_and_only_minimum_sc
     assert late[0] == before[0] and torch.equal(late[1], before[1])
 
 
-def test_the_device_scale_rule_is_the_hosts():
-    """Halving (down to the minimum), growth every ``growth_interval`` good steps, a reset on overflow, load."""
-    host, device = (DynamicLossScaler(8.0, growth_interval=2, min_scale=2.0) for _ in range(2))
+def test_the_device_scale_rule_and_the_host_following_it():
+    """Halving (down to the minimum), growth every ``growth_interval`` good steps, a reset on overflow, load;
+    the host's copy follows the device's."""
+    device = DynamicLossScaler(8.0, growth_interval=2, min_scale=2.0)
+    scales = []
     for finite in (True, True, True, False, False, False, False, True, True, True, True):
-        host.update(2.0 if finite else float("inf"))
         device.update_on_device(torch.tensor(finite))
-        assert device.scale_tensor.item() == host.scale and device.good_tensor.item() == host.good_steps
-    assert host.scale == 8.0  # 8 -> 16 (2 good) -> 8 -> 4 -> 2 -> 2 (the minimum) -> 4 (2 good) -> 8 (4 good)
+        scales.append(device.scale_tensor.item())
+    # 8 -> 16 (2 good) -> 8 -> 4 -> 2 -> 2 (the minimum) -> 4 (2 good) -> 8 (4 good)
+    assert scales == [8.0, 16.0, 16.0, 8.0, 4.0, 2.0, 2.0, 2.0, 4.0, 4.0, 8.0] and device.good_tensor.item() == 4
+    device.follow(device.scale_tensor.item(), int(device.good_tensor.item()))
+    assert device.state_dict() == {"scale": 8.0, "good_steps": 4}
     device.load_state_dict({"scale": 64.0, "good_steps": 1})
     device.update_on_device(torch.tensor(True))
     assert device.scale_tensor.item() == 128.0

@@ -22,6 +22,8 @@ from hpctrain.models.compile import compile_report
 from hpctrain.runtime.launcher import discover
 from hpctrain.train.trainer import Trainer
 
+from global_params import global_parameters
+
 
 def watch_launches(flat) -> list:
     """Record, for each bucket launch, (launched before finish_reduction, grads still awaited elsewhere)."""
@@ -45,11 +47,11 @@ def watch_launches(flat) -> list:
 def train(cfg, world, tokens, steps):
     grid = ProcessGrid.from_config(cfg, discover(world), mpi_world=world, timeout_s=300)
     trainer = Trainer(cfg, grid, tokens=tokens)
-    launches = watch_launches(trainer.flat)
+    launches = watch_launches(trainer.parts.flat)
     losses = [trainer.train_step().loss for _ in range(steps)]
-    report = compile_report(trainer.compile_since) if trainer.compiled else None
-    params = trainer.global_parameters()
-    regular = sum(not b.deferred for b in trainer.flat.buckets)
+    report = compile_report(trainer.parts.compile_since) if trainer.parts.compiled else None
+    params = global_parameters(trainer)
+    regular = sum(not b.deferred for b in trainer.parts.flat.buckets)
     grid.close()
     return losses, params, launches, regular, report
 

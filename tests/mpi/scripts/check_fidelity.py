@@ -21,18 +21,20 @@ from hpctrain.parallel.lora import is_adapter
 from hpctrain.runtime.launcher import discover
 from hpctrain.train.trainer import Trainer
 
+from global_params import global_parameters
+
 
 def train(cfg, mpi_world, tokens, steps):
     info = discover(mpi_world)
     grid = ProcessGrid.from_config(cfg, info, mpi_world=mpi_world, timeout_s=120)
     trainer = Trainer(cfg, grid, tokens=tokens)
-    initial = trainer.global_parameters() if cfg.lora.rank else None
+    initial = global_parameters(trainer) if cfg.lora.rank else None
     losses = [trainer.train_step().loss for _ in range(steps)]
-    for p in trainer.local_model.parameters():  # vocabulary padding rows: never trained, exactly zero
+    for p in trainer.parts.local_model.parameters():  # vocabulary padding rows: never trained, exactly zero
         pad = p.spec.valid_shape[0] if p.spec.padded_dim is not None else p.shape[0]
         grad = p.main_grad[pad:] if p.requires_grad else torch.zeros(0)
         assert not p.detach()[pad:].any() and not grad.any(), f"{p.spec.name}: padding rows changed"
-    params = trainer.global_parameters()
+    params = global_parameters(trainer)
     if cfg.lora.rank:
         check_lora(trainer, initial, params)
     route = grid.intra_node  # how dp reduced CPU floats (comm.intra_node): shm, shm-hierarchical or mpi
@@ -44,8 +46,8 @@ def check_lora(trainer, initial, params):
     """A LoRA run: only the adapters are in the flat buffers (no grad, no optimizer state for the base);
     on world rank 0 (``params`` not None): every frozen weight is bit-identical to its initial value, every
     adapter factor moved."""
-    assert all(is_adapter(p.spec.name) for p in trainer.flat.params), "a frozen weight in the flat buffers"
-    for p in trainer.local_model.parameters():
+    assert all(is_adapter(p.spec.name) for p in trainer.parts.flat.params), "a frozen weight in the flat buffers"
+    for p in trainer.parts.local_model.parameters():
         assert p.requires_grad == is_adapter(p.spec.name) and (p.requires_grad or p.grad is None), p.spec.name
     if params is None:
         return

@@ -43,7 +43,7 @@ def audited_steps(cfg, world, tokens, steps: int) -> list[str]:
         if cuda:
             torch.cuda.set_sync_debug_mode("default")
     trainer.read_pending()
-    assert trainer.diverged is None and len(trainer.resolved) == steps + 1, trainer.resolved
+    assert trainer.diverged is None and len(trainer.finished_steps()) == steps + 1
     grid.close()
     return audit.lines() + [f"cuda sync debug: {text}" for text in sync_warnings(caught)]
 

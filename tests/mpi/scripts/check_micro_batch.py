@@ -20,12 +20,14 @@ from hpctrain.data.corpus import load_tokens_collective
 from hpctrain.runtime.launcher import discover
 from hpctrain.train.trainer import Trainer
 
+from global_params import global_parameters
+
 
 def train(cfg, mpi_comm, tokens, steps):
     """Losses, global parameters (world rank 0 of ``mpi_comm``), reductions per step and dp bytes per step."""
     grid = ProcessGrid.from_config(cfg, discover(mpi_comm), mpi_world=mpi_comm, timeout_s=120)
     trainer = Trainer(cfg, grid, tokens=tokens)
-    flat, starts = trainer.flat, []
+    flat, starts = trainer.parts.flat, []
     original = flat.reducer.start
 
     def counted_start(bucket):
@@ -50,8 +52,8 @@ def train(cfg, mpi_comm, tokens, steps):
     buckets = list(range(len(flat.buckets)))
     assert all(p == buckets for p in per_step), f"buckets reduced per step {per_step}, expected each of {buckets} once"
     assert all(n > 0 for n in in_backward), f"no reduction overlapped the last backward: {in_backward}"
-    params = trainer.global_parameters()
-    micro = (trainer.layout.microbatches, trainer.micro_batch)
+    params = global_parameters(trainer)
+    micro = (trainer.parts.layout.microbatches, trainer.parts.layout.micro_batch)
     grid.close()
     return losses, params, len(starts) // steps, dp_bytes, micro
 

@@ -72,7 +72,7 @@ def check(cfg, world, tokens, steps, overflow_at=0):
     reference (which clears its errors too)."""
     grid = ProcessGrid.from_config(cfg, discover(world), mpi_world=world, timeout_s=120)
     trainer = Trainer(cfg, grid, tokens=tokens)
-    reducer, optimizer, flat = trainer.flat.reducer, trainer.optimizer, trainer.flat
+    reducer, optimizer, flat = trainer.parts.reducer, trainer.parts.optimizer, trainer.parts.flat
     replicas = flat.dp_comm.mpi
     reference = Reference(flat.dp_size, cfg.optim.beta1)
     seen = {}
@@ -89,7 +89,7 @@ def check(cfg, world, tokens, steps, overflow_at=0):
     for step in range(steps):
         seen.clear()
         if step + 1 == overflow_at:
-            trainer.scaler.load_state_dict({"scale": 2.0 ** 30, "good_steps": 0})  # host and device scale
+            trainer.parts.scaler.load_state_dict({"scale": 2.0 ** 30, "good_steps": 0})  # host and device scale
         before = {i: m.clone() for i, m in optimizer.full_momentum.items()}
         record = trainer.train_step()
         if record.skipped:

@@ -71,7 +71,7 @@ if mode.startswith("stop"):
     sys.exit(0)
 
 barrier = sys.argv[2] if len(sys.argv) > 2 else "flags"
-shm = ShmCollectives(world, capacity_bytes=1000, barrier=barrier)  # small: 8000-byte tensors go in chunks
+shm = ShmCollectives(world, capacity_bytes=1000, barrier=barrier)  # small: 8000-byte tensors go in portions
 gen = torch.Generator().manual_seed(1234 + r)
 for dtype in (torch.float64, torch.float32):
     for m in (1, 7, 125, 1001, 3000):  # elements per block / per tensor; odd, not divisible by n

@@ -234,12 +234,3 @@ def apply_state(state: TrainState, staged: StagedState) -> None:
     if staged.rng_row is not None:
         state.set_rng_state(torch.from_numpy(staged.rng_row))
     state.reducer.load_state_dict(staged.compression)
-
-
-def load_into(state: TrainState, reader) -> None:
-    """Read, check and apply a checkpoint in one go (raises CheckpointError on a problem, before the
-    run changes). The manager splits these phases to agree between them across ranks."""
-    staged = read_state(state, reader)
-    if reader.problems:
-        raise CheckpointError(f"{reader.path}: " + "; ".join(reader.problems[:3]))
-    apply_state(state, staged)

@@ -6,7 +6,7 @@ tokenizer.json). import-hf: a Llama or Mistral config.json + safetensors -> a we
 checkpoint at step 0 (``CKPT_DIR/latest``, ``CKPT_DIR/step-00000000/``) that
 ``hpctrain train --resume CKPT_DIR`` or ``model.init_from=CKPT_DIR`` starts from, in any layout.
 A LoRA run exports as hf only with ``--merge-lora`` (W + alpha/r B A); ``--format peft`` and
-``import-peft``: peft_cli.py. Both write into a temporary directory beside ``--out`` and rename it at the
+``import-peft``: peft.py. Both write into a temporary directory beside ``--out`` and rename it at the
 end: a failure leaves nothing half-written, and a non-empty ``--out`` is only replaced with ``--force``.
 """
 from __future__ import annotations
@@ -15,9 +15,8 @@ import os
 import shutil
 
 from hpctrain.errors import HpcTrainError
-from hpctrain.interop.peft_cli import add_import_parser, read_run, run_export_peft
-from hpctrain.interop.staging import (model_toml, staged_output, window_note,  # noqa: F401 - public here too
-                                      write_weights_only)
+from hpctrain.commands.peft import add_import_parser, read_run, run_export_peft
+from hpctrain.interop.staging import model_toml, staged_output, window_note, write_weights_only
 from hpctrain.runtime import env
 from hpctrain.runtime.dtypes import DTYPE_NAMES  # no torch import here: `hpctrain info` stays fast
 

@@ -1,7 +1,7 @@
 """LoRA runs in and out (one process): ``hpctrain export RUN --format peft --out DIR`` (a PEFT adapter
 directory), the merged weights of ``--format hf --merge-lora`` and ``hpctrain import-peft DIR --base BASE
 --out CKPT_DIR`` (a PEFT adapter on its base -> a weights-only step-0 checkpoint with ``[lora]`` set, that
-``train --resume`` or ``model.init_from`` continues). Outputs are staged as in cli.py: nothing is written on
+``train --resume`` or ``model.init_from`` continues). Outputs are staged as in interop.py: nothing is written on
 error, and a non-empty ``--out`` is replaced only with ``--force``.
 """
 from __future__ import annotations

@@ -1,0 +1,180 @@
+"""The composition root of a training step: ``build_step(cfg, grid, device)`` assembles every part one rank's
+step uses, in one place, asking each part what it needs (no string modes).
+
+Parts, in the order they are built (each line: the part, what it talks on):
+
+- the model: this pp rank's virtual stages (``build_stages``: tp layers over ``grid.comm("tp")``, ring
+  attention over ``grid.comm("cp")``), compiled per block (``train.compile``), with SDPA's fastest kernels
+  timed once on the device (every rank takes rank 0's choice: one allgather over the world);
+- ``FlatParams``: the trainable parameters' flat buffers and the gradient reducer over the replica group
+  ``grid.comm(grid.replica_axis)`` (dp, or dp x cp; compressed: hpctrain/compression/);
+- ``FlatOptimizer``: AdamW/SGD on the owned slices; 1-bit Adam's binding is made here and only here (the
+  variance frozen after ``compression.warmup_steps``, the momentum taken from the reducer that averages it);
+- ``PipelineExecutor``: the schedule over ``grid.comm("pp")``;
+- ``DynamicLossScaler`` (float16) and ``StepOutcomes``: the step's one world reduction and its outcome,
+  read when the reducer needs it (hpctrain/train/outcomes.py);
+- the data: the corpus (rank 0 reads, broadcast over the world) and this dp rank's batch iterator; with
+  context parallelism every cp rank of a replica reads the same samples.
+
+The torchtitan "train spec" idea, without a registry: plain builder functions, one dataclass out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from hpctrain.compression import build_reducer
+from hpctrain.config import resolve_model
+from hpctrain.data.corpus import load_tokens_collective
+from hpctrain.data.packing import samplers_for
+from hpctrain.data.prepared import check_corpus
+from hpctrain.data.sampler import GlobalBatchIterator
+from hpctrain.models.attention_backend import choose_sdpa, use_sdpa
+from hpctrain.models.compile import compile_stages, compile_wanted
+from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers, residual_dtype
+from hpctrain.optim.flat import FlatOptimizer
+from hpctrain.optim.loss_scale import DynamicLossScaler
+from hpctrain.parallel.data_parallel import FlatParams
+from hpctrain.parallel.layout import Layout
+from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
+from hpctrain.profiling.timers import PhaseTimer
+from hpctrain.runtime import env
+from hpctrain.runtime.device import configure_matmul, peak_tflops
+from hpctrain.runtime.dtypes import torch_dtype
+from hpctrain.runtime.faults import FaultInjector
+from hpctrain.train.outcomes import StepOutcomes
+
+
+@dataclass
+class DataParts:
+    """The training samples (``sampler``: windows, or packed SFT examples), the held-out ones
+    (``valid_sampler``) and this dp rank's global-batch iterator over the training samples (``batches``)."""
+    sampler: Any
+    valid_sampler: Any
+    batches: GlobalBatchIterator
+
+
+@dataclass
+class StepParts:
+    """Everything one rank's step uses (``build_step``). ``stages``: this pp rank's virtual stages, one
+    ``GPTStage`` each (``local_model`` holds them all); ``sdpa``: the attention kernels chosen;
+    ``compile_since``: torch.compile's counters before compiling (``--verbose``'s report)."""
+    model_cfg: Any
+    layout: Layout
+    dtype: torch.dtype
+    timer: PhaseTimer
+    faults: FaultInjector
+    backends: dict
+    stages: list[GPTStage]
+    local_model: torch.nn.ModuleList
+    compiled: bool
+    compile_since: dict | None
+    sdpa: Any
+    flat: FlatParams
+    optimizer: FlatOptimizer
+    executor: PipelineExecutor
+    scaler: DynamicLossScaler
+    outcomes: StepOutcomes
+    data: DataParts
+    flops_per_token: float
+    peak_tflops: float
+    bubble: float
+
+    @property
+    def reducer(self):
+        return self.flat.reducer
+
+
+def build_stages(m, layout: Layout, pp_rank: int, tp_comm, dtype: torch.dtype, seed: int, recompute: bool,
+                 cp_comm=None, lora=None) -> list[GPTStage]:
+    """The virtual stages of pp rank ``pp_rank``: its c-th is virtual stage v = c * pp + pp_rank of the
+    pp x V (V = ``layout.virtual_stages``), whose layers ``partition_layers`` balances over them (or
+    ``stage_layers`` gives, one entry per virtual stage). The embedding is on v = 0, the norm and LM head on
+    the last; a tied embedding's copy lives there (its grad is summed over pp with rank 0's). ``lora``: the
+    ``[lora]`` section (rank > 0: adapters, the rest frozen)."""
+    pp, per_rank = layout.pp_size, layout.virtual_stages
+    ranges = partition_layers(m, pp * per_rank, list(layout.stage_layers))
+    stages = []
+    for c in range(per_rank):
+        v = c * pp + pp_rank
+        stages.append(GPTStage(m, ranges[v], is_first=v == 0, is_last=v == pp * per_rank - 1, tp_comm=tp_comm,
+                               sp=layout.sequence_parallel, dtype=dtype, seed=seed, recompute=recompute,
+                               cp_comm=cp_comm, lora=lora))
+    return stages
+
+
+def build_data(cfg, grid, layout: Layout, model_cfg, faults: FaultInjector, tokens=None) -> DataParts:
+    """Collective over the world unless ``tokens`` is given: the corpus (read by rank 0, broadcast; every rank
+    opens a prepared or SFT one), checked against the model's vocabulary, and this dp rank's iterator."""
+    if tokens is None:
+        faults.hit("corpus", 0)  # test-only: a rank stopped here leaves the others in the broadcast
+        # rank 0 reads (tokenizes) the corpus while the others wait: watched, so it counts against
+        # comm.timeout_s (prepare a large corpus with `hpctrain data prepare`: every rank reads it)
+        with grid.world.watched("corpus broadcast"):
+            tokens = load_tokens_collective(grid.world.mpi, cfg.data.source, env.cache_dir(cfg.data.cache_dir),
+                                            cfg.data.max_bytes)
+    check_corpus(tokens, cfg.data.tokenizer, model_cfg.vocab_size, cfg.data.source)
+    sampler, valid = samplers_for(tokens, cfg.data.valid_fraction, cfg.train.seq_len, cfg.train.seed)
+    return DataParts(sampler, valid, GlobalBatchIterator(sampler, cfg.train.global_batch, layout.dp_size,
+                                                         grid.coords["dp"]))
+
+
+def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
+    """Collective over the world (the grid's device backends, the attention trial's allgather, the corpus
+    broadcast, the outcome's persistent all-reduce): this rank's ``StepParts``."""
+    layout = grid.layout or Layout.from_config(cfg, grid.info.size)  # validated before anything runs
+    if layout.sizes != grid.sizes:
+        from hpctrain.errors import HpcTrainError
+
+        raise HpcTrainError(f"the grid {grid.sizes} does not match the configured layout {layout.sizes}")
+    t, m = cfg.train, resolve_model(cfg.model)
+    timer = PhaseTimer()  # where the step's time goes; a TraceRecorder may be attached (train.trace)
+    faults = FaultInjector.from_env(grid.info.rank)  # test-only (HPCTRAIN_FAULT)
+    backends = grid.use_device(device)
+    configure_matmul(device, t.allow_tf32)
+    dtype = torch_dtype(t.dtype)
+    torch.manual_seed(t.seed * 100_003 + grid.info.rank)  # derived per rank, never shared by accident
+    tp_comm, pp_comm = grid.comm("tp"), grid.comm("pp")
+    stages = build_stages(m, layout, grid.coords["pp"], tp_comm, dtype, t.seed, t.recompute,
+                          cp_comm=grid.comm("cp"), lora=cfg.lora)
+    local_model = torch.nn.ModuleList(stages)  # train()/eval()/parameters() of every stage
+    local_model.to(device)  # initialised on the host from the global generator, then moved
+    compiled = compile_wanted(t.compile, device)  # every block compiled in place (models/compile.py)
+    compile_since = compile_stages(stages) if compiled else None
+    comp = cfg.compression
+    # the trainable parameters (a LoRA run's adapters; the frozen base stays plain tensors on the device)
+    flat = FlatParams([p for p in local_model.parameters() if p.requires_grad], grid.comm(grid.replica_axis),
+                      tp_comm=tp_comm, pp_comm=pp_comm, bucket_mb=cfg.parallel.bucket_mb, zero=layout.zero == 1,
+                      timer=timer, check_finite=dtype == torch.float16,
+                      make_reducer=partial(build_reducer, comp, grid=grid, seed=t.seed, optimizer=cfg.optim.name,
+                                           steps=t.steps))
+    reducer = flat.reducer
+    # 1-bit Adam (even where no reducer compresses: one replica): AdamW's variance frozen after the warm-up
+    optimizer = FlatOptimizer(flat, cfg.optim, tp_rank=grid.coords["tp"],
+                              freeze_variance_after=comp.warmup_steps if comp.method == "onebit-adam" else None,
+                              momentum_from_reducer=reducer.shares_momentum)
+    reducer.bind_optimizer(optimizer)
+    executor = PipelineExecutor(stages, pp_comm if layout.pp_size > 1 else None, flat, layout.schedule,
+                                layout.microbatches, (layout.seq_chunk, layout.micro_batch, m.d_model),
+                                residual_dtype(m, dtype), device=device, timer=timer)
+    scaler = DynamicLossScaler(t.loss_scale, enabled=dtype == torch.float16, device=device)
+    outcomes = StepOutcomes(grid.world, device, scaler, reducer,
+                            read_before_update=reducer.outcome_before_update or optimizer.outcome_before_update,
+                            may_defer=not reducer.outcome_before_next_step,
+                            clip=cfg.optim.grad_clip, nonfinite=t.nonfinite, max_skipped_steps=t.max_skipped_steps)
+    data = build_data(cfg, grid, layout, m, faults, tokens)
+    masked = m.attention_window > 0 or hasattr(data.sampler, "describe")  # a window or packed documents
+    sdpa = use_sdpa(local_model, choose_sdpa(
+        device, dtype, m.d_model // m.n_heads, masked, seq=t.seq_len, heads=max(1, m.n_heads // layout.tp_size),
+        batch=layout.micro_batch, gather=grid.world.allgather_object))  # every rank takes the same kernels
+    return StepParts(
+        model_cfg=m, layout=layout, dtype=dtype, timer=timer, faults=faults, backends=backends, stages=stages,
+        local_model=local_model, compiled=compiled, compile_since=compile_since, sdpa=sdpa, flat=flat,
+        optimizer=optimizer, executor=executor, scaler=scaler, outcomes=outcomes, data=data,
+        flops_per_token=flops_per_token(m, t.seq_len, cfg.lora.rank, cfg.lora.targets),
+        peak_tflops=t.peak_tflops or peak_tflops(device, dtype, t.allow_tf32),
+        # idle over ideal time with equal stages, (pp - 1) / (V M): printed at start-up
+        bubble=bubble_fraction(layout.pp_size, layout.microbatches, layout.virtual_stages))

@@ -46,9 +46,6 @@ class ModelSlab:
     written: bool = False
 
 
-ModelPiece = ModelSlab  # the old name, until hpctrain/train/state.py says ModelSlab
-
-
 @dataclass(frozen=True, eq=False)
 class OwnedRange:
     """A flat range whose optimizer state this rank owns (a dp bucket, or its ZeRO-1 1/dp slice): ``params``

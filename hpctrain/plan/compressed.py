@@ -7,7 +7,7 @@ collective). The fractions are the compressors' payloads (hpctrain/compression/q
 float32 gradient value, and match ``compression_ratio`` in metrics.jsonl:
 
 - fp16 / bf16: 2 of 4 bytes; int8: 1 byte + a float32 scale per 256 values; zfp: ``zfp_rate`` bits;
-  onebit: 1 bit (its scale per chunk is negligible);
+  onebit: 1 bit (its one scale per compressed vector is negligible);
 - onebit-adam, after ``compression.warmup_steps`` dense steps: 1 bit + a float32 scale per 2048 values
   (31.5x less), sent twice: a compressed all-to-all, then a compressed all-gather, i.e. an all-reduce's
   traffic. Without ZeRO that replaces a dense all-reduce (fraction 1/31.5); with ZeRO-1 it replaces the

@@ -55,7 +55,7 @@ MEANINGS: dict[str, str] = {
     "model.positions": "Position information: `rope` (rotary, on q and k in every layer) or `learned` (GPT: a "
                        "max_seq_len x d_model table `pos_embed.weight` added to the token embedding on the first "
                        "pipeline stage; replicated over tp; with sequence parallelism each tp rank adds the rows "
-                       "of its sequence chunk). `auto` = the preset's (`learned` for the GPT presets, else "
+                       "of its local sequence). `auto` = the preset's (`learned` for the GPT presets, else "
                        "`rope`). An architecture key; Hugging Face export/import needs `swiglu` + `rope`.",
     "model.norm_eps": "Epsilon of RMSNorm.",
     "model.init_std": "Standard deviation of the normal initialisation of every matrix (norm weights start at 1).",
@@ -71,7 +71,7 @@ MEANINGS: dict[str, str] = {
                        "must describe the same model (an error lists the differences). Applies only when nothing is "
                        "resumed, so a requeued job continues from its own checkpoint. Optimizer state starts fresh. "
                        "See docs/models-and-data.md.",
-    "model.fused_head_loss": "The last pipeline stage computes the LM head and the cross-entropy together over chunks "
+    "model.fused_head_loss": "The last pipeline stage computes the LM head and the cross-entropy together over loss chunks "
                              "of tokens (and over the vocab-parallel slabs with tp), never holding [tokens, vocab] "
                              "logits: forward forms dh and dW chunk by chunk with the logits (the plain path's 3 head "
                              "matmuls; float16 recomputes them in backward: 4), far less memory (docs/benchmarks.md). Losses and gradients equal the plain path's (float64: "
@@ -98,32 +98,32 @@ MEANINGS: dict[str, str] = {
     "parallel.tp": "Tensor-parallel ranks per layer (heads, MLP and vocabulary split; Megatron style). Keep it "
                    "within a node.",
     "parallel.pp": "Pipeline stages (consecutive layers per stage).",
-    "parallel.cp": "Context parallelism: ranks sharing each sequence. Each holds 2 of the 2 x cp chunks (chunk i "
-                   "and 2cp-1-i, so causal work is even) and attention is a ring: K/V blocks pass around the cp "
+    "parallel.cp": "Context parallelism: ranks sharing each sequence. Each holds 2 of the 2 x cp stripes of it "
+                   "(stripe i and 2cp-1-i, so causal work is even) and attention is a ring: K/V blocks pass around the cp "
                    "group while blocks compute. train.seq_len must be divisible by 2 x cp. Gradients are summed "
                    "and ZeRO-1 shards over dp x cp. Placed inside a node with tp when cp x tp fits.",
     "parallel.schedule": "Pipeline schedule: `gpipe` (all forwards, then all backwards), `1f1b` (same bubble, "
                          "at most pp - s micro-batches of activations held on stage s) or `interleaved` "
-                         "(Megatron's interleaved 1F1B over `virtual_stages` model chunks per rank: the bubble "
+                         "(Megatron's interleaved 1F1B over `virtual_stages` virtual stages per rank: the bubble "
                          "divided by V; needs pp >= 2 and microbatches a multiple of pp).",
-    "parallel.virtual_stages": "Model chunks per pp rank (V). With `schedule = \"interleaved\"`: >= 2, and "
+    "parallel.virtual_stages": "Virtual stages per pp rank (V). With `schedule = \"interleaved\"`: >= 2, and "
                                "pp x V <= n_layers; rank r holds virtual stages r, pp + r, 2 pp + r, ... "
-                               "(Megatron's `--num-layers-per-virtual-pipeline-stage`, counted in chunks). "
+                               "(Megatron's `--num-layers-per-virtual-pipeline-stage`, counted in virtual stages). "
                                "1 with gpipe and 1f1b.",
     "parallel.microbatches": "Micro-batches per replica per step: the replica batch (global_batch / dp) is split "
                              "into this many; gradients accumulate over them. The pipeline bubble is "
                              "(pp - 1) / (virtual_stages x microbatches) of the ideal step. With "
                              "`train.micro_batch_size` > 0 it is derived (global_batch / (dp x micro_batch_size)): "
                              "leave it at 1 or give the same number.",
-    "parallel.sequence_parallel": "Split the activations between TP layers into sequence chunks (norms run on "
-                                  "S/tp tokens; all-reduce becomes reduce-scatter + all-gather). Needs "
+    "parallel.sequence_parallel": "Split the activations between TP layers along the sequence over tp (norms run "
+                                  "on S/tp tokens; all-reduce becomes reduce-scatter + all-gather). Needs "
                                   "`train.seq_len` divisible by tp.",
     "parallel.zero": "1 = ZeRO-1: each dp rank keeps optimizer state (and fp32 masters) for 1/dp of the "
                      "parameters; gradients are reduce-scattered and updated parameters all-gathered. 0 = off.",
     "parallel.bucket_mb": "Size of a gradient bucket (MiB of main-grad storage). A bucket's dp reduction starts "
                           "as soon as backward has produced all its gradients.",
     "parallel.stage_layers": "Layers per pipeline stage, e.g. `[3, 5]`; pp entries summing to n_layers (interleaved: "
-                             "pp x virtual_stages entries, virtual stage v = chunk x pp + rank in order). Empty = "
+                             "pp x virtual_stages entries, virtual stage v = c x pp + rank in order). Empty = "
                              "balanced by parameter count (embedding and LM head count against their stages).",
     "parallel.strict_placement": "Make a tensor-parallel group that spans nodes an error instead of a warning.",
     "parallel.backend": "How CUDA tensors travel (host tensors always use MPI): `auto` = NCCL via CuPy when it "
@@ -211,7 +211,7 @@ MEANINGS: dict[str, str] = {
                               "micro_batch_size) micro-batches with gradients accumulated in between, and the dp "
                               "reduction runs once per step, overlapped with the last micro-batch's backward. "
                               "global_batch must be divisible by dp x micro_batch_size. With cp the micro-batch is "
-                              "still sequences (each cp rank holds its chunks of them). `hpctrain plan` reads it as "
+                              "still sequences (each cp rank holds its stripes of them). `hpctrain plan` reads it as "
                               "its `--micro-batch`.",
     "train.seq_len": "Tokens per sequence (<= `model.max_seq_len`).",
     "train.lr": "Peak learning rate (reached after warm-up).",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hpctrain.checkpoint.contract import ModelPiece, OptimizerPiece, OwnedRange, RootState, TrainTensors
+from hpctrain.checkpoint.contract import ModelSlab, OptimizerPiece, OwnedRange, RootState, TrainTensors
 
 
 class TrainerState:
@@ -44,8 +44,8 @@ class TrainerState:
         pieces = [OptimizerPiece(piece.param.spec, piece.param_lo, piece.param_hi, owner[id(part)],
                                  piece.flat_lo - part.start, writes and piece.param.spec.counted_on(coords["tp"]))
                   for piece, part in opt.owned_pieces()]
-        params = [ModelPiece(p.spec, p.data) if p.requires_grad else
-                  ModelPiece(p.spec, p.data, frozen=True, written=first_replica and p.spec.counted_on(coords["tp"]))
+        params = [ModelSlab(p.spec, p.data) if p.requires_grad else
+                  ModelSlab(p.spec, p.data, frozen=True, written=first_replica and p.spec.counted_on(coords["tp"]))
                   for p in t.parts.local_model.parameters()]
         return TrainTensors(params, ranges, pieces, kinds, flat.param_buffer.dtype, opt.master_dtype)
 

@@ -73,7 +73,7 @@ def test_interleaved_rules_fail_at_config_time(overrides, fragment):
 
 
 def test_interleaved_layout_and_its_layers():
-    """Each virtual stage (chunk c of rank r is v = c pp + r) gets its layers; the embedding on v = 0 and
+    """Each virtual stage (the c-th of rank r is v = c pp + r) gets its layers; the embedding on v = 0 and
     the head on the last; stage_layers lists virtual stages."""
     from hpctrain.config import resolve_model
     from hpctrain.train.build import build_stages

@@ -1,5 +1,6 @@
 """Pipeline schedules: complete, ordered, deadlock-free for every (pp, V, micro-batches)."""
 import pytest
+import torch
 
 from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.parallel.pipeline_parallel import bubble_fraction, p2p_posts, schedule_actions, simulate
@@ -84,12 +85,17 @@ def test_unknown_schedule():
 
 
 def test_dynamic_loss_scaler():
+    """The device rule (the only one: tests/unit/test_sync_free.py has the long sequence); the host follows."""
     scaler = DynamicLossScaler(1024.0, growth_interval=2)
-    assert scaler.update(float("inf")) and scaler.scale == 512.0
-    assert not scaler.update(1.0) and scaler.scale == 512.0
-    assert not scaler.update(1.0) and scaler.scale == 1024.0
+    for finite, scale in ((False, 512.0), (True, 512.0), (True, 1024.0)):
+        scaler.update_on_device(torch.tensor(finite))
+        assert scaler.scale_tensor.item() == scale
+    scaler.follow(scaler.scale_tensor.item(), int(scaler.good_tensor.item()))
+    assert scaler.scale == 1024.0 and scaler.good_steps == 2
     off = DynamicLossScaler(1024.0, enabled=False)
-    assert off.scale == 1.0 and not off.update(float("nan"))
+    off.update_on_device(torch.tensor(False))
+    off.follow(2.0, 5)
+    assert off.scale == 1.0 and off.scale_tensor.item() == 1.0
 
 
 def test_grouped_posts_avoid_the_nccl_deadlock_of_ungrouped_sends():

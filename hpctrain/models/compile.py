@@ -89,13 +89,3 @@ def _break_kind(reason: str) -> str:
     if "torch.compiler.disable" in reason or "function `disable`" in reason:
         return "a tp/cp collective run eagerly (by design: torch.compiler.disable)"
     return " ".join(reason.split()).split(" Hint:")[0][:240]
-
-
-def first_step_report(record: dict, since: dict | None, setting: str) -> list[str]:
-    """``hpctrain train --verbose``: the first step's time by phase (a StepMetrics dict) and what
-    torch.compile made of the model since the reading ``since`` (None: compile off, ``train.compile=setting``)."""
-    phases = ", ".join(f"{k} {v:.3f}" for k, v in sorted(record["time_s"].items(), key=lambda kv: -kv[1]) if v >= 5e-4)
-    lines = [f"first step {record['step_time_s']:.3f} s (s by phase: {phases})"]
-    if since is None:
-        return lines + [f"torch.compile off (train.compile={setting})"]
-    return lines + compile_report(since)

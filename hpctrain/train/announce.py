@@ -1,5 +1,7 @@
-"""The start-up lines of ``hpctrain train`` (rank 0): the layout, schedule, precision, device, attention
-kernel, compile, LoRA and where the run starts from; and the resolved config in <run_dir>/config.json."""
+"""What ``hpctrain train`` says on rank 0 as it starts: the layout, schedule, precision, device, attention
+kernel, compile, LoRA and where the run starts from (``announce``; the resolved config goes to
+<run_dir>/config.json), and with ``--verbose`` the first step's phases and torch.compile's graphs
+(``first_step_report``)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +9,7 @@ import os
 import sys
 
 from hpctrain.config import config_to_dict
+from hpctrain.models.compile import compile_report
 from hpctrain.models.lora import describe as describe_lora
 from hpctrain.parallel.head_loss import describe_head
 from hpctrain.parallel.rules import padded_vocab
@@ -55,3 +58,13 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
               f"(sample {parts.data.batches.consumed})", flush=True)
     elif cfg.model.init_from:
         print(f"hpctrain train: weights initialised from {cfg.model.init_from} (model.init_from)", flush=True)
+
+
+def first_step_report(record: dict, since: dict | None, setting: str) -> list[str]:
+    """``hpctrain train --verbose``: the first step's time by phase (a StepMetrics dict) and what
+    torch.compile made of the model since the reading ``since`` (None: compile off, ``train.compile=setting``)."""
+    phases = ", ".join(f"{k} {v:.3f}" for k, v in sorted(record["time_s"].items(), key=lambda kv: -kv[1]) if v >= 5e-4)
+    lines = [f"first step {record['step_time_s']:.3f} s (s by phase: {phases})"]
+    if since is None:
+        return lines + [f"torch.compile off (train.compile={setting})"]
+    return lines + compile_report(since)

@@ -29,7 +29,6 @@ from hpctrain.comm.grid import ProcessGrid
 from hpctrain.errors import everywhere
 from hpctrain.interop.base_ref import make_reference
 from hpctrain.interop.sources import init_weights, open_source
-from hpctrain.models.compile import first_step_report
 from hpctrain.monitor.run_monitor import RunMonitor
 from hpctrain.profiling.cuda_trace import cuda_profiler
 from hpctrain.profiling.trace import TraceRecorder
@@ -40,7 +39,7 @@ from hpctrain.runtime.faults import FaultInjector
 from hpctrain.runtime.launcher import discover
 from hpctrain.runtime.signals import (SignalFlag, requeue_slurm_job, scheduler_deadline,
                                       slurm_job_to_requeue)
-from hpctrain.train.announce import announce
+from hpctrain.train.announce import announce, first_step_report
 from hpctrain.train.guard import DIVERGED_EXIT
 from hpctrain.train.memory_check import check_memory
 from hpctrain.train.metrics import MetricsLog, report_peak_memory

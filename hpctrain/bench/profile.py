@@ -135,7 +135,7 @@ def block_efficiency(block_s: float, peak_tflops: float, hbm_gbps: float, dtype)
     """The matmul efficiency that makes the performance model (hpctrain/plan/cost.py: forward = FLOPs /
     (peak x efficiency) + 2 x activation bytes / bandwidth, backward twice that) reproduce the measured
     ``block_s``; capped to [0.05, 1]."""
-    from hpctrain.models.arithmetic import block_matmul_parameters
+    from hpctrain.config.arithmetic import block_matmul_parameters
     from hpctrain.plan.stages import layer_activation_bytes
 
     m, b, seq = _block_model(), BLOCK_SHAPE["micro_batch"], BLOCK_SHAPE["seq_len"]

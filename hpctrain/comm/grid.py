@@ -20,8 +20,8 @@ from hpctrain.comm.collectives import Communicator
 from hpctrain.comm.intra_node import setup_intra_node
 from hpctrain.comm.watchdog import CommStats, Watchdog
 from hpctrain.errors import GridError, LaunchError, everywhere
-from hpctrain.parallel.layout import Layout
-from hpctrain.parallel.rules import resolve_sizes
+from hpctrain.config.layout import Layout
+from hpctrain.config.rules import resolve_sizes
 from hpctrain.runtime import env
 from hpctrain.runtime.launcher import RankInfo, missing_thread_multiple
 

@@ -4,7 +4,7 @@
     hpctrain plan --model configs/tiny.toml --nodes 1 --gpus-per-node 4 --profile link.json --json
     hpctrain plan --model llama-3-8b --seq-len 131072 --nodes 2 --gpus-per-node 8 --device h100 --inter-gbps 400
 
-``--model`` (or ``--config``) is a preset name (``hpctrain/config.py`` PRESETS) or a TOML config (its model, seq_len,
+``--model`` (or ``--config``) is a preset name (``hpctrain.config.PRESETS``) or a TOML config (its model, seq_len,
 global batch, dtype and schedule are the defaults of the flags; the keys its ``[parallel]`` section sets
 and its ``train.micro_batch_size`` fix those choices, like the flags ``--dp/--tp/--pp/--cp/--micro-batch/--zero``:
 a GIVEN layout is evaluated instead of searched). ``--micro-batch`` and ``train.micro_batch_size`` are the same

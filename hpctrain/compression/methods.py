@@ -2,7 +2,7 @@
 
 ``COMPRESSORS`` is an explicit table (no registration at import), so what a name means does not depend
 on which modules happen to be imported. A new chunk-wise method: its ``Compressor`` class here and its
-name in the ``compression.method`` choices (``hpctrain/config.py``).
+name in the ``compression.method`` choices (``hpctrain/config/parallel_keys.py``).
 """
 from __future__ import annotations
 

@@ -23,12 +23,12 @@ from torch.utils.checkpoint import checkpoint
 
 from hpctrain.config import resolve_model
 from hpctrain.models.attention_backend import HOST as HOST_SDPA, attention as sdpa
-from hpctrain.models.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
+from hpctrain.config.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
 from hpctrain.models.lora import add_adapters, enabled as lora_enabled
 from hpctrain.parallel.context_parallel import causal_window_mask, default_tile, ring_attention, zigzag_positions
 from hpctrain.parallel.head_loss import chunk_tokens, fused_head_cross_entropy
 from hpctrain.parallel.packed import local_document_positions, same_document
-from hpctrain.parallel.rules import check_tp_divisibility, padded_vocab
+from hpctrain.config.rules import check_tp_divisibility, padded_vocab
 from hpctrain.parallel.slab import init_from_global_, make_spec
 from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       vocab_parallel_cross_entropy)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hpctrain.models.arithmetic import adapter_parameters, count_parameters, lora_target_shapes
+from hpctrain.config.arithmetic import adapter_parameters, count_parameters, lora_target_shapes
 from hpctrain.parallel.lora import attach_lora, freeze_all_but_adapters
 
 # lora.targets name -> (module path inside a Block, column-parallel?)

@@ -9,7 +9,7 @@ import os
 from typing import TYPE_CHECKING
 
 from hpctrain.errors import HpcTrainError
-from hpctrain.monitor.catalog import METRICS
+from hpctrain.config.metric_names import METRICS
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.monitor.fanout import SinkWorker
-from hpctrain.monitor.catalog import layout_label, parse_labels, step_samples
+from hpctrain.config.metric_names import layout_label, parse_labels, step_samples
 from hpctrain.monitor.ranks import RankWindow
 from hpctrain.runtime import env
 

@@ -11,7 +11,7 @@ All communication is on the TP group's ``Communicator`` (``tp_comm``); ``tp_comm
 The linears may carry LoRA adapters (``lora_A``, ``lora_B``: hpctrain/parallel/lora.py ``attach_lora``),
 added to their output (row-parallel: before the reduction); ``lora`` is None without.
 
-The vocabulary layers (embedding, LM head) hold ``V = padded_vocab`` rows (parallel/rules.py): the
+The vocabulary layers (embedding, LM head) hold ``V = padded_vocab`` rows (config/rules.py): the
 rows past the true vocabulary are zero padding (``SlabSpec.padded_dim``). Their ids never occur and the
 model drops their logit columns before anything uses them (``GPTStage.forward``), so they get exactly
 zero gradient and stay zero.

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.parallel.layout import Layout
+from hpctrain.config.layout import Layout
 from hpctrain.plan.devices import DTYPE_BYTES, PlanError
 from hpctrain.plan.machine import GroupPlacement
 from hpctrain.plan.compressed import dp_wire_fraction, payload_fraction
@@ -110,7 +110,7 @@ class Options:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A layout (hpctrain.parallel.layout.Layout, already validated) and its recomputation: "off",
+    """A layout (hpctrain.config.layout.Layout, already validated) and its recomputation: "off",
     "selective" or "full" (True/False are read as "full"/"off")."""
 
     layout: Layout

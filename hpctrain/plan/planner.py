@@ -1,7 +1,7 @@
 """Enumerate the layouts of a model on a machine, keep those that fit, rank them by predicted tokens/s.
 
 Feasibility has two sources, each reported with its reason: the layout rules, checked only by
-``Layout(...).validate(model)`` (hpctrain/parallel/rules.py: the ``LayoutError``/``GridError`` message
+``Layout(...).validate(model)`` (hpctrain/config/rules.py: the ``LayoutError``/``GridError`` message
 is the reason), and memory (memory.py) against the device's capacity.
 """
 from __future__ import annotations
@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hpctrain.errors import HpcTrainError
-from hpctrain.parallel.layout import Layout, divisors
+from hpctrain.config.layout import Layout, divisors
 from hpctrain.plan.cost import Candidate, Options, StepTime, step_time
 from hpctrain.plan.memory import Memory, memory
 from hpctrain.plan.shapes import for_tp, model_flops_per_token
 
 
-ENGINE_ZERO = (0, 1)  # the ZeRO stages hpctrain's engine trains with (config.py parallel.zero)
+ENGINE_ZERO = (0, 1)  # the ZeRO stages hpctrain's engine trains with (config parallel.zero)
 ENGINE_NOTE = "planner-only: hpctrain's engine trains with zero 0 or 1"
 MIN_CP_STRIPE = 512  # the search's shortest zig-zag stripe (tokens): thinner ring blocks are latency-bound
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.parallel.layout import Layout
+from hpctrain.config.layout import Layout
 from hpctrain.plan.cost import Options
 from hpctrain.plan.devices import device_preset
 from hpctrain.plan.machine import Machine, links_from_bandwidth

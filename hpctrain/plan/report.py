@@ -1,7 +1,7 @@
 """The text report of ``hpctrain plan``: the best layouts, where their time goes, why others do not fit."""
 from __future__ import annotations
 
-from hpctrain.models.arithmetic import count_parameters
+from hpctrain.config.arithmetic import count_parameters
 
 
 def _layout(p: dict) -> str:

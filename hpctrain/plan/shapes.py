@@ -1,4 +1,4 @@
-"""The model arithmetic the performance model needs beyond ``hpctrain/models/arithmetic.py``: the padded
+"""The model arithmetic the performance model needs beyond ``hpctrain/config/arithmetic.py``: the padded
 vocabulary, the MLP kind, the matrix multiplications of one block per tensor-parallel rank.
 
 Model objects are resolved ``ModelConfig``s or anything with the same fields (``published.py``'s
@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hpctrain.models.arithmetic import block_matmul_parameters as block_matmul_params  # noqa: F401
-from hpctrain.models.arithmetic import flops_per_token as model_flops_per_token  # noqa: F401
-from hpctrain.models.arithmetic import mlp_matrices  # noqa: F401 (re-exported for plan/)
-from hpctrain.models.arithmetic import position_parameters as position_params  # noqa: F401
-from hpctrain.parallel.rules import padded_vocab  # noqa: F401 (the one rule; re-exported for plan/)
+from hpctrain.config.arithmetic import block_matmul_parameters as block_matmul_params  # noqa: F401
+from hpctrain.config.arithmetic import flops_per_token as model_flops_per_token  # noqa: F401
+from hpctrain.config.arithmetic import mlp_matrices  # noqa: F401 (re-exported for plan/)
+from hpctrain.config.arithmetic import position_parameters as position_params  # noqa: F401
+from hpctrain.config.rules import padded_vocab  # noqa: F401 (the one rule; re-exported for plan/)
 
 DEFAULT_VOCAB_MULTIPLE = 128
 

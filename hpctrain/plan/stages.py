@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.models.arithmetic import partition_layers
+from hpctrain.config.arithmetic import partition_layers
 from hpctrain.plan.devices import PlanError
 from hpctrain.plan.shapes import block_matmul_params, position_params
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hpctrain.errors import HpcTrainError
-from hpctrain.parallel.layout import Layout
+from hpctrain.config.layout import Layout
 
 DEFAULT_INTER_GBPS = 10.0  # 10 Gbit Ethernet
 

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from hpctrain.errors import HpcTrainError
-from hpctrain.parallel.layout import Layout, divisors
+from hpctrain.config.layout import Layout, divisors
 from hpctrain.profiling.timers import BETWEEN_STEPS
 
 # how metrics.jsonl phases fold into the sweep's breakdown (hpctrain/profiling/timers.py names them)

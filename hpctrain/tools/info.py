@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from hpctrain.comm.grid import AXES, ProcessGrid
 from hpctrain.errors import GridError, HpcTrainError
-from hpctrain.parallel.rules import check_schedule
+from hpctrain.config.rules import check_schedule
 from hpctrain.parallel.schedules import bubble_fraction
 from hpctrain.runtime.launcher import discover
 

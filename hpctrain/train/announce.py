@@ -12,7 +12,7 @@ from hpctrain.config import config_to_dict
 from hpctrain.models.compile import compile_report
 from hpctrain.models.lora import describe as describe_lora
 from hpctrain.parallel.head_loss import describe_head
-from hpctrain.parallel.rules import padded_vocab
+from hpctrain.config.rules import padded_vocab
 from hpctrain.runtime.device import describe
 
 

@@ -38,7 +38,7 @@ from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers, res
 from hpctrain.optim.flat import FlatOptimizer
 from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.parallel.data_parallel import FlatParams
-from hpctrain.parallel.layout import Layout
+from hpctrain.config.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
 from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime import env

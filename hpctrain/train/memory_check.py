@@ -1,7 +1,7 @@
 """Refusing, before anything is allocated, a model that cannot fit: a lower bound of each rank's bytes
 against the memory it may still take (``runtime/peak_memory.available_memory``), agreed by every rank.
 
-Per rank (``models/arithmetic.rank_parameters``: its virtual stages, the PADDED vocabulary / tp):
+Per rank (``config/arithmetic.rank_parameters``: its virtual stages, the PADDED vocabulary / tp):
 parameters x dtype bytes; unless LoRA freezes them, float32 main gradients (float64 in float64) and
 AdamW's two moments (+ float32 master weights in 16-bit training; ZeRO-1 divides them by dp x cp), as
 plan/memory.py counts them; and one micro-batch of the input of every block on the rank (the least any
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from hpctrain.checkpoint.directory import human_size
 from hpctrain.config import ConfigError, resolve_model
-from hpctrain.models.arithmetic import partition_layers, rank_parameters
-from hpctrain.parallel.rules import padded_vocab
+from hpctrain.config.arithmetic import partition_layers, rank_parameters
+from hpctrain.config.rules import padded_vocab
 from hpctrain.runtime.peak_memory import available_memory
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}

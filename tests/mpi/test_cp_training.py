@@ -88,7 +88,7 @@ def test_bad_context_input_is_one_line_on_every_rank(tmp_path, overrides, messag
 def test_cp_with_heads_that_cannot_split_over_tp_is_refused_before_the_grid():
     """cp=2 x tp=4 on 8 ranks with 2 KV heads: the heads split over tp (the sequence over cp) cannot."""
     from hpctrain.config import load_config
-    from hpctrain.parallel.layout import Layout, LayoutError
+    from hpctrain.config.layout import Layout, LayoutError
 
     cfg = load_config(None, ["parallel.cp=2", "parallel.tp=4", "model.n_heads=4", "model.n_kv_heads=2",
                              "train.seq_len=16"])

@@ -6,7 +6,7 @@ import pytest
 
 from hpctrain.config import load_config
 from hpctrain.errors import HpcTrainError
-from hpctrain.parallel.layout import Layout
+from hpctrain.config.layout import Layout
 
 TINY = ["model.n_layers=4"]  # the defaults: tiny preset, seq_len 64, global_batch 8
 

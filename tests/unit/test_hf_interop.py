@@ -20,7 +20,7 @@ from hpctrain.errors import HpcTrainError  # noqa: E402
 from hpctrain.interop.hf import HFError, HFModelDir, hf_name, parameter_shapes, supported_tp  # noqa: E402
 from hpctrain.interop.staging import write_weights_only  # noqa: E402
 from hpctrain.models.gpt import GPTStage  # noqa: E402
-from hpctrain.parallel.layout import Layout  # noqa: E402
+from hpctrain.config.layout import Layout  # noqa: E402
 
 DTYPES = {"float64": (torch.float64, 1e-10), "float32": (torch.float32, 1e-5)}
 IDS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))

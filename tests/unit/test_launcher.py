@@ -2,7 +2,7 @@
 import pytest
 
 from hpctrain.comm.grid import layout_coordinates
-from hpctrain.parallel.layout import resolve_sizes
+from hpctrain.config.layout import resolve_sizes
 from hpctrain.errors import GridError, LaunchError
 from hpctrain.runtime.launcher import check_launcher_agreement, read_launcher_env
 

@@ -171,8 +171,8 @@ def test_the_checker_names_an_upward_import(tmp_path):
 def test_the_checker_resolves_relative_and_submodule_imports(tmp_path):
     write(tmp_path, "hpctrain/comm/__init__.py", "")
     write(tmp_path, "hpctrain/comm/watchdog.py", "from . import grid\n")
-    write(tmp_path, "hpctrain/comm/grid.py", "from ..parallel import layout\n")
-    write(tmp_path, "hpctrain/parallel/layout.py", "")
+    write(tmp_path, "hpctrain/comm/grid.py", "from ..config import layout\n")
+    write(tmp_path, "hpctrain/config/layout.py", "")
     assert violations(tmp_path) == [
         "hpctrain/comm/watchdog.py:1: hpctrain.comm.watchdog (layer collectives) imports hpctrain.comm.grid "
         "(layer grid, above it)"]
@@ -197,7 +197,7 @@ def test_the_checker_finds_a_cycle_through_a_function_level_import(tmp_path):
 def test_an_unlisted_package_is_refused():
     with pytest.raises(KeyError, match="hpctrain/layers.py"):
         unit_of("hpctrain.newthing.x")
-    assert unit_of("hpctrain") == "hpctrain" and unit_of("hpctrain.parallel.layout") == "hpctrain.parallel.layout"
+    assert unit_of("hpctrain") == "hpctrain" and unit_of("hpctrain.comm.grid.x") == "hpctrain.comm.grid"
 
 
 def doc_rows() -> dict[str, str]:

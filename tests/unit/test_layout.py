@@ -1,10 +1,10 @@
-"""Every layout rule's message, without MPI (hpctrain/parallel/rules.py, layout.py), and the derived sizes."""
+"""Every layout rule's message, without MPI (hpctrain/config/rules.py, layout.py), and the derived sizes."""
 import pytest
 import torch
 
 from hpctrain.config import ConfigError, load_config
 from hpctrain.errors import GridError, HpcTrainError
-from hpctrain.parallel.layout import Layout, divisors, resolve_sizes
+from hpctrain.config.layout import Layout, divisors, resolve_sizes
 
 
 def layout(world, *overrides):
@@ -111,6 +111,6 @@ def test_layout_imports_neither_mpi_nor_torch():
     import subprocess
     import sys
 
-    code = ("import sys, hpctrain.parallel.layout; "
+    code = ("import sys, hpctrain.config.layout; "
             "print(any(m in sys.modules for m in ('torch', 'mpi4py.MPI')))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hpctrain.config import ConfigError, LoraConfig, ModelConfig, load_config, resolve_model
-from hpctrain.models.arithmetic import adapter_parameters, count_parameters
+from hpctrain.config.arithmetic import adapter_parameters, count_parameters
 from hpctrain.models.gpt import GPTStage
 from hpctrain.models.lora import describe
 
@@ -163,7 +163,7 @@ def test_startup_line_counts_trainable_and_frozen_and_the_optimizer_state_saved(
 
 
 def test_mfu_counts_four_flops_per_frozen_parameter_and_six_per_adapter():
-    from hpctrain.models.arithmetic import adapter_parameters, block_matmul_parameters, flops_per_token
+    from hpctrain.config.arithmetic import adapter_parameters, block_matmul_parameters, flops_per_token
 
     m = resolve_model(load_config(None, ["model.preset=llama-2-7b"]).model)
     matmul = m.n_layers * block_matmul_parameters(m) + m.vocab_size * m.d_model

@@ -1,5 +1,5 @@
 """A model that cannot fit is refused before allocation (hpctrain/train/memory_check.py): the parameter count
-per rank (models/arithmetic.rank_parameters) is the model's, the lower bound and the verdict over a node's
+per rank (config/arithmetic.rank_parameters) is the model's, the lower bound and the verdict over a node's
 ranks, the one-line message naming the keys, and what memory is read (runtime/peak_memory.py)."""
 import dataclasses
 from types import SimpleNamespace
@@ -9,9 +9,9 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.config import ConfigError, load_config, resolve_model
-from hpctrain.models.arithmetic import count_parameters, rank_parameters
-from hpctrain.parallel.layout import Layout
-from hpctrain.parallel.rules import padded_vocab
+from hpctrain.config.arithmetic import count_parameters, rank_parameters
+from hpctrain.config.layout import Layout
+from hpctrain.config.rules import padded_vocab
 from hpctrain.runtime.peak_memory import available_memory
 from hpctrain.train import memory_check
 from hpctrain.train.memory_check import check_memory, first_shortfall, rank_need

@@ -4,8 +4,8 @@ import pytest
 
 from hpctrain.config import load_config
 from hpctrain.errors import HpcTrainError
-from hpctrain.parallel.layout import Layout
-from hpctrain.parallel.rules import LayoutError, resolve_microbatches
+from hpctrain.config.layout import Layout
+from hpctrain.config.rules import LayoutError, resolve_microbatches
 
 BASE = ["parallel.tp=1", "parallel.pp=1", "train.global_batch=16", "train.seq_len=32"]
 

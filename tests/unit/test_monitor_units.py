@@ -3,7 +3,7 @@ series and textfile, the TensorBoard sink's tags."""
 import pytest
 
 from hpctrain.config import ConfigError, load_config
-from hpctrain.monitor.catalog import METRICS, layout_label, parse_labels, step_samples
+from hpctrain.config.metric_names import METRICS, layout_label, parse_labels, step_samples
 from hpctrain.monitor.ranks import RankWindow, summarize
 
 

@@ -1,5 +1,5 @@
 """docs/monitoring/: the alert rules and the Grafana dashboard name only metrics and labels hpctrain exports
-(hpctrain/monitor/catalog.py), cover what a centre watches, and pass promtool: `check rules`, and
+(hpctrain/config/metric_names.py), cover what a centre watches, and pass promtool: `check rules`, and
 `test rules` on synthetic series (each alert fires when it should and not before)."""
 import json
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpctrain.monitor.catalog import CONSTANT_LABELS, METRICS
+from hpctrain.config.metric_names import CONSTANT_LABELS, METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "docs" / "monitoring" / "hpctrain-alerts.yml"

@@ -10,7 +10,7 @@ import torch
 
 from hpctrain.compression.quantize import BlockOneBit, Int8, OneBit
 from hpctrain.config import ModelConfig, resolve_model
-from hpctrain.parallel.layout import Layout
+from hpctrain.config.layout import Layout
 from hpctrain.plan.compressed import dp_wire_fraction, payload_fraction, warmup_average_step_s
 from hpctrain.plan.cost import Candidate, Options, step_time
 from hpctrain.plan.devices import PlanError, device_preset

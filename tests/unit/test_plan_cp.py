@@ -9,7 +9,7 @@ import pytest
 
 from hpctrain.config import ModelConfig, resolve_model
 from hpctrain.parallel.context_parallel import block_plan, causal_window_mask, zigzag_positions
-from hpctrain.parallel.layout import Layout
+from hpctrain.config.layout import Layout
 from hpctrain.plan.cost import Candidate, Options, step_time
 from hpctrain.plan.devices import device_preset
 from hpctrain.plan.machine import Machine, links_from_bandwidth

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from hpctrain.config import ModelConfig, load_config, resolve_model
-from hpctrain.parallel.layout import Layout
+from hpctrain.config.layout import Layout
 from hpctrain.plan.cost import Candidate, Options, step_time
 from hpctrain.plan.devices import PlanError, device_preset
 from hpctrain.plan.machine import (GroupPlacement, LinkProfile, Link, Machine, device_from_profile,

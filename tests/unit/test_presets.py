@@ -6,13 +6,13 @@ Table 2.1's "2.7B", PTD-P Table 1's "1.7B"), ``exact`` is that source's own coun
 model and architecture as GPT-2", GPT-2's count of the Table 2.1 shape): it must round to the printed
 count, and our ``count_parameters`` must be within 1% of it. Our model has no biases and RMSNorm instead
 of LayerNorm (one weight, not two), which the GPT counts below include: 11 d per layer, < 0.1%.
-The counts here are derived from the sources' formulas, not from ``hpctrain.models.arithmetic``.
+The counts here are derived from the sources' formulas, not from ``hpctrain.config.arithmetic``.
 """
 import pytest
 import torch
 
 from hpctrain.config import PRESETS, ModelConfig, resolve_model
-from hpctrain.models.arithmetic import count_parameters, flops_per_token
+from hpctrain.config.arithmetic import count_parameters, flops_per_token
 from hpctrain.models.gpt import GPTStage
 
 

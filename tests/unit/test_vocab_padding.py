@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from hpctrain.checkpoint.format import local_range_boxes
 from hpctrain.config import ConfigError, load_config, resolve_model
 from hpctrain.models.gpt import GPTStage
-from hpctrain.parallel.layout import Layout
-from hpctrain.parallel.rules import padded_vocab
+from hpctrain.config.layout import Layout
+from hpctrain.config.rules import padded_vocab
 from hpctrain.parallel.slab import SlabSpec, init_from_global_, make_spec
 from hpctrain.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from hpctrain.tools.generate import generate_ids

@@ -1,7 +1,7 @@
 """The rules of a parallel layout: sizes, model and batch in, a clear error out (pure arithmetic).
 
 One place for every rule about dp x pp x cp x tp, micro-batches, stages and context parallelism; ``Layout`` (``layout.py``)
-applies them to a run's configuration, and ``validate`` in ``hpctrain/config.py`` applies the stage
+applies them to a run's configuration, and ``validate`` (``validation.py``) applies the stage
 rules, which need no world size, when the configuration is loaded. No config, no mpi4py, no torch:
 the functions take numbers and a resolved ``ModelConfig``-like object (tests/unit/test_layout.py).
 

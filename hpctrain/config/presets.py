@@ -1,5 +1,5 @@
 """Named model shapes: the published models (GPT-2, GPT-3, Megatron-LM's PTD-P GPTs, Llama 2, Llama 3) and two
-small ones for demos and tests. Pure data; ``hpctrain/config.py`` ``resolve_model`` applies them.
+small ones for demos and tests. Pure data; ``resolve_model`` (``validation.py``) applies them.
 
 Each preset's source and published parameter count are listed (and checked within 1% against
 ``count_parameters``) in tests/unit/test_presets.py; docs/models-and-data.md has the table.

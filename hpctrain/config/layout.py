@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpctrain.config import resolve_model
-from hpctrain.parallel.rules import LayoutError  # noqa: F401 (re-exported)
-from hpctrain.parallel.rules import (check_batch, check_context, check_cp_stripes, check_schedule,
-                                    check_stages, check_tp_divisibility, resolve_microbatches,
-                                    resolve_sizes)
+from hpctrain.config.rules import LayoutError  # noqa: F401 (re-exported)
+from hpctrain.config.rules import (check_batch, check_context, check_cp_stripes, check_schedule, check_stages,
+                                   check_tp_divisibility, resolve_microbatches, resolve_sizes)
+from hpctrain.config.validation import resolve_model
 
 
 def divisors(n: int) -> list[int]:

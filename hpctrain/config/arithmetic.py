@@ -1,6 +1,6 @@
 """The GPT's size arithmetic: parameters, training FLOPs per token, the layer split over pipeline stages.
 
-Pure arithmetic on a resolved ``ModelConfig`` (no torch, no MPI), so the model (``gpt.py``, which
+Pure arithmetic on a resolved ``ModelConfig`` (no torch, no MPI), so the model (``models/gpt.py``, which
 re-exports these), the trainer's MFU and the performance model (``hpctrain/plan``) count the same way.
 The block is ``hpctrain.models.gpt.Block``: RMSNorm, grouped-query attention (q, k, v, o), RMSNorm, and
 the MLP: ``model.mlp`` "swiglu" (gate, up, down: three ``d_model x d_ff`` matrices) or "gelu" (up, down:
@@ -9,7 +9,7 @@ no matmul FLOPs (rope has neither).
 """
 from __future__ import annotations
 
-from hpctrain.parallel.rules import check_stages, padded_vocab
+from hpctrain.config.rules import check_stages, padded_vocab
 
 
 def mlp_matrices(m) -> int:

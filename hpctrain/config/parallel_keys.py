@@ -1,0 +1,112 @@
+"""The keys of the parallel layout and its communication: ``[parallel]``, ``[comm]``, ``[compression]``."""
+from dataclasses import dataclass
+
+from hpctrain.config.keys import COUNT_MAX, SIZE_MAX, key
+
+
+@dataclass
+class ParallelConfig:
+    """Process grid and communication settings."""
+    dp: int = key(0, min=0, help=(
+        "Data-parallel replicas. 0 = world size / (tp x pp x cp); otherwise dp x pp x cp x tp must equal the "
+        "number of ranks."))
+    tp: int = key(1, min=1, help=(
+        "Tensor-parallel ranks per layer (heads, MLP and vocabulary split; Megatron style). Keep it within a node."))
+    pp: int = key(1, min=1, help="Pipeline stages (consecutive layers per stage).")
+    cp: int = key(1, min=1, help=(
+        "Context parallelism: ranks sharing each sequence. Each holds 2 of the 2 x cp stripes of it (stripe i and "
+        "2cp-1-i, so causal work is even) and attention is a ring: K/V blocks pass around the cp group while "
+        "blocks compute. train.seq_len must be divisible by 2 x cp. Gradients are summed and ZeRO-1 shards over dp "
+        "x cp. Placed inside a node with tp when cp x tp fits."))
+    schedule: str = key("1f1b", choices=("gpipe", "1f1b", "interleaved"), help=(
+        "Pipeline schedule: `gpipe` (all forwards, then all backwards), `1f1b` (same bubble, at most pp - s "
+        "micro-batches of activations held on stage s) or `interleaved` (Megatron's interleaved 1F1B over "
+        "`virtual_stages` virtual stages per rank: the bubble divided by V; needs pp >= 2 and microbatches a "
+        "multiple of pp)."))
+    virtual_stages: int = key(1, min=1, max=COUNT_MAX, help=(
+        "Virtual stages per pp rank (V). With `schedule = \"interleaved\"`: >= 2, and pp x V <= n_layers; rank r "
+        "holds virtual stages r, pp + r, 2 pp + r, ... (Megatron's `--num-layers-per-virtual-pipeline-stage`, "
+        "counted in virtual stages). 1 with gpipe and 1f1b."))
+    microbatches: int = key(1, min=1, max=SIZE_MAX, help=(
+        "Micro-batches per replica per step: the replica batch (global_batch / dp) is split into this many; "
+        "gradients accumulate over them. The pipeline bubble is (pp - 1) / (virtual_stages x microbatches) of the "
+        "ideal step. With `train.micro_batch_size` > 0 it is derived (global_batch / (dp x micro_batch_size)): "
+        "leave it at 1 or give the same number."))
+    sequence_parallel: bool = key(False, help=(
+        "Split the activations between TP layers along the sequence over tp (norms run on S/tp tokens; all-reduce "
+        "becomes reduce-scatter + all-gather). Needs `train.seq_len` divisible by tp."))
+    zero: int = key(0, choices=(0, 1), help=(
+        "1 = ZeRO-1: each dp rank keeps optimizer state (and fp32 masters) for 1/dp of the parameters; gradients "
+        "are reduce-scattered and updated parameters all-gathered. 0 = off."))
+    bucket_mb: float = key(25.0, above=0, help=(
+        "Size of a gradient bucket (MiB of main-grad storage). A bucket's dp reduction starts as soon as backward "
+        "has produced all its gradients."))
+    stage_layers: list[int] = key(factory=list, help=(
+        "Layers per pipeline stage, e.g. `[3, 5]`; pp entries summing to n_layers (interleaved: pp x "
+        "virtual_stages entries, virtual stage v = c x pp + rank in order). Empty = balanced by parameter count "
+        "(embedding and LM head count against their stages)."))
+    strict_placement: bool = key(False, help=(
+        "Make a tensor-parallel group that spans nodes an error instead of a warning."))
+    backend: str = key("auto", choices=("auto", "mpi", "cuda-mpi", "nccl"), help=(
+        "How CUDA tensors travel (host tensors always use MPI): `auto` = NCCL via CuPy when it imports and each "
+        "rank of a group has its own GPU, else MPI with host staging; `mpi` = host staging (any MPI, ranks may "
+        "share a GPU); `cuda-mpi` = device pointers to a CUDA-aware MPI; `nccl` = NCCL or an error."))
+
+
+@dataclass
+class CommConfig:
+    """Communication watchdog and debugging ($HPCTRAIN_COMM_TIMEOUT, when set, overrides timeout_s)."""
+    timeout_s: float = key(600.0, min=0, help=(
+        "Seconds a communication call (collective, point-to-point, checkpoint exchange) may take before the job "
+        "ends with a hang report that names the ranks that never reached the call (exit 3). 0 = no watchdog. "
+        "`HPCTRAIN_COMM_TIMEOUT`, when set, overrides it. A call that waits for ranks inside torch.compile "
+        "(`train.compile`'s first step) is not reported while they compile (at most an hour more), and gets a full "
+        "timeout after."))
+    check: bool = key(False, help=(
+        "Debugging: before every collective the group's members compare op, size and dtype; a mismatch ends the "
+        "job naming the first differing rank (one extra small allgather per call)."))
+    intra_node: str = key("auto", choices=("auto", "shm", "mpi"), help=(
+        "How the ranks of one node reduce with each other in the data-parallel group: `shm` = "
+        "hpctrain/comm/shm.py's MPI-3 shared-memory window carries the dp group's allreduce / reduce_scatter / "
+        "allgather of contiguous CPU float32/float64 sums (gradients, ZeRO-1 gathers; other dtypes, GPU tensors "
+        "and other groups stay on MPI); with `shm` a dp group spanning nodes with the same number of its ranks on "
+        "each goes hierarchical (hpctrain/comm/hierarchical.py: shared memory on each node, MPI between nodes; "
+        "reported as `shm-hierarchical`); refused with the reason before training when the nodes hold different "
+        "numbers of dp ranks, one each, or no shared window can be allocated or backed (/dev/shm too small or "
+        "full); `auto` (the default) = shm when every dp group lies on one node, else MPI with one line saying why "
+        "(a dp group spanning nodes stays on MPI: the hierarchical step measured no faster on emulated nodes); "
+        "`mpi` = the MPI library. Measured: the dp step 1.00-1.01x the MPI path at 2 ranks, 1.02-1.04x at 4 (3 "
+        "paired runs each, docs/benchmarks.md)."))
+    shm_progress: str = key("call", choices=("call", "thread"), help=(
+        "When a shared-memory dp reduction (comm.intra_node) runs: `call` = inside the call, in the backward hook "
+        "that starts it (measured fastest on this 2-core machine); `thread` = on one worker thread per rank, in "
+        "order, overlapped with backward (hides ~98% of the reduction in the trace, but competes for the core: for "
+        "nodes with a spare core per rank)."))
+
+
+@dataclass
+class CompressionConfig:
+    """Gradient compression of the data-parallel reduction (docs/compression.md)."""
+    method: str = key("none", choices=("none", "fp16", "bf16", "int8", "topk", "randomk", "powersgd",
+                                          "onebit", "zfp", "onebit-adam"), help=(
+        "Gradient compression of the data-parallel reduction: `none` (dense all-reduce), `fp16`, `bf16`, `int8` "
+        "(scale per 256 values), `topk`, `randomk` (keep `density` of the values), `powersgd` (rank-`rank` "
+        "matrices), `onebit` (sign + scale), `zfp` (fixed rate `zfp_rate`, needs zfpy), `onebit-adam` (1-bit Adam: "
+        "AdamW's momentum in 1 bit after `warmup_steps` dense steps, variance frozen; needs optim.name = adamw). "
+        "See docs/compression.md for costs and when each pays."))
+    density: float = key(0.01, above=0, max=1, help=(
+        "topk / randomk: fraction of each bucket's values sent (0.01 = 1%)."))
+    rank: int = key(4, min=1, help=(
+        "powersgd: rank r of the approximation P Q^T; a matrix is compressed only if 2 (m+n) r <= m n."))
+    error_feedback: bool = key(True, help=(
+        "Keep what compression dropped and add it to the next step's gradient (also on the summed side for the "
+        "quantizers). Saved in checkpoints."))
+    warmup_steps: int = key(0, min=0, help=(
+        "Dense steps before compression starts (onebit-adam: the dense AdamW steps before the variance freezes; "
+        "must be > 0)."))
+    scope: str = key("all", choices=("all", "inter-node"), help=(
+        "`all`: compress every dp link. `inter-node`: dense reduce-scatter inside each node, compressed sum across "
+        "nodes, all-gather inside the node (from the process grid's node map)."))
+    min_numel: int = key(0, min=0, help="Buckets (powersgd: matrices) with fewer elements than this go dense.")
+    zfp_rate: float = key(8.0, above=0, max=32, help=(
+        "zfp: bits per value in ZFP's fixed-rate mode (8 = 4x smaller than float32)."))

@@ -1,0 +1,182 @@
+"""The keys of the training run: ``[optim]``, ``[data]``, ``[train]``, ``[checkpoint]``, ``[monitor]``."""
+from dataclasses import dataclass
+
+from hpctrain.config.keys import SIZE_MAX, key
+from hpctrain.runtime.dtypes import DTYPE_NAMES
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer hyperparameters (learning rate and schedule live in TrainConfig)."""
+    name: str = key("adamw", choices=("adamw", "sgd"), help=(
+        "`adamw` (decoupled weight decay) or `sgd` (with optional momentum)."))
+    beta1: float = key(0.9, min=0, below=1, help="AdamW first-moment decay.")
+    beta2: float = key(0.95, min=0, below=1, help="AdamW second-moment decay.")
+    eps: float = key(1e-8, above=0, help="AdamW denominator epsilon.")
+    weight_decay: float = key(0.1, min=0, help=(
+        "Decoupled weight decay, applied to matrices (dim >= 2) only, not to norm weights."))
+    momentum: float = key(0.0, min=0, help="SGD momentum (0 = plain SGD); ignored by AdamW.")
+    grad_clip: float = key(1.0, min=0, help=(
+        "Clip the GLOBAL gradient norm (over every rank and stage) to this value. 0 = no clipping."))
+
+
+@dataclass
+class DataConfig:
+    """Corpus: "builtin" (embedded) or a path to a text file, folder, .npy or .h5."""
+    source: str = key("builtin", help=(
+        "`builtin` (the Python standard library's sources, byte-level, cached on first use), or a path: a text "
+        "file, a folder of text files, a `.npy` token array, or a `.h5`/`.hdf5` file with a `tokens` dataset. A "
+        "corpus made by `hpctrain data prepare` is read by slabs: each rank reads only the windows it trains on. "
+        "An SFT corpus (`hpctrain data prepare --format sft-jsonl`) trains on packed examples whose loss counts "
+        "only the responses (docs/models-and-data.md, SFT data)."))
+    tokenizer: str = key("bytes", help=(
+        "`bytes` (every byte a token, vocabulary 256) or the path of a Hugging Face `tokenizer.json` (e.g. from "
+        "`hpctrain data train-tokenizer`). Training checks that the corpus was prepared with this tokenizer; "
+        "nothing is downloaded."))
+    valid_fraction: float = key(0.0, min=0, below=1, help=(
+        "Hold out the last fraction of the corpus for validation (at a document boundary for a prepared corpus; "
+        "the last examples of an SFT corpus); training never samples from it. 0 = no validation data."))
+    cache_dir: str = key("", help=(
+        "Where the builtin corpus is cached. Empty = `~/.cache/hpctrain`. `HPCTRAIN_CACHE`, when set, overrides it."))
+    max_bytes: int = key(0, min=0, help=(
+        "Keep only the first N tokens (= bytes) of a byte-level source (text, folder, builtin, .npy); a prepared "
+        "token file (hpctrain data prepare) is always used whole. 0 = the whole corpus."))
+
+
+@dataclass
+class TrainConfig:
+    """Training loop, precision, learning-rate schedule and logging."""
+    steps: int = key(50, min=0, help="Optimizer steps of the run (also the length of the learning-rate schedule).")
+    seed: int = key(1234, min=0, help=(
+        "Seed of the initial weights (each parameter drawn globally from (seed, name), so every layout starts "
+        "identically) and of the data order (sample i depends only on (seed, i))."))
+    dtype: str = key("float32", choices=DTYPE_NAMES, help=(
+        "Parameter and activation dtype. bfloat16/float16 keep float32 main gradients and float32 master weights "
+        "in the optimizer; float16 also uses dynamic loss scaling."))
+    global_batch: int = key(8, min=1, max=SIZE_MAX, help=(
+        "Sequences per optimizer step over all replicas; divisible by dp, and global_batch / dp by "
+        "`parallel.microbatches` (with `train.micro_batch_size` > 0: divisible by dp x micro_batch_size)."))
+    micro_batch_size: int = key(0, min=0, max=SIZE_MAX, help=(
+        "Sequences per forward (and backward) on each replica; 0 = global_batch / dp / `parallel.microbatches`. > "
+        "0: the replica batch runs as global_batch / (dp x micro_batch_size) micro-batches with gradients "
+        "accumulated in between, and the dp reduction runs once per step, overlapped with the last micro-batch's "
+        "backward. global_batch must be divisible by dp x micro_batch_size. With cp the micro-batch is still "
+        "sequences (each cp rank holds its stripes of them). `hpctrain plan` reads it as its `--micro-batch`."))
+    seq_len: int = key(64, min=1, max=SIZE_MAX, help="Tokens per sequence (<= `model.max_seq_len`).")
+    lr: float = key(3e-3, above=0, help="Peak learning rate (reached after warm-up).")
+    min_lr: float = key(3e-4, min=0, help="Final learning rate of the cosine or linear decay.")
+    warmup_steps: int = key(5, min=0, help="Steps of linear warm-up from lr / warmup_steps to lr.")
+    lr_schedule: str = key("cosine", choices=("cosine", "constant", "linear"), help=(
+        "After warm-up: `cosine` or `linear` decay to min_lr at the last step, or `constant`."))
+    recompute: bool = key(False, help=(
+        "Activation checkpointing: keep only each block's input and recompute the block in backward (less memory, "
+        "about a third more compute)."))
+    compile: str = key("false", choices=("false", "true", "auto"), help=(
+        "`torch.compile` (inductor; C++ on the CPU, Triton on GPUs) of every transformer block of this rank's "
+        "pipeline stages, one graph per block shape, reused by all blocks: the norms, projections, rotary, "
+        "attention core, SwiGLU/GELU and residual adds fused. Tensor- and context-parallel collectives run eagerly "
+        "between the compiled pieces (graph breaks by design); embedding, LM head and loss stay eager. `true`, "
+        "`false` (TOML booleans work too) or `auto`: on when the run's device is a GPU. The first step pays the "
+        "compile (seconds to a minute; cached in inductor's cache dir). `hpctrain train --verbose` prints the "
+        "graphs and graph breaks after the first step. See docs/gpus.md."))
+    log_interval: int = key(1, min=1, help=(
+        "In batch logs (no terminal) print a progress line every N steps (and always the last and any skipped "
+        "step). metrics.jsonl always gets every step."))
+    peak_tflops: float = key(0.0, min=0, help=(
+        "Peak TFLOP/s of one rank's device, for the MFU column. 0 = the published dense peak of a known GPU for "
+        "the run's dtype (A100, H100, H200, V100, MI250X, MI300X: `hpctrain/runtime/device.py`), else unknown (no "
+        "MFU). The model FLOPs per token are 6 per matmul parameter plus causal attention; a LoRA run counts 4 per "
+        "frozen parameter (no weight gradient) and 6 per adapter parameter."))
+    device: str = key("auto", choices=("auto", "cpu", "cuda"), help=(
+        "`auto`: the GPU that this node-local rank binds (`local_rank % visible GPUs`, honouring "
+        "`CUDA_VISIBLE_DEVICES`) when torch sees CUDA, else the CPU; `cpu`; `cuda` (an error on a rank without a "
+        "GPU). Parameters, gradients, optimizer state, batches and pipeline buffers all live there."))
+    allow_tf32: bool = key(True, help=(
+        "Let float32 matmuls use TF32 tensor cores on NVIDIA GPUs (Ampere and newer): much faster, ~1e-3 relative "
+        "error per product. Off for bitwise CPU/GPU comparisons."))
+    exit_signals: list[str] = key(factory=lambda: ["USR1", "TERM"], help=(
+        "Signals that stop the run cleanly: every rank agrees to stop after the same step, the state is saved "
+        "synchronously, then the job is requeued (`train.requeue`) or exits with code 75. Slurm's "
+        "`--signal=USR1@SECONDS` sends the first."))
+    time_limit_s: float = key(0.0, min=0, help=(
+        "Stop (and save) before this many seconds of wall time have passed since start. 0 = the Slurm job's end "
+        "time (`squeue -o %e`), or no limit outside Slurm. The stop is checked before each step and leaves 3 steps "
+        "(the one about to run and the 2 its request takes to be agreed: the verdict is read a step late; 2 with "
+        "an immediate verdict) plus twice the MEASURED duration of the last save "
+        "([slurm.md](slurm.md#time-limits))."))
+    time_limit_margin_s: float = key(60.0, above=0, help=(
+        "Time kept for the final save before any save has been measured in this job."))
+    requeue: str = key("auto", choices=("auto", "never"), help=(
+        "`auto`: after a stop by signal or time limit under Slurm, rank 0 runs `scontrol requeue` and every rank "
+        "exits 0 (the job resumes from the checkpoint); if the job cannot be requeued, or with `never`, the exit "
+        "code is 75."))
+    loss_scale: float = key(65536.0, above=0, help=(
+        "Initial dynamic loss scale for float16: halved (and the step skipped on every rank) when gradients "
+        "overflow, doubled after 1000 good steps. Unused for other dtypes."))
+    nonfinite: str = key("stop", choices=("stop", "skip"), help=(
+        "A non-finite loss, or (without float16 loss scaling) a non-finite gradient norm, is never applied. "
+        "`stop`: the run stops at once, saves nothing, logs a stop event and exits 4. `skip`: the step is skipped "
+        "and training goes on (see max_skipped_steps)."))
+    max_skipped_steps: int = key(20, min=1, help=(
+        "Consecutive skipped steps after which the run stops as with nonfinite = stop (exit 4): non-finite steps, "
+        "and float16 overflows at the minimum loss scale (1) that would otherwise skip forever. An overflow while "
+        "the scale is above 1 only halves it (the scaler's search, as Megatron-LM and DeepSpeed): any "
+        "train.loss_scale recovers."))
+    run_dir: str = key("runs/default", help=(
+        "Directory of the run: metrics.jsonl, config.json, summary.json, checkpoints/."))
+    progress: bool = key(True, help="Show a live progress bar when stdout is a terminal.")
+    eval_interval: int = key(0, min=0, help=(
+        "Every N steps (and at the last step) compute the validation loss over `train.eval_steps` held-out global "
+        "batches: `val_loss` in metrics.jsonl and on the progress line. Needs `data.valid_fraction`. 0 = off."))
+    eval_steps: int = key(4, min=1, help=(
+        "Global batches per validation; the same held-out batches every time and in every layout."))
+    trace: bool = key(False, help=(
+        "Write a Chrome-trace / Perfetto JSON per rank into <run_dir>/trace/: every phase and every collective "
+        "(group, op, bytes, start, end) of the traced steps; `hpctrain trace RUN_DIR` merges them and says where "
+        "each rank's time went (docs/scaling.md)."))
+    trace_steps: int = key(5, min=1, help=(
+        "How many steps `train.trace` records, from the second step of the run on (the first opens connections and "
+        "warms caches)."))
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing; the field ``async_`` is the key ``async``."""
+    interval: int = key(0, min=0, help=(
+        "Save every N steps. 0 = only at the end of the run (or of a `--max-steps` job, or of a stop by signal or "
+        "time limit, which always saves). A job killed without warning (kill -9, a node failure) resumes from the "
+        "last interval checkpoint, so with 0 it starts over."))
+    keep: int = key(3, min=1, help=(
+        "Complete checkpoints to keep; older ones are deleted after a newer one is published."))
+    async_: bool = key(True, help=(
+        "Write in a background thread after a host snapshot, while training continues (the next save or the end of "
+        "the run waits for it)."))
+    writer: str = key("auto", choices=("auto", "mpio", "shards"), help=(
+        "`mpio`: one HDF5 file written collectively with MPI-IO (needs h5py built with MPI); `shards`: one file "
+        "per rank joined by HDF5 virtual datasets; `auto`: mpio when available, else shards."))
+    dir: str = key("", help="Where checkpoints go. Empty = `<train.run_dir>/checkpoints`.")
+
+
+@dataclass
+class MonitorConfig:
+    """Live monitoring: Prometheus metrics, TensorBoard, per-rank straggler gathering (docs/monitoring.md)."""
+    prometheus_port: int = key(0, min=0, max=65535, help=(
+        "Rank 0 serves Prometheus metrics at `http://prometheus_addr:PORT/metrics` (the `prometheus_client` "
+        "package, in a thread of its own: a scrape never blocks a step). 0 = no server. A port in use stops the "
+        "run before its first step, on every rank, in one line. The metrics: docs/monitoring.md."))
+    prometheus_addr: str = key("127.0.0.1", help=(
+        "The address the metrics server binds: `127.0.0.1` (default, this node only) or `0.0.0.0` (every "
+        "interface, for a Prometheus on another node)."))
+    prometheus_textfile: str = key("", help=(
+        "A `*.prom` file for node_exporter's textfile collector, written by rank 0 atomically (a temporary file "
+        "renamed) every `monitor.interval` steps, after a checkpoint and at exit (with `hpctrain_up 0`). \"\" = "
+        "none. An unwritable path stops the run before its first step."))
+    labels: list[str] = key(factory=list, help=(
+        "Extra constant labels on every series, `[\"cluster=frontier\", \"project=abc\"]` (Prometheus label names; "
+        "not `run`, `job_id`, `layout` or a metric's own labels, which hpctrain sets)."))
+    tensorboard: bool = key(False, help=(
+        "Rank 0 writes the same scalars as TensorBoard event files under `<train.run_dir>/tensorboard/` (the "
+        "`tensorboard` package; `tensorboard --logdir` it)."))
+    interval: int = key(0, min=0, help=(
+        "Steps between two gathers of every rank's step time and bytes sent (the straggler and communication "
+        "metrics: one small collective per interval) and two textfile writes. 0 = `train.log_interval`."))

@@ -1,0 +1,142 @@
+"""Validation of a configuration: ``resolve_model`` fills the keys left to the preset, ``validate`` checks each
+key's rule (``keys.key``) and the rules between keys; ``architecture`` names what a model's weights depend on.
+
+    model = resolve_model(cfg.model)  # size fields left at 0 take the preset's value
+"""
+import dataclasses
+import math
+import operator
+from typing import Any
+
+from hpctrain.config.arithmetic import lora_target_shapes
+from hpctrain.config.keys import ConfigError, error, key_name, unknown
+from hpctrain.config.metric_names import parse_labels
+from hpctrain.config.model_keys import LoraConfig, ModelConfig
+from hpctrain.config.parallel_keys import CompressionConfig
+from hpctrain.config.presets import MODEL_DEFAULTS, PRESETS
+# the layout rules that need no world size
+from hpctrain.config.rules import check_context, check_schedule, check_stages
+from hpctrain.config.train_keys import MonitorConfig, OptimConfig
+from hpctrain.config.tree import Config
+from hpctrain.errors import HpcTrainError
+
+_COMPARISONS = {"min": (">=", operator.ge), "above": (">", operator.gt), "below": ("<", operator.lt),
+                "max": ("<=", operator.le)}
+
+
+# The keys that define the function a model computes (and its weights' shapes): two configs that agree on
+# these hold interchangeable weights (init_std, init_from, preset and vocab_multiple, the padding of the true
+# vocab_size, do not matter; max_seq_len only with learned positions: the rows of their table).
+ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings",
+                     "rope_theta", "norm_eps", "mlp", "positions", "attention_window")
+
+
+def architecture(m: ModelConfig) -> dict[str, Any]:
+    """{key: value} of m's architecture keys, resolved (+ max_seq_len with learned positions)."""
+    r = resolve_model(m)
+    keys = ARCHITECTURE_KEYS + (("max_seq_len",) if r.positions == "learned" else ())
+    return {k: getattr(r, k) for k in keys}
+
+
+def architecture_differences(theirs: ModelConfig | dict, ours: ModelConfig | dict) -> list[str]:
+    """``model.KEY is X there, Y here`` for each architecture key on which two models differ (model configs,
+    resolved here, or ``architecture`` dicts, e.g. a checkpoint's)."""
+    a = theirs if isinstance(theirs, dict) else architecture(theirs)
+    b = ours if isinstance(ours, dict) else architecture(ours)
+    keys = list(b) + [k for k in a if k not in b]
+    return [f"model.{k} is {a.get(k)!r} there, {b.get(k)!r} here" for k in keys if a.get(k) != b.get(k)]
+
+
+def resolve_model(m: ModelConfig) -> ModelConfig:
+    """A copy of m with every key left unset taken from its preset, else MODEL_DEFAULTS ("custom": sizes none)."""
+    if m.preset not in PRESETS and m.preset != "custom":
+        raise error("model.preset", unknown("preset", m.preset, [*PRESETS, "custom"]))
+    given = {**MODEL_DEFAULTS, **PRESETS.get(m.preset, {})}
+    filled = {k: v for k, v in given.items() if _unset(getattr(m, k))}
+    return dataclasses.replace(m, **filled)
+
+
+def _unset(value: Any) -> bool:
+    """A model key left for the preset: 0 (sizes, rope_theta), "auto" (mlp, positions), None (tie_embeddings)."""
+    return value is None or value == "auto" or (type(value) in (int, float) and value == 0)
+
+
+def _require(ok: bool, where: str, detail: str) -> None:
+    if not ok:
+        raise error(where, detail)
+
+
+def _check_rules(section: str, obj: Any) -> None:
+    """Apply each field's ``key`` rule to its value in obj."""
+    for f in dataclasses.fields(obj):
+        value, rule, where = getattr(obj, f.name), f.metadata, f"{section}.{key_name(f)}"
+        if isinstance(value, float):  # inf and nan pass every comparison rule below (or none)
+            _require(math.isfinite(value), where, f"must be a finite number, got {value}")
+        if "choices" in rule:
+            choices = ", ".join(map(str, rule["choices"]))
+            _require(value in rule["choices"], where, f"expected one of {choices}, got {value!r}")
+        for name, (symbol, holds) in _COMPARISONS.items():
+            if name in rule:
+                _require(holds(value, rule[name]), where, f"must be {symbol} {rule[name]}, got {value}")
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError naming the first bad value; cfg itself is not modified."""
+    m = resolve_model(cfg.model)
+    for f in dataclasses.fields(Config):
+        _check_rules(f.name, m if f.name == "model" else getattr(cfg, f.name))
+    _require(m.d_model % m.n_heads == 0, "model.n_heads", f"d_model={m.d_model} not divisible by n_heads={m.n_heads}")
+    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+             f"n_heads={m.n_heads} not divisible by n_kv_heads={m.n_kv_heads}")
+    p, t = cfg.parallel, cfg.train
+    try:
+        if t.micro_batch_size == 0:  # else the micro-batches need dp: Layout.from_config checks the schedule
+            check_schedule(m, p.schedule, p.pp, p.virtual_stages, p.microbatches)
+        check_stages(m, p.pp, p.stage_layers, p.virtual_stages)
+        check_context(m, t.seq_len, p.cp)
+    except HpcTrainError as exc:
+        raise ConfigError(f"config: {exc}") from None
+    _require(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    _require(cfg.data.source != "", "data.source", 'must be "builtin" or a path, got ""')
+    _require(t.run_dir != "", "train.run_dir", "must not be empty")
+    _require(t.eval_interval == 0 or cfg.data.valid_fraction > 0, "train.eval_interval",
+             f"{t.eval_interval} needs held-out data: set data.valid_fraction (e.g. 0.05)")
+    if cfg.lora.rank:
+        _check_lora(cfg.lora, m)
+    _check_onebit_adam(cfg.compression, cfg.optim)
+    _check_monitor(cfg.monitor)
+
+
+def _check_onebit_adam(comp: CompressionConfig, optim: OptimConfig) -> None:
+    """1-bit Adam compresses AdamW's momentum and freezes its variance after a dense warm-up."""
+    if comp.method != "onebit-adam":
+        return
+    _require(optim.name == "adamw", "compression.method",
+             f"'onebit-adam' compresses AdamW's momentum: it needs optim.name='adamw', got {optim.name!r}")
+    _require(comp.warmup_steps > 0, "compression.warmup_steps",
+             "must be > 0 with compression.method='onebit-adam' (its dense AdamW steps: with 0 the variance "
+             "would freeze at its initial zeros)")
+
+
+def _check_monitor(mon: MonitorConfig) -> None:
+    """Label names Prometheus accepts (not hpctrain's own); a textfile node_exporter reads (``*.prom``)."""
+    try:
+        parse_labels(mon.labels)
+    except ValueError as exc:
+        raise error("monitor.labels", str(exc).removeprefix("monitor.labels: ")) from None
+    _require(not mon.prometheus_textfile or mon.prometheus_textfile.endswith(".prom"), "monitor.prometheus_textfile",
+             f"{mon.prometheus_textfile!r} must end in .prom (node_exporter's textfile collector reads only *.prom)")
+
+
+def _check_lora(lora: LoraConfig, m: ModelConfig) -> None:
+    """lora.targets name linears of this model, once each; lora.rank fits every target's matrix."""
+    shapes = lora_target_shapes(m)
+    _require(bool(lora.targets), "lora.targets", f"must name at least one of {', '.join(shapes)} when lora.rank > 0")
+    for name in lora.targets:
+        _require(name in shapes, "lora.targets", unknown("target", name, list(shapes), f" of this model "
+                                                         f"(model.mlp={m.mlp})"))
+    _require(len(set(lora.targets)) == len(lora.targets), "lora.targets", f"names a target twice: {lora.targets}")
+    smallest = min(lora.targets, key=lambda name: min(shapes[name]))
+    _require(lora.rank <= min(shapes[smallest]), "lora.rank",
+             f"{lora.rank} exceeds the dimensions of target {smallest!r} (in {shapes[smallest][0]}, out "
+             f"{shapes[smallest][1]}): at most {min(shapes[smallest])}")

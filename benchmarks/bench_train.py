@@ -11,6 +11,8 @@ One MPI job runs every implementation on the same ranks:
                                    shared memory (hpctrain/comm/intra_node.py; a dp group spanning
                                    nodes: hierarchical, hpctrain/comm/hierarchical.py)
     hpctrain-shm-thread  dp=N      the same with comm.shm_progress=thread (the shm reduction on a worker thread)
+    hpctrain-auto  dp=N            the same with comm.intra_node=auto (shm or MPI per op and size, as measured on
+                                   the node: hpctrain/comm/routes.py; impl hpctrain-dp-auto)
     ddp-gloo  dp=N                 torch.nn.parallel.DistributedDataParallel over a gloo process group
                                    (initialised on the same ranks; tcp on 127.0.0.1 or the node address),
                                    torch.optim.AdamW, torch.nn.utils.clip_grad_norm_
@@ -71,7 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--pp-microbatches", type=int, default=4, help="micro-batches of the pp=2 layout (default 4)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size, both hpctrain and DDP")
     p.add_argument("--impls", default="hpctrain-dp,ddp-gloo,hpctrain-tp,hpctrain-pp",
-                   help="comma list of hpctrain-dp, hpctrain-dp-shm, hpctrain-dp-shm-thread, ddp-gloo, hpctrain-tp, "
+                   help="comma list of hpctrain-dp, hpctrain-dp-shm, hpctrain-dp-shm-thread, hpctrain-dp-auto, ddp-gloo, "
+                        "hpctrain-tp, "
                         "hpctrain-pp "
                         "(default: all but hpctrain-dp-shm)")
     p.add_argument("--intra-node", default="mpi", choices=("auto", "shm", "mpi"),
@@ -132,7 +135,7 @@ class HpcTrainImpl:
             f"comm.intra_node={intra_node}", f"comm.shm_progress={progress}"])
         self.grid = ProcessGrid.from_config(cfg, info)
         self.trainer = Trainer(cfg, self.grid, tokens=tokens)
-        self.params = count_parameters(self.trainer.model_cfg)
+        self.params = count_parameters(self.trainer.parts.model_cfg)
         self.phases = Phases()  # from the trainer's own phase timers (metrics.jsonl ``time_s``)
         self.loss, self.comm_s = float("nan"), []
 
@@ -219,7 +222,8 @@ class DdpImpl:
 # --------------------------------------------------------------------------- measurement
 def build_impls(args, info, tokens, total_steps) -> list:
     wanted = [w.strip() for w in args.impls.split(",") if w.strip()]
-    known = ("hpctrain-dp", "hpctrain-dp-shm", "hpctrain-dp-shm-thread", "ddp-gloo", "hpctrain-tp", "hpctrain-pp")
+    known = ("hpctrain-dp", "hpctrain-dp-shm", "hpctrain-dp-shm-thread", "hpctrain-dp-auto", "ddp-gloo", "hpctrain-tp",
+             "hpctrain-pp")
     unknown = [w for w in wanted if w not in known]
     if unknown:
         raise SystemExit(f"bench_train: unknown --impls {unknown}; choose from {', '.join(known)}")
@@ -234,6 +238,8 @@ def build_impls(args, info, tokens, total_steps) -> list:
             impls.append(HpcTrainImpl(name, args, info, tokens, total_steps))
         elif name == "hpctrain-dp-shm":
             impls.append(HpcTrainImpl(name, args, info, tokens, total_steps, intra_node="shm"))
+        elif name == "hpctrain-dp-auto":
+            impls.append(HpcTrainImpl(name, args, info, tokens, total_steps, intra_node="auto"))
         elif name == "hpctrain-dp-shm-thread":
             impls.append(HpcTrainImpl(name, args, info, tokens, total_steps, intra_node="shm", progress="thread"))
         elif name == "hpctrain-tp":

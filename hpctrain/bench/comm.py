@@ -22,6 +22,9 @@ only: the row is left out for other ops); a group spanning nodes goes hierarchic
 through a Communicator as in training). ``hpctrain-persistent`` = the small-message path of the
 training step (``Communicator.recurring_allreduce`` / ``recurring_broadcast``: an MPI-4 persistent
 request built once per buffer, hpctrain/comm/persistent.py); allreduce and broadcast only.
+``hpctrain-auto`` = a second Communicator of the group set up as training's ``comm.intra_node = auto``
+(hpctrain/comm/routes.py: each op and size class through shared memory or MPI, whichever measured faster
+on this node, the table cached; its summary is printed first); every op.
 Host (CPU) tensors only.
 """
 from __future__ import annotations
@@ -42,7 +45,7 @@ from hpctrain.runtime import env
 from hpctrain.runtime.dtypes import torch_dtype
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "sendrecv")
-IMPLS = ("hpctrain", "hpctrain-persistent", "hpctrain-shm", "mpi4py", "gloo")
+IMPLS = ("hpctrain", "hpctrain-persistent", "hpctrain-shm", "hpctrain-auto", "mpi4py", "gloo")
 FIELDS = ("impl", "op", "bytes", "time_us", "algbw_GBps", "busbw_GBps", "ratio_vs_mpi4py", "ranks", "axis",
           "group_size", "dtype", "iters", "rounds")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -135,6 +138,17 @@ def shm_step(op: str, shm, b: dict):
     if op == "allgather":
         return lambda: shm.allgather(b["big"], b["small"])
     return None
+
+
+def auto_communicator(grid, axis: str):
+    """Collective over the world: (a Communicator of the ``axis`` group routed as comm.intra_node=auto routes
+    the dp group, the ``RouteChoice``); close the Communicator (collective) when done."""
+    from hpctrain.comm.collectives import Communicator
+    from hpctrain.comm.intra_node import route_intra_node
+
+    comm = grid.comm(axis)
+    routed = Communicator(comm.mpi, comm.name, comm.members, grid.watchdog, grid.stats, comm.backend_choice)
+    return routed, route_intra_node(routed, grid.world, "auto")
 
 
 def mpi4py_step(op: str, mpi_comm, b: dict):
@@ -249,9 +263,14 @@ def run_comm_bench(args) -> int:
                             f"launch more ranks or pick another axis / --tp / --pp")
     gloo_group = init_gloo(mpi_world, info, comm, grid.watchdog.timeout_s or 600) if "gloo" in impls else None
     shm = grid.shm_collectives(args.axis) if "hpctrain-shm" in impls else None  # across nodes: hierarchical
+    auto, choice = auto_communicator(grid, args.axis) if "hpctrain-auto" in impls else (None, None)
+    if choice is not None and info.rank == 0:
+        print(f"bench comm: hpctrain-auto routes {choice.kind}{choice.note()} ({choice.source or 'no table'})",
+              file=sys.stderr, flush=True)
     builders = {"hpctrain": lambda op, b: hpctrain_step(op, comm, b),
                 "hpctrain-persistent": lambda op, b: persistent_step(op, comm, b),
                 "hpctrain-shm": lambda op, b: shm_step(op, shm, b),
+                "hpctrain-auto": lambda op, b: hpctrain_step(op, auto, b),
                 "mpi4py": lambda op, b: mpi4py_step(op, comm.mpi, b),
                 "gloo": lambda op, b: gloo_step(op, gloo_group, comm.members, b)}
     records = []
@@ -286,6 +305,8 @@ def run_comm_bench(args) -> int:
             dist.destroy_process_group()
         if shm is not None:
             shm.close()
+        if auto is not None:
+            auto.close()
         grid.close()
     if info.rank == 0:
         title = (f"hpctrain bench comm: {info.size} ranks on {info.num_nodes} node(s), axis {args.axis} "

@@ -200,7 +200,7 @@ class Communicator:
         """In place: every rank's ``tensor`` becomes the sum / average / max over the group."""
         backend = self._host if not tensor.is_cuda else self.backend_for(tensor)
         route = ""
-        if self.shm is not None and self.shm.takes(tensor, op):
+        if self.shm is not None and self.shm.takes(tensor, op, "allreduce"):
             backend, route = self.shm, self.shm.route
         return self._run("allreduce", tensor.nbytes, nonblocking, backend.allreduce, tensor, op,
                          fingerprint=(op, tensor.dtype, tensor.numel()), wire=2 * (self.size - 1) / self.size,
@@ -209,7 +209,7 @@ class Communicator:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                        nonblocking: bool = False):
         """``input`` (size*n elements, block r for group rank r) reduced; block ``self.rank`` -> ``output`` (n)."""
-        shm = self.shm if self.shm is not None and self.shm.takes(input, op) else None
+        shm = self.shm if self.shm is not None and self.shm.takes(input, op, "reduce_scatter") else None
         backend = shm if shm is not None else self.backend_for(input)
         return self._run("reduce_scatter", input.nbytes, nonblocking, backend.reduce_scatter, output, input, op,
                          fingerprint=(op, input.dtype, input.numel()), route=shm.route if shm is not None else "")
@@ -217,7 +217,7 @@ class Communicator:
     def allgather(self, output: torch.Tensor, input: torch.Tensor | None = None, nonblocking: bool = False):
         """``output`` (size*n elements) gets every rank's ``input`` (n) in group-rank order.
         ``input=None``: in place, this rank's block of ``output`` already holds its contribution."""
-        shm = self.shm if self.shm is not None and self.shm.takes(output) else None
+        shm = self.shm if self.shm is not None and self.shm.takes(output, "sum", "allgather") else None
         backend = shm if shm is not None else self.backend_for(output)
         return self._run("allgather", output.nbytes, nonblocking, backend.allgather, output, input,
                          fingerprint=(output.dtype, output.numel()), route=shm.route if shm is not None else "")

@@ -17,7 +17,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from hpctrain.comm.collectives import Communicator
-from hpctrain.comm.intra_node import setup_intra_node
+from hpctrain.comm.intra_node import RouteChoice, route_intra_node, setup_intra_node
 from hpctrain.comm.watchdog import CommStats, Watchdog
 from hpctrain.errors import GridError, LaunchError, everywhere
 from hpctrain.config.layout import Layout
@@ -62,6 +62,7 @@ class ProcessGrid:
         self.watchdog, self.stats, self.warnings = watchdog, stats, warnings
         self.device: torch.device | None = None  # set by use_device
         self.intra_node = "mpi"  # how the dp group reduces CPU floats: "shm", "shm-hierarchical" or "mpi"
+        self.intra_node_routes = RouteChoice("mpi")  # with its auto routing table (note(): for the start line)
         self._extra: list[Communicator] = []  # sub-groups split off later (node_split)
 
     @classmethod
@@ -78,20 +79,25 @@ class ProcessGrid:
                          check=cfg.comm.check)
         grid.layout = layout
         try:
-            grid.use_intra_node(cfg.comm.intra_node, progress=cfg.comm.shm_progress)
+            grid.use_intra_node(cfg.comm.intra_node, progress=cfg.comm.shm_progress,
+                                cache_dir=env.cache_dir(cfg.data.cache_dir), use_cache=cfg.comm.route_cache)
         except Exception:
             grid.close()  # every rank raises alike: nothing is left waiting
             raise
         return grid
 
-    def use_intra_node(self, choice: str, stream=sys.stderr, progress: str = "call") -> str:
+    def use_intra_node(self, choice: str, stream=sys.stderr, progress: str = "call", cache_dir: str = "",
+                       use_cache: bool = True) -> str:
         """Collective over the world: route the dp group's CPU float sums per ``comm.intra_node``
-        (``choice``; ``progress``: ``comm.shm_progress``); sets and returns ``self.intra_node``: "shm"
-        (one node), "shm-hierarchical" (shared memory on each node, MPI between nodes) or "mpi".
+        (``choice``; ``progress``: ``comm.shm_progress``; ``cache_dir`` / ``use_cache``: auto's routing table,
+        routes.py); sets and returns ``self.intra_node``: "shm" (one node), "shm-hierarchical" (shared
+        memory on each node, MPI between nodes) or "mpi", and ``self.intra_node_routes``.
         Raises IntraNodeError for "shm"."""
         axis = self.replica_axis
-        self.intra_node = setup_intra_node(self.comm(axis), self.world, choice, stream,
-                                           node_split=lambda: self.node_split(axis), progress=progress)
+        self.intra_node_routes = route_intra_node(self.comm(axis), self.world, choice, stream,
+                                                  node_split=lambda: self.node_split(axis), progress=progress,
+                                                  cache_dir=cache_dir, use_cache=use_cache)
+        self.intra_node = self.intra_node_routes.kind
         return self.intra_node
 
     @classmethod

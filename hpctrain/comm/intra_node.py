@@ -5,7 +5,9 @@ group) a ``ShmRoute`` when ``choice`` is "shm" or "auto" and every group of its 
 node and can allocate a shared window, or spans nodes with the same number of its ranks on each
 (hierarchical.py: shared memory on each node, MPI between nodes); the ``Communicator`` then sends
 allreduce / reduce_scatter / allgather of contiguous CPU float32/float64 tensors with op "sum" through
-it (``ShmRoute.takes``). Everything else (other dtypes, CUDA tensors, other ops, "avg"/"max") stays on MPI.
+it (``ShmRoute.takes``); with "auto", only the ops and sizes where it measured faster than MPI on this
+node (routes.py: a short measurement at set-up, cached per node and MPI). Everything else (other dtypes,
+CUDA tensors, other ops, "avg"/"max") stays on MPI.
 Across nodes the eager call also blocks on the inter-node MPI part at call time.
 
 When a shm call runs (``comm.shm_progress``, the route's ``when``): "call" (the default) runs it
@@ -27,9 +29,13 @@ import threading
 
 import torch
 
+from dataclasses import dataclass
+
 from hpctrain.comm.hierarchical import hierarchical_collectives
+from hpctrain.comm.routes import ROUTE_OPS, Table, bounds, choose_routes, describe, uses_shm
 from hpctrain.comm.shm import ShmCollectives, ShmSpansNodes, ShmUnavailable
 from hpctrain.errors import HpcTrainError, everywhere
+from hpctrain.runtime import env
 
 SHM_DTYPES = frozenset((torch.float32, torch.float64))  # a set: a hash lookup on the hot path
 ROUTE_NAMES = {"shm": "shared memory", "shm-hierarchical": "shared memory within nodes, MPI between"}
@@ -105,7 +111,9 @@ class _Worker:
 
 class ShmRoute:
     """The shm backend of one ``Communicator``: same signatures as ``MpiBackend``'s three collectives.
-    ``shm``: a ``ShmCollectives`` (one node) or a ``HierarchicalCollectives`` (across nodes)."""
+    ``shm``: a ``ShmCollectives`` (one node) or a ``HierarchicalCollectives`` (across nodes). ``bounds``
+    (comm.intra_node=auto, routes.py): {op: ((max bytes, through shm), ...)}; an op without entry: always shm.
+    ``calls``: the calls it carried per op."""
 
     def __init__(self, shm, when: str = "call"):
         self.shm, self.when = shm, when
@@ -114,11 +122,22 @@ class ShmRoute:
         self.worker = _Worker() if self.when == "thread" else None
         self.route = ROUTE_NAMES.get(shm.kind, shm.kind)  # how a hang report names this route's calls
         self._enter = getattr(shm, "enter", None)  # one node's window: publish the call's number in it
+        self.bounds: dict[str, tuple[tuple[float, bool], ...]] = {}
+        self.calls = dict.fromkeys(ROUTE_OPS, 0)
 
-    @staticmethod
-    def takes(tensor: torch.Tensor, op: str = "sum") -> bool:
-        """Whether this call goes through shared memory (a CPU float32/float64 contiguous sum)."""
-        return op == "sum" and tensor.dtype in SHM_DTYPES and not tensor.is_cuda and tensor.is_contiguous()
+    def takes(self, tensor: torch.Tensor, op: str = "sum", collective: str = "allreduce") -> bool:
+        """Whether this call goes through shared memory: a CPU float32/float64 contiguous sum, of a size
+        the table (``bounds``) gives to shm for ``collective`` (the whole buffer's bytes)."""
+        if op != "sum" or tensor.dtype not in SHM_DTYPES or tensor.is_cuda or not tensor.is_contiguous():
+            return False
+        classes = self.bounds.get(collective)
+        if classes is None:
+            return True
+        nbytes = tensor.nbytes
+        for limit, through_shm in classes:
+            if nbytes <= limit:
+                return through_shm
+        return False
 
     def _start(self, call, args, nonblocking: bool):
         if self._enter is not None:  # the Communicator has just numbered this call (Watchdog.begin)
@@ -140,6 +159,7 @@ class ShmRoute:
 
     def allreduce(self, tensor, op="sum", nonblocking=False):
         shm = self.shm
+        self.calls["allreduce"] += 1
         return self._start(shm._allreduce, (shm._array(tensor, "allreduce"),), nonblocking)
 
     def reduce_scatter(self, output, input, op="sum", nonblocking=False):
@@ -147,6 +167,7 @@ class ShmRoute:
         if input.numel() != shm.size * output.numel() or input.dtype != output.dtype:
             raise ValueError(f"reduce_scatter: input has {input.numel()} {input.dtype} elements, expected "
                              f"{shm.size} x {output.numel()} {output.dtype}")
+        self.calls["reduce_scatter"] += 1
         args = (shm._array(output, "reduce_scatter"), shm._array(input, "reduce_scatter"))
         return self._start(shm._reduce_scatter, args, nonblocking)
 
@@ -154,6 +175,7 @@ class ShmRoute:
         shm = self.shm
         if output.numel() % shm.size or (input is not None and input.numel() * shm.size != output.numel()):
             raise ValueError(f"allgather: output has {output.numel()} elements, not {shm.size} x the input")
+        self.calls["allgather"] += 1
         blocks = shm._array(output, "allgather").reshape(shm.size, -1)
         source = blocks[shm.rank] if input is None else shm._array(input, "allgather")
         return self._start(shm._allgather, (blocks, source, input is None), nonblocking)
@@ -165,17 +187,42 @@ class ShmRoute:
         self.shm.close()
 
 
-def setup_intra_node(comm, world, choice: str, stream=sys.stderr, node_split=None, progress: str = "call") -> str:
+@dataclass
+class RouteChoice:
+    """What ``route_intra_node`` set up: ``kind`` ("shm", "shm-hierarchical" or "mpi"); with auto's routing
+    table (routes.py) ``table`` (None otherwise) and ``source`` (cached or measured, and the cache file)."""
+    kind: str
+    table: Table | None = None
+    source: str = ""
+
+    def note(self) -> str:
+        """For the start-up line, after the kind: "" or " (auto, measured: allreduce shm > 64K, ...)"."""
+        if self.table is None:
+            return ""
+        how = "cached" if self.source.startswith("cached") else "measured"
+        return f" (auto, {how}: {describe(self.table) if uses_shm(self.table) else 'shm slower at every size'})"
+
+
+def setup_intra_node(comm, world, choice: str, stream=sys.stderr, node_split=None, progress: str = "call",
+                     cache_dir: str = "", use_cache: bool = True) -> str:
+    """``route_intra_node``'s kind: "shm", "shm-hierarchical" or "mpi"."""
+    return route_intra_node(comm, world, choice, stream, node_split, progress, cache_dir, use_cache).kind
+
+
+def route_intra_node(comm, world, choice: str, stream=sys.stderr, node_split=None, progress: str = "call",
+                     cache_dir: str = "", use_cache: bool = True) -> RouteChoice:
     """Collective over ``world`` (every rank calls it with its own ``comm``, a group of one kind, e.g.
     dp): attach a ``ShmRoute`` to ``comm`` per ``choice`` ("auto" | "shm" | "mpi"). A group on one node
     reduces in its shared window; with "shm", a group spanning nodes with the same number of its ranks on
     each (``node_split``: ``ProcessGrid.node_split`` for its axis) through ``HierarchicalCollectives``
     ("auto" keeps such a group on MPI: the hierarchical training step measured no faster, docs/benchmarks.md).
-    Returns "shm", "shm-hierarchical" or "mpi" (also for a group of one rank). All groups use a route or none does: "shm" raises
+    Its kind: "shm", "shm-hierarchical" or "mpi" (also for a group of one rank). All groups use a route or none does: "shm" raises
     ``IntraNodeError`` on every rank with the first reason found; "auto" falls back to MPI with one
-    line on world rank 0."""
+    line on world rank 0. "auto" with a window then routes each op and size class by the table of
+    ``routes.choose_routes`` (``cache_dir``: default ``runtime.env.cache_dir()``; ``use_cache``: read the
+    cached table; written either way), MPI everywhere when shm measured faster nowhere."""
     if choice == "mpi":
-        return "mpi"
+        return RouteChoice("mpi")
     shm, reason = None, ""
     if comm.size > 1:
         try:
@@ -198,8 +245,16 @@ def setup_intra_node(comm, world, choice: str, stream=sys.stderr, node_split=Non
         if world.rank == 0:
             print(f"hpctrain: comm.intra_node=auto: the {comm.name} reduction uses MPI: {reason}",
                   file=stream, flush=True)
-        return "mpi"
+        return RouteChoice("mpi")
     if shm is None:  # a group of one rank: nothing to reduce
-        return "mpi"
-    comm.shm = ShmRoute(shm, progress)
-    return shm.kind
+        return RouteChoice("mpi")
+    route = comm.shm = ShmRoute(shm, progress)
+    if choice != "auto":
+        return RouteChoice(shm.kind)
+    table, source = choose_routes(comm, world, route, cache_dir or env.cache_dir(), use_cache, progress)
+    if not uses_shm(table):  # the same table in every group: each closes its window (collective over it)
+        comm.shm = None
+        route.close()
+        return RouteChoice("mpi", table, source)
+    route.bounds = bounds(table)
+    return RouteChoice(shm.kind, table, source)

@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
     c.add_argument("--tp", type=int, default=1)
     c.add_argument("--pp", type=int, default=1)
     c.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
-    c.add_argument("--impls", default="hpctrain,mpi4py,gloo", help="comma list of hpctrain, hpctrain-persistent, hpctrain-shm, mpi4py, gloo")
+    c.add_argument("--impls", default="hpctrain,mpi4py,gloo", help="comma list of hpctrain, hpctrain-persistent, hpctrain-shm, "
+                   "hpctrain-auto, mpi4py, gloo")
     c.add_argument("--iters", type=int, default=0,
                    help="timed iterations per size (0 = by size: 200 at <= 1M down to 5 at >= 64M)")
     c.add_argument("--rounds", type=int, default=3, help="rounds per size; the best round is reported (default 3)")

@@ -73,10 +73,19 @@ class CommConfig:
         "each goes hierarchical (hpctrain/comm/hierarchical.py: shared memory on each node, MPI between nodes; "
         "reported as `shm-hierarchical`); refused with the reason before training when the nodes hold different "
         "numbers of dp ranks, one each, or no shared window can be allocated or backed (/dev/shm too small or "
-        "full); `auto` (the default) = shm when every dp group lies on one node, else MPI with one line saying why "
+        "full); `auto` (the default) = when every dp group lies on one node, shm for the ops and sizes where it "
+        "measured faster than MPI on this node (`route_cache`), else MPI with one line saying why "
         "(a dp group spanning nodes stays on MPI: the hierarchical step measured no faster on emulated nodes); "
         "`mpi` = the MPI library. Measured: the dp step 1.00-1.01x the MPI path at 2 ranks, 1.02-1.04x at 4 (3 "
         "paired runs each, docs/benchmarks.md)."))
+    route_cache: bool = key(True, help=(
+        "With `intra_node = \"auto\"` on one node: at start-up the dp group times the shared-memory route against "
+        "MPI per op (allreduce, reduce_scatter, allgather) and size class (<= 8 KiB, 64 KiB, 1 MiB, 16 MiB, larger; "
+        "about 1 s) and sends each through the faster (shm only when >= 1.03x MPI, 2x with more ranks than cores on "
+        "the node, where shm's speed swings); the table is cached per node "
+        "and MPI (JSON under `intra-node/` in the cache dir: `HPCTRAIN_CACHE`, else `data.cache_dir`, else "
+        "`~/.cache/hpctrain`) and shown by `hpctrain info`. `true` = reuse a cached table; `false` = measure "
+        "again and rewrite it."))
     shm_progress: str = key("call", choices=("call", "thread"), help=(
         "When a shared-memory dp reduction (comm.intra_node) runs: `call` = inside the call, in the backward hook "
         "that starts it (measured fastest on this 2-core machine); `thread` = on one worker thread per rank, in "

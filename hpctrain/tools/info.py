@@ -7,6 +7,8 @@ import sys
 from types import SimpleNamespace
 
 from hpctrain.comm.grid import AXES, ProcessGrid
+from hpctrain.comm.intra_node import RouteChoice
+from hpctrain.comm.routes import CLASSES, class_text, describe, uses_shm
 from hpctrain.errors import GridError, HpcTrainError
 from hpctrain.config.rules import check_schedule
 from hpctrain.parallel.schedules import bubble_fraction
@@ -30,11 +32,32 @@ def pipeline_report(pp: int, schedule: str = "1f1b", virtual_stages: int = 1, mi
             "bubble": bubble_fraction(pp, m, virtual_stages)}
 
 
+def routes_report(choice: RouteChoice) -> dict | None:
+    """comm.intra_node=auto's table for the report: per op the route and MPI's time / shm's per size class."""
+    if choice.table is None:
+        return None
+    return {"source": choice.source, "summary": describe(choice.table) if uses_shm(choice.table) else "mpi everywhere",
+            "classes": [class_text(i) for i in range(len(CLASSES))],
+            "ops": {op: [{"route": route, "shm_speedup": ratio} for _, route, ratio in rows]
+                    for op, rows in choice.table.items()}}
+
+
+def print_routes(routes: dict, stream) -> None:
+    """The table: a row per size class, per op the route and shm's measured speed over MPI's."""
+    print(f"dp routes by size (comm.intra_node=auto; {routes['source']}; shm speed / MPI speed):", file=stream)
+    ops = list(routes["ops"])
+    print(f"  {'size':>8} " + " ".join(f"{op:>16}" for op in ops), file=stream)
+    for i, size in enumerate(routes["classes"]):
+        cells = [f"{routes['ops'][op][i]['route']} {routes['ops'][op][i]['shm_speedup']:.2f}x" for op in ops]
+        print(f"  {size:>8} " + " ".join(f"{c:>16}" for c in cells), file=stream)
+
+
 def collect_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False,
                  pipeline: dict | None = None, intra_node: str = "auto", cp: int = 1) -> tuple[dict | None, ProcessGrid]:
     """Collective: build the grid and gather every rank's record on rank 0 (None elsewhere). ``pipeline``:
     ``pipeline_report``'s, reported as is. ``intra_node``: comm.intra_node, set up as training would
-    (``dp_reduction``: "shm", "shm-hierarchical" or "mpi"; "shm" that cannot run raises IntraNodeError)."""
+    (``dp_reduction``: "shm", "shm-hierarchical" or "mpi"; "shm" that cannot run raises IntraNodeError; with
+    auto on one node ``dp_routes``: its routing table per op and size class, comm/routes.py)."""
     info = discover()
     grid = ProcessGrid.build(info, dp=dp, pp=pp, tp=tp, cp=cp, strict_placement=strict)
     try:
@@ -57,6 +80,7 @@ def collect_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False,
         "hostnames": sorted({r["hostname"] for r in records}),
         "layout": dict(grid.sizes),
         "dp_reduction": sorted(set(routes)) if len(set(routes)) > 1 else routes[0],
+        "dp_routes": routes_report(grid.intra_node_routes),
         "groups_crossing_nodes": sorted({a for r in records for a in r["crosses_nodes"]}),
         "warnings": grid.warnings,
         "pipeline": pipeline,
@@ -90,6 +114,8 @@ def run_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False, as_jso
               f"ideal step", file=stream)
     print(f"dp reduction of CPU float sums (comm.intra_node={intra_node}): {document['dp_reduction']}"
           + (f" ({ROUTES[document['dp_reduction']]})" if document["dp_reduction"] in ROUTES else ""), file=stream)
+    if document["dp_routes"]:
+        print_routes(document["dp_routes"], stream)
     if document["groups_crossing_nodes"]:
         print(f"groups crossing nodes: {', '.join(document['groups_crossing_nodes'])}", file=stream)
     axes = [a for a in AXES if a != "cp" or document["layout"]["cp"] > 1]  # cp's columns when it is used

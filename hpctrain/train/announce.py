@@ -29,11 +29,12 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
     m, tp = parts.model_cfg, grid.sizes["tp"]  # the last stage's tokens per micro-batch, its vocabulary slab
     head = describe_head(m.fused_head_loss, m.loss_chunk_tokens, parts.layout.micro_batch * cfg.train.seq_len //
                          grid.sizes["cp"], padded_vocab(m, tp) // tp)
+    dp_route = grid.intra_node + grid.intra_node_routes.note()  # auto: what its measured table sends through shm
     residual = " (float32 residual)" if parts.executor.act_dtype != parts.dtype else ""  # model.residual_dtype
     print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
           f"{schedule}, {parts.layout.microbatches} micro-batch(es) of {parts.layout.micro_batch} sequence(s) per "
           f"replica{bubble}, sequence parallel "
-          f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {grid.intra_node}, "
+          f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {dp_route}, "
           f"{cfg.train.dtype}{residual}, device {describe(device)}, attention {parts.sdpa.name}, {head}"
           + (f", GPU collectives backend {parts.backends['dp']}" if device.type == "cuda" else ""), flush=True)
     if parts.sdpa.warning:  # the same on every rank: said once

@@ -17,7 +17,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from hpctrain.comm.collectives import Communicator
-from hpctrain.comm.intra_node import RouteChoice, route_intra_node, setup_intra_node
+from hpctrain.comm.intra_node import RouteChoice, route_intra_node
 from hpctrain.comm.watchdog import CommStats, Watchdog
 from hpctrain.errors import GridError, LaunchError, everywhere
 from hpctrain.config.layout import Layout
@@ -228,7 +228,7 @@ class ProcessGrid:
         except ShmSpansNodes:
             pass
         routed = Communicator(comm.mpi, comm.name, comm.members, self.watchdog, self.stats, comm.backend_choice)
-        setup_intra_node(routed, self.world, "shm", node_split=lambda: self.node_split(axis))
+        route_intra_node(routed, self.world, "shm", node_split=lambda: self.node_split(axis))
         return routed
 
     def use_device(self, device) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """``comm.intra_node``: a group's float host collectives through node-local shared memory (shm.py).
 
-``setup_intra_node(comm, world, choice)`` (collective over the world) gives ``comm`` (the data-parallel
+``route_intra_node(comm, world, choice)`` (collective over the world) gives ``comm`` (the data-parallel
 group) a ``ShmRoute`` when ``choice`` is "shm" or "auto" and every group of its kind lies within one
 node and can allocate a shared window, or spans nodes with the same number of its ranks on each
 (hierarchical.py: shared memory on each node, MPI between nodes); the ``Communicator`` then sends
@@ -26,10 +26,9 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+from dataclasses import dataclass
 
 import torch
-
-from dataclasses import dataclass
 
 from hpctrain.comm.hierarchical import hierarchical_collectives
 from hpctrain.comm.routes import ROUTE_OPS, Table, bounds, choose_routes, describe, uses_shm
@@ -201,12 +200,6 @@ class RouteChoice:
             return ""
         how = "cached" if self.source.startswith("cached") else "measured"
         return f" (auto, {how}: {describe(self.table) if uses_shm(self.table) else 'shm slower at every size'})"
-
-
-def setup_intra_node(comm, world, choice: str, stream=sys.stderr, node_split=None, progress: str = "call",
-                     cache_dir: str = "", use_cache: bool = True) -> str:
-    """``route_intra_node``'s kind: "shm", "shm-hierarchical" or "mpi"."""
-    return route_intra_node(comm, world, choice, stream, node_split, progress, cache_dir, use_cache).kind
 
 
 def route_intra_node(comm, world, choice: str, stream=sys.stderr, node_split=None, progress: str = "call",

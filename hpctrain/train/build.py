@@ -32,6 +32,7 @@ from hpctrain.data.corpus import load_tokens_collective
 from hpctrain.data.packing import samplers_for
 from hpctrain.data.prepared import check_corpus
 from hpctrain.data.sampler import GlobalBatchIterator
+from hpctrain.errors import HpcTrainError
 from hpctrain.models.attention_backend import choose_sdpa, use_sdpa
 from hpctrain.models.compile import compile_stages, compile_wanted
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers, residual_dtype
@@ -127,8 +128,6 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     broadcast, the outcome's persistent all-reduce): this rank's ``StepParts``."""
     layout = grid.layout or Layout.from_config(cfg, grid.info.size)  # validated before anything runs
     if layout.sizes != grid.sizes:
-        from hpctrain.errors import HpcTrainError
-
         raise HpcTrainError(f"the grid {grid.sizes} does not match the configured layout {layout.sizes}")
     t, m = cfg.train, resolve_model(cfg.model)
     timer = PhaseTimer()  # where the step's time goes; a TraceRecorder may be attached (train.trace)

@@ -22,6 +22,7 @@ from hpctrain.optim.flat import lr_at
 from hpctrain.parallel.context_parallel import zigzag_split
 from hpctrain.train.build import StepParts, build_step
 from hpctrain.train.guard import Divergence
+from hpctrain.train.outcomes import StepOutcomes
 from hpctrain.train.state import TrainerState
 from hpctrain.train.step_metrics import StepMetrics, group_deltas
 
@@ -36,7 +37,6 @@ class Trainer:
         self.cfg, self.grid = cfg, grid
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.parts: StepParts = build_step(cfg, grid, self.device, tokens)
-        self.outcomes = self.parts.outcomes
         self._step = 0  # steps run (the last one's verdict may still be in flight)
         # the evaluation loss's agreement, a host float64 [1]: from the last stage over pp, summed over dp x cp
         pp_comm = grid.comm("pp")
@@ -45,6 +45,11 @@ class Trainer:
             if pp_comm.size > 1 else []
         self._loss_ops.append(grid.comm(grid.replica_axis).recurring_allreduce(self._loss_value))
         self.state = TrainerState(self)  # what checkpoints save and restore
+
+    @property
+    def outcomes(self) -> StepOutcomes:
+        """The owner of each step's outcome (``parts.outcomes``)."""
+        return self.parts.outcomes
 
     @property
     def step(self) -> int:

@@ -35,9 +35,9 @@ if mode == "refuse":  # the group spans (emulated) nodes: one line, every rank, 
     sys.exit(0)
 
 if mode == "stop-route":  # a Communicator with comm.intra_node's route: its non-blocking calls are watched too
-    from hpctrain.comm.intra_node import setup_intra_node
+    from hpctrain.comm.intra_node import route_intra_node
     progress = sys.argv[2]  # comm.shm_progress: "call" or "thread" (the calls run on a worker thread)
-    assert setup_intra_node(world, world, "shm", progress=progress) == "shm" and world.shm.when == progress
+    assert route_intra_node(world, world, "shm", progress=progress).kind == "shm" and world.shm.when == progress
     for i in range(3):
         if r == 1 and i == 2:
             print(f"rank 1 stops itself (pid {os.getpid()})", flush=True)

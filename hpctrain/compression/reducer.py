@@ -1,10 +1,11 @@
 """The gradient-reduction seam of the data-parallel engine (``FlatParams`` calls it per bucket).
 
 Contract. On every rank of the dp group, in the same bucket order, once per step and bucket:
-``start(bucket)`` when the bucket's main grads (``flat.grad_buffer[bucket.start:bucket.end]``, summed
-over micro-batches) are final, returning a handle with ``test()`` (drive progress, never block) and
+``start(bucket)`` when the bucket's main grads (``bucket.grads``, summed over micro-batches; at ZeRO >= 2
+one micro-batch's, the call made once per micro-batch) are final, returning a handle with ``test()`` (drive progress, never block) and
 ``wait()``; ``finish(bucket)`` after which the SUM over the dp group is in place: the bucket's main grads
-without ZeRO, ``bucket.slice_grad`` (this rank's 1/dp block) with ZeRO-1. ``begin_step`` /
+without ZeRO, ``bucket.slice_out`` (this rank's 1/dp block: ``slice_grad``, or where FlatParams adds it
+from) with ZeRO. ``begin_step`` /
 ``after_step`` bracket a step; ``state_dict`` is what a checkpoint must keep for an exact resume
 (error-feedback residuals, PowerSGD's Q); ``step_stats`` feeds metrics.jsonl.
 
@@ -71,7 +72,7 @@ class GradReducer:
         before = self.comm.stats.total_sent()
         handle = self._start(bucket)
         self.sent_bytes += self.comm.stats.total_sent() - before
-        p, nbytes = self.comm.size, bucket.size * self.flat.grad_buffer.element_size()
+        p, nbytes = self.comm.size, bucket.grads.nbytes
         self.dense_bytes += int(nbytes * (p - 1) / p * (1 if self.flat.zero else 2))
         return handle
 
@@ -102,7 +103,7 @@ class GradReducer:
         return {}
 
     def grads(self, bucket) -> torch.Tensor:
-        return self.flat.grad_buffer[bucket.start:bucket.end]
+        return bucket.grads
 
     def _start(self, bucket):
         raise NotImplementedError
@@ -114,7 +115,7 @@ class GradReducer:
 class DenseReducer(GradReducer):
     def _start(self, bucket):
         if self.flat.zero:
-            return self.comm.reduce_scatter(bucket.slice_grad, self.grads(bucket), nonblocking=True)
+            return self.comm.reduce_scatter(bucket.slice_out, self.grads(bucket), nonblocking=True)
         return self.comm.allreduce(self.grads(bucket), nonblocking=True)
 
     def _finish(self, bucket) -> None:

@@ -35,9 +35,25 @@ class ParallelConfig:
     sequence_parallel: bool = key(False, help=(
         "Split the activations between TP layers along the sequence over tp (norms run on S/tp tokens; all-reduce "
         "becomes reduce-scatter + all-gather). Needs `train.seq_len` divisible by tp."))
-    zero: int = key(0, choices=(0, 1), help=(
-        "1 = ZeRO-1: each dp rank keeps optimizer state (and fp32 masters) for 1/dp of the parameters; gradients "
-        "are reduce-scattered and updated parameters all-gathered. 0 = off."))
+    zero: int = key(0, choices=(0, 1, 2, 3), help=(
+        "ZeRO stage over the replica group (dp x cp). 1: each rank keeps optimizer state (and fp32 masters) for "
+        "1/dp of the parameters; gradients are reduce-scattered and updated parameters all-gathered. 2: also the "
+        "gradients: each micro-batch's are reduce-scattered bucket by bucket during backward into this rank's "
+        "slice and the full bucket is freed. 3: also the parameters: a rank keeps only its slice of each unit "
+        "(the embedding, each transformer block, the final norm and head; of its tp slab and pipeline stage); a "
+        "unit is all-gathered before it runs and freed after (`zero_reshard_after_forward`), the next "
+        "`zero_prefetch` units' gathers posted ahead. Parameters whose gradient is first summed over another "
+        "group (sequence-parallel norm weights, LoRA factors, a tied embedding split over pp) stay whole. 0 = "
+        "off. Compression needs zero <= 1."))
+    zero_reshard_after_forward: bool = key(True, help=(
+        "ZeRO-3: free a unit's gathered parameters after each forward and gather them again for its backward "
+        "(2 all-gathers per unit and micro-batch, the least memory; the last unit of a stage stays gathered from "
+        "its forward to its backward). false: a unit stays gathered from its first forward to its last "
+        "backward of the step (1 all-gather per unit and step; every unit of the stage gathered at once)."))
+    zero_prefetch: int = key(1, min=0, max=COUNT_MAX, help=(
+        "ZeRO-3: units whose all-gather is posted ahead of the one running (the next in forward, the previous "
+        "in backward), so communication overlaps compute. 0 = gather each unit only when it is needed. Each "
+        "adds one unit's gathered parameters to the peak memory."))
     bucket_mb: float = key(25.0, above=0, help=(
         "Size of a gradient bucket (MiB of main-grad storage). A bucket's dp reduction starts as soon as backward "
         "has produced all its gradients."))

@@ -103,6 +103,10 @@ def validate(cfg: Config) -> None:
              f"{t.eval_interval} needs held-out data: set data.valid_fraction (e.g. 0.05)")
     if cfg.lora.rank:
         _check_lora(cfg.lora, m)
+    _require(p.zero <= 1 or cfg.compression.method == "none", "parallel.zero",
+             f"{p.zero} keeps only this rank's slice of each gradient, which compression.method="
+             f"{cfg.compression.method!r} cannot compress (it needs the whole bucket): use parallel.zero <= 1 "
+             f"or compression.method='none'")
     _check_onebit_adam(cfg.compression, cfg.optim)
     _check_monitor(cfg.monitor)
 

@@ -70,11 +70,11 @@ class FlatOptimizer:
         # known before the update (hpctrain/train/outcomes.py)
         self.outcome_before_update = freeze_variance_after is not None
         self.full_momentum: dict[int, torch.Tensor] = {}  # bucket index -> its whole momentum (1-bit Adam)
-        param_dtype = flat.param_buffer.dtype
+        param_dtype = flat.param_dtype
         self.master_dtype = master_dtype or (torch.float32 if param_dtype in (torch.float16, torch.bfloat16)
                                              else param_dtype)
         # updates applied (Adam's bias correction): a host count, and a device one the fused kernel reads
-        self._step_tensor = torch.zeros((), dtype=torch.float32, device=flat.param_buffer.device)
+        self._step_tensor = torch.zeros((), dtype=torch.float32, device=flat.device)
         self.step_count = 0
         self.scratch: torch.Tensor | None = None  # _scratch(): Adam's denominator, reused by every slice
         self.owned_slices = [self._make_slice(bucket, start, end) for bucket, start, end in flat.owned_ranges()]
@@ -93,7 +93,7 @@ class FlatOptimizer:
 
     def _make_slice(self, bucket, start: int, end: int) -> OptimizerSlice:
         flat = self.flat
-        params = flat.param_buffer[start:end]
+        params = flat.owned_params(bucket, start, end)
         master = params if params.dtype == self.master_dtype else params.to(self.master_dtype)
         # the norm counts each element once: this dp rank's 1/dp slice of every bucket (all dp ranks hold
         # the same reduced grads without ZeRO, so they split the work), and counted_on(tp_rank)
@@ -114,7 +114,7 @@ class FlatOptimizer:
     @property
     def state_kinds(self) -> tuple[str, ...]:
         """The per-element state a checkpoint holds (the master only when it is a separate copy)."""
-        separate = self.master_dtype != self.flat.param_buffer.dtype
+        separate = self.master_dtype != self.flat.param_dtype
         return ("exp_avg", "exp_avg_sq") + (("master",) if separate else ())
 
     def owned_pieces(self):
@@ -126,7 +126,7 @@ class FlatOptimizer:
     def grad_norm_sq_tensor(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm of the gradients as they are (loss scale
         included): a float64 0-d tensor on the parameters' device, no host read."""
-        total = torch.zeros((), dtype=torch.float64, device=self.flat.param_buffer.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.flat.device)
         for s in self.owned_slices:
             grad = self.flat.owned_grad(s.bucket, s.start, s.end)
             for lo, hi in s.norm_ranges:

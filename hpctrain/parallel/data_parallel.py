@@ -32,6 +32,7 @@ reduction, no optimizer state.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,14 @@ class ParamPiece:
 
 @dataclass
 class Bucket:
+    """A run of the flat buffers, [start, end) (padded to a multiple of dp), reduced as one.
+
+    ``grads``: its main grads [size] (a view of ``FlatParams.grad_buffer`` at zero <= 1; at zero >= 2 a
+    tensor of its own, freed between micro-batches except in the deferred bucket). ``values``: its
+    parameters [size] (a view of ``param_buffer`` at zero <= 2; at zero 3 a tensor of its own that holds
+    the gathered unit while it runs, ``sharded``). ``shard``: zero 3, this rank's 1/dp of ``values``, kept
+    between steps. ``slice_grad``: zero >= 1, this rank's reduced 1/dp of ``grads``; ``slice_out``: where the
+    running reduce-scatter writes (``slice_grad``, or ``incoming`` when earlier micro-batches' sum is there)."""
     start: int  # range in the flat buffers
     end: int  # padded end
     params: list = field(default_factory=list)
@@ -74,52 +83,91 @@ class Bucket:
     handle: Any = None  # the reducer's reduction in flight (test/wait), None when idle
     slice_grad: torch.Tensor | None = None  # ZeRO: this rank's reduced slice
     index: int = 0  # position in FlatParams.buckets (the reducer's key for per-bucket state)
+    grads: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    values: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    shard: torch.Tensor | None = None
+    sharded: bool = False  # zero 3: ``values`` is gathered only while its unit runs
+    slice_out: torch.Tensor | None = None
+    incoming: torch.Tensor | None = None
+    reduced: bool = False  # zero >= 2: a micro-batch's sum is in slice_grad this step
 
     @property
     def size(self) -> int:
         return self.end - self.start
 
+    @property
+    def per_microbatch(self) -> bool:
+        """Reduced after every micro-batch's backward (zero >= 2, not the deferred bucket)."""
+        return self.incoming is not None
+
+
+def allocate(tensor: torch.Tensor) -> None:
+    """Give ``tensor`` (which owns its storage, offset 0) back its storage after ``free``; contents undefined."""
+    storage = tensor.untyped_storage()
+    if storage.size() == 0:
+        storage.resize_(tensor.numel() * tensor.element_size())
+
+
+def free(tensor: torch.Tensor) -> None:
+    """Drop ``tensor``'s storage (views of it stay valid objects, and see it again after ``allocate``).
+    Never call ``.numpy()`` on a view of it: numpy pins a storage's size (copy first)."""
+    tensor.untyped_storage().resize_(0)
+
+
+def is_allocated(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage().size() > 0
+
 
 class FlatParams:
-    """Flat buffers, buckets and the DP gradient reducer of one pipeline stage's parameters.
+    """Flat buffers, buckets and the replica group's gradient reducer of one pipeline stage's parameters.
 
-    Everything is fixed at construction: ``timer`` (the trainer's PhaseTimer), ``check_finite`` (float16
-    runs: compressed reducers flag inf/NaN as ``GradReducer.overflow``) and ``reducer``, built LAST by
-    ``make_reducer(self)`` once the buffers, buckets and timer exist (default: the dense reducer; the
-    Trainer passes one of ``hpctrain.compression.build_reducer``)."""
+    Everything is fixed at construction: ``zero`` (the ZeRO stage 0-3), ``units`` (zero 3: the parameter
+    groups gathered together, in forward order; each becomes one bucket), ``timer`` (the trainer's
+    PhaseTimer), ``check_finite`` (float16 runs: compressed reducers flag inf/NaN as
+    ``GradReducer.overflow``) and ``reducer``, built LAST by ``make_reducer(self)`` once the buffers,
+    buckets and timer exist (default: the dense reducer; the Trainer passes one of
+    ``hpctrain.compression.build_reducer``). ``on_backward_done(bucket)``: zero 3's gatherer
+    (hpctrain/parallel/zero3.py) is told when a bucket's micro-batch grads are complete."""
 
-    def __init__(self, params: list, dp_comm, *, tp_comm=None, pp_comm=None, bucket_mb: float = 25.0, zero: bool = False,
-                 grad_dtype: torch.dtype | None = None, timer=NULL_TIMER, check_finite: bool = False,
+    def __init__(self, params: list, dp_comm, *, tp_comm=None, pp_comm=None, bucket_mb: float = 25.0,
+                 zero: int = 0, units: list[list] | None = None, grad_dtype: torch.dtype | None = None,
+                 timer=NULL_TIMER, check_finite: bool = False,
                  make_reducer: Callable[[FlatParams], GradReducer] = DenseReducer):
-        self.params, self.dp_comm, self.tp_comm, self.pp_comm, self.zero = list(params), dp_comm, tp_comm, pp_comm, zero
+        self.params, self.dp_comm, self.tp_comm, self.pp_comm = list(params), dp_comm, tp_comm, pp_comm
+        self.zero_stage = int(zero)
+        self.zero = self.zero_stage >= 1  # optimizer state sharded: each rank owns 1/dp of every bucket
         self.timer, self.check_finite = timer, check_finite
+        self.on_backward_done: Callable[[Bucket], None] | None = None
         self.dp_size = 1 if dp_comm is None else dp_comm.size
         self.dp_rank = 0 if dp_comm is None else dp_comm.rank
-        param_dtype = self.params[0].dtype
+        self.param_dtype = param_dtype = self.params[0].dtype
         self.grad_dtype = grad_dtype or (torch.float32 if param_dtype in (torch.float16, torch.bfloat16)
                                          else param_dtype)
-        self.buckets = self._make_buckets(bucket_mb * 2**20 / torch.empty((), dtype=self.grad_dtype).element_size())
-        total = self.buckets[-1].end if self.buckets else 0
         self.device = device = self.params[0].device  # buffers live where the parameters are
-        self.param_buffer = torch.zeros(total, dtype=param_dtype, device=device)
-        self.grad_buffer = torch.zeros(total, dtype=self.grad_dtype, device=device)
+        self.buckets = self._make_buckets(bucket_mb * 2**20 / torch.empty((), dtype=self.grad_dtype).element_size(),
+                                          units if self.zero_stage == 3 else None)
+        self._make_storage()
         self._offsets, self.bucket_of = {}, {}
         for bucket in self.buckets:
             offset = bucket.start
             for p in bucket.params:
                 n = p.numel()
-                view = self.param_buffer[offset:offset + n].view_as(p)
+                view = bucket.values[offset - bucket.start:offset - bucket.start + n].view_as(p)
                 view.copy_(p.data)
                 p.data = view
-                p.main_grad = self.grad_buffer[offset:offset + n].view_as(p)
+                p.main_grad = bucket.grads[offset - bucket.start:offset - bucket.start + n].view_as(p)
                 self._offsets[id(p)] = (offset, n)
                 self.bucket_of[id(p)] = bucket
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
                 offset += n
-            if zero:
-                bucket.slice_grad = torch.zeros(bucket.size // self.dp_size, dtype=self.grad_dtype, device=device)
+            if bucket.shard is not None:  # zero 3: this rank's slice kept, the whole freed until gathered
+                n = bucket.size // self.dp_size
+                bucket.shard.copy_(bucket.values[self.dp_rank * n:(self.dp_rank + 1) * n])
+                free(bucket.values)
+            if bucket.per_microbatch:
+                free(bucket.grads)
         self.last_microbatch = False
-        self._unwritten: set[int] = set(self._offsets)  # ids of the parameters with no grad yet this step
+        self._unwritten: set[int] = set(self._offsets)  # ids of the parameters with no grad since their bucket's last read
         # each bucket's padding past its parameters, [lo, hi) in the flat buffers (only with dp > 1)
         self._bucket_padding = {b.index: (b.start + sum(p.numel() for p in b.params), b.end) for b in self.buckets}
         # vocabulary padding rows inside the owned ranges: their reduced grads are zeroed (a lossy
@@ -128,7 +176,37 @@ class FlatParams:
                                if (pads := self.padding_ranges(lo, hi))]
         self.reducer = make_reducer(self)  # last: it reads the buckets, buffers and timer
 
-    def _make_buckets(self, bucket_elems: float) -> list[Bucket]:
+    def _make_storage(self) -> None:
+        """The buffers behind every bucket's ``values``, ``grads``, ``shard`` and slices (see ``Bucket``).
+
+        ``param_buffer``: the parameter values this rank keeps between steps: every bucket at zero <= 2; at
+        zero 3 the shards of the sharded buckets, then the deferred bucket whole. ``grad_buffer``: every
+        bucket's main grads at zero <= 1; at zero >= 2 empty (each bucket's ``grads`` is its own)."""
+        dp, device, zero = self.dp_size, self.device, self.zero_stage
+        kept = sum(b.size // dp if zero == 3 and not b.deferred else b.size for b in self.buckets)
+        self.param_buffer = torch.zeros(kept, dtype=self.param_dtype, device=device)
+        total = self.buckets[-1].end if self.buckets else 0
+        self.grad_buffer = torch.zeros(total if zero <= 1 else 0, dtype=self.grad_dtype, device=device)
+        at = 0
+        for b in self.buckets:
+            if zero == 3 and not b.deferred:
+                b.sharded = True
+                b.shard = self.param_buffer[at:at + b.size // dp]
+                b.values = torch.zeros(b.size, dtype=self.param_dtype, device=device)
+                at += b.size // dp
+            else:
+                b.values = self.param_buffer[at:at + b.size] if zero == 3 else self.param_buffer[b.start:b.end]
+                at += b.size if zero == 3 else 0
+            b.grads = self.grad_buffer[b.start:b.end] if zero <= 1 else \
+                torch.zeros(b.size, dtype=self.grad_dtype, device=device)
+            if zero:
+                b.slice_grad = b.slice_out = torch.zeros(b.size // dp, dtype=self.grad_dtype, device=device)
+            if zero >= 2 and not b.deferred:
+                b.incoming = torch.zeros(b.size // dp, dtype=self.grad_dtype, device=device)
+
+    def _make_buckets(self, bucket_elems: float, units: list[list] | None) -> list[Bucket]:
+        """Buckets in backward order: by size (``bucket_elems``), or one per unit (zero 3); then the
+        deferred bucket."""
         def needs_pre_reduction(p):
             return p.spec.partial_grad_over_tp or bool(p.spec.tied)
 
@@ -136,19 +214,29 @@ class FlatParams:
         regular = [p for p in ordered if not needs_pre_reduction(p)]
         # the grads partial over tp first: one contiguous span, summed by one all-reduce (_pre_reduce)
         deferred = sorted((p for p in ordered if needs_pre_reduction(p)), key=lambda p: not p.spec.partial_grad_over_tp)
-        buckets: list[Bucket] = []
-        start = 0
         groups: list[tuple[list, bool]] = []
-        current: list = []
-        for p in regular:
-            current.append(p)
-            if sum(q.numel() for q in current) >= bucket_elems:
+        if units is not None:
+            taken = {id(p) for p in regular}
+            for unit in reversed(units):
+                members = [p for p in reversed(unit) if id(p) in taken]
+                taken -= {id(p) for p in members}
+                if members:
+                    groups.append((members, False))
+            if taken:
+                raise ValueError(f"zero 3: {len(taken)} trainable parameter(s) belong to no unit")
+        else:
+            current: list = []
+            for p in regular:
+                current.append(p)
+                if sum(q.numel() for q in current) >= bucket_elems:
+                    groups.append((current, False))
+                    current = []
+            if current:
                 groups.append((current, False))
-                current = []
-        if current:
-            groups.append((current, False))
         if deferred:
             groups.append((deferred, True))
+        buckets: list[Bucket] = []
+        start = 0
         for members, is_deferred in groups:
             n = sum(p.numel() for p in members)
             padded = -(-n // self.dp_size) * self.dp_size
@@ -163,48 +251,74 @@ class FlatParams:
         self.last_microbatch = False
         self._unwritten = set(self._offsets)
         for bucket in self.buckets:
-            bucket.pending, bucket.handle = len(bucket.params), None
+            bucket.pending, bucket.handle, bucket.reduced = len(bucket.params), None, False
 
     def _on_grad_ready(self, p) -> None:
-        if id(p) in self._unwritten:  # the step's first grad: the same values as 0 + grad
+        bucket = self.bucket_of[id(p)]
+        if bucket.per_microbatch and bucket.pending == len(bucket.params):  # its first grad this micro-batch
+            self._open(bucket)
+        if id(p) in self._unwritten:  # the first grad since the bucket was last read: the same values as 0 + grad
             self._unwritten.discard(id(p))
             p.main_grad.copy_(p.grad)
         else:
             p.main_grad.add_(p.grad)
         p.grad = None
-        if not self.last_microbatch:
-            return
-        bucket = self.bucket_of[id(p)]
-        if not bucket.deferred:
+        if bucket.per_microbatch or (self.last_microbatch and not bucket.deferred):
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._launch(bucket)
         self.progress()
 
+    def _open(self, bucket: Bucket) -> None:
+        """zero >= 2: before a micro-batch's grads land in ``bucket``: the last reduction is done, its
+        storage is there."""
+        if bucket.handle is not None:
+            self._complete(bucket)
+        allocate(bucket.grads)
+
     def progress(self) -> None:
         for bucket in self.buckets:
-            if bucket.handle is not None:
-                bucket.handle.test()
+            if bucket.handle is not None and bucket.handle.test() and bucket.per_microbatch:
+                self._complete(bucket)
 
     def _settle(self, bucket: Bucket) -> None:
-        """Before anything reads the bucket: zero the main grads of its parameters with no grad this step and its
-        padding (a compressed reducer writes the whole bucket). Idempotent."""
+        """Before anything reads the bucket: zero the main grads of its parameters with no grad since it was
+        last read, and its padding (a compressed reducer writes the whole bucket). Idempotent."""
         for p in bucket.params:
             if id(p) in self._unwritten:
                 self._unwritten.discard(id(p))
                 p.main_grad.zero_()
         lo, hi = self._bucket_padding[bucket.index]
         if lo < hi:
-            self.grad_buffer[lo:hi].zero_()
+            bucket.grads[lo - bucket.start:hi - bucket.start].zero_()
 
     def _launch(self, bucket: Bucket) -> None:
         self._settle(bucket)
+        if bucket.per_microbatch:  # the next micro-batch starts afresh; the sum goes to slice_grad
+            bucket.pending = len(bucket.params)
+            self._unwritten.update(id(p) for p in bucket.params)
+            bucket.slice_out = bucket.incoming if bucket.reduced else bucket.slice_grad
+            if self.on_backward_done is not None:
+                self.on_backward_done(bucket)
         if self.dp_size == 1:
             if self.zero:
-                assert bucket.slice_grad is not None  # ZeRO: every bucket has its slice
-                bucket.slice_grad.copy_(self.grad_buffer[bucket.start:bucket.end])
+                assert bucket.slice_out is not None  # ZeRO: every bucket has its slice
+                bucket.slice_out.copy_(bucket.grads)
+                if bucket.per_microbatch:
+                    self._complete(bucket)
             return
         bucket.handle = self.reducer.start(bucket)
+
+    def _complete(self, bucket: Bucket) -> None:
+        """zero >= 2: a micro-batch's reduction of ``bucket`` is over: add it to the step's sum, free the grads."""
+        if bucket.handle is not None:
+            self.reducer.finish(bucket)
+            bucket.handle = None
+        if bucket.reduced:
+            assert bucket.slice_grad is not None and bucket.incoming is not None
+            bucket.slice_grad.add_(bucket.incoming)
+        bucket.reduced = True
+        free(bucket.grads)
 
     def finish_reduction(self) -> None:
         """After the last micro-batch's backward: pre-reduce deferred grads, reduce them, wait for all."""
@@ -213,10 +327,16 @@ class FlatParams:
                 self._settle(bucket)
                 self._pre_reduce(bucket)
                 self._launch(bucket)
-            elif bucket.handle is None and bucket.pending > 0:
+            elif bucket.per_microbatch and (bucket.pending < len(bucket.params) or not bucket.reduced):
+                self._open(bucket)  # grads the hooks did not hand over (unused parameters), or none at all
+                self._launch(bucket)
+            elif not bucket.per_microbatch and bucket.handle is None and bucket.pending > 0:
                 self._launch(bucket)  # a bucket whose hooks did not all fire (unused parameters)
         for bucket in self.buckets:
-            if bucket.handle is not None:
+            if bucket.per_microbatch:
+                if bucket.handle is not None:
+                    self._complete(bucket)
+            elif bucket.handle is not None:
                 self.reducer.finish(bucket)
         for bucket, start, end, pads in self._owned_padding:
             grad = self.owned_grad(bucket, start, end)
@@ -224,21 +344,21 @@ class FlatParams:
                 grad[lo:hi].zero_()
 
     def _pre_reduce(self, bucket: Bucket) -> None:
-        self._sum_partial_grads_over_tp([p for p in bucket.params if p.spec.partial_grad_over_tp])
+        self._sum_partial_grads_over_tp(bucket, [p for p in bucket.params if p.spec.partial_grad_over_tp])
         for p in bucket.params:
             if p.spec.tied:
                 self._sum_tied_embedding_grad(p)
 
-    def _sum_partial_grads_over_tp(self, params: list) -> None:
+    def _sum_partial_grads_over_tp(self, bucket: Bucket, params: list) -> None:
         """Grads partial per TP rank (a replicated norm weight that saw S/tp tokens with sequence parallelism,
         a LoRA factor that saw 1/tp of its linear's outputs or inputs): one all-reduce over tp of their
-        span of the grad buffer (they lie next to each other at the deferred bucket's start)."""
+        span of the bucket's grads (they lie next to each other at the deferred bucket's start)."""
         if not params or self.tp_comm is None or self.tp_comm.size == 1:
             return
         spans = sorted(self._offsets[id(p)] for p in params)
         lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
         assert sum(n for _, n in spans) == hi - lo, "partial-over-tp grads are not contiguous"
-        self.tp_comm.allreduce(self.grad_buffer[lo:hi])
+        self.tp_comm.allreduce(bucket.grads[lo - bucket.start:hi - bucket.start])
 
     def _sum_tied_embedding_grad(self, p) -> None:
         """Stage 0's embedding and the last stage's LM-head copy exchange grads over pp and add them."""
@@ -263,18 +383,48 @@ class FlatParams:
         if self.zero:
             assert bucket.slice_grad is not None  # ZeRO: every bucket has its slice
             return bucket.slice_grad
-        return self.grad_buffer[start:end]
+        return bucket.grads[start - bucket.start:end - bucket.start]
+
+    def owned_params(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
+        """The parameter values of owned range [start, end) of ``bucket``: a view of what this rank keeps."""
+        if bucket.shard is not None:
+            return bucket.shard
+        return bucket.values[start - bucket.start:end - bucket.start]
 
     def gather_params(self) -> None:
-        """ZeRO-1: after the owned ranges were updated, all-gather parameters in place over dp."""
+        """ZeRO 1-3: after the owned ranges were updated, all-gather parameters in place over dp (zero 3: the
+        buckets that stay whole; a sharded one is gathered when its unit next runs)."""
         if not self.zero or self.dp_size == 1:
             return
-        handles = [self.dp_comm.allgather(self.param_buffer[b.start:b.end], None, nonblocking=True)
-                   for b in self.buckets]
+        handles = [self.dp_comm.allgather(b.values, None, nonblocking=True) for b in self.buckets if not b.sharded]
         for h in handles:
             h.wait()
 
+    @contextmanager
+    def gathered(self):
+        """Every sharded bucket's parameters gathered (collective over dp), freed again on exit: the whole
+        local model readable between steps (zero 3; nothing to do otherwise)."""
+        sharded = [b for b in self.buckets if b.sharded and not is_allocated(b.values)]
+        for b in sharded:
+            allocate(b.values)
+            self.dp_comm.allgather(b.values, b.shard)
+        try:
+            yield
+        finally:
+            for b in sharded:
+                free(b.values)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Model-state bytes this rank keeps between steps: {"params", "grads"} (zero >= 2: the grad slices,
+        the deferred bucket's whole grads; zero 3: the shards, the deferred bucket whole)."""
+        grads = sum(b.slice_grad.nbytes for b in self.buckets if b.slice_grad is not None) \
+            if self.zero_stage >= 2 else self.grad_buffer.nbytes + sum(
+                b.slice_grad.nbytes for b in self.buckets if b.slice_grad is not None)
+        grads += sum(b.grads.nbytes for b in self.buckets if self.zero_stage >= 2 and b.deferred)
+        return {"params": self.param_buffer.nbytes, "grads": grads}
+
     def offset_of(self, p) -> tuple[int, int]:
+
         """(start in the flat buffers, number of elements) of parameter ``p``."""
         return self._offsets[id(p)]
 

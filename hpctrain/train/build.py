@@ -7,7 +7,9 @@ Parts, in the order they are built (each line: the part, what it talks on):
   attention over ``grid.comm("cp")``), compiled per block (``train.compile``), with SDPA's fastest kernels
   timed once on the device (every rank takes rank 0's choice: one allgather over the world);
 - ``FlatParams``: the trainable parameters' flat buffers and the gradient reducer over the replica group
-  ``grid.comm(grid.replica_axis)`` (dp, or dp x cp; compressed: hpctrain/compression/);
+  ``grid.comm(grid.replica_axis)`` (dp, or dp x cp; compressed: hpctrain/compression/), sharded by
+  ``parallel.zero``; at zero 3 one bucket per unit and ``ParamGather`` (hpctrain/parallel/zero3.py), which
+  gathers each unit's parameters around its forward and backward;
 - ``FlatOptimizer``: AdamW/SGD on the owned slices; 1-bit Adam's binding is made here and only here (the
   variance frozen after ``compression.warmup_steps``, the momentum taken from the reducer that averages it);
 - ``PipelineExecutor``: the schedule over ``grid.comm("pp")``;
@@ -41,6 +43,7 @@ from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.config.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
+from hpctrain.parallel.zero3 import ParamGather, unit_params
 from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime import env
 from hpctrain.runtime.device import configure_matmul, peak_tflops
@@ -75,6 +78,7 @@ class StepParts:
     compile_since: dict | None
     sdpa: Any
     flat: FlatParams
+    param_gather: ParamGather | None  # ZeRO-3 (hpctrain/parallel/zero3.py), else None
     optimizer: FlatOptimizer
     executor: PipelineExecutor
     scaler: DynamicLossScaler
@@ -146,11 +150,15 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     comp = cfg.compression
     # the trainable parameters (a LoRA run's adapters; the frozen base stays plain tensors on the device)
     flat = FlatParams([p for p in local_model.parameters() if p.requires_grad], grid.comm(grid.replica_axis),
-                      tp_comm=tp_comm, pp_comm=pp_comm, bucket_mb=cfg.parallel.bucket_mb, zero=layout.zero == 1,
+                      tp_comm=tp_comm, pp_comm=pp_comm, bucket_mb=cfg.parallel.bucket_mb, zero=layout.zero,
+                      units=unit_params(stages) if layout.zero == 3 else None,
                       timer=timer, check_finite=dtype == torch.float16,
                       make_reducer=partial(build_reducer, comp, grid=grid, seed=t.seed, optimizer=cfg.optim.name,
                                            steps=t.steps))
     reducer = flat.reducer
+    # ZeRO-3: each unit's parameters gathered over the replica group around its forward and backward
+    param_gather = ParamGather(flat, stages, reshard_after_forward=cfg.parallel.zero_reshard_after_forward,
+                               prefetch=cfg.parallel.zero_prefetch) if layout.zero == 3 else None
     # 1-bit Adam (even where no reducer compresses: one replica): AdamW's variance frozen after the warm-up
     optimizer = FlatOptimizer(flat, cfg.optim, tp_rank=grid.coords["tp"],
                               freeze_variance_after=comp.warmup_steps if comp.method == "onebit-adam" else None,
@@ -172,6 +180,7 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     return StepParts(
         model_cfg=m, layout=layout, dtype=dtype, timer=timer, faults=faults, backends=backends, stages=stages,
         local_model=local_model, compiled=compiled, compile_since=compile_since, sdpa=sdpa, flat=flat,
+        param_gather=param_gather,
         optimizer=optimizer, executor=executor, scaler=scaler, outcomes=outcomes, data=data,
         flops_per_token=flops_per_token(m, t.seq_len, cfg.lora.rank, cfg.lora.targets),
         peak_tflops=t.peak_tflops or peak_tflops(device, dtype, t.allow_tf32),

@@ -47,7 +47,7 @@ class TrainerState:
         params = [ModelSlab(p.spec, p.data) if p.requires_grad else
                   ModelSlab(p.spec, p.data, frozen=True, written=first_replica and p.spec.counted_on(coords["tp"]))
                   for p in t.parts.local_model.parameters()]
-        return TrainTensors(params, ranges, pieces, kinds, flat.param_buffer.dtype, opt.master_dtype)
+        return TrainTensors(params, ranges, pieces, kinds, flat.param_dtype, opt.master_dtype)
 
     def root_state(self) -> RootState:
         t = self._trainer

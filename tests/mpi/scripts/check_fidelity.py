@@ -30,10 +30,13 @@ def train(cfg, mpi_world, tokens, steps):
     trainer = Trainer(cfg, grid, tokens=tokens)
     initial = global_parameters(trainer) if cfg.lora.rank else None
     losses = [trainer.train_step().loss for _ in range(steps)]
-    for p in trainer.parts.local_model.parameters():  # vocabulary padding rows: never trained, exactly zero
-        pad = p.spec.valid_shape[0] if p.spec.padded_dim is not None else p.shape[0]
-        grad = p.main_grad[pad:] if p.requires_grad else torch.zeros(0)
-        assert not p.detach()[pad:].any() and not grad.any(), f"{p.spec.name}: padding rows changed"
+    flat = trainer.parts.flat
+    with flat.gathered():
+        for p in trainer.parts.local_model.parameters():  # vocabulary padding rows: never trained, exactly zero
+            pad = p.spec.valid_shape[0] if p.spec.padded_dim is not None else p.shape[0]
+            kept = p.requires_grad and (flat.zero_stage <= 1 or flat.bucket_of[id(p)].deferred)  # else freed
+            grad = p.main_grad[pad:] if kept else torch.zeros(0)
+            assert not p.detach()[pad:].any() and not grad.any(), f"{p.spec.name}: padding rows changed"
     params = global_parameters(trainer)
     if cfg.lora.rank:
         check_lora(trainer, initial, params)
@@ -69,7 +72,7 @@ def main():
     ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp" or "dp,tp,pp,cp"')
     ap.add_argument("--variants", default="1f1b", help='"/"-separated combinations, each ","-separated words '
                                                        'from 1f1b, gpipe, interleavedV (V virtual stages), sp, '
-                                                       'zero1; or "all"')
+                                                       'zero1, zero2, zero3; or "all"')
     ap.add_argument("--dtype", default="float64")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rtol", type=float, default=1e-10)
@@ -90,7 +93,8 @@ def main():
             words = combo.split(",")
             schedule = next(((w[:11], int(w[11:])) for w in words if w.startswith("interleaved")),
                             ("gpipe", 1) if "gpipe" in words else ("1f1b", 1))
-            combos.append((schedule, "sp" in words, 1 if "zero1" in words else 0))
+            zero = next((int(w[4:]) for w in words if w in ("zero1", "zero2", "zero3")), 0)
+            combos.append((schedule, "sp" in words, zero))
     single = [o for o in base if not o.startswith("parallel.stage_layers")]  # a split for pp > 1 only
     single += [o for o in args.reference.split(",") if o]
     cfg0 = load_config(None, single)

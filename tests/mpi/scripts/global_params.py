@@ -10,6 +10,11 @@ def global_parameters(trainer) -> dict | None:
 
     Built from the slab specs: tp slabs (their real rows) are placed at their slices; each dp x cp replica
     holds the same values, so only replica rank 0 contributes; the tied copy is skipped."""
+    with trainer.parts.flat.gathered():  # ZeRO-3: the units gathered over the replica group meanwhile
+        return _global_parameters(trainer)
+
+
+def _global_parameters(trainer) -> dict | None:
     grid, pieces = trainer.grid, []
     if grid.coords["dp"] == 0 and grid.coords["cp"] == 0:
         for p in trainer.parts.local_model.parameters():
@@ -17,7 +22,7 @@ def global_parameters(trainer) -> dict | None:
             if not spec.tied_copy:
                 index = [(s.start, s.stop) for s in spec.local_slices()]
                 real = p.detach()[spec.valid_local()]  # without vocabulary padding rows
-                pieces.append((spec.name, spec.global_shape, index, real.to("cpu", torch.float64).numpy().copy()))
+                pieces.append((spec.name, spec.global_shape, index, real.to("cpu", torch.float64, copy=True).numpy()))
     gathered = grid.world.gather_object(pieces, root=0)
     if gathered is None:
         return None

@@ -1,0 +1,216 @@
+"""ZeRO-3: each rank keeps 1/dp of every unit's parameters; a unit is all-gathered over the replica group
+while it runs.
+
+A unit is what runs as one piece of a ``GPTStage`` (``stage_units``): the embedding (with learned
+positions), each transformer block, the final norm with the LM head. Each unit's trainable parameters
+are one bucket of ``FlatParams`` (``units=``), whose ``shard`` a rank keeps between steps and whose
+``values`` (the whole unit, which every parameter's ``.data`` views) exist only while gathered:
+``allocate``/``free`` give and take the storage, so the views, and the tensors autograd saved, stay valid.
+
+The life of a unit within a step (``ParamGather``, all on the replica group ``flat.dp_comm``):
+
+- forward: before it runs its buckets are all-gathered (``Iallgather`` from the shards, waited here)
+  and the next ``prefetch`` units' gathers are posted, so they travel while this one computes; after it
+  runs it is freed (``reshard_after_forward``) unless it is the stage's last unit (its backward
+  follows), and a hook on its output marks where its backward begins;
+- backward: when the gradient reaches the unit's output it is gathered again (and the previous
+  ``prefetch`` units' gathers posted); ``FlatParams`` reports when a bucket's gradients of the
+  micro-batch are complete (``on_backward_done``): the grads go to their reduce-scatter and the
+  parameters are freed (with ``reshard_after_forward = false`` only after the step's last micro-batch:
+  the unit stays gathered across the micro-batches);
+- after the step's reductions (``FlatParams.finish_reduction``) nothing is gathered; the optimizer
+  updates the shards.
+
+Every rank of the replica group runs the same schedule and the same hooks, so the collectives are posted
+in the same order everywhere; completions (``test``) only move a gather from posted to ready. Under
+torch.compile the hooks run eagerly (``torch.compiler.disable``): a compiled block's body stays one graph.
+Parameters that stay whole at zero 3 (the deferred bucket: sequence-parallel norm weights, LoRA factors,
+a tied embedding split over pp) and frozen ones are never gathered.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hpctrain.parallel.data_parallel import Bucket, FlatParams, allocate, free
+
+
+@dataclass
+class Unit:
+    """One unit of a stage: ``entry`` runs first, ``exit`` last (their hooks bracket the unit);
+    ``buckets``: the sharded buckets holding the parameters it uses (a tied LM head uses the embedding's);
+    ``own``: those of its own parameters (whose completed gradients end its backward)."""
+    name: str
+    entry: torch.nn.Module
+    exit: torch.nn.Module
+    params: list
+    last: bool = False
+    buckets: list[Bucket] = field(default_factory=list)
+    own: list[Bucket] = field(default_factory=list)
+
+
+def stage_units(stage) -> list[Unit]:
+    """The units of a ``GPTStage``, in forward order: embedding (first stage), blocks, final norm + head
+    (last stage). The last unit's exit is its norm: the fused head loss uses the head's weight without
+    calling the module, so that unit stays gathered from its forward to its backward."""
+    units = []
+    if stage.is_first:
+        modules = [stage.embed] + ([stage.pos_embed] if hasattr(stage, "pos_embed") else [])
+        units.append(Unit("embed", modules[0], modules[-1], [p for m in modules for p in m.parameters()]))
+    for name, block in stage.layers.items():
+        units.append(Unit(f"layers.{name}", block, block, list(block.parameters())))
+    if stage.is_last:
+        params = list(stage.norm.parameters()) + list(stage.head.parameters())
+        if all(p is not stage.head.w for p in params):  # a tied head: the embedding's weight, not registered
+            params.append(stage.head.w)
+        units.append(Unit("head", stage.norm, stage.norm, params, last=True))
+    return units
+
+
+def unit_params(stages) -> list[list]:
+    """The trainable parameters of each unit of ``stages`` (FlatParams' ``units=``), a shared one in its
+    first unit only."""
+    seen: set[int] = set()
+    groups = []
+    for stage in stages:
+        for unit in stage_units(stage):
+            group = [p for p in unit.params if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in group)
+            groups.append(group)
+    return groups
+
+
+def _eager(fn):
+    """``fn`` run eagerly under torch.compile (a graph break at the unit's edge, by design)."""
+    def run(*args):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(fn, reason="ZeRO-3 parameter gather (mpi4py)")(*args)
+        return fn(*args)
+    return run
+
+
+class ParamGather:
+    """Gathers and frees the units of ``stages`` (this rank's virtual stages) around their forward and
+    backward; see the module docstring. ``prefetch``: units whose gathers are posted ahead."""
+
+    def __init__(self, flat: FlatParams, stages, *, reshard_after_forward: bool = True, prefetch: int = 1):
+        self.flat, self.comm = flat, flat.dp_comm
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self._posted: dict[int, object] = {}  # bucket index -> its all-gather in flight
+        self._ready: set[int] = set()  # bucket indices gathered and waited
+        self._in_backward: set[int] = set()  # id(unit) between its backward's start and its grads' completion
+        # bucket index -> forwards of a stage's last unit whose backward has not completed the bucket's grads
+        # (each micro-batch's backward completes a bucket once): a tied head keeps the embedding's bucket
+        self._pinned: dict[int, int] = {}
+        self.stage_units: list[list[Unit]] = []
+        self.gathers = 0  # all-gathers posted (metrics, tests)
+        for stage in stages:
+            units = stage_units(stage)
+            for unit in units:
+                unit.buckets = self._buckets_of(unit.params)
+                unit.own = [b for b in unit.buckets if any(id(p) in {id(q) for q in unit.params} for p in b.params)]
+                unit.entry.register_forward_pre_hook(_eager(lambda module, args, u=unit, us=units:
+                                                            self._before_forward(u, us)))
+                unit.exit.register_forward_hook(_eager(lambda module, args, output, u=unit, us=units:
+                                                       self._after_forward(u, us, output)))
+            self.stage_units.append(units)
+        flat.on_backward_done = self._backward_done
+
+    def _buckets_of(self, params) -> list[Bucket]:
+        found: list[Bucket] = []
+        for p in params:
+            bucket = self.flat.bucket_of.get(id(p))
+            if bucket is not None and bucket.sharded and bucket not in found:
+                found.append(bucket)
+        return found
+
+    # ------------------------------------------------------------- gathers
+    def _post(self, bucket: Bucket) -> None:
+        """Start gathering ``bucket`` unless it is gathered or on its way."""
+        if bucket.index in self._posted or bucket.index in self._ready:
+            return
+        allocate(bucket.values)
+        self._posted[bucket.index] = self.comm.allgather(bucket.values, bucket.shard, nonblocking=True) \
+            if self.flat.dp_size > 1 else None
+        if self.flat.dp_size == 1:
+            bucket.values.copy_(bucket.shard)
+        self.gathers += 1
+
+    def _wait(self, bucket: Bucket) -> None:
+        self._post(bucket)
+        handle = self._posted.pop(bucket.index, None)
+        if handle is not None:
+            with self.flat.timer.phase("zero3_wait"):
+                handle.wait()
+        self._ready.add(bucket.index)
+
+    def _free(self, bucket: Bucket) -> None:
+        if bucket.index in self._posted:  # never free a buffer MPI is writing
+            self._wait(bucket)
+        self._ready.discard(bucket.index)
+        free(bucket.values)
+
+    def progress(self) -> None:
+        for handle in list(self._posted.values()):
+            if handle is not None:
+                handle.test()
+
+    def _prefetch(self, units: list[Unit], at: int, step: int) -> None:
+        for k in range(1, self.prefetch + 1):
+            if 0 <= at + step * k < len(units):
+                for bucket in units[at + step * k].buckets:
+                    self._post(bucket)
+
+    # ------------------------------------------------------------- hooks
+    def _before_forward(self, unit: Unit, units: list[Unit]) -> None:
+        for bucket in unit.buckets:
+            self._post(bucket)
+        if id(unit) not in self._in_backward:  # not a recomputation inside backward
+            self._prefetch(units, units.index(unit), +1)
+        for bucket in unit.buckets:
+            self._wait(bucket)
+
+    def _after_forward(self, unit: Unit, units: list[Unit], output) -> None:
+        if id(unit) in self._in_backward:  # a recomputation (train.recompute): its backward needs it
+            return
+        training = torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad
+        if training and not unit.last:
+            output.register_hook(_eager(lambda grad, u=unit, us=units: self._before_backward(u, us)))
+        if training and unit.last:
+            for bucket in unit.buckets:
+                self._pinned[bucket.index] = self._pinned.get(bucket.index, 0) + 1
+        if self.reshard_after_forward and not unit.last:  # the last: its backward (or the head) follows
+            for bucket in unit.buckets:
+                if not self._pinned.get(bucket.index):
+                    self._free(bucket)
+        self.progress()
+
+    def _before_backward(self, unit: Unit, units: list[Unit]) -> None:
+        self._in_backward.add(id(unit))
+        for bucket in unit.buckets:
+            self._post(bucket)
+        self._prefetch(units, units.index(unit), -1)
+        for bucket in unit.buckets:
+            self._wait(bucket)
+
+    def _backward_done(self, bucket: Bucket) -> None:
+        """FlatParams: ``bucket``'s gradients of this micro-batch are complete."""
+        for units in self.stage_units:
+            for unit in units:
+                if bucket in unit.own:
+                    self._in_backward.discard(id(unit))
+        if self._pinned.get(bucket.index):
+            self._pinned[bucket.index] -= 1
+        if bucket.sharded and not self._pinned.get(bucket.index) and \
+                (self.reshard_after_forward or self.flat.last_microbatch):
+            self._free(bucket)
+        self.progress()
+
+    def release_all(self) -> None:
+        """Free every gathered unit (after a step's reductions, after an evaluation)."""
+        self._in_backward.clear()
+        self._pinned.clear()
+        for bucket in self.flat.buckets:
+            if bucket.sharded and (bucket.index in self._ready or bucket.index in self._posted):
+                self._free(bucket)

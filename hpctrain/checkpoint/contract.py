@@ -38,12 +38,15 @@ class ModelSlab:
 
     ``frozen``: not trained (a LoRA run's base weights): no optimizer state, so no OptimizerPiece writes it;
     ``written`` (frozen ones only): this rank writes its real slab (each global element by exactly one rank:
-    dp x cp replica 0, the tp rank ``SlabSpec.counted_on`` names, never a tied copy)."""
+    dp x cp replica 0, the tp rank ``SlabSpec.counted_on`` names, never a tied copy).
+    ``sharded``: ZeRO-3, ``data`` is not held between steps: the values are this rank's ``OptimizerPiece``s
+    of it (written and loaded through them, in ``TrainTensors.ranges[...].params``)."""
 
     spec: SlabSpec
     data: torch.Tensor
     frozen: bool = False
     written: bool = False
+    sharded: bool = False
 
 
 @dataclass(frozen=True, eq=False)

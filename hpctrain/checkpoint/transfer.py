@@ -1,10 +1,10 @@
 """Between a run's ``TrainState`` (checkpoint/contract.py) and the global checkpoint view: what this rank
 writes, and how it loads any layout.
 
-Writing: a rank writes the boxes of the flat ranges its optimizer owns (its ZeRO-1 slice, or everything
+Writing: a rank writes the boxes of the flat ranges its optimizer owns (its ZeRO slice, or everything
 on dp rank 0 without ZeRO), skipping TP-replicated weights on tp ranks > 0 and the tied-embedding
 copy, so every global element is written exactly once. Loading: a rank reads its whole local slab of
-every parameter and the optimizer state of the ranges it owns NOW — in whatever layout it runs, the
+every parameter (at ZeRO-3 only the pieces it keeps) and the optimizer state of the ranges it owns NOW — in whatever layout it runs, the
 padding rows of a padded vocabulary left out both ways (they are zero) —
 all into host memory first (checking CRCs on the bytes it reads), then into the run, so a bad
 checkpoint changes nothing. The run is seen only through the contract.
@@ -191,14 +191,18 @@ def read_state(state: TrainState, reader) -> StagedState:
     if reader.attrs.get(BASE_REFERENCE_ATTR):
         staged.base_reference = _read_base(state, reader, staged)
     for p in tensors.params:  # the real part of each slab (padding rows stay zero)
-        if staged.base_reference is not None and p.frozen:
+        if (staged.base_reference is not None and p.frozen) or p.sharded:  # sharded: through the pieces below
             continue
         if p.spec.valid_numel and not (weights_only and reader.shape(model_dataset(p.spec.name)) is None):
             slab = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.valid_shape)
             staged.copies.append((p.data[p.spec.valid_local()], reader.read_checked(model_dataset(p.spec.name), slab)))
+    sharded = {p.spec.name for p in tensors.params if p.sharded}
     for piece in tensors.pieces:
         owned = tensors.ranges[piece.owner]
         for box, a, b in local_range_boxes(piece.spec, piece.lo, piece.hi):
+            if piece.spec.name in sharded and not (weights_only and reader.shape(model_dataset(piece.spec.name)) is None):
+                staged.copies.append((piece.take(owned.params, a, b),
+                                      reader.read_checked(model_dataset(piece.spec.name), box).reshape(-1)))
             for kind in tensors.state_kinds:
                 name, target = optim_dataset(kind, piece.spec.name), piece.take(owned.state[kind], a, b)
                 if kind == "master" and reader.shape(name) is None:  # written by a float32 run, or weights only

@@ -14,6 +14,7 @@ import torch
 
 from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.architecture import of_checkpoint
+from hpctrain.checkpoint.format import local_range_boxes
 from hpctrain.config import ModelConfig, architecture_differences, resolve_model
 from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.interop.base_ref import ReferencedBase
@@ -153,6 +154,17 @@ def check_adapters(source, lora, where: str) -> bool:
     return same
 
 
+def _piece_values(tensors, spec, source) -> list:
+    """(target, values) for each box of the ZeRO-3 pieces of parameter ``spec`` this rank keeps."""
+    staged = []
+    for piece in tensors.pieces:
+        if piece.spec.name == spec.name:
+            params = tensors.ranges[piece.owner].params
+            for box, a, b in local_range_boxes(spec, piece.lo, piece.hi):
+                staged.append((piece.take(params, a, b), source.read(spec.name, box.slices()).reshape(-1)))
+    return staged
+
+
 def init_weights(state: TrainState, path: str, world) -> None:
     """Collective over ``world`` (the world Communicator): copy ``path``'s weights (HF dir or hpctrain
     checkpoint) into a fresh run (``trainer.state``). Each rank reads its slab of every parameter it holds; the
@@ -170,7 +182,9 @@ def init_weights(state: TrainState, path: str, world) -> None:
         for p in tensors.params:
             if is_adapter(p.spec.name) and not with_adapters:
                 continue  # a LoRA run from base weights: its adapters keep their initial values
-            if p.spec.valid_numel:  # the real rows of a padded vocabulary slab; the padding stays zero
+            if p.sharded:  # ZeRO-3: only the pieces this rank keeps
+                staged += _piece_values(tensors, p.spec, source)
+            elif p.spec.valid_numel:  # the real rows of a padded vocabulary slab; the padding stays zero
                 staged.append((p.data[p.spec.valid_local()], source.read(p.spec.name, p.spec.local_slices())))
     except (HpcTrainError, OSError) as exc:
         problem = str(exc)

@@ -44,7 +44,7 @@ class TrainerState:
         pieces = [OptimizerPiece(piece.param.spec, piece.param_lo, piece.param_hi, owner[id(part)],
                                  piece.flat_lo - part.start, writes and piece.param.spec.counted_on(coords["tp"]))
                   for piece, part in opt.owned_pieces()]
-        params = [ModelSlab(p.spec, p.data) if p.requires_grad else
+        params = [ModelSlab(p.spec, p.data, sharded=flat.bucket_of[id(p)].sharded) if p.requires_grad else
                   ModelSlab(p.spec, p.data, frozen=True, written=first_replica and p.spec.counted_on(coords["tp"]))
                   for p in t.parts.local_model.parameters()]
         return TrainTensors(params, ranges, pieces, kinds, flat.param_dtype, opt.master_dtype)

@@ -45,6 +45,7 @@ def losses(run_dir):
 
 @pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"],
                                     ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1"],
+                                    ["parallel.tp=1", "parallel.pp=2", "parallel.zero=3"],
                                     ["parallel.tp=1", "parallel.pp=2", "parallel.schedule=interleaved",
                                      "parallel.virtual_stages=2", "model.n_layers=4", "model.tie_embeddings=true"]])
 def test_exact_resume_is_bitwise(tmp_path, layout):
@@ -57,11 +58,11 @@ def test_exact_resume_is_bitwise(tmp_path, layout):
     ckpt("diff", str(whole), str(split), "--atol", "0")
 
 
-def run_chain(run_dir, reference, ref, chain):
+def run_chain(run_dir, reference, ref, chain, *common):
     """Train 2 steps per (ranks, layout) segment of ``chain`` in one run directory, each resuming the last;
     every step's loss equals the uninterrupted ``reference`` run's (``ref``) to 1e-10, and so do the weights."""
     for i, (ranks, layout) in enumerate(chain):
-        train(ranks, run_dir, *F64, *layout, "--max-steps", "2", "--resume", "auto", timeout=300)
+        train(ranks, run_dir, *F64, *common, *layout, "--max-steps", "2", "--resume", "auto", timeout=300)
         got = losses(run_dir)
         assert sorted(got) == list(range(1, 2 * i + 3)), f"segment {i}: steps {sorted(got)}"
         for step in (2 * i + 1, 2 * i + 2):
@@ -83,6 +84,21 @@ def test_reshard_chain_matches_one_process(tmp_path):
         (2, ["parallel.tp=1", "parallel.pp=1"]),  # dp=2, ZeRO off: dp rank 0 writes
     ]
     run_chain(tmp_path / "chain", reference, ref, chain)
+
+
+def test_zero_stages_reshard_into_each_other(tmp_path):
+    """ZeRO 3 -> 0 -> 2 -> 3 across layouts (sharded parameters written and loaded through their pieces), and
+    one process, like one uninterrupted single-process run to 1e-10 (float64)."""
+    reference = tmp_path / "reference"
+    train(1, reference, *F64, "train.steps=10", "parallel.microbatches=1", "model.tie_embeddings=true")
+    chain = [
+        (4, ["parallel.zero=3", "parallel.tp=2", "parallel.sequence_parallel=true"]),  # dp=2, SP norms whole
+        (2, ["parallel.zero=0"]),  # dp=2
+        (4, ["parallel.zero=2", "parallel.pp=2"]),  # dp=2
+        (8, ["parallel.zero=3", "parallel.tp=2", "parallel.pp=2", "parallel.zero_reshard_after_forward=false"]),
+        (1, ["parallel.zero=3"]),
+    ]
+    run_chain(tmp_path / "chain", reference, losses(reference), chain, "train.steps=10", "model.tie_embeddings=true")
 
 
 def test_reshard_an_odd_vocabulary_with_tied_embeddings(tmp_path):

@@ -24,6 +24,20 @@ from hpctrain.train.trainer import Trainer
 from global_params import global_parameters
 
 
+def poison_freed_storage() -> None:
+    """ZeRO 2/3: NaN into every bucket storage before it is freed (the allocator may hand the same memory back
+    untouched), so a parameter or gradient read after its free, without a new gather, shows in the results."""
+    from hpctrain.parallel import data_parallel, zero3
+
+    original = data_parallel.free
+
+    def poisoned(tensor):
+        tensor.fill_(float("nan"))
+        original(tensor)
+
+    data_parallel.free = zero3.free = poisoned
+
+
 def train(cfg, mpi_world, tokens, steps):
     info = discover(mpi_world)
     grid = ProcessGrid.from_config(cfg, info, mpi_world=mpi_world, timeout_s=120)
@@ -82,6 +96,7 @@ def main():
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     world = MPI.COMM_WORLD
+    poison_freed_storage()
     base = ["data.max_bytes=300000", "train.global_batch=8", "train.seq_len=16", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
             f"train.dtype={args.dtype}", "parallel.microbatches=2", "optim.grad_clip=1.0",
             "train.warmup_steps=1", "train.lr=1e-2", "model.tie_embeddings=false"] + args.overrides

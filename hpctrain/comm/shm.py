@@ -39,8 +39,10 @@ from hpctrain.errors import HpcTrainError
 from hpctrain.runtime.faults import FaultInjector
 
 # the torch dtypes the shared-memory collectives sum (numpy has no bfloat16)
-_NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
-                 torch.int64: np.int64, torch.int32: np.int32, torch.int8: np.int8, torch.uint8: np.uint8}
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
+    t: np.dtype(n) for t, n in ((torch.float64, "float64"), (torch.float32, "float32"), (torch.float16, "float16"),
+                                (torch.int64, "int64"), (torch.int32, "int32"), (torch.int8, "int8"),
+                                (torch.uint8, "uint8"))}
 
 if TYPE_CHECKING:
     from hpctrain.comm.watchdog import OpCounter
@@ -216,7 +218,7 @@ class ShmCollectives:
                              f"on {tensor.device}, contiguous={tensor.is_contiguous()})")
         if tensor.numel() == 0:
             return np.empty(0, dtype=dtype)
-        memory = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
+        memory = memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
         return np.frombuffer(memory, dtype=dtype)
 
     # ---------------------------------------------------------------- collectives

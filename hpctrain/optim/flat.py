@@ -117,6 +117,13 @@ class FlatOptimizer:
         separate = self.master_dtype != self.flat.param_dtype
         return ("exp_avg", "exp_avg_sq") + (("master",) if separate else ())
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank keeps: moments, and masters where they are a separate copy."""
+        moments = sum(s.exp_avg.nbytes + s.exp_avg_sq.nbytes for s in self.owned_slices)
+        moments += sum(m.nbytes for m in self.full_momentum.values()) - \
+            sum(s.exp_avg.nbytes for s in self.owned_slices if self.full_momentum)
+        return moments + sum(s.master.nbytes for s in self.owned_slices if s.master is not s.params)
+
     def owned_pieces(self):
         """(ParamPiece, OptimizerSlice) for every piece of a parameter inside an owned range."""
         for part in self.owned_slices:

@@ -70,9 +70,9 @@ class Bucket:
     """A run of the flat buffers, [start, end) (padded to a multiple of dp), reduced as one.
 
     ``grads``: its main grads [size] (a view of ``FlatParams.grad_buffer`` at zero <= 1; at zero >= 2 a
-    tensor of its own, freed between micro-batches except in the deferred bucket). ``values``: its
+    tensor of its own, freed between micro-batches except in the deferred bucket). ``param_values``: its
     parameters [size] (a view of ``param_buffer`` at zero <= 2; at zero 3 a tensor of its own that holds
-    the gathered unit while it runs, ``sharded``). ``shard``: zero 3, this rank's 1/dp of ``values``, kept
+    the gathered unit while it runs, ``sharded``). ``shard``: zero 3, this rank's 1/dp of ``param_values``, kept
     between steps. ``slice_grad``: zero >= 1, this rank's reduced 1/dp of ``grads``; ``slice_out``: where the
     running reduce-scatter writes (``slice_grad``, or ``incoming`` when earlier micro-batches' sum is there)."""
     start: int  # range in the flat buffers
@@ -84,9 +84,9 @@ class Bucket:
     slice_grad: torch.Tensor | None = None  # ZeRO: this rank's reduced slice
     index: int = 0  # position in FlatParams.buckets (the reducer's key for per-bucket state)
     grads: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    values: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    param_values: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     shard: torch.Tensor | None = None
-    sharded: bool = False  # zero 3: ``values`` is gathered only while its unit runs
+    sharded: bool = False  # zero 3: ``param_values`` is gathered only while its unit runs
     slice_out: torch.Tensor | None = None
     incoming: torch.Tensor | None = None
     reduced: bool = False  # zero >= 2: a micro-batch's sum is in slice_grad this step
@@ -152,7 +152,7 @@ class FlatParams:
             offset = bucket.start
             for p in bucket.params:
                 n = p.numel()
-                view = bucket.values[offset - bucket.start:offset - bucket.start + n].view_as(p)
+                view = bucket.param_values[offset - bucket.start:offset - bucket.start + n].view_as(p)
                 view.copy_(p.data)
                 p.data = view
                 p.main_grad = bucket.grads[offset - bucket.start:offset - bucket.start + n].view_as(p)
@@ -162,10 +162,11 @@ class FlatParams:
                 offset += n
             if bucket.shard is not None:  # zero 3: this rank's slice kept, the whole freed until gathered
                 n = bucket.size // self.dp_size
-                bucket.shard.copy_(bucket.values[self.dp_rank * n:(self.dp_rank + 1) * n])
-                free(bucket.values)
-            if bucket.per_microbatch:
+                bucket.shard.copy_(bucket.param_values[self.dp_rank * n:(self.dp_rank + 1) * n])
+                free(bucket.param_values)
+            if bucket.incoming is not None:  # zero >= 2: reduced per micro-batch
                 free(bucket.grads)
+                free(bucket.incoming)  # only while a later micro-batch's sum travels
         self.last_microbatch = False
         self._unwritten: set[int] = set(self._offsets)  # ids of the parameters with no grad since their bucket's last read
         # each bucket's padding past its parameters, [lo, hi) in the flat buffers (only with dp > 1)
@@ -177,7 +178,7 @@ class FlatParams:
         self.reducer = make_reducer(self)  # last: it reads the buckets, buffers and timer
 
     def _make_storage(self) -> None:
-        """The buffers behind every bucket's ``values``, ``grads``, ``shard`` and slices (see ``Bucket``).
+        """The buffers behind every bucket's ``param_values``, ``grads``, ``shard`` and slices (see ``Bucket``).
 
         ``param_buffer``: the parameter values this rank keeps between steps: every bucket at zero <= 2; at
         zero 3 the shards of the sharded buckets, then the deferred bucket whole. ``grad_buffer``: every
@@ -192,10 +193,10 @@ class FlatParams:
             if zero == 3 and not b.deferred:
                 b.sharded = True
                 b.shard = self.param_buffer[at:at + b.size // dp]
-                b.values = torch.zeros(b.size, dtype=self.param_dtype, device=device)
+                b.param_values = torch.zeros(b.size, dtype=self.param_dtype, device=device)
                 at += b.size // dp
             else:
-                b.values = self.param_buffer[at:at + b.size] if zero == 3 else self.param_buffer[b.start:b.end]
+                b.param_values = self.param_buffer[at:at + b.size] if zero == 3 else self.param_buffer[b.start:b.end]
                 at += b.size if zero == 3 else 0
             b.grads = self.grad_buffer[b.start:b.end] if zero <= 1 else \
                 torch.zeros(b.size, dtype=self.grad_dtype, device=device)
@@ -298,6 +299,8 @@ class FlatParams:
             bucket.pending = len(bucket.params)
             self._unwritten.update(id(p) for p in bucket.params)
             bucket.slice_out = bucket.incoming if bucket.reduced else bucket.slice_grad
+            if bucket.reduced and bucket.incoming is not None:
+                allocate(bucket.incoming)
             if self.on_backward_done is not None:
                 self.on_backward_done(bucket)
         if self.dp_size == 1:
@@ -317,6 +320,7 @@ class FlatParams:
         if bucket.reduced:
             assert bucket.slice_grad is not None and bucket.incoming is not None
             bucket.slice_grad.add_(bucket.incoming)
+            free(bucket.incoming)
         bucket.reduced = True
         free(bucket.grads)
 
@@ -389,14 +393,14 @@ class FlatParams:
         """The parameter values of owned range [start, end) of ``bucket``: a view of what this rank keeps."""
         if bucket.shard is not None:
             return bucket.shard
-        return bucket.values[start - bucket.start:end - bucket.start]
+        return bucket.param_values[start - bucket.start:end - bucket.start]
 
     def gather_params(self) -> None:
         """ZeRO 1-3: after the owned ranges were updated, all-gather parameters in place over dp (zero 3: the
         buckets that stay whole; a sharded one is gathered when its unit next runs)."""
         if not self.zero or self.dp_size == 1:
             return
-        handles = [self.dp_comm.allgather(b.values, None, nonblocking=True) for b in self.buckets if not b.sharded]
+        handles = [self.dp_comm.allgather(b.param_values, None, nonblocking=True) for b in self.buckets if not b.sharded]
         for h in handles:
             h.wait()
 
@@ -404,24 +408,23 @@ class FlatParams:
     def gathered(self):
         """Every sharded bucket's parameters gathered (collective over dp), freed again on exit: the whole
         local model readable between steps (zero 3; nothing to do otherwise)."""
-        sharded = [b for b in self.buckets if b.sharded and not is_allocated(b.values)]
+        sharded = [b for b in self.buckets if b.sharded and not is_allocated(b.param_values)]
         for b in sharded:
-            allocate(b.values)
-            self.dp_comm.allgather(b.values, b.shard)
+            allocate(b.param_values)
+            self.dp_comm.allgather(b.param_values, b.shard)
         try:
             yield
         finally:
             for b in sharded:
-                free(b.values)
+                free(b.param_values)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Model-state bytes this rank keeps between steps: {"params", "grads"} (zero >= 2: the grad slices,
-        the deferred bucket's whole grads; zero 3: the shards, the deferred bucket whole)."""
-        grads = sum(b.slice_grad.nbytes for b in self.buckets if b.slice_grad is not None) \
-            if self.zero_stage >= 2 else self.grad_buffer.nbytes + sum(
-                b.slice_grad.nbytes for b in self.buckets if b.slice_grad is not None)
-        grads += sum(b.grads.nbytes for b in self.buckets if self.zero_stage >= 2 and b.deferred)
-        return {"params": self.param_buffer.nbytes, "grads": grads}
+        """Model-state bytes this rank keeps between steps: {"params": ``param_buffer``, "grads": the main
+        grads (zero <= 1: ``grad_buffer``; zero >= 2: the deferred bucket's) and the reduced slices}."""
+        slices = sum(b.slice_grad.nbytes for b in self.buckets if b.slice_grad is not None)
+        whole = self.grad_buffer.nbytes if self.zero_stage <= 1 else sum(b.grads.nbytes for b in self.buckets
+                                                                          if b.deferred)
+        return {"params": self.param_buffer.nbytes, "grads": whole + slices}
 
     def offset_of(self, p) -> tuple[int, int]:
 

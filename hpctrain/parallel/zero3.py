@@ -4,7 +4,7 @@ while it runs.
 A unit is what runs as one piece of a ``GPTStage`` (``stage_units``): the embedding (with learned
 positions), each transformer block, the final norm with the LM head. Each unit's trainable parameters
 are one bucket of ``FlatParams`` (``units=``), whose ``shard`` a rank keeps between steps and whose
-``values`` (the whole unit, which every parameter's ``.data`` views) exist only while gathered:
+``param_values`` (the whole unit, which every parameter's ``.data`` views) exist only while gathered:
 ``allocate``/``free`` give and take the storage, so the views, and the tensors autograd saved, stay valid.
 
 The life of a unit within a step (``ParamGather``, all on the replica group ``flat.dp_comm``):
@@ -30,6 +30,7 @@ a tied embedding split over pp) and frozen ones are never gathered.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -97,7 +98,7 @@ class ParamGather:
     def __init__(self, flat: FlatParams, stages, *, reshard_after_forward: bool = True, prefetch: int = 1):
         self.flat, self.comm = flat, flat.dp_comm
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        self._posted: dict[int, object] = {}  # bucket index -> its all-gather in flight
+        self._posted: dict[int, Any] = {}  # bucket index -> its all-gather in flight
         self._ready: set[int] = set()  # bucket indices gathered and waited
         self._in_backward: set[int] = set()  # id(unit) between its backward's start and its grads' completion
         # bucket index -> forwards of a stage's last unit whose backward has not completed the bucket's grads
@@ -130,11 +131,13 @@ class ParamGather:
         """Start gathering ``bucket`` unless it is gathered or on its way."""
         if bucket.index in self._posted or bucket.index in self._ready:
             return
-        allocate(bucket.values)
-        self._posted[bucket.index] = self.comm.allgather(bucket.values, bucket.shard, nonblocking=True) \
-            if self.flat.dp_size > 1 else None
-        if self.flat.dp_size == 1:
-            bucket.values.copy_(bucket.shard)
+        assert bucket.shard is not None  # a sharded bucket
+        allocate(bucket.param_values)
+        if self.flat.dp_size > 1:
+            self._posted[bucket.index] = self.comm.allgather(bucket.param_values, bucket.shard, nonblocking=True)
+        else:
+            self._posted[bucket.index] = None
+            bucket.param_values.copy_(bucket.shard)
         self.gathers += 1
 
     def _wait(self, bucket: Bucket) -> None:
@@ -149,7 +152,7 @@ class ParamGather:
         if bucket.index in self._posted:  # never free a buffer MPI is writing
             self._wait(bucket)
         self._ready.discard(bucket.index)
-        free(bucket.values)
+        free(bucket.param_values)
 
     def progress(self) -> None:
         for handle in list(self._posted.values()):

@@ -14,6 +14,7 @@ from hpctrain.models.lora import describe as describe_lora
 from hpctrain.parallel.head_loss import describe_head
 from hpctrain.config.rules import padded_vocab
 from hpctrain.runtime.device import describe
+from hpctrain.train.metrics import describe_state, model_state_bytes
 
 
 def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None:
@@ -37,6 +38,13 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
           f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {dp_route}, "
           f"{cfg.train.dtype}{residual}, device {describe(device)}, attention {parts.sdpa.name}, {head}"
           + (f", GPU collectives backend {parts.backends['dp']}" if device.type == "cuda" else ""), flush=True)
+    replicas = grid.sizes["dp"] * grid.sizes["cp"]
+    print(f"hpctrain train: model state on rank 0: {describe_state(model_state_bytes(parts))} (ZeRO-{p.zero} over "
+          f"{replicas} replica(s)" + (f", units gathered with prefetch {p.zero_prefetch}, reshard after forward "
+          f"{'on' if p.zero_reshard_after_forward else 'off'}" if p.zero == 3 else "") + ")", flush=True)
+    if p.zero and replicas == 1:
+        print(f"hpctrain: WARNING: parallel.zero={p.zero} with one replica (dp x cp = 1): nothing to shard",
+              file=sys.stderr, flush=True)
     if parts.sdpa.warning:  # the same on every rank: said once
         print(f"hpctrain: WARNING: {parts.sdpa.warning}", file=sys.stderr, flush=True)
     if parts.sdpa.note:  # a fast kernel that raised in its trial, or cuDNN missing: what runs instead

@@ -42,7 +42,7 @@ from hpctrain.runtime.signals import (SignalFlag, requeue_slurm_job, scheduler_d
 from hpctrain.train.announce import announce, first_step_report
 from hpctrain.train.guard import DIVERGED_EXIT
 from hpctrain.train.memory_check import check_memory
-from hpctrain.train.metrics import MetricsLog, report_peak_memory
+from hpctrain.train.metrics import MetricsLog, model_state_bytes, report_peak_memory
 from hpctrain.train.run_dir import RunDirHoldsARun, decide_start, set_aside_agreed
 from hpctrain.train.run_lock import RunDirInUse, RunLock, unusable_directory
 from hpctrain.train.stop import StopPolicy, decode, encode
@@ -192,7 +192,7 @@ def _steps(run: Run) -> None:
         if trainer.diverged:  # the bad update and all after it were not applied
             break
         if trainer.step == first_step:  # collective: memory per rank, once
-            report_peak_memory(run.grid.world, run.device, metrics.__dict__)  # logged with the step
+            report_peak_memory(run.grid.world, run.device, metrics.__dict__, model_state_bytes(trainer.parts))  # logged with the step
         if cfg.train.eval_interval and (trainer.step % cfg.train.eval_interval == 0 or trainer.step == run.last_step):
             metrics.val_loss = trainer.evaluate()  # type: ignore[attr-defined]  # a key of eval steps' records only
             metrics.time_s["eval"] = round(trainer.parts.timer.take("eval"), 6)

@@ -3,8 +3,9 @@ against the memory it may still take (``runtime/peak_memory.available_memory``),
 
 Per rank (``config/arithmetic.rank_parameters``: its virtual stages, the PADDED vocabulary / tp):
 parameters x dtype bytes; unless LoRA freezes them, float32 main gradients (float64 in float64) and
-AdamW's two moments (+ float32 master weights in 16-bit training; ZeRO-1 divides them by dp x cp), as
-plan/memory.py counts them; and one micro-batch of the input of every block on the rank (the least any
+AdamW's two moments (+ float32 master weights in 16-bit training; ZeRO-1 divides them by dp x cp, ZeRO-2
+the gradients too, ZeRO-3 the parameters too, plus its gathered units: the running one and
+``parallel.zero_prefetch`` more, or every one without resharding), as plan/memory.py counts them; and one micro-batch of the input of every block on the rank (the least any
 schedule keeps: full recomputation). SGD's state, more micro-batches, logits, torch and the corpus come on
 top, so a refusal is certain and passing is no promise. On the host the ranks of a node share its memory
 (their sum against the node's available memory); on CUDA each rank has its device's free memory.
@@ -47,12 +48,22 @@ def rank_need(cfg, layout, pp_rank: int) -> Need:
     layers = sum(hi - lo for lo, hi in ranges[pp_rank::layout.pp_size])
     tokens = layout.micro_batch * (layout.seq_len // layout.cp_size)
     activations = layers * tokens * m.d_model * nb // (tp if layout.sequence_parallel else 1)
-    parts = {"parameters": n * nb, "gradients": trainable * max(4, nb),
-             "optimizer": trainable * state // (layout.replica_size if layout.zero else 1),
-             "activations": activations}
+    replicas, zero = layout.replica_size, layout.zero
+    # the largest unit ZeRO-3 gathers: a block, or the embedding (the LM head) with the learned positions
+    unit = max(counts["blocks"] // max(layers, 1), counts["vocabulary"] + counts["positions"])
+    gathered = 0
+    if zero == 3:  # the gathered units: the running one and the prefetched ones, or all (no resharding)
+        p = cfg.parallel
+        gathered = n * nb if not p.zero_reshard_after_forward else min(n, (1 + p.zero_prefetch) * unit) * nb
+    parts = {"parameters": n * nb // (replicas if zero == 3 else 1),
+             "gradients": trainable * max(4, nb) // (replicas if zero >= 2 else 1),
+             "optimizer": trainable * state // (replicas if zero else 1),
+             "gathered units": gathered, "activations": activations}
     per_param = (parts["parameters"] + parts["gradients"] + parts["optimizer"]) / max(n, 1)
     shares = {part: count * per_param for part, count in counts.items()}
     shares["activations"] = activations
+    if gathered:  # its keys are named when it is the largest share
+        shares["gathered"] = gathered
     return Need(n, parts, _keys(max(shares, key=shares.__getitem__), m, layout, layers))
 
 
@@ -63,6 +74,9 @@ def _keys(part: str, m, layout, layers: int) -> str:
                 f"model.d_model={m.d_model}")
     if part == "positions":
         return f"the learned positions: model.max_seq_len={m.max_seq_len} x model.d_model={m.d_model}"
+    if part == "gathered":
+        return ("ZeRO-3's gathered units: parallel.zero_prefetch and parallel.zero_reshard_after_forward "
+                "(each prefetched unit is one block's parameters more)")
     if part == "activations":
         return (f"one micro-batch's activations: {layout.micro_batch} sequences (train.global_batch / "
                 f"train.micro_batch_size) x train.seq_len={layout.seq_len} x model.d_model={m.d_model} x {layers} "
@@ -87,7 +101,7 @@ def check_memory(cfg, grid, device) -> None:
     raise ConfigError(f"config: the model does not fit in memory: rank {rank} needs at least "
                       f"{human_size(worst.total)} ({parts}; {worst.parameters:,} parameters, the most for "
                       f"{worst.largest}){sharing}, but {human_size(free)} are {where}; make the model or the "
-                      f"micro-batch smaller, or spread it over more ranks (parallel.tp, parallel.pp, parallel.zero=1)")
+                      f"micro-batch smaller, or spread it over more ranks (parallel.tp, parallel.pp, parallel.zero=1..3)")
 
 
 def first_shortfall(rows, per_rank: bool) -> tuple[int, int, int, tuple[int, str]] | None:

@@ -123,18 +123,38 @@ class MetricsLog:
         return summary
 
 
-def report_peak_memory(world, device, record: dict) -> None:
+def model_state_bytes(parts) -> dict[str, int]:
+    """This rank's model state kept between steps, in bytes: {"params", "grads", "optimizer"} (what ZeRO
+    shards: hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py); a LoRA run's frozen base counts
+    as parameters."""
+    kept = parts.flat.memory_bytes()
+    trainable = {id(p) for p in parts.flat.params}
+    frozen = sum(p.nbytes for p in parts.local_model.parameters() if id(p) not in trainable)
+    return {"params": kept["params"] + frozen, "grads": kept["grads"], "optimizer": parts.optimizer.state_bytes()}
+
+
+def describe_state(state: dict[str, int]) -> str:
+    return ", ".join(f"{name} {state[key] / 2**20:.2f} MiB" for name, key in
+                     (("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer")))
+
+
+def report_peak_memory(world, device, record: dict, state: dict[str, int] | None = None) -> None:
     """Collective over ``world`` (once, after the run's first step): every rank's peak memory (``peak_memory``)
-    gathered on rank 0, which adds ``peak_memory_gib`` (the maximum over the ranks), ``peak_memory_rank`` and
-    ``peak_memory_source`` to ``record`` (metrics.jsonl) and prints one line."""
+    and model state (``model_state_bytes``) gathered on rank 0, which adds ``peak_memory_gib`` (the maximum
+    over the ranks), ``peak_memory_rank``, ``peak_memory_source`` and ``model_state_bytes`` (that rank's
+    {"params", "grads", "optimizer"}) to ``record`` (metrics.jsonl) and prints one line."""
     from hpctrain.runtime.peak_memory import peak_memory
 
     used, source = peak_memory(device)
-    every = world.gather_object(used, root=0)
+    every = world.gather_object((used, state), root=0)
     if every is None:
         return
-    top = max(range(len(every)), key=every.__getitem__)
-    record.update(peak_memory_gib=round(every[top] / 2**30, 4), peak_memory_rank=top, peak_memory_source=source)
-    print(f"hpctrain train: memory per rank after step {record['step']}: peak {every[top] / 2**30:.3f} GiB on rank "
-          f"{top} (least {min(every) / 2**30:.3f} GiB), {source}; `hpctrain plan --model <config>` predicts it per "
-          f"GPU", flush=True)
+    top = max(range(len(every)), key=lambda r: every[r][0])
+    record.update(peak_memory_gib=round(every[top][0] / 2**30, 4), peak_memory_rank=top, peak_memory_source=source)
+    kept = ""
+    if state is not None:
+        record["model_state_bytes"] = every[top][1]
+        kept = f", of which model state {describe_state(every[top][1])}"
+    print(f"hpctrain train: memory per rank after step {record['step']}: peak {every[top][0] / 2**30:.3f} GiB on rank "
+          f"{top}{kept} (least peak {min(u for u, _ in every) / 2**30:.3f} GiB), {source}; `hpctrain plan --model "
+          f"<config>` predicts it per GPU", flush=True)

@@ -257,7 +257,8 @@ def test_every_unreadable_config_file_is_one_line_naming_it(tmp_path):
     ("parallel.microbatches=0", "parallel.microbatches"),
     ("parallel.schedule=zb", "parallel.schedule"),
     ("parallel.backend=gloo", "parallel.backend"),
-    ("parallel.zero=2", "parallel.zero"),
+    ("parallel.zero=4", "parallel.zero"),
+    ("parallel.zero_prefetch=-1", "parallel.zero_prefetch"),
     ("parallel.bucket_mb=0", "parallel.bucket_mb"),
     ("parallel.pp=8", "parallel.pp"),
     ("parallel.stage_layers=2,2", "parallel.stage_layers"),  # pp=1 needs one entry
@@ -405,3 +406,13 @@ def test_resolve_unknown_preset():
 def test_non_finite_numbers_are_refused_by_name(override):
     with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}.*finite"):
         validate(load_config(str(CONFIGS / "tiny.toml"), [override]))
+
+
+@pytest.mark.parametrize("method", ["topk", "powersgd", "onebit-adam"])
+def test_zero_two_and_three_refuse_compression_in_one_line(method):
+    """Sharded gradients cannot be compressed: ZeRO 2/3 with a compression method names both keys."""
+    for zero in (2, 3):
+        with raises_naming("parallel.zero", f"compression.method={method!r}", "parallel.zero <= 1") as info:
+            load_config(None, [f"parallel.zero={zero}", f"compression.method={method}"])
+        assert "\n" not in str(info.value)
+    load_config(None, ["parallel.zero=1", f"compression.method={method}", "compression.warmup_steps=2"])  # whole buckets

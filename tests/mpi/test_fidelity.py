@@ -99,3 +99,28 @@ def test_gpt_architecture_gelu_mlp_and_learned_positions_in_every_layout_family(
     out = fidelity(4, "2,2,1;1,2,2", "1f1b/sp,zero1", *F64, "model.mlp=gelu", "model.positions=learned",
                    "model.tie_embeddings=true")
     assert out.count("OK dp=") == 4
+
+
+def test_zero_two_and_three_in_every_layout_family():
+    """ZeRO-2 (sliced gradients) and ZeRO-3 (units gathered around forward and backward) over dp, dp x tp (SP
+    norm weights stay whole), dp x pp, dp x cp, GPipe and 1F1B, with tied embeddings across stages and inside
+    one; every freed storage is filled with NaN first (check_fidelity.py), so a read after a free fails."""
+    out = fidelity(4, "4,1,1;2,2,1;2,1,2;2,1,1,2", "1f1b,sp,zero2/1f1b,sp,zero3/gpipe,zero3", *F64,
+                   "model.tie_embeddings=true")
+    assert out.count("OK dp=") == 12 and out.count("zero=3") == 8
+
+
+def test_zero_three_interleaved_recomputed_and_kept_across_micro_batches():
+    """Interleaved 1F1B with recomputation (a block re-runs its forward inside backward: it stays gathered),
+    4 micro-batches, resharding on and off, prefetch 0 and 2; then LoRA adapters sharded, the base frozen."""
+    for extra in (["parallel.zero_prefetch=0"], ["parallel.zero_reshard_after_forward=false", "parallel.zero_prefetch=2"]):
+        out = fidelity(4, "2,1,2", "interleaved2,zero3/1f1b,sp,zero3", *F64, "parallel.microbatches=4",
+                       "train.recompute=true", "model.tie_embeddings=true", *extra)
+        assert out.count("OK dp=") == 2
+    out = fidelity(4, "2,2,1;2,1,2", "1f1b,zero3", *F64, "lora.rank=4")
+    assert out.count("LORA OK") == 3  # the one-process reference, and each layout
+
+
+def test_zero_three_on_the_full_grid():
+    out = fidelity(8, "2,2,2", "1f1b,sp,zero3/interleaved2,zero3/gpipe,zero2", *F64, "model.tie_embeddings=true")
+    assert out.count("OK dp=") == 3

@@ -83,3 +83,16 @@ def test_a_rank_stopped_inside_a_shared_memory_reduction_is_named_as_inside_it(t
                      r"this rank waits in: it did not answer in \d+ s: stopped \(SIGSTOP", stderr), stderr
     assert "rank 3 (node" in stderr and "has not entered" not in stderr, stderr
     assert re.search(r"  cause: rank 3 \(node 0 \S+, pid \d+\): .*stopped \(SIGSTOP", stderr), stderr
+
+
+def test_a_rank_stopped_before_a_zero3_parameter_gather_is_named_and_its_peer_waits_in_the_gather(tmp_path):
+    """ZeRO-3 (dp=2 x pp=2): rank 3 stops as step 3 begins; its dp peer waits in the all-gather of a unit's
+    parameters (with the next unit's prefetched gather posted behind it). The report names rank 3 as the
+    cause and shows where the peer waits."""
+    code, stderr, seconds = run_with_fault(tmp_path / "run", "rank=3,step=3,phase=forward,action=stop",
+                                           "parallel.zero=3", "checkpoint.interval=100")
+    assert code == 3 and seconds < TIMEOUT_S + 30, (code, seconds, stderr[-3000:])
+    assert stderr.count("hpctrain: hang report from") == 1, stderr
+    assert re.search(r"  cause: rank 3 \(node 0 \S+, pid \d+\): .*stopped \(SIGSTOP", stderr), stderr
+    assert re.search(r"waits in allgather #\d+ of \d+ bytes on group 'dp'", stderr), stderr
+    assert "zero3.py" in stderr and "_before_forward" in stderr, stderr

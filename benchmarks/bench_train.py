@@ -112,7 +112,7 @@ def model_overrides(args) -> list[str]:
 
 class HpcTrainImpl:
     def __init__(self, name, args, info, tokens, total_steps, *, tp=1, pp=1, microbatches=1, intra_node=None,
-                 progress="call"):
+                 progress="call", extra=()):
         from hpctrain.comm.grid import ProcessGrid
         from hpctrain.config import load_config
         from hpctrain.models.gpt import count_parameters
@@ -132,16 +132,16 @@ class HpcTrainImpl:
         cfg = load_config(None, model_overrides(args) + [
             f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.microbatches={microbatches}",
             "parallel.schedule=1f1b", f"train.steps={total_steps}", "train.progress=false",
-            f"comm.intra_node={intra_node}", f"comm.shm_progress={progress}"])
+            f"comm.intra_node={intra_node}", f"comm.shm_progress={progress}", *extra])
         self.grid = ProcessGrid.from_config(cfg, info)
         self.trainer = Trainer(cfg, self.grid, tokens=tokens)
         self.params = count_parameters(self.trainer.parts.model_cfg)
         self.phases = Phases()  # from the trainer's own phase timers (metrics.jsonl ``time_s``)
-        self.loss, self.comm_s = float("nan"), []
+        self.loss, self.comm_s, self.bytes_sent = float("nan"), [], 0
 
     def step(self) -> None:
         metrics = self.trainer.train_step()
-        self.loss = metrics.loss
+        self.loss, self.bytes_sent = metrics.loss, metrics.bytes_sent
         if self.phases.active:
             self.comm_s.append(metrics.comm_time_s)
             for name, seconds in metrics.time_s.items():

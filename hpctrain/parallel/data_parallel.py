@@ -89,7 +89,7 @@ class Bucket:
     sharded: bool = False  # zero 3: ``param_values`` is gathered only while its unit runs
     slice_out: torch.Tensor | None = None
     incoming: torch.Tensor | None = None
-    reduced: bool = False  # zero >= 2: a micro-batch's sum is in slice_grad this step
+    launches: int = 0  # zero >= 2: reductions started this step (decided by the hooks alone: the same on every rank)
 
     @property
     def size(self) -> int:
@@ -252,7 +252,7 @@ class FlatParams:
         self.last_microbatch = False
         self._unwritten = set(self._offsets)
         for bucket in self.buckets:
-            bucket.pending, bucket.handle, bucket.reduced = len(bucket.params), None, False
+            bucket.pending, bucket.handle, bucket.launches = len(bucket.params), None, 0
 
     def _on_grad_ready(self, p) -> None:
         bucket = self.bucket_of[id(p)]
@@ -298,9 +298,10 @@ class FlatParams:
         if bucket.per_microbatch:  # the next micro-batch starts afresh; the sum goes to slice_grad
             bucket.pending = len(bucket.params)
             self._unwritten.update(id(p) for p in bucket.params)
-            bucket.slice_out = bucket.incoming if bucket.reduced else bucket.slice_grad
-            if bucket.reduced and bucket.incoming is not None:
+            bucket.slice_out = bucket.incoming if bucket.launches else bucket.slice_grad
+            if bucket.launches and bucket.incoming is not None:
                 allocate(bucket.incoming)
+            bucket.launches += 1
             if self.on_backward_done is not None:
                 self.on_backward_done(bucket)
         if self.dp_size == 1:
@@ -313,15 +314,16 @@ class FlatParams:
         bucket.handle = self.reducer.start(bucket)
 
     def _complete(self, bucket: Bucket) -> None:
-        """zero >= 2: a micro-batch's reduction of ``bucket`` is over: add it to the step's sum, free the grads."""
+        """zero >= 2: a micro-batch's reduction of ``bucket`` is over: add it to the step's sum, free the grads.
+        (Never decides what to communicate: completion times differ between ranks.)"""
         if bucket.handle is not None:
             self.reducer.finish(bucket)
             bucket.handle = None
-        if bucket.reduced:
-            assert bucket.slice_grad is not None and bucket.incoming is not None
+        if bucket.slice_out is bucket.incoming and bucket.incoming is not None:
+            assert bucket.slice_grad is not None
             bucket.slice_grad.add_(bucket.incoming)
             free(bucket.incoming)
-        bucket.reduced = True
+            bucket.slice_out = bucket.slice_grad
         free(bucket.grads)
 
     def finish_reduction(self) -> None:
@@ -331,7 +333,7 @@ class FlatParams:
                 self._settle(bucket)
                 self._pre_reduce(bucket)
                 self._launch(bucket)
-            elif bucket.per_microbatch and (bucket.pending < len(bucket.params) or not bucket.reduced):
+            elif bucket.per_microbatch and (bucket.pending < len(bucket.params) or not bucket.launches):
                 self._open(bucket)  # grads the hooks did not hand over (unused parameters), or none at all
                 self._launch(bucket)
             elif not bucket.per_microbatch and bucket.handle is None and bucket.pending > 0:

@@ -52,3 +52,21 @@ def test_bench_pipeline_trains_the_same_model_in_every_schedule(tmp_path):
     rows = list(csv.DictReader(out_csv.open()))
     assert [float(row["predicted_ms"]) for row in rows] == pytest.approx([r["predicted_ms"] for r in records])
     assert "pred ms" in result.stdout and "error" in result.stdout
+
+
+def test_bench_zero_trains_the_same_model_in_every_stage_and_fsdp2(tmp_path):
+    """benchmarks/bench_zero.py on 2 ranks: every ZeRO stage and FSDP2 train the same model to the same loss;
+    the model state a rank keeps shrinks stage by stage, ZeRO-3's to FSDP2's."""
+    out_json = tmp_path / "zero.json"
+    result = run_mpi(2, str(ROOT / "benchmarks" / "bench_zero.py"), "--steps", "1", "--warmup", "1", "--rounds",
+                     "1", "--d-model", "32", "--layers", "2", "--heads", "2", "--vocab", "512", "--seq-len", "16",
+                     "--global-batch", "4", "--max-bytes", "300000", "--json", str(out_json), timeout=240)
+    records = {r["impl"]: r for r in json.loads(out_json.read_text())}
+    assert set(records) == {"hpctrain-zero0", "hpctrain-zero1", "hpctrain-zero2", "hpctrain-zero3", "fsdp2-gloo"}
+    losses = [r["final_loss"] for r in records.values()]
+    assert max(losses) - min(losses) < 1e-4 * max(losses), losses
+    state = [records[f"hpctrain-zero{z}"]["state_mb"] for z in range(4)]
+    assert state[0] > state[1] > state[2] > state[3], state
+    assert state[3] == pytest.approx(records["fsdp2-gloo"]["state_mb"], rel=0.05)
+    assert all(r["step_ms"] > 0 and r["peak_mb"] > 0 and r["mb_sent_per_step"] > 0 for r in records.values())
+    assert "ratio vs fsdp2" in result.stdout

@@ -1,0 +1,305 @@
+#!/usr/bin/env python
+"""ZeRO stages against torch FSDP2: hpctrain parallel.zero = 0, 1, 2, 3 and ``fully_shard`` over gloo, same
+model, data, ranks and optimizer.
+
+    mpiexec -n 4 python benchmarks/bench_zero.py --json bench_zero_4.json --csv bench_zero_4.csv
+
+Rows (every rank a data-parallel replica):
+
+    hpctrain-zero0..3   the hpctrain Trainer with parallel.zero = 0..3 (comm.intra_node from --intra-node);
+                        zero 3 with --prefetch and --reshard (parallel.zero_prefetch /
+                        parallel.zero_reshard_after_forward)
+    fsdp2-gloo          torch.distributed.fsdp.fully_shard on every transformer block and on the whole model
+                        (reshard_after_forward=True, the default), over a gloo process group on the same
+                        ranks; torch.optim.AdamW, torch.nn.utils.clip_grad_norm_ on the DTensor gradients
+
+Same work in each (benchmarks/bench_train.py's model and data): the hpctrain GPT (``GPTStage``), float32, the
+same initial weights, the same global batch, AdamW with weight decay on matrices, gradient clipping at 1.0.
+The final losses are printed as a check that every row trained the same model on the same data.
+
+Two measurements in one job:
+
+- memory, one implementation at a time (built, 3 steps, closed, before the next is built): ``peak MiB`` =
+  this process's resident peak over steps 2-3 (``VmHWM``, reset after step 1, so the construction's
+  temporaries are left out) minus its resident memory before the build, the max over ranks: what training
+  holds at its peak, model state, activations and buffers;
+  ``state MiB`` = the model state a rank keeps between steps (parameters, gradients, optimizer state:
+  hpctrain's ``model_state_bytes``, FSDP2's local shards), max over ranks;
+- time: every implementation built, ``--warmup`` steps each, then ``--rounds`` rounds of ``--steps`` steps
+  of each in turn, the order rotated every round; a step's time is the max over ranks from a barrier; the
+  reported time is the median. ``ratio vs fsdp2`` = fsdp2's step time / this row's (> 1: faster).
+  ``MB sent/rank/step``: hpctrain's counted bytes (metrics ``bytes_sent``); FSDP2's from its collectives'
+  sizes (gloo counts nothing): 2 all-gathers of the parameters (forward, backward) and one reduce-scatter
+  of the gradients, each (n-1)/n of the model per rank.
+
+One thread per rank (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import gc  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from bench_train import HpcTrainImpl, Phases, model_overrides  # noqa: E402
+from hpctrain.bench.comm import init_gloo_world  # noqa: E402
+from hpctrain.bench.report import (resident_mb, run_benchmark, timed_rounds, timed_steps,  # noqa: E402
+                                   write_records)
+
+FIELDS = ["impl", "ranks", "zero", "step_ms", "step_ms_min", "step_ms_max", "ratio_vs_fsdp2", "peak_mb", "state_mb",
+          "mb_sent_per_step", "final_loss", "timed_steps", "params", "d_model", "n_layers", "vocab", "global_batch",
+          "seq_len", "intra_node", "prefetch", "reshard"]
+IMPLS = ("hpctrain-zero0", "hpctrain-zero1", "hpctrain-zero2", "hpctrain-zero3", "fsdp2-gloo")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)} (default: all)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per implementation per round (default 4)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation first (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (implementations alternate; default 3)")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d-ff", type=int, default=0, help="MLP width (default 4 x d-model)")
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per step over all ranks (default 8)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="hpctrain's gradient bucket size (zero 0-2)")
+    p.add_argument("--prefetch", type=int, default=1, help="parallel.zero_prefetch of the zero-3 row (default 1)")
+    p.add_argument("--reshard", default="true", choices=("true", "false"),
+                   help="parallel.zero_reshard_after_forward of the zero-3 row (default true, as FSDP2's)")
+    p.add_argument("--intra-node", default="auto", choices=("auto", "shm", "mpi"),
+                   help="comm.intra_node of the hpctrain rows (default auto, hpctrain's default)")
+    p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes to load (default 2 MB)")
+    p.add_argument("--json", metavar="FILE", help="write records to FILE (JSON list)")
+    p.add_argument("--csv", metavar="FILE", help="write records to FILE (CSV)")
+    return p.parse_args(argv)
+
+
+class ZeroImpl(HpcTrainImpl):
+    def __init__(self, zero: int, args, info, tokens, total_steps):
+        extra = [f"parallel.zero={zero}", f"parallel.zero_prefetch={args.prefetch}",
+                 f"parallel.zero_reshard_after_forward={args.reshard}"]
+        super().__init__(f"hpctrain-zero{zero}", args, info, tokens, total_steps, extra=extra)
+        self.impl, self.zero = f"hpctrain-zero{zero}", zero
+
+    def state_bytes(self) -> int:
+        from hpctrain.train.metrics import model_state_bytes
+
+        return sum(model_state_bytes(self.trainer.parts).values())
+
+
+class Fsdp2Impl:
+    """torch FSDP2 (``fully_shard``) on the same GPT; see the module docstring."""
+
+    def __init__(self, args, info, tokens, total_steps):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from hpctrain.config import load_config, resolve_model
+        from hpctrain.data.sampler import GlobalBatchIterator, SequenceSampler
+        from hpctrain.models.gpt import GPTStage, count_parameters
+
+        self.impl = self.name = "fsdp2-gloo"
+        self.zero = "fsdp2"
+        self.cfg = cfg = load_config(None, model_overrides(args) + [f"train.steps={total_steps}"])
+        m = resolve_model(cfg.model)
+        self.model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp_comm=None, dtype=torch.float32,
+                              seed=cfg.train.seed)
+        self.params = count_parameters(m)
+        mesh = init_device_mesh("cpu", (info.size,))
+        for block in self.model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        self.batches = GlobalBatchIterator(SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed),
+                                           cfg.train.global_batch, info.size, info.rank)
+        self.local_tokens = cfg.train.global_batch // info.size * cfg.train.seq_len
+        self.step_count, self.loss = 0, float("nan")
+        n, nbytes = info.size, 4 * sum(p.numel() for p in self.model.parameters())  # global sizes (DTensor)
+        self.bytes_sent = int(3 * nbytes * (n - 1) / n)
+        self.phases = Phases()
+
+    def step(self) -> None:
+        from hpctrain.optim.flat import lr_at
+
+        self.optimizer.zero_grad(set_to_none=True)
+        inputs, targets = self.batches.next_batch()
+        loss = self.model.loss_sum(self.model(inputs), targets) / self.local_tokens  # FSDP averages over ranks
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step_count, self.cfg.train)
+        self.optimizer.step()
+        self.step_count += 1
+        self.loss = loss.item()
+
+    def state_bytes(self) -> int:
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        params = list(self.model.parameters())
+        total = sum(local(p).nbytes for p in params) + sum(local(p.grad).nbytes for p in params if p.grad is not None)
+        for state in self.optimizer.state.values():
+            total += sum(local(v).nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return total
+
+    def final_loss(self, world) -> float:
+        return world.allreduce(self.loss, op=MPI.SUM) / world.Get_size()
+
+    def close(self) -> None:
+        pass
+
+
+def build(name: str, args, info, tokens, total_steps):
+    if name == "fsdp2-gloo":
+        return Fsdp2Impl(args, info, tokens, total_steps)
+    return ZeroImpl(int(name[-1]), args, info, tokens, total_steps)
+
+
+def mmap_threshold(nbytes: int) -> None:
+    """glibc: allocations of ``nbytes`` or more get their own mapping, returned to the system when freed.
+    The memory phase sets 128 KiB (glibc's default start; its default then rises after the first large free
+    and keeps later tensors on the heap, so the resident peak would follow the heap's history, not the
+    tensors); the timing phase 32 MiB (the ceiling glibc's rising threshold reaches in a long run: freed
+    buffers, ZeRO-3's gathered units among them, are reused without new page faults)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def release_memory() -> None:
+    """Hand freed memory back to the system, so the next implementation's resident growth is its own."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def measure_memory(names, args, info, tokens, world) -> dict[str, dict]:
+    """One implementation at a time: {name: {"peak_mb", "state_mb"}} (max over ranks)."""
+    found = {}
+    for name in names:
+        release_memory()
+        world.Barrier()
+        before = resident_mb("VmRSS")
+        impl = build(name, args, info, tokens, 3)
+        impl.step()  # the first step allocates what later steps reuse
+        resident_mb("VmHWM", reset=True)  # the construction's temporaries (global initial tensors) left out
+        for _ in range(2):
+            impl.step()
+        peak = resident_mb("VmHWM") - before
+        state = impl.state_bytes() / 2**20
+        impl.close()
+        del impl
+        found[name] = {"peak_mb": world.allreduce(peak, op=MPI.MAX), "state_mb": world.allreduce(state, op=MPI.MAX)}
+        if info.rank == 0:
+            print(f"bench_zero: memory of {name}: peak +{found[name]['peak_mb']:.1f} MiB, model state "
+                  f"{found[name]['state_mb']:.1f} MiB", file=sys.stderr, flush=True)
+    release_memory()
+    return found
+
+
+def run(args) -> list[dict]:
+    import torch.distributed as dist
+
+    from hpctrain.data.corpus import load_tokens_collective
+    from hpctrain.runtime.launcher import discover
+
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    info = discover()
+    names = [w.strip() for w in args.impls.split(",") if w.strip()]
+    unknown = [w for w in names if w not in IMPLS]
+    if unknown:
+        raise SystemExit(f"bench_zero: unknown --impls {unknown}; choose from {', '.join(IMPLS)}")
+    if args.global_batch % info.size:
+        raise SystemExit(f"bench_zero: --global-batch {args.global_batch} must be divisible by the {info.size} ranks")
+    tokens = load_tokens_collective(world, "builtin", "", args.max_bytes)
+    if "fsdp2-gloo" in names:
+        init_gloo_world(world, info)
+    mmap_threshold(128 * 1024)
+    memory = measure_memory(names, args, info, tokens, world)
+    mmap_threshold(32 * 2**20)
+    total_steps = args.warmup + args.rounds * args.steps
+    impls = [build(name, args, info, tokens, total_steps) for name in names]
+    if info.rank == 0:
+        print(f"bench_zero: {info.size} ranks, {len(impls)} implementations, {args.warmup} warm-up + "
+              f"{args.rounds} x {args.steps} timed steps each", file=sys.stderr, flush=True)
+    for impl in impls:
+        timed_steps(impl, args.warmup, world)
+    times = timed_rounds(impls, args.rounds, args.steps, world, lambda impl, on: None)
+    records = []
+    for impl in impls:
+        t, median = times[impl.name], statistics.median(times[impl.name])
+        records.append({"impl": impl.impl, "ranks": info.size, "zero": impl.zero, "step_ms": median * 1e3,
+                        "step_ms_min": min(t) * 1e3, "step_ms_max": max(t) * 1e3, "ratio_vs_fsdp2": None,
+                        **memory[impl.name], "mb_sent_per_step": world.allreduce(impl.bytes_sent, op=MPI.MAX) / 1e6,
+                        "final_loss": impl.final_loss(world), "timed_steps": len(t), "params": impl.params,
+                        "d_model": args.d_model, "n_layers": args.layers, "vocab": args.vocab,
+                        "global_batch": args.global_batch, "seq_len": args.seq_len, "intra_node": args.intra_node,
+                        "prefetch": args.prefetch, "reshard": args.reshard})
+    fsdp = next((r for r in records if r["impl"] == "fsdp2-gloo"), None)
+    for r in records:
+        if fsdp is not None:
+            r["ratio_vs_fsdp2"] = fsdp["step_ms"] / r["step_ms"]
+    for impl in impls:
+        impl.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return records
+
+
+def print_table(records: list[dict], ranks: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    r0 = records[0]
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    table = Table(title=f"ZeRO vs FSDP2: {ranks} ranks, GPT d_model={r0['d_model']} x {r0['n_layers']} layers, "
+                        f"vocab {r0['vocab']} ({r0['params'] / 1e6:.2f} M params), seq {r0['seq_len']}, global batch "
+                        f"{r0['global_batch']}, float32, AdamW; median of {r0['timed_steps']} steps")
+    for name in ("impl", "step ms", "min-max ms", "ratio vs fsdp2", "peak MiB", "state MiB", "MB sent/rank/step",
+                 "final loss"):
+        table.add_column(name, justify="left" if name == "impl" else "right")
+    for r in records:
+        ratio = "-" if r["ratio_vs_fsdp2"] is None else f"{r['ratio_vs_fsdp2']:.2f}x"
+        table.add_row(r["impl"], f"{r['step_ms']:.1f}", f"{r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}", ratio,
+                      f"{r['peak_mb']:.1f}", f"{r['state_mb']:.1f}", f"{r['mb_sent_per_step']:.1f}",
+                      f"{r['final_loss']:.4f}")
+    console.print(table)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    for name in ("steps", "rounds"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"bench_zero: --{name} must be >= 1")
+    records = run(args)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print_table(records, MPI.COMM_WORLD.Get_size())
+        write_records(records, args.json, args.csv, FIELDS)
+    return 0
+
+
+if __name__ == "__main__":
+    run_benchmark(main)

@@ -175,13 +175,16 @@ def build(name: str, args, info, tokens, total_steps):
 
 
 def mmap_threshold(nbytes: int) -> None:
-    """glibc: allocations of ``nbytes`` or more get their own mapping, returned to the system when freed.
-    The memory phase sets 128 KiB (glibc's default start; its default then rises after the first large free
-    and keeps later tensors on the heap, so the resident peak would follow the heap's history, not the
-    tensors); the timing phase 32 MiB (the ceiling glibc's rising threshold reaches in a long run: freed
-    buffers, ZeRO-3's gathered units among them, are reused without new page faults)."""
+    """glibc: allocations of ``nbytes`` or more get their own mapping, returned to the system when freed, and
+    the heap is trimmed above 2 x ``nbytes`` free. The memory phase sets 128 KiB (glibc's default start; its
+    default then rises after the first large free and keeps later tensors on the heap, so the resident peak
+    would follow the heap's history, not the tensors); the timing phase 32 MiB (the ceiling glibc's rising
+    threshold reaches in a long run, with its trim threshold at twice that: freed buffers, ZeRO's transient
+    gradient buckets and gathered units among them, are reused without new page faults)."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 2 * nbytes)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass
 

@@ -72,7 +72,7 @@ class Bucket:
     ``grads``: its main grads [size] (a view of ``FlatParams.grad_buffer`` at zero <= 1; at zero >= 2 a
     tensor of its own, freed between micro-batches except in the deferred bucket). ``param_values``: its
     parameters [size] (a view of ``param_buffer`` at zero <= 2; at zero 3 a tensor of its own that holds
-    the gathered unit while it runs, ``sharded``). ``shard``: zero 3, this rank's 1/dp of ``param_values``, kept
+    the gathered unit while it runs, ``sharded``). ``param_slice``: zero 3, this rank's 1/dp of ``param_values``, kept
     between steps. ``slice_grad``: zero >= 1, this rank's reduced 1/dp of ``grads``; ``slice_out``: where the
     running reduce-scatter writes (``slice_grad``, or ``incoming`` when earlier micro-batches' sum is there)."""
     start: int  # range in the flat buffers
@@ -85,7 +85,7 @@ class Bucket:
     index: int = 0  # position in FlatParams.buckets (the reducer's key for per-bucket state)
     grads: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     param_values: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    shard: torch.Tensor | None = None
+    param_slice: torch.Tensor | None = None
     sharded: bool = False  # zero 3: ``param_values`` is gathered only while its unit runs
     slice_out: torch.Tensor | None = None
     incoming: torch.Tensor | None = None
@@ -160,9 +160,9 @@ class FlatParams:
                 self.bucket_of[id(p)] = bucket
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
                 offset += n
-            if bucket.shard is not None:  # zero 3: this rank's slice kept, the whole freed until gathered
+            if bucket.param_slice is not None:  # zero 3: this rank's slice kept, the whole freed until gathered
                 n = bucket.size // self.dp_size
-                bucket.shard.copy_(bucket.param_values[self.dp_rank * n:(self.dp_rank + 1) * n])
+                bucket.param_slice.copy_(bucket.param_values[self.dp_rank * n:(self.dp_rank + 1) * n])
                 free(bucket.param_values)
             if bucket.incoming is not None:  # zero >= 2: reduced per micro-batch
                 free(bucket.grads)
@@ -178,10 +178,10 @@ class FlatParams:
         self.reducer = make_reducer(self)  # last: it reads the buckets, buffers and timer
 
     def _make_storage(self) -> None:
-        """The buffers behind every bucket's ``param_values``, ``grads``, ``shard`` and slices (see ``Bucket``).
+        """The buffers behind every bucket's ``param_values``, ``grads``, ``param_slice`` and the gradient slices (see ``Bucket``).
 
         ``param_buffer``: the parameter values this rank keeps between steps: every bucket at zero <= 2; at
-        zero 3 the shards of the sharded buckets, then the deferred bucket whole. ``grad_buffer``: every
+        zero 3 the parameter slices of the sharded buckets, then the deferred bucket whole. ``grad_buffer``: every
         bucket's main grads at zero <= 1; at zero >= 2 empty (each bucket's ``grads`` is its own)."""
         dp, device, zero = self.dp_size, self.device, self.zero_stage
         kept = sum(b.size // dp if zero == 3 and not b.deferred else b.size for b in self.buckets)
@@ -192,7 +192,7 @@ class FlatParams:
         for b in self.buckets:
             if zero == 3 and not b.deferred:
                 b.sharded = True
-                b.shard = self.param_buffer[at:at + b.size // dp]
+                b.param_slice = self.param_buffer[at:at + b.size // dp]
                 b.param_values = torch.zeros(b.size, dtype=self.param_dtype, device=device)
                 at += b.size // dp
             else:
@@ -393,8 +393,8 @@ class FlatParams:
 
     def owned_params(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
         """The parameter values of owned range [start, end) of ``bucket``: a view of what this rank keeps."""
-        if bucket.shard is not None:
-            return bucket.shard
+        if bucket.param_slice is not None:
+            return bucket.param_slice
         return bucket.param_values[start - bucket.start:end - bucket.start]
 
     def gather_params(self) -> None:
@@ -413,7 +413,7 @@ class FlatParams:
         sharded = [b for b in self.buckets if b.sharded and not is_allocated(b.param_values)]
         for b in sharded:
             allocate(b.param_values)
-            self.dp_comm.allgather(b.param_values, b.shard)
+            self.dp_comm.allgather(b.param_values, b.param_slice)
         try:
             yield
         finally:

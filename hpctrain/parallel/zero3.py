@@ -3,13 +3,13 @@ while it runs.
 
 A unit is what runs as one piece of a ``GPTStage`` (``stage_units``): the embedding (with learned
 positions), each transformer block, the final norm with the LM head. Each unit's trainable parameters
-are one bucket of ``FlatParams`` (``units=``), whose ``shard`` a rank keeps between steps and whose
+are one bucket of ``FlatParams`` (``units=``), whose ``param_slice`` a rank keeps between steps and whose
 ``param_values`` (the whole unit, which every parameter's ``.data`` views) exist only while gathered:
 ``allocate``/``free`` give and take the storage, so the views, and the tensors autograd saved, stay valid.
 
 The life of a unit within a step (``ParamGather``, all on the replica group ``flat.dp_comm``):
 
-- forward: before it runs its buckets are all-gathered (``Iallgather`` from the shards, waited here)
+- forward: before it runs its buckets are all-gathered (``Iallgather`` from the slices, waited here)
   and the next ``prefetch`` units' gathers are posted, so they travel while this one computes; after it
   runs it is freed (``reshard_after_forward``) unless it is the stage's last unit (its backward
   follows), and a hook on its output marks where its backward begins;
@@ -19,7 +19,7 @@ The life of a unit within a step (``ParamGather``, all on the replica group ``fl
   parameters are freed (with ``reshard_after_forward = false`` only after the step's last micro-batch:
   the unit stays gathered across the micro-batches);
 - after the step's reductions (``FlatParams.finish_reduction``) nothing is gathered; the optimizer
-  updates the shards.
+  updates the slices.
 
 Every rank of the replica group runs the same schedule and the same hooks, so the collectives are posted
 in the same order everywhere; completions (``test``) only move a gather from posted to ready. Under
@@ -131,13 +131,13 @@ class ParamGather:
         """Start gathering ``bucket`` unless it is gathered or on its way."""
         if bucket.index in self._posted or bucket.index in self._ready:
             return
-        assert bucket.shard is not None  # a sharded bucket
+        assert bucket.param_slice is not None  # a sharded bucket
         allocate(bucket.param_values)
         if self.flat.dp_size > 1:
-            self._posted[bucket.index] = self.comm.allgather(bucket.param_values, bucket.shard, nonblocking=True)
+            self._posted[bucket.index] = self.comm.allgather(bucket.param_values, bucket.param_slice, nonblocking=True)
         else:
             self._posted[bucket.index] = None
-            bucket.param_values.copy_(bucket.shard)
+            bucket.param_values.copy_(bucket.param_slice)
         self.gathers += 1
 
     def _wait(self, bucket: Bucket) -> None:

@@ -62,3 +62,23 @@ def test_breakdown_traces_and_the_slow_rank(tmp_path):
 def test_trace_of_a_run_without_one_says_how(tmp_path):
     report = trace_report(tmp_path)
     assert report.returncode != 0 and "train.trace=true" in report.stderr + report.stdout
+
+
+def test_zero3_prefetched_gathers_are_in_flight_while_units_compute(tmp_path):
+    """ZeRO-3 (dp=2, prefetch 1): the trace holds all-gathers on dp that were in flight (not waited for)
+    inside a forward and a backward phase; the time a hook waited for one shows as blocked ("wait allgather")."""
+    run_mpi(2, "hpctrain.cli", "train", f"train.run_dir={tmp_path}", "parallel.zero=3", "train.steps=3",
+            "train.progress=false", "train.trace=true", "train.trace_steps=2", "model.n_layers=4", module=True,
+            timeout=120)
+    events = [e for e in json.loads((tmp_path / "trace" / "rank00000.json").read_text())["traceEvents"]
+              if e["ph"] == "X"]
+    gathers = [e for e in events if e["name"] == "allgather" and e["args"]["group"] == "dp"]
+    assert gathers and all(e["cat"] == "inflight" for e in gathers), gathers
+    assert any(e["name"] == "wait allgather" and e["cat"] == "blocked" for e in events)
+
+    def inside(event, phase):
+        return any(p["ts"] <= event["ts"] and event["ts"] + event["dur"] <= p["ts"] + p["dur"]
+                   for p in events if p["cat"] == "phase" and p["name"] == phase)
+
+    in_flight = [e for e in gathers if e["cat"] == "inflight"]
+    assert any(inside(e, "forward") for e in in_flight) and any(inside(e, "backward") for e in in_flight)

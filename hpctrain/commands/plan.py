@@ -7,7 +7,8 @@
 ``--model`` (or ``--config``) is a preset name (``hpctrain.config.PRESETS``) or a TOML config (its model, seq_len,
 global batch, dtype and schedule are the defaults of the flags; the keys its ``[parallel]`` section sets
 and its ``train.micro_batch_size`` fix those choices, like the flags ``--dp/--tp/--pp/--cp/--micro-batch/--zero``:
-a GIVEN layout is evaluated instead of searched). ``--micro-batch`` and ``train.micro_batch_size`` are the same
+a GIVEN layout is evaluated instead of searched; its ``parallel.zero_prefetch`` and
+``parallel.zero_reshard_after_forward`` are the defaults of ``--zero-prefetch`` / ``--zero-reshard-after-forward``). ``--micro-batch`` and ``train.micro_batch_size`` are the same
 notion: sequences per forward per replica. Planning is in bfloat16 unless ``--dtype`` or the TOML's ``train.dtype`` says
 otherwise. Links come from a measured profile
 (``hpctrain bench comm --profile``) or from ``--intra-gbps`` / ``--inter-gbps`` (Gbit/s per rank).
@@ -64,9 +65,15 @@ def add_parser(sub) -> None:
     p.add_argument("--virtual-stages", type=int, default=1,
                    help="model chunks per pipeline rank (interleaved 1F1B; default 1)")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
-                   help="ZeRO stage (default: try 0 and 1, what the engine trains); 2 (grads + optimizer sharded) "
-                        "and 3 (FSDP: parameters too) are planner-only, to evaluate other frameworks' runs")
-    p.add_argument("--no-zero", action="store_true", help="do not consider ZeRO-1")
+                   help="ZeRO stage (parallel.zero; default: try 0 to 3 with dp x cp > 1): 1 shards the optimizer "
+                        "state, 2 the gradients too, 3 the parameters too (gathered unit by unit)")
+    p.add_argument("--no-zero", action="store_true", help="do not consider ZeRO (zero 0 only)")
+    p.add_argument("--zero-prefetch", type=int, default=None,
+                   help="ZeRO-3: units whose all-gather is posted ahead (parallel.zero_prefetch; default: the "
+                        "config's, else 1)")
+    p.add_argument("--zero-reshard-after-forward", choices=("true", "false"), default=None,
+                   help="ZeRO-3: free a unit after its forward and gather it again for its backward "
+                        "(parallel.zero_reshard_after_forward; default: the config's, else true)")
     p.add_argument("--sequence-parallel", action="store_true", help="always use sequence parallelism (tp > 1)")
     p.add_argument("--no-sequence-parallel", action="store_true", help="do not consider sequence parallelism")
     p.add_argument("--attention", choices=("fused", "unfused"), default="fused",
@@ -100,7 +107,7 @@ def _model_and_defaults(spec: str):
         return resolve_model(ModelConfig(preset=spec, vocab_size=0)), {
             "global_batch": 512, "seq_len": min(2048, PRESETS[spec]["max_seq_len"]), "dtype": "bfloat16",
             "schedule": "1f1b", "bucket_mb": 25.0, "compression": "none", "warmup_steps": 0, "zfp_rate": 8.0,
-            "steps": 0}
+            "steps": 0, "zero_prefetch": 1, "zero_reshard_after_forward": True}
     if spec.endswith(".toml") or os.path.exists(spec):
         if not os.path.isfile(spec):
             raise PlanError(f"--model {spec}: no such config file")
@@ -116,6 +123,8 @@ def _model_and_defaults(spec: str):
         return resolve_model(cfg.model), {"global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
                                           "dtype": raw.get("train", {}).get("dtype", "bfloat16"),
                                           "schedule": cfg.parallel.schedule, "bucket_mb": cfg.parallel.bucket_mb,
+                                          "zero_prefetch": cfg.parallel.zero_prefetch,
+                                          "zero_reshard_after_forward": cfg.parallel.zero_reshard_after_forward,
                                           "given": given, "compression": cfg.compression.method,
                                           "warmup_steps": cfg.compression.warmup_steps,
                                           "zfp_rate": cfg.compression.zfp_rate, "steps": cfg.train.steps,
@@ -175,7 +184,7 @@ def _space(args, given: dict, schedule: str, devices: int):
         if value < 0 or (value and name != "micro-batch" and devices % value):
             raise PlanError(f"--{name} {value}: must be a positive divisor of the {devices} devices")
     zero = (args.zero,) if args.zero is not None else (given["zero"],) if "zero" in given else \
-        (0,) if args.no_zero else (0, 1)
+        (0,) if args.no_zero else (0, 1, 2, 3)
     sp = (True,) if args.sequence_parallel else (False,) if args.no_sequence_parallel else \
         (bool(given["sequence_parallel"]),) if "sequence_parallel" in given else (False, True)
     microbatches = (given["microbatches"],) if "microbatches" in given and not micro_batch else ()
@@ -212,10 +221,15 @@ def run_plan(args) -> int:
             args.virtual_stages = max(2, defaults.get("virtual_stages", 2))
     if args.virtual_stages < 1 or (args.virtual_stages > 1 and schedule == "gpipe"):
         raise PlanError(f"--virtual-stages {args.virtual_stages}: must be >= 1, and 1 with the gpipe schedule")
+    if args.zero_prefetch is not None and args.zero_prefetch < 0:
+        raise PlanError(f"--zero-prefetch {args.zero_prefetch}: must be >= 0")
     options = Options(dtype=args.dtype or defaults["dtype"], bucket_mb=defaults["bucket_mb"],
                       virtual_stages=args.virtual_stages, flash_attention=args.attention == "fused",
                       fused_ring=args.ring == "fused", compression=args.compression or defaults["compression"],
-                      zfp_rate=defaults["zfp_rate"])
+                      zfp_rate=defaults["zfp_rate"],
+                      zero_prefetch=defaults["zero_prefetch"] if args.zero_prefetch is None else args.zero_prefetch,
+                      zero_reshard_after_forward=defaults["zero_reshard_after_forward"]
+                      if args.zero_reshard_after_forward is None else args.zero_reshard_after_forward == "true")
     space = _space(args, defaults.get("given", {}), schedule, machine.devices)
     result = plan(model, machine, global_batch, seq_len, options, space)
     warmup = _onebit_adam_warmup(args, defaults, model, machine, options, result)

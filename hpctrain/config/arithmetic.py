@@ -9,6 +9,8 @@ no matmul FLOPs (rope has neither).
 """
 from __future__ import annotations
 
+import heapq
+
 from hpctrain.config.rules import check_stages, padded_vocab
 
 
@@ -46,9 +48,12 @@ def partition_layers(m, pp: int, explicit: list[int] | None = None) -> list[tupl
         extra[0] += (m.vocab_size * m.d_model + position_parameters(m)) / block
         extra[-1] += (0 if m.tie_embeddings and pp == 1 else m.vocab_size * m.d_model) / block
         counts = [1] * pp
+        lightest = [(1 + e, i) for i, e in enumerate(extra)]  # (load, stage): ties go to the first stage
+        heapq.heapify(lightest)
         for _ in range(m.n_layers - pp):  # give the next block to the lightest stage
-            loads = [c + e for c, e in zip(counts, extra)]
-            counts[loads.index(min(loads))] += 1
+            i = heapq.heappop(lightest)[1]
+            counts[i] += 1
+            heapq.heappush(lightest, (counts[i] + extra[i], i))
     bounds, start = [], 0
     for c in counts:
         bounds.append((start, start + c))

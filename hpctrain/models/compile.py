@@ -84,8 +84,10 @@ def compile_report(since: dict, top: int = 5) -> list[str]:
 
 
 def _break_kind(reason: str) -> str:
-    """A graph break's reason in one line: the tp/cp collectives' breaks by design (``torch.compiler.disable``,
+    """A graph break's reason in one line: the tp/cp collectives' and ZeRO-3 gathers' breaks by design (``torch.compiler.disable``,
     hpctrain/parallel/tp_comm.py, ``eager_ring_attention``), else dynamo's explanation without its hints."""
+    if "ZeRO-3" in reason:  # hpctrain/parallel/zero3.py's hooks, at each unit's edge
+        return "a ZeRO-3 parameter gather run eagerly (by design: torch.compiler.disable)"
     if "torch.compiler.disable" in reason or "function `disable`" in reason:
-        return "a tp/cp collective run eagerly (by design: torch.compiler.disable)"
+        return "a tp/cp collective or ZeRO-3 gather run eagerly (by design: torch.compiler.disable)"
     return " ".join(reason.split()).split(" Hint:")[0][:240]

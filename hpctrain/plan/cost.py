@@ -36,20 +36,29 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
   1F1B, Narayanan et al. 2021 section 2.2.2, whose p2p is ``v`` times as frequent)
   ``+`` exposed dp ``+`` optimizer.
 - dp: over the ``dp x cp`` ranks holding the same parameters (the grid's ``dp_cp`` group), gradients in
-  float32 (hpctrain's main grads; ``x compression``) are all-reduced (ZeRO-1: reduce-scattered) bucket by
-  bucket during the backward of the last micro-batch only. Stage ``s``
-  finishes that backward ``s`` backward slots before stage 0, so its reduction is exposed by
-  ``max(last bucket - s b_slot, reduction - (1 + s) b_slot)``; the step pays the worst stage. ZeRO-1's
-  all-gather of the updated parameters and a tied embedding's exchange over pp and reduction over
-  dp (the deferred bucket) are not overlapped.
-- ZeRO-2 (planner only): the reduce-scatter of ZeRO-1, the same all-gather after the step. ZeRO-3 /
-  FSDP (planner only; memory.py: parameters resharded after every use): no all-gather after the step,
-  instead, on every stage, for EVERY micro-batch an all-gather of the stage's parameters (``P x dtype
-  bytes`` over dp) before its forward and again before its backward, each overlapped with that pass's
-  compute: exposed ``max(one FSDP unit's gather, whole gather - pass)`` per pass, ``M`` times per step
-  on the worst stage (conservative: a stall is charged as if it held up the whole pipeline). The
-  gradient reduce-scatter of the last backward shares the dp link with that backward's gather, so its
-  overlap window is the backward minus the gather's time.
+  float32 (hpctrain's main grads; ``x compression`` at zero <= 1: compression is refused at zero >= 2)
+  are all-reduced (ZeRO-1: reduce-scattered) bucket by bucket during the backward of the last
+  micro-batch only. Stage ``s`` finishes that backward ``s`` backward slots before stage 0, so its
+  reduction is exposed by ``max(last bucket - s b_slot, reduction - (1 + s) b_slot)`` (the tail); the
+  step pays the worst stage. ZeRO-1's all-gather of the updated parameters and a tied embedding's
+  exchange over pp and reduction over dp (the deferred bucket) are not overlapped.
+- ZeRO-2 (as the engine runs it, hpctrain/parallel/data_parallel.py): EVERY micro-batch's gradients are
+  reduce-scattered bucket by bucket during its backward (``M`` reduce-scatters per step, the deferred
+  bucket once); a bucket's reduction must end before the next micro-batch's gradients reach it, so each
+  of the first ``M - 1`` exposes ``max(0, reduction - slot)`` and the last the tail above; then ZeRO-1's
+  parameter all-gather.
+- ZeRO-3 (hpctrain/parallel/zero3.py; units: memory.zero3_units): with ``zero_reshard_after_forward``
+  every micro-batch all-gathers each unit before its forward and again before its backward, except the
+  LM head's unit (kept from its forward to its backward, and with GPipe's micro-batches in flight never
+  freed), so each pass's units (per virtual stage) are simulated in order (``_gather_stall_s``): one
+  gather on the dp link at a time, each posted ``zero_prefetch`` units ahead, so it overlaps the compute
+  (tp included) of the units before it; a pass's first gather, and every gather with prefetch 0, is
+  exposed. A micro-batch exposes ``max(stalls, gathers + reduce-scatter - slot)`` (the link's time
+  beyond the slot), the last one its stalls plus the tail, whose overlap window shrinks by the
+  backward's gathers (same link). Without resharding each unit is gathered once per step, in the first
+  forward (its stalls), and the micro-batches' reduce-scatters are charged as at ZeRO-2. No parameter
+  all-gather after the step, except of what stays whole (a tied embedding split over pp). Conservative:
+  a stall is charged as if it held up the whole pipeline.
 - optimizer: AdamW is memory-bound: the device's measured seconds per parameter where a profile has
   them (``Device.optimizer_s_per_param``), else 32 bytes of traffic per local parameter in 16-bit training (14
   reads and writes of parameters, main grads, master weights and moments; 7 per element in fp32/fp64),
@@ -63,11 +72,11 @@ from hpctrain.config.layout import Layout
 from hpctrain.plan.devices import DTYPE_BYTES, PlanError
 from hpctrain.plan.machine import GroupPlacement
 from hpctrain.plan.compressed import dp_wire_fraction, payload_fraction
-from hpctrain.plan.memory import fsdp_unit_parameters
+from hpctrain.plan.memory import head_buckets, whole_parameters, zero3_units
 from hpctrain.plan.ring import RING_TILE, SCORE_PASSES, exposed_s, kv_elements, ring_math_dtype, ring_pairs
 from hpctrain.plan.shapes import block_gemms, block_matmul_params, for_tp
-from hpctrain.plan.stages import (Stage, layer_activation_bytes, recompute_kind, score_bytes, stage_parameters,
-                                  stages)
+from hpctrain.plan.stages import (Stage, in_flight, layer_activation_bytes, recompute_kind, score_bytes,
+                                  stage_parameters, stages)
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,9 @@ class Options:
     ``bucket_mb``: ``parallel.bucket_mb``. ``reserve_gib``: memory every rank loses to the runtime
     (CUDA context, communication buffers, allocator fragmentation). ``fused_ring``: ring attention's blocks
     in a fused kernel in the training dtype (TransformerEngine's, as Megatron-LM runs cp), to compare with
-    hpctrain's ring, which computes them unfused in float32 (ring.py).
+    hpctrain's ring, which computes them unfused in float32 (ring.py). ``zero_prefetch``,
+    ``zero_reshard_after_forward``: ``parallel.zero_prefetch`` / ``parallel.zero_reshard_after_forward``
+    (ZeRO-3's gathers: memory.py, ``_dp_exposed``).
     """
 
     dtype: str = "bfloat16"
@@ -99,12 +110,15 @@ class Options:
     bucket_mb: float = 25.0
     reserve_gib: float = 2.0
     fused_ring: bool = False
+    zero_prefetch: int = 1
+    zero_reshard_after_forward: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
             raise PlanError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
-        if self.virtual_stages < 1 or not 0 < self.dp_compression <= 1 or self.bucket_mb <= 0:
-            raise PlanError(f"bad options {self}: virtual_stages >= 1, 0 < dp_compression <= 1, bucket_mb > 0")
+        if self.virtual_stages < 1 or not 0 < self.dp_compression <= 1 or self.bucket_mb <= 0 or self.zero_prefetch < 0:
+            raise PlanError(f"bad options {self}: virtual_stages >= 1, 0 < dp_compression <= 1, bucket_mb > 0, "
+                            f"zero_prefetch >= 0")
         payload_fraction(self.compression, self.zfp_rate)  # a method the model does not know: one line
 
 
@@ -193,6 +207,12 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
         p2p += tp_op("allgather", act) if options.pp_scatter_gather and not sp else 0.0
     pp_slot = 2 * v * p2p
 
+    embed_tp = (tp_op("reduce_scatter" if sp else "allreduce", act), tp_op("allgather", act) if sp else 0.0) \
+        if t > 1 else (0.0, 0.0)  # (forward, backward) of the first stage's embedding
+    head_tp = ((tp_op("allgather", act) if sp else 0.0) + tp_op("allreduce", 4.0 * b * seq)
+               + tp_op("allreduce", 8.0 * b * seq),  # cross-entropy: max, then (target logit, sum exp)
+               tp_op("reduce_scatter" if sp else "allreduce", act)) if t > 1 else (0.0, 0.0)
+
     def parts(st: Stage) -> tuple[float, float, float, float, float, float]:
         """(forward, backward, tp forward, tp backward, cp forward, cp backward) seconds of one micro-batch
         on ``st``."""
@@ -201,14 +221,15 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
         tpf = st.layers * 2 * one
         tpb = st.layers * 2 * one * (2 if recompute == "full" else 1)
         cpf, cpb = st.layers * ring_f, st.layers * (ring_b + (ring_f if recompute == "full" else 0.0))
-        if t > 1 and st.first:
-            tpf += tp_op("reduce_scatter" if sp else "allreduce", act)
-            tpb += tp_op("allgather", act) if sp else 0.0
-        if t > 1 and st.last:
-            tpf += (tp_op("allgather", act) if sp else 0.0) + tp_op("allreduce", 4.0 * b * seq)
-            tpf += tp_op("allreduce", 8.0 * b * seq)  # cross-entropy: max, then (target logit, sum exp)
-            tpb += tp_op("reduce_scatter" if sp else "allreduce", act)
+        if st.first:
+            tpf, tpb = tpf + embed_tp[0], tpb + embed_tp[1]
+        if st.last:
+            tpf, tpb = tpf + head_tp[0], tpb + head_tp[1]
         return fwd, bwd, tpf, tpb, cpf, cpb
+
+    units = {"embed": embed_tp, "head": (head_f + head_tp[0], 2 * head_f + head_tp[1]),  # ZeRO-3: (fwd, bwd) s
+             "block": (block_f + 2 * one + ring_f, 2 * block_f + rematerialised + 2 * one * (2 if recompute == "full" else 1)
+                       + ring_b + (ring_f if recompute == "full" else 0.0))}
 
     reps: dict[tuple, list] = {}  # stages alike (layers, first, last): the first of each, and how many
     for st in stages(model, lay):
@@ -221,10 +242,9 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
     _, _, (fk, bk, tfk, tbk, cfk, cbk), slot_k = max(firsts, key=lambda r: r[3])  # the slowest stage paces the pipe
     bubble = (sum(r[1] * r[3] for r in firsts) - slot_k) / v  # (pp - 1) / v x the other stages' mean slot
 
-    params = [(st.index, stage_parameters(model, st, t), costs, fsdp_unit_parameters(model, st, t))
-              for st, _, costs, _ in firsts]
+    params = [(st, stage_parameters(model, st, t), costs) for st, _, costs, _ in firsts]
     dp_at = machine.group_placement((t * c * p, lay.dp_size), (t, c))  # the dp x cp group
-    dp_s = _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p)
+    dp_s = _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p, units)
     world_at = GroupPlacement("inter" if machine.nodes > 1 else "intra", machine.gpus_per_node)
     grad_norm = 2 * machine.collective_s("allreduce", 8.0, lay.world_size, world_at)  # loss, gradient norm
     per_param = 32 if nb == 2 else 7 * nb
@@ -260,34 +280,96 @@ def _attention(model, lay, machine, options, cp_at, peak) -> tuple[float, float,
     return forward, backward + dkv_s, sum(steps)
 
 
-def _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p) -> float:
+def _gather_stall_s(gathers: list[float], computes: list[float], prefetch: int) -> float:
+    """Seconds a pass over units waits for their ZeRO-3 all-gathers: unit ``i`` needs ``gathers[i]`` seconds
+    of the dp link (one gather at a time; 0: already gathered) before it computes ``computes[i]``; its
+    gather is posted when unit ``i - prefetch`` is due (the first ``prefetch + 1`` at the pass's start),
+    so a prefetched gather overlaps the units before it; ``prefetch`` 0 exposes every gather."""
+    dues: list[float] = []
+    due = link = stall = 0.0
+    for i, (gather, compute) in enumerate(zip(gathers, computes)):
+        dues.append(due)
+        start = due
+        if gather:
+            link = max(link, dues[max(0, i - prefetch)]) + gather
+            start = max(due, link)
+        stall += start - due
+        due = start + compute
+    return stall
+
+
+def _zero3_gathers(model, lay, machine, options, dp_at, st: Stage, units) -> tuple[float, float, float, float]:
+    """ZeRO-3 on one rank of ``st``: (forward gather stall, backward gather stall, forward gathers, backward
+    gathers) seconds per micro-batch (module docstring; without resharding: the step's first forward)."""
+    nb, d, v = DTYPE_BYTES[options.dtype], lay.replica_size, options.virtual_stages
+    reshard, prefetch = options.zero_reshard_after_forward, options.zero_prefetch
+    chunks = zero3_units(model, st, lay, v)
+    head = head_buckets(chunks)  # gathered from its forward to its backward (a tied head: with the embedding)
+    held = set(head) if reshard and in_flight(lay, st, v) > 1 else set()  # still there from an earlier micro-batch
+
+    seconds: dict[int, float] = {0: 0.0}  # parameters -> their all-gather (the blocks are alike)
+
+    def gather(unit, skip) -> float:
+        n = sum(size for k, size in unit.items() if k not in skip)
+        if n not in seconds:
+            seconds[n] = machine.collective_s("allgather", n * nb, d, dp_at)
+        return seconds[n]
+    stall_f = stall_b = link_f = link_b = 0.0
+    for chunk in chunks:
+        times = [units["head" if "head" in u else "embed" if "embed" in u else "block"] for u in chunk]
+        forward = [gather(u, held) for u in chunk]
+        stall_f += _gather_stall_s(forward, [f for f, _ in times], prefetch)
+        link_f += sum(forward)
+        if reshard:  # backward: every unit but the head, in reverse; the head's backward posts nothing
+            rest = [(u, t) for u, t in zip(chunk, times) if u is not head][::-1]
+            backward = [gather(u, set(head)) for u, _ in rest]
+            stall_b += _gather_stall_s(backward, [bw for _, (_, bw) in rest], prefetch)
+            link_b += sum(backward)
+    return stall_f, stall_b, link_f, link_b
+
+
+def _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p, units) -> float:
     """Seconds of dp communication the step waits for (module docstring: overlap assumption).
-    ``params``: (stage index, parameters per rank, (fwd, bwd, tp fwd, tp bwd, cp fwd, cp bwd), largest FSDP unit) of the
-    first stage of each kind."""
-    d, t, nb = lay.replica_size, lay.tp_size, DTYPE_BYTES[options.dtype]
+    ``params``: (stage, parameters per rank, (fwd, bwd, tp fwd, tp bwd, cp fwd, cp bwd)) of the first stage
+    of each kind; ``units``: (forward, backward) seconds of one "embed", "block" and "head" unit (ZeRO-3)."""
+    d, nb, m, zero = lay.replica_size, DTYPE_BYTES[options.dtype], lay.microbatches, lay.zero
     if d <= 1:
         return 0.0
-    reduce_op = "reduce_scatter" if lay.zero >= 1 else "allreduce"
-    fraction = options.dp_compression * dp_wire_fraction(options.compression, lay.zero, options.zfp_rate)
-    bucket_bytes = options.bucket_mb * 2**20
+    reduce_op = "reduce_scatter" if zero >= 1 else "allreduce"
+    # compression is refused at zero >= 2 (planner.engine_refusal): its wire fraction applies at zero <= 1
+    fraction = options.dp_compression * (dp_wire_fraction(options.compression, zero, options.zfp_rate)
+                                         if zero <= 1 else 1.0)
     exposed = 0.0
-    for s, n, (fwd, bwd, tpf, tpb, cpf, cpb), unit in params:
-        grads = n * max(4, nb) * fraction
+    for st, n, (fwd, bwd, tpf, tpb, cpf, cpb) in params:
+        s, gb = st.index, max(4, nb)
+        grads = (n - (whole_parameters(model, st, lay) if zero >= 2 else 0)) * gb * fraction
+        bucket = options.bucket_mb * 2**20
+        if zero == 3:  # the last bucket reduced is the stage's first unit
+            bucket = sum(zero3_units(model, st, lay, options.virtual_stages)[0][0].values()) * gb
         whole = machine.collective_s(reduce_op, grads, d, dp_at)
-        last = machine.collective_s(reduce_op, min(grads, bucket_bytes), d, dp_at)
+        last = machine.collective_s(reduce_op, min(grads, bucket), d, dp_at)
+        slot = fwd + bwd + tpf + tpb + cpf + cpb + p2p
         b_slot = bwd + tpb + cpb + p2p
-        gathers = 0.0
-        if lay.zero >= 3:  # FSDP: gather the stage's parameters before every forward and backward
-            gather = machine.collective_s("allgather", n * nb, d, dp_at)
-            first = machine.collective_s("allgather", unit * nb, d, dp_at)
-            gathers = lay.microbatches * (max(first, gather - (fwd + tpf + cpf)) +
-                                          max(first, gather - (bwd + tpb + cpb)))
-            b_slot = max(0.0, b_slot - gather)  # the last backward's gather shares the dp link
-        exposed = max(exposed, gathers + max(last - s * b_slot, whole - (1 + s) * b_slot))
-    if lay.zero in (1, 2):
+        stall_f = stall_b = link_f = link_b = 0.0
+        if zero == 3:
+            stall_f, stall_b, link_f, link_b = _zero3_gathers(model, lay, machine, options, dp_at, st, units)
+        b_slot = max(0.0, b_slot - link_b)  # the last backward's gathers share the dp link
+        tail = max(last - s * b_slot, whole - (1 + s) * b_slot)  # the last micro-batch's reduction
+        if zero <= 1:
+            stage = tail
+        elif zero == 2 or not options.zero_reshard_after_forward:  # gathers (if any) in the first forward only
+            stage = stall_f + (m - 1) * max(0.0, whole - slot) + tail
+        else:  # every micro-batch: gathers forward and backward, its reduce-scatter behind them on the link
+            stalls = stall_f + stall_b
+            stage = (m - 1) * max(stalls, link_f + link_b + whole - slot) + stalls + tail
+        exposed = max(exposed, stage)
+    if zero in (1, 2):
         exposed += machine.collective_s("allgather", max(row[1] for row in params) * nb, d, dp_at)
+    if zero == 3:  # the parameters that stay whole (a tied embedding split over pp)
+        kept = max(whole_parameters(model, st, lay) for st, _, _ in params)
+        exposed += machine.collective_s("allgather", kept * nb, d, dp_at) if kept else 0.0
     if model.tie_embeddings and lay.pp_size > 1:
-        emb = model.vocab_size * model.d_model / t * 4.0
+        emb = model.vocab_size * model.d_model / lay.tp_size * 4.0
         exposed += machine.collective_s("allreduce", emb, 2, pp_at)
         exposed += machine.collective_s(reduce_op, emb * fraction, d, dp_at)
     return exposed

@@ -11,14 +11,20 @@ buffers (hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py):
   without ZeRO (2 + 4 + 8 + 4), as in Megatron-LM. With context parallelism every "dp" here is ``dp x
   cp``: the cp ranks of a replica hold the same parameters, their gradients are reduced over the grid's
   dp_cp group and ZeRO shards over it;
-- ZeRO-2 and ZeRO-3 / FSDP (PLANNER ONLY: hpctrain's engine trains with zero 0 or 1): ZeRO-2 also
-  divides the float32 gradients by dp (``P x 4 / dp``, reduce-scattered bucket by bucket); ZeRO-3 also
-  divides the parameters (``P x dtype / dp``) and adds the gathered FSDP units in flight: TWO units'
-  full parameters in the dtype (the one computing and the one prefetched, FSDP's backward prefetch)
-  plus ONE unit's full float32 gradient before its reduce-scatter. A unit (``fsdp_unit_parameters``) is
-  the largest of a block (per tp rank) and, on the first / last stage, the embedding / LM head rows
-  per tp rank. Parameters are resharded after every use (FSDP's ``reshard_after_forward=True``: the
-  least memory; cost.py charges the matching all-gathers per micro-batch);
+- ZeRO-2 and ZeRO-3, as hpctrain's engine runs them (hpctrain/parallel/data_parallel.py, zero3.py;
+  ``whole_parameters``: a tied embedding split over pp stays whole in the "deferred" bucket, its
+  gradients whole and, at zero 3, its parameters too). ZeRO-2 reduce-scatters every micro-batch's
+  gradients bucket by bucket into each rank's slice (``P x 4 / dp``) and frees a bucket's full gradients
+  once its reduce-scatter is done: TWO buckets (``Options.bucket_mb``: one filling, one on the wire) at
+  the peak instead of ``P x 4``. ZeRO-3 also keeps only ``1 / dp`` of the parameters of every unit
+  (``zero3_units``: the embedding with learned positions, each block, the final norm + LM head, per tp
+  rank and virtual stage; a tied head with one stage gathers the embedding's bucket) and adds the
+  units gathered at once (``gathered_parameters``), in the dtype: with ``zero_reshard_after_forward``
+  the running unit and the ``zero_prefetch`` next (previous, in backward) units of its virtual stage,
+  plus the LM head's unit while another micro-batch's backward is pending (it stays gathered from its
+  forward to its backward: GPipe's last stage), plus ONE unit's full gradient before its reduce-scatter
+  (float32 for half models); without resharding every unit of the stage stays gathered from the step's
+  first forward to its last backward;
 - activations: each block keeps ``layer_activation_bytes`` (Korthikanti et al.'s formula) per micro-batch
   in flight, or only its input (``2 s b h``, ``/ t`` with SP) with full recomputation plus, during a
   backward, one block's full activations; micro-batches in flight: ``min(pp - s, M)`` for 1F1B, ``M``
@@ -39,7 +45,7 @@ from dataclasses import dataclass
 
 from hpctrain.plan.devices import DTYPE_BYTES
 from hpctrain.plan.ring import lse_bytes, ring_workspace_bytes
-from hpctrain.plan.shapes import block_matmul_params, for_tp
+from hpctrain.plan.shapes import block_matmul_params, for_tp, position_params
 from hpctrain.plan.stages import (in_flight, layer_activation_bytes, recompute_kind, recompute_layer_bytes,
                                   stage_parameters, stages)
 
@@ -94,29 +100,85 @@ def activation_bytes(model, layout, stage, recompute, options) -> float:
     return kept
 
 
-def fsdp_unit_parameters(model, stage, tp: int) -> int:
-    """Parameters of the largest ZeRO-3 / FSDP unit on one tp rank of ``stage``: a block, or the
-    embedding (first stage) / LM head (last stage) rows ``V h / t`` (``model``'s vocabulary as given)."""
-    block = block_matmul_params(model) // tp + 2 * model.d_model if stage.layers else 0
-    ends = model.vocab_size * model.d_model // tp if (stage.first or stage.last) else 0
-    return max(block, ends)
+def whole_parameters(model, stage, layout) -> int:
+    """Parameters of one tp rank of ``stage`` in the engine's deferred bucket that matter for memory: a
+    tied embedding split over pp (stage 0's rows and the last stage's copy, ``V h / t`` each), whose
+    gradients stay whole at zero >= 2 and parameters whole at zero 3 (the sequence-parallel norm weights
+    there too, ``2 h`` per block, are left out)."""
+    split = model.tie_embeddings and layout.pp_size > 1 and (stage.first or stage.last)
+    return model.vocab_size * model.d_model // layout.tp_size if split else 0
 
 
-def state_bytes(model, stage, layout, dtype: str) -> tuple[float, float, float]:
+def zero3_units(model, stage, layout, virtual_stages: int = 1) -> list[list[dict[str, int]]]:
+    """The ZeRO-3 units of one tp rank of ``stage`` per virtual stage, in forward order (zero3.py
+    ``stage_units``): each unit is ``{bucket: sharded parameters}`` of the buckets it gathers. The
+    embedding (+ learned positions) opens the first stage, the final norm + LM head closes the last (a
+    tied head with one stage gathers the embedding's bucket; a tied embedding split over pp stays whole:
+    ``whole_parameters``). ``model``'s vocabulary as given (padded by the caller)."""
+    h, t = model.d_model, layout.tp_size
+    vh, split = model.vocab_size * h // t, model.tie_embeddings and layout.pp_size > 1
+    v = virtual_stages if layout.pp_size > 1 else 1
+    block = block_matmul_params(model) // t + 2 * h
+    counts = [stage.layers // v + (1 if c < stage.layers % v else 0) for c in range(v)]
+    chunks: list[list[dict[str, int]]] = [[{f"block{c}.{i}": block} for i in range(k)] for c, k in enumerate(counts)]
+    embed = (0 if split else vh) + position_params(model)
+    if stage.first and embed:
+        chunks[0].insert(0, {"embed": embed})
+    if stage.last:
+        head = {"head": h + (0 if model.tie_embeddings else vh)}
+        if model.tie_embeddings and not split:  # one stage: the head's weight is the embedding's
+            head["embed"] = embed
+        chunks[-1].append(head)
+    return [chunk for chunk in chunks if chunk]
+
+
+def head_buckets(chunks: list[list[dict[str, int]]]) -> dict[str, int]:
+    """The buckets of the LM head's unit in ``zero3_units`` (none off the last stage): the one unit that stays
+    gathered from its forward to its backward (zero3.py ``Unit.last``: the fused loss uses its weight)."""
+    return next((unit for chunk in chunks for unit in chunk if "head" in unit), {})
+
+
+def gathered_parameters(chunks: list[list[dict[str, int]]], prefetch: int, reshard: bool, held: bool) -> int:
+    """Parameters gathered at once at zero 3 (the peak over a step), from ``zero3_units``. ``reshard``: the
+    running unit and the ``prefetch`` next ones of its virtual stage, plus the LM head's unit when ``held``
+    (another micro-batch's backward pending while this one runs) or when it holds another unit's bucket (a
+    tied head pins the embedding until the end of the backward); else every unit."""
+    if not reshard:
+        return sum({k: n for chunk in chunks for unit in chunk for k, n in unit.items()}.values())
+    head = head_buckets(chunks)
+    shared = any(k in unit for chunk in chunks for unit in chunk if unit is not head for k in head)
+    pinned = dict(head) if held or shared else {}
+    best = 0
+    for chunk in chunks:  # the units of a window share no bucket once the pinned ones are set apart
+        sizes = [sum(n for k, n in unit.items() if k not in pinned) for unit in chunk]
+        width = min(1 + prefetch, len(sizes))
+        window = sum(sizes[:width])
+        best = max(best, window)
+        for i in range(width, len(sizes)):
+            window += sizes[i] - sizes[i - width]
+            best = max(best, window)
+    return best + sum(pinned.values())
+
+
+def state_bytes(model, stage, layout, options) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes on one rank of ``stage`` for ``layout.zero`` 0-3 (module
-    docstring); the dp x cp group shards them."""
-    nb, d, t = DTYPE_BYTES[dtype], layout.replica_size, layout.tp_size
-    n, zero, gb = stage_parameters(model, stage, t), layout.zero, max(4, DTYPE_BYTES[dtype])
-    params = n * nb
-    grads = n * gb + (n * 4 / d if zero == 1 else 0.0)
-    optimizer = n * optimizer_bytes_per_param(dtype) / (d if zero >= 1 else 1)
-    if zero >= 2:
-        grads = n * gb / d
-    if zero >= 3:
-        unit = fsdp_unit_parameters(model, stage, t)
-        params = n * nb / d + 2 * unit * nb
-        grads += unit * gb
-    return params, grads, optimizer
+    docstring); the dp x cp group shards them. ``options``: dtype, bucket_mb, zero_prefetch,
+    zero_reshard_after_forward, virtual_stages (cost.Options)."""
+    nb, gb = DTYPE_BYTES[options.dtype], max(4, DTYPE_BYTES[options.dtype])
+    d, zero = layout.replica_size, layout.zero
+    n = stage_parameters(model, stage, layout.tp_size)
+    optimizer = n * optimizer_bytes_per_param(options.dtype) / (d if zero >= 1 else 1)
+    if zero <= 1:
+        return n * nb, n * gb + (n * gb / d if zero == 1 else 0.0), optimizer
+    whole, slices = whole_parameters(model, stage, layout), n * gb / d  # every bucket's reduced slice
+    if zero == 2:  # a bucket filling while the previous one's reduce-scatter travels
+        transient = min((n - whole) * gb, 2 * options.bucket_mb * 2**20)
+        return n * nb, whole * gb + slices + transient, optimizer
+    chunks = zero3_units(model, stage, layout, options.virtual_stages)
+    held = in_flight(layout, stage, options.virtual_stages) > 1  # for the head: GPipe's last stage
+    gathered = gathered_parameters(chunks, options.zero_prefetch, options.zero_reshard_after_forward, held)
+    largest = max((size for chunk in chunks for unit in chunk for size in unit.values()), default=0)
+    return (n - whole) * nb / d + (whole + gathered) * nb, whole * gb + slices + largest * gb, optimizer
 
 
 def memory(model, layout, recompute, options) -> Memory:
@@ -128,7 +190,7 @@ def memory(model, layout, recompute, options) -> Memory:
         if (st.layers, st.first, st.last) in seen:
             continue  # a later stage of the same kind holds fewer micro-batches
         seen.add((st.layers, st.first, st.last))
-        params, grads, optimizer = state_bytes(model, st, layout, options.dtype)
+        params, grads, optimizer = state_bytes(model, st, layout, options)
         m = Memory(params / GIB, grads / GIB, optimizer / GIB,
                    activation_bytes(model, layout, st, recompute, options) / GIB, options.reserve_gib, st.index)
         if best is None or m.total_gib > best.total_gib:

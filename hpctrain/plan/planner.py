@@ -11,20 +11,21 @@ from dataclasses import dataclass, field
 from hpctrain.errors import HpcTrainError
 from hpctrain.config.layout import Layout, divisors
 from hpctrain.plan.cost import Candidate, Options, StepTime, step_time
+from hpctrain.plan.devices import PlanError
 from hpctrain.plan.memory import Memory, memory
 from hpctrain.plan.shapes import for_tp, model_flops_per_token
 
 
-ENGINE_ZERO = (0, 1)  # the ZeRO stages hpctrain's engine trains with (config parallel.zero)
-ENGINE_NOTE = "planner-only: hpctrain's engine trains with zero 0 or 1"
+ZERO_STAGES = (0, 1, 2, 3)  # the ZeRO stages hpctrain's engine trains with (config parallel.zero)
 MIN_CP_STRIPE = 512  # the search's shortest zig-zag stripe (tokens): thinner ring blocks are latency-bound
 
 
 @dataclass(frozen=True)
 class SearchSpace:
     """The choices enumerated for every (dp, tp, pp): ``microbatches`` empty = every divisor of the
-    replica batch; ``zero``: the ZeRO stages tried with dp > 1 (default 0 and 1, what the engine trains;
-    2 and 3 / FSDP are modelled for comparison with other frameworks only, when asked), sequence parallelism only with tp > 1; ``recompute``: the
+    replica batch; ``zero``: the ZeRO stages tried with dp x cp > 1 (default all four, as the engine trains
+    them; memory.py and cost.py model each; 2 and 3 not with a compressed dp reduction:
+    ``engine_refusal``), sequence parallelism only with tp > 1; ``recompute``: the
     kinds tried ("selective" is skipped when others are tried too and attention is fused: it is then
     the same as "off"). ``cp``: context parallelism is searched over the sizes ``c`` with ``seq_len`` divisible
     by ``2 c`` (the zig-zag stripes; others are never proposed) and stripes ``seq_len / 2c`` of at least
@@ -38,7 +39,7 @@ class SearchSpace:
     pp: int = 0
     cp: int = 0
     micro_batch: int = 0
-    zero: tuple[int, ...] = ENGINE_ZERO
+    zero: tuple[int, ...] = ZERO_STAGES
     sequence_parallel: tuple[bool, ...] = (False, True)
     recompute: tuple = ("off", "selective", "full")
     microbatches: tuple[int, ...] = ()
@@ -57,6 +58,8 @@ class Prediction:
     model_flops_per_token: float
     placement: dict
     virtual_stages: int = 1
+    zero_prefetch: int = 1
+    zero_reshard_after_forward: bool = True
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,15 +93,14 @@ class Prediction:
             "breakdown_s": self.time.breakdown(),
             "bubble_fraction": self.time.bubble_s / ideal if ideal else 0.0,
             "placement": self.placement,
-            **({"planner_only": ENGINE_NOTE} if lay.zero not in ENGINE_ZERO else {}),
+            **({"zero_prefetch": self.zero_prefetch, "zero_reshard_after_forward": self.zero_reshard_after_forward}
+               if lay.zero == 3 else {}),
             "warnings": self.warnings(),
         }
 
     def warnings(self) -> list[str]:
         """What a user should not miss about this layout (e.g. a bubble larger than the work)."""
         lay, out = self.candidate.layout, []
-        if lay.zero not in ENGINE_ZERO:
-            out.append(f"zero={lay.zero}: {ENGINE_NOTE}")
         if lay.pp_size > 1 and lay.microbatches < lay.pp_size:
             ideal = self.time.compute_s + self.time.tp_comm_s + self.time.cp_comm_s + self.time.pp_comm_s
             out.append(f"{lay.microbatches} micro-batch(es) < pp={lay.pp_size}: the pipeline bubble is "
@@ -125,18 +127,36 @@ class PlanResult:
     evaluated: int = 0
 
 
+def engine_refusal(layout, options: Options) -> str:
+    """Why the engine refuses ``layout`` with ``options`` beyond the layout rules ("" if it does not):
+    compression at zero >= 2 (hpctrain/config/validation.py)."""
+    if layout.zero >= 2 and options.compression != "none":
+        return (f"parallel.zero={layout.zero} keeps only this rank's slice of each gradient, which "
+                f"compression.method={options.compression!r} cannot compress: use parallel.zero <= 1 or no compression")
+    return ""
+
+
 def predict(model, layout, machine, recompute="off", options: Options = Options()) -> Prediction:
-    """Time and memory of ``layout`` (raises its LayoutError/GridError if it is not valid; the vocabulary
-    is padded for its tp first, as the trainer does); MFU counts the true vocabulary."""
+    """Time and memory of ``layout`` (raises its LayoutError/GridError if it is not valid, PlanError if the
+    engine refuses it with ``options``: ``engine_refusal``; the vocabulary is padded for its tp first, as
+    the trainer does); MFU counts the true vocabulary."""
     layout.validate(for_tp(model, layout.tp_size))
+    if refusal := engine_refusal(layout, options):
+        raise PlanError(refusal)
+    return _predict(model, layout, machine, recompute, options, memory(model, layout, recompute, options))
+
+
+def _predict(model, layout, machine, recompute, options: Options, mem: Memory) -> Prediction:
+    """``predict`` of a layout already validated, its memory ``mem`` known."""
     cand = Candidate(layout, recompute)
     t, c, p = layout.tp_size, layout.cp_size, layout.pp_size
     placement = {axis: machine.placement(stride, size).level
                  for axis, stride, size in (("tp", 1, t), ("cp", t, c), ("pp", t * c, p),
                                             ("dp", t * c * p, layout.dp_size))}
-    return Prediction(cand, step_time(model, cand, machine, options), memory(model, layout, recompute, options),
+    return Prediction(cand, step_time(model, cand, machine, options), mem,
                       machine.devices, machine.device.peak(options.dtype),
-                      model_flops_per_token(model, layout.seq_len), placement, options.virtual_stages)
+                      model_flops_per_token(model, layout.seq_len), placement, options.virtual_stages,
+                      options.zero_prefetch, options.zero_reshard_after_forward)
 
 
 def _describe(lay: Layout, recompute: str = "off") -> dict:
@@ -207,6 +227,8 @@ def _search(model, machine, base: Layout, capacity: float, options: Options, spa
                              base.seq_len, sp, zero, space.schedule, cp_size=base.cp_size)
                 try:
                     lay.validate(for_tp(model, lay.tp_size))
+                    if refusal := engine_refusal(lay, options):
+                        raise PlanError(refusal)
                 except HpcTrainError as exc:
                     if str(exc) not in reasons:
                         reasons.add(str(exc))
@@ -223,7 +245,7 @@ def _search(model, machine, base: Layout, capacity: float, options: Options, spa
                             smallest = (mem, lay, recompute)
                         continue
                     fitted = True
-                    result.plans.append(predict(model, lay, machine, recompute, options))
+                    result.plans.append(_predict(model, lay, machine, recompute, options, mem))
     if not fitted and smallest is not None:
         mem, lay, recompute = smallest
         parts = ", ".join(f"{k} {v:.1f}" for k, v in mem.breakdown().items())

@@ -2,8 +2,8 @@
 
 Each ``Run`` is one reported measurement: the model's shape, the machine, the layout (tp, pp, dp,
 micro-batch, virtual stages, recomputation, sequence parallelism, ZeRO-1 / distributed optimizer or
-ZeRO-3 / FSDP, which the planner models but hpctrain's engine does not train), the
-attention kernel, and the reported throughput per GPU in the source's own convention (``metric``):
+ZeRO-3 / FSDP, evaluated as hpctrain's engine would run it: ``zero=3`` with
+``zero_reshard_after_forward``), the attention kernel, and the reported throughput per GPU in the source's own convention (``metric``):
 
 - ``"hfu"``: Megatron-LM's executed FLOPs (Narayanan et al. 2021 eq. 3; full attention square, padded
   vocabulary, the recomputed forward included): PTD-P's and MT-NLG's "TFLOP/s per GPU";
@@ -53,6 +53,7 @@ class Run:
     published_tflops: float
     calibration: bool = False
     assumed: str = ""
+    zero_reshard_after_forward: bool = True  # zero 3: parallel.zero_reshard_after_forward
 
     @property
     def dp(self) -> int:
@@ -112,9 +113,12 @@ RUNS: tuple[Run, ...] = (
     Run("llama3-405b 8192", LLAMA3, LLAMA3_405B, "h100", 8192, META_RSC, 8192, 2048, 8, 16, 1, 8, "selective",
         True, 3, "fused", False, "mfu", 430.0,
         assumed="V=8 (one layer per virtual stage: the paper drops one layer from the first and last stages); "
-                "zero=3: FSDP, which 'shards the model, optimizer, and gradients' (" + LLAMA3_FSDP + "; "
-                "planner-only, modelled as in memory.py / cost.py); selective recomputation (no scores with "
-                "a fused kernel)"),
+                "zero=3: FSDP, which 'shards the model, optimizer, and gradients' but does 'not reshard after "
+                "forward computation' (" + LLAMA3_FSDP + "): hpctrain's zero 3 with "
+                "zero_reshard_after_forward=false (each unit gathered once per step, gradients reduce-scattered "
+                "every micro-batch); selective recomputation (no scores with a fused kernel)",
+        zero_reshard_after_forward=False),
     Run("llama3-405b 16384", LLAMA3, LLAMA3_405B, "h100", 16384, META_RSC, 8192, 2048, 8, 16, 1, 8, "selective",
-        True, 3, "fused", False, "mfu", 400.0, assumed="as 8192 (FSDP: zero=3)"),
+        True, 3, "fused", False, "mfu", 400.0, assumed="as 8192 (FSDP: zero=3, no resharding after forward)",
+        zero_reshard_after_forward=False),
 )

@@ -22,6 +22,9 @@ def print_plans(result, machine, model, name: str, global_batch: int, seq_len: i
     print(f"machine: {machine.nodes} node(s) x {machine.gpus_per_node} {dev.name} "
           f"({dev.peak(options.dtype):g} TFLOP/s peak x {dev.efficiency:.2f}, {machine.memory_gib():.0f} GiB); "
           f"links: {machine.links.source or 'given'}")
+    if any(pred.candidate.layout.zero == 3 for pred in result.plans[:top]):
+        print(f"ZeRO-3: {options.zero_prefetch} unit(s) prefetched, parameters "
+              f"{'resharded after each forward' if options.zero_reshard_after_forward else 'kept gathered over the step'}")
     print(f"evaluated {result.evaluated} layouts, {len(result.plans)} fit\n")
     if result.plans:
         print(f"{'#':>2} {'layout':<38} {'step s':>8} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>5} "

@@ -52,6 +52,7 @@ def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None)
         layout.validate(model)
         machine = machine_for(row["ranks"], int(row.get("nodes") or 1), device, profile)
         options = Options(dtype=t.dtype, flash_attention=True, bucket_mb=p.bucket_mb, reserve_gib=0.0,
+                          zero_prefetch=p.zero_prefetch, zero_reshard_after_forward=p.zero_reshard_after_forward,
                           virtual_stages=p.virtual_stages)
         pred = predict(model, layout, machine, recompute=bool(getattr(t, "recompute", False)), options=options)
     except HpcTrainError:

@@ -100,3 +100,13 @@ def test_bad_compile_value_is_one_line_on_every_rank(tmp_path):
     assert result.returncode != 0 and len(errors) == 1, result.stderr
     assert "train.compile" in errors[0] and "expected one of false, true, auto" in errors[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_compiled_zero3_equals_eager_zero0(tmp_path):
+    """ZeRO-3's gather hooks on compiled blocks run eagerly (graph breaks at each unit's edge, named as such);
+    the compiled ZeRO-3 run trains as the eager ZeRO-0 one (one rank: the gathers are copies)."""
+    result, losses = cli_losses(tmp_path / "compiled", "train.compile=true", "parallel.zero=3", verbose=True)
+    assert "ZeRO-3 parameter gather run eagerly" in result.stdout, result.stdout
+    _, eager = cli_losses(tmp_path / "eager", "train.compile=false")
+    assert len(losses) == len(eager) == 3
+    assert max(abs(a - b) / b for a, b in zip(losses, eager)) <= 1e-5, (losses, eager)

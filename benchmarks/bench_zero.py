@@ -51,6 +51,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling bench_train.py, imported or run
 from bench_train import HpcTrainImpl, Phases, model_overrides  # noqa: E402
 from hpctrain.bench.comm import init_gloo_world  # noqa: E402
 from hpctrain.bench.report import (resident_mb, run_benchmark, timed_rounds, timed_steps,  # noqa: E402

@@ -31,7 +31,10 @@ ROUTE_OPS = ("allreduce", "reduce_scatter", "allgather")
 # (largest buffer of the class in bytes, None = no bound; the size it is timed at)
 CLASSES: tuple[tuple[int | None, int], ...] = ((8 << 10, 8 << 10), (64 << 10, 64 << 10), (1 << 20, 1 << 20),
                                                (16 << 20, 16 << 20), (None, 64 << 20))
-SHM_MARGIN = 1.03  # shm takes a class only when it measured this much faster than MPI (ties stay on MPI)
+# shm takes a class only when it measured this much faster than MPI (closer calls stay on MPI): at 1.03 a
+# noisy start-up measurement gave shm the 1 MiB reduce_scatter, which then ran at 0.74-0.88x MPI
+# (docs/benchmarks.md); a wrong pick costs more than a missed small win
+SHM_MARGIN = 1.2
 # More ranks on the node than cores: shm's spin barriers are at the scheduler's mercy (4 ranks on 2 cores here:
 # 16 MiB reduce_scatter 1.7x MPI in one second, 0.58x in the next, and always 0.5x with the ranks bound to cores)
 SHM_MARGIN_OVERSUBSCRIBED = 2.0

@@ -97,7 +97,7 @@ class CommConfig:
     route_cache: bool = key(True, help=(
         "With `intra_node = \"auto\"` on one node: at start-up the dp group times the shared-memory route against "
         "MPI per op (allreduce, reduce_scatter, allgather) and size class (<= 8 KiB, 64 KiB, 1 MiB, 16 MiB, larger; "
-        "about 1 s) and sends each through the faster (shm only when >= 1.03x MPI, 2x with more ranks than cores on "
+        "about 1 s) and sends each through the faster (shm only when >= 1.2x MPI, 2x with more ranks than cores on "
         "the node, where shm's speed swings); the table is cached per node "
         "and MPI (JSON under `intra-node/` in the cache dir: `HPCTRAIN_CACHE`, else `data.cache_dir`, else "
         "`~/.cache/hpctrain`) and shown by `hpctrain info`. `true` = reuse a cached table; `false` = measure "

@@ -162,7 +162,8 @@ def test_plan_cli_json_and_table():
     plans = doc["plans"]
     assert len(plans) == 3 and doc["device"] == "a100"
     assert plans[0]["predicted_tokens_per_s"] >= plans[1]["predicted_tokens_per_s"]
-    assert plans[0]["tp"] == 8 and plans[0]["placement"]["tp"] == "intra" and plans[0]["pp"] > 1
+    # 145B on 1536 GPUs: tp inside a node, and the parameters sharded by ZeRO-3 or split over pipeline stages
+    assert plans[0]["placement"]["tp"] == "intra" and (plans[0]["zero"] == 3 or plans[0]["pp"] > 1)
     assert all(math.isfinite(p["predicted_tflops_per_device"]) for p in plans)
     table = hpctrain_plan("--model", "tiny", "--nodes", "1", "--gpus-per-node", "4", "--device", "cpu",
                           "--global-batch", "8", "--seq-len", "64", "--top", "2")

@@ -112,9 +112,7 @@ def test_zero3_has_no_parameter_all_gather_after_the_step():
     m = model("gpt-1.7b")
     lay = {z: Layout(16, 16, 1, 1, 1, 16, 2048, zero=z) for z in (1, 3)}
     one, three = (step_time(m, Candidate(lay[z]), a100(2)) for z in (1, 3))  # 200 Gbit/s: gathers hide
-    after = a100(2).collective_s("allgather", m.n_layers * (block_matmul_params(m) + 2 * m.d_model) * 2, 16,
-                                 a100(2).group_placement((1, 16), (1, 1)))  # ZeRO-1's, of the blocks alone
-    assert three.dp_comm_s < one.dp_comm_s - after
+    assert three.dp_comm_s < one.dp_comm_s / 2  # the first units' gathers exposed, not a whole stage's
 
 
 def test_the_default_search_tries_every_stage_and_picks_zero3_when_memory_is_tight():
@@ -177,7 +175,7 @@ def test_plan_cli_zero3_options_and_no_planner_only_marking(tmp_path):
     assert "ZeRO-3: 1 unit(s) prefetched" in table.stdout
     config = tmp_path / "z3.toml"
     config.write_text('[model]\npreset = "gpt-1.7b"\n[train]\nglobal_batch = 64\n'
-                      '[parallel]\nzero = 3\nzero_prefetch = 0\nzero_reshard_after_forward = false\n')
+                      '[parallel]\ndp = 16\nzero = 3\nzero_prefetch = 0\nzero_reshard_after_forward = false\n')
     given = subprocess.run([sys.executable, "-m", "hpctrain.cli", "plan", "--model", str(config), "--nodes", "2",
                             "--gpus-per-node", "8", "--device", "a100", "--inter-gbps", "200", "--json"],
                            capture_output=True, text=True, timeout=300, cwd=ROOT, stdin=subprocess.DEVNULL)

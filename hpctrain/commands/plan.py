@@ -8,9 +8,10 @@
 global batch, dtype and schedule are the defaults of the flags; the keys its ``[parallel]`` section sets
 and its ``train.micro_batch_size`` fix those choices, like the flags ``--dp/--tp/--pp/--cp/--micro-batch/--zero``:
 a GIVEN layout is evaluated instead of searched; its ``parallel.zero_prefetch`` and
-``parallel.zero_reshard_after_forward`` are the defaults of ``--zero-prefetch`` / ``--zero-reshard-after-forward``). ``--micro-batch`` and ``train.micro_batch_size`` are the same
-notion: sequences per forward per replica. Planning is in bfloat16 unless ``--dtype`` or the TOML's ``train.dtype`` says
-otherwise. Links come from a measured profile
+``parallel.zero_reshard_after_forward`` are the defaults of ``--zero-prefetch`` / ``--zero-reshard-after-forward``).
+``--micro-batch`` and ``train.micro_batch_size`` are the same notion: sequences per forward per replica.
+Planning is in bfloat16 unless ``--dtype`` or the TOML's ``train.dtype`` says otherwise. Links come from a
+measured profile
 (``hpctrain bench comm --profile``) or from ``--intra-gbps`` / ``--inter-gbps`` (Gbit/s per rank).
 Context parallelism (``--cp``; searched unless ``--dp/--tp/--pp`` give a layout, which then has cp 1)
 cuts each sequence over cp ranks; a RoPE model may be planned past its ``max_seq_len`` (a context

@@ -227,9 +227,10 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
             tpf, tpb = tpf + head_tp[0], tpb + head_tp[1]
         return fwd, bwd, tpf, tpb, cpf, cpb
 
+    again = recompute == "full"  # the recomputed forward's tp and cp
     units = {"embed": embed_tp, "head": (head_f + head_tp[0], 2 * head_f + head_tp[1]),  # ZeRO-3: (fwd, bwd) s
-             "block": (block_f + 2 * one + ring_f, 2 * block_f + rematerialised + 2 * one * (2 if recompute == "full" else 1)
-                       + ring_b + (ring_f if recompute == "full" else 0.0))}
+             "block": (block_f + 2 * one + ring_f,
+                       2 * block_f + rematerialised + 2 * one * (2 if again else 1) + ring_b + (ring_f if again else 0.0))}
 
     reps: dict[tuple, list] = {}  # stages alike (layers, first, last): the first of each, and how many
     for st in stages(model, lay):

@@ -22,7 +22,8 @@ buffers (hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py):
   units gathered at once (``gathered_parameters``), in the dtype: with ``zero_reshard_after_forward``
   the running unit and the ``zero_prefetch`` next (previous, in backward) units of its virtual stage,
   plus the LM head's unit while another micro-batch's backward is pending (it stays gathered from its
-  forward to its backward: GPipe's last stage), plus ONE unit's full gradient before its reduce-scatter
+  forward to its backward: GPipe's last stage) or while it pins a tied embedding (one stage: until the
+  end of the backward), plus ONE unit's full gradient before its reduce-scatter
   (float32 for half models); without resharding every unit of the stage stays gathered from the step's
   first forward to its last backward;
 - activations: each block keeps ``layer_activation_bytes`` (Korthikanti et al.'s formula) per micro-batch

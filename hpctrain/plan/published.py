@@ -2,8 +2,9 @@
 
 Each ``Run`` is one reported measurement: the model's shape, the machine, the layout (tp, pp, dp,
 micro-batch, virtual stages, recomputation, sequence parallelism, ZeRO-1 / distributed optimizer or
-ZeRO-3 / FSDP, evaluated as hpctrain's engine would run it: ``zero=3`` with
-``zero_reshard_after_forward``), the attention kernel, and the reported throughput per GPU in the source's own convention (``metric``):
+ZeRO-3 / FSDP, evaluated as hpctrain's engine would run it: ``zero=3`` with its
+``zero_reshard_after_forward``), the attention kernel, and the reported throughput per GPU in the
+source's own convention (``metric``):
 
 - ``"hfu"``: Megatron-LM's executed FLOPs (Narayanan et al. 2021 eq. 3; full attention square, padded
   vocabulary, the recomputed forward included): PTD-P's and MT-NLG's "TFLOP/s per GPU";

@@ -124,3 +124,26 @@ def test_available_memory_reads_meminfo_and_a_smaller_cgroup_limit(tmp_path):
     free, where = available_memory(torch.device("cpu"), root=str(tmp_path))
     assert free == 2 * GIB and "cgroup" in where
     assert available_memory(torch.device("cpu"), root=str(tmp_path / "nowhere")) is None
+
+
+def test_zero_two_and_three_shard_gradients_and_parameters_and_count_the_gathered_units(monkeypatch):
+    """ZeRO-2 divides the gradients by the replicas, ZeRO-3 the parameters too and adds its gathered units:
+    the running one and ``zero_prefetch`` more, or every unit without resharding; when they are the
+    largest share a refusal names ``parallel.zero_prefetch`` and ``parallel.zero_reshard_after_forward``."""
+    base = ["parallel.pp=1", "model.n_layers=8"]
+    parts = {z: rank_need(c, layout_of(c, 4), 0).parts
+             for z, c in ((z, load_config(None, base + [f"parallel.zero={z}"])) for z in (0, 2, 3))}
+    n = rank_need(load_config(None, base), layout_of(load_config(None, base), 4), 0).parameters
+    assert parts[2]["gradients"] == parts[0]["gradients"] // 4 and parts[2]["parameters"] == parts[0]["parameters"]
+    assert parts[3]["parameters"] == 4 * n // 4 and 0 < parts[3]["gathered units"] < 4 * n
+    more = load_config(None, base + ["parallel.zero=3", "parallel.zero_prefetch=3"])
+    assert rank_need(more, layout_of(more, 4), 0).parts["gathered units"] > parts[3]["gathered units"]
+    whole = load_config(None, base + ["parallel.zero=3", "parallel.zero_reshard_after_forward=false"])
+    assert rank_need(whole, layout_of(whole, 4), 0).parts["gathered units"] == 4 * n
+    monkeypatch.setattr(memory_check, "available_memory", lambda device: (1 * GIB, "available on host h0"))
+    big = load_config(None, ["parallel.pp=1", "model.n_layers=2", "model.d_model=4096", "model.d_ff=16384",
+                             "model.n_heads=32", "model.n_kv_heads=32", "parallel.zero=3",
+                             "parallel.zero_reshard_after_forward=false"])
+    with pytest.raises(ConfigError) as info:
+        check_memory(big, fake_grid(big, world=8), torch.device("cpu"))
+    assert "parallel.zero_prefetch" in str(info.value) and "\n" not in str(info.value), str(info.value)

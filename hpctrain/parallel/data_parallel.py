@@ -1,5 +1,5 @@
 """Data parallelism: flat parameter/gradient buffers, bucketed gradient reduction overlapped with backward,
-and the ZeRO-1 slice layout. All reductions run on the DP group.
+and the ZeRO slice layout (stages 1-3). All reductions run on the DP group (the replica group, dp x cp).
 
 Layout. A stage's parameters are re-pointed into one flat ``param_buffer``; their gradients are
 accumulated (over micro-batches) into a flat ``grad_buffer`` ("main grads": float32 for half-precision
@@ -15,6 +15,16 @@ reduce-scatter into each bucket's ``slice_grad`` with ZeRO, by default; a compre
 ``[compression]``) while backward continues; hooks call ``test()`` on pending handles to drive MPI
 progress. ``finish_reduction`` completes all.
 Gradients are SUMMED over dp: the loss is already divided by the global token count.
+
+ZeRO. Stage 1: a rank owns 1/dp of every bucket (its optimizer state) and receives that slice of the
+reduced gradients; ``gather_params`` all-gathers the updated parameters. Stage 2: each bucket (but the
+deferred one) has its own gradient storage, taken when a micro-batch's first gradient reaches it and
+given back once that micro-batch's reduce-scatter is done (``allocate`` / ``free``): a reduce-scatter
+per micro-batch, summed into the slice. Stage 3: also the parameters, per unit (one bucket each, built
+from ``units``); a rank keeps its ``param_slice`` and hpctrain/parallel/zero3.py gathers the unit around
+its forward and backward. What to communicate is decided by the hooks alone, never by when a reduction
+happened to complete (completion times differ between ranks; a decision taken from them once posted a
+reduce-scatter on some ranks only).
 
 Vocabulary padding. The padding rows of the embedding and LM head (``SlabSpec.padded_dim``) sit in the
 buffers like any element; their grads are zero, and are set to zero again after the reduction (a lossy
@@ -65,7 +75,7 @@ class ParamPiece:
         return self.param_lo + self.flat_hi - self.flat_lo
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class Bucket:
     """A run of the flat buffers, [start, end) (padded to a multiple of dp), reduced as one.
 
@@ -412,8 +422,12 @@ class FlatParams:
         local model readable between steps (zero 3; nothing to do otherwise)."""
         sharded = [b for b in self.buckets if b.sharded and not is_allocated(b.param_values)]
         for b in sharded:
+            assert b.param_slice is not None  # a sharded bucket
             allocate(b.param_values)
-            self.dp_comm.allgather(b.param_values, b.param_slice)
+            if self.dp_size > 1:
+                self.dp_comm.allgather(b.param_values, b.param_slice)
+            else:
+                b.param_values.copy_(b.param_slice)
         try:
             yield
         finally:

@@ -40,15 +40,14 @@ from hpctrain.parallel.data_parallel import Bucket, FlatParams, allocate, free
 @dataclass
 class Unit:
     """One unit of a stage: ``entry`` runs first, ``exit`` last (their hooks bracket the unit);
-    ``buckets``: the sharded buckets holding the parameters it uses (a tied LM head uses the embedding's);
-    ``own``: those of its own parameters (whose completed gradients end its backward)."""
+    ``buckets``: the sharded buckets holding the parameters it uses (a tied LM head uses the embedding's;
+    their completed gradients end its backward)."""
     name: str
     entry: torch.nn.Module
     exit: torch.nn.Module
     params: list
     last: bool = False
     buckets: list[Bucket] = field(default_factory=list)
-    own: list[Bucket] = field(default_factory=list)
 
 
 def stage_units(stage) -> list[Unit]:
@@ -110,7 +109,6 @@ class ParamGather:
             units = stage_units(stage)
             for unit in units:
                 unit.buckets = self._buckets_of(unit.params)
-                unit.own = [b for b in unit.buckets if any(id(p) in {id(q) for q in unit.params} for p in b.params)]
                 unit.entry.register_forward_pre_hook(_eager(lambda module, args, u=unit, us=units:
                                                             self._before_forward(u, us)))
                 unit.exit.register_forward_hook(_eager(lambda module, args, output, u=unit, us=units:
@@ -201,7 +199,7 @@ class ParamGather:
         """FlatParams: ``bucket``'s gradients of this micro-batch are complete."""
         for units in self.stage_units:
             for unit in units:
-                if bucket in unit.own:
+                if bucket in unit.buckets:
                     self._in_backward.discard(id(unit))
         if self._pinned.get(bucket.index):
             self._pinned[bucket.index] -= 1

@@ -36,7 +36,9 @@ def ckpt_diff(a, b, atol):
 
 @pytest.mark.parametrize("nprocs,layout", [(1, []), (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
                                            (2, ["parallel.pp=2", "parallel.tp=1", "parallel.microbatches=2"]),
-                                           (2, ["parallel.tp=1", "parallel.zero=1"])])
+                                           (2, ["parallel.tp=1", "parallel.zero=1"]),
+                                           (2, ["parallel.tp=1", "parallel.zero=2", "parallel.microbatches=2"]),
+                                           (2, ["parallel.tp=1", "parallel.zero=3", "parallel.microbatches=2"])])
 def test_gpu_run_equals_cpu_run_in_float64(tmp_path, nprocs, layout):
     common = ["train.steps=4", "train.dtype=float64", *layout]
     train(nprocs, tmp_path / "gpu", "train.device=cuda", *common)

@@ -211,15 +211,18 @@ class ShmCollectives:
     def _array(tensor: torch.Tensor, what: str) -> np.ndarray:
         """The flat numpy view of ``tensor``, over its address (numpy: about 5x less per-call overhead than
         torch ops); not ``Tensor.numpy()``, which would pin the storage's size (ZeRO frees and re-allocates
-        bucket storage, hpctrain/parallel/data_parallel.py). Valid for the call only."""
+        bucket storage, hpctrain/parallel/data_parallel.py). The array holds the tensor (a worker thread may
+        run the call after the caller dropped it), not its storage's size: the caller must not free the
+        storage while the call runs."""
         dtype = _NUMPY_DTYPES.get(tensor.dtype)
         if tensor.is_cuda or dtype is None or not tensor.is_contiguous():
             raise ValueError(f"shm {what}: contiguous host tensors of a numpy dtype only (got {tensor.dtype} "
                              f"on {tensor.device}, contiguous={tensor.is_contiguous()})")
         if tensor.numel() == 0:
             return np.empty(0, dtype=dtype)
-        memory = memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
-        return np.frombuffer(memory, dtype=dtype)
+        memory = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
+        memory.tensor = tensor  # type: ignore[attr-defined]  # the array keeps the tensor alive (comm.shm_progress=thread runs it later)
+        return np.frombuffer(memoryview(memory).cast("B"), dtype=dtype)
 
     # ---------------------------------------------------------------- collectives
     def allreduce(self, tensor: torch.Tensor) -> None:

@@ -19,7 +19,8 @@ The final losses are printed as a check that every row trained the same model on
 
 Two measurements in one job:
 
-- memory, one implementation at a time (built, 3 steps, closed, before the next is built): ``peak MiB`` =
+- memory, one implementation at a time (after a throwaway build that takes the process's once-only
+  allocations; each built, 3 steps, closed, before the next is built): ``peak MiB`` =
   this process's resident peak over steps 2-3 (``VmHWM``, reset after step 1, so the construction's
   temporaries are left out) minus its resident memory before the build, the max over ranks: what training
   holds at its peak, model state, activations and buffers;
@@ -200,8 +201,15 @@ def release_memory() -> None:
 
 
 def measure_memory(names, args, info, tokens, world) -> dict[str, dict]:
-    """One implementation at a time: {name: {"peak_mb", "state_mb"}} (max over ranks)."""
+    """One implementation at a time: {name: {"peak_mb", "state_mb"}} (max over ranks). A throwaway build of
+    the first one comes before: the process's first build allocates what stays for good (MPI's and the
+    shared-memory route's buffers, torch's lazy state; about 35 MiB per rank here), which would otherwise
+    count against whichever implementation is measured first."""
     found = {}
+    warmup = build(names[0], args, info, tokens, 2)
+    warmup.step()
+    warmup.close()
+    del warmup
     for name in names:
         release_memory()
         world.Barrier()

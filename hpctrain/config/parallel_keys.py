@@ -47,8 +47,8 @@ class ParallelConfig:
         "off. Compression needs zero <= 1."))
     zero_reshard_after_forward: bool = key(True, help=(
         "ZeRO-3: free a unit's gathered parameters after each forward and gather them again for its backward "
-        "(2 all-gathers per unit and micro-batch, the least memory; the last unit of a stage stays gathered from "
-        "its forward to its backward). false: a unit stays gathered from its first forward to its last "
+        "(2 all-gathers per unit and micro-batch, the least memory; the final norm + LM head's unit stays "
+        "gathered from its forward to its backward). false: a unit stays gathered from its first forward to its last "
         "backward of the step (1 all-gather per unit and step; every unit of the stage gathered at once)."))
     zero_prefetch: int = key(1, min=0, max=COUNT_MAX, help=(
         "ZeRO-3: units whose all-gather is posted ahead of the one running (the next in forward, the previous "

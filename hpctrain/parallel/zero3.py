@@ -11,8 +11,8 @@ The life of a unit within a step (``ParamGather``, all on the replica group ``fl
 
 - forward: before it runs its buckets are all-gathered (``Iallgather`` from the slices, waited here)
   and the next ``prefetch`` units' gathers are posted, so they travel while this one computes; after it
-  runs it is freed (``reshard_after_forward``) unless it is the stage's last unit (its backward
-  follows), and a hook on its output marks where its backward begins;
+  runs it is freed (``reshard_after_forward``) unless it is the final norm + LM head (``Unit.last``:
+  its backward follows), and a hook on its output marks where its backward begins;
 - backward: when the gradient reaches the unit's output it is gathered again (and the previous
   ``prefetch`` units' gathers posted); ``FlatParams`` reports when a bucket's gradients of the
   micro-batch are complete (``on_backward_done``): the grads go to their reduce-scatter and the
@@ -52,8 +52,8 @@ class Unit:
 
 def stage_units(stage) -> list[Unit]:
     """The units of a ``GPTStage``, in forward order: embedding (first stage), blocks, final norm + head
-    (last stage). The last unit's exit is its norm: the fused head loss uses the head's weight without
-    calling the module, so that unit stays gathered from its forward to its backward."""
+    (last stage; ``last``). That unit's exit is its norm: the fused head loss uses the head's weight
+    without calling the module, so it stays gathered from its forward to its backward."""
     units = []
     if stage.is_first:
         modules = [stage.embed] + ([stage.pos_embed] if hasattr(stage, "pos_embed") else [])
@@ -100,7 +100,7 @@ class ParamGather:
         self._posted: dict[int, Any] = {}  # bucket index -> its all-gather in flight
         self._ready: set[int] = set()  # bucket indices gathered and waited
         self._in_backward: set[int] = set()  # id(unit) between its backward's start and its grads' completion
-        # bucket index -> forwards of a stage's last unit whose backward has not completed the bucket's grads
+        # bucket index -> forwards of the LM head's unit whose backward has not completed the bucket's grads
         # (each micro-batch's backward completes a bucket once): a tied head keeps the embedding's bucket
         self._pinned: dict[int, int] = {}
         self.stage_units: list[list[Unit]] = []

@@ -60,16 +60,7 @@ FIELDS = ["impl", "layout", "ranks", "dp", "tp", "pp", "microbatches", "tokens_p
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=6, help="timed steps per implementation per round (default 6)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first (default 3)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds (implementations alternate; default 5)")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--d-ff", type=int, default=0, help="MLP width (default 4 x d-model)")
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks (default 16)")
+    add_run_args(p, steps=6, warmup=3, rounds=5, d_model=128, layers=4, vocab=256, seq_len=128, global_batch=16)
     p.add_argument("--pp-microbatches", type=int, default=4, help="micro-batches of the pp=2 layout (default 4)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size, both hpctrain and DDP")
     p.add_argument("--impls", default="hpctrain-dp,ddp-gloo,hpctrain-tp,hpctrain-pp",
@@ -79,10 +70,30 @@ def parse_args(argv=None):
                         "(default: all but hpctrain-dp-shm)")
     p.add_argument("--intra-node", default="mpi", choices=("auto", "shm", "mpi"),
                    help="comm.intra_node of the hpctrain-dp/-tp/-pp rows (default mpi; hpctrain-dp-shm: always shm)")
+    add_output_args(p)
+    return p.parse_args(argv)
+
+
+def add_run_args(p, *, steps, warmup, rounds, d_model, layers, vocab, seq_len, global_batch) -> None:
+    """The timing and model flags every training benchmark shares (``model_overrides`` reads them), with
+    each benchmark's defaults."""
+    p.add_argument("--steps", type=int, default=steps, help=f"timed steps per implementation per round (default {steps})")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed steps per implementation first (default {warmup})")
+    p.add_argument("--rounds", type=int, default=rounds, help=f"rounds (implementations alternate; default {rounds})")
+    p.add_argument("--d-model", type=int, default=d_model)
+    p.add_argument("--layers", type=int, default=layers)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d-ff", type=int, default=0, help="MLP width (default 4 x d-model)")
+    p.add_argument("--vocab", type=int, default=vocab)
+    p.add_argument("--seq-len", type=int, default=seq_len)
+    p.add_argument("--global-batch", type=int, default=global_batch,
+                   help=f"sequences per step over all ranks (default {global_batch})")
+
+
+def add_output_args(p) -> None:
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes to load (default 2 MB)")
     p.add_argument("--json", metavar="FILE", help="write records to FILE (JSON list)")
     p.add_argument("--csv", metavar="FILE", help="write records to FILE (CSV)")
-    return p.parse_args(argv)
 
 
 # --------------------------------------------------------------------------- phase timing
@@ -154,32 +165,44 @@ class HpcTrainImpl:
         self.grid.close()
 
 
+def peer_model(args, total_steps):
+    """The torch peers' config and model: the hpctrain GPT (``GPTStage``) whole on each rank, float32, the same
+    initial weights; returns (cfg, model, parameter count)."""
+    from hpctrain.config import load_config, resolve_model
+    from hpctrain.models.gpt import GPTStage, count_parameters
+
+    cfg = load_config(None, model_overrides(args) + [f"train.steps={total_steps}"])
+    m = resolve_model(cfg.model)
+    model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp_comm=None, dtype=torch.float32,
+                     seed=cfg.train.seed)
+    return cfg, model, count_parameters(m)
+
+
+def peer_optimizer_and_batches(cfg, model, info, tokens):
+    """torch.optim.AdamW over ``model`` (wrapped already: DDP, FSDP2) with weight decay on matrices only, and this
+    rank's batches of the hpctrain sampler; returns (optimizer, batches, tokens per rank and step)."""
+    from hpctrain.data.sampler import GlobalBatchIterator, SequenceSampler
+
+    o = cfg.optim
+    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2],
+                                    "weight_decay": o.weight_decay},
+                                   {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    batches = GlobalBatchIterator(SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed),
+                                  cfg.train.global_batch, info.size, info.rank)
+    return optimizer, batches, cfg.train.global_batch // info.size * cfg.train.seq_len
+
+
 class DdpImpl:
     def __init__(self, args, info, tokens, total_steps):
         from torch.nn.parallel import DistributedDataParallel
 
-        from hpctrain.config import load_config, resolve_model
-        from hpctrain.data.sampler import GlobalBatchIterator, SequenceSampler
-        from hpctrain.models.gpt import GPTStage, count_parameters
-
         self.impl, self.name, self.dp_size, self.tp_size, self.pp_size, self.microbatches = \
             "ddp-gloo", "ddp-gloo", info.size, 1, 1, 1
         self.layout = f"dp={info.size}"
-        self.cfg = cfg = load_config(None, model_overrides(args) + [f"train.steps={total_steps}"])
-        m = resolve_model(cfg.model)
-        self.model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp_comm=None, dtype=torch.float32,
-                              seed=cfg.train.seed)
-        self.params = count_parameters(m)
+        self.cfg, self.model, self.params = peer_model(args, total_steps)
         self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=args.bucket_mb)
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}],
-                                           lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-        self.batches = GlobalBatchIterator(SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed),
-                                           cfg.train.global_batch, info.size, info.rank)
-        self.local_tokens = cfg.train.global_batch // info.size * cfg.train.seq_len
+        self.optimizer, self.batches, self.local_tokens = peer_optimizer_and_batches(self.cfg, self.model, info, tokens)
         self.step_count, self.loss = 0, float("nan")
         self.phases, self.comm_s = Phases(), []
 

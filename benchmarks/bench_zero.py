@@ -47,13 +47,13 @@ import ctypes  # noqa: E402
 import gc  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling bench_train.py, imported or run
-from bench_train import HpcTrainImpl, Phases, model_overrides  # noqa: E402
+from bench_train import (HpcTrainImpl, Phases, add_output_args, add_run_args, peer_model,  # noqa: E402
+                         peer_optimizer_and_batches)
 from hpctrain.bench.comm import init_gloo_world  # noqa: E402
 from hpctrain.bench.report import (resident_mb, run_benchmark, timed_rounds, timed_steps,  # noqa: E402
                                    write_records)
@@ -68,25 +68,14 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)} (default: all)")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per implementation per round (default 4)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation first (default 2)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds (implementations alternate; default 3)")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--d-ff", type=int, default=0, help="MLP width (default 4 x d-model)")
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per step over all ranks (default 8)")
+    add_run_args(p, steps=4, warmup=2, rounds=3, d_model=256, layers=8, vocab=8192, seq_len=64, global_batch=8)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="hpctrain's gradient bucket size (zero 0-2)")
     p.add_argument("--prefetch", type=int, default=1, help="parallel.zero_prefetch of the zero-3 row (default 1)")
     p.add_argument("--reshard", default="true", choices=("true", "false"),
                    help="parallel.zero_reshard_after_forward of the zero-3 row (default true, as FSDP2's)")
     p.add_argument("--intra-node", default="auto", choices=("auto", "shm", "mpi"),
                    help="comm.intra_node of the hpctrain rows (default auto, hpctrain's default)")
-    p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes to load (default 2 MB)")
-    p.add_argument("--json", metavar="FILE", help="write records to FILE (JSON list)")
-    p.add_argument("--csv", metavar="FILE", help="write records to FILE (CSV)")
+    add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -110,30 +99,14 @@ class Fsdp2Impl:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from hpctrain.config import load_config, resolve_model
-        from hpctrain.data.sampler import GlobalBatchIterator, SequenceSampler
-        from hpctrain.models.gpt import GPTStage, count_parameters
-
         self.impl = self.name = "fsdp2-gloo"
         self.zero = "fsdp2"
-        self.cfg = cfg = load_config(None, model_overrides(args) + [f"train.steps={total_steps}"])
-        m = resolve_model(cfg.model)
-        self.model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp_comm=None, dtype=torch.float32,
-                              seed=cfg.train.seed)
-        self.params = count_parameters(m)
+        self.cfg, self.model, self.params = peer_model(args, total_steps)
         mesh = init_device_mesh("cpu", (info.size,))
         for block in self.model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}],
-                                           lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-        self.batches = GlobalBatchIterator(SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed),
-                                           cfg.train.global_batch, info.size, info.rank)
-        self.local_tokens = cfg.train.global_batch // info.size * cfg.train.seq_len
+        self.optimizer, self.batches, self.local_tokens = peer_optimizer_and_batches(self.cfg, self.model, info, tokens)
         self.step_count, self.loss = 0, float("nan")
         n, nbytes = info.size, 4 * sum(p.numel() for p in self.model.parameters())  # global sizes (DTensor)
         self.bytes_sent = int(3 * nbytes * (n - 1) / n)

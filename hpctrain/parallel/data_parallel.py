@@ -96,7 +96,6 @@ class Bucket:
     grads: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     param_values: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     param_slice: torch.Tensor | None = None
-    sharded: bool = False  # zero 3: ``param_values`` is gathered only while its unit runs
     slice_out: torch.Tensor | None = None
     incoming: torch.Tensor | None = None
     launches: int = 0  # zero >= 2: reductions started this step (decided by the hooks alone: the same on every rank)
@@ -104,6 +103,11 @@ class Bucket:
     @property
     def size(self) -> int:
         return self.end - self.start
+
+    @property
+    def sharded(self) -> bool:
+        """zero 3: ``param_values`` is gathered only while its unit runs (this rank keeps ``param_slice``)."""
+        return self.param_slice is not None
 
     @property
     def per_microbatch(self) -> bool:
@@ -201,7 +205,6 @@ class FlatParams:
         at = 0
         for b in self.buckets:
             if zero == 3 and not b.deferred:
-                b.sharded = True
                 b.param_slice = self.param_buffer[at:at + b.size // dp]
                 b.param_values = torch.zeros(b.size, dtype=self.param_dtype, device=device)
                 at += b.size // dp

@@ -52,8 +52,11 @@ def test_allreduce_crosses_the_shaped_wire(hosts):
     assert [r["host"] for r in records] == ["h1", "h2"] and all(r["ok"] for r in records), records
     n = 8 * MIB
     # 2 ranks: an allreduce sends about n bytes each way (recursive doubling n, reduce-scatter+allgather 2*n/2)
+    # A rank's own window opens when it leaves the barrier: the peer may already be sending, and the first
+    # segments land before this rank reads its counters. So its rx may miss a few TCP windows (CI saw 46 KB);
+    # the job-wide counts below, read from outside, are exact.
     for r in records:
-        assert n <= r["wire"]["tx_bytes"] <= 1.2 * n and n <= r["wire"]["rx_bytes"] <= 1.2 * n, r
+        assert n <= r["wire"]["tx_bytes"] <= 1.2 * n and 0.95 * n <= r["wire"]["rx_bytes"] <= 1.2 * n, r
         assert r["seconds"] >= 0.8 * n / rate_bytes, r  # the tbf shaping holds (n bytes at 200 Mbit/s)
         assert r["env"]["OMP_NUM_THREADS"] == "1" and r["env"]["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] == "1", r
         assert r["executable"] == sys.executable and str(ROOT) in r["env"]["PYTHONPATH"].split(os.pathsep), r

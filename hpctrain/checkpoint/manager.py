@@ -28,6 +28,7 @@ from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.directory import (REPLACED_SUFFIX, RETIRED_PREFIX, enospc_detail, free_bytes, fsync_path,
                                            human_size, list_checkpoints, read_latest, recover_replaced, retire,
                                            space_shortfall)
+from hpctrain.checkpoint.local_tier import LocalTier
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
 from hpctrain.checkpoint.references import kept_note, referenced
@@ -89,6 +90,7 @@ class CheckpointManager:
         # verify, apply, agree), in seconds: one save or resume runs at a time, on one thread
         self.timer = PhaseTimer()
         self.last_phases: dict[str, float] = {}
+        self.local = LocalTier(ckpt_cfg, grid, run_dir)  # checkpoint.local_dir (off when empty)
 
     # ------------------------------------------------------------------ saving
     def save(self, state: TrainState, sync: bool = False) -> None:
@@ -128,6 +130,7 @@ class CheckpointManager:
     def close(self) -> None:
         try:
             self.wait()
+            self.local.close()
         finally:
             self.comm.mpi.Free()
 
@@ -296,7 +299,10 @@ class CheckpointManager:
         """Load ``what`` ("auto": the newest usable checkpoint of this run's dir; "none"; or a path) into
         the run (``trainer.state``; collective): every rank loads the same one, falling back together
         (``resume.resume``). Returns the path loaded, or None (fresh start: nothing to resume)."""
-        return resuming.resume(self, state, what)
+        loaded = resuming.resume(self, state, what)
+        if not (loaded or "").startswith(resuming.LOCAL_TIER):
+            self.local.clear()  # another lineage from here on: its local pieces must never be taken
+        return loaded
 
     def set_aside_newer(self, step: int) -> list[str]:
         """Rank 0, after resuming at ``step``: move the step directories of later steps into

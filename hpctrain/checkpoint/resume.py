@@ -5,8 +5,9 @@ directory once and broadcasts the candidates, newest first; every rank tries the
 try's problems are agreed on by all ranks (an allgather), so the ranks fall back from a corrupt,
 unreadable or partial checkpoint together, and either all apply the same one or all raise the same
 CheckpointError. All communication runs on the manager's "checkpoint" communicator
-(``CheckpointManager.comm``, a duplicate of the world). ``manager`` below is the run's
-CheckpointManager (what is used of it: ``dir``, ``comm``, ``rank``, ``size``, ``timer``, ``agree``;
+(``CheckpointManager.comm``, a duplicate of the world). With ``checkpoint.local_dir`` set, "auto" first asks
+the node-local tier (local_tier.py) for a step at least as new as the newest global one. ``manager`` below is the run's
+CheckpointManager (what is used of it: ``dir``, ``comm``, ``rank``, ``size``, ``timer``, ``agree``, ``local``;
 ``last_phases`` is set). The callers' entry points are ``CheckpointManager.resume`` and
 ``CheckpointManager.set_aside_newer``.
 """
@@ -20,6 +21,7 @@ from hpctrain.checkpoint.compression_state import ANOTHER_METHOD, OTHER_FREEZE
 from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.directory import fsync_path, list_checkpoints, read_latest, recover_replaced, resolve_latest
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER
+from hpctrain.checkpoint.local_tier import LOCAL_TIER
 from hpctrain.checkpoint.reader import CheckpointReader
 from hpctrain.checkpoint.transfer import ANOTHER_MODEL, BASE_UNUSABLE, CheckpointError, apply_state, read_state
 from hpctrain.errors import HpcTrainError, everywhere
@@ -51,8 +53,11 @@ def resume(manager, state: TrainState, what: str = "auto") -> str | None:
             print(f"hpctrain: WARNING: {os.path.join(manager.dir, LATEST_POINTER)} names {named}, which does not "
                   f"exist; looking for the newest complete checkpoint instead", file=sys.stderr, flush=True)
         others = sorted((r for r in records if r["complete"] and not r["latest"]), key=lambda r: -r["step"])
-        choice = [r["path"] for r in latest + others]
-    candidates = manager.comm.broadcast_object(choice, root=0)
+        choice = ([r["path"] for r in latest + others], max((r["step"] for r in latest + others), default=None))
+    candidates, newest_step = manager.comm.broadcast_object(choice, root=0)
+    local = manager.local.resume(state, newest_step)  # the node-local tier, when as new as the newest global one
+    if local:
+        return local
     failures = []
     for path in candidates:
         problem = try_load(manager, path, state)

@@ -155,6 +155,18 @@ class CheckpointConfig:
         "`mpio`: one HDF5 file written collectively with MPI-IO (needs h5py built with MPI); `shards`: one file "
         "per rank joined by HDF5 virtual datasets; `auto`: mpio when available, else shards."))
     dir: str = key("", help="Where checkpoints go. Empty = `<train.run_dir>/checkpoints`.")
+    local_dir: str = key("", help=(
+        "The node-local tier (docs/fault-tolerance.md): a path on each node (`/dev/shm`, `$TMPDIR`, local NVMe) where "
+        "every rank keeps its own state for this layout every `checkpoint.local_interval` steps, from a host copy "
+        "taken in the step and written in the background. `$VARS` and `{hostname}` are expanded. `--resume auto` "
+        "takes it when it is at least as new as the newest global checkpoint, every piece verifies and the "
+        "layout is the same. Empty = off."))
+    local_interval: int = key(0, min=0, help=(
+        "Steps between two saves to `checkpoint.local_dir` (needs it set). 0 = no local saves."))
+    replicas: int = key(0, choices=(0, 1, 2), help=(
+        "Partner ranks on other nodes that also keep each rank's local piece (MPI point-to-point in the "
+        "background): a replaced node's pieces are rebuilt from them. Needs `checkpoint.local_dir` and more nodes "
+        "than replicas."))
 
 
 @dataclass

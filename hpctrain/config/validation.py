@@ -108,6 +108,7 @@ def validate(cfg: Config) -> None:
              f"{cfg.compression.method!r} cannot compress (it needs the whole bucket): use parallel.zero <= 1 "
              f"or compression.method='none'")
     _check_onebit_adam(cfg.compression, cfg.optim)
+    _check_local_tier(cfg.checkpoint)
     _check_monitor(cfg.monitor)
 
 
@@ -120,6 +121,16 @@ def _check_onebit_adam(comp: CompressionConfig, optim: OptimConfig) -> None:
     _require(comp.warmup_steps > 0, "compression.warmup_steps",
              "must be > 0 with compression.method='onebit-adam' (its dense AdamW steps: with 0 the variance "
              "would freeze at its initial zeros)")
+
+
+def _check_local_tier(ckpt) -> None:
+    """The node-local tier's keys come together: a directory and an interval; replicas only with both."""
+    _require(not ckpt.local_dir or ckpt.local_interval > 0, "checkpoint.local_interval",
+             f"must be > 0 when checkpoint.local_dir is set ({ckpt.local_dir!r}): how many steps between local saves")
+    _require(ckpt.local_interval == 0 or bool(ckpt.local_dir), "checkpoint.local_dir",
+             f"is empty but checkpoint.local_interval={ckpt.local_interval}: name a node-local path (/dev/shm, $TMPDIR)")
+    _require(ckpt.replicas == 0 or bool(ckpt.local_dir), "checkpoint.replicas",
+             f"{ckpt.replicas} needs checkpoint.local_dir (the replicas live in the partners' local tier)")
 
 
 def _check_monitor(mon: MonitorConfig) -> None:

@@ -203,6 +203,12 @@ def _steps(run: Run) -> None:
                 checkpoints.save(trainer.state)
                 policy.record_save(checkpoints.last_save_s)  # None until the first save completes
                 metrics.time_s["checkpoint"] = round(trainer.parts.timer.take("checkpoint"), 6)
+        if checkpoints.local.due(trainer.step) and trainer.step < run.last_step:
+            trainer.read_pending()
+            if trainer.diverged is None:  # the node-local tier: the step blocks for a host copy only
+                checkpoints.local.save(trainer.state)
+                metrics.time_s["checkpoint"] = round(metrics.time_s.get("checkpoint", 0.0)
+                                                     + trainer.parts.timer.take("checkpoint"), 6)
         _log_finished(run)
         if trainer.diverged or trainer.agreed_stop:
             break

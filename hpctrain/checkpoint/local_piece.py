@@ -1,0 +1,211 @@
+"""One rank's piece of the node-local tier: its whole training state for THIS layout, as one raw file.
+
+A piece is ``<name>.bin`` (every tensor's bytes, 64-byte aligned, back to back) and ``<name>.json`` (its
+index: per tensor name, dtype, shape, byte offset, CRC-32; the root state; the layout it was written for).
+The json is written last and renamed into place, so a piece whose json exists is complete; the CRCs catch
+what happened to the bytes since. Nothing here communicates (local_tier.py moves pieces between ranks).
+
+What a piece holds of a rank (``piece_tensors``, through the ``TrainState`` contract only):
+  ``range<i>/params`` and ``range<i>/<kind>``  each owned optimizer range (parameters, Adam moments, masters)
+  ``param<i>/<name>``   a parameter's local slab, unless an owned range holds all of it in the same storage
+                        (sharded ZeRO-3 parameters never: their values are the ranges)
+  ``reducer/<key>``     the dp reducer's state (error-feedback residuals, PowerSGD Q)
+  ``rng``               the torch CPU generator
+Loading needs the same layout: the same names, dtypes and shapes, checked before anything is copied.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from hpctrain.checkpoint.contract import TrainState
+from hpctrain.checkpoint.directory import fsync_path
+from hpctrain.errors import HpcTrainError
+
+PIECE_FORMAT = "hpctrain-local-piece"
+PIECE_VERSION = 1
+ALIGN = 64
+
+
+def piece_tensors(state: TrainState) -> list[tuple[str, torch.Tensor]]:
+    """This rank's tensors of a piece, in a fixed order (views into the run: copying into them restores it)."""
+    tensors = state.tensors()
+    out: list[tuple[str, torch.Tensor]] = []
+    for i, owned in enumerate(tensors.ranges):
+        out.append((f"range{i}/params", owned.params))
+        out.extend((f"range{i}/{kind}", owned.state[kind]) for kind in tensors.state_kinds)
+    owned_elements: dict[str, int] = {}
+    for piece in tensors.pieces:
+        owned_elements[piece.spec.name] = owned_elements.get(piece.spec.name, 0) + piece.hi - piece.lo
+    range_storages = {r.params.untyped_storage().data_ptr() for r in tensors.ranges}
+    for i, p in enumerate(tensors.params):
+        in_ranges = (owned_elements.get(p.spec.name, 0) == p.data.numel()
+                     and p.data.untyped_storage().data_ptr() in range_storages)
+        if not p.sharded and not in_ranges:
+            out.append((f"param{i}/{p.spec.name}", p.data))
+    out.extend((f"reducer/{key}", value) for key, value in state.reducer.state_dict().items())
+    out.append(("rng", state.rng_state()))
+    return out
+
+
+@dataclass
+class Entry:
+    name: str
+    dtype: str  # torch dtype name, e.g. "float32"
+    shape: tuple[int, ...]
+    offset: int  # bytes into the .bin
+    nbytes: int
+    crc: int = 0
+
+
+@dataclass
+class Piece:
+    """A piece in host memory: ``data`` (uint8, the .bin's bytes) and ``meta`` (the .json: ``entries`` and
+    the root state under ``root``)."""
+
+    data: torch.Tensor
+    entries: list[Entry]
+    meta: dict = field(default_factory=dict)
+
+    def view(self, entry: Entry) -> torch.Tensor:
+        raw = self.data[entry.offset:entry.offset + entry.nbytes]
+        return raw.view(getattr(torch, entry.dtype)).view(entry.shape)
+
+    def index(self) -> dict:
+        """The .json document."""
+        return {**self.meta, "format": PIECE_FORMAT, "version": PIECE_VERSION, "nbytes": self.data.numel(),
+                "tensors": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes, e.crc] for e in self.entries]}
+
+
+def layout_of(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[Entry], int]:
+    """Entries (offsets 64-byte aligned) for ``tensors`` and the bytes they need."""
+    entries, at = [], 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        entries.append(Entry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), at, nbytes))
+        at += -(-nbytes // ALIGN) * ALIGN
+    return entries, at
+
+
+class SnapshotBuffer:
+    """A host buffer reused by every local save of a run (no allocation, no page faults in the step): ``take``
+    copies this rank's tensors into it, pinned + non-blocking copies and one synchronisation from a GPU."""
+
+    def __init__(self):
+        self.piece: Piece | None = None
+
+    def take(self, state: TrainState, meta: dict) -> Piece:
+        tensors = piece_tensors(state)
+        entries, total = layout_of(tensors)
+        cuda = any(t.is_cuda for _, t in tensors)
+        if self.piece is None or self.piece.data.numel() != total or \
+                [(e.name, e.dtype, e.shape) for e in entries] != [(e.name, e.dtype, e.shape) for e in self.piece.entries]:
+            self.piece = Piece(torch.empty(total, dtype=torch.uint8, pin_memory=cuda), entries)
+        piece = self.piece
+        for (_, t), entry in zip(tensors, piece.entries):
+            piece.view(entry).copy_(t.detach(), non_blocking=cuda)
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+        piece.meta = meta
+        return piece
+
+
+def checksum(piece: Piece) -> None:
+    """Fill every entry's CRC-32 (the background thread's work, off the step)."""
+    raw = piece.data.numpy()
+    for e in piece.entries:
+        e.crc = zlib.crc32(raw[e.offset:e.offset + e.nbytes].data) & 0xFFFFFFFF
+
+
+def write_piece(piece: Piece, directory: str, name: str) -> str:
+    """Write ``<directory>/<name>.bin`` then ``.json`` (each to a temporary name, fsynced, renamed): the json's
+    presence means a complete piece. Returns the json's path."""
+    os.makedirs(directory, exist_ok=True)
+    base = os.path.join(directory, name)
+    for suffix, write in ((".bin", lambda f: f.write(memoryview(piece.data.numpy()))),
+                          (".json", lambda f: f.write(json.dumps(piece.index()).encode()))):
+        tmp = base + suffix + ".tmp"
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, base + suffix)
+    fsync_path(directory)
+    return base + ".json"
+
+
+def read_index(path_json: str) -> dict:
+    """The .json of a piece (OSError, ValueError on a missing or damaged one)."""
+    with open(path_json, encoding="utf-8") as f:
+        doc = json.load(f)
+    if doc.get("format") != PIECE_FORMAT:
+        raise ValueError(f"{path_json}: not an hpctrain local piece")
+    return doc
+
+
+def piece_from(doc: dict, data: torch.Tensor) -> Piece:
+    entries = [Entry(n, d, tuple(s), o, b, c) for n, d, s, o, b, c in doc["tensors"]]
+    meta = {k: v for k, v in doc.items() if k not in ("tensors", "format", "version", "nbytes")}
+    return Piece(data, entries, meta)
+
+
+def read_piece(path_json: str) -> Piece:
+    """The piece whose index is ``path_json`` (its .bin beside it), unchecked."""
+    doc = read_index(path_json)
+    path_bin = path_json.removesuffix(".json") + ".bin"
+    data = torch.empty(int(doc["nbytes"]), dtype=torch.uint8)
+    with open(path_bin, "rb") as f:
+        got = f.readinto(memoryview(data.numpy()))
+    if got != data.numel():
+        raise ValueError(f"{path_bin}: {got} bytes, its index says {data.numel()} (truncated)")
+    return piece_from(doc, data)
+
+
+def problems_of(piece: Piece, state: TrainState) -> str | None:
+    """Why ``piece`` cannot be loaded into this rank's run (a checksum, a tensor of another name, dtype or
+    shape: another layout or model), or None."""
+    for e in piece.entries:
+        actual = zlib.crc32(piece.data.numpy()[e.offset:e.offset + e.nbytes].data) & 0xFFFFFFFF
+        if actual != e.crc:
+            return f"tensor {e.name}: checksum mismatch (stored {e.crc:08x}, data {actual:08x}): corrupted"
+    signature = json.loads(json.dumps(state.reducer.signature()))
+    if piece.meta.get("signature", {}) != signature:
+        return "written with another gradient reducer (compression.* or layout differ)"
+    try:
+        state.check_sampler(piece.meta["root"]["sampler"])
+    except HpcTrainError as exc:
+        return str(exc)
+    ours = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in piece_tensors(state)
+            if not n.startswith("reducer/") and n != "rng"]
+    theirs = [(e.name, e.dtype, e.shape) for e in piece.entries if not e.name.startswith("reducer/") and e.name != "rng"]
+    if ours != theirs:
+        differing = next((f"{a} here, {b} there" for a, b in zip(ours, theirs) if a != b),
+                         f"{len(ours)} tensors here, {len(theirs)} there")
+        return f"written for another layout or model ({differing})"
+    return None
+
+
+@torch.no_grad()
+def apply_piece(piece: Piece, state: TrainState) -> None:
+    """Copy a checked piece (``problems_of`` None) into the run: tensors, reducer, RNG, steps, sampler, scaler."""
+    live = dict(piece_tensors(state))
+    reducer = {}
+    for e in piece.entries:
+        if e.name.startswith("reducer/"):
+            reducer[e.name.removeprefix("reducer/")] = piece.view(e).clone()
+        elif e.name == "rng":
+            state.set_rng_state(piece.view(e).clone())
+        else:
+            live[e.name].copy_(piece.view(e))
+    root = piece.meta["root"]
+    state.set_steps(int(root["step"]), int(root["optimizer_step"]))
+    state.load_sampler(root["sampler"])
+    if root.get("loss_scaler"):
+        state.load_loss_scaler(root["loss_scaler"])
+    state.reducer.load_state_dict(reducer)
+    if piece.meta.get("base_reference") is not None:
+        state.base_reference = piece.meta["base_reference"]

@@ -1,0 +1,368 @@
+"""The node-local checkpoint tier (``checkpoint.local_dir``): saving every rank's piece in the background,
+sending it to partner ranks on other nodes, and resuming from it (docs/fault-tolerance.md).
+
+Directory (one per run and node): ``<local_dir>/hpctrain-<run key>/step-NNNNNNNN/`` with ``rank-RRRRR.{bin,json}``
+(a rank's own piece, local_piece.py) and ``replica-RRRRR.{bin,json}`` (rank RRRRR's piece, kept for it by a
+partner). The run key is a hash of the run directory's real path, so runs sharing a node's /dev/shm never
+meet. Each rank keeps its two newest steps.
+
+Partners: the j-th replica (j = 1..``checkpoint.replicas``) of the rank with node-local index l on node n is
+kept by the rank of local index l (mod that node's size) on node (n + j) mod nodes: always another node.
+
+Resume (``resume``, collective on the tier's own communicator): every rank lists what it holds; from that
+one allgathered inventory every rank computes the same plan: the newest step at least as new as the
+newest global checkpoint for which every rank's piece exists, its own or a replica. A rank reads its own
+piece, or receives it from the partner that keeps it (point-to-point); checksums and layout are checked;
+the problems are agreed. A bad piece is named in one line and its next source is tried; a rank with no
+source left sends the whole run to the global tier. The plan only shrinks, so this never loops.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+import torch
+
+from hpctrain.checkpoint.contract import TrainState
+from hpctrain.checkpoint.items import CheckpointError
+from hpctrain.checkpoint.local_piece import (Piece, SnapshotBuffer, apply_piece, checksum, piece_from, problems_of,
+                                             read_index, read_piece, write_piece)
+from hpctrain.comm.collectives import Communicator
+from hpctrain.config import config_to_dict
+from hpctrain.errors import everywhere
+from hpctrain.runtime.launcher import missing_thread_multiple
+
+STEP_PREFIX = "step-"
+KEEP_STEPS = 2
+LOCAL_TIER = "the local tier"  # how a resume from it is described (CheckpointManager.resume tells it apart)
+CHUNK = 256 << 20  # bytes per point-to-point message (MPI counts are ints)
+
+
+def expand(local_dir: str) -> str:
+    """``checkpoint.local_dir`` on this node: environment variables and ``{hostname}`` expanded."""
+    return os.path.expandvars(os.path.expanduser(local_dir)).replace("{hostname}", socket.gethostname())
+
+
+def run_key(run_dir: str) -> str:
+    return hashlib.sha1(os.path.realpath(run_dir).encode()).hexdigest()[:12]
+
+
+def partners(rank: int, replicas: int, node_of_rank, local_rank_of_rank) -> list[int]:
+    """The ranks that keep ``rank``'s piece, one per replica, each on another node (fewer when the job has
+    fewer nodes than ``replicas`` + 1)."""
+    nodes = max(node_of_rank) + 1
+    by_node: dict[int, list[int]] = {}
+    for r, n in enumerate(node_of_rank):
+        by_node.setdefault(n, []).append(r)
+    for members in by_node.values():
+        members.sort(key=lambda r: local_rank_of_rank[r])
+    node, local = node_of_rank[rank], local_rank_of_rank[rank]
+    out = []
+    for j in range(1, min(replicas, nodes - 1) + 1):
+        members = by_node[(node + j) % nodes]
+        out.append(members[local % len(members)])
+    return out
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"{STEP_PREFIX}{step:08d}")
+
+
+def own_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def replica_name(rank: int) -> str:
+    return f"replica-{rank:05d}"
+
+
+class LocalTier:
+    """One run's node-local tier on this rank. Collective to build (it duplicates the world communicator);
+    ``enabled`` False (no ``checkpoint.local_dir``) makes every method a no-op."""
+
+    def __init__(self, ckpt_cfg, grid, run_dir: str):
+        self.enabled = bool(ckpt_cfg.local_dir)
+        self.interval = ckpt_cfg.local_interval
+        self.rank = grid.info.rank
+        self.last_block_s: float | None = None  # the step's stall of the last local save
+        self.last_write_s: float | None = None  # its background part (checksums, write, replicas)
+        self.saved_steps: list[int] = []
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._buffer = SnapshotBuffer()
+        if not self.enabled:
+            return
+        self.root = os.path.join(expand(ckpt_cfg.local_dir), f"hpctrain-{run_key(run_dir)}")
+        self.run_dir = os.path.realpath(run_dir)
+        info = grid.info
+        self.holders = partners(self.rank, ckpt_cfg.replicas, info.node_of_rank, info.local_rank_of_rank)
+        self.sources = [r for r in range(info.size)
+                        if self.rank in partners(r, ckpt_cfg.replicas, info.node_of_rank, info.local_rank_of_rank)]
+        if ckpt_cfg.replicas and len(self.holders) < ckpt_cfg.replicas and self.rank == 0:
+            print(f"hpctrain: WARNING: checkpoint.replicas={ckpt_cfg.replicas} needs {ckpt_cfg.replicas + 1} nodes; "
+                  f"this job has {info.num_nodes}: {len(self.holders)} replica(s) per piece", file=sys.stderr,
+                  flush=True)
+        problem = missing_thread_multiple("checkpoint.local_dir (pieces are written and sent on a thread)")
+        if problem:  # the same on every rank: refused without communication
+            raise everywhere(CheckpointError(problem + "; or leave checkpoint.local_dir empty"))
+        world = grid.world
+        with world.watched("local checkpoint communicator (Dup)"):
+            duplicate = world.mpi.Dup()
+        self.comm = Communicator(duplicate, "local-checkpoint", world.members, grid.watchdog, grid.stats,
+                                 check=world.check)
+        self.layout = dict(grid.sizes)
+
+    # ------------------------------------------------------------------ saving
+    def due(self, step: int) -> bool:
+        return self.enabled and step % self.interval == 0
+
+    def save(self, state: TrainState) -> None:
+        """Take this rank's piece at the current step (collective only in the background: the replicas). The
+        step blocks for waiting on the previous local save and the host copy (``checkpoint`` phase)."""
+        if not self.enabled:
+            return
+        started = time.perf_counter()
+        with state.timer.phase("checkpoint"):
+            self.wait()
+            root = state.root_state()
+            meta = {"step": root.step, "rank": self.rank, "world_size": state.world_size,
+                    "layout": dict(state.layout), "run_dir": self.run_dir,
+                    "root": {"step": root.step, "optimizer_step": root.optimizer_step, "sampler": root.sampler,
+                             "loss_scaler": root.loss_scaler},
+                    "signature": json.loads(json.dumps(state.reducer.signature())),
+                    "base_reference": state.base_reference, "hostname": socket.gethostname(),
+                    "config": config_to_dict(state.config)}
+            piece = self._buffer.take(state, meta)
+            self._thread = threading.Thread(target=self._background, args=(piece,), name="hpctrain-local-ckpt",
+                                            daemon=True)
+            self._thread.start()
+        self.last_block_s = time.perf_counter() - started
+
+    def _background(self, piece: Piece) -> None:
+        try:
+            started = time.perf_counter()
+            step = piece.meta["step"]
+            checksum(piece)
+            write_piece(piece, step_dir(self.root, step), own_name(self.rank))
+            for source, received in self._exchange(piece):
+                write_piece(received, step_dir(self.root, step), replica_name(source))
+            self._prune(step)
+            self.saved_steps.append(step)
+            self.last_write_s = time.perf_counter() - started
+        except BaseException as exc:  # reported by wait() on the main thread
+            self._error = exc
+
+    def _exchange(self, piece: Piece) -> list[tuple[int, Piece]]:
+        """Send ``piece`` to every holder and receive the pieces of every source (collective between partners)."""
+        if not self.holders and not self.sources:
+            return []
+        index = json.dumps(piece.index()).encode()
+        header = torch.tensor([piece.data.numel(), len(index)], dtype=torch.int64)
+        headers = {s: torch.zeros(2, dtype=torch.int64) for s in self.sources}
+        self.comm.exchange([(header, h, 1) for h in self.holders],
+                           [(headers[s], s, 1) for s in self.sources]).wait()
+        blobs = {s: (torch.empty(int(headers[s][0]), dtype=torch.uint8), torch.empty(int(headers[s][1]), dtype=torch.uint8))
+                 for s in self.sources}
+        mine = torch.frombuffer(bytearray(index), dtype=torch.uint8)
+        sends = [(chunk, h, 2) for h in self.holders for chunk in _chunks(piece.data)] + \
+                [(mine, h, 3) for h in self.holders]
+        recvs = [(chunk, s, 2) for s in self.sources for chunk in _chunks(blobs[s][0])] + \
+                [(blobs[s][1], s, 3) for s in self.sources]
+        self.comm.exchange(sends, recvs).wait()
+        return [(s, piece_from(json.loads(bytes(blobs[s][1].numpy())), blobs[s][0])) for s in self.sources]
+
+    def _prune(self, newest: int) -> None:
+        """Delete this rank's own and replica files of all but its ``KEEP_STEPS`` newest steps."""
+        mine = (own_name(self.rank),) + tuple(replica_name(s) for s in self.sources)
+        steps = sorted(step for step in _steps_in(self.root) if step <= newest)
+        for step in steps[:-KEEP_STEPS]:
+            directory = step_dir(self.root, step)
+            for name in mine:
+                for suffix in (".json", ".bin"):  # the index first: a half-deleted piece is no piece
+                    try:
+                        os.remove(os.path.join(directory, name + suffix))
+                    except FileNotFoundError:
+                        pass
+            try:
+                os.rmdir(directory)  # the last rank of the node to prune it
+            except OSError:
+                pass
+
+    def wait(self) -> None:
+        """Block until the previous local save is written and sent; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise everywhere(CheckpointError(f"local checkpoint in {self.root} failed: {error}")) from error
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        try:
+            self.wait()
+        finally:
+            self.comm.mpi.Free()
+
+    def clear(self) -> None:
+        """Remove this rank's files from the tier (a start that did not resume from it: another lineage)."""
+        if not self.enabled:
+            return
+        mine = {own_name(self.rank)} | {replica_name(s) for s in self.sources}
+        for step in _steps_in(self.root):
+            directory = step_dir(self.root, step)
+            for name in mine:
+                for suffix in (".json", ".bin"):
+                    try:
+                        os.remove(os.path.join(directory, name + suffix))
+                    except FileNotFoundError:
+                        pass
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ resuming
+    def inventory(self, layout: dict, world_size: int) -> dict:
+        """What this rank holds for this layout: {"own": {step: path}, "replicas": {source: {step: path}}}."""
+        own: dict[int, str] = {}
+        replicas: dict[int, dict[int, str]] = {}
+        for step in _steps_in(self.root):
+            directory = step_dir(self.root, step)
+            for name in os.listdir(directory) if os.path.isdir(directory) else ():
+                if not name.endswith(".json"):
+                    continue
+                path = os.path.join(directory, name)
+                try:
+                    doc = read_index(path)
+                except (OSError, ValueError):
+                    continue  # a damaged index: not offered (the fallback says nothing of it, the plan skips it)
+                if doc.get("layout") != layout or doc.get("world_size") != world_size or \
+                        doc.get("run_dir") != self.run_dir or doc.get("step") != step:
+                    continue
+                if name == own_name(self.rank) + ".json":
+                    own[step] = path
+                elif name.startswith("replica-") and doc.get("rank") in self.sources:
+                    replicas.setdefault(int(doc["rank"]), {})[step] = path
+        return {"own": own, "replicas": replicas, "hostname": socket.gethostname()}
+
+    def resume(self, state: TrainState, newest_global: int | None) -> str | None:
+        """Collective on the tier's communicator: load the newest local step >= ``newest_global`` (None: no
+        global checkpoint) that every rank can get, falling back piece by piece to replicas; returns a
+        description of what was loaded, or None (the global tier is next). Every rank returns the same."""
+        if not self.enabled:
+            return None
+        mine = self.inventory(dict(state.layout), state.world_size)
+        everyone = self.comm.allgather_object(mine)
+        steps = sorted({s for inv in everyone for s in inv["own"]} |
+                       {s for inv in everyone for held in inv["replicas"].values() for s in held}, reverse=True)
+        steps = [s for s in steps if newest_global is None or s >= newest_global]
+        if not steps:
+            return None
+        step = steps[0]
+        sources = {}  # rank -> [(holder, path)], own piece first
+        for r in range(self.comm.size):
+            options = [(r, everyone[r]["own"][step])] if step in everyone[r]["own"] else []
+            options += [(h, inv["replicas"][r][step]) for h, inv in enumerate(everyone)
+                        if r in inv["replicas"] and step in inv["replicas"][r]]
+            sources[r] = options
+        while True:
+            missing = [r for r, options in sources.items() if not options]
+            if missing:
+                if self.rank == 0:
+                    print(f"hpctrain: WARNING: local tier: step {step} has no usable piece of rank(s) "
+                          f"{_ranks(missing)} (no own piece, no replica left); resuming from the global tier",
+                          file=sys.stderr, flush=True)
+                return None
+            plan = {r: options[0] for r, options in sources.items()}
+            piece, error = self._fetch(plan)
+            if error is None:
+                error = problems_of(piece, state)
+            errors = self.comm.allgather_object(None if error is None else (plan[self.rank], error))
+            bad = {r: e for r, e in enumerate(errors) if e}
+            if not bad:
+                apply_piece(piece, state)
+                rebuilt = [r for r, (holder, _) in plan.items() if holder != r]
+                return (f"{LOCAL_TIER} ({step_dir(self.root, step)}" +
+                        (f"; rank(s) {_ranks(rebuilt)} rebuilt from replicas" if rebuilt else "") + ")")
+            for r, ((holder, path), problem) in bad.items():
+                if self.rank == 0:
+                    print(f"hpctrain: WARNING: local tier: the piece of rank {r} at step {step} "
+                          f"({everyone[holder]['hostname']}:{path}, kept by rank {holder}) is unusable: {problem}; "
+                          + ("trying its replica" if len(sources[r]) > 1 else "no replica left"),
+                          file=sys.stderr, flush=True)
+                sources[r] = sources[r][1:]
+
+    def _fetch(self, plan: dict[int, tuple[int, str]]) -> tuple[Piece | None, str | None]:
+        """Every rank gets its piece from the rank the plan names (itself: read from disk; another: that rank
+        reads its replica file and sends it). Returns (piece, None) or (None, why)."""
+        serve = {r: path for r, (holder, path) in plan.items() if holder == self.rank and r != self.rank}
+        holder, path = plan[self.rank]
+        loaded: dict[int, tuple[Piece | None, str | None]] = {}
+        for r, p in list(serve.items()) + ([(self.rank, path)] if holder == self.rank else []):
+            try:
+                loaded[r] = (read_piece(p), None)
+            except (OSError, ValueError, KeyError) as exc:
+                loaded[r] = (None, f"unreadable: {exc}")
+        # headers: [bin bytes, json bytes] or [-1, message bytes]
+        sends, recvs, payload = [], [], {}
+        for r in serve:
+            piece, error = loaded[r]
+            if piece is None:
+                text = (error or "").encode()
+                payload[r] = (torch.zeros(0, dtype=torch.uint8), torch.frombuffer(bytearray(text or b" "), dtype=torch.uint8))
+                sends.append((torch.tensor([-1, len(text or b" ")], dtype=torch.int64), r, 4))
+            else:
+                index = json.dumps(piece.index()).encode()
+                payload[r] = (piece.data, torch.frombuffer(bytearray(index), dtype=torch.uint8))
+                sends.append((torch.tensor([piece.data.numel(), len(index)], dtype=torch.int64), r, 4))
+        header = torch.zeros(2, dtype=torch.int64)
+        if holder != self.rank:
+            recvs.append((header, holder, 4))
+        if sends or recvs:
+            self.comm.exchange(sends, recvs).wait()
+        sends, recvs = [], []
+        for r, (data, index) in payload.items():
+            sends += [(chunk, r, 5) for chunk in _chunks(data)] + [(index, r, 6)]
+        if holder != self.rank:
+            data = torch.empty(max(int(header[0]), 0), dtype=torch.uint8)
+            index = torch.empty(int(header[1]), dtype=torch.uint8)
+            recvs += [(chunk, holder, 5) for chunk in _chunks(data)] + [(index, holder, 6)]
+        if sends or recvs:
+            self.comm.exchange(sends, recvs).wait()
+        if holder == self.rank:
+            return loaded[self.rank]
+        if int(header[0]) < 0:
+            return None, bytes(index.numpy()).decode()
+        try:
+            return piece_from(json.loads(bytes(index.numpy())), data), None
+        except (ValueError, KeyError) as exc:
+            return None, f"damaged index: {exc}"
+
+
+def _chunks(data: torch.Tensor) -> list[torch.Tensor]:
+    return [data[i:i + CHUNK] for i in range(0, data.numel(), CHUNK)]
+
+
+def _steps_in(root: str) -> list[int]:
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for name in os.listdir(root):
+        if name.startswith(STEP_PREFIX):
+            try:
+                steps.append(int(name[len(STEP_PREFIX):]))
+            except ValueError:
+                continue
+    return sorted(steps)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+

@@ -230,9 +230,11 @@ class LocalTier:
 
     # ------------------------------------------------------------------ resuming
     def inventory(self, layout: dict, world_size: int) -> dict:
-        """What this rank holds for this layout: {"own": {step: path}, "replicas": {source: {step: path}}}."""
+        """What this rank holds of this run: {"own": {step: path}, "replicas": {source: {step: path}}} for this
+        layout, and "other_layout": {step: layout} for pieces written for another one."""
         own: dict[int, str] = {}
         replicas: dict[int, dict[int, str]] = {}
+        other: dict[int, dict] = {}
         for step in _steps_in(self.root):
             directory = step_dir(self.root, step)
             for name in os.listdir(directory) if os.path.isdir(directory) else ():
@@ -242,62 +244,71 @@ class LocalTier:
                 try:
                     doc = read_index(path)
                 except (OSError, ValueError):
-                    continue  # a damaged index: not offered (the fallback says nothing of it, the plan skips it)
-                if doc.get("layout") != layout or doc.get("world_size") != world_size or \
-                        doc.get("run_dir") != self.run_dir or doc.get("step") != step:
+                    continue  # a damaged index: not offered
+                if doc.get("run_dir") != self.run_dir or doc.get("step") != step:
                     continue
-                if name == own_name(self.rank) + ".json":
+                if doc.get("layout") != layout or doc.get("world_size") != world_size:
+                    other[step] = doc.get("layout")
+                elif name == own_name(self.rank) + ".json":
                     own[step] = path
                 elif name.startswith("replica-") and doc.get("rank") in self.sources:
                     replicas.setdefault(int(doc["rank"]), {})[step] = path
-        return {"own": own, "replicas": replicas, "hostname": socket.gethostname()}
+        return {"own": own, "replicas": replicas, "other_layout": other, "hostname": socket.gethostname()}
 
     def resume(self, state: TrainState, newest_global: int | None) -> str | None:
         """Collective on the tier's communicator: load the newest local step >= ``newest_global`` (None: no
-        global checkpoint) that every rank can get, falling back piece by piece to replicas; returns a
-        description of what was loaded, or None (the global tier is next). Every rank returns the same."""
+        global checkpoint) of which every rank can get its piece (its own or a replica), falling back piece by
+        piece to the replicas; returns a description of what was loaded, or None (the global tier is next).
+        Every rank returns the same. Steps some rank lacks (a save cut short by the failure) are skipped."""
         if not self.enabled:
             return None
-        mine = self.inventory(dict(state.layout), state.world_size)
-        everyone = self.comm.allgather_object(mine)
-        steps = sorted({s for inv in everyone for s in inv["own"]} |
-                       {s for inv in everyone for held in inv["replicas"].values() for s in held}, reverse=True)
-        steps = [s for s in steps if newest_global is None or s >= newest_global]
-        if not steps:
+        everyone = self.comm.allgather_object(self.inventory(dict(state.layout), state.world_size))
+
+        def options(r: int, step: int) -> list[tuple[int, str]]:
+            own = [(r, everyone[r]["own"][step])] if step in everyone[r]["own"] else []
+            return own + [(h, inv["replicas"][r][step]) for h, inv in enumerate(everyone)
+                          if r in inv["replicas"] and step in inv["replicas"][r]]
+        held = {s for inv in everyone for s in inv["own"]} | \
+               {s for inv in everyone for kept in inv["replicas"].values() for s in kept}
+        recent = sorted((s for s in held if newest_global is None or s >= newest_global), reverse=True)
+        whole = [s for s in recent if all(options(r, s) for r in range(self.comm.size))]
+        other = sorted({s for inv in everyone for s in inv["other_layout"]
+                        if newest_global is None or s >= newest_global})
+        if not whole:
+            if self.rank == 0 and (recent or other):
+                why = (f"step {recent[0]} lacks the pieces of rank(s) "
+                       f"{_ranks([r for r in range(self.comm.size) if not options(r, recent[0])])}" if recent else
+                       f"step {other[-1]} was written for another layout "
+                       f"({_layout(next(inv['other_layout'][other[-1]] for inv in everyone if other[-1] in inv['other_layout']))}, "
+                       f"now {_layout(dict(state.layout))})")
+                print(f"hpctrain: local tier: nothing to resume from ({why}); resuming from the global tier",
+                      file=sys.stderr, flush=True)
             return None
-        step = steps[0]
-        sources = {}  # rank -> [(holder, path)], own piece first
-        for r in range(self.comm.size):
-            options = [(r, everyone[r]["own"][step])] if step in everyone[r]["own"] else []
-            options += [(h, inv["replicas"][r][step]) for h, inv in enumerate(everyone)
-                        if r in inv["replicas"] and step in inv["replicas"][r]]
-            sources[r] = options
+        step = whole[0]
+        sources = {r: options(r, step) for r in range(self.comm.size)}
         while True:
-            missing = [r for r, options in sources.items() if not options]
-            if missing:
-                if self.rank == 0:
-                    print(f"hpctrain: WARNING: local tier: step {step} has no usable piece of rank(s) "
-                          f"{_ranks(missing)} (no own piece, no replica left); resuming from the global tier",
-                          file=sys.stderr, flush=True)
-                return None
-            plan = {r: options[0] for r, options in sources.items()}
+            plan = {r: found[0] for r, found in sources.items()}
             piece, error = self._fetch(plan)
-            if error is None:
+            if error is None and piece is not None:
                 error = problems_of(piece, state)
-            errors = self.comm.allgather_object(None if error is None else (plan[self.rank], error))
+            errors = self.comm.allgather_object(error)
             bad = {r: e for r, e in enumerate(errors) if e}
             if not bad:
+                assert piece is not None
                 apply_piece(piece, state)
                 rebuilt = [r for r, (holder, _) in plan.items() if holder != r]
                 return (f"{LOCAL_TIER} ({step_dir(self.root, step)}" +
                         (f"; rank(s) {_ranks(rebuilt)} rebuilt from replicas" if rebuilt else "") + ")")
-            for r, ((holder, path), problem) in bad.items():
+            for r, problem in bad.items():
+                holder, path = plan[r]
+                sources[r] = sources[r][1:]
                 if self.rank == 0:
                     print(f"hpctrain: WARNING: local tier: the piece of rank {r} at step {step} "
                           f"({everyone[holder]['hostname']}:{path}, kept by rank {holder}) is unusable: {problem}; "
-                          + ("trying its replica" if len(sources[r]) > 1 else "no replica left"),
+                          + ("trying its replica" if sources[r] else "no replica left: resuming from the global tier"),
                           file=sys.stderr, flush=True)
-                sources[r] = sources[r][1:]
+            if not all(sources.values()):
+                return None
 
     def _fetch(self, plan: dict[int, tuple[int, str]]) -> tuple[Piece | None, str | None]:
         """Every rank gets its piece from the rank the plan names (itself: read from disk; another: that rank
@@ -361,6 +372,10 @@ def _steps_in(root: str) -> list[int]:
             except ValueError:
                 continue
     return sorted(steps)
+
+
+def _layout(layout: dict | None) -> str:
+    return " x ".join(f"{axis}{size}" for axis, size in (layout or {}).items() if axis not in ("zero", "world"))
 
 
 def _ranks(ranks: list[int]) -> str:

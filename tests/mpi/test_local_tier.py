@@ -1,0 +1,111 @@
+"""The node-local checkpoint tier (checkpoint.local_dir) on two emulated nodes (UTS namespaces, each with its own
+``{hostname}`` directory): a run killed mid-step resumes from it bitwise; a lost node's pieces come from the
+replicas; a flipped byte falls back to the replica, then to the global tier, each in one line; another layout
+skips it. One killed run serves every case (its files are put back before each)."""
+import json
+import shutil
+import sys
+
+import pytest
+
+from mpirun import ROOT, run_mpi
+
+HOSTS = ["h1", "h2"]
+ARGS = ["--config", "configs/tiny.toml", "data.max_bytes=300000", "train.seq_len=32", "model.n_layers=2",
+        "train.dtype=float64", "parallel.pp=1", "parallel.tp=1", "train.steps=12", "checkpoint.interval=6"]
+
+
+def train(run_dir, *extra, resume="auto", env=None, check=True):
+    return run_mpi(2, "hpctrain.cli", "train", *ARGS, f"train.run_dir={run_dir}", f"--resume={resume}", *extra,
+                   module=True, fake_nodes=HOSTS, env=env, check=check, timeout=120)
+
+
+def losses(run_dir) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def flip_byte(path, at=100):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x40
+    path.write_bytes(data)
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """An uninterrupted reference run, and a run whose rank 1 was killed in step 11 (local saves at 4 and 8,
+    global at 6): its run directory and both nodes' tiers, kept aside to be put back before each case."""
+    base = tmp_path_factory.mktemp("local")
+    ref = base / "ref"
+    train(ref, resume="none")
+    run, local = base / "run", base / "local"
+    tier = [f"checkpoint.local_dir={local}/{{hostname}}", "checkpoint.local_interval=4", "checkpoint.replicas=1"]
+    out = train(run, *tier, resume="none", env={"HPCTRAIN_FAULT": "rank=1,step=11,phase=forward,action=kill"},
+                check=False)
+    assert out.returncode != 0
+    shutil.copytree(run, base / "run.kept")
+    shutil.copytree(local, base / "local.kept")
+    yield {"ref": losses(ref), "ref_dir": ref, "run": run, "local": local, "base": base, "tier": tier}
+
+
+def put_back(k):
+    for name in ("run", "local"):
+        shutil.rmtree(k[name], ignore_errors=True)
+        shutil.copytree(k["base"] / f"{name}.kept", k[name])
+    return k["run"]
+
+
+def step8(k, host):
+    (tier,) = (k["local"] / host).iterdir()
+    return tier / "step-00000008"
+
+
+def resumed(k, out, step: int):
+    """The run went on from ``step`` to the end, every loss from there bitwise the reference's."""
+    assert f"at step {step} " in out.stdout, out.output[-3000:]
+    got = losses(k["run"])
+    assert max(got) == 12 and all(got[s] == k["ref"][s] for s in range(step + 1, 13)), (got, k["ref"])
+
+
+def test_a_lost_node_is_rebuilt_from_the_replicas_and_the_run_goes_on_bitwise(killed):
+    run = put_back(killed)
+    shutil.rmtree(killed["local"] / "h2")  # the node and its local disk are gone
+    out = train(run, *killed["tier"])
+    assert "resumed from the local tier" in out.stdout and "rank(s) 1 rebuilt from replicas" in out.stdout, out.output
+    resumed(killed, out, 8)  # newer than the global step 6
+    diff = run_mpi(1, "hpctrain.cli", "ckpt", "diff", str(run), str(killed["ref_dir"]), module=True, check=False)
+    assert diff.returncode == 0, diff.output
+
+
+def test_a_flipped_byte_falls_back_to_the_replica_then_to_the_global_tier_in_one_line(killed):
+    run = put_back(killed)
+    flip_byte(step8(killed, "h1") / "rank-00000.bin")
+    out = train(run, *killed["tier"])
+    warnings = [line for line in out.stderr.splitlines() if "local tier:" in line]
+    assert len(warnings) == 1 and "rank 0 at step 8" in warnings[0] and "checksum mismatch" in warnings[0] \
+        and "trying its replica" in warnings[0], out.stderr
+    assert "rank(s) 0 rebuilt from replicas" in out.stdout
+    resumed(killed, out, 8)
+
+    run = put_back(killed)  # now its replica too: the global tier (step 6), never NaN, never a loop
+    flip_byte(step8(killed, "h1") / "rank-00000.bin")
+    flip_byte(step8(killed, "h2") / "replica-00000.bin", at=5000)
+    out = train(run, *killed["tier"])
+    warnings = [line for line in out.stderr.splitlines() if "local tier:" in line]
+    assert len(warnings) == 2 and "no replica left: resuming from the global tier" in warnings[1], out.stderr
+    assert "resumed from the local tier" not in out.stdout
+    resumed(killed, out, 6)
+
+
+def test_another_layout_skips_the_local_tier_in_one_line(killed):
+    run = put_back(killed)
+    out = train(run, *killed["tier"], "parallel.tp=2")
+    assert "step 8 was written for another layout (dp2 x pp1 x cp1 x tp1, now dp1 x pp1 x cp1 x tp2)" in out.stderr, out.stderr
+    assert "at step 6 " in out.stdout and "local tier (" not in out.stdout
+
+
+def test_bad_local_tier_keys_are_refused_in_one_line(tmp_path):
+    out = run_mpi(2, "hpctrain.cli", "train", *ARGS, f"train.run_dir={tmp_path}", "checkpoint.local_interval=2",
+                  module=True, check=False, timeout=60)
+    assert out.returncode == 2 and "checkpoint.local_dir" in out.stderr, out.output
+    assert not (tmp_path / "metrics.jsonl").exists()

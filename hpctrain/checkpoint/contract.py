@@ -20,7 +20,7 @@ What a checkpoint holds of a rank (docs/checkpoint-format.md):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -152,6 +152,10 @@ class TrainState(Protocol):
 
     def root_state(self) -> RootState:
         """The scalars now."""
+
+    def before_next_update(self, wait: Callable[[], None]) -> None:
+        """Call ``wait()`` once, right before the next optimizer update: until then the parameters and the
+        optimizer state (``tensors()``) do not change, so a copy of them may run meanwhile."""
 
     def set_steps(self, step: int, optimizer_step: int) -> None:
         """Set the training step and the optimizer's update count (the two differ after skipped steps)."""

@@ -19,6 +19,7 @@ import json
 import os
 import zlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -92,13 +93,15 @@ def layout_of(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[Entry], int
 
 
 class SnapshotBuffer:
-    """A host buffer reused by every local save of a run (no allocation, no page faults in the step): ``take``
-    copies this rank's tensors into it, pinned + non-blocking copies and one synchronisation from a GPU."""
+    """A host buffer reused by every local save of a run (no allocation, no page faults in the step). ``take``
+    copies the small tensors (reducer state, RNG: they change in the next forward and backward) at once and
+    returns the copies of the rest (parameters, optimizer state: unchanged until the next update) as a
+    callable, for a background thread: pinned + non-blocking copies and one synchronisation from a GPU."""
 
     def __init__(self):
         self.piece: Piece | None = None
 
-    def take(self, state: TrainState, meta: dict) -> Piece:
+    def take(self, state: TrainState, meta: dict) -> tuple[Piece, Callable[[], None]]:
         tensors = piece_tensors(state)
         entries, total = layout_of(tensors)
         cuda = any(t.is_cuda for _, t in tensors)
@@ -106,12 +109,17 @@ class SnapshotBuffer:
                 [(e.name, e.dtype, e.shape) for e in entries] != [(e.name, e.dtype, e.shape) for e in self.piece.entries]:
             self.piece = Piece(torch.empty(total, dtype=torch.uint8, pin_memory=cuda), entries)
         piece = self.piece
-        for (_, t), entry in zip(tensors, piece.entries):
-            piece.view(entry).copy_(t.detach(), non_blocking=cuda)
-        if cuda:
-            torch.cuda.current_stream().synchronize()
         piece.meta = meta
-        return piece
+        now = [(t, e) for (name, t), e in zip(tensors, piece.entries) if name == "rng" or name.startswith("reducer/")]
+        later = [(t, e) for (name, t), e in zip(tensors, piece.entries) if not (name == "rng" or name.startswith("reducer/"))]
+
+        def copy(pairs) -> None:
+            for t, entry in pairs:
+                piece.view(entry).copy_(t.detach(), non_blocking=cuda)
+            if cuda:
+                torch.cuda.current_stream().synchronize()
+        copy(now)
+        return piece, lambda: copy(later)
 
 
 def checksum(piece: Piece) -> None:
@@ -126,7 +134,7 @@ def write_piece(piece: Piece, directory: str, name: str) -> str:
     presence means a complete piece. Returns the json's path."""
     os.makedirs(directory, exist_ok=True)
     base = os.path.join(directory, name)
-    for suffix, write in ((".bin", lambda f: f.write(memoryview(piece.data.numpy()))),
+    for suffix, write in ((".bin", lambda f: f.write(piece.data.numpy().data)),
                           (".json", lambda f: f.write(json.dumps(piece.index()).encode()))):
         tmp = base + suffix + ".tmp"
         with open(tmp, "wb") as f:
@@ -159,7 +167,7 @@ def read_piece(path_json: str) -> Piece:
     path_bin = path_json.removesuffix(".json") + ".bin"
     data = torch.empty(int(doc["nbytes"]), dtype=torch.uint8)
     with open(path_bin, "rb") as f:
-        got = f.readinto(memoryview(data.numpy()))
+        got = f.readinto(data.numpy().data)
     if got != data.numel():
         raise ValueError(f"{path_bin}: {got} bytes, its index says {data.numel()} (truncated)")
     return piece_from(doc, data)

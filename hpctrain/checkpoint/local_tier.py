@@ -123,7 +123,9 @@ class LocalTier:
 
     def save(self, state: TrainState) -> None:
         """Take this rank's piece at the current step (collective only in the background: the replicas). The
-        step blocks for waiting on the previous local save and the host copy (``checkpoint`` phase)."""
+        step blocks for waiting on the previous local save and the copy of the small tensors (``checkpoint``
+        phase); parameters and optimizer state are copied by the background thread while the next forward and
+        backward run, and the next update waits for that copy (``TrainState.before_next_update``)."""
         if not self.enabled:
             return
         started = time.perf_counter()
@@ -137,15 +139,21 @@ class LocalTier:
                     "signature": json.loads(json.dumps(state.reducer.signature())),
                     "base_reference": state.base_reference, "hostname": socket.gethostname(),
                     "config": config_to_dict(state.config)}
-            piece = self._buffer.take(state, meta)
-            self._thread = threading.Thread(target=self._background, args=(piece,), name="hpctrain-local-ckpt",
-                                            daemon=True)
+            piece, copy_rest = self._buffer.take(state, meta)
+            copied = threading.Event()
+            self._thread = threading.Thread(target=self._background, args=(piece, copy_rest, copied),
+                                            name="hpctrain-local-ckpt", daemon=True)
             self._thread.start()
+            state.before_next_update(lambda: None if copied.wait() else None)  # the update waits for the copy, the forward and backward do not
         self.last_block_s = time.perf_counter() - started
 
-    def _background(self, piece: Piece) -> None:
+    def _background(self, piece: Piece, copy_rest, copied: threading.Event) -> None:
         try:
             started = time.perf_counter()
+            try:
+                copy_rest()  # parameters and optimizer state: they change only at the next update
+            finally:
+                copied.set()
             step = piece.meta["step"]
             checksum(piece)
             write_piece(piece, step_dir(self.root, step), own_name(self.rank))
@@ -168,7 +176,7 @@ class LocalTier:
                            [(headers[s], s, 1) for s in self.sources]).wait()
         blobs = {s: (torch.empty(int(headers[s][0]), dtype=torch.uint8), torch.empty(int(headers[s][1]), dtype=torch.uint8))
                  for s in self.sources}
-        mine = torch.frombuffer(bytearray(index), dtype=torch.uint8)
+        mine = _bytes_tensor(index)
         sends = [(chunk, h, 2) for h in self.holders for chunk in _chunks(piece.data)] + \
                 [(mine, h, 3) for h in self.holders]
         recvs = [(chunk, s, 2) for s in self.sources for chunk in _chunks(blobs[s][0])] + \
@@ -234,7 +242,7 @@ class LocalTier:
         layout, and "other_layout": {step: layout} for pieces written for another one."""
         own: dict[int, str] = {}
         replicas: dict[int, dict[int, str]] = {}
-        other: dict[int, dict] = {}
+        other: dict[int, dict | None] = {}
         for step in _steps_in(self.root):
             directory = step_dir(self.root, step)
             for name in os.listdir(directory) if os.path.isdir(directory) else ():
@@ -325,14 +333,14 @@ class LocalTier:
         sends, recvs, payload = [], [], {}
         for r in serve:
             piece, error = loaded[r]
-            if piece is None:
-                text = (error or "").encode()
-                payload[r] = (torch.zeros(0, dtype=torch.uint8), torch.frombuffer(bytearray(text or b" "), dtype=torch.uint8))
-                sends.append((torch.tensor([-1, len(text or b" ")], dtype=torch.int64), r, 4))
+            if piece is None:  # the header says so; the "index" is the reason
+                reason = _bytes_tensor((error or "unreadable").encode())
+                payload[r] = (torch.zeros(0, dtype=torch.uint8), reason)
+                sends.append((torch.tensor([-1, reason.numel()], dtype=torch.int64), r, 4))
             else:
-                index = json.dumps(piece.index()).encode()
-                payload[r] = (piece.data, torch.frombuffer(bytearray(index), dtype=torch.uint8))
-                sends.append((torch.tensor([piece.data.numel(), len(index)], dtype=torch.int64), r, 4))
+                index = _bytes_tensor(json.dumps(piece.index()).encode())
+                payload[r] = (piece.data, index)
+                sends.append((torch.tensor([piece.data.numel(), index.numel()], dtype=torch.int64), r, 4))
         header = torch.zeros(2, dtype=torch.int64)
         if holder != self.rank:
             recvs.append((header, holder, 4))
@@ -341,20 +349,25 @@ class LocalTier:
         sends, recvs = [], []
         for r, (data, index) in payload.items():
             sends += [(chunk, r, 5) for chunk in _chunks(data)] + [(index, r, 6)]
+        got_data = torch.empty(max(int(header[0]), 0), dtype=torch.uint8)
+        got_index = torch.empty(int(header[1]), dtype=torch.uint8)
         if holder != self.rank:
-            data = torch.empty(max(int(header[0]), 0), dtype=torch.uint8)
-            index = torch.empty(int(header[1]), dtype=torch.uint8)
-            recvs += [(chunk, holder, 5) for chunk in _chunks(data)] + [(index, holder, 6)]
+            recvs += [(chunk, holder, 5) for chunk in _chunks(got_data)] + [(got_index, holder, 6)]
         if sends or recvs:
             self.comm.exchange(sends, recvs).wait()
         if holder == self.rank:
             return loaded[self.rank]
+        text = bytes(got_index.numpy())
         if int(header[0]) < 0:
-            return None, bytes(index.numpy()).decode()
+            return None, f"unreadable on rank {holder}: {text.decode(errors='replace')}"
         try:
-            return piece_from(json.loads(bytes(index.numpy())), data), None
+            return piece_from(json.loads(text), got_data), None
         except (ValueError, KeyError) as exc:
             return None, f"damaged index: {exc}"
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data or b" "), dtype=torch.uint8)
 
 
 def _chunks(data: torch.Tensor) -> list[torch.Tensor]:

@@ -54,6 +54,9 @@ class TrainerState:
         parts = t.parts
         return RootState(t.step, parts.optimizer.step_count, parts.data.batches.state_dict(), parts.scaler.state_dict())
 
+    def before_next_update(self, wait) -> None:
+        self._trainer.before_update.append(wait)
+
     def set_steps(self, step: int, optimizer_step: int) -> None:
         self._trainer.step = step
         self._trainer.parts.optimizer.step_count = optimizer_step

@@ -44,6 +44,7 @@ class Trainer:
         self._loss_ops = [pp_comm.recurring_broadcast(self._loss_value, root=pp_comm.size - 1)] \
             if pp_comm.size > 1 else []
         self._loss_ops.append(grid.comm(grid.replica_axis).recurring_allreduce(self._loss_value))
+        self.before_update: list = []  # one-shot callables run before the next update (TrainState.before_next_update)
         self.state = TrainerState(self)  # what checkpoints save and restore
 
     @property
@@ -116,6 +117,8 @@ class Trainer:
         lr = lr_at(self._step, t)
         metrics = StepMetrics(self._step + 1, None, lr, None, 0.0, 0.0, 0.0, None, None, None)
         skip_on_host = outcomes.before_update(metrics)
+        while self.before_update:  # e.g. a local checkpoint still copying the parameters and optimizer state
+            self.before_update.pop(0)()
         parts.faults.hit("optimizer", self._step + 1, flat.param_buffer)
         if not skip_on_host:
             with timer.phase("optimizer"):

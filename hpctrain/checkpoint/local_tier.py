@@ -95,6 +95,7 @@ class LocalTier:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffer = SnapshotBuffer()
+        self._warned = False  # a local write failed on this rank (said once)
         if not self.enabled:
             return
         self.root = os.path.join(expand(ckpt_cfg.local_dir), f"hpctrain-{run_key(run_dir)}")
@@ -148,6 +149,10 @@ class LocalTier:
         self.last_block_s = time.perf_counter() - started
 
     def _background(self, piece: Piece, copy_rest, copied: threading.Event) -> None:
+        """Copy, checksum, write the own piece, exchange with the partners, write their pieces, prune. A file
+        that cannot be written (a full /dev/shm, a missing disk) costs that piece only: one warning per rank,
+        and the exchange still runs (the partners wait for it); errors of the copy or the exchange are
+        raised by ``wait``."""
         try:
             started = time.perf_counter()
             try:
@@ -156,14 +161,34 @@ class LocalTier:
                 copied.set()
             step = piece.meta["step"]
             checksum(piece)
-            write_piece(piece, step_dir(self.root, step), own_name(self.rank))
+            failed = self._write(piece, step, own_name(self.rank))
             for source, received in self._exchange(piece):
-                write_piece(received, step_dir(self.root, step), replica_name(source))
-            self._prune(step)
-            self.saved_steps.append(step)
+                failed = self._write(received, step, replica_name(source)) or failed
+            if not failed:
+                self._prune(step)
+                self.saved_steps.append(step)
             self.last_write_s = time.perf_counter() - started
         except BaseException as exc:  # reported by wait() on the main thread
             self._error = exc
+
+    def _write(self, piece: Piece, step: int, name: str) -> bool:
+        """Write one piece; on an OS error remove what it left, warn (once per run on this rank), return True."""
+        directory = step_dir(self.root, step)
+        try:
+            write_piece(piece, directory, name)
+            return False
+        except OSError as exc:
+            for suffix in (".json", ".bin", ".json.tmp", ".bin.tmp"):
+                try:
+                    os.remove(os.path.join(directory, name + suffix))
+                except OSError:
+                    pass
+            if not self._warned:
+                self._warned = True
+                print(f"hpctrain: WARNING: rank {self.rank}: local checkpoint of step {step} not written "
+                      f"({exc.filename or os.path.join(directory, name + '.bin')}: {exc.strerror or exc}); training goes on, the global tier "
+                      f"(checkpoint.interval) still saves", file=sys.stderr, flush=True)
+            return True
 
     def _exchange(self, piece: Piece) -> list[tuple[int, Piece]]:
         """Send ``piece`` to every holder and receive the pieces of every source (collective between partners)."""

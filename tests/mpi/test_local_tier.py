@@ -3,6 +3,7 @@
 replicas; a flipped byte falls back to the replica, then to the global tier, each in one line; another layout
 skips it. One killed run serves every case (its files are put back before each)."""
 import json
+import re
 import shutil
 import sys
 
@@ -109,3 +110,30 @@ def test_bad_local_tier_keys_are_refused_in_one_line(tmp_path):
                   module=True, check=False, timeout=60)
     assert out.returncode == 2 and "checkpoint.local_dir" in out.stderr, out.output
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_full_local_disk_costs_the_local_pieces_only(killed, tmp_path):
+    """/dev/shm too small for a piece (a real 1 MiB tmpfs): one warning per rank, the run trains on unchanged
+    and ends with its global checkpoint."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        run = tmp_path / "run"
+        out = train(run, f"checkpoint.local_dir={small}/{{hostname}}", "checkpoint.local_interval=2",
+                    "checkpoint.replicas=1", resume="none")
+        said = re.findall(r"WARNING: rank (\d): local checkpoint of step \d+ not written \(([^)]*)\); training goes on",
+                          out.stderr)  # the two ranks' lines may interleave
+        assert sorted(rank for rank, _ in said) == ["0", "1"], out.stderr
+        assert all(why.endswith(": No space left on device") for _, why in said), said
+        assert losses(run) == killed["ref"]
+        assert (run / "checkpoints" / "step-00000012").is_dir()
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)

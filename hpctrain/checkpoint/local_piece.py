@@ -96,7 +96,7 @@ class SnapshotBuffer:
     """A host buffer reused by every local save of a run (no allocation, no page faults in the step). ``take``
     copies the small tensors (reducer state, RNG: they change in the next forward and backward) at once and
     returns the copies of the rest (parameters, optimizer state: unchanged until the next update) as a
-    callable, for a background thread: pinned + non-blocking copies and one synchronisation from a GPU."""
+    callable, for a background thread (from a GPU into pinned memory, each copy complete when it returns)."""
 
     def __init__(self):
         self.piece: Piece | None = None
@@ -113,11 +113,9 @@ class SnapshotBuffer:
         now = [(t, e) for (name, t), e in zip(tensors, piece.entries) if name == "rng" or name.startswith("reducer/")]
         later = [(t, e) for (name, t), e in zip(tensors, piece.entries) if not (name == "rng" or name.startswith("reducer/"))]
 
-        def copy(pairs) -> None:
+        def copy(pairs) -> None:  # blocking copies: done when it returns, on whichever thread (and its device)
             for t, entry in pairs:
-                piece.view(entry).copy_(t.detach(), non_blocking=cuda)
-            if cuda:
-                torch.cuda.current_stream().synchronize()
+                piece.view(entry).copy_(t.detach())
         copy(now)
         return piece, lambda: copy(later)
 

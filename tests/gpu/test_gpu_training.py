@@ -85,3 +85,18 @@ def test_gpu_checkpoint_resumes_on_cpu_and_back(tmp_path):
 def test_nccl_on_one_rank_trains_and_exchanges(tmp_path):
     result = train(1, tmp_path, "train.steps=3", "train.device=cuda", "parallel.backend=nccl")
     assert "backend nccl" in result.stdout
+
+
+def test_gpu_local_tier_resumes_a_killed_run_like_an_uninterrupted_cpu_run(tmp_path):
+    """checkpoint.local_dir on CUDA: the background thread copies device tensors into pinned memory while the
+    next step runs; a rank killed mid-run resumes from those pieces and ends where the CPU run ends."""
+    common = ["train.steps=8", "train.dtype=float64", "checkpoint.interval=0", "parallel.tp=1"]
+    tier = [f"checkpoint.local_dir={tmp_path}/local", "checkpoint.local_interval=2"]
+    train(2, tmp_path / "whole", "train.device=cpu", *common)
+    killed = run_mpi(2, "hpctrain.cli", "train", "--config", "configs/tiny.toml", *FAST, *common, *tier,
+                     f"train.run_dir={tmp_path / 'chain'}", "train.device=cuda", module=True, timeout=300,
+                     check=False, env={"HPCTRAIN_FAULT": "rank=1,step=6,phase=forward,action=kill"})
+    assert killed.returncode != 0
+    out = train(2, tmp_path / "chain", "train.device=cuda", *common, *tier, "--resume", "auto")
+    assert "resumed from the local tier" in out.stdout, out.output
+    assert abs(losses(tmp_path / "chain")[-1] - losses(tmp_path / "whole")[-1]) < 1e-10

@@ -112,11 +112,28 @@ class LocalTier:
         if problem:  # the same on every rank: refused without communication
             raise everywhere(CheckpointError(problem + "; or leave checkpoint.local_dir empty"))
         world = grid.world
+        problems = [p for p in world.allgather_object(self._unusable(ckpt_cfg.local_dir)) if p]
+        if problems:  # a missing or read-only local disk on any node: said before the first step, on every rank
+            raise everywhere(CheckpointError(f"checkpoint.local_dir={ckpt_cfg.local_dir!r} is not usable: "
+                                             + "; ".join(problems[:3])
+                                             + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")))
         with world.watched("local checkpoint communicator (Dup)"):
             duplicate = world.mpi.Dup()
         self.comm = Communicator(duplicate, "local-checkpoint", world.members, grid.watchdog, grid.stats,
                                  check=world.check)
         self.layout = dict(grid.sizes)
+
+    def _unusable(self, configured: str) -> str | None:
+        """Why this rank cannot write into its tier directory (created here), or None."""
+        probe = os.path.join(self.root, f".probe-{self.rank}")
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"hpctrain")
+            os.remove(probe)
+        except OSError as exc:
+            return f"{exc.filename or self.root}: {exc.strerror or exc} (rank {self.rank} on {socket.gethostname()})"
+        return None
 
     # ------------------------------------------------------------------ saving
     def due(self, step: int) -> bool:

@@ -54,7 +54,8 @@ def test_a_killed_rank_is_relaunched_in_the_allocation_from_the_local_tier(slurm
 
 def test_a_lost_node_without_a_spare_shrinks_the_run_onto_the_nodes_left(slurm, tmp_path):
     run_dir, whole = tmp_path / "run", tmp_path / "whole"
-    common = ["train.steps=40", "checkpoint.interval=2", "train.micro_batch_size=2", "train.dtype=float64"]
+    common = ["train.steps=40", "checkpoint.interval=2", "train.micro_batch_size=2", "parallel.microbatches=1",
+              "train.dtype=float64"]  # global_batch 8: 2 micro-batches per replica at dp=2, 4 at dp=1
     job, env = submit(slurm, run_dir, *common, "--restarts", "1", extra=["-N2", "--no-kill"])
     try:
         step4 = run_dir / "checkpoints" / "step-00000004" / "COMPLETE"

@@ -110,6 +110,15 @@ def test_bad_local_tier_keys_are_refused_in_one_line(tmp_path):
                   module=True, check=False, timeout=60)
     assert out.returncode == 2 and "checkpoint.local_dir" in out.stderr, out.output
     assert not (tmp_path / "metrics.jsonl").exists()
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the local directory should be")
+    out = run_mpi(2, "hpctrain.cli", "train", *ARGS, f"train.run_dir={tmp_path / 'run'}", "--resume=none",
+                  f"checkpoint.local_dir={blocked}/{{hostname}}", "checkpoint.local_interval=2", module=True,
+                  fake_nodes=HOSTS, check=False, timeout=60)
+    said = [line for line in out.stderr.splitlines() if "is not usable" in line]
+    assert out.returncode == 2 and len(said) == 1, out.output
+    assert "checkpoint.local_dir=" in said[0] and "rank 0 on h1" in said[0] and "rank 1 on h2" in said[0], said
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and blocked.read_text().startswith("a file")
 
 
 def test_a_full_local_disk_costs_the_local_pieces_only(killed, tmp_path):

@@ -69,6 +69,27 @@ def partners(rank: int, replicas: int, node_of_rank, local_rank_of_rank) -> list
     return out
 
 
+def tier_root(local_dir: str, run_dir: str) -> str:
+    """This node's tier directory of the run in ``run_dir``."""
+    return os.path.join(expand(local_dir), f"hpctrain-{run_key(run_dir)}")
+
+
+def newest_held(local_dir: str, run_dir: str) -> int | None:
+    """The newest step of which this node's tier holds a piece of the run (any rank's, own or replica), or
+    None: what a start looks at before deciding to resume (train/run_dir.py)."""
+    root = tier_root(local_dir, run_dir)
+    held = [step for step in _steps_in(root)
+            if any(name.endswith(".json") for name in _names(step_dir(root, step)))]
+    return max(held, default=None)
+
+
+def _names(directory: str) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []
+
+
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"{STEP_PREFIX}{step:08d}")
 
@@ -98,7 +119,7 @@ class LocalTier:
         self._warned = False  # a local write failed on this rank (said once)
         if not self.enabled:
             return
-        self.root = os.path.join(expand(ckpt_cfg.local_dir), f"hpctrain-{run_key(run_dir)}")
+        self.root = tier_root(ckpt_cfg.local_dir, run_dir)
         self.run_dir = os.path.realpath(run_dir)
         info = grid.info
         self.holders = partners(self.rank, ckpt_cfg.replicas, info.node_of_rank, info.local_rank_of_rank)

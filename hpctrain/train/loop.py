@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpctrain.checkpoint.directory import list_checkpoints
+from hpctrain.checkpoint.local_tier import newest_held
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.references import protect
 from hpctrain.comm.grid import ProcessGrid
@@ -328,10 +329,14 @@ def _lock_run_dir(cfg, grid, resume: str | None):
         problem = str(exc)
     except OSError as exc:
         problem = f"train.run_dir={cfg.train.run_dir}: cannot create the run directory: {exc.strerror or exc}"
+    local_step = None  # the newest step any node's local tier holds of this run (checkpoint.local_dir)
+    if cfg.checkpoint.local_dir:
+        local_step = max((s for s in grid.world.allgather_object(newest_held(cfg.checkpoint.local_dir, cfg.train.run_dir))
+                          if s is not None), default=None)
     if grid.info.rank == 0 and not problem:
         try:
             decision = decide_start(cfg.train.run_dir, cfg.checkpoint.dir or os.path.join(cfg.train.run_dir, "checkpoints"),
-                                    resume)
+                                    resume, local_step)
         except OSError as exc:
             decision = None
             problem = f"train.run_dir={cfg.train.run_dir}: cannot read the earlier run: {exc}"

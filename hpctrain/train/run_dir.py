@@ -12,6 +12,7 @@ on a Prometheus port in use, leaves it where it was):
 | not given     | no                | fresh start; an earlier run's files are set aside (below)         |
 | ``none``      | any               | fresh start; the earlier run's files and checkpoints set aside    |
 | ``auto``      | yes               | resume from the newest usable checkpoint (metrics appended)       |
+|               |                   | (a node-local tier's pieces of the run count as checkpoints too)  |
 | ``auto``      | no                | fresh start; an earlier run's files are set aside                 |
 | ``PATH``      | any               | resume from PATH (metrics appended)                               |
 
@@ -92,18 +93,21 @@ def set_aside(paths: list[str], run_dir: str, checkpoint_dir: str, stamp: str | 
     return target
 
 
-def decide_start(run_dir: str, checkpoint_dir: str, resume: str | None) -> StartDecision:
+def decide_start(run_dir: str, checkpoint_dir: str, resume: str | None, local_step: int | None = None) -> StartDecision:
     """Rank 0, under the run lock: how this start treats what ``run_dir`` already holds (table above).
-    ``resume`` is the ``--resume`` argument, None where it was not given (outside a batch job)."""
+    ``resume`` is the ``--resume`` argument, None where it was not given (outside a batch job); ``local_step``
+    the newest step any node's local tier (``checkpoint.local_dir``) holds of this run: checkpoints too."""
     if resume not in (None, "none", "auto"):
         return StartDecision(resume)
     steps = _complete_steps(checkpoint_dir)
-    if resume is None and steps:
+    if resume is None and (steps or local_step is not None):
+        where = (f"checkpoints up to step {max(steps)} in {checkpoint_dir}" if steps else
+                 f"local checkpoints up to step {local_step} in checkpoint.local_dir")
         return StartDecision("none", problem=(
-            f"train.run_dir={run_dir} already holds a run (checkpoints up to step {max(steps)} in "
-            f"{checkpoint_dir}): continue it with --resume auto, or start over with --resume none "
-            f"(its files are moved to {os.path.join(run_dir, SUPERSEDED)}/), or choose another train.run_dir"))
-    if resume == "auto" and steps:
+            f"train.run_dir={run_dir} already holds a run ({where}): continue it with --resume auto, or start "
+            f"over with --resume none (its files are moved to {os.path.join(run_dir, SUPERSEDED)}/), or choose "
+            f"another train.run_dir"))
+    if resume == "auto" and (steps or local_step is not None):
         return StartDecision("auto")
     return StartDecision("none", earlier=_earlier_outputs(run_dir, checkpoint_dir))
 

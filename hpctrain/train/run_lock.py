@@ -9,7 +9,9 @@ directory would prune each other's checkpoints and flip ``latest``). A lock foun
   modification time (the heartbeat) is younger than ``STALE_S``;
 - **stale** (taken over, with a warning): its pid is gone on this host; its heartbeat is older than
   ``STALE_S``; or it belongs to an earlier attempt of THIS Slurm job (same ``SLURM_JOB_ID``, lower
-  ``SLURM_RESTART_COUNT``: Slurm ends an attempt before requeueing it, on whatever node it ran).
+  ``SLURM_RESTART_COUNT``: Slurm ends an attempt before requeueing it, on whatever node it ran), or, on
+  another host, to an earlier job step of this attempt (same job and restart count, lower ``SLURM_STEP_ID``:
+  ``slurm/train.sbatch --restarts`` starts its next ``srun`` only once the failed one has ended).
 
 Every step is atomic on POSIX file systems, NFS and Lustre alike, using only operations those
 guarantee to be atomic on the server: a lock is created complete (written to a private file, then
@@ -42,6 +44,12 @@ TAKEOVER_SUFFIX = ".takeover"
 HEARTBEAT_S = 30.0
 STALE_S = 300.0
 TAKEOVER_STALE_S = 60.0  # a takeover file this old was left by a contender that died mid-takeover
+
+
+def _step_id(environ) -> int | None:
+    """``$SLURM_STEP_ID`` as a number (a batch script's relaunched ``srun`` gets the next one), else None."""
+    text = env.slurm_step_id(environ)
+    return int(text) if text is not None and text.isdigit() else None
 
 
 class RunDirInUse(HpcTrainError):
@@ -91,7 +99,7 @@ class DirectoryLock:
         self.held = False
         self.created: list[str] = []  # directories ``acquire`` made (absent before), deepest first
         self.me: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.slurm_job_id(environ),
-                   "restart": env.slurm_restart_count(environ), "started": time.time(),
+                   "restart": env.slurm_restart_count(environ), "step": _step_id(environ), "started": time.time(),
                    "token": uuid.uuid4().hex}
 
     def acquire(self) -> str | None:
@@ -139,6 +147,9 @@ class DirectoryLock:
             return f"an earlier attempt of this Slurm job (restart {owner.get('restart') or 0})"
         if owner.get("host") == self.me["host"]:
             return None if process_alive(int(owner.get("pid", -1))) else "its process is gone"
+        if owner.get("job") and owner.get("job") == self.me["job"] and int(owner.get("restart") or 0) == self.me["restart"] \
+                and owner.get("step") is not None and self.me["step"] is not None and owner["step"] < self.me["step"]:
+            return f"an earlier job step of this Slurm job (step {owner['step']}: relaunched inside the allocation)"
         return f"no heartbeat for {age:.0f} s" if age >= STALE_S else None
 
     def _take_over(self, mine: str, judged: dict) -> bool:

@@ -63,3 +63,15 @@ def test_a_path_resumes_and_an_empty_directory_is_a_plain_fresh_start(tmp_path):
 
 def test_inside_a_batch_job_a_missing_resume_means_auto():
     assert default_resume({"SLURM_JOB_ID": "7"}) == "auto" and default_resume({}) is None
+
+
+def test_pieces_in_a_local_tier_count_as_checkpoints(tmp_path):
+    from hpctrain.train.run_dir import decide_start
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert decide_start(str(run), str(run / "checkpoints"), "auto", local_step=4).resume == "auto"
+    refused = decide_start(str(run), str(run / "checkpoints"), None, local_step=4)
+    assert refused.problem and "local checkpoints up to step 4 in checkpoint.local_dir" in refused.problem
+    assert decide_start(str(run), str(run / "checkpoints"), "auto").resume == "none"  # nothing anywhere

@@ -57,6 +57,17 @@ def test_a_requeued_slurm_job_takes_over_its_own_lock_from_another_node_at_once(
     requeued.release()
 
 
+def test_a_step_relaunched_in_the_same_allocation_takes_over_its_dead_steps_lock_from_another_node(tmp_path):
+    foreign_lock(tmp_path, age=1, job="55", restart=0, step=0)  # fresh heartbeat: the node died with step 0
+    job = {"SLURM_JOB_ID": "55", "SLURM_RESTART_COUNT": "0"}
+    with pytest.raises(RunDirInUse):  # the same step is no relaunch
+        RunLock(str(tmp_path), enabled=True, environ={**job, "SLURM_STEP_ID": "0"}).acquire()
+    relaunched = RunLock(str(tmp_path), enabled=True, environ={**job, "SLURM_STEP_ID": "1"})
+    assert "earlier job step of this Slurm job (step 0" in relaunched.acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["step"] == 1
+    relaunched.release()
+
+
 def test_a_shared_checkpoint_dir_is_locked_too(tmp_path):
     shared = tmp_path / "ckpts"
     first = RunLock(str(tmp_path / "a"), enabled=True, checkpoint_dir=str(shared))

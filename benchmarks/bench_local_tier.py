@@ -55,6 +55,8 @@ FIELDS = ["impl", "op", "ranks", "bytes", "seconds", "seconds_min", "seconds_max
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small", help="model preset (default small)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="more config overrides, e.g. --set model.d_model=768 (repeatable)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="rounds of each measurement (default 3; median)")
     p.add_argument("--local-dir", default="/dev/shm/hpctrain-bench-local/{hostname}",
@@ -74,7 +76,7 @@ def config(args, size: int, run_dir: str, replicas: int):
                               "parallel.pp=1", "train.steps=100000", "train.progress=false",
                               f"train.run_dir={run_dir}", f"data.max_bytes={args.max_bytes}",
                               "checkpoint.async=true", "checkpoint.keep=2", f"checkpoint.local_dir={args.local_dir}",
-                              "checkpoint.local_interval=1", f"checkpoint.replicas={replicas}"])
+                              "checkpoint.local_interval=1", f"checkpoint.replicas={replicas}", *args.set])
 
 
 def blocking(args, comm, cfg, tokens) -> tuple[list[dict], int]:

@@ -4,7 +4,8 @@ sending it to partner ranks on other nodes, and resuming from it (docs/fault-tol
 Directory (one per run and node): ``<local_dir>/hpctrain-<run key>/step-NNNNNNNN/`` with ``rank-RRRRR.{bin,json}``
 (a rank's own piece, local_piece.py) and ``replica-RRRRR.{bin,json}`` (rank RRRRR's piece, kept for it by a
 partner). The run key is a hash of the run directory's real path, so runs sharing a node's /dev/shm never
-meet. Each rank keeps its two newest steps.
+meet. Once a step is written on every rank (agreed in the background), the older steps' files go: a node
+holds (1 + replicas) pieces per rank of its own, two while the next step is being written.
 
 Partners: the j-th replica (j = 1..``checkpoint.replicas``) of the rank with node-local index l on node n is
 kept by the rank of local index l (mod that node's size) on node (n + j) mod nodes: always another node.
@@ -38,7 +39,6 @@ from hpctrain.errors import everywhere
 from hpctrain.runtime.launcher import missing_thread_multiple
 
 STEP_PREFIX = "step-"
-KEEP_STEPS = 2
 LOCAL_TIER = "the local tier"  # how a resume from it is described (CheckpointManager.resume tells it apart)
 CHUNK = 256 << 20  # bytes per point-to-point message (MPI counts are ints)
 
@@ -202,7 +202,8 @@ class LocalTier:
             failed = self._write(piece, step, own_name(self.rank))
             for source, received in self._exchange(piece):
                 failed = self._write(received, step, replica_name(source)) or failed
-            if not failed:
+            everywhere_written = all(self.comm.allgather_object(not failed))  # the step is whole on every node
+            if everywhere_written:  # only now may the previous step go: a crash mid-save leaves it in place
                 self._prune(step)
                 self.saved_steps.append(step)
             self.last_write_s = time.perf_counter() - started
@@ -248,10 +249,9 @@ class LocalTier:
         return [(s, piece_from(json.loads(bytes(blobs[s][1].numpy())), blobs[s][0])) for s in self.sources]
 
     def _prune(self, newest: int) -> None:
-        """Delete this rank's own and replica files of all but its ``KEEP_STEPS`` newest steps."""
+        """Delete this rank's own and replica files of every step before ``newest`` (written on every rank)."""
         mine = (own_name(self.rank),) + tuple(replica_name(s) for s in self.sources)
-        steps = sorted(step for step in _steps_in(self.root) if step <= newest)
-        for step in steps[:-KEEP_STEPS]:
+        for step in (step for step in _steps_in(self.root) if step < newest):
             directory = step_dir(self.root, step)
             for name in mine:
                 for suffix in (".json", ".bin"):  # the index first: a half-deleted piece is no piece

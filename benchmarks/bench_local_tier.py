@@ -143,6 +143,7 @@ def restart(args, comm, cfg, tokens, nbytes: int) -> list[dict]:
         shutil.rmtree(kept, ignore_errors=True)
         shutil.copytree(local_root, kept)
     times: dict[str, list[float]] = {"global": [], "local": [], "replica": []}
+    resumes: dict[str, list[float]] = {"global": [], "local": [], "replica": []}
     for rnd in range(args.repeats):
         for mode in ("global", "local", "replica")[rnd % 3:] + ("global", "local", "replica")[:rnd % 3]:
             if comm.Get_size() < 2 and mode == "replica":
@@ -156,22 +157,28 @@ def restart(args, comm, cfg, tokens, nbytes: int) -> list[dict]:
             start = time.perf_counter()
             trainer = new_trainer(cfg, tokens)
             mgr = CheckpointManager(cfg.checkpoint, trainer.grid, cfg.train.run_dir)
+            resume_start = time.perf_counter()
             loaded = mgr.resume(trainer.state, "auto")
+            resume_s = comm.allreduce(time.perf_counter() - resume_start, op=MPI.MAX)
             trainer.train_step()
             seconds = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
             from_local = loaded is not None and loaded.startswith("the local tier")
             if loaded is None or from_local != (mode != "global"):
                 raise RuntimeError(f"restart {mode}: resumed from {loaded!r}")
             times[mode].append(seconds)
+            resumes[mode].append(resume_s)
             mgr.close()
             trainer.grid.close()
     shutil.rmtree(kept, ignore_errors=True)
     shutil.rmtree(local_root, ignore_errors=True)
-    base = statistics.median(times["global"])
-    return [record("restart", f"build + resume + first step: {mode}", comm.Get_size(), nbytes, times[mode],
-                   ratio=statistics.median(times[mode]) / base if mode != "global" else None,
-                   ratio_to="global" if mode != "global" else None)
-            for mode in ("global", "local", "replica") if times[mode]]
+    records = []
+    for what, runs in (("resume", resumes), ("build + resume + first step", times)):
+        base = statistics.median(runs["global"])
+        records += [record("restart", f"{what}: {mode}", comm.Get_size(), nbytes, runs[mode],
+                           ratio=statistics.median(runs[mode]) / base if mode != "global" else None,
+                           ratio_to="global" if mode != "global" else None)
+                    for mode in ("global", "local", "replica") if runs[mode]]
+    return records
 
 
 def run(args) -> list[dict]:

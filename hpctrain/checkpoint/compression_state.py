@@ -10,12 +10,13 @@ import torch
 from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.format import Box, decode_json, encode_json
 from hpctrain.checkpoint.items import CheckpointError, Snapshot, WriteItem, to_host
+from hpctrain.checkpoint.frozen_state import FrozenState
 
 def compression_group(rank: int) -> str:
     return f"compression/rank{rank:05d}"
 
 
-def snapshot_compression(state: TrainState, snap: Snapshot) -> None:
+def snapshot_compression(state: TrainState | FrozenState, snap: Snapshot) -> None:
     """The reducer's state (error-feedback residuals, PowerSGD Q) as this world rank's own 1-D datasets
     ``compression/rankRRRRR/<key>``, with the reducer's signature beside them (JSON bytes)."""
     reducer = state.reducer

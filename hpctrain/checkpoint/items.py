@@ -36,7 +36,7 @@ class Snapshot:
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Host copies of ``tensors``: device tensors go into pinned buffers with non-blocking copies and ONE
     synchronisation (the stall of a save from GPUs is this device-to-host copy); host tensors pass as is
-    (the snapshot copies their pieces below)."""
+    (the snapshot copies their pieces below). Callable from a background thread (the asynchronous save's)."""
     if not any(t.is_cuda for t in tensors):
         return tensors
     hosts = []
@@ -44,7 +44,9 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         hosts.append(host)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream())
+    device = next(t.device for t in tensors if t.is_cuda)  # the copies ran on its current stream, from any thread
+    with torch.cuda.device(device):
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
     done.synchronize()
     return hosts

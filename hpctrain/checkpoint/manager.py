@@ -2,7 +2,9 @@
 holds one run's checkpoint directory and communicator (resuming, with fallback on load: resume.py).
 
 Save protocol (invariant: ``latest`` only ever names a complete, verified checkpoint):
-  1. snapshot the state to host memory (the only stall when ``checkpoint.async`` is on);
+  1. snapshot the state to host memory (``checkpoint.async``: on the save's thread, from a ``FrozenState``, while
+     the next forward and backward run; that step's update waits for it: the stall is only the wait for the
+     previous save and the copy of the RNG and reducer state);
   2. write into ``<dir>/.tmp-step-NNNNNNNN/`` (mpio or shards writer), fsync every file;
   3. verify: every rank recomputes the checksums of a share of the boxes, reading the files back;
   4. rank 0 writes ``COMPLETE``, renames the directory to ``step-NNNNNNNN``, fsyncs the parent, and
@@ -32,6 +34,7 @@ from hpctrain.checkpoint.local_tier import LocalTier
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER, STEP_PREFIX, step_dirname
 from hpctrain.checkpoint.reader import CheckpointReader
 from hpctrain.checkpoint.references import kept_note, referenced
+from hpctrain.checkpoint.frozen_state import FrozenState
 from hpctrain.checkpoint.transfer import CheckpointError, snapshot
 from hpctrain.checkpoint.writers import WriteFailed, has_parallel_h5py, write_mpio, write_shards
 from hpctrain.comm.collectives import Communicator
@@ -95,20 +98,26 @@ class CheckpointManager:
     # ------------------------------------------------------------------ saving
     def save(self, state: TrainState, sync: bool = False) -> None:
         """Checkpoint the run (``trainer.state``) at its current step (collective). Async unless ``sync`` or
-        config says no. The blocking part (waiting for the previous save, the snapshot, a synchronous
-        write) is the ``checkpoint`` phase of ``state.timer``."""
+        config says no. The blocking part (waiting for the previous save; a synchronous save's snapshot and
+        write) is the ``checkpoint`` phase of ``state.timer``; an asynchronous save's snapshot is taken by its
+        thread before the next update (``TrainState.before_next_update``)."""
         with state.timer.phase("checkpoint"):
             self.wait()
-            snap = snapshot(state)
             if self.async_save and not sync:
-                self._thread = threading.Thread(target=self._run_async, args=(snap,), name="hpctrain-ckpt",
+                frozen, taken = FrozenState(state), threading.Event()
+                self._thread = threading.Thread(target=self._run_async, args=(frozen, taken), name="hpctrain-ckpt",
                                                 daemon=True)
                 self._thread.start()
+                state.before_next_update(lambda: None if taken.wait() else None)  # the snapshot reads until then
             else:
-                self.save_snapshot(snap)
+                self.save_snapshot(snapshot(state))
 
-    def _run_async(self, snap) -> None:
+    def _run_async(self, frozen: FrozenState, taken: threading.Event) -> None:
         try:
+            try:
+                snap = snapshot(frozen)  # while the next forward and backward run: they change none of it
+            finally:
+                taken.set()
             self.save_snapshot(snap)
         except BaseException as exc:  # reported by wait() on the main thread
             self._error = exc

@@ -23,13 +23,14 @@ from hpctrain.checkpoint.architecture import ARCHITECTURE_ATTR, of_checkpoint
 from hpctrain.checkpoint.architecture import record as record_architecture
 from hpctrain.checkpoint.compression_state import check_onebit_adam, read_compression, snapshot_compression
 from hpctrain.checkpoint.contract import TrainState
+from hpctrain.checkpoint.frozen_state import FrozenState
 from hpctrain.checkpoint.items import CheckpointError, Snapshot, WriteItem, to_host
 from hpctrain.config import config_to_dict
 from hpctrain.errors import HpcTrainError
 from hpctrain.parallel.lora import is_adapter
 
 
-def snapshot(state: TrainState) -> Snapshot:
+def snapshot(state: TrainState | FrozenState) -> Snapshot:
     """Copy this rank's part of the training state to host memory (the only stall of an async save)."""
     tensors, root = state.tensors(), state.root_state()
     kinds = tensors.state_kinds

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from hpctrain.checkpoint.background import BackgroundJob
 from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.items import CheckpointError
 from hpctrain.checkpoint.local_piece import (Piece, SnapshotBuffer, apply_piece, checksum, piece_from, problems_of,
@@ -113,8 +114,7 @@ class LocalTier:
         self.last_block_s: float | None = None  # the step's stall of the last local save
         self.last_write_s: float | None = None  # its background part (checksums, write, replicas)
         self.saved_steps: list[int] = []
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._job = BackgroundJob("hpctrain-local-ckpt")  # the local save in flight
         self._buffer = SnapshotBuffer()
         self._warned = False  # a local write failed on this rank (said once)
         if not self.enabled:
@@ -180,9 +180,7 @@ class LocalTier:
                     "config": config_to_dict(state.config)}
             piece, copy_rest = self._buffer.take(state, meta)
             copied = threading.Event()
-            self._thread = threading.Thread(target=self._background, args=(piece, copy_rest, copied),
-                                            name="hpctrain-local-ckpt", daemon=True)
-            self._thread.start()
+            self._job.start(self._background, piece, copy_rest, copied)
             state.before_next_update(lambda: None if copied.wait() else None)  # the update waits for the copy, the forward and backward do not
         self.last_block_s = time.perf_counter() - started
 
@@ -191,24 +189,21 @@ class LocalTier:
         that cannot be written (a full /dev/shm, a missing disk) costs that piece only: one warning per rank,
         and the exchange still runs (the partners wait for it); errors of the copy or the exchange are
         raised by ``wait``."""
+        started = time.perf_counter()
         try:
-            started = time.perf_counter()
-            try:
-                copy_rest()  # parameters and optimizer state: they change only at the next update
-            finally:
-                copied.set()
-            step = piece.meta["step"]
-            checksum(piece)
-            failed = self._write(piece, step, own_name(self.rank))
-            for source, received in self._exchange(piece):
-                failed = self._write(received, step, replica_name(source)) or failed
-            everywhere_written = all(self.comm.allgather_object(not failed))  # the step is whole on every node
-            if everywhere_written:  # only now may the previous step go: a crash mid-save leaves it in place
-                self._prune(step)
-                self.saved_steps.append(step)
-            self.last_write_s = time.perf_counter() - started
-        except BaseException as exc:  # reported by wait() on the main thread
-            self._error = exc
+            copy_rest()  # parameters and optimizer state: they change only at the next update
+        finally:
+            copied.set()
+        step = piece.meta["step"]
+        checksum(piece)
+        failed = self._write(piece, step, own_name(self.rank))
+        for source, received in self._exchange(piece):
+            failed = self._write(received, step, replica_name(source)) or failed
+        everywhere_written = all(self.comm.allgather_object(not failed))  # the step is whole on every node
+        if everywhere_written:  # only now may the previous step go: a crash mid-save leaves it in place
+            self._remove_mine([older for older in _steps_in(self.root) if older < step])
+            self.saved_steps.append(step)
+        self.last_write_s = time.perf_counter() - started
 
     def _write(self, piece: Piece, step: int, name: str) -> bool:
         """Write one piece; on an OS error remove what it left, warn (once per run on this rank), return True."""
@@ -248,29 +243,28 @@ class LocalTier:
         self.comm.exchange(sends, recvs).wait()
         return [(s, piece_from(json.loads(bytes(blobs[s][1].numpy())), blobs[s][0])) for s in self.sources]
 
-    def _prune(self, newest: int) -> None:
-        """Delete this rank's own and replica files of every step before ``newest`` (written on every rank)."""
+    def _remove_mine(self, steps) -> None:
+        """Delete this rank's own and replica files of ``steps`` (the index first: a half-deleted piece is no
+        piece), and each step directory the node's last rank leaves empty."""
         mine = (own_name(self.rank),) + tuple(replica_name(s) for s in self.sources)
-        for step in (step for step in _steps_in(self.root) if step < newest):
+        for step in list(steps):
             directory = step_dir(self.root, step)
             for name in mine:
-                for suffix in (".json", ".bin"):  # the index first: a half-deleted piece is no piece
+                for suffix in (".json", ".bin"):
                     try:
                         os.remove(os.path.join(directory, name + suffix))
                     except FileNotFoundError:
                         pass
             try:
-                os.rmdir(directory)  # the last rank of the node to prune it
+                os.rmdir(directory)
             except OSError:
                 pass
 
     def wait(self) -> None:
         """Block until the previous local save is written and sent; re-raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
+        try:
+            self._job.wait()
+        except Exception as error:
             raise everywhere(CheckpointError(f"local checkpoint in {self.root} failed: {error}")) from error
 
     def close(self) -> None:
@@ -283,21 +277,8 @@ class LocalTier:
 
     def clear(self) -> None:
         """Remove this rank's files from the tier (a start that did not resume from it: another lineage)."""
-        if not self.enabled:
-            return
-        mine = {own_name(self.rank)} | {replica_name(s) for s in self.sources}
-        for step in _steps_in(self.root):
-            directory = step_dir(self.root, step)
-            for name in mine:
-                for suffix in (".json", ".bin"):
-                    try:
-                        os.remove(os.path.join(directory, name + suffix))
-                    except FileNotFoundError:
-                        pass
-            try:
-                os.rmdir(directory)
-            except OSError:
-                pass
+        if self.enabled:
+            self._remove_mine(_steps_in(self.root))
 
     # ------------------------------------------------------------------ resuming
     def inventory(self, layout: dict, world_size: int) -> dict:

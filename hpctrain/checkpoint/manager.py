@@ -26,6 +26,7 @@ import threading
 import time
 
 from hpctrain.checkpoint import resume as resuming
+from hpctrain.checkpoint.background import BackgroundJob
 from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.directory import (REPLACED_SUFFIX, RETIRED_PREFIX, enospc_detail, free_bytes, fsync_path,
                                            human_size, list_checkpoints, read_latest, recover_replaced, retire,
@@ -82,8 +83,7 @@ class CheckpointManager:
         self.rank, self.size = self.comm.rank, self.comm.size
         self.faults = FaultInjector.from_env(self.rank)
         self.poll_sleep_s = poll_sleep_s
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._job = BackgroundJob("hpctrain-ckpt")  # the asynchronous save in flight
         self._cleaned = False
         self.saved_steps: list[int] = []
         self._space_warned = False  # the low-space warning is printed once per run
@@ -105,36 +105,26 @@ class CheckpointManager:
             self.wait()
             if self.async_save and not sync:
                 frozen, taken = FrozenState(state), threading.Event()
-                self._thread = threading.Thread(target=self._run_async, args=(frozen, taken), name="hpctrain-ckpt",
-                                                daemon=True)
-                self._thread.start()
+                self._job.start(self._run_async, frozen, taken)
                 state.before_next_update(lambda: None if taken.wait() else None)  # the snapshot reads until then
             else:
                 self.save_snapshot(snapshot(state))
 
     def _run_async(self, frozen: FrozenState, taken: threading.Event) -> None:
         try:
-            try:
-                snap = snapshot(frozen)  # while the next forward and backward run: they change none of it
-            finally:
-                taken.set()
-            self.save_snapshot(snap)
-        except BaseException as exc:  # reported by wait() on the main thread
-            self._error = exc
+            snap = snapshot(frozen)  # while the next forward and backward run: they change none of it
+        finally:
+            taken.set()
+        self.save_snapshot(snap)
 
     @property
     def pending(self) -> bool:
         """True while an asynchronous save still runs in the background (this rank's view)."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._job.running
 
     def wait(self) -> None:
         """Block until the previous asynchronous save is published; re-raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        self._job.wait()
 
     def close(self) -> None:
         try:

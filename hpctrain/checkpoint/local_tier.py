@@ -4,7 +4,7 @@ sending it to partner ranks on other nodes, and resuming from it (docs/fault-tol
 Directory (one per run and node): ``<local_dir>/hpctrain-<run key>/step-NNNNNNNN/`` with ``rank-RRRRR.{bin,json}``
 (a rank's own piece, local_piece.py) and ``replica-RRRRR.{bin,json}`` (rank RRRRR's piece, kept for it by a
 partner). The run key is a hash of the run directory's real path, so runs sharing a node's /dev/shm never
-meet. Once a step is written on every rank (agreed in the background), the older steps' files go: a node
+meet. Once a step is written on every rank (agreed in the background), the older steps go: a node
 holds (1 + replicas) pieces per rank of its own, two while the next step is being written.
 
 Partners: the j-th replica (j = 1..``checkpoint.replicas``) of the rank with node-local index l on node n is
@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -201,7 +202,7 @@ class LocalTier:
             failed = self._write(received, step, replica_name(source)) or failed
         everywhere_written = all(self.comm.allgather_object(not failed))  # the step is whole on every node
         if everywhere_written:  # only now may the previous step go: a crash mid-save leaves it in place
-            self._remove_mine([older for older in _steps_in(self.root) if older < step])
+            self._remove_steps([older for older in _steps_in(self.root) if older < step])
             self.saved_steps.append(step)
         self.last_write_s = time.perf_counter() - started
 
@@ -243,22 +244,13 @@ class LocalTier:
         self.comm.exchange(sends, recvs).wait()
         return [(s, piece_from(json.loads(bytes(blobs[s][1].numpy())), blobs[s][0])) for s in self.sources]
 
-    def _remove_mine(self, steps) -> None:
-        """Delete this rank's own and replica files of ``steps`` (the index first: a half-deleted piece is no
-        piece), and each step directory the node's last rank leaves empty."""
-        mine = (own_name(self.rank),) + tuple(replica_name(s) for s in self.sources)
+    def _remove_steps(self, steps) -> None:
+        """Delete this node's directories of ``steps`` whole, whoever wrote into them (also a replica kept for a
+        rank that is no partner any more, after ``checkpoint.replicas`` changed). Every rank of the node may do
+        it at once: a file already gone is no error. Called only when every piece there is obsolete: once a
+        newer step is written on every rank, or at a start that did not resume from the tier."""
         for step in list(steps):
-            directory = step_dir(self.root, step)
-            for name in mine:
-                for suffix in (".json", ".bin"):
-                    try:
-                        os.remove(os.path.join(directory, name + suffix))
-                    except FileNotFoundError:
-                        pass
-            try:
-                os.rmdir(directory)
-            except OSError:
-                pass
+            shutil.rmtree(step_dir(self.root, step), ignore_errors=True)
 
     def wait(self) -> None:
         """Block until the previous local save is written and sent; re-raise its error."""
@@ -276,9 +268,10 @@ class LocalTier:
             self.comm.mpi.Free()
 
     def clear(self) -> None:
-        """Remove this rank's files from the tier (a start that did not resume from it: another lineage)."""
+        """Remove this run's tier on this node (a start that did not resume from it: another lineage). Safe on
+        every rank at once: no rank writes a piece before every rank has passed its first step."""
         if self.enabled:
-            self._remove_mine(_steps_in(self.root))
+            self._remove_steps(_steps_in(self.root))
 
     # ------------------------------------------------------------------ resuming
     def inventory(self, layout: dict, world_size: int) -> dict:

@@ -103,6 +103,9 @@ def test_another_layout_skips_the_local_tier_in_one_line(killed):
     out = train(run, *killed["tier"], "parallel.tp=2")
     assert "step 8 was written for another layout (dp2 x pp1 x cp1 x tp1, now dp1 x pp1 x cp1 x tp2)" in out.stderr, out.stderr
     assert "at step 6 " in out.stdout and "local tier (" not in out.stdout
+    # another lineage from here: the old pieces (own and replicas) are gone from both nodes; step 8 is new
+    pieces = [json.loads(p.read_text()) for host in HOSTS for p in (killed["local"] / host).glob("*/step-*/*.json")]
+    assert len(pieces) == 4 and all(p["layout"]["tp"] == 2 and p["step"] == 8 for p in pieces), pieces
 
 
 def test_bad_local_tier_keys_are_refused_in_one_line(tmp_path):

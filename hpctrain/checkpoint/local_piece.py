@@ -175,13 +175,21 @@ def read_piece(path_json: str) -> Piece:
     return piece_from(doc, data)
 
 
-def problems_of(piece: Piece, state: TrainState) -> str | None:
-    """Why ``piece`` cannot be loaded into this rank's run (a checksum, a tensor of another name, dtype or
-    shape: another layout or model), or None."""
+def checksum_problem(piece: Piece) -> str | None:
+    """The first tensor whose bytes do not match their stored CRC-32, named, or None."""
     for e in piece.entries:
         actual = zlib.crc32(piece.data.numpy()[e.offset:e.offset + e.nbytes].data) & 0xFFFFFFFF
         if actual != e.crc:
             return f"tensor {e.name}: checksum mismatch (stored {e.crc:08x}, data {actual:08x}): corrupted"
+    return None
+
+
+def problems_of(piece: Piece, state: TrainState) -> str | None:
+    """Why ``piece`` cannot be loaded into this rank's run (a checksum, a tensor of another name, dtype or
+    shape: another layout or model), or None."""
+    problem = checksum_problem(piece)
+    if problem:
+        return problem
     signature = json.loads(json.dumps(state.reducer.signature()))
     if piece.meta.get("signature", {}) != signature:
         return "written with another gradient reducer (compression.* or layout differ)"

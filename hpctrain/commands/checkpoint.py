@@ -16,12 +16,16 @@ def add_parser(sub) -> None:
     ls = c.add_parser("list", help="checkpoints of a run directory (or a checkpoint directory)")
     ls.add_argument("run_dir")
     ls.add_argument("--json", action="store_true", help="print a JSON list of {step, path, complete, latest}")
+    ls.add_argument("--local-dir", metavar="DIR", help=(
+        "also list this node's pieces of the run in the node-local tier (the run's checkpoint.local_dir; "
+        "{hostname} expanded): JSON records with tier=local, step, rank, kind (own/replica), path, bytes, layout"))
     ls.set_defaults(func=_list)
     ins = c.add_parser("inspect", help="step, layout, tensors, shapes, dtypes, bytes, checksums")
     ins.add_argument("path")
     ins.add_argument("--json", action="store_true")
     ins.set_defaults(func=_inspect)
-    ver = c.add_parser("verify", help="recompute every checksum; non-zero exit naming the bad dataset")
+    ver = c.add_parser("verify", help="recompute every checksum; non-zero exit naming the bad dataset (a step "
+                                      "directory, or a local-tier piece's .json)")
     ver.add_argument("path")
     ver.set_defaults(func=_verify)
     diff = c.add_parser("diff", help="tensor-by-tensor max abs difference; non-zero exit beyond --atol")
@@ -48,11 +52,17 @@ def _list(args) -> int:
     if not os.path.isdir(directory):
         raise HpcTrainError(f"{args.run_dir}: no such run or checkpoint directory")
     records = list_checkpoints(directory)
+    if args.local_dir:
+        records += _local_pieces(args.local_dir, args.run_dir)
     if args.json:
         json.dump(records, sys.stdout, indent=1)
         print()
         return 0
     for r in records:
+        if r.get("tier") == "local":
+            whose = f"rank {r['rank']}'s piece" if r["kind"] == "own" else f"replica of rank {r['rank']}"
+            print(f"{r['step']:>8}  {r['path']}  (local: {whose}, {r['bytes'] / 2**20:.1f} MiB, {r['layout']})")
+            continue
         flags = ("complete" if r["complete"] else "PARTIAL") + (", latest" if r["latest"] else "")
         print(f"{r['step']:>8}  {r['path']}  ({flags})")
     if not records:
@@ -107,7 +117,43 @@ def _architecture(attrs: dict) -> dict:
     return {"fingerprint": fingerprint(keys), "keys": keys, "recorded": ARCHITECTURE_ATTR in attrs}
 
 
+def _local_pieces(local_dir: str, run_dir: str) -> list[dict]:
+    """This node's pieces of the run in its local tier (unchecked: ``ckpt verify PIECE.json`` checks one)."""
+    import glob
+
+    from hpctrain.checkpoint.local_piece import read_index
+    from hpctrain.checkpoint.local_tier import tier_root
+
+    records = []
+    for path in sorted(glob.glob(os.path.join(tier_root(local_dir, run_dir), "step-*", "*.json"))):
+        try:
+            doc = read_index(path)
+        except (OSError, ValueError) as exc:
+            raise HpcTrainError(f"{path}: unreadable local piece index: {exc}") from None
+        layout = " x ".join(f"{k}{v}" for k, v in doc["layout"].items() if k not in ("zero", "world"))
+        records.append({"tier": "local", "step": doc["step"], "rank": doc["rank"], "path": path,
+                        "kind": "replica" if os.path.basename(path).startswith("replica-") else "own",
+                        "bytes": doc["nbytes"], "layout": layout})
+    return sorted(records, key=lambda r: (r["step"], r["rank"], r["kind"]))
+
+
+def _verify_piece(path: str) -> int:
+    from hpctrain.checkpoint.local_piece import checksum_problem, read_piece
+
+    try:
+        piece = read_piece(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise HpcTrainError(f"{path}: unreadable local piece: {exc}") from None
+    problem = checksum_problem(piece)
+    if problem:
+        raise HpcTrainError(f"{path} is corrupt: {problem}")
+    print(f"{path}: OK ({len(piece.entries)} tensors of step {piece.meta['step']}, rank {piece.meta['rank']} verified)")
+    return 0
+
+
 def _verify(args) -> int:
+    if args.path.endswith(".json"):
+        return _verify_piece(args.path)
     with _open(args.path) as reader:
         problems = reader.verify()
         if not reader.complete:

@@ -81,6 +81,15 @@ def test_a_lost_node_is_rebuilt_from_the_replicas_and_the_run_goes_on_bitwise(ki
 def test_a_flipped_byte_falls_back_to_the_replica_then_to_the_global_tier_in_one_line(killed):
     run = put_back(killed)
     flip_byte(step8(killed, "h1") / "rank-00000.bin")
+    listed = run_mpi(1, "hpctrain.cli", "ckpt", "list", str(run), "--local-dir", str(killed["local"] / "h1"), "--json",
+                     module=True)
+    local = [r for r in json.loads(listed.stdout) if r.get("tier") == "local"]
+    assert [(r["step"], r["rank"], r["kind"]) for r in local] == [(8, 0, "own"), (8, 1, "replica")], local
+    bad = run_mpi(1, "hpctrain.cli", "ckpt", "verify", str(step8(killed, "h1") / "rank-00000.json"), module=True,
+                  check=False)
+    assert bad.returncode == 2 and "is corrupt: tensor range0/params: checksum mismatch" in bad.stderr, bad.output
+    good = run_mpi(1, "hpctrain.cli", "ckpt", "verify", str(step8(killed, "h2") / "replica-00000.json"), module=True)
+    assert ": OK (" in good.stdout
     out = train(run, *killed["tier"])
     warnings = [line for line in out.stderr.splitlines() if "local tier:" in line]
     assert len(warnings) == 1 and "rank 0 at step 8" in warnings[0] and "checksum mismatch" in warnings[0] \

@@ -36,6 +36,7 @@ from hpctrain.checkpoint.items import CheckpointError
 from hpctrain.checkpoint.local_piece import (Piece, SnapshotBuffer, apply_piece, checksum, piece_from, problems_of,
                                              read_index, read_piece, write_piece)
 from hpctrain.comm.collectives import Communicator
+from hpctrain.comm.shm_memory import container_shm_fix
 from hpctrain.config import config_to_dict
 from hpctrain.errors import everywhere
 from hpctrain.runtime.launcher import missing_thread_multiple
@@ -220,9 +221,11 @@ class LocalTier:
                     pass
             if not self._warned:
                 self._warned = True
+                fix = container_shm_fix() if directory.startswith("/dev/shm") else ""
                 print(f"hpctrain: WARNING: rank {self.rank}: local checkpoint of step {step} not written "
-                      f"({exc.filename or os.path.join(directory, name + '.bin')}: {exc.strerror or exc}); training goes on, the global tier "
-                      f"(checkpoint.interval) still saves", file=sys.stderr, flush=True)
+                      f"({exc.filename or os.path.join(directory, name + '.bin')}: {exc.strerror or exc}); training "
+                      f"goes on, the global tier (checkpoint.interval) still saves"
+                      + (f"; a container's /dev/shm: {fix}" if fix else ""), file=sys.stderr, flush=True)
             return True
 
     def _exchange(self, piece: Piece) -> list[tuple[int, Piece]]:

@@ -36,8 +36,25 @@ def populate(address: int, nbytes: int) -> str:
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # an older kernel, or a sandbox: no answer
         return ""
+    fix = container_shm_fix()
     return (f"{SHM_DIR} cannot hold it (MADV_POPULATE_WRITE: {os.strerror(err)}; {shm_free_bytes()} bytes free "
-            f"there): too small (a container's default?) or full (leftover segments of killed jobs?)")
+            f"there): too small (a container's default?) or full (leftover segments of killed jobs?)"
+            + (f"; in this container: {fix}" if fix else ""))
+
+
+def container_shm_fix(root: str = "/") -> str:
+    """How to give the container this process runs in a larger /dev/shm, from the marker file its runtime
+    leaves (Kubernetes, podman, docker, Apptainer); "" outside a container these recognise."""
+    def exists(path: str) -> bool:
+        return os.path.exists(os.path.join(root, path))
+
+    if exists("var/run/secrets/kubernetes.io"):  # first: a pod may run under docker too
+        return "mount an emptyDir with `medium: Memory` at /dev/shm (64 MiB by default; containers/k8s/mpijob.yaml)"
+    if exists("run/.containerenv") or exists(".dockerenv"):
+        return "run it with --shm-size=1g (podman and docker give it 64 MiB by default)"
+    if exists(".singularity.d"):
+        return "bind the host's: apptainer exec --bind /dev/shm (or leave out --contain / --containall)"
+    return ""
 
 
 def shm_free_bytes(path: str = SHM_DIR) -> int | str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.comm.shm_memory import populate
+from hpctrain.comm.shm_memory import container_shm_fix, populate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,3 +52,14 @@ def test_a_window_that_a_tiny_dev_shm_cannot_hold_is_a_reason_not_a_sigbus():
     assert "/dev/shm cannot hold it (MADV_POPULATE_WRITE: Bad address; " in line, line
     assert "bytes free there): too small" in line and "or full" in line, line
     assert result.returncode == -7 or result.returncode == 128 + 7, result  # the write itself does SIGBUS
+
+
+@pytest.mark.parametrize("marker, flag", [
+    ("run/.containerenv", "--shm-size="), (".dockerenv", "--shm-size="),
+    ("var/run/secrets/kubernetes.io/serviceaccount", "medium: Memory"), (".singularity.d/env", "--bind /dev/shm"),
+])
+def test_inside_a_container_the_reason_names_the_runtime_flag_for_a_larger_dev_shm(tmp_path, marker, flag):
+    assert container_shm_fix(str(tmp_path)) == ""  # no marker: not a container hpctrain recognises
+    (tmp_path / marker).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / marker).touch()
+    assert flag in container_shm_fix(str(tmp_path))

@@ -12,7 +12,8 @@
 #   --no-check      skip the 2-rank `hpctrain info` in a container at the end
 # Environment: HPCTRAIN_CONTAINER_CACHE (root file system cache; default ~/.cache/hpctrain/containers),
 # DEBIAN_MIRROR (default: the first Debian URI of /etc/apt/sources.list{,.d}), PYTHON (builds the wheel;
-# default .venv/bin/python, `make setup`), IMAGE (default localhost/hpctrain:cpu).
+# default .venv/bin/python, `make setup`), IMAGE (default localhost/hpctrain:cpu), PODMAN_ARGS (global podman
+# flags, e.g. `--runtime PATH` where the default OCI runtime cannot start containers on this host).
 # Needs root (debootstrap, rootful podman), debootstrap and podman (Debian: apt-get install debootstrap podman).
 set -euo pipefail
 SELF=$(readlink -f "${BASH_SOURCE[0]}")
@@ -84,12 +85,12 @@ else
 fi
 
 # (b) the local base image
-if [[ $rebuild_base -eq 0 ]] && podman image exists "$BASE_IMAGE"; then
+if [[ $rebuild_base -eq 0 ]] && podman ${PODMAN_ARGS:-} image exists "$BASE_IMAGE"; then
   say "(b) base image present: $BASE_IMAGE"
 else
-  podman image exists "$BASE_IMAGE" && podman rmi -f "$BASE_IMAGE" > /dev/null
+  podman ${PODMAN_ARGS:-} image exists "$BASE_IMAGE" && podman ${PODMAN_ARGS:-} rmi -f "$BASE_IMAGE" > /dev/null
   say "(b) podman import $ROOTFS_TAR as $BASE_IMAGE"
-  podman import --change 'CMD ["/bin/bash"]' --change 'ENV LANG=C.UTF-8' "$ROOTFS_TAR" "$BASE_IMAGE" > /dev/null
+  podman ${PODMAN_ARGS:-} import --change 'CMD ["/bin/bash"]' --change 'ENV LANG=C.UTF-8' "$ROOTFS_TAR" "$BASE_IMAGE" > /dev/null
 fi
 
 # (c) the wheels, then the image
@@ -102,18 +103,18 @@ say "(c) dependency wheels into $CONTEXT/wheels (pip download; already downloade
 "$PYTHON" -m pip download --quiet --only-binary=:all: -c scripts/constraints.txt -d "$CONTEXT/wheels" "$wheel[mpi,monitor]" \
   || die "pip download failed: this machine's pip must reach an index holding torch $(grep -o '==.*' scripts/constraints.txt) (CPU) and the other dependencies"
 say "(c) podman build -f containers/Containerfile -t $IMAGE (base $BASE_IMAGE, no registry)"
-podman build --pull=never --build-arg BASE_IMAGE="$BASE_IMAGE" -f containers/Containerfile -t "$IMAGE" "$CONTEXT"
-say "(c) built $IMAGE: $(podman image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MiB", $1 / 1048576}')"
+podman ${PODMAN_ARGS:-} build --pull=never --build-arg BASE_IMAGE="$BASE_IMAGE" -f containers/Containerfile -t "$IMAGE" "$CONTEXT"
+say "(c) built $IMAGE: $(podman ${PODMAN_ARGS:-} image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MiB", $1 / 1048576}')"
 
 if [[ $oci_archive -eq 1 ]]; then
   rm -f "$ARCHIVE"
-  podman save --format oci-archive -o "$ARCHIVE" "$IMAGE"
+  podman ${PODMAN_ARGS:-} save --format oci-archive -o "$ARCHIVE" "$IMAGE"
   say "wrote $ARCHIVE (apptainer build hpctrain.sif containers/hpctrain.def)"
 fi
 
 if [[ $check -eq 1 ]]; then
   say "check: mpiexec -n 2 hpctrain info inside $IMAGE"
-  podman run --rm --shm-size=1g "$IMAGE" mpiexec -n 2 hpctrain info \
+  podman ${PODMAN_ARGS:-} run --rm --shm-size=1g "$IMAGE" mpiexec -n 2 hpctrain info \
     || die "the image was built but 2 ranks did not start in it (see above)"
 fi
 say "done: podman run --rm --shm-size=1g -v \"\$PWD/runs:/runs\" $IMAGE mpiexec -n 2 hpctrain train train.steps=10 (docs/containers.md)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 
 from hpctrain.runtime.errors_exit import run_and_exit
@@ -47,6 +48,14 @@ def main(argv=None) -> int:
         from hpctrain.runtime.signals import DEFAULT_EXIT_SIGNALS, SignalFlag
 
         early = SignalFlag(DEFAULT_EXIT_SIGNALS)
+    if argv[:1] in (["train"], ["bench"], ["info"]) and not {"-h", "--help"} & set(argv):
+        from hpctrain.comm.shm_memory import too_small_for_mpi
+
+        problem = too_small_for_mpi()
+        if problem:  # said by the node's first rank, where the launcher tells; nothing else runs
+            if os.environ.get("MPI_LOCALRANKID", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")) == "0":
+                print(f"hpctrain: error: {problem}", file=sys.stderr, flush=True)
+            sys.exit(2)
     sys.exit(run_and_exit(functools.partial(dispatch, early_signals=early), argv))
 
 

@@ -74,7 +74,10 @@ def unusable_directory(path: str, key: str) -> str | None:
         what = "is" if probe == os.path.abspath(path) else f"is inside {probe}, which is"
         return f"{key}={path} {what} a regular file, not a directory; choose another path"
     if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{key}={path}: {probe} is not writable by this user (or is on a read-only file system)"
+        in_container = os.path.exists("/run/.containerenv") or os.path.exists("/.dockerenv")
+        return (f"{key}={path}: {probe} is not writable by this user (or is on a read-only file system)"
+                + ("; in this container: bind a writable host directory there (podman/docker -v HOST_DIR:"
+                   f"{probe}, without :ro; apptainer --bind HOST_DIR:{probe})" if in_container else ""))
     return None
 
 

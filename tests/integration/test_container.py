@@ -1,0 +1,86 @@
+"""The CPU image (containers/build_cpu_image.sh: debootstrap, podman import, podman build) trains the demo
+like the same run outside it (float64, every loss equal), and a container's bad setup is one line with its
+fix: a /dev/shm too small for MPI (never a bus error), a read-only run directory. Needs root, podman and
+debootstrap; skipped with the reason elsewhere (CI machines have neither). The root file system is cached in
+~/.cache/hpctrain/containers, so a rebuild takes about a minute."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mpirun import ROOT, mpi_env
+
+IMAGE = "localhost/hpctrain:cpu"
+RUNC = ROOT / "tests" / "containers" / "runc-no-rlimits"
+ARGS = ["--config", "configs/tiny.toml", "parallel.pp=1", "parallel.tp=1", "train.dtype=float64", "train.steps=4",
+        "train.seq_len=32", "model.n_layers=2", "--resume", "none"]
+DATA = "docs/architecture.md"  # the same bytes inside and out (the builtin corpus is the Python's own sources)
+
+
+def podman_args() -> list[str]:
+    """Global podman flags that start a container on this host: none, or (a sandbox that refuses setrlimit
+    and hybrid cgroups) runc through the tests' wrapper."""
+    plain = subprocess.run(["podman", "run", "--rm", IMAGE, "true"], capture_output=True, text=True, timeout=120)
+    if plain.returncode == 0:
+        return []
+    if shutil.which("runc") and ("setrlimit" in plain.stderr or "cgroups in hybrid mode" in plain.stderr):
+        return ["--runtime", str(RUNC)]
+    pytest.skip(f"podman cannot start a container here: {plain.stderr.strip()[-300:]}")
+
+
+@pytest.fixture(scope="module")
+def podman():
+    if os.geteuid() != 0 or not shutil.which("podman") or not shutil.which("debootstrap"):
+        pytest.skip("the container tests need root, podman and debootstrap (apt-get install podman debootstrap)")
+    env = dict(os.environ, PYTHON=sys.executable)
+    if subprocess.run(["podman", "image", "exists", IMAGE]).returncode == 0:  # the runtime decides how to build
+        env["PODMAN_ARGS"] = " ".join(podman_args())
+    build = subprocess.run(["bash", "containers/build_cpu_image.sh", "--no-check"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=1200, stdin=subprocess.DEVNULL)
+    if build.returncode != 0 and "setrlimit" in build.stdout + build.stderr and shutil.which("runc"):
+        env["PODMAN_ARGS"] = f"--runtime {RUNC}"
+        build = subprocess.run(["bash", "containers/build_cpu_image.sh", "--no-check"], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=1200, stdin=subprocess.DEVNULL)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    return ["podman", *podman_args()]
+
+
+def in_container(podman, runs, *cmd, shm="1g", runs_mode="rw"):
+    return subprocess.run([*podman, "run", "--rm", f"--shm-size={shm}", "-v", f"{runs}:/runs:{runs_mode}",
+                           "-v", f"{ROOT}:/src:ro", "-w", "/src", IMAGE, *cmd],
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+def test_the_image_trains_the_demo_like_the_same_run_outside(podman, tmp_path):
+    outside = subprocess.run(["timeout", "-k", "5", "120", shutil.which("mpiexec", path=os.path.dirname(sys.executable)),
+                              "-n", "2", sys.executable, "-m", "hpctrain.cli", "train", *ARGS,
+                              f"data.source={ROOT / DATA}", f"train.run_dir={tmp_path / 'outside'}"],
+                             capture_output=True, text=True, env=mpi_env(), cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert outside.returncode == 0, outside.stderr[-3000:]
+    (tmp_path / "runs").mkdir()
+    inside = in_container(podman, tmp_path / "runs", "mpiexec", "-n", "2", "hpctrain", "train", *ARGS,
+                          f"data.source=/src/{DATA}", "train.run_dir=/runs/inside")
+    assert inside.returncode == 0, inside.stdout[-3000:] + inside.stderr[-3000:]
+    assert "2 ranks on 1 node(s)" in inside.stdout
+    assert losses(tmp_path / "runs" / "inside") == losses(tmp_path / "outside") and len(losses(tmp_path / "outside")) == 4
+
+
+def test_a_small_dev_shm_and_a_read_only_run_dir_are_one_line_with_the_fix(podman, tmp_path):
+    (tmp_path / "runs").mkdir()
+    small = in_container(podman, tmp_path / "runs", "mpiexec", "-n", "2", "hpctrain", "train", *ARGS,
+                         "train.run_dir=/runs/x", shm="1m")
+    errors = [line for line in small.stderr.splitlines() if line.startswith("hpctrain: error:")]
+    assert small.returncode == 2 and len(errors) == 1 and "--shm-size=1g" in errors[0], small.stderr[-2000:]
+    assert "Bus error" not in small.stdout + small.stderr
+    read_only = in_container(podman, tmp_path / "runs", "mpiexec", "-n", "2", "hpctrain", "train", *ARGS,
+                             "train.run_dir=/runs/x", runs_mode="ro")
+    assert read_only.returncode == 2, read_only.stdout[-2000:] + read_only.stderr[-2000:]
+    assert "not writable" in read_only.stderr and "-v HOST_DIR:/runs, without :ro" in read_only.stderr, read_only.stderr
+    assert not (tmp_path / "runs" / "x").exists()

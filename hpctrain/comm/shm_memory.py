@@ -66,24 +66,19 @@ def shm_free_bytes(path: str = SHM_DIR) -> int | str:
     return st.f_bavail * st.f_frsize
 
 
-MPI_SHM_FLOOR = 4 << 20  # MPICH's node segment is 2 MiB at 2 ranks; below this MPI_Init dies of SIGBUS
-_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+MPI_SHM_FLOOR = 2 << 20  # MPICH's node segment is 2 MiB at 2 ranks: below this, MPI_Init dies of SIGBUS
 
 
-def too_small_for_mpi(environ=None, path: str = SHM_DIR, root: str = "/") -> str | None:
-    """Before MPI starts (no MPI call may be made: MPI_Init itself would die of SIGBUS): why ``path`` is too small
-    for MPI's shared memory on this node (free bytes below 4 MiB + 1 MiB per rank of the node, when the launcher
-    says how many), with the container's fix; None when it looks large enough or cannot be read."""
-    environ = os.environ if environ is None else environ
+def too_small_for_mpi(path: str = SHM_DIR, root: str = "/") -> str | None:
+    """Before MPI starts (no MPI call may be made: MPI_Init itself would die of SIGBUS): why ``path`` cannot hold
+    MPI's shared memory on this node (less than ``MPI_SHM_FLOOR`` free: the least any job needs; more ranks
+    need more, and the shared-memory window says so itself later), with the container's fix; None when it
+    holds that much or cannot be read."""
     free = shm_free_bytes(path)
-    if not isinstance(free, int):
-        return None
-    local = next((int(environ[v]) for v in _LOCAL_SIZE_VARS if environ.get(v, "").isdigit()), 0)
-    needed = MPI_SHM_FLOOR + local * (1 << 20)
-    if free >= needed:
+    if not isinstance(free, int) or free >= MPI_SHM_FLOOR:
         return None
     fix = container_shm_fix(root)
-    return (f"{path} has {free / 2**20:.1f} MiB free; MPI's shared memory on this node needs about "
-            f"{needed / 2**20:.0f} MiB (MPI_Init would die of SIGBUS)"
+    return (f"{path} has {free / 2**20:.1f} MiB free; MPI's shared memory on this node needs at least "
+            f"{MPI_SHM_FLOOR / 2**20:.0f} MiB (MPI_Init would die of SIGBUS)"
             + (f": in this container, {fix}" if fix else ": remove leftover segments of killed jobs from it, or "
                "enlarge it (mount -o remount,size=1G /dev/shm)"))

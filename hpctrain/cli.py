@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 
+from hpctrain.runtime import env
 from hpctrain.runtime.errors_exit import run_and_exit
 
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
         problem = too_small_for_mpi()
         if problem:  # said by the node's first rank, where the launcher tells; nothing else runs
-            if os.environ.get("MPI_LOCALRANKID", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")) == "0":
+            if env.launcher_local_rank() in (None, "0"):
                 print(f"hpctrain: error: {problem}", file=sys.stderr, flush=True)
             sys.exit(2)
     sys.exit(run_and_exit(functools.partial(dispatch, early_signals=early), argv))

@@ -118,6 +118,14 @@ def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:
     return _get("SLURM_JOB_ID", environ)
 
 
+def launcher_local_rank(environ: Mapping[str, str] | None = None) -> str | None:
+    """This process's rank on its node as the launcher set it before MPI starts (hydra's ``MPI_LOCALRANKID``,
+    Open MPI's ``OMPI_COMM_WORLD_LOCAL_RANK``, Slurm's ``SLURM_LOCALID``), or None: only for saying something
+    once per node before MPI can be asked (``runtime/launcher.py`` asks MPI afterwards)."""
+    return next((v for v in (_get(n, environ) for n in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                                        "SLURM_LOCALID")) if v is not None), None)
+
+
 def slurm_step_id(environ: Mapping[str, str] | None = None) -> str | None:
     """``$SLURM_STEP_ID`` (set in the tasks of an ``srun`` step), or None."""
     return _get("SLURM_STEP_ID", environ)

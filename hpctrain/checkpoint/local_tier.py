@@ -135,7 +135,7 @@ class LocalTier:
         if problem:  # the same on every rank: refused without communication
             raise everywhere(CheckpointError(problem + "; or leave checkpoint.local_dir empty"))
         world = grid.world
-        problems = [p for p in world.allgather_object(self._unusable(ckpt_cfg.local_dir)) if p]
+        problems = [p for p in world.allgather_object(self._unusable()) if p]
         if problems:  # a missing or read-only local disk on any node: said before the first step, on every rank
             raise everywhere(CheckpointError(f"checkpoint.local_dir={ckpt_cfg.local_dir!r} is not usable: "
                                              + "; ".join(problems[:3])
@@ -144,9 +144,8 @@ class LocalTier:
             duplicate = world.mpi.Dup()
         self.comm = Communicator(duplicate, "local-checkpoint", world.members, grid.watchdog, grid.stats,
                                  check=world.check)
-        self.layout = dict(grid.sizes)
 
-    def _unusable(self, configured: str) -> str | None:
+    def _unusable(self) -> str | None:
         """Why this rank cannot write into its tier directory (created here), or None."""
         probe = os.path.join(self.root, f".probe-{self.rank}")
         try:
@@ -183,7 +182,8 @@ class LocalTier:
             piece, copy_rest = self._buffer.take(state, meta)
             copied = threading.Event()
             self._job.start(self._background, piece, copy_rest, copied)
-            state.before_next_update(lambda: None if copied.wait() else None)  # the update waits for the copy, the forward and backward do not
+            # the next update waits for the copy; the forward and backward before it do not
+            state.before_next_update(lambda: None if copied.wait() else None)
         self.last_block_s = time.perf_counter() - started
 
     def _background(self, piece: Piece, copy_rest, copied: threading.Event) -> None:

@@ -154,8 +154,9 @@ class TrainState(Protocol):
         """The scalars now."""
 
     def before_next_update(self, wait: Callable[[], None]) -> None:
-        """Call ``wait()`` once, right before the next optimizer update: until then the parameters and the
-        optimizer state (``tensors()``) do not change, so a copy of them may run meanwhile."""
+        """Call ``wait()`` once, before the next step applies anything of its update (the optimizer step, and a
+        reducer's commit into the optimizer state such as 1-bit Adam's momentum): until then the parameters and
+        the optimizer state (``tensors()``) do not change, so a copy of them may run meanwhile."""
 
     def set_steps(self, step: int, optimizer_step: int) -> None:
         """Set the training step and the optimizer's update count (the two differ after skipped steps)."""

@@ -119,6 +119,7 @@ class LocalTier:
         self._job = BackgroundJob("hpctrain-local-ckpt")  # the local save in flight
         self._buffer = SnapshotBuffer()
         self._warned = False  # a local write failed on this rank (said once)
+        self.offered = False  # resume() found pieces of this run at least as new as the global tier
         if not self.enabled:
             return
         self.root = tier_root(ckpt_cfg.local_dir, run_dir)
@@ -322,6 +323,7 @@ class LocalTier:
         whole = [s for s in recent if all(options(r, s) for r in range(self.comm.size))]
         other = sorted({s for inv in everyone for s in inv["other_layout"]
                         if newest_global is None or s >= newest_global})
+        self.offered = bool(recent or other)  # the same on every rank (from the allgathered inventory)
         if not whole:
             if self.rank == 0 and (recent or other):
                 why = (f"step {recent[0]} lacks the pieces of rank(s) "
@@ -338,12 +340,17 @@ class LocalTier:
             plan = {r: found[0] for r, found in sources.items()}
             piece, error = self._fetch(plan)
             if error is None and piece is not None:
-                error = problems_of(piece, state)
+                try:
+                    error = problems_of(piece, state)
+                except Exception as exc:  # noqa: BLE001 - a damaged but parseable index: agreed like any problem
+                    error = f"{type(exc).__name__}: {exc}"
             errors = self.comm.allgather_object(error)
             bad = {r: e for r, e in enumerate(errors) if e}
             if not bad:
                 assert piece is not None
                 apply_piece(piece, state)
+                # steps after this one are another lineage now (a crashed attempt's): never mixed with new pieces
+                self._remove_steps([later for later in _steps_in(self.root) if later > step])
                 rebuilt = [r for r, (holder, _) in plan.items() if holder != r]
                 return (f"{LOCAL_TIER} ({step_dir(self.root, step)}" +
                         (f"; rank(s) {_ranks(rebuilt)} rebuilt from replicas" if rebuilt else "") + ")")
@@ -367,8 +374,8 @@ class LocalTier:
         for r, p in list(serve.items()) + ([(self.rank, path)] if holder == self.rank else []):
             try:
                 loaded[r] = (read_piece(p), None)
-            except (OSError, ValueError, KeyError) as exc:
-                loaded[r] = (None, f"unreadable: {exc}")
+            except Exception as exc:  # noqa: BLE001 - sent to its owner and agreed there, never raised here
+                loaded[r] = (None, f"unreadable: {type(exc).__name__}: {exc}")
         # headers: [bin bytes, json bytes] or [-1, message bytes]
         sends, recvs, payload = [], [], {}
         for r in serve:

@@ -58,6 +58,11 @@ def resume(manager, state: TrainState, what: str = "auto") -> str | None:
     local = manager.local.resume(state, newest_step)  # the node-local tier, when as new as the newest global one
     if local:
         return local
+    if not candidates and manager.local.offered:  # never a silent restart from step 0 over a run's local pieces
+        raise everywhere(CheckpointError(
+            f"--resume auto: the node-local tier ({manager.local.root}) holds steps of this run but none could be "
+            f"resumed (see the lines above), and {manager.dir} holds no checkpoint to fall back to. Nothing was "
+            f"changed: resume in the layout that wrote them, or start over with --resume none"))
     failures = []
     for path in candidates:
         problem = try_load(manager, path, state)

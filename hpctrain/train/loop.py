@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpctrain.checkpoint.directory import list_checkpoints
-from hpctrain.checkpoint.local_tier import newest_held
+from hpctrain.checkpoint.items import CheckpointError
+from hpctrain.checkpoint.local_tier import LOCAL_TIER, newest_held
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.references import protect
 from hpctrain.comm.grid import ProcessGrid
@@ -153,8 +154,9 @@ def _start(cfg, grid, device, decision, max_steps: int, flag, lock, verbose: boo
                      log_interval=cfg.train.log_interval)
     trace = _start_trace(cfg, grid, trainer)
     kernels = cuda_profiler(cfg.train, grid.info.rank, device)  # train.trace on CUDA: kernels and syncs
+    saved = resumed and not resumed.startswith(LOCAL_TIER)  # a local piece alone is no global checkpoint of it
     return Run(cfg, grid, device, trainer, checkpoints, monitor, log, policy, flag, lock, trace, kernels, verbose,
-               resumed, trainer.step if resumed else None, last_step)
+               resumed, trainer.step if saved else None, last_step)
 
 
 def _train(run: Run) -> Ending:
@@ -223,6 +225,10 @@ def _save_and_stop(run: Run) -> Ending:
     an async save of it may still be in flight, so wait first)."""
     cfg, trainer, checkpoints = run.cfg, run.trainer, run.checkpoints
     if trainer.diverged:
+        try:  # background saves of earlier steps end before MPI does (their threads call MPI)
+            checkpoints.close()
+        except CheckpointError as exc:
+            print(f"hpctrain: WARNING: {exc}", file=sys.stderr, flush=True)
         kept = [r for r in list_checkpoints(checkpoints.dir) if r["complete"]] if run.is_root else []
         event = {"reason": trainer.diverged.stop, "step": trainer.step, "detail": trainer.diverged.detail,
                  "checkpoint": kept[-1]["path"] if kept else None}
@@ -336,7 +342,8 @@ def _lock_run_dir(cfg, grid, resume: str | None):
     if grid.info.rank == 0 and not problem:
         try:
             decision = decide_start(cfg.train.run_dir, cfg.checkpoint.dir or os.path.join(cfg.train.run_dir, "checkpoints"),
-                                    resume, local_step)
+                                    resume, local_step if os.path.exists(os.path.join(cfg.train.run_dir, "metrics.jsonl"))
+                                    else None)  # pieces of a run whose directory was deleted and made anew: not its
         except OSError as exc:
             decision = None
             problem = f"train.run_dir={cfg.train.run_dir}: cannot read the earlier run: {exc}"

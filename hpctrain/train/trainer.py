@@ -116,9 +116,9 @@ class Trainer:
                                               stop_request, reducer.overflow)
         lr = lr_at(self._step, t)
         metrics = StepMetrics(self._step + 1, None, lr, None, 0.0, 0.0, 0.0, None, None, None)
+        while self.before_update:  # a save still copying the parameters and optimizer state: before anything of
+            self.before_update.pop(0)()  # the update, 1-bit Adam's momentum commit in before_update included
         skip_on_host = outcomes.before_update(metrics)
-        while self.before_update:  # e.g. a local checkpoint still copying the parameters and optimizer state
-            self.before_update.pop(0)()
         parts.faults.hit("optimizer", self._step + 1, flat.param_buffer)
         if not skip_on_host:
             with timer.phase("optimizer"):

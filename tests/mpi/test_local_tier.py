@@ -158,3 +158,35 @@ def test_a_full_local_disk_costs_the_local_pieces_only(killed, tmp_path):
         assert (run / "checkpoints" / "step-00000012").is_dir()
     finally:
         subprocess.run(["umount", "-l", str(small)], capture_output=True)
+
+
+def test_local_pieces_that_cannot_be_used_with_no_global_checkpoint_never_start_over(tmp_path):
+    """Only the local tier holds the run (checkpoint.interval=0) and it was written for another layout: exit 2
+    naming both tiers, the pieces and the run's files untouched (never a silent restart from step 0)."""
+    run, local = tmp_path / "run", tmp_path / "local"
+    tier = [f"checkpoint.local_dir={local}/{{hostname}}", "checkpoint.local_interval=2", "checkpoint.replicas=1",
+            "checkpoint.interval=0"]
+    out = train(run, *tier, resume="none", env={"HPCTRAIN_FAULT": "rank=1,step=5,phase=forward,action=kill"},
+                check=False)
+    assert out.returncode != 0 and not (run / "checkpoints" / "latest").exists()
+    pieces = sorted(p.relative_to(local) for p in local.rglob("*.bin"))
+    before = (run / "metrics.jsonl").read_text()
+    out = train(run, *tier, "parallel.tp=2", check=False)
+    assert out.returncode == 2 and "holds steps of this run but none could be resumed" in out.stderr, out.output
+    assert sorted(p.relative_to(local) for p in local.rglob("*.bin")) == pieces and pieces
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_one_bit_adam_resumes_from_the_local_tier_bitwise(tmp_path):
+    """1-bit Adam commits its averaged momentum into the optimizer state before the update: the background copy
+    of a local save must be done before that (TrainState.before_next_update), or the piece mixes two steps."""
+    onebit = ["compression.method=onebit-adam", "compression.warmup_steps=2", "checkpoint.interval=0"]
+    train(tmp_path / "ref", *onebit, resume="none")
+    tier = [f"checkpoint.local_dir={tmp_path / 'local'}/{{hostname}}", "checkpoint.local_interval=2"]
+    out = train(tmp_path / "run", *onebit, *tier, resume="none", check=False,
+                env={"HPCTRAIN_FAULT": "rank=1,step=9,phase=forward,action=kill"})
+    assert out.returncode != 0
+    out = train(tmp_path / "run", *onebit, *tier)
+    at = int(re.search(r"resumed from the local tier \(\S+\) at step (\d+)", out.stdout).group(1))
+    ref, got = losses(tmp_path / "ref"), losses(tmp_path / "run")
+    assert at >= 4 and max(got) == 12 and all(got[s] == ref[s] for s in range(at + 1, 13)), (at, got, ref)

@@ -80,6 +80,7 @@ def test_reshard_chain_matches_one_process(tmp_path):
         (4, ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1"]),  # dp=2
         (8, ["parallel.tp=2", "parallel.pp=4"]),  # (TP2, PP4) -> (TP4, PP2)
         (8, ["parallel.tp=4", "parallel.pp=2", "parallel.sequence_parallel=true"]),
+        (2, ["parallel.tp=1", "parallel.pp=2", "parallel.schedule=gpipe"]),  # 7 segments: the reference's 14 steps
         (2, ["parallel.tp=1", "parallel.pp=1"]),  # dp=2, ZeRO off: dp rank 0 writes
     ]
     run_chain(tmp_path / "chain", reference, ref, chain)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,11 +25,22 @@ import torch
 
 from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.directory import fsync_path
+from hpctrain.checkpoint.format import crc32
 from hpctrain.errors import HpcTrainError
 
 PIECE_FORMAT = "hpctrain-local-piece"
 PIECE_VERSION = 1
 ALIGN = 64
+
+
+def taken_at_once(name: str) -> bool:
+    """The RNG and the reducer's state: they change in the next forward and backward (copied in the step), and
+    their shapes may differ between runs of one layout (not compared by ``problems_of``)."""
+    return name == "rng" or name.startswith("reducer/")
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def piece_tensors(state: TrainState) -> list[tuple[str, torch.Tensor]]:
@@ -88,7 +98,7 @@ def layout_of(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[Entry], int
     entries, at = [], 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
-        entries.append(Entry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), at, nbytes))
+        entries.append(Entry(name, _dtype_name(t), tuple(t.shape), at, nbytes))
         at += -(-nbytes // ALIGN) * ALIGN
     return entries, at
 
@@ -111,8 +121,8 @@ class SnapshotBuffer:
             self.piece = Piece(torch.empty(total, dtype=torch.uint8, pin_memory=cuda), entries)
         piece = self.piece
         piece.meta = meta
-        now = [(t, e) for (name, t), e in zip(tensors, piece.entries) if name == "rng" or name.startswith("reducer/")]
-        later = [(t, e) for (name, t), e in zip(tensors, piece.entries) if not (name == "rng" or name.startswith("reducer/"))]
+        now = [(t, e) for (name, t), e in zip(tensors, piece.entries) if taken_at_once(name)]
+        later = [(t, e) for (name, t), e in zip(tensors, piece.entries) if not taken_at_once(name)]
 
         def copy(pairs) -> None:  # blocking copies: done when it returns, on whichever thread (and its device)
             for t, entry in pairs:
@@ -121,11 +131,14 @@ class SnapshotBuffer:
         return piece, lambda: copy(later)
 
 
+def _crc(piece: Piece, e: Entry) -> int:
+    return crc32(piece.data.numpy()[e.offset:e.offset + e.nbytes])
+
+
 def checksum(piece: Piece) -> None:
     """Fill every entry's CRC-32 (the background thread's work, off the step)."""
-    raw = piece.data.numpy()
     for e in piece.entries:
-        e.crc = zlib.crc32(raw[e.offset:e.offset + e.nbytes].data) & 0xFFFFFFFF
+        e.crc = _crc(piece, e)
 
 
 def write_piece(piece: Piece, directory: str, name: str) -> str:
@@ -178,7 +191,7 @@ def read_piece(path_json: str) -> Piece:
 def checksum_problem(piece: Piece) -> str | None:
     """The first tensor whose bytes do not match their stored CRC-32, named, or None."""
     for e in piece.entries:
-        actual = zlib.crc32(piece.data.numpy()[e.offset:e.offset + e.nbytes].data) & 0xFFFFFFFF
+        actual = _crc(piece, e)
         if actual != e.crc:
             return f"tensor {e.name}: checksum mismatch (stored {e.crc:08x}, data {actual:08x}): corrupted"
     return None
@@ -197,9 +210,8 @@ def problems_of(piece: Piece, state: TrainState) -> str | None:
         state.check_sampler(piece.meta["root"]["sampler"])
     except HpcTrainError as exc:
         return str(exc)
-    ours = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in piece_tensors(state)
-            if not n.startswith("reducer/") and n != "rng"]
-    theirs = [(e.name, e.dtype, e.shape) for e in piece.entries if not e.name.startswith("reducer/") and e.name != "rng"]
+    ours = [(n, _dtype_name(t), tuple(t.shape)) for n, t in piece_tensors(state) if not taken_at_once(n)]
+    theirs = [(e.name, e.dtype, e.shape) for e in piece.entries if not taken_at_once(e.name)]
     if ours != theirs:
         differing = next((f"{a} here, {b} there" for a, b in zip(ours, theirs) if a != b),
                          f"{len(ours)} tensors here, {len(theirs)} there")

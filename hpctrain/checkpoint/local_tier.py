@@ -233,14 +233,12 @@ class LocalTier:
         """Send ``piece`` to every holder and receive the pieces of every source (collective between partners)."""
         if not self.holders and not self.sources:
             return []
-        index = json.dumps(piece.index()).encode()
-        header = torch.tensor([piece.data.numel(), len(index)], dtype=torch.int64)
+        header, mine = _on_the_wire(piece)
         headers = {s: torch.zeros(2, dtype=torch.int64) for s in self.sources}
         self.comm.exchange([(header, h, 1) for h in self.holders],
                            [(headers[s], s, 1) for s in self.sources]).wait()
         blobs = {s: (torch.empty(int(headers[s][0]), dtype=torch.uint8), torch.empty(int(headers[s][1]), dtype=torch.uint8))
                  for s in self.sources}
-        mine = _bytes_tensor(index)
         sends = [(chunk, h, 2) for h in self.holders for chunk in _chunks(piece.data)] + \
                 [(mine, h, 3) for h in self.holders]
         recvs = [(chunk, s, 2) for s in self.sources for chunk in _chunks(blobs[s][0])] + \
@@ -385,9 +383,9 @@ class LocalTier:
                 payload[r] = (torch.zeros(0, dtype=torch.uint8), reason)
                 sends.append((torch.tensor([-1, reason.numel()], dtype=torch.int64), r, 4))
             else:
-                index = _bytes_tensor(json.dumps(piece.index()).encode())
+                header, index = _on_the_wire(piece)
                 payload[r] = (piece.data, index)
-                sends.append((torch.tensor([piece.data.numel(), index.numel()], dtype=torch.int64), r, 4))
+                sends.append((header, r, 4))
         header = torch.zeros(2, dtype=torch.int64)
         if holder != self.rank:
             recvs.append((header, holder, 4))
@@ -411,6 +409,12 @@ class LocalTier:
             return piece_from(json.loads(text), got_data), None
         except (ValueError, KeyError) as exc:
             return None, f"damaged index: {exc}"
+
+
+def _on_the_wire(piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
+    """What is sent ahead of a piece's bytes: its header [data bytes, index bytes] and its index (uint8)."""
+    index = _bytes_tensor(json.dumps(piece.index()).encode())
+    return torch.tensor([piece.data.numel(), index.numel()], dtype=torch.int64), index
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:

@@ -21,9 +21,9 @@ def fingerprint(keys: dict) -> str:
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def record(m: ModelConfig) -> dict:
-    """The ``architecture`` attribute of a checkpoint of the model ``m``."""
-    keys = architecture(m)
+def record(m: ModelConfig, moe=None) -> dict:
+    """The ``architecture`` attribute of a checkpoint of the model ``m`` (with its ``[moe]`` section)."""
+    keys = architecture(m, moe)
     return {"keys": keys, "fingerprint": fingerprint(keys)}
 
 
@@ -31,6 +31,7 @@ def of_checkpoint(attrs: dict) -> dict:
     """The architecture keys of a checkpoint (its root attributes): the recorded ones, over those its config
     implies (all of them for a checkpoint without the attribute; a key added since: its default)."""
     raw = attrs["config"]
-    derived = architecture(config_from_dict(raw if isinstance(raw, dict) else json.loads(raw)).model)
+    cfg = config_from_dict(raw if isinstance(raw, dict) else json.loads(raw))
+    derived = architecture(cfg.model, cfg.moe)
     recorded = attrs.get(ARCHITECTURE_ATTR) or {}
     return {**derived, **(recorded.get("keys") or {})}

@@ -74,32 +74,45 @@ def local_range_boxes(spec, a: int, b: int) -> list[tuple[Box, int, int]]:
     """Elements [a, b) of this rank's C-ordered local slab of ``spec`` as global boxes.
 
     Returns (box, a_i, b_i) pieces in increasing local order (which is also the global row-major order
-    of those elements, since they lie in one slab): at most 3 for a 2-D tensor (partial first row,
-    full rows, partial last row), 1 for a 1-D tensor. Padding rows (a padded vocabulary: the slab's
-    elements from ``spec.valid_numel`` on) have no place in the global tensor: they are left out.
+    of those elements, since they lie in one slab): 1 for a 1-D tensor, at most 3 for a 2-D tensor (partial
+    first row, full rows, partial last row), at most 2 n - 1 for an n-D one (an MoE layer's experts, 3-D:
+    the same split, recursively, inside the partial first and last rows). Padding rows (a padded vocabulary:
+    the slab's elements from ``spec.valid_numel`` on) have no place in the global tensor: they are left out.
     """
-    origin = [s.start or 0 for s in spec.local_slices()]
-    shape = spec.local_shape
+    origin = tuple(s.start or 0 for s in spec.local_slices())
     a, b = min(a, spec.valid_numel), min(b, spec.valid_numel)
     if a >= b:
         return []
+    return [(Box(tuple(o + i for o, i in zip(origin, offset)), shape), lo, hi)
+            for offset, shape, lo, hi in _range_boxes(tuple(spec.local_shape), a, b)]
+
+
+def _range_boxes(shape: tuple[int, ...], a: int, b: int, base: int = 0) -> list:
+    """Elements [a, b) (0 <= a < b <= numel) of a C-ordered array of ``shape`` as (offset, box shape, base + a_i,
+    base + b_i) rectangles, in order."""
     if len(shape) == 1:
-        return [(Box((origin[0] + a,), (b - a,)), a, b)]
-    if len(shape) != 2:
-        raise ValueError(f"{spec.name}: checkpoint boxes support 1-D and 2-D tensors, got {shape}")
-    cols = shape[1]
-    pieces = []
-    row_a, col_a = divmod(a, cols)
-    row_b, col_b = divmod(b, cols)
+        return [((a,), (b - a,), base + a, base + b)]
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    row_a, off_a = divmod(a, inner)
+    row_b, off_b = divmod(b, inner)
+
+    def within(row, lo, hi):  # a part of one row: the same split one dimension down
+        return [((row,) + off, (1,) + box, lo_i, hi_i)
+                for off, box, lo_i, hi_i in _range_boxes(shape[1:], lo, hi, base + row * inner)]
+
     if row_a == row_b:
-        return [(Box((origin[0] + row_a, origin[1] + col_a), (1, col_b - col_a)), a, b)]
-    if col_a:
-        pieces.append((Box((origin[0] + row_a, origin[1] + col_a), (1, cols - col_a)), a, (row_a + 1) * cols))
+        return within(row_a, off_a, off_b)
+    pieces = []
+    if off_a:
+        pieces += within(row_a, off_a, inner)
         row_a += 1
     if row_b > row_a:
-        pieces.append((Box((origin[0] + row_a, origin[1]), (row_b - row_a, cols)), row_a * cols, row_b * cols))
-    if col_b:
-        pieces.append((Box((origin[0] + row_b, origin[1]), (1, col_b)), row_b * cols, b))
+        pieces.append(((row_a,) + (0,) * (len(shape) - 1), (row_b - row_a,) + tuple(shape[1:]),
+                       base + row_a * inner, base + row_b * inner))
+    if off_b:
+        pieces += within(row_b, 0, off_b)
     return pieces
 
 

@@ -66,7 +66,7 @@ def snapshot(state: TrainState | FrozenState) -> Snapshot:
         "step": root.step, "config": config_to_dict(cfg), "layout": dict(state.layout),
         "sampler": root.sampler, "loss_scaler": root.loss_scaler,
         "optimizer_step": root.optimizer_step, "model_dtype": cfg.train.dtype,
-        ARCHITECTURE_ATTR: record_architecture(state.model_config),
+        ARCHITECTURE_ATTR: record_architecture(state.model_config, state.config.moe),
     }
     if state.base_reference is not None:
         snap.attrs[BASE_REFERENCE_ATTR] = state.base_reference
@@ -118,10 +118,10 @@ def check_compatible(state: TrainState, reader) -> None:
     tied embeddings) differs from this run's, each named; any but a weights-only one without adapters: if
     lora.rank, lora.targets or lora.alpha differ; or if this rank's parameters are missing or shaped
     differently in it."""
-    from hpctrain.config import architecture_differences, config_from_dict
+    from hpctrain.config import architecture, architecture_differences, config_from_dict
 
     theirs = config_from_dict(reader.attrs["config"])
-    differences = architecture_differences(of_checkpoint(reader.attrs), state.model_config)
+    differences = architecture_differences(of_checkpoint(reader.attrs), architecture(state.model_config, state.config.moe))
     if not is_weights_only(reader.attrs) or theirs.lora.rank:  # adapters (``import-peft``) need their [lora]
         differences += lora_differences(theirs.lora, state.config.lora)
     if differences:

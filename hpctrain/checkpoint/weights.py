@@ -47,6 +47,7 @@ def load_model(reader, dtype: torch.dtype | None = None, read=None):
     global tensor of parameter ``name`` (default: this file's ``/model/<name>``); a LoRA checkpoint that refers
     to its base needs ``interop.sources.CheckpointSource.read`` (``load_run_model`` there)."""
     from hpctrain.config import resolve_model
+    from hpctrain.config.moe_keys import resolve_moe
     from hpctrain.models.gpt import GPTStage
 
     cfg = config_of(reader)
@@ -54,7 +55,7 @@ def load_model(reader, dtype: torch.dtype | None = None, read=None):
     if dtype is None:
         dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
     model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp_comm=None, dtype=dtype, seed=cfg.train.seed,
-                     lora=cfg.lora)  # a LoRA run: base and adapters
+                     lora=cfg.lora, moe=resolve_moe(cfg.moe, m))  # a LoRA run: base and adapters
     with torch.no_grad():
         for param in model.parameters():
             # the global (true-vocabulary) shape; padding rows stay zero

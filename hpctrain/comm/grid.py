@@ -76,7 +76,7 @@ class ProcessGrid:
             timeout_s = env.comm_timeout_s(cfg.comm.timeout_s)
         grid = cls.build(info, mpi_world, dp=layout.dp_size, pp=layout.pp_size, tp=layout.tp_size,
                          cp=layout.cp_size, strict_placement=p.strict_placement, backend=p.backend, timeout_s=timeout_s,
-                         check=cfg.comm.check)
+                         check=cfg.comm.check, ep=layout.ep_size)
         grid.layout = layout
         try:
             grid.use_intra_node(cfg.comm.intra_node, progress=cfg.comm.shm_progress,
@@ -103,8 +103,10 @@ class ProcessGrid:
     @classmethod
     def build(cls, info: RankInfo, mpi_world=None, dp: int = 0, pp: int = 1, tp: int = 1, cp: int = 1,
               strict_placement: bool = False, backend: str = "auto", timeout_s: float | None = None,
-              check: bool = False, stream=sys.stderr) -> "ProcessGrid":
+              check: bool = False, stream=sys.stderr, ep: int = 1) -> "ProcessGrid":
         """Collective over the world: split it into dp/pp/cp/tp (and dp_cp) communicators, verify placement.
+        With ``ep`` > 1 also the expert groups: "ep", ``ep`` consecutive ranks of the replica group (dp x cp
+        position // ep), and "ep_replica", the replicas holding the same experts (position % ep).
 
         Every rank validates the same inputs, so a bad layout raises GridError on every rank with no
         communication (nothing can hang). ``mpi_world``: the mpi4py communicator to split (default
@@ -145,6 +147,18 @@ class ProcessGrid:
                                 f"{position[info.rank]}")
             crosses_nodes[name] = len({info.node_of_rank[r] for r in members}) > 1
             comms[name] = Communicator(mpi_comm, name, members, watchdog, stats, backend, check)
+        if ep > 1:  # expert groups, carved out of the replica group
+            replica = {r: _position(c, ("dp", "cp"), sizes) for r, c in coords_of.items()}
+            for name, group_of, rank_in in (("ep", lambda q: q // ep, lambda q: q % ep),
+                                            ("ep_replica", lambda q: q % ep, lambda q: q // ep)):
+                key_of = {r: (c["pp"], c["tp"], group_of(replica[r])) for r, c in coords_of.items()}
+                colors = sorted(set(key_of.values()))
+                mine = key_of[info.rank]
+                members = tuple(sorted((r for r in range(info.size) if key_of[r] == mine),
+                                       key=lambda r: rank_in(replica[r])))
+                mpi_comm = mpi_world.Split(color=colors.index(mine), key=rank_in(replica[info.rank]))
+                crosses_nodes[name] = len({info.node_of_rank[r] for r in members}) > 1
+                comms[name] = Communicator(mpi_comm, name, members, watchdog, stats, backend, check)
 
         tp_nodes: dict[tuple, set] = {}
         for r, c in coords_of.items():
@@ -172,7 +186,7 @@ class ProcessGrid:
 
     def comm(self, axis: str) -> Communicator:
         """The one accessor for a group's communicator: ``axis`` is "dp", "pp", "cp", "tp", "dp_cp" (the
-        dp group when cp = 1) or "world"."""
+        dp group when cp = 1), "ep" and "ep_replica" (with parallel.ep > 1) or "world"."""
         if axis == "dp_cp" and axis not in self._comms:
             return self._comms["dp"]
         return self.world if axis == "world" else self._comms[axis]

@@ -37,6 +37,7 @@ class Layout:
     stage_layers: tuple[int, ...] = field(default_factory=tuple)
     virtual_stages: int = 1  # virtual stages per pp rank (interleaved schedule)
     cp_size: int = 1  # context parallelism: ranks sharing each sequence (zig-zag stripes, ring attention)
+    ep_size: int = 1  # expert parallelism: ranks of the replica group sharing each MoE layer's experts
 
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "Layout":
@@ -48,7 +49,7 @@ class Layout:
         microbatches = resolve_microbatches(t.global_batch, sizes["dp"], p.microbatches, t.micro_batch_size)
         layout = cls(world_size, sizes["dp"], sizes["pp"], sizes["tp"], microbatches, t.global_batch,
                      t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers), p.virtual_stages,
-                     sizes["cp"])
+                     sizes["cp"], p.ep)
         try:
             layout.validate(resolve_model(cfg.model))
         except LayoutError as exc:
@@ -70,6 +71,10 @@ class Layout:
             check_cp_stripes(self.seq_len, self.cp_size)
         check_batch(self.global_batch, self.microbatches, self.seq_len, self.dp_size, self.tp_size,
                     self.sequence_parallel, self.cp_size)
+        if self.replica_size % self.ep_size:
+            raise LayoutError(f"parallel.ep={self.ep_size} does not divide the replica group dp x cp = "
+                              f"{self.dp_size} x {self.cp_size} = {self.replica_size}: expert-parallel ranks are "
+                              f"carved out of it")
 
     @property
     def sizes(self) -> dict[str, int]:

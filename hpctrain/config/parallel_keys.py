@@ -54,6 +54,12 @@ class ParallelConfig:
         "ZeRO-3: units whose all-gather is posted ahead of the one running (the next in forward, the previous "
         "in backward), so communication overlaps compute. 0 = gather each unit only when it is needed. Each "
         "adds one unit's gathered parameters to the peak memory."))
+    ep: int = key(1, min=1, max=COUNT_MAX, help=(
+        "Expert parallelism (a model with `moe.num_experts` > 0): the experts of every MoE layer are split over ep "
+        "ranks carved out of the replica group (dp x cp: consecutive replica ranks form an ep group), each holding "
+        "num_experts / ep of them; tokens go to their experts and back by all-to-all on the ep group. Expert "
+        "gradients are summed over the replicas that hold the same experts (dp x cp / ep), the rest over dp x cp. "
+        "Must divide dp x cp and `moe.num_experts`. 1 = every rank holds every expert."))
     bucket_mb: float = key(25.0, above=0, help=(
         "Size of a gradient bucket (MiB of main-grad storage). A bucket's dp reduction starts as soon as backward "
         "has produced all its gradients."))

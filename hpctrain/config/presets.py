@@ -38,6 +38,9 @@ _LLAMA_SHAPES = {
     "llama-3-8b": (128256, 4096, 32, 32, 8, 14336, 500000.0, 8192),
     "llama-3-70b": (128256, 8192, 80, 64, 8, 28672, 500000.0, 8192),
     "llama-3-405b": (128256, 16384, 126, 128, 8, 53248, 500000.0, 8192),
+    # Mixtral-8x7B (Jiang et al. 2024; HF mistralai/Mixtral-8x7B-v0.1 config.json): its experts are [moe] keys
+    # (moe_keys.MOE_PRESETS); d_ff is each expert's width. rope_theta 1e6, 32768 positions, no sliding window.
+    "mixtral-8x7b": (32000, 4096, 32, 32, 8, 14336, 1000000.0, 32768),
 }
 # What a key left unset (0, "auto", None) takes when its preset does not give it; "custom" takes these
 # and nothing else (its sizes have no default: custom gives every one).

@@ -2,6 +2,7 @@
 from dataclasses import dataclass, field
 
 from hpctrain.config.model_keys import LoraConfig, ModelConfig
+from hpctrain.config.moe_keys import MoeConfig
 from hpctrain.config.parallel_keys import CommConfig, CompressionConfig, ParallelConfig
 from hpctrain.config.train_keys import CheckpointConfig, DataConfig, MonitorConfig, OptimConfig, TrainConfig
 
@@ -19,3 +20,4 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)

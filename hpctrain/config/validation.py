@@ -12,6 +12,7 @@ from hpctrain.config.arithmetic import lora_target_shapes
 from hpctrain.config.keys import ConfigError, error, key_name, unknown
 from hpctrain.config.metric_names import parse_labels
 from hpctrain.config.model_keys import LoraConfig, ModelConfig
+from hpctrain.config.moe_keys import MoeConfig, moe_architecture, resolve_moe
 from hpctrain.config.parallel_keys import CompressionConfig
 from hpctrain.config.presets import MODEL_DEFAULTS, PRESETS
 # the layout rules that need no world size
@@ -31,20 +32,22 @@ ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads
                      "rope_theta", "norm_eps", "mlp", "positions", "attention_window")
 
 
-def architecture(m: ModelConfig) -> dict[str, Any]:
-    """{key: value} of m's architecture keys, resolved (+ max_seq_len with learned positions)."""
+def architecture(m: ModelConfig, moe: MoeConfig | None = None) -> dict[str, Any]:
+    """{key: value} of m's architecture keys, resolved (+ max_seq_len with learned positions; + the ``[moe]``
+    section's ``moe.*`` architecture keys of a model with experts)."""
     r = resolve_model(m)
     keys = ARCHITECTURE_KEYS + (("max_seq_len",) if r.positions == "learned" else ())
-    return {k: getattr(r, k) for k in keys}
+    return {**{k: getattr(r, k) for k in keys}, **moe_architecture(resolve_moe(moe, r))}
 
 
-def architecture_differences(theirs: ModelConfig | dict, ours: ModelConfig | dict) -> list[str]:
+def architecture_differences(theirs: ModelConfig | dict, ours: ModelConfig | dict) -> list[str]:  # dicts: with moe
     """``model.KEY is X there, Y here`` for each architecture key on which two models differ (model configs,
     resolved here, or ``architecture`` dicts, e.g. a checkpoint's)."""
     a = theirs if isinstance(theirs, dict) else architecture(theirs)
     b = ours if isinstance(ours, dict) else architecture(ours)
     keys = list(b) + [k for k in a if k not in b]
-    return [f"model.{k} is {a.get(k)!r} there, {b.get(k)!r} here" for k in keys if a.get(k) != b.get(k)]
+    return [f"{'' if k.startswith('moe.') else 'model.'}{k} is {a.get(k)!r} there, {b.get(k)!r} here"
+            for k in keys if a.get(k) != b.get(k)]
 
 
 def resolve_model(m: ModelConfig) -> ModelConfig:
@@ -107,9 +110,28 @@ def validate(cfg: Config) -> None:
              f"{p.zero} keeps only this rank's slice of each gradient, which compression.method="
              f"{cfg.compression.method!r} cannot compress (it needs the whole bucket): use parallel.zero <= 1 "
              f"or compression.method='none'")
+    _check_moe(cfg.moe, m, p.ep)
     _check_onebit_adam(cfg.compression, cfg.optim)
     _check_local_tier(cfg.checkpoint)
     _check_monitor(cfg.monitor)
+
+
+def _check_moe(moe: MoeConfig, m: ModelConfig, ep: int) -> None:
+    """[moe] keys only with experts; top_k, layers and parallel.ep that fit them."""
+    r = resolve_moe(moe, m)
+    if r is None:
+        given = [f"moe.{f.name}" for f in dataclasses.fields(MoeConfig)
+                 if getattr(moe, f.name) != getattr(MoeConfig(), f.name)]
+        _require(not given, given[0] if given else "moe.num_experts",
+                 f"is set but moe.num_experts is 0 (a dense model): set moe.num_experts (> 0) to use experts")
+        _require(ep == 1, "parallel.ep", f"{ep} splits experts, but the model has none: set moe.num_experts")
+        return
+    _require(r.top_k <= r.num_experts, "moe.top_k", f"{r.top_k} exceeds moe.num_experts={r.num_experts}")
+    bad = [i for i in r.layers if not 0 <= i < m.n_layers]
+    _require(not bad, "moe.layers", f"{bad} are not blocks of this model (0..{m.n_layers - 1})")
+    _require(len(set(r.layers)) == len(r.layers), "moe.layers", f"names a block twice: {moe.layers}")
+    _require(r.num_experts % ep == 0, "parallel.ep",
+             f"{ep} does not divide moe.num_experts={r.num_experts} (each ep rank holds num_experts / ep experts)")
 
 
 def _check_onebit_adam(comp: CompressionConfig, optim: OptimConfig) -> None:

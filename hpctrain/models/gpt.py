@@ -25,6 +25,7 @@ from hpctrain.config import resolve_model
 from hpctrain.models.attention_backend import HOST as HOST_SDPA, attention as sdpa
 from hpctrain.config.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
 from hpctrain.models.lora import add_adapters, enabled as lora_enabled
+from hpctrain.models.moe import AuxLossWeight, MoE
 from hpctrain.parallel.context_parallel import causal_window_mask, default_tile, ring_attention, zigzag_positions
 from hpctrain.parallel.head_loss import chunk_tokens, fused_head_cross_entropy
 from hpctrain.parallel.packed import local_document_positions, same_document
@@ -222,12 +223,21 @@ class LearnedPositions(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, name, m, tp_comm, sp, dtype, seed, cp_comm=None):
+    """Attention and an MLP, each after an RMSNorm, each added to the residual. With ``moe`` (a resolved
+    ``[moe]`` section naming this block) the MLP is the routed ``MoE`` layer (hpctrain/models/moe.py), at
+    ``name.moe``; ``ep_comm``: its expert-parallel group, ``aux_weight``: its stage's ``AuxLossWeight``."""
+
+    def __init__(self, name, m, tp_comm, sp, dtype, seed, cp_comm=None, moe=None, ep_comm=None, aux_weight=None):
         super().__init__()
         self.attn_norm = RMSNorm(f"{name}.attn_norm", m.d_model, m.norm_eps, tp_comm, sp, dtype)
         self.attn = Attention(f"{name}.attn", m, tp_comm, sp, dtype, seed, cp_comm)
         self.mlp_norm = RMSNorm(f"{name}.mlp_norm", m.d_model, m.norm_eps, tp_comm, sp, dtype)
-        self.mlp = MLP(f"{name}.mlp", m, tp_comm, sp, dtype, seed)
+        self.mlp: nn.Module
+        if moe is not None:
+            self.moe = MoE(f"{name}.moe", m, moe, tp_comm, sp, dtype, seed, cp_comm, ep_comm, aux_weight)
+            self.mlp = self.moe
+        else:
+            self.mlp = MLP(f"{name}.mlp", m, tp_comm, sp, dtype, seed)
 
     def forward(self, x, docs=None, tables=None):
         x = x + self.attn(self.attn_norm(x), docs, tables)
@@ -247,11 +257,13 @@ class GPTStage(nn.Module):
     fused over loss chunks (of tokens) without logits (hpctrain/parallel/head_loss.py). ``docs`` [B, S_global]:
     the packed documents of every position (hpctrain/parallel/packed.py), or None. ``lora``: a ``[lora]``
     section with rank > 0 adds adapters and freezes the rest (hpctrain/models/lora.py); None or rank 0: none.
+    ``moe``: a resolved ``[moe]`` section (config.moe_keys.resolve_moe) or None: its blocks route over experts
+    (hpctrain/models/moe.py), split over ``ep_comm`` (expert parallelism; None: all local).
     """
 
     def __init__(self, m, layer_range: tuple[int, int], *, is_first: bool, is_last: bool, tp_comm=None,
                  sp: bool = False, dtype=torch.float32, seed: int = 0, recompute: bool = False, cp_comm=None,
-                 lora=None):
+                 lora=None, moe=None, ep_comm=None):
         super().__init__()
         m = resolve_model(m)  # a preset's mlp/positions/tie_embeddings
         tp_size = 1 if tp_comm is None else tp_comm.size
@@ -269,7 +281,10 @@ class GPTStage(nn.Module):
                 self.embed.weight.spec = replace(self.embed.weight.spec, tied="original")
             if m.positions == "learned":
                 self.pos_embed = LearnedPositions(m, tp_comm, sp, dtype, seed, cp_comm)
-        self.layers = nn.ModuleDict({str(i): Block(f"layers.{i}", m, tp_comm, sp, dtype, seed, cp_comm)
+        self.aux_weight = AuxLossWeight()  # the MoE layers' auxiliary-loss factor (the executor sets it)
+        moe_layers = set(moe.layers) if moe is not None else set()
+        self.layers = nn.ModuleDict({str(i): Block(f"layers.{i}", m, tp_comm, sp, dtype, seed, cp_comm,
+                                                   moe if i in moe_layers else None, ep_comm, self.aux_weight)
                                      for i in range(*layer_range)})
         if is_last:
             self.norm = RMSNorm("norm", m.d_model, m.norm_eps, tp_comm, sp, dtype)

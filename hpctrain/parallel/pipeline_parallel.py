@@ -76,6 +76,8 @@ class PipelineExecutor:
         received: dict[tuple[str, int, int], torch.Tensor] = {}  # (op, micro-batch, c) -> arrived
         saved, outstanding, loss_total = {}, [], 0.0
         timer = self.timer
+        for module in self.stage_modules:  # MoE auxiliary losses join the token loss with its factor
+            module.aux_weight.value = loss_scale
         self._post(first_recvs, produced, received)
         for step, post in zip(steps, after):
             for op, i, c in step:

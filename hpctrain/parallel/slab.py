@@ -41,6 +41,9 @@ class SlabSpec:
     # length of ``split_dim`` over all tp ranks, padding included (only the vocabulary's dim 0 is ever
     # padded); None = global_shape[split_dim], no padding
     padded_dim: int | None = None
+    # an MoE layer's experts split over the ep group (hpctrain/parallel/expert_parallel.py): this rank holds
+    # experts [first, first + count) of dim 0 (the experts' dim); None = all of them
+    experts: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.padded_dim is not None and (self.split_dim != 0 or self.padded_dim < self.global_shape[0]):
@@ -63,6 +66,8 @@ class SlabSpec:
         shape = list(self.global_shape)
         if self.split_dim is not None:
             shape[self.split_dim] = self.split_length // self.tp_size
+        if self.experts is not None:
+            shape[0] = self.experts[1]
         return tuple(shape)
 
     def _real_rows(self) -> tuple[int, int]:
@@ -76,6 +81,8 @@ class SlabSpec:
         index = [slice(None)] * len(self.global_shape)
         if self.split_dim is not None:
             index[self.split_dim] = slice(*self._real_rows())
+        if self.experts is not None:
+            index[0] = slice(self.experts[0], self.experts[0] + self.experts[1])
         return tuple(index)
 
     def valid_local(self) -> tuple[slice, ...]:
@@ -84,6 +91,8 @@ class SlabSpec:
         if self.split_dim is not None:
             start, stop = self._real_rows()
             index[self.split_dim] = slice(0, stop - start)
+        if self.experts is not None:
+            index[0] = slice(0, self.experts[1])
         return tuple(index)
 
     @property
@@ -93,7 +102,7 @@ class SlabSpec:
         if self.split_dim is not None:
             start, stop = self._real_rows()
             shape[self.split_dim] = stop - start
-        return tuple(shape)
+        return tuple(shape)  # (an expert split is never padded)
 
     @property
     def valid_numel(self) -> int:

@@ -30,6 +30,7 @@ import torch
 
 from hpctrain.compression import build_reducer
 from hpctrain.config import resolve_model
+from hpctrain.config.moe_keys import resolve_moe
 from hpctrain.data.corpus import load_tokens_collective
 from hpctrain.data.packing import samplers_for
 from hpctrain.data.prepared import check_corpus
@@ -94,12 +95,13 @@ class StepParts:
 
 
 def build_stages(m, layout: Layout, pp_rank: int, tp_comm, dtype: torch.dtype, seed: int, recompute: bool,
-                 cp_comm=None, lora=None) -> list[GPTStage]:
+                 cp_comm=None, lora=None, moe=None, ep_comm=None) -> list[GPTStage]:
     """The virtual stages of pp rank ``pp_rank``: its c-th is virtual stage v = c * pp + pp_rank of the
     pp x V (V = ``layout.virtual_stages``), whose layers ``partition_layers`` balances over them (or
     ``stage_layers`` gives, one entry per virtual stage). The embedding is on v = 0, the norm and LM head on
     the last; a tied embedding's copy lives there (its grad is summed over pp with rank 0's). ``lora``: the
-    ``[lora]`` section (rank > 0: adapters, the rest frozen)."""
+    ``[lora]`` section (rank > 0: adapters, the rest frozen); ``moe``: the resolved ``[moe]`` section (None:
+    dense), its experts split over ``ep_comm``."""
     pp, per_rank = layout.pp_size, layout.virtual_stages
     ranges = partition_layers(m, pp * per_rank, list(layout.stage_layers))
     stages = []
@@ -107,7 +109,7 @@ def build_stages(m, layout: Layout, pp_rank: int, tp_comm, dtype: torch.dtype, s
         v = c * pp + pp_rank
         stages.append(GPTStage(m, ranges[v], is_first=v == 0, is_last=v == pp * per_rank - 1, tp_comm=tp_comm,
                                sp=layout.sequence_parallel, dtype=dtype, seed=seed, recompute=recompute,
-                               cp_comm=cp_comm, lora=lora))
+                               cp_comm=cp_comm, lora=lora, moe=moe, ep_comm=ep_comm))
     return stages
 
 
@@ -141,8 +143,10 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     dtype = torch_dtype(t.dtype)
     torch.manual_seed(t.seed * 100_003 + grid.info.rank)  # derived per rank, never shared by accident
     tp_comm, pp_comm = grid.comm("tp"), grid.comm("pp")
+    moe = resolve_moe(cfg.moe, m)
     stages = build_stages(m, layout, grid.coords["pp"], tp_comm, dtype, t.seed, t.recompute,
-                          cp_comm=grid.comm("cp"), lora=cfg.lora)
+                          cp_comm=grid.comm("cp"), lora=cfg.lora, moe=moe,
+                          ep_comm=grid.comm("ep") if layout.ep_size > 1 else None)
     local_model = torch.nn.ModuleList(stages)  # train()/eval()/parameters() of every stage
     local_model.to(device)  # initialised on the host from the global generator, then moved
     compiled = compile_wanted(t.compile, device)  # every block compiled in place (models/compile.py)

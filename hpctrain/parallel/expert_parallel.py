@@ -1,0 +1,70 @@
+"""Expert parallelism: the (token, choice) rows of an MoE layer travel to the ep rank that holds their expert
+and back, by all-to-all on the ep group (``Dispatcher``), with its autograd op beside it.
+
+An ep group is ``parallel.ep`` consecutive ranks of the replica group (dp x cp; hpctrain/comm/grid.py):
+rank r of it holds experts [r E/ep, (r + 1) E/ep) of every MoE layer (``Experts.first``, ``count``). Every
+rank routes its own tokens; the rows bound for each expert are sent to its holder (dispatch), computed
+there as one batch with the rows of every other rank of the group, and sent back (combine). Backward runs
+the same two all-to-alls the other way. Expert gradients are then partial per holder: they are summed over
+the replicas that hold the same experts (the ``ep_replica`` group), the rest of the model over dp x cp.
+
+    op               forward                         backward
+    all_to_all_rows  rows -> their ranks (Alltoallv)  grads back the same way reversed
+"""
+from __future__ import annotations
+
+import torch
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """rows [sum(send), D] cut into ``send[j]`` rows for rank j -> [sum(recv), D], ``recv[i]`` from rank i."""
+
+    @staticmethod
+    def forward(ctx, rows, send: list[int], recv: list[int], comm):
+        ctx.send, ctx.recv, ctx.comm = send, recv, comm
+        rows = rows.contiguous()
+        out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
+        comm.alltoallv(out, recv, rows, send)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
+        ctx.comm.alltoallv(out, ctx.send, grad, ctx.recv)
+        return out, None, None, None
+
+
+def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], comm) -> torch.Tensor:
+    """Differentiable Alltoallv of ``rows`` on ``comm`` (module docstring)."""
+    return _AllToAllRows.apply(rows, send, recv, comm)
+
+
+class Dispatcher:
+    """Takes an MoE layer's rows to this ep group's experts and back. ``comm``: the ep group (None or size 1:
+    every expert is local, no communication)."""
+
+    def __init__(self, comm, num_experts: int):
+        self.comm = comm if comm is not None and comm.size > 1 else None
+        self.num_experts = num_experts
+        self.per_rank = num_experts // (1 if self.comm is None else self.comm.size)
+
+    def run(self, rows: torch.Tensor, expert: torch.Tensor, experts) -> torch.Tensor:
+        """rows [N, D] and their global expert ids ``expert`` [N] (sorted ascending) -> the experts' outputs
+        [N, D] in the same order (partial over tp). ``experts``: this rank's ``Experts`` module. Talks on ep:
+        two all-to-alls of the per-expert counts, two of the rows (forward), two of their gradients."""
+        counts = torch.bincount(expert, minlength=self.num_experts)
+        if self.comm is None:
+            return experts(rows, counts)
+        ep = self.comm.size
+        sent_counts = counts.view(ep, self.per_rank).cpu()  # [to rank, its local expert]
+        got_counts = torch.empty_like(sent_counts)  # [from rank, my local expert]
+        self.comm.alltoall(got_counts, sent_counts)
+        send, recv = sent_counts.sum(1).tolist(), got_counts.sum(1).tolist()
+        arrived = all_to_all_rows(rows, send, recv, self.comm)  # grouped by source, each sorted by expert
+        local = torch.repeat_interleave(torch.arange(self.per_rank).repeat(ep), got_counts.reshape(-1))
+        order = torch.argsort(local.to(rows.device), stable=True)  # expert-major, then source
+        computed = experts(arrived[order], got_counts.sum(0).to(rows.device))
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        return all_to_all_rows(computed[back], recv, send, self.comm)

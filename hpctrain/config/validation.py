@@ -110,13 +110,13 @@ def validate(cfg: Config) -> None:
              f"{p.zero} keeps only this rank's slice of each gradient, which compression.method="
              f"{cfg.compression.method!r} cannot compress (it needs the whole bucket): use parallel.zero <= 1 "
              f"or compression.method='none'")
-    _check_moe(cfg.moe, m, p.ep)
+    _check_moe(cfg.moe, m, p.ep, p.zero, cfg.compression.method)
     _check_onebit_adam(cfg.compression, cfg.optim)
     _check_local_tier(cfg.checkpoint)
     _check_monitor(cfg.monitor)
 
 
-def _check_moe(moe: MoeConfig, m: ModelConfig, ep: int) -> None:
+def _check_moe(moe: MoeConfig, m: ModelConfig, ep: int, zero: int = 0, method: str = "none") -> None:
     """[moe] keys only with experts; top_k, layers and parallel.ep that fit them."""
     r = resolve_moe(moe, m)
     if r is None:
@@ -132,6 +132,12 @@ def _check_moe(moe: MoeConfig, m: ModelConfig, ep: int) -> None:
     _require(len(set(r.layers)) == len(r.layers), "moe.layers", f"names a block twice: {moe.layers}")
     _require(r.num_experts % ep == 0, "parallel.ep",
              f"{ep} does not divide moe.num_experts={r.num_experts} (each ep rank holds num_experts / ep experts)")
+    _require(ep == 1 or zero <= 1, "parallel.zero",
+             f"{zero} with parallel.ep={ep} is not implemented (the experts' gradient group shards ZeRO-1 only): use "
+             f"parallel.zero <= 1 or parallel.ep=1")
+    _require(ep == 1 or method == "none", "compression.method",
+             f"{method!r} with parallel.ep={ep} is not implemented (the experts' gradients are summed over their own "
+             f"group, uncompressed): use compression.method='none' or parallel.ep=1")
 
 
 def _check_onebit_adam(comp: CompressionConfig, optim: OptimConfig) -> None:

@@ -1,9 +1,10 @@
-"""Global weights by hpctrain parameter name, from a Hugging Face Llama/Mistral directory or an hpctrain checkpoint,
-and ``model.init_from``: a fresh run starts from those weights, each rank reading only its slabs, in any
-layout (dp/tp/pp/ZeRO, sequence parallelism).
+"""Global weights by hpctrain parameter name, from a Hugging Face Llama/Mistral/Mixtral directory or an hpctrain
+checkpoint, and ``model.init_from``: a fresh run starts from those weights, each rank reading only its slabs, in
+any layout (dp/tp/pp/ZeRO, sequence parallelism, expert parallelism).
 
-A source has ``model`` (its resolved ModelConfig), ``dtype`` (``float32``, ``bfloat16``, ...), ``read(name,
-index=None)`` (a torch tensor: the global tensor, or its ``index`` slab) and ``close()``.
+A source has ``model`` (its resolved ModelConfig), ``moe`` (its resolved ``[moe]``, None for a dense model),
+``dtype`` (``float32``, ``bfloat16``, ...), ``read(name, index=None)`` (a torch tensor: the global tensor, or
+its ``index`` slab) and ``close()``.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 from hpctrain.checkpoint.contract import TrainState
 from hpctrain.checkpoint.architecture import of_checkpoint
 from hpctrain.checkpoint.format import local_range_boxes
-from hpctrain.config import ModelConfig, architecture_differences, resolve_model
+from hpctrain.config import ModelConfig, architecture, architecture_differences, resolve_model
+from hpctrain.config.moe_keys import resolve_moe
 from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.interop.base_ref import ReferencedBase
 from hpctrain.interop.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFModelDir, parameter_shapes
@@ -43,11 +45,12 @@ class CheckpointSource:
             self.reader.close()
             raise
         self.config, self.model = cfg, resolve_model(cfg.model)
+        self.moe = resolve_moe(cfg.moe, self.model)
         self.architecture = of_checkpoint(self.reader.attrs)  # the model it was written for (recorded keys)
         self.dtype = str(self.reader.attrs.get("model_dtype", cfg.train.dtype))
         self.attrs = self.reader.attrs
         self.lora = cfg.lora if cfg.lora.rank else None  # a LoRA run's checkpoint: base + adapters
-        self.shapes = parameter_shapes(self.model)
+        self.shapes = parameter_shapes(self.model, self.moe)
         if self.lora:
             self.shapes.update(adapter_shapes(self.model, self.lora))
         self._reference, self._base_hint = self.attrs.get("lora_base"), base
@@ -127,7 +130,7 @@ def is_hf_dir(path: str) -> bool:
         return True  # HFModelDir says what is wrong with it
 
 
-def check_same_model(source_model: ModelConfig | dict, ours: ModelConfig, where: str) -> None:
+def check_same_model(source_model: ModelConfig | dict, ours: ModelConfig | dict, where: str) -> None:
     """HpcTrainError listing every architecture key (heads, sizes, rope_theta, ...) that differs."""
     differences = architecture_differences(source_model, ours)
     if differences:
@@ -177,7 +180,8 @@ def init_weights(state: TrainState, path: str, world) -> None:
     tensors = state.tensors()
     try:
         source = open_source(path)
-        check_same_model(getattr(source, "architecture", source.model), state.model_config, path)
+        check_same_model(getattr(source, "architecture", source.model),
+                         architecture(state.model_config, state.config.moe), path)
         with_adapters = check_adapters(source, state.config.lora, path)
         for p in tensors.params:
             if is_adapter(p.spec.name) and not with_adapters:

@@ -193,7 +193,7 @@ class MoE(nn.Module):
         keep = None
         if self.moe.capacity_factor > 0:
             capacity = math.ceil(self.moe.capacity_factor * seq * k / e)
-            keep = keep_mask(experts.view(s, b, k), e, capacity, self.cp_comm).view(s * b, k)
+            keep = keep_mask(experts.view(s, b, k), e, capacity, self.cp_comm).reshape(s * b, k)
         out = self._experts(tokens, weights, experts, keep)
         out = out.view(s, b, d)
         out = reduce_scatter_seq(out, self.tp_comm) if self.sp else reduce_from_tp(out, self.tp_comm)

@@ -42,6 +42,7 @@ from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers, res
 from hpctrain.optim.flat import FlatOptimizer
 from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.parallel.data_parallel import FlatParams
+from hpctrain.parallel.flat_group import FlatGroup, OptimizerGroup
 from hpctrain.config.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
 from hpctrain.parallel.zero3 import ParamGather, unit_params
@@ -78,9 +79,9 @@ class StepParts:
     compiled: bool
     compile_since: dict | None
     sdpa: Any
-    flat: FlatParams
+    flat: FlatParams | FlatGroup  # a FlatGroup with expert parallelism (parallel/flat_group.py)
     param_gather: ParamGather | None  # ZeRO-3 (hpctrain/parallel/zero3.py), else None
-    optimizer: FlatOptimizer
+    optimizer: FlatOptimizer | OptimizerGroup
     executor: PipelineExecutor
     scaler: DynamicLossScaler
     outcomes: StepOutcomes
@@ -152,8 +153,11 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     compiled = compile_wanted(t.compile, device)  # every block compiled in place (models/compile.py)
     compile_since = compile_stages(stages) if compiled else None
     comp = cfg.compression
-    # the trainable parameters (a LoRA run's adapters; the frozen base stays plain tensors on the device)
-    flat = FlatParams([p for p in local_model.parameters() if p.requires_grad], grid.comm(grid.replica_axis),
+    # the trainable parameters (a LoRA run's adapters; the frozen base stays plain tensors on the device); with
+    # expert parallelism the experts are a group of their own, summed over the replicas holding the same ones
+    trainable = [p for p in local_model.parameters() if p.requires_grad]
+    experts = [p for p in trainable if p.spec.experts is not None]
+    flat = FlatParams([p for p in trainable if p.spec.experts is None], grid.comm(grid.replica_axis),
                       tp_comm=tp_comm, pp_comm=pp_comm, bucket_mb=cfg.parallel.bucket_mb, zero=layout.zero,
                       units=unit_params(stages) if layout.zero == 3 else None,
                       timer=timer, check_finite=dtype == torch.float16,
@@ -168,6 +172,12 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
                               freeze_variance_after=comp.warmup_steps if comp.method == "onebit-adam" else None,
                               momentum_from_reducer=reducer.shares_momentum)
     reducer.bind_optimizer(optimizer)
+    if experts:  # (validation refused compression and zero > 1 with parallel.ep > 1)
+        expert_flat = FlatParams(experts, grid.comm("ep_replica"), tp_comm=tp_comm, pp_comm=pp_comm,
+                                 bucket_mb=cfg.parallel.bucket_mb, zero=layout.zero, timer=timer,
+                                 check_finite=dtype == torch.float16)
+        flat = FlatGroup([flat, expert_flat])  # type: ignore[assignment]  # the FlatParams calls, to both
+        optimizer = OptimizerGroup([optimizer, FlatOptimizer(expert_flat, cfg.optim, tp_rank=grid.coords["tp"])])  # type: ignore[assignment]
     executor = PipelineExecutor(stages, pp_comm if layout.pp_size > 1 else None, flat, layout.schedule,
                                 layout.microbatches, (layout.seq_chunk, layout.micro_batch, m.d_model),
                                 residual_dtype(m, dtype), device=device, timer=timer)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from hpctrain.checkpoint.contract import ModelSlab, OptimizerPiece, OwnedRange, RootState, TrainTensors
+from hpctrain.parallel.flat_group import FlatGroup
 
 
 class TrainerState:
@@ -40,12 +41,21 @@ class TrainerState:
             owner[id(part)] = len(ranges)
             ranges.append(OwnedRange(part.params, {kind: getattr(part, kind) for kind in kinds}))
         first_replica = coords["dp"] == 0 and coords["cp"] == 0  # one of the dp x cp replicas
-        writes = flat.zero or first_replica
+        # an expert split over ep: the first of the replicas holding the same experts (ep_replica rank 0)
+        first_holder = first_replica if t.parts.layout.ep_size == 1 else t.grid.comm("ep_replica").rank == 0
+
+        def writes(p) -> bool:
+            if isinstance(flat, FlatGroup):
+                return flat.writes(p, first_replica)
+            return flat.zero or first_replica
+
         pieces = [OptimizerPiece(piece.param.spec, piece.param_lo, piece.param_hi, owner[id(part)],
-                                 piece.flat_lo - part.start, writes and piece.param.spec.counted_on(coords["tp"]))
+                                 piece.flat_lo - part.start,
+                                 writes(piece.param) and piece.param.spec.counted_on(coords["tp"]))
                   for piece, part in opt.owned_pieces()]
         params = [ModelSlab(p.spec, p.data, sharded=flat.bucket_of[id(p)].sharded) if p.requires_grad else
-                  ModelSlab(p.spec, p.data, frozen=True, written=first_replica and p.spec.counted_on(coords["tp"]))
+                  ModelSlab(p.spec, p.data, frozen=True, written=(first_holder if p.spec.experts else first_replica)
+                            and p.spec.counted_on(coords["tp"]))
                   for p in t.parts.local_model.parameters()]
         return TrainTensors(params, ranges, pieces, kinds, flat.param_dtype, opt.master_dtype)
 

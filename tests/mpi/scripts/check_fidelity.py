@@ -2,7 +2,7 @@
 
     mpiexec -n K python -m mpi4py check_fidelity.py --layouts "2,2,2;1,2,4" --variants "1f1b,sp,zero1" ...
 
-For each layout "dp,tp,pp" (or "dp,tp,pp,cp") whose product is K and each variant (schedule x sequence parallel x ZeRO),
+For each layout "dp,tp,pp" (or "dp,tp,pp,cp", or "dp,tp,pp,cp,ep") whose product is K and each variant (schedule x sequence parallel x ZeRO),
 train ``--steps`` steps from the same seed and data, then compare the loss sequence and the final
 GLOBAL parameters with a single-process run of the same config that world rank 0 runs on
 MPI.COMM_SELF. Relative error bound: ``--rtol`` (1e-10 in float64). With ``lora.rank`` > 0 (an override)
@@ -121,12 +121,12 @@ def main():
     world.Barrier()
     checks = 0
     for layout in args.layouts.split(";"):
-        dp, tp, pp, cp = ([int(v) for v in layout.split(",")] + [1])[:4]
+        dp, tp, pp, cp, ep = ([int(v) for v in layout.split(",")] + [1, 1])[:5]
         for (schedule, virtual), sp, zero in combos:
-            name = f"dp={dp} tp={tp} pp={pp}{f' cp={cp}' if cp > 1 else ''} {schedule}{virtual if virtual > 1 else ''} sp={sp} zero={zero} " \
+            name = f"dp={dp} tp={tp} pp={pp}{f' cp={cp}' if cp > 1 else ''}{f' ep={ep}' if ep > 1 else ''} {schedule}{virtual if virtual > 1 else ''} sp={sp} zero={zero} " \
                    f"{args.dtype}"
             cfg = load_config(None, base + [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                                            f"parallel.cp={cp}",
+                                            f"parallel.cp={cp}", f"parallel.ep={ep}",
                                             f"parallel.schedule={schedule}", f"parallel.virtual_stages={virtual}",
                                             f"parallel.sequence_parallel={sp}",
                                             f"parallel.zero={zero}"])

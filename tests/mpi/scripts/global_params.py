@@ -16,10 +16,12 @@ def global_parameters(trainer) -> dict | None:
 
 def _global_parameters(trainer) -> dict | None:
     grid, pieces = trainer.grid, []
-    if grid.coords["dp"] == 0 and grid.coords["cp"] == 0:
+    first_replica = grid.coords["dp"] == 0 and grid.coords["cp"] == 0
+    first_holder = first_replica if trainer.parts.layout.ep_size == 1 else grid.comm("ep_replica").rank == 0
+    if first_holder:  # experts split over ep: the first replica holding them; the rest: replica 0
         for p in trainer.parts.local_model.parameters():
             spec = p.spec  # the SlabSpec hpctrain attaches (parallel/slab.py)
-            if not spec.tied_copy:
+            if not spec.tied_copy and (first_replica or spec.experts is not None):
                 index = [(s.start, s.stop) for s in spec.local_slices()]
                 real = p.detach()[spec.valid_local()]  # without vocabulary padding rows
                 pieces.append((spec.name, spec.global_shape, index, real.to("cpu", torch.float64, copy=True).numpy()))

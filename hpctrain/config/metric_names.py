@@ -44,6 +44,12 @@ METRICS = {m.name: m for m in (
     Metric("hpctrain_rank_step_seconds", "gauge", "mean step seconds over the last monitor interval of the slowest "
            "and of the median rank", ("rank", "which")),
     Metric("hpctrain_straggler_ratio", "gauge", "slowest rank's mean step seconds / the median rank's, last interval"),
+    Metric("hpctrain_moe_aux_loss", "gauge", "MoE load-balancing loss of the last step (unweighted, summed over MoE "
+           "layers; 1 x top_k per layer is perfectly balanced)"),
+    Metric("hpctrain_moe_z_loss", "gauge", "MoE router z-loss of the last step (mean lse^2, summed over MoE layers)"),
+    Metric("hpctrain_moe_dropped_ratio", "gauge", "fraction of the last step's expert choices dropped by the capacity"),
+    Metric("hpctrain_moe_tokens", "gauge", "token choices each expert of each MoE layer served in the last step",
+           ("layer", "expert")),
 )}
 
 
@@ -59,6 +65,12 @@ def step_samples(record: dict) -> list[tuple[str, dict, float]]:
         samples.append(("hpctrain_val_loss", {}, _number(record["val_loss"])))
     samples += [("hpctrain_step_seconds", {"phase": phase}, seconds)
                 for phase, seconds in (record.get("time_s") or {}).items()]
+    if "moe_aux_loss" in record:  # a model with experts (hpctrain/models/moe.py MoeStepStats)
+        samples += [("hpctrain_moe_aux_loss", {}, _number(record["moe_aux_loss"])),
+                    ("hpctrain_moe_z_loss", {}, _number(record["moe_z_loss"])),
+                    ("hpctrain_moe_dropped_ratio", {}, record["moe_dropped_fraction"])]
+        samples += [("hpctrain_moe_tokens", {"layer": layer, "expert": str(e)}, n)
+                    for layer, counts in record["moe_tokens_per_expert"].items() for e, n in enumerate(counts)]
     return samples
 
 

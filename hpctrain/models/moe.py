@@ -238,3 +238,34 @@ class MoE(nn.Module):
             st.z += float(lse_sq.detach())
             st.tokens += float(s * b)
         return out
+
+
+class MoeStepStats:
+    """The MoE layers' ``MoeStats`` of a step, summed over the world: ``collect()`` (collective over the world:
+    one all-reduce of (E + 4) numbers per MoE layer of the model) returns the record's ``moe_*`` fields and
+    clears the layers' counts. ``layers``: the model's MoE blocks (resolved ``moe.layers``); ``global_batch``:
+    the step's sequences."""
+
+    def __init__(self, stages, moe, world, global_batch: int):
+        self.moe, self.world, self.global_batch = moe, world, global_batch
+        self.mine = {int(i): block.moe for stage in stages for i, block in stage.layers.items()
+                     if getattr(block, "moe", None) is not None}
+
+    def collect(self) -> dict:
+        e, order = self.moe.num_experts, list(self.moe.layers)
+        width = e + 4
+        totals = torch.zeros(len(order) * width, dtype=torch.float64)
+        for slot, layer in enumerate(order):
+            if layer in self.mine:
+                st = self.mine[layer].stats
+                totals[slot * width:slot * width + e] = st.tokens_per_expert
+                totals[slot * width + e:(slot + 1) * width] = torch.tensor([st.dropped, st.aux, st.z, st.tokens])
+                st.clear()
+        self.world.allreduce(totals)
+        rows = totals.view(len(order), width)
+        tokens = rows[:, e + 3].clamp(min=1)
+        return {"moe_aux_loss": float((rows[:, e + 1] / self.global_batch).sum()),
+                "moe_z_loss": float((rows[:, e + 2] / tokens).sum()),
+                "moe_dropped_fraction": float(rows[:, e].sum() / (tokens.sum() * self.moe.top_k)),
+                "moe_tokens_per_expert": {str(layer): [int(v) for v in rows[i, :e].tolist()]
+                                          for i, layer in enumerate(order)}}

@@ -39,6 +39,7 @@ from hpctrain.errors import HpcTrainError
 from hpctrain.models.attention_backend import choose_sdpa, use_sdpa
 from hpctrain.models.compile import compile_stages, compile_wanted
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers, residual_dtype
+from hpctrain.models.moe import MoeStepStats
 from hpctrain.optim.flat import FlatOptimizer
 from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.parallel.data_parallel import FlatParams
@@ -81,6 +82,7 @@ class StepParts:
     sdpa: Any
     flat: FlatParams | FlatGroup  # a FlatGroup with expert parallelism (parallel/flat_group.py)
     param_gather: ParamGather | None  # ZeRO-3 (hpctrain/parallel/zero3.py), else None
+    moe_stats: MoeStepStats | None  # a model with experts: the step's routing counts and auxiliary losses
     optimizer: FlatOptimizer | OptimizerGroup
     executor: PipelineExecutor
     scaler: DynamicLossScaler
@@ -194,7 +196,7 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     return StepParts(
         model_cfg=m, layout=layout, dtype=dtype, timer=timer, faults=faults, backends=backends, stages=stages,
         local_model=local_model, compiled=compiled, compile_since=compile_since, sdpa=sdpa, flat=flat,
-        param_gather=param_gather,
+        param_gather=param_gather, moe_stats=MoeStepStats(stages, moe, grid.world, t.global_batch) if moe else None,
         optimizer=optimizer, executor=executor, scaler=scaler, outcomes=outcomes, data=data,
         flops_per_token=flops_per_token(m, t.seq_len, cfg.lora.rank, cfg.lora.targets),
         peak_tflops=t.peak_tflops or peak_tflops(device, dtype, t.allow_tf32),

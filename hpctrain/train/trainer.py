@@ -116,6 +116,8 @@ class Trainer:
                                               stop_request, reducer.overflow)
         lr = lr_at(self._step, t)
         metrics = StepMetrics(self._step + 1, None, lr, None, 0.0, 0.0, 0.0, None, None, None)
+        if parts.moe_stats is not None:  # collective over the world: the experts' load, the auxiliary losses
+            metrics.__dict__.update(parts.moe_stats.collect())
         while self.before_update:  # a save still copying the parameters and optimizer state: before anything of
             self.before_update.pop(0)()  # the update, 1-bit Adam's momentum commit in before_update included
         skip_on_host = outcomes.before_update(metrics)

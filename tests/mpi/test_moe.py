@@ -1,0 +1,105 @@
+"""Mixtures of experts on real ranks (float64): every layout family trains like one process, with expert
+parallelism (experts split over ep ranks of the replica group, rows dispatched by Alltoallv) and without;
+checkpoints reshard across ep sizes; a killed rank resumes bitwise; a stopped rank inside the dispatch
+is named by the hang report. The layer itself against a loop over tokens: tests/unit/test_moe_layer.py."""
+import json
+import os
+import re
+import signal
+
+from mpirun import run_mpi
+
+F64 = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
+MOE = ["moe.num_experts=4", "moe.layers=[0,2,3]", "moe.z_loss_coef=0.01"]
+# the CLI runs: 4 MoE blocks of 4 experts, capacity that drops choices, float64
+RUN = ["data.max_bytes=300000", "train.seq_len=16", "train.global_batch=8", "model.n_heads=8", "model.n_kv_heads=4",
+       "model.n_layers=4", "train.dtype=float64", "train.warmup_steps=1", "train.lr=1e-2", "train.steps=8",
+       "parallel.tp=1", "parallel.pp=1", "train.progress=false", "moe.num_experts=4", "moe.capacity_factor=1.0",
+       "moe.z_loss_coef=0.01"]
+
+
+def fidelity(nprocs, layouts, variants, *extra, timeout=600):
+    result = run_mpi(nprocs, "check_fidelity.py", "--layouts", layouts, "--variants", variants, *extra,
+                     timeout=timeout)
+    assert "FIDELITY OK" in result.stdout, result.stdout[-3000:]
+    return result.stdout
+
+
+def train(nprocs, run_dir, *args, check=True, env=None, timeout=240):
+    return run_mpi(nprocs, "hpctrain.cli", "train", f"train.run_dir={run_dir}", *RUN, *args, module=True,
+                   timeout=timeout, check=check, env=env)
+
+
+def records(run_dir):
+    return [r for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "event" not in r]
+
+
+def test_every_layout_family_trains_like_one_process_with_and_without_expert_parallelism():
+    """dp=4 over ep=4 (one expert per rank, no expert reduction), dp x tp (SP) with ep=2, dp x pp with ep=2,
+    cp=4 with ep=2 (capacity over the whole zig-zag sequence), and tp x pp without ep: with a capacity that
+    drops choices, the z-loss and a shared expert, ZeRO-1, to 1e-10 of one process."""
+    out = fidelity(4, "4,1,1,1,4;2,2,1,1,2;2,1,2,1,2;1,1,1,4,2;1,2,2", "1f1b,sp,zero1", *F64, *MOE,
+                   "moe.capacity_factor=1.0", "moe.shared_experts=1")
+    assert out.count("OK dp=") == 5 and out.count(" ep=2 ") == 3 and " ep=4 " in out
+
+
+def test_eight_ranks_expert_parallel_with_tp_interleaved_pipeline_and_zero1_dropless():
+    out = fidelity(8, "2,2,2,1,2", "interleaved2,sp,zero1", *F64, *MOE, "model.tie_embeddings=true")
+    assert out.count("OK dp=") == 1
+
+
+def test_checkpoints_reshard_across_ep_sizes_like_one_process(tmp_path):
+    """Saved at ep=4 (dp=4), resumed at ep=2 with tp=2, then ep=1 on one process, then ep=2 x ZeRO-1 on dp=2:
+    the losses of every segment equal one uninterrupted process to 1e-10, and the experts of the checkpoint
+    are global [E, F, D] tensors."""
+    import h5py
+
+    reference = tmp_path / "reference"
+    train(1, reference)
+    ref = {r["step"]: r["loss"] for r in records(reference)}
+    run_dir = tmp_path / "chain"
+    chain = [(4, ["parallel.ep=4"]), (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+             (1, []), (2, ["parallel.ep=2", "parallel.zero=1"])]
+    for i, (ranks, layout) in enumerate(chain):
+        train(ranks, run_dir, *layout, "--max-steps", "2", "--resume", "auto", "checkpoint.interval=2")
+        got = {r["step"]: r["loss"] for r in records(run_dir)}
+        for step in (2 * i + 1, 2 * i + 2):
+            assert abs(got[step] - ref[step]) <= 1e-10 * abs(ref[step]), (layout, step, got[step], ref[step])
+    newest = sorted((run_dir / "checkpoints").glob("step-*"))[-1] / "checkpoint.h5"
+    with h5py.File(newest, "r") as f:
+        assert f["model/layers.1.moe.experts.down"].shape == (4, 64, 256)
+        assert f["optim/exp_avg/layers.1.moe.experts.gate"].shape == (4, 256, 64)
+
+
+def test_a_killed_rank_resumes_bitwise_and_a_stopped_one_is_named_in_the_dispatch(tmp_path):
+    """dp=4 x ep=2: rank 1 SIGKILLed in step 6 (checkpoint at 4) resumes to the same losses and parameters as
+    an uninterrupted run, bitwise. Then rank 3 SIGSTOPped at step 3: its ep peer waits in the dispatch's
+    all-to-all on group 'ep', and the hang report names rank 3 as the cause."""
+    ep = ["parallel.ep=2", "checkpoint.interval=4", "checkpoint.async=false"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    out = train(4, whole, *ep)
+    last = records(whole)[-1]
+    assert last["moe_aux_loss"] > 0 and 0 < last["moe_dropped_fraction"] < 1, last
+    assert sum(map(sum, last["moe_tokens_per_expert"].values())) == \
+        round(4 * 8 * 16 * 2 * (1 - last["moe_dropped_fraction"])), last  # 4 layers x 128 tokens x top 2, kept
+    assert "ep" in last["groups"], last["groups"]
+    dead = train(4, killed, *ep, env={"HPCTRAIN_FAULT": "rank=1,step=6,phase=forward,action=kill"}, check=False)
+    assert dead.returncode != 0 and "fault injection" in dead.stderr, dead.stdout[-2000:] + dead.stderr[-2000:]
+    out = train(4, killed, *ep, "--resume", "auto")
+    assert "at step 4" in out.stdout, out.stdout
+    assert {r["step"]: r["loss"] for r in records(killed)} == {r["step"]: r["loss"] for r in records(whole)}
+    diff = run_mpi(1, "hpctrain.cli", "ckpt", "diff", str(whole), str(killed), "--atol", "0", module=True,
+                   check=False)
+    assert diff.returncode == 0, diff.stdout + diff.stderr
+
+    stopped = train(4, tmp_path / "stopped", "parallel.ep=2", "comm.timeout_s=8", "train.steps=30",
+                    env={"HPCTRAIN_FAULT": "rank=3,step=3,phase=forward,action=stop"}, check=False, timeout=150)
+    err = stopped.stderr
+    for pid in re.findall(r"pid (\d+)\)", err):  # never leave the stopped rank behind
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    assert stopped.returncode == 3 and err.count("hpctrain: hang report from") == 1, err[-3000:]
+    assert re.search(r"  cause: rank 3 \(node 0 \S+, pid \d+\): .*stopped \(SIGSTOP", err), err[-3000:]
+    assert re.search(r"waits in alltoallv? #\d+ of \d+ bytes on group 'ep'", err), err[-3000:]

@@ -137,13 +137,18 @@ class Experts(nn.Module):
         super().__init__()
         e, f, d = moe.num_experts, moe.d_ff_expert, m.d_model
         self.count, self.first = e // ep_size, ep_rank * (e // ep_size)
-        for part, shape, split in (("gate", (e, f, d), 1), ("up", (e, f, d), 1), ("down", (e, d, f), 2)):
-            held = (self.first, self.count) if ep_size > 1 else None
+        held = (self.first, self.count) if ep_size > 1 else None
+
+        def weight(part, shape, split) -> nn.Parameter:
             spec = make_spec(f"{name}.{part}", shape, split, tp_comm, experts=held)
             param = nn.Parameter(torch.empty(spec.local_shape, dtype=dtype))
             init_from_global_(param, spec, seed, m.init_std)
             param.spec = spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
-            setattr(self, part, param)
+            return param
+
+        self.gate = weight("gate", (e, f, d), 1)
+        self.up = weight("up", (e, f, d), 1)
+        self.down = weight("down", (e, d, f), 2)
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [N, D] sorted by local expert, ``counts`` [count] rows per expert -> [N, D] (partial over tp):

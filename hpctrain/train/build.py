@@ -158,8 +158,8 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     # the trainable parameters (a LoRA run's adapters; the frozen base stays plain tensors on the device); with
     # expert parallelism the experts are a group of their own, summed over the replicas holding the same ones
     trainable = [p for p in local_model.parameters() if p.requires_grad]
-    experts = [p for p in trainable if p.spec.experts is not None]
-    flat = FlatParams([p for p in trainable if p.spec.experts is None], grid.comm(grid.replica_axis),
+    experts = [p for p in trainable if getattr(p, "spec").experts is not None]  # the SlabSpec (parallel/slab.py)
+    flat = FlatParams([p for p in trainable if getattr(p, "spec").experts is None], grid.comm(grid.replica_axis),
                       tp_comm=tp_comm, pp_comm=pp_comm, bucket_mb=cfg.parallel.bucket_mb, zero=layout.zero,
                       units=unit_params(stages) if layout.zero == 3 else None,
                       timer=timer, check_finite=dtype == torch.float16,

@@ -232,16 +232,15 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(f"{name}.attn_norm", m.d_model, m.norm_eps, tp_comm, sp, dtype)
         self.attn = Attention(f"{name}.attn", m, tp_comm, sp, dtype, seed, cp_comm)
         self.mlp_norm = RMSNorm(f"{name}.mlp_norm", m.d_model, m.norm_eps, tp_comm, sp, dtype)
-        self.mlp: nn.Module
+        self.routed = moe is not None
         if moe is not None:
             self.moe = MoE(f"{name}.moe", m, moe, tp_comm, sp, dtype, seed, cp_comm, ep_comm, aux_weight)
-            self.mlp = self.moe
         else:
             self.mlp = MLP(f"{name}.mlp", m, tp_comm, sp, dtype, seed)
 
     def forward(self, x, docs=None, tables=None):
         x = x + self.attn(self.attn_norm(x), docs, tables)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + (self.moe if self.routed else self.mlp)(self.mlp_norm(x))
 
 
 class GPTStage(nn.Module):

@@ -43,9 +43,28 @@ def add_adapters(stage: nn.Module, m, lora, tp_comm, dtype, seed: int) -> None:
         for target in lora.targets:
             path, column = TARGET_MODULES[target]
             in_features, out_features = shapes[target]
+            if block.routed and path.startswith("mlp."):  # an MoE block: the experts' (and shared) weights
+                continue
             attach_lora(block.get_submodule(path), f"layers.{index}.{path}", in_features, out_features, tp_comm,
                         column=column, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, dtype=dtype, seed=seed)
+        if block.routed:
+            _add_moe_adapters(block.moe, f"layers.{index}.moe", lora, tp_comm, dtype, seed)
     freeze_all_but_adapters(stage)
+
+
+def _add_moe_adapters(moe, name: str, lora, tp_comm, dtype, seed: int) -> None:
+    """An MoE block's MLP targets (gate, up, down): on every routed expert (batched factors) and on the shared
+    experts' SwiGLU; the router is never adapted."""
+    parts = [t for t in lora.targets if t in ("gate", "up", "down")]
+    if parts:
+        moe.experts.add_adapters(parts, lora.rank, lora.alpha, lora.dropout, tp_comm, seed)
+    if parts and hasattr(moe, "shared"):
+        d, width = moe.experts.gate.spec.global_shape[2], moe.shared.up.w.spec.global_shape[0]
+        for part in parts:
+            in_features, out_features = (width, d) if part == "down" else (d, width)
+            attach_lora(getattr(moe.shared, part), f"{name}.shared.{part}", in_features, out_features, tp_comm,
+                        column=part != "down", rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, dtype=dtype,
+                        seed=seed)
 
 
 def _count(n: int) -> str:

@@ -35,7 +35,8 @@ from torch import nn
 
 from hpctrain.parallel.context_parallel import zigzag_positions
 from hpctrain.parallel.expert_parallel import Dispatcher
-from hpctrain.parallel.slab import init_from_global_, make_spec
+from hpctrain.parallel.lora import LoraFactor, LoraSettings
+from hpctrain.parallel.slab import global_generator, init_from_global_, make_spec, place_global_
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 
 
@@ -149,6 +150,42 @@ class Experts(nn.Module):
         self.gate = weight("gate", (e, f, d), 1)
         self.up = weight("up", (e, f, d), 1)
         self.down = weight("down", (e, d, f), 2)
+        self.name, self.held, self.dtype = name, held, dtype
+        self.adapters = nn.ModuleDict()  # LoRA (``add_adapters``): part -> its factors
+        self.lora: LoraSettings | None = None
+
+    def add_adapters(self, parts, rank: int, alpha: float, dropout: float, tp_comm, seed: int) -> None:
+        """LoRA on the experts' ``parts`` (of gate, up, down), split like their weights (parallel/lora.py):
+        gate/up (column) A [E, r, D] replicated over tp with partial grads, B [E, F/tp, r]; down (row)
+        A [E, r, F/tp], B [E, D, r] replicated with partial grads. Global names ``<name>.<part>.lora_A.weight``
+        (as PEFT names a linear's). A Kaiming-uniform over its input, B zero, from (seed, name)."""
+        partial = tp_comm is not None and tp_comm.size > 1
+        e, f, d = self.gate.spec.global_shape  # type: ignore[attr-defined]  # the SlabSpec (parallel/slab.py)
+        for part in parts:
+            column = part != "down"
+            fan_in, out = (d, f) if column else (f, d)
+            a_spec = make_spec(f"{self.name}.{part}.lora_A.weight", (e, rank, fan_in), None if column else 2, tp_comm,
+                               partial_grad_over_tp=partial and column, experts=self.held)
+            b_spec = make_spec(f"{self.name}.{part}.lora_B.weight", (e, out, rank), 1 if column else None, tp_comm,
+                               partial_grad_over_tp=partial and not column, experts=self.held)
+            pair = nn.ModuleDict({"lora_A": LoraFactor(a_spec, self.dtype), "lora_B": LoraFactor(b_spec, self.dtype)})
+            bound = nn.init.calculate_gain("leaky_relu", math.sqrt(5)) * math.sqrt(3.0 / fan_in)
+            full = torch.empty(a_spec.global_shape, dtype=torch.float64)
+            full.uniform_(-bound, bound, generator=global_generator(seed, a_spec.name))
+            with torch.no_grad():
+                place_global_(pair["lora_A"].weight, a_spec, full)
+            self.adapters[part] = pair
+        self.lora = LoraSettings(alpha / rank, dropout)
+
+    def _linear(self, x: torch.Tensor, part: str) -> torch.Tensor:
+        """x [count, M, in] through every local expert's ``part`` weight (+ its adapter): [count, M, out]."""
+        y = x @ getattr(self, part).transpose(1, 2)
+        if part in self.adapters and self.lora is not None:
+            a, b = self.adapters[part]["lora_A"].weight, self.adapters[part]["lora_B"].weight
+            if self.lora.dropout and self.training:
+                x = F.dropout(x, self.lora.dropout)
+            y = y + (x @ a.transpose(1, 2)) @ b.transpose(1, 2) * self.lora.scaling
+        return y
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [N, D] sorted by local expert, ``counts`` [count] rows per expert -> [N, D] (partial over tp):
@@ -159,8 +196,8 @@ class Experts(nn.Module):
         starts = torch.cumsum(counts, 0) - counts
         slot = expert * most + torch.arange(n, device=rows.device) - starts[expert]
         padded = rows.new_zeros(self.count * most, d).index_copy(0, slot, rows).view(self.count, most, d)
-        h = F.silu(padded @ self.gate.transpose(1, 2)) * (padded @ self.up.transpose(1, 2))  # [count, M, F/tp]
-        return (h @ self.down.transpose(1, 2)).reshape(self.count * most, d)[slot]
+        h = F.silu(self._linear(padded, "gate")) * self._linear(padded, "up")  # [count, M, F/tp]
+        return self._linear(h, "down").reshape(self.count * most, d)[slot]
 
 
 class MoE(nn.Module):
@@ -188,6 +225,14 @@ class MoE(nn.Module):
         self.stats = MoeStats(torch.zeros(moe.num_experts, dtype=torch.float64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Under torch.compile (``train.compile``) the layer runs eagerly, a graph break by design: its shapes
+        depend on the routing and it talks on ep and cp (hpctrain/models/compile.py); the rest of the block
+        compiles."""
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(self._forward, reason="MoE routing: data-dependent shapes, all-to-all")(x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         h = gather_seq(x, self.tp_comm) if self.sp else copy_to_tp(x, self.tp_comm)
         s, b, d = h.shape
         tokens = h.reshape(s * b, d)

@@ -43,6 +43,15 @@ def test_every_layout_family_trains_like_one_process_with_and_without_expert_par
     assert out.count("OK dp=") == 5 and out.count(" ep=2 ") == 3 and " ep=4 " in out
 
 
+def test_lora_on_the_experts_and_the_shared_expert_in_ep_tp_and_pp_layouts():
+    """lora.targets gate and down adapt every routed expert (batched factors, split over ep and tp like their
+    weights) and the shared expert's SwiGLU; q and v the attention. Only the adapters train (the frozen weights
+    stay bit-identical: checked by the script), like one process."""
+    out = fidelity(4, "2,2,1,1,2;4,1,1,1,4;1,2,2", "1f1b,sp,zero1", *F64, *MOE, "moe.shared_experts=1",
+                   "lora.rank=4", "lora.targets=[q,v,gate,down]")
+    assert out.count("OK dp=") == 3 and "LORA OK" in out and "moe.experts.gate.lora_B" in out
+
+
 def test_eight_ranks_expert_parallel_with_tp_interleaved_pipeline_and_zero1_dropless():
     out = fidelity(8, "2,2,2,1,2", "interleaved2,sp,zero1", *F64, *MOE, "model.tie_embeddings=true")
     assert out.count("OK dp=") == 1

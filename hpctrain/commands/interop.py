@@ -1,10 +1,11 @@
 """``hpctrain export CKPT --format hf --out DIR`` and ``hpctrain import-hf DIR --out CKPT_DIR`` (one process).
 
-export: the global view of a checkpoint of any layout (dp/tp/pp/ZeRO) -> config.json (a Llama, or a
-Mistral when model.attention_window > 0), model.safetensors and the run's tokenizer (when it used a
-tokenizer.json). import-hf: a Llama or Mistral config.json + safetensors -> a weights-only hpctrain
-checkpoint at step 0 (``CKPT_DIR/latest``, ``CKPT_DIR/step-00000000/``) that
-``hpctrain train --resume CKPT_DIR`` or ``model.init_from=CKPT_DIR`` starts from, in any layout.
+export: the global view of a checkpoint of any layout (dp/tp/pp/ZeRO/ep) -> config.json (a Llama, a
+Mistral when model.attention_window > 0, a Mixtral when the model has experts), model.safetensors and the
+run's tokenizer (when it used a tokenizer.json). import-hf: a Llama, Mistral or Mixtral config.json +
+safetensors -> a weights-only hpctrain checkpoint at step 0 (``CKPT_DIR/latest``, ``CKPT_DIR/step-00000000/``;
+a Mixtral's config with its ``[moe]`` section) that ``hpctrain train --resume CKPT_DIR`` or
+``model.init_from=CKPT_DIR`` starts from, in any layout.
 A LoRA run exports as hf only with ``--merge-lora`` (W + alpha/r B A); ``--format peft`` and
 ``import-peft``: peft.py. Both write into a temporary directory beside ``--out`` and rename it at the
 end: a failure leaves nothing half-written, and a non-empty ``--out`` is only replaced with ``--force``.
@@ -22,11 +23,12 @@ from hpctrain.runtime.dtypes import DTYPE_NAMES  # no torch import here: `hpctra
 
 
 def add_parser(sub) -> None:
-    e = sub.add_parser("export", help="write a checkpoint (any layout) as a Hugging Face Llama/Mistral model "
-                                      "(one process)",
+    e = sub.add_parser("export", help="write a checkpoint (any layout) as a Hugging Face Llama/Mistral/Mixtral "
+                                      "model (one process)",
                        description="Export the model of a checkpoint (a run, checkpoints or step directory; any "
                                    "layout) as a transformers LlamaForCausalLM directory (MistralForCausalLM, "
-                                   "with sliding_window, when model.attention_window > 0).")
+                                   "with sliding_window, when model.attention_window > 0; MixtralForCausalLM "
+                                   "when moe.num_experts > 0).")
     e.add_argument("checkpoint", metavar="CKPT_OR_RUN_DIR")
     e.add_argument("--format", required=True, choices=["hf", "peft"],
                    help="hf: config.json + model.safetensors; peft: a LoRA run's adapters as a PEFT adapter "
@@ -45,9 +47,9 @@ def add_parser(sub) -> None:
                    help="--format peft: the adapter's base_model_name_or_path (default: the Hugging Face "
                         "directory the run's base came from, else null with a warning)")
     e.set_defaults(func=run_export)
-    i = sub.add_parser("import-hf", help="turn a Hugging Face Llama/Mistral model into a step-0 hpctrain "
-                                         "checkpoint",
-                       description="Read a Llama or Mistral config.json + model.safetensors (or sharded "
+    i = sub.add_parser("import-hf", help="turn a Hugging Face Llama/Mistral/Mixtral model into a step-0 "
+                                         "hpctrain checkpoint",
+                       description="Read a Llama, Mistral or Mixtral config.json + model.safetensors (or sharded "
                                    "safetensors with their index) and write a weights-only hpctrain checkpoint at "
                                    "step 0.")
     i.add_argument("hf_dir", metavar="DIR")
@@ -80,16 +82,16 @@ def run_export(args) -> int:
     torch.set_num_threads(env.omp_num_threads())
     with staged_output(args.out, args.force, "hpctrain export", args.checkpoint) as tmp:  # checks --out first
         run = read_run(args.checkpoint, args.merge_lora, "hf", args.base)  # a LoRA run's weights merged
-        m, tensors, lora = run.model, run.tensors, run.lora
+        m, tensors, lora, moe = run.model, run.tensors, run.lora, run.moe
         dtype = run.dtype if args.dtype == "auto" else args.dtype
         tokenizer = _tokenizer_file(args.tokenizer, run.config.data.tokenizer)
         if tokenizer and load_tokenizer(tokenizer).vocab_size > m.vocab_size:
             raise HpcTrainError(f"{tokenizer} has more tokens than the model's vocab_size={m.vocab_size}: "
                                 f"not this model's tokenizer")
-        files = write_hf(tmp, m, tensors, dtype, tokenizer)
+        files = write_hf(tmp, m, tensors, dtype, tokenizer, moe)
     params = sum(t.numel() for t in tensors.values())
     merged = f" (LoRA r={lora.rank} on {','.join(lora.targets)} merged in)" if lora else ""
-    print(f"hpctrain export: {run.dir} (step {run.step}) -> {os.path.abspath(args.out)}: a {hf_model_type(m)} "
+    print(f"hpctrain export: {run.dir} (step {run.step}) -> {os.path.abspath(args.out)}: a {hf_model_type(m, moe)} "
           f"model{merged}, {', '.join(files)}; "
           f"{params:,} parameters in {dtype}" + ("" if tokenizer else "; no tokenizer (byte-level ids 0..255)"))
     return 0
@@ -107,11 +109,12 @@ def run_import(args) -> int:
     with staged_output(args.out, args.force, "hpctrain import-hf", args.hf_dir) as tmp:
         source = HFModelDir(args.hf_dir)
         try:
-            m, dtype = source.model, source.dtype
+            m, moe, dtype = source.model, source.moe, source.dtype
             tensors = {name: source.read(name) for name in source.shapes}
         finally:
             source.close()
-        cfg = Config(model=m)
+        cfg = Config(model=m, moe=source.moe_section)  # a Mixtral's experts: [moe]
+        sections = "these sections" if moe else "this section"
         cfg.train.dtype, cfg.train.seq_len = dtype, import_seq_len(m)
         tokenizer = os.path.join(args.hf_dir, "tokenizer.json")
         if os.path.isfile(tokenizer):
@@ -119,14 +122,15 @@ def run_import(args) -> int:
             cfg.data.tokenizer = os.path.join(out, "tokenizer.json")
         write_weights_only(tmp, cfg, tensors, dtype, os.path.abspath(args.hf_dir))
         with open(os.path.join(tmp, "model.toml"), "w", encoding="utf-8") as f:
-            f.write(f"# the model of {os.path.abspath(args.hf_dir)}: put this section in the training config\n"
-                    + window_note(m) + model_toml(m))
+            f.write(f"# the model of {os.path.abspath(args.hf_dir)}: put {sections} in the training config\n"
+                    + window_note(m) + model_toml(m, source.moe_section))
     params = sum(t.numel() for t in tensors.values())
     tok = f"; its tokenizer: data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer != "bytes" else ""
     print(f"hpctrain import-hf: {os.path.abspath(args.hf_dir)} -> {out}/step-00000000 (weights only, step 0): "
           f"{params:,} parameters in {dtype}; tensor-parallel sizes that split it: "
-          f"{', '.join(map(str, supported_tp(m)))}\n"
-          f"Its [model] section is in {out}/model.toml{tok}. {window_note(m, comment='')}Train from it with\n"
+          f"{', '.join(map(str, supported_tp(m, moe)))}\n"
+          f"Its [model]{' and [moe] sections are' if moe else ' section is'} in {out}/model.toml{tok}. "
+          f"{window_note(m, comment='')}Train from it with\n"
           f"  hpctrain train --config CONFIG model.init_from={out}   (any layout; a resumed run ignores it)\n"
           f"  or --resume {out}")
     return 0

@@ -57,7 +57,8 @@ def base_model_path(init_from: str, depth: int = 4) -> str | None:
 
 
 def read_run(path: str, merge_lora: bool, want: str, base: str = "") -> SimpleNamespace:
-    """``model``, ``dtype``, ``tensors`` (base, merged), ``adapters``, ``lora`` (None without), ``config``,
+    """``model``, ``moe`` (the resolved ``[moe]``, None without experts), ``dtype``, ``tensors`` (base,
+    merged), ``adapters``, ``lora`` (None without), ``config``,
     ``step`` and ``dir`` (the step directory) of a checkpoint; ``want``: ``hf`` or
     ``peft``. A LoRA run exported as hf needs ``merge_lora`` (its base alone is not the trained model); a run
     without adapters has nothing to export as peft. ``base``: where a referred LoRA base is now, if it moved."""
@@ -68,7 +69,7 @@ def read_run(path: str, merge_lora: bool, want: str, base: str = "") -> SimpleNa
     source = CheckpointSource(path, base)
     try:
         m, lora = source.model, source.lora
-        require_llama(m, f"hpctrain export {source.dir}")
+        require_llama(m, f"hpctrain export {source.dir}", source.moe)
         if want == "peft" and lora is None:
             raise HpcTrainError(f"hpctrain export --format peft: {source.dir} has no LoRA adapters (lora.rank = 0): "
                                 f"export its weights with --format hf")
@@ -77,12 +78,12 @@ def read_run(path: str, merge_lora: bool, want: str, base: str = "") -> SimpleNa
                                 f"pass --merge-lora for merged full weights, or use --format peft for the adapters")
         if want == "hf" and lora is None and merge_lora:
             raise HpcTrainError(f"hpctrain export --merge-lora: {source.dir} has no LoRA adapters to merge")
-        base_names = parameter_shapes(m)
+        base_names = parameter_shapes(m, source.moe)
         adapters = {n: source.read(n) for n in source.shapes if n not in base_names}
         tensors = {} if want == "peft" else {n: merged(n, source.read(n), adapters, lora) if lora else source.read(n)
                                              for n in base_names}
-        return SimpleNamespace(model=m, dtype=source.dtype, tensors=tensors, adapters=adapters, lora=lora,
-                               config=source.config, step=source.attrs.get("step"), dir=source.dir)
+        return SimpleNamespace(model=m, moe=source.moe, dtype=source.dtype, tensors=tensors, adapters=adapters,
+                               lora=lora, config=source.config, step=source.attrs.get("step"), dir=source.dir)
     finally:
         source.close()
 

@@ -55,14 +55,17 @@ def staged_output(out: str, force: bool, tool: str, source: str):
         raise
 
 
-def model_toml(m) -> str:
-    """The ``[model]`` TOML section of the resolved model ``m`` (what a training config needs)."""
+def model_toml(m, moe=None) -> str:
+    """The ``[model]`` TOML section of the resolved model ``m`` (what a training config needs), and the
+    ``[moe]`` section ``moe`` of a model with experts (num_experts > 0)."""
     from hpctrain.config import config_to_dict
 
     lines = ["[model]"]
     for key, value in config_to_dict(m).items():
         if key != "init_from":
             lines.append(f"{key} = {json.dumps(value)}")
+    if moe is not None and moe.num_experts:
+        lines += ["", "[moe]"] + [f"{key} = {json.dumps(value)}" for key, value in config_to_dict(moe).items()]
     return "\n".join(lines) + "\n"
 
 
@@ -109,7 +112,7 @@ def write_weights_only(directory: str, cfg, tensors: dict, dtype: str, source: s
                   "layout": {"dp": 1, "pp": 1, "tp": 1, "zero": 0, "world": 1},
                   "sampler": {"consumed": 0, "seed": cfg.train.seed, "seq_len": cfg.train.seq_len},
                   "loss_scaler": {"scale": cfg.train.loss_scale, "good_steps": 0},
-                  "weights_only": True, "imported_from": source, ARCHITECTURE_ATTR: record(cfg.model)}
+                  "weights_only": True, "imported_from": source, ARCHITECTURE_ATTR: record(cfg.model, cfg.moe)}
     step_dir = os.path.join(directory, step_dirname(0))
     os.makedirs(os.path.join(step_dir, "shards"))
     write_shards(_OneRank(), step_dir, snap)

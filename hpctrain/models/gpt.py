@@ -25,6 +25,7 @@ from hpctrain.config import resolve_model
 from hpctrain.models.attention_backend import HOST as HOST_SDPA, attention as sdpa
 from hpctrain.config.arithmetic import count_parameters, flops_per_token, partition_layers  # noqa: F401 (re-exported)
 from hpctrain.models.lora import add_adapters, enabled as lora_enabled
+from hpctrain.models.mlp import MLP
 from hpctrain.models.moe import AuxLossWeight, MoE
 from hpctrain.parallel.context_parallel import causal_window_mask, default_tile, ring_attention, zigzag_positions
 from hpctrain.parallel.head_loss import chunk_tokens, fused_head_cross_entropy
@@ -168,26 +169,6 @@ class Attention(nn.Module):
             else:
                 out = sdpa(q, k, v, self.sdpa_choice)
         return self.wo(out.permute(2, 0, 1, 3).reshape(seq, batch, self.local_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), or GELU: down(gelu_tanh(up(x))); gate/up split on d_ff, down
-    reduces over TP (the element-wise activation needs no communication)."""
-
-    def __init__(self, name, m, tp_comm, sp, dtype, seed):
-        super().__init__()
-        kw = dict(dtype=dtype, seed=seed, std=m.init_std)
-        self.sp, self.tp_comm, self.swiglu = sp, tp_comm, m.mlp == "swiglu"
-        if self.swiglu:
-            self.gate = ColumnParallelLinear(f"{name}.gate", m.d_model, m.d_ff, tp_comm, input_mode="none", **kw)
-        self.up = ColumnParallelLinear(f"{name}.up", m.d_model, m.d_ff, tp_comm, input_mode="none", **kw)
-        self.down = RowParallelLinear(f"{name}.down", m.d_ff, m.d_model, tp_comm, sp=sp, **kw)
-
-    def forward(self, x):
-        x = gather_seq(x, self.tp_comm) if self.sp else copy_to_tp(x, self.tp_comm)
-        if self.swiglu:
-            return self.down(F.silu(self.gate(x)) * self.up(x))
-        return self.down(F.gelu(self.up(x), approximate="tanh"))
 
 
 class LearnedPositions(nn.Module):

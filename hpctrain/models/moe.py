@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.models.mlp import MLP
 from hpctrain.parallel.context_parallel import zigzag_positions
 from hpctrain.parallel.expert_parallel import Dispatcher
 from hpctrain.parallel.lora import LoraFactor, LoraSettings
@@ -168,20 +169,27 @@ class Experts(nn.Module):
                                partial_grad_over_tp=partial and column, experts=self.held)
             b_spec = make_spec(f"{self.name}.{part}.lora_B.weight", (e, out, rank), 1 if column else None, tp_comm,
                                partial_grad_over_tp=partial and not column, experts=self.held)
-            pair = nn.ModuleDict({"lora_A": LoraFactor(a_spec, self.dtype), "lora_B": LoraFactor(b_spec, self.dtype)})
+            lora_a, lora_b = LoraFactor(a_spec, self.dtype), LoraFactor(b_spec, self.dtype)
             bound = nn.init.calculate_gain("leaky_relu", math.sqrt(5)) * math.sqrt(3.0 / fan_in)
             full = torch.empty(a_spec.global_shape, dtype=torch.float64)
             full.uniform_(-bound, bound, generator=global_generator(seed, a_spec.name))
             with torch.no_grad():
-                place_global_(pair["lora_A"].weight, a_spec, full)
-            self.adapters[part] = pair
+                place_global_(lora_a.weight, a_spec, full)
+            self.adapters[part] = nn.ModuleDict({"lora_A": lora_a, "lora_B": lora_b})
         self.lora = LoraSettings(alpha / rank, dropout)
+
+    def _factor(self, part: str, which: str) -> torch.Tensor:
+        pair = self.adapters[part]
+        assert isinstance(pair, nn.ModuleDict)
+        factor = pair[which]
+        assert isinstance(factor, LoraFactor)
+        return factor.weight
 
     def _linear(self, x: torch.Tensor, part: str) -> torch.Tensor:
         """x [count, M, in] through every local expert's ``part`` weight (+ its adapter): [count, M, out]."""
         y = x @ getattr(self, part).transpose(1, 2)
         if part in self.adapters and self.lora is not None:
-            a, b = self.adapters[part]["lora_A"].weight, self.adapters[part]["lora_B"].weight
+            a, b = self._factor(part, "lora_A"), self._factor(part, "lora_B")
             if self.lora.dropout and self.training:
                 x = F.dropout(x, self.lora.dropout)
             y = y + (x @ a.transpose(1, 2)) @ b.transpose(1, 2) * self.lora.scaling
@@ -207,8 +215,6 @@ class MoE(nn.Module):
     def __init__(self, name, m, moe, tp_comm, sp, dtype, seed, cp_comm=None, ep_comm=None,
                  aux_weight: AuxLossWeight | None = None):
         super().__init__()
-        from hpctrain.models.gpt import MLP  # the shared experts are a dense SwiGLU (gpt.py imports this module)
-
         self.tp_comm, self.sp, self.moe = tp_comm, sp, moe
         self.cp_comm = cp_comm if cp_comm is not None and cp_comm.size > 1 else None
         self.tp_size = 1 if tp_comm is None else tp_comm.size

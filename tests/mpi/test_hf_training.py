@@ -1,5 +1,5 @@
-"""Hugging Face export of a multi-rank run, and training from an imported HF model (Llama, Mistral) in several
-layouts (float64)."""
+"""Hugging Face export of a multi-rank run, and training from an imported HF model (Llama, Mistral, Mixtral) in
+several layouts (float64)."""
 import json
 
 import pytest
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_helpers import float64_exact_transformers, hf_logits, random_llama, random_mistral  # noqa: E402
+from hf_helpers import float64_exact_transformers, hf_logits, random_llama, random_mistral, random_mixtral  # noqa: E402
 from mpirun import run_mpi  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
@@ -114,6 +114,48 @@ def test_an_imported_mistral_trains_the_same_on_one_rank_tp2_pp2_and_cp2(tmp_pat
         assert dispatch(["export", str(tmp_path / name), "--format", "hf", "--out", str(tmp_path / f"hf-{name}")]) == 0
         config = json.loads((tmp_path / f"hf-{name}" / "config.json").read_text())
         assert config["model_type"] == "mistral" and config["sliding_window"] == 8
+        exported.append(load_file(tmp_path / f"hf-{name}" / "model.safetensors"))
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    assert any(not torch.equal(exported[0][k], original[k]) for k in original)  # it trained
+    for other in exported[1:]:
+        assert other.keys() == original.keys()
+        for k in original:
+            torch.testing.assert_close(other[k], exported[0][k], rtol=0, atol=1e-10)
+
+
+def test_an_imported_mixtral_trains_the_same_on_one_rank_ep2_and_tp2(tmp_path):
+    """A Mixtral (4 experts, top 2): 2 steps on 1 rank (--resume of the import), ep=2 (model.init_from of the HF
+    directory: each rank reads its 2 experts) and tp=2 with sequence parallelism (each expert's rows split)
+    give the same losses (the first one transformers' token loss on that batch) and the same trained weights,
+    exported as a Mixtral."""
+    hf = random_mixtral(tmp_path / "hf", vocab=257)
+    assert dispatch(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    model_toml, steps = tmp_path / "ckpt" / "model.toml", ["train.steps=2"]
+    train(1, tmp_path / "one", *steps, "--resume", tmp_path / "ckpt", config=model_toml)
+    train(2, tmp_path / "ep2", *steps, "parallel.ep=2", f"model.init_from={tmp_path / 'hf'}", config=model_toml)
+    train(2, tmp_path / "tp2", *steps, "parallel.tp=2", "parallel.sequence_parallel=true", "--resume",
+          tmp_path / "ckpt", config=model_toml)
+    runs = ("one", "ep2", "tp2")
+    curves = [losses(tmp_path / name) for name in runs]
+    assert len(curves[0]) == 2
+    for curve in curves[1:]:
+        assert curve == pytest.approx(curves[0], rel=1e-10, abs=0)
+
+    from hpctrain.config import load_config
+    from hpctrain.data.corpus import load_tokens
+    from hpctrain.data.sampler import SequenceSampler
+
+    cfg = load_config(str(model_toml), COMMON)
+    tokens = load_tokens(cfg.data.source, cfg.data.cache_dir, cfg.data.max_bytes)
+    inputs, targets = SequenceSampler(tokens, cfg.train.seq_len, cfg.train.seed).batch(0, cfg.train.global_batch)
+    with float64_exact_transformers():
+        expected = F.cross_entropy(hf_logits(hf, inputs).reshape(-1, 257), targets.reshape(-1)).item()
+    assert curves[0][0] == pytest.approx(expected, rel=1e-10, abs=0)
+
+    exported = []
+    for name in runs:
+        assert dispatch(["export", str(tmp_path / name), "--format", "hf", "--out", str(tmp_path / f"hf-{name}")]) == 0
+        assert json.loads((tmp_path / f"hf-{name}" / "config.json").read_text())["model_type"] == "mixtral"
         exported.append(load_file(tmp_path / f"hf-{name}" / "model.safetensors"))
     original = load_file(tmp_path / "hf" / "model.safetensors")
     assert any(not torch.equal(exported[0][k], original[k]) for k in original)  # it trained

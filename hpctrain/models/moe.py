@@ -222,7 +222,7 @@ class MoE(nn.Module):
         ep_rank, ep_size = (0, 1) if ep_comm is None else (ep_comm.rank, ep_comm.size)
         self.router = Router(f"{name}.router", moe.num_experts, m, tp_comm, dtype, seed)
         self.experts = Experts(f"{name}.experts", m, moe, tp_comm, dtype, seed, ep_rank, ep_size)
-        self.dispatcher = Dispatcher(ep_comm, moe.num_experts)
+        self.dispatcher = Dispatcher(ep_comm, moe.num_experts, name)
         if moe.shared_experts:
             width = moe.shared_experts * moe.d_ff_expert
             self.shared = MLP(f"{name}.shared", dataclasses.replace(m, d_ff=width, mlp="swiglu"), tp_comm, sp, dtype,

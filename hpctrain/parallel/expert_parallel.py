@@ -13,39 +13,52 @@ the replicas that hold the same experts (the ``ep_replica`` group), the rest of 
 """
 from __future__ import annotations
 
+import time
+
 import torch
+
+
+def _traced_alltoallv(comm, out, recv, rows, send, label: str) -> None:
+    """``comm.alltoallv``; with a trace recording, also a span ``label`` on the "moe all-to-all" track (the
+    Communicator's own event says only "alltoallv on ep")."""
+    trace = comm.trace
+    start = time.perf_counter()
+    comm.alltoallv(out, recv, rows, send)
+    if trace is not None and trace.active:
+        trace.span(label, "moe all-to-all", start, time.perf_counter(), rows=int(rows.shape[0]))
 
 
 class _AllToAllRows(torch.autograd.Function):
     """rows [sum(send), D] cut into ``send[j]`` rows for rank j -> [sum(recv), D], ``recv[i]`` from rank i."""
 
     @staticmethod
-    def forward(ctx, rows, send: list[int], recv: list[int], comm):
-        ctx.send, ctx.recv, ctx.comm = send, recv, comm
+    def forward(ctx, rows, send: list[int], recv: list[int], comm, label: str):
+        ctx.send, ctx.recv, ctx.comm, ctx.label = send, recv, comm, label
         rows = rows.contiguous()
         out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
-        comm.alltoallv(out, recv, rows, send)
+        _traced_alltoallv(comm, out, recv, rows, send, label)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
         out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
-        ctx.comm.alltoallv(out, ctx.send, grad, ctx.recv)
-        return out, None, None, None
+        _traced_alltoallv(ctx.comm, out, ctx.send, grad, ctx.recv, ctx.label + " (backward)")
+        return out, None, None, None, None
 
 
-def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], comm) -> torch.Tensor:
-    """Differentiable Alltoallv of ``rows`` on ``comm`` (module docstring)."""
-    return _AllToAllRows.apply(rows, send, recv, comm)
+def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], comm, label: str = "") -> torch.Tensor:
+    """Differentiable Alltoallv of ``rows`` on ``comm`` (module docstring); ``label`` names it in a trace."""
+    return _AllToAllRows.apply(rows, send, recv, comm, label)
 
 
 class Dispatcher:
     """Takes an MoE layer's rows to this ep group's experts and back. ``comm``: the ep group (None or size 1:
     every expert is local, no communication)."""
 
-    def __init__(self, comm, num_experts: int):
+    def __init__(self, comm, num_experts: int, name: str = ""):
         self.comm = comm if comm is not None and comm.size > 1 else None
+        self.name = name  # the layer's (``layers.N.moe``): the trace's spans say which layer dispatches
         self.num_experts = num_experts
         self.per_rank = num_experts // (1 if self.comm is None else self.comm.size)
 
@@ -61,10 +74,10 @@ class Dispatcher:
         got_counts = torch.empty_like(sent_counts)  # [from rank, my local expert]
         self.comm.alltoall(got_counts, sent_counts)
         send, recv = sent_counts.sum(1).tolist(), got_counts.sum(1).tolist()
-        arrived = all_to_all_rows(rows, send, recv, self.comm)  # grouped by source, each sorted by expert
+        arrived = all_to_all_rows(rows, send, recv, self.comm, f"{self.name} dispatch")  # by source, each by expert
         local = torch.repeat_interleave(torch.arange(self.per_rank).repeat(ep), got_counts.reshape(-1))
         order = torch.argsort(local.to(rows.device), stable=True)  # expert-major, then source
         computed = experts(arrived[order], got_counts.sum(0).to(rows.device))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
-        return all_to_all_rows(computed[back], recv, send, self.comm)
+        return all_to_all_rows(computed[back], recv, send, self.comm, f"{self.name} combine")

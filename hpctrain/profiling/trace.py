@@ -73,6 +73,10 @@ class TraceRecorder:
         self._event(op, "blocked" if blocked else "inflight", f"comm {group}", start, end,
                     {"group": group, "bytes": nbytes, "sent": sent})
 
+    def span(self, name: str, track: str, start: float, end: float, **args) -> None:
+        """A named span of work on ``track`` (e.g. an MoE layer's dispatch all-to-all, "moe layers.3 dispatch")."""
+        self._event(name, "span", track, start, end, args)
+
     def _event(self, name, cat, track, start, end, args) -> None:
         tid = self.tracks.setdefault(track, len(self.tracks))
         event = {"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": tid,

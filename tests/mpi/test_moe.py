@@ -82,11 +82,17 @@ def test_checkpoints_reshard_across_ep_sizes_like_one_process(tmp_path):
 
 def test_a_killed_rank_resumes_bitwise_and_a_stopped_one_is_named_in_the_dispatch(tmp_path):
     """dp=4 x ep=2: rank 1 SIGKILLed in step 6 (checkpoint at 4) resumes to the same losses and parameters as
-    an uninterrupted run, bitwise. Then rank 3 SIGSTOPped at step 3: its ep peer waits in the dispatch's
+    an uninterrupted run, bitwise; the uninterrupted run's metrics hold the experts' load and its trace every
+    layer's dispatch and combine. Then rank 3 SIGSTOPped at step 3: its ep peer waits in the dispatch's
     all-to-all on group 'ep', and the hang report names rank 3 as the cause."""
     ep = ["parallel.ep=2", "checkpoint.interval=4", "checkpoint.async=false"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    out = train(4, whole, *ep)
+    out = train(4, whole, *ep, "train.trace=true")
+    spans = [e["name"] for e in json.loads((whole / "trace" / "rank00001.json").read_text())["traceEvents"]
+             if e.get("cat") == "span"]
+    for layer in range(4):  # each layer's dispatch and combine, forward and backward, named in the trace
+        for what in ("dispatch", "combine", "dispatch (backward)", "combine (backward)"):
+            assert f"layers.{layer}.moe {what}" in spans, spans
     last = records(whole)[-1]
     assert last["moe_aux_loss"] > 0 and 0 < last["moe_dropped_fraction"] < 1, last
     assert sum(map(sum, last["moe_tokens_per_expert"].values())) == \

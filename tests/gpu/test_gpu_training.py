@@ -38,7 +38,11 @@ def ckpt_diff(a, b, atol):
                                            (2, ["parallel.pp=2", "parallel.tp=1", "parallel.microbatches=2"]),
                                            (2, ["parallel.tp=1", "parallel.zero=1"]),
                                            (2, ["parallel.tp=1", "parallel.zero=2", "parallel.microbatches=2"]),
-                                           (2, ["parallel.tp=1", "parallel.zero=3", "parallel.microbatches=2"])])
+                                           (2, ["parallel.tp=1", "parallel.zero=3", "parallel.microbatches=2"]),
+                                           # experts split over 2 ranks: the rows' Alltoallv on CUDA tensors
+                                           (2, ["parallel.tp=1", "moe.num_experts=4", "parallel.ep=2",
+                                                "moe.capacity_factor=1.0", "moe.z_loss_coef=0.01"]),
+                                           (2, ["parallel.tp=2", "moe.num_experts=4", "moe.shared_experts=1"])])
 def test_gpu_run_equals_cpu_run_in_float64(tmp_path, nprocs, layout):
     common = ["train.steps=4", "train.dtype=float64", *layout]
     train(nprocs, tmp_path / "gpu", "train.device=cuda", *common)

@@ -3,6 +3,7 @@
     hpctrain plan --model gpt-1t --nodes 384 --gpus-per-node 8 --device a100 --intra-gbps 2400 --inter-gbps 200
     hpctrain plan --model configs/tiny.toml --nodes 1 --gpus-per-node 4 --profile link.json --json
     hpctrain plan --model llama-3-8b --seq-len 131072 --nodes 2 --gpus-per-node 8 --device h100 --inter-gbps 400
+    hpctrain plan --set model.preset=mixtral-8x7b --nodes 2 --gpus-per-node 8 --device h100 --inter-gbps 400
 
 ``--model`` (or ``--config``) is a preset name (``hpctrain.config.PRESETS``) or a TOML config (its model, seq_len,
 global batch, dtype and schedule are the defaults of the flags; the keys its ``[parallel]`` section sets
@@ -15,8 +16,12 @@ measured profile
 (``hpctrain bench comm --profile``) or from ``--intra-gbps`` / ``--inter-gbps`` (Gbit/s per rank).
 Context parallelism (``--cp``; searched unless ``--dp/--tp/--pp`` give a layout, which then has cp 1)
 cuts each sequence over cp ranks; a RoPE model may be planned past its ``max_seq_len`` (a context
-extension). ``--json`` prints ``{"plans": [...], "infeasible": [...]}``, best first (cli fields:
-planner.Prediction.to_dict).
+extension). ``--set section.key=value`` (repeatable) overrides a key of the preset's or the TOML's
+configuration as ``hpctrain train`` does (``--set model.preset=NAME`` may stand for ``--model NAME``); the
+``[parallel]`` and ``train`` keys it sets are given like a TOML's. A mixture of experts (a preset with
+experts, or ``--set moe.num_experts=...``) is searched over expert parallelism as well (``--ep`` or
+``parallel.ep`` fixes it). ``--json`` prints ``{"plans": [...], "infeasible": [...]}``, best first (cli
+fields: planner.Prediction.to_dict).
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ def add_parser(sub) -> None:
                                     "tokens/s (the performance and memory model, hpctrain/plan)")
     p.add_argument("--model", "--config", default="",
                    help="a model preset (e.g. gpt-1t, gpt3-175b, tiny) or a TOML config (--config: the same flag)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a configuration key of the preset or TOML (repeatable), e.g. "
+                        "model.preset=mixtral-8x7b, moe.num_experts=16, parallel.ep=8, train.global_batch=1024")
     p.add_argument("--nodes", type=int, default=0)
     p.add_argument("--gpus-per-node", type=int, default=0, help="ranks per node")
     p.add_argument("--validate", choices=("published", "ptdp"), default="",
@@ -60,6 +68,9 @@ def add_parser(sub) -> None:
     p.add_argument("--cp", type=int, default=0,
                    help="evaluate this context-parallel size only (default: search every cp with --seq-len "
                         "divisible by 2 x cp, or 1 when --dp/--tp/--pp give the layout; 1: no context parallelism)")
+    p.add_argument("--ep", type=int, default=0,
+                   help="evaluate this expert-parallel size only (a mixture of experts; default: the config's "
+                        "parallel.ep when it sets it, else search every ep dividing dp x cp and moe.num_experts)")
     p.add_argument("--micro-batch", type=int, default=0,
                    help="sequences per micro-batch, per forward on each replica (train.micro_batch_size; "
                         "Megatron's --micro-batch-size; default: the config's, else search)")
@@ -99,37 +110,74 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run_plan)
 
 
-def _model_and_defaults(spec: str):
-    """(resolved ModelConfig, defaults dict) for a preset name or a TOML path."""
-    from hpctrain.config import PRESETS, ModelConfig, load_config, resolve_model
+GIVEN_PARALLEL = ("dp", "tp", "pp", "cp", "microbatches", "zero", "sequence_parallel", "ep")
+
+
+def _set_keys(overrides) -> dict[str, set[str]]:
+    """{section: keys} that ``--set`` overrides name (their values are read from the configuration)."""
+    named: dict[str, set[str]] = {}
+    for item in overrides:
+        section, _, key = item.partition("=")[0].strip().lstrip("-").partition(".")
+        named.setdefault(section, set()).add(key)
+    return named
+
+
+def _given(cfg, named: dict[str, set[str]]) -> dict:
+    """The layout choices a configuration fixes: the ``[parallel]`` keys it sets (``named``) that are not 0,
+    and ``train.micro_batch_size``."""
+    given = {k: getattr(cfg.parallel, k) for k in GIVEN_PARALLEL
+             if k in named.get("parallel", set()) and getattr(cfg.parallel, k) != 0}
+    if cfg.train.micro_batch_size:  # sequences per forward: the planner's micro_batch
+        given["micro_batch"] = cfg.train.micro_batch_size
+        if given.get("microbatches") == 1:  # its default: train.micro_batch_size derives the count
+            del given["microbatches"]
+    return given
+
+
+def _run_keys(cfg) -> dict:
+    """The defaults of the flags that a configuration's schedule, buckets, ZeRO-3 and compression keys give."""
+    p, c = cfg.parallel, cfg.compression
+    return {"schedule": p.schedule, "bucket_mb": p.bucket_mb, "zero_prefetch": p.zero_prefetch,
+            "zero_reshard_after_forward": p.zero_reshard_after_forward, "compression": c.method,
+            "warmup_steps": c.warmup_steps, "zfp_rate": c.zfp_rate}
+
+
+def _model_and_defaults(spec: str, overrides=()):
+    """(resolved ModelConfig, resolved MoeConfig or None, defaults dict) for a preset name or a TOML path
+    (empty: the preset of ``--set model.preset=NAME``), with the ``--set`` ``overrides`` applied."""
+    from hpctrain.config import PRESETS, Config, ModelConfig, apply_overrides, load_config, resolve_model, validate
+    from hpctrain.config.moe_keys import resolve_moe
     from hpctrain.plan.devices import PlanError
 
-    if spec in PRESETS:
-        return resolve_model(ModelConfig(preset=spec, vocab_size=0)), {
-            "global_batch": 512, "seq_len": min(2048, PRESETS[spec]["max_seq_len"]), "dtype": "bfloat16",
-            "schedule": "1f1b", "bucket_mb": 25.0, "compression": "none", "warmup_steps": 0, "zfp_rate": 8.0,
-            "steps": 0, "zero_prefetch": 1, "zero_reshard_after_forward": True}
+    named = _set_keys(overrides)
+    if not spec and "preset" in named.get("model", set()):
+        spec = apply_overrides(Config(), overrides).model.preset
+    if spec in PRESETS or spec == "custom":
+        cfg = apply_overrides(Config(model=ModelConfig(preset=spec, vocab_size=0)), overrides)
+        validate(cfg)
+        model = resolve_model(cfg.model)
+        train = named.get("train", set())
+        return model, resolve_moe(cfg.moe, model), {
+            "global_batch": cfg.train.global_batch if "global_batch" in train else 512,
+            "seq_len": cfg.train.seq_len if "seq_len" in train else min(2048, model.max_seq_len),
+            "dtype": cfg.train.dtype if "dtype" in train else "bfloat16",
+            "steps": cfg.train.steps if "steps" in train else 0, "given": _given(cfg, named), **_run_keys(cfg)}
     if spec.endswith(".toml") or os.path.exists(spec):
         if not os.path.isfile(spec):
             raise PlanError(f"--model {spec}: no such config file")
-        cfg = load_config(spec)
+        cfg = load_config(spec, overrides)
         with open(spec, "rb") as f:
             raw = tomllib.load(f)  # which keys the file SETS: those are given, the rest searched
-        given = {k: v for k, v in raw.get("parallel", {}).items()
-                 if k in ("dp", "tp", "pp", "cp", "microbatches", "zero", "sequence_parallel") and v != 0}
-        if cfg.train.micro_batch_size:  # sequences per forward: the planner's micro_batch
-            given["micro_batch"] = cfg.train.micro_batch_size
-            if given.get("microbatches") == 1:  # its default: train.micro_batch_size derives the count
-                del given["microbatches"]
-        return resolve_model(cfg.model), {"global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
-                                          "dtype": raw.get("train", {}).get("dtype", "bfloat16"),
-                                          "schedule": cfg.parallel.schedule, "bucket_mb": cfg.parallel.bucket_mb,
-                                          "zero_prefetch": cfg.parallel.zero_prefetch,
-                                          "zero_reshard_after_forward": cfg.parallel.zero_reshard_after_forward,
-                                          "given": given, "compression": cfg.compression.method,
-                                          "warmup_steps": cfg.compression.warmup_steps,
-                                          "zfp_rate": cfg.compression.zfp_rate, "steps": cfg.train.steps,
-                                          "virtual_stages": int(raw.get("parallel", {}).get("virtual_stages", 1))}
+        for section in ("parallel", "train"):
+            named.setdefault(section, set()).update(raw.get(section, {}))
+        model = resolve_model(cfg.model)
+        return model, resolve_moe(cfg.moe, model), {
+            "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
+            "dtype": cfg.train.dtype if "dtype" in named["train"] else "bfloat16",
+            "given": _given(cfg, named), "steps": cfg.train.steps, **_run_keys(cfg),
+            "virtual_stages": int(raw.get("parallel", {}).get("virtual_stages", 1))}
+    if not spec:
+        raise PlanError("give --model (a preset or a TOML config) or --set model.preset=NAME")
     raise PlanError(f"--model {spec!r}: neither a preset ({', '.join(PRESETS)}) nor a TOML config file")
 
 
@@ -180,8 +228,9 @@ def _space(args, given: dict, schedule: str, devices: int):
         return flag if flag else given.get(key, 0)
     dp, tp, pp, cp = pick(args.dp, "dp"), pick(args.tp, "tp"), pick(args.pp, "pp"), pick(args.cp, "cp")
     cp = cp or (1 if dp or tp or pp else 0)  # a given layout has no cp unless it says so
+    ep = pick(args.ep, "ep")
     micro_batch = args.micro_batch or given.get("micro_batch", 0)
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("micro-batch", micro_batch)):
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("micro-batch", micro_batch)):
         if value < 0 or (value and name != "micro-batch" and devices % value):
             raise PlanError(f"--{name} {value}: must be a positive divisor of the {devices} devices")
     zero = (args.zero,) if args.zero is not None else (given["zero"],) if "zero" in given else \
@@ -189,7 +238,7 @@ def _space(args, given: dict, schedule: str, devices: int):
     sp = (True,) if args.sequence_parallel else (False,) if args.no_sequence_parallel else \
         (bool(given["sequence_parallel"]),) if "sequence_parallel" in given else (False, True)
     microbatches = (given["microbatches"],) if "microbatches" in given and not micro_batch else ()
-    return SearchSpace(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, microbatches=microbatches, zero=zero,
+    return SearchSpace(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro_batch, microbatches=microbatches, zero=zero,
                        sequence_parallel=sp, schedule=schedule,
                        recompute={"auto": ("off", "selective", "full"), "on": ("full",)}.get(args.recompute,
                                                                                           (args.recompute,)))
@@ -205,9 +254,9 @@ def run_plan(args) -> int:
 
         (validate.main if args.validate == "published" else ptdp.main)()
         return 0
-    if not args.model or args.nodes < 1 or args.gpus_per_node < 1:
+    if not (args.model or args.overrides) or args.nodes < 1 or args.gpus_per_node < 1:
         raise PlanError("give --model, --nodes and --gpus-per-node (>= 1), or --validate published|ptdp")
-    model, defaults = _model_and_defaults(args.model)
+    model, moe, defaults = _model_and_defaults(args.model, args.overrides)
     for flag, value in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top - 1)):
         if value < 0:
             raise PlanError(f"{flag} must be >= 1")
@@ -232,20 +281,23 @@ def run_plan(args) -> int:
                       zero_reshard_after_forward=defaults["zero_reshard_after_forward"]
                       if args.zero_reshard_after_forward is None else args.zero_reshard_after_forward == "true")
     space = _space(args, defaults.get("given", {}), schedule, machine.devices)
-    result = plan(model, machine, global_batch, seq_len, options, space)
-    warmup = _onebit_adam_warmup(args, defaults, model, machine, options, result)
+    result = plan(model, machine, global_batch, seq_len, options, space, moe)
+    warmup = _onebit_adam_warmup(args, defaults, model, machine, options, result, moe)
+    name = args.model or model.preset
     if args.json:
-        print(json.dumps({"model": args.model, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
+        experts = {"moe": {"num_experts": moe.num_experts, "top_k": moe.top_k, "moe_layers": len(moe.layers),
+                           "d_ff_expert": moe.d_ff_expert, "shared_experts": moe.shared_experts}} if moe else {}
+        print(json.dumps({"model": name, "nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
                           "device": machine.device.name, "global_batch": global_batch, "seq_len": seq_len,
                           "attention_window": model.attention_window, "ring": args.ring,
                           "dtype": options.dtype, "evaluated": result.evaluated,
-                          "compression": options.compression,
+                          "compression": options.compression, "set": args.overrides, **experts,
                           "plans": [{**p.to_dict(), **warmup.get(i, {})} for i, p in enumerate(result.plans[:args.top])],
                           "infeasible": [i.to_dict() for i in result.infeasible]}, indent=1))
     else:
         from hpctrain.plan.report import print_plans
 
-        print_plans(result, machine, model, args.model, global_batch, seq_len, options, args.top)
+        print_plans(result, machine, model, name, global_batch, seq_len, options, args.top, moe)
         if warmup:
             first = warmup[0]
             print(f"\nonebit-adam: the first {first['compression_warmup_steps']} of {first['run_steps']} steps are "
@@ -256,7 +308,7 @@ def run_plan(args) -> int:
     return 0 if result.plans else 2
 
 
-def _onebit_adam_warmup(args, defaults: dict, model, machine, options, result) -> dict:
+def _onebit_adam_warmup(args, defaults: dict, model, machine, options, result, moe=None) -> dict:
     """onebit-adam: per shown plan (index -> fields), the dense warm-up step of the same layout and the run's
     mean step (compressed.warmup_average_step_s); {} for other methods."""
     from dataclasses import replace
@@ -275,7 +327,7 @@ def _onebit_adam_warmup(args, defaults: dict, model, machine, options, result) -
     dense = replace(options, compression="none")
     rows = {}
     for i, pred in enumerate(result.plans[:args.top]):
-        dense_s = predict(model, pred.candidate.layout, machine, pred.candidate.recompute, dense).time.step_s
+        dense_s = predict(model, pred.candidate.layout, machine, pred.candidate.recompute, dense, moe).time.step_s
         rows[i] = {"compression_warmup_steps": warmup, "run_steps": steps, "dense_step_s": dense_s,
                    "compressed_step_s": pred.time.step_s,
                    "run_mean_step_s": warmup_average_step_s(dense_s, pred.time.step_s, warmup, steps)}

@@ -15,6 +15,7 @@ router's, its ``top_k`` experts' and the shared ones' (``active_parameters``, ``
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 
 from hpctrain.config.rules import check_stages, padded_vocab
@@ -68,28 +69,30 @@ def _block_weights(m, moe) -> list[int]:
     return [heavy if i in routed else dense for i in range(m.n_layers)]
 
 
-def _heaviest_stage_split(weights: list[int], extra: list[float]) -> list[int]:
+def _heaviest_stage_split(weights: list[float], extra: list[float]) -> list[int]:
     """Blocks per stage (contiguous, at least one each) minimising the heaviest stage (its blocks' weights +
-    ``extra``): the least feasible bound by bisection, each stage then filled as far as the bound allows."""
+    ``extra``): the least feasible bound by bisection (to 1e-9 of it), each stage then filled as far as the
+    bound allows (greedy filling is optimal for a given bound)."""
     pp, n = len(extra), len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
 
     def fill(bound: float) -> list[int] | None:
         counts, i = [], 0
         for s in range(pp):
-            load, k = extra[s], 0
-            while i + k < n - (pp - s - 1) and (k == 0 or load + weights[i + k] <= bound):
-                load += weights[i + k]
-                k += 1
-            if load > bound:
+            last = n - (pp - s - 1)  # leave a block for each later stage
+            b = min(max(bisect.bisect_right(prefix, prefix[i] + bound - extra[s]) - 1, i + 1), last)
+            while b > i + 1 and extra[s] + (prefix[b] - prefix[i]) > bound:
+                b -= 1
+            if extra[s] + (prefix[b] - prefix[i]) > bound:
                 return None
-            counts.append(k)
-            i += k
+            counts.append(b - i)
+            i = b
         return counts if i == n else None
-    lo, hi = 0.0, float(sum(weights) + sum(extra))
-    for _ in range(200):  # to the float's resolution: hi stays feasible
+    lo, hi = 0.0, 2.0 * (prefix[-1] + sum(extra))  # feasible: twice every load, whatever the rounding
+    while hi - lo > 1e-9 * hi:
         mid = (lo + hi) / 2
-        if mid in (lo, hi):
-            break
         lo, hi = (lo, mid) if fill(mid) is not None else (mid, hi)
     counts = fill(hi)
     assert counts is not None

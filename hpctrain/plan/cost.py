@@ -59,6 +59,18 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
   forward (its stalls), and the micro-batches' reduce-scatters are charged as at ZeRO-2. No parameter
   all-gather after the step, except of what stays whole (a tied embedding split over pp). Conservative:
   a stall is charged as if it held up the whole pipeline.
+- mixture of experts (``moe``, resolved; ``layout.ep_size`` = ep): an MoE block's forward is
+  ``shapes.moe_block_gemms`` (attention, router, the rank's ``E / ep`` experts on ``top_k x`` the ep group's
+  tokens spread evenly over them, the shared experts) plus its activations' traffic
+  (``stages.moe_activation_bytes`` on top of the dense block's); the shared experts add one MLP's tp
+  exchange. With ep > 1 each MoE layer runs, per micro-batch, an all-to-all of the per-expert counts and
+  two of the (token, choice) rows, ``b S top_k h`` bytes per rank (dispatch, combine; ``(ep - 1) / ep``
+  of them on the wire) in forward, two of their gradients in backward, two more (and the counts) in a
+  recomputed forward: ``ep_comm``, blocking, on the ep group's links (``machine.collective_s``
+  "alltoall": a profile's own fit where it has one). The ep group is ep consecutive ranks of the dp x cp
+  group (cp fastest); the experts' gradients are reduced (ZeRO: sharded and gathered) over the dp x cp /
+  ep ranks holding the same experts (``ep_placements``), the rest over dp x cp, one after the other on
+  the link. The executed FLOPs count the ACTIVE parameters (``arithmetic.active_matmul_parameters``).
 - optimizer: AdamW is memory-bound: the device's measured seconds per parameter where a profile has
   them (``Device.optimizer_s_per_param``), else 32 bytes of traffic per local parameter in 16-bit training (14
   reads and writes of parameters, main grads, master weights and moments; 7 per element in fp32/fp64),
@@ -68,15 +80,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpctrain.config.arithmetic import attention_matmul_parameters, moe_layer_count, moe_layer_parameters
 from hpctrain.config.layout import Layout
 from hpctrain.plan.devices import DTYPE_BYTES, PlanError
 from hpctrain.plan.machine import GroupPlacement
 from hpctrain.plan.compressed import dp_wire_fraction, payload_fraction
-from hpctrain.plan.memory import head_buckets, whole_parameters, zero3_units
+from hpctrain.plan.memory import head_buckets, sharded, whole_parameters, zero3_units
 from hpctrain.plan.ring import RING_TILE, SCORE_PASSES, exposed_s, kv_elements, ring_math_dtype, ring_pairs
-from hpctrain.plan.shapes import block_gemms, block_matmul_params, for_tp
-from hpctrain.plan.stages import (Stage, in_flight, layer_activation_bytes, recompute_kind, score_bytes,
-                                  stage_parameters, stages)
+from hpctrain.plan.shapes import block_gemms, block_matmul_params, for_tp, moe_block_gemms
+from hpctrain.plan.stages import (Stage, in_flight, layer_activation_bytes, moe_activation_bytes, recompute_kind,
+                                  score_bytes, stage_expert_parameters, stage_parameters, stages)
 
 
 @dataclass(frozen=True)
@@ -148,24 +161,31 @@ class StepTime:
     executed_flops: float
     tokens: int
     cp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0
 
     def breakdown(self) -> dict[str, float]:
+        """Seconds by part; "ep_comm" (the MoE layers' all-to-alls) only where there is some."""
         return {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "pp_comm": self.pp_comm_s,
-                "cp_comm": self.cp_comm_s, "dp_comm": self.dp_comm_s, "bubble": self.bubble_s,
-                "optimizer": self.optimizer_s}
+                "cp_comm": self.cp_comm_s, **({"ep_comm": self.ep_comm_s} if self.ep_comm_s else {}),
+                "dp_comm": self.dp_comm_s, "bubble": self.bubble_s, "optimizer": self.optimizer_s}
 
 
-def executed_flops_per_token(model, seq_len: int, recompute, flash_attention: bool) -> float:
+def executed_flops_per_token(model, seq_len: int, recompute, flash_attention: bool, moe=None) -> float:
     """FLOPs a token costs forward + backward (+ what is recomputed): what the hardware executes, over
     ``model``'s vocabulary as given (``shapes.for_tp`` pads it). With ``flash_attention=False`` and full
     recomputation this is Megatron's count (Narayanan et al. 2021, eq. 3: ``96 B s l h^2 (1 + s / 6h + V /
-    16 l h)`` per step for a GELU 4h MLP)."""
+    16 l h)`` per step for a GELU 4h MLP). An MoE block (``moe``) counts its active matmuls: attention,
+    router, ``top_k`` experts, the shared ones."""
     kind = recompute_kind(recompute)
-    h, layers = model.d_model, model.n_layers
+    h, layers, k = model.d_model, model.n_layers, moe_layer_count(model, moe)
     attention = 4.0 * seq_len * h * (0.5 if flash_attention else 1.0)
-    block_fwd = 2.0 * block_matmul_params(model) + attention
-    extra = block_fwd if kind == "full" else attention if kind == "selective" and not flash_attention else 0.0
-    return layers * (3 * block_fwd + extra) + 6.0 * h * model.vocab_size
+
+    def block(matmul_params: int) -> float:
+        block_fwd = 2.0 * matmul_params + attention
+        extra = block_fwd if kind == "full" else attention if kind == "selective" and not flash_attention else 0.0
+        return 3 * block_fwd + extra
+    routed = k * block(attention_matmul_parameters(model) + moe_layer_parameters(model, moe, moe.top_k)) if k else 0.0
+    return (layers - k) * block(block_matmul_params(model)) + routed + 6.0 * h * model.vocab_size
 
 
 def _gemm_s(dev, peak: float, gemms) -> float:
@@ -173,9 +193,32 @@ def _gemm_s(dev, peak: float, gemms) -> float:
     return sum(f / (peak * dev.gemm_efficiency(min(dims))) for f, dims in gemms)
 
 
-def step_time(model, cand: Candidate, machine, options: Options = Options()) -> StepTime:
+def ep_placements(machine, lay) -> tuple[GroupPlacement, GroupPlacement]:
+    """(the ep group, the group of the dp x cp / ep ranks holding the same experts): where they lie. An ep
+    group is ep consecutive ranks of the dp x cp group, whose rank is ``dp x cp + cp`` (hpctrain/comm/grid.py;
+    a rank's grid position is ``((dp pp + pp) cp + cp) tp + tp``)."""
+    t, c, p, d, ep = lay.tp_size, lay.cp_size, lay.pp_size, lay.dp_size, lay.ep_size
+    replicas = machine.group_placement((t * c * p, d), (t, c))
+    if ep == 1:
+        return GroupPlacement("intra", 1), replicas
+    if c % ep == 0:  # inside the cp axis
+        return machine.placement(t, ep), machine.group_placement((t * c * p, d), (t * ep, c // ep))
+    if ep % c == 0:  # whole cp axes of consecutive dp ranks
+        return (machine.group_placement((t * c * p, ep // c), (t, c)),
+                machine.placement(t * c * p * (ep // c), d * c // ep))
+
+    def position(replica: int, rest: int) -> int:  # rest: the (pp, tp) coordinates
+        (dp, cp), (pp, tp) = divmod(replica, c), divmod(rest, t)
+        return ((dp * p + pp) * c + cp) * t + tp
+    outer = range(p * t)
+    return (machine.groups_placement([[position(r, o) for r in range(g, g + ep)]
+                                      for o in outer for g in range(0, d * c, ep)]),
+            machine.groups_placement([[position(r, o) for r in range(j, d * c, ep)] for o in outer for j in range(ep)]))
+
+
+def step_time(model, cand: Candidate, machine, options: Options = Options(), moe=None) -> StepTime:
     """Predicted step time of ``cand`` (layout + recompute) for ``model`` (a resolved ModelConfig; its
-    vocabulary is padded for the layout's tp here)."""
+    vocabulary is padded for the layout's tp here; ``moe``: its resolved ``[moe]`` section, None = dense)."""
     lay, recompute = cand.layout, cand.recompute
     t, p, c, m, v = lay.tp_size, lay.pp_size, lay.cp_size, lay.microbatches, options.virtual_stages
     model = for_tp(model, t)
@@ -195,6 +238,12 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
     block_f += 2 * layer_activation_bytes(model, b, seq, t, sp, flash, nb) / hbm
     rematerialised = {"off": 0.0, "full": block_f,
                       "selective": 0.0 if flash else attention + 2 * score_bytes(model, b, seq, t, nb) / hbm}[recompute]
+    moe_f = remat_moe = ep_f = ep_b = shared = 0.0  # an MoE block's forward, recomputation, ep, shared tp
+    if moe is not None:
+        moe_f = _gemm_s(dev, peak, moe_block_gemms(model, moe, b * seq, t, lay.ep_size)) + attention
+        moe_f += 2 * (layer_activation_bytes(model, b, seq, t, sp, flash, nb)
+                      + moe_activation_bytes(model, moe, b, seq, t, sp, nb)) / hbm
+        remat_moe = moe_f if recompute == "full" else rematerialised
     head_f = _gemm_s(dev, peak, [(2.0 * b * seq * h * vocab / t, (b * seq, vocab // t, h))])
     head_f += b * seq * vocab / t * (nb + 4) / hbm
 
@@ -206,6 +255,13 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
         p2p = machine.collective_s("sendrecv", act / (t if split else 1), 2, pp_at)
         p2p += tp_op("allgather", act) if options.pp_scatter_gather and not sp else 0.0
     pp_slot = 2 * v * p2p
+    ep_at, experts_at = ep_placements(machine, lay)  # the ep group; the experts' dp x cp / ep group
+    if moe is not None:
+        rows = machine.collective_s("alltoall", float(b * seq * moe.top_k * h * nb), lay.ep_size, ep_at)
+        counts = machine.collective_s("alltoall", 8.0 * moe.num_experts, lay.ep_size, ep_at)
+        ep_f = 2 * rows + counts
+        ep_b = 2 * rows + (ep_f if recompute == "full" else 0.0)
+        shared = one if moe.shared_experts else 0.0
 
     embed_tp = (tp_op("reduce_scatter" if sp else "allreduce", act), tp_op("allgather", act) if sp else 0.0) \
         if t > 1 else (0.0, 0.0)  # (forward, backward) of the first stage's embedding
@@ -213,50 +269,55 @@ def step_time(model, cand: Candidate, machine, options: Options = Options()) -> 
                + tp_op("allreduce", 8.0 * b * seq),  # cross-entropy: max, then (target logit, sum exp)
                tp_op("reduce_scatter" if sp else "allreduce", act)) if t > 1 else (0.0, 0.0)
 
-    def parts(st: Stage) -> tuple[float, float, float, float, float, float]:
-        """(forward, backward, tp forward, tp backward, cp forward, cp backward) seconds of one micro-batch
-        on ``st``."""
-        fwd = st.layers * block_f + (head_f if st.last else 0.0)
-        bwd = 2 * fwd + st.layers * rematerialised
-        tpf = st.layers * 2 * one
-        tpb = st.layers * 2 * one * (2 if recompute == "full" else 1)
+    def parts(st: Stage) -> tuple[float, float, float, float, float, float, float, float]:
+        """(forward, backward, tp forward, tp backward, cp forward, cp backward, ep forward, ep backward)
+        seconds of one micro-batch on ``st``."""
+        k = st.moe_layers
+        fwd = (st.layers - k) * block_f + (k * moe_f if k else 0.0) + (head_f if st.last else 0.0)
+        bwd = 2 * fwd + (st.layers - k) * rematerialised + (k * remat_moe if k else 0.0)
+        tpf = st.layers * 2 * one + k * shared
+        tpb = (st.layers * 2 * one + k * shared) * (2 if recompute == "full" else 1)
         cpf, cpb = st.layers * ring_f, st.layers * (ring_b + (ring_f if recompute == "full" else 0.0))
         if st.first:
             tpf, tpb = tpf + embed_tp[0], tpb + embed_tp[1]
         if st.last:
             tpf, tpb = tpf + head_tp[0], tpb + head_tp[1]
-        return fwd, bwd, tpf, tpb, cpf, cpb
+        return fwd, bwd, tpf, tpb, cpf, cpb, k * ep_f, k * ep_b
 
     again = recompute == "full"  # the recomputed forward's tp and cp
     units = {"embed": embed_tp, "head": (head_f + head_tp[0], 2 * head_f + head_tp[1]),  # ZeRO-3: (fwd, bwd) s
              "block": (block_f + 2 * one + ring_f,
-                       2 * block_f + rematerialised + 2 * one * (2 if again else 1) + ring_b + (ring_f if again else 0.0))}
+                       2 * block_f + rematerialised + 2 * one * (2 if again else 1) + ring_b + (ring_f if again else 0.0)),
+             "moe": (moe_f + 2 * one + shared + ring_f + ep_f,
+                     2 * moe_f + remat_moe + (2 * one + shared) * (2 if again else 1) + ring_b
+                     + (ring_f if again else 0.0) + ep_b)}
 
-    reps: dict[tuple, list] = {}  # stages alike (layers, first, last): the first of each, and how many
-    for st in stages(model, lay):
-        key = (st.layers, st.first, st.last)
+    reps: dict[tuple, list] = {}  # stages alike (Stage.kind): the first of each, and how many
+    for st in stages(model, lay, moe):
+        key = st.kind
         if key in reps:
             reps[key][1] += 1
         else:
             reps[key] = [st, 1, parts(st)]
     firsts = [(st, count, costs, sum(costs) + pp_slot) for st, count, costs in reps.values()]
-    _, _, (fk, bk, tfk, tbk, cfk, cbk), slot_k = max(firsts, key=lambda r: r[3])  # the slowest stage paces the pipe
+    _, _, (fk, bk, tfk, tbk, cfk, cbk, efk, ebk), slot_k = max(firsts, key=lambda r: r[3])  # the slowest stage
     bubble = (sum(r[1] * r[3] for r in firsts) - slot_k) / v  # (pp - 1) / v x the other stages' mean slot
 
-    params = [(st, stage_parameters(model, st, t), costs) for st, _, costs, _ in firsts]
+    params = [(st, stage_parameters(model, st, t, moe, lay.ep_size), costs,
+               stage_expert_parameters(model, st, t, moe, lay.ep_size)) for st, _, costs, _ in firsts]
     dp_at = machine.group_placement((t * c * p, lay.dp_size), (t, c))  # the dp x cp group
-    dp_s = _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p, units)
+    dp_s = _dp_exposed(model, lay, machine, options, (dp_at, experts_at), pp_at, params, p2p, units, moe)
     world_at = GroupPlacement("inter" if machine.nodes > 1 else "intra", machine.gpus_per_node)
     grad_norm = 2 * machine.collective_s("allreduce", 8.0, lay.world_size, world_at)  # loss, gradient norm
     per_param = 32 if nb == 2 else 7 * nb
-    local = max(row[1] for row in params) / (lay.replica_size if lay.zero >= 1 else 1)
+    local = max(sharded(n, e, lay, 1) if lay.zero >= 1 else n / 1 for _, n, _, e in params)
     optimizer = local * (dev.optimizer_s_per_param or per_param / hbm) + grad_norm
 
     tokens = lay.global_batch * full_seq
     step = m * slot_k + bubble + dp_s + optimizer
-    flops = executed_flops_per_token(model, full_seq, recompute, options.flash_attention) * tokens
+    flops = executed_flops_per_token(model, full_seq, recompute, options.flash_attention, moe) * tokens
     return StepTime(step, m * (fk + bk), m * (tfk + tbk), m * pp_slot, dp_s, bubble, optimizer, flops, tokens,
-                    m * (cfk + cbk))
+                    m * (cfk + cbk), m * (efk + ebk))
 
 
 def _attention(model, lay, machine, options, cp_at, peak) -> tuple[float, float, float]:
@@ -299,25 +360,34 @@ def _gather_stall_s(gathers: list[float], computes: list[float], prefetch: int) 
     return stall
 
 
-def _zero3_gathers(model, lay, machine, options, dp_at, st: Stage, units) -> tuple[float, float, float, float]:
+def _zero3_gathers(model, lay, machine, options, groups, st: Stage, units,
+                   moe=None) -> tuple[float, float, float, float]:
     """ZeRO-3 on one rank of ``st``: (forward gather stall, backward gather stall, forward gathers, backward
-    gathers) seconds per micro-batch (module docstring; without resharding: the step's first forward)."""
+    gathers) seconds per micro-batch (module docstring; without resharding: the step's first forward).
+    ``groups``: where the dp x cp group and the experts' dp x cp / ep group lie; a unit's experts are
+    gathered over the latter after its dense buckets."""
     nb, d, v = DTYPE_BYTES[options.dtype], lay.replica_size, options.virtual_stages
     reshard, prefetch = options.zero_reshard_after_forward, options.zero_prefetch
-    chunks = zero3_units(model, st, lay, v)
+    chunks = zero3_units(model, st, lay, v, moe)
     head = head_buckets(chunks)  # gathered from its forward to its backward (a tied head: with the embedding)
     held = set(head) if reshard and in_flight(lay, st, v) > 1 else set()  # still there from an earlier micro-batch
 
-    seconds: dict[int, float] = {0: 0.0}  # parameters -> their all-gather (the blocks are alike)
+    seconds: dict[tuple[int, int], float] = {(0, 0): 0.0}  # (dense, expert) parameters -> their all-gathers
 
     def gather(unit, skip) -> float:
-        n = sum(size for k, size in unit.items() if k not in skip)
-        if n not in seconds:
-            seconds[n] = machine.collective_s("allgather", n * nb, d, dp_at)
-        return seconds[n]
+        n = sum(size for k, size in unit.items() if k not in skip and not k.startswith("experts"))
+        e = sum(size for k, size in unit.items() if k not in skip and k.startswith("experts"))
+        if (n, e) not in seconds:
+            seconds[n, e] = (machine.collective_s("allgather", n * nb, d, groups[0])
+                             + machine.collective_s("allgather", e * nb, d // lay.ep_size, groups[1]))
+        return seconds[n, e]
+
+    def kind(unit) -> str:
+        experts = any(k.startswith("experts") for k in unit)
+        return "head" if "head" in unit else "embed" if "embed" in unit else "moe" if experts else "block"
     stall_f = stall_b = link_f = link_b = 0.0
     for chunk in chunks:
-        times = [units["head" if "head" in u else "embed" if "embed" in u else "block"] for u in chunk]
+        times = [units[kind(u)] for u in chunk]
         forward = [gather(u, held) for u in chunk]
         stall_f += _gather_stall_s(forward, [f for f, _ in times], prefetch)
         link_f += sum(forward)
@@ -329,11 +399,15 @@ def _zero3_gathers(model, lay, machine, options, dp_at, st: Stage, units) -> tup
     return stall_f, stall_b, link_f, link_b
 
 
-def _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p, units) -> float:
+def _dp_exposed(model, lay, machine, options, groups, pp_at, params, p2p, units, moe=None) -> float:
     """Seconds of dp communication the step waits for (module docstring: overlap assumption).
-    ``params``: (stage, parameters per rank, (fwd, bwd, tp fwd, tp bwd, cp fwd, cp bwd)) of the first stage
-    of each kind; ``units``: (forward, backward) seconds of one "embed", "block" and "head" unit (ZeRO-3)."""
+    ``groups``: where the dp x cp group and the experts' dp x cp / ep group lie; ``params``: (stage,
+    parameters per rank, (fwd, bwd, tp fwd, tp bwd, cp fwd, cp bwd, ep fwd, ep bwd), expert parameters per
+    rank) of the first stage of each kind; ``units``: (forward, backward) seconds of one "embed", "block",
+    "moe" and "head" unit (ZeRO-3)."""
     d, nb, m, zero = lay.replica_size, DTYPE_BYTES[options.dtype], lay.microbatches, lay.zero
+    dp_at, experts_at = groups
+    experts_d = d // lay.ep_size
     if d <= 1:
         return 0.0
     reduce_op = "reduce_scatter" if zero >= 1 else "allreduce"
@@ -341,19 +415,21 @@ def _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p, units) 
     fraction = options.dp_compression * (dp_wire_fraction(options.compression, zero, options.zfp_rate)
                                          if zero <= 1 else 1.0)
     exposed = 0.0
-    for st, n, (fwd, bwd, tpf, tpb, cpf, cpb) in params:
+    for st, n, (fwd, bwd, tpf, tpb, cpf, cpb, epf, epb), e in params:
         s, gb = st.index, max(4, nb)
         grads = (n - (whole_parameters(model, st, lay) if zero >= 2 else 0)) * gb * fraction
+        expert_grads = e * gb * fraction  # reduced over the experts' group, after the rest
         bucket = options.bucket_mb * 2**20
         if zero == 3:  # the last bucket reduced is the stage's first unit
-            bucket = sum(zero3_units(model, st, lay, options.virtual_stages)[0][0].values()) * gb
-        whole = machine.collective_s(reduce_op, grads, d, dp_at)
+            bucket = sum(zero3_units(model, st, lay, options.virtual_stages, moe)[0][0].values()) * gb
+        whole = (machine.collective_s(reduce_op, grads - expert_grads, d, dp_at)
+                 + machine.collective_s(reduce_op, expert_grads, experts_d, experts_at))
         last = machine.collective_s(reduce_op, min(grads, bucket), d, dp_at)
-        slot = fwd + bwd + tpf + tpb + cpf + cpb + p2p
-        b_slot = bwd + tpb + cpb + p2p
+        slot = fwd + bwd + tpf + tpb + cpf + cpb + epf + epb + p2p
+        b_slot = bwd + tpb + cpb + epb + p2p
         stall_f = stall_b = link_f = link_b = 0.0
         if zero == 3:
-            stall_f, stall_b, link_f, link_b = _zero3_gathers(model, lay, machine, options, dp_at, st, units)
+            stall_f, stall_b, link_f, link_b = _zero3_gathers(model, lay, machine, options, groups, st, units, moe)
         b_slot = max(0.0, b_slot - link_b)  # the last backward's gathers share the dp link
         tail = max(last - s * b_slot, whole - (1 + s) * b_slot)  # the last micro-batch's reduction
         if zero <= 1:
@@ -364,10 +440,12 @@ def _dp_exposed(model, lay, machine, options, dp_at, pp_at, params, p2p, units) 
             stalls = stall_f + stall_b
             stage = (m - 1) * max(stalls, link_f + link_b + whole - slot) + stalls + tail
         exposed = max(exposed, stage)
-    if zero in (1, 2):
-        exposed += machine.collective_s("allgather", max(row[1] for row in params) * nb, d, dp_at)
+    if zero in (1, 2):  # the stage with the most parameters: the rest over dp x cp, its experts over their group
+        most, experts = max((row[1], row[3]) for row in params)
+        exposed += (machine.collective_s("allgather", (most - experts) * nb, d, dp_at)
+                    + machine.collective_s("allgather", experts * nb, experts_d, experts_at))
     if zero == 3:  # the parameters that stay whole (a tied embedding split over pp)
-        kept = max(whole_parameters(model, st, lay) for st, _, _ in params)
+        kept = max(whole_parameters(model, st, lay) for st, _, _, _ in params)
         exposed += machine.collective_s("allgather", kept * nb, d, dp_at) if kept else 0.0
     if model.tie_embeddings and lay.pp_size > 1:
         emb = model.vocab_size * model.d_model / lay.tp_size * 4.0

@@ -266,6 +266,20 @@ class Machine:
                 level, fewest = "inter", min(fewest, min(counts.values()))
         return GroupPlacement(level, fewest if level == "inter" else no * ni)
 
+    def groups_placement(self, groups) -> GroupPlacement:
+        """Placement of explicit groups of grid positions (ranks in the grid's order, see above): ``inter``
+        when one spans nodes, with the fewest members a spanning group has on a node; the irregular groups
+        (an ep group that is neither inside nor a multiple of the cp axis) that ``placement`` cannot describe."""
+        g, level, fewest, size = self.gpus_per_node, "intra", 0, 1
+        for members in groups:
+            counts: dict[int, int] = {}
+            for position in members:
+                counts[position // g] = counts.get(position // g, 0) + 1
+            size = max(size, len(members))
+            if len(counts) > 1:
+                level, fewest = "inter", min(fewest or size, min(counts.values()))
+        return GroupPlacement(level, fewest if level == "inter" else size)
+
     def collective_s(self, op: str, nbytes: float, size: int, where: GroupPlacement) -> float:
         """Seconds for ``op`` on ``nbytes`` (the full buffer) over a group of ``size`` ranks placed ``where``.
 

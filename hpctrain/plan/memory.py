@@ -36,6 +36,13 @@ buffers (hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py):
   matrix (its scores live per block of at most 1024 x 1024, recomputed in the backward) whatever
   ``flash_attention`` says, adds a float32 log-sum-exp per query and head per layer, and one layer's ring
   working set at the peak (``ring.ring_workspace_bytes``);
+- mixture of experts (``moe``, resolved; ``layout.ep_size``): an MoE block holds its attention, router and
+  shared experts like a dense block and ``num_experts / ep`` routed experts (``stages.stage_parameters``);
+  the experts' gradients and optimizer state are sharded by ZeRO over the ``dp x cp / ep`` ranks that hold
+  the same experts, the rest over dp x cp (``sharded``); at zero 3 a block's unit gathers both (its
+  experts a bucket of their own). Its activations add ``stages.moe_activation_bytes`` (the routed copies'
+  SwiGLUs in place of the dense MLP's). With MoE blocks only on some layers the stage's MoE blocks are
+  taken to come first (ZeRO-3's gathered window: the heaviest units side by side);
 - reserve: ``Options.reserve_gib`` (runtime context, communication buffers, fragmentation).
 
 The layout needs the maximum over its stages.
@@ -44,11 +51,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpctrain.config.arithmetic import moe_rank_parameters
 from hpctrain.plan.devices import DTYPE_BYTES
 from hpctrain.plan.ring import lse_bytes, ring_workspace_bytes
 from hpctrain.plan.shapes import block_matmul_params, for_tp, position_params
-from hpctrain.plan.stages import (in_flight, layer_activation_bytes, recompute_kind, recompute_layer_bytes,
-                                  stage_parameters, stages)
+from hpctrain.plan.stages import (in_flight, layer_activation_bytes, moe_activation_bytes, recompute_kind,
+                                  recompute_layer_bytes, stage_expert_parameters, stage_parameters, stages)
 
 GIB = 2**30
 
@@ -80,7 +88,7 @@ def optimizer_bytes_per_param(dtype: str) -> int:
     return 2 * max(4, nb) + (4 if nb == 2 else 0)
 
 
-def activation_bytes(model, layout, stage, recompute, options) -> float:
+def activation_bytes(model, layout, stage, recompute, options, moe=None) -> float:
     """Bytes of activations one rank of ``stage`` holds at its peak (see the module docstring)."""
     nb, t, b, c = DTYPE_BYTES[options.dtype], layout.tp_size, layout.micro_batch, layout.cp_size
     seq = layout.seq_len // c  # the tokens of a sequence on this rank
@@ -88,12 +96,15 @@ def activation_bytes(model, layout, stage, recompute, options) -> float:
     ring = lse_bytes(model, b, layout.seq_len, c, t, nb)
     full = layer_activation_bytes(model, b, seq, t, sp, options.flash_attention or c > 1, nb) + ring
     held = stage.layers * in_flight(layout, stage, options.virtual_stages)
+    routed = moe_activation_bytes(model, moe, b, seq, t, sp, nb) if stage.moe_layers else 0.0
     if kind == "full":
-        kept = held * recompute_layer_bytes(model, b, seq, t, sp, nb) + full
+        kept = held * recompute_layer_bytes(model, b, seq, t, sp, nb) + full + routed
     elif kind == "selective":
-        kept = held * (layer_activation_bytes(model, b, seq, t, sp, True, nb) + ring) + full
+        kept = held * (layer_activation_bytes(model, b, seq, t, sp, True, nb) + ring) + full + routed
     else:
         kept = held * full
+    if kind != "full":
+        kept += stage.moe_layers * in_flight(layout, stage, options.virtual_stages) * routed
     kept += ring_workspace_bytes(model, b, layout.seq_len, c, t, nb)
     if stage.last:
         logits_in_flight = layout.microbatches if layout.schedule == "gpipe" else 1
@@ -110,18 +121,27 @@ def whole_parameters(model, stage, layout) -> int:
     return model.vocab_size * model.d_model // layout.tp_size if split else 0
 
 
-def zero3_units(model, stage, layout, virtual_stages: int = 1) -> list[list[dict[str, int]]]:
+def zero3_units(model, stage, layout, virtual_stages: int = 1, moe=None) -> list[list[dict[str, int]]]:
     """The ZeRO-3 units of one tp rank of ``stage`` per virtual stage, in forward order (zero3.py
     ``stage_units``): each unit is ``{bucket: sharded parameters}`` of the buckets it gathers. The
     embedding (+ learned positions) opens the first stage, the final norm + LM head closes the last (a
     tied head with one stage gathers the embedding's bucket; a tied embedding split over pp stays whole:
-    ``whole_parameters``). ``model``'s vocabulary as given (padded by the caller)."""
+    ``whole_parameters``). An MoE block's unit is its dense part and its ``num_experts / ep`` experts
+    (bucket ``experts...``: gathered over dp x cp / ep); the stage's MoE blocks come first. ``model``'s
+    vocabulary as given (padded by the caller)."""
     h, t = model.d_model, layout.tp_size
     vh, split = model.vocab_size * h // t, model.tie_embeddings and layout.pp_size > 1
     v = virtual_stages if layout.pp_size > 1 else 1
     block = block_matmul_params(model) // t + 2 * h
+    dense, experts = moe_rank_parameters(model, moe, t, layout.ep_size) if stage.moe_layers else (0, 0)
+
+    def unit(c: int, i: int, j: int) -> dict[str, int]:  # block i of chunk c, the stage's j-th
+        if j < stage.moe_layers:
+            return {f"block{c}.{i}": dense + 2 * h, f"experts{c}.{i}": experts}
+        return {f"block{c}.{i}": block}
     counts = [stage.layers // v + (1 if c < stage.layers % v else 0) for c in range(v)]
-    chunks: list[list[dict[str, int]]] = [[{f"block{c}.{i}": block} for i in range(k)] for c, k in enumerate(counts)]
+    chunks: list[list[dict[str, int]]] = [[unit(c, i, sum(counts[:c]) + i) for i in range(k)]
+                                          for c, k in enumerate(counts)]
     embed = (0 if split else vh) + position_params(model)
     if stage.first and embed:
         chunks[0].insert(0, {"embed": embed})
@@ -161,39 +181,54 @@ def gathered_parameters(chunks: list[list[dict[str, int]]], prefetch: int, resha
     return best + sum(pinned.values())
 
 
-def state_bytes(model, stage, layout, options) -> tuple[float, float, float]:
+def sharded(n: float, experts: float, layout, nbytes: float) -> float:
+    """Bytes of one rank's ZeRO shard of ``n`` parameters of ``nbytes`` each, ``experts`` of them routed
+    experts: the rest over the dp x cp group, the experts over the ``dp x cp / ep`` ranks holding the same ones."""
+    d, ep = layout.replica_size, layout.ep_size
+    return (n - experts) * nbytes / d + experts * nbytes * ep / d
+
+
+def unit_gradient(unit: dict[str, int]) -> int:
+    """Parameters of a ZeRO-3 unit whose full gradient exists at once before its reduce-scatter: its largest
+    bucket (a block's experts: with its dense bucket)."""
+    return sum(unit.values()) if any(k.startswith("experts") for k in unit) else max(unit.values())
+
+
+def state_bytes(model, stage, layout, options, moe=None) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes on one rank of ``stage`` for ``layout.zero`` 0-3 (module
-    docstring); the dp x cp group shards them. ``options``: dtype, bucket_mb, zero_prefetch,
-    zero_reshard_after_forward, virtual_stages (cost.Options)."""
+    docstring); the dp x cp group shards them (the experts: dp x cp / ep, ``sharded``). ``options``: dtype,
+    bucket_mb, zero_prefetch, zero_reshard_after_forward, virtual_stages (cost.Options)."""
     nb, gb = DTYPE_BYTES[options.dtype], max(4, DTYPE_BYTES[options.dtype])
-    d, zero = layout.replica_size, layout.zero
-    n = stage_parameters(model, stage, layout.tp_size)
-    optimizer = n * optimizer_bytes_per_param(options.dtype) / (d if zero >= 1 else 1)
+    zero = layout.zero
+    n = stage_parameters(model, stage, layout.tp_size, moe, layout.ep_size)
+    e = stage_expert_parameters(model, stage, layout.tp_size, moe, layout.ep_size)
+    ob = optimizer_bytes_per_param(options.dtype)
+    optimizer = sharded(n, e, layout, ob) if zero >= 1 else n * ob / 1
     if zero <= 1:
-        return n * nb, n * gb + (n * gb / d if zero == 1 else 0.0), optimizer
-    whole, slices = whole_parameters(model, stage, layout), n * gb / d  # every bucket's reduced slice
+        return n * nb, n * gb + (sharded(n, e, layout, gb) if zero == 1 else 0.0), optimizer
+    whole, slices = whole_parameters(model, stage, layout), sharded(n, e, layout, gb)  # every bucket's reduced slice
     if zero == 2:  # a bucket filling while the previous one's reduce-scatter travels
         transient = min((n - whole) * gb, 2 * options.bucket_mb * 2**20)
         return n * nb, whole * gb + slices + transient, optimizer
-    chunks = zero3_units(model, stage, layout, options.virtual_stages)
+    chunks = zero3_units(model, stage, layout, options.virtual_stages, moe)
     held = in_flight(layout, stage, options.virtual_stages) > 1  # for the head: GPipe's last stage
     gathered = gathered_parameters(chunks, options.zero_prefetch, options.zero_reshard_after_forward, held)
-    largest = max((size for chunk in chunks for unit in chunk for size in unit.values()), default=0)
-    return (n - whole) * nb / d + (whole + gathered) * nb, whole * gb + slices + largest * gb, optimizer
+    largest = max((unit_gradient(unit) for chunk in chunks for unit in chunk), default=0)
+    return sharded(n - whole, e, layout, nb) + (whole + gathered) * nb, whole * gb + slices + largest * gb, optimizer
 
 
-def memory(model, layout, recompute, options) -> Memory:
+def memory(model, layout, recompute, options, moe=None) -> Memory:
     """Memory per rank of ``layout`` (validated) for ``model`` (its vocabulary padded for the layout's tp
-    here): the stage that needs the most."""
+    here; ``moe``: its resolved ``[moe]`` section, None = dense): the stage that needs the most."""
     model = for_tp(model, layout.tp_size)
     best, seen = None, set()
-    for st in stages(model, layout):
-        if (st.layers, st.first, st.last) in seen:
+    for st in stages(model, layout, moe):
+        if st.kind in seen:
             continue  # a later stage of the same kind holds fewer micro-batches
-        seen.add((st.layers, st.first, st.last))
-        params, grads, optimizer = state_bytes(model, st, layout, options)
+        seen.add(st.kind)
+        params, grads, optimizer = state_bytes(model, st, layout, options, moe)
         m = Memory(params / GIB, grads / GIB, optimizer / GIB,
-                   activation_bytes(model, layout, st, recompute, options) / GIB, options.reserve_gib, st.index)
+                   activation_bytes(model, layout, st, recompute, options, moe) / GIB, options.reserve_gib, st.index)
         if best is None or m.total_gib > best.total_gib:
             best = m
     assert best is not None  # a layout has at least one stage

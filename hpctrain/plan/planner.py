@@ -3,6 +3,10 @@
 Feasibility has two sources, each reported with its reason: the layout rules, checked only by
 ``Layout(...).validate(model)`` (hpctrain/config/rules.py: the ``LayoutError``/``GridError`` message
 is the reason), and memory (memory.py) against the device's capacity.
+
+A mixture-of-experts model (``moe``: its resolved ``[moe]`` section, ``config.moe_keys.resolve_moe``) is
+searched over expert parallelism too: every ep dividing both dp x cp and ``moe.num_experts``
+(``expert_parallel_sizes``); a dense model has ep 1.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from dataclasses import dataclass, field
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.config.layout import Layout, divisors
-from hpctrain.plan.cost import Candidate, Options, StepTime, step_time
+from hpctrain.plan.cost import Candidate, Options, StepTime, ep_placements, step_time
 from hpctrain.plan.devices import PlanError
 from hpctrain.plan.memory import Memory, memory
 from hpctrain.plan.shapes import for_tp, model_flops_per_token
@@ -32,7 +36,8 @@ class SearchSpace:
     ``MIN_CP_STRIPE`` tokens. ``dp``/``tp``/``pp``/``cp``
     > 0 fix that axis and ``micro_batch`` > 0 fixes the sequences per micro-batch, per forward on each
     replica (the trainer's ``train.micro_batch_size``; a GIVEN layout: ``hpctrain plan --tp 8 --pp 16
-    --micro-batch 1``, or a TOML's ``[parallel]`` section and ``train.micro_batch_size``)."""
+    --micro-batch 1``, or a TOML's ``[parallel]`` section and ``train.micro_batch_size``). ``ep`` > 0 fixes
+    expert parallelism (an MoE model; 0: every ep that divides dp x cp and the experts)."""
 
     dp: int = 0
     tp: int = 0
@@ -44,6 +49,7 @@ class SearchSpace:
     recompute: tuple = ("off", "selective", "full")
     microbatches: tuple[int, ...] = ()
     schedule: str = "1f1b"
+    ep: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,9 @@ class Prediction:
     def to_dict(self) -> dict:
         lay = self.candidate.layout
         ideal = self.time.compute_s + self.time.tp_comm_s + self.time.cp_comm_s + self.time.pp_comm_s
+        ideal += self.time.ep_comm_s
         return {
-            "dp": lay.dp_size, "cp": lay.cp_size, "tp": lay.tp_size, "pp": lay.pp_size,
+            "dp": lay.dp_size, "cp": lay.cp_size, "tp": lay.tp_size, "pp": lay.pp_size, "ep": lay.ep_size,
             "microbatches": lay.microbatches, "seq_chunk": lay.seq_chunk,
             "micro_batch": lay.micro_batch, "global_batch": lay.global_batch, "seq_len": lay.seq_len,
             "schedule": lay.schedule, "zero": lay.zero, "sequence_parallel": lay.sequence_parallel,
@@ -103,6 +110,7 @@ class Prediction:
         lay, out = self.candidate.layout, []
         if lay.pp_size > 1 and lay.microbatches < lay.pp_size:
             ideal = self.time.compute_s + self.time.tp_comm_s + self.time.cp_comm_s + self.time.pp_comm_s
+            ideal += self.time.ep_comm_s
             out.append(f"{lay.microbatches} micro-batch(es) < pp={lay.pp_size}: the pipeline bubble is "
                        f"{self.time.bubble_s / ideal if ideal else 0:.0%} of the ideal step; use at least pp "
                        f"micro-batches (a larger global batch or a smaller --micro-batch)")
@@ -136,26 +144,52 @@ def engine_refusal(layout, options: Options) -> str:
     return ""
 
 
-def predict(model, layout, machine, recompute="off", options: Options = Options()) -> Prediction:
+def expert_refusal(layout, moe) -> str:
+    """Why ``layout.ep_size`` does not fit the model's experts ("" if it does): ep > 1 without experts, or an
+    ep that does not divide ``moe.num_experts`` (hpctrain/config/validation.py; ``Layout.validate`` checks
+    that it divides dp x cp)."""
+    ep = layout.ep_size
+    if moe is None:
+        return "" if ep == 1 else f"parallel.ep={ep} splits experts, but the model has none (moe.num_experts = 0)"
+    if moe.num_experts % ep:
+        return f"parallel.ep={ep} does not divide moe.num_experts={moe.num_experts}"
+    return ""
+
+
+def expert_parallel_sizes(replica_size: int, moe, fixed: int = 0) -> list[int]:
+    """The ep searched for a replica group of ``replica_size`` (dp x cp) ranks: 1 for a dense model, else each
+    divisor of it that divides ``moe.num_experts`` (``fixed`` > 0: that one only; the layout rules and
+    ``expert_refusal`` then say why it does not fit)."""
+    if fixed:
+        return [fixed]
+    if moe is None:
+        return [1]
+    return [e for e in divisors(replica_size) if moe.num_experts % e == 0]
+
+
+def predict(model, layout, machine, recompute="off", options: Options = Options(), moe=None) -> Prediction:
     """Time and memory of ``layout`` (raises its LayoutError/GridError if it is not valid, PlanError if the
-    engine refuses it with ``options``: ``engine_refusal``; the vocabulary is padded for its tp first, as
-    the trainer does); MFU counts the true vocabulary."""
+    engine refuses it with ``options``: ``engine_refusal``, or its ep does not fit ``moe``: ``expert_refusal``;
+    the vocabulary is padded for its tp first, as the trainer does); MFU counts the true vocabulary and the
+    active parameters of an MoE model (``moe``: its resolved ``[moe]`` section, None = dense)."""
     layout.validate(for_tp(model, layout.tp_size))
-    if refusal := engine_refusal(layout, options):
+    if refusal := engine_refusal(layout, options) or expert_refusal(layout, moe):
         raise PlanError(refusal)
-    return _predict(model, layout, machine, recompute, options, memory(model, layout, recompute, options))
+    return _predict(model, layout, machine, recompute, options, memory(model, layout, recompute, options, moe), moe)
 
 
-def _predict(model, layout, machine, recompute, options: Options, mem: Memory) -> Prediction:
+def _predict(model, layout, machine, recompute, options: Options, mem: Memory, moe=None) -> Prediction:
     """``predict`` of a layout already validated, its memory ``mem`` known."""
     cand = Candidate(layout, recompute)
     t, c, p = layout.tp_size, layout.cp_size, layout.pp_size
     placement = {axis: machine.placement(stride, size).level
                  for axis, stride, size in (("tp", 1, t), ("cp", t, c), ("pp", t * c, p),
                                             ("dp", t * c * p, layout.dp_size))}
-    return Prediction(cand, step_time(model, cand, machine, options), mem,
+    if layout.ep_size > 1:
+        placement["ep"] = ep_placements(machine, layout)[0].level
+    return Prediction(cand, step_time(model, cand, machine, options, moe), mem,
                       machine.devices, machine.device.peak(options.dtype),
-                      model_flops_per_token(model, layout.seq_len), placement, options.virtual_stages,
+                      model_flops_per_token(model, layout.seq_len, moe=moe), placement, options.virtual_stages,
                       options.zero_prefetch, options.zero_reshard_after_forward)
 
 
@@ -163,6 +197,8 @@ def _describe(lay: Layout, recompute: str = "off") -> dict:
     d: dict[str, object] = {"dp": lay.dp_size, "tp": lay.tp_size, "pp": lay.pp_size, "microbatches": lay.microbatches}
     if lay.cp_size > 1:
         d["cp"] = lay.cp_size
+    if lay.ep_size > 1:
+        d["ep"] = lay.ep_size
     if lay.sequence_parallel:
         d["sequence_parallel"] = True
     if lay.zero:
@@ -178,8 +214,9 @@ def _searched_cp(seq_len: int, cp: int) -> bool:
 
 
 def plan(model, machine, global_batch: int, seq_len: int, options: Options = Options(),
-         space: SearchSpace = SearchSpace()) -> PlanResult:
-    """Every (dp, cp, tp, pp) of ``machine.devices`` ranks x the choices of ``space``, ranked best first."""
+         space: SearchSpace = SearchSpace(), moe=None) -> PlanResult:
+    """Every (dp, cp, tp, pp) of ``machine.devices`` ranks (x ep for an MoE model: ``moe``, its resolved
+    ``[moe]`` section) x the choices of ``space``, ranked best first."""
     world, capacity = machine.devices, machine.memory_gib()
     result = PlanResult()
     for tp in [t for t in divisors(world) if space.tp in (0, t)]:
@@ -188,19 +225,23 @@ def plan(model, machine, global_batch: int, seq_len: int, options: Options = Opt
                 dp = world // (tp * cp * pp)
                 if space.dp and dp != space.dp:
                     continue
-                base = Layout(world, dp, pp, tp, 1, global_batch, seq_len, False, 0, space.schedule, cp_size=cp)
-                try:
-                    base.validate(for_tp(model, tp))
-                except HpcTrainError as exc:
-                    result.infeasible.append(Infeasible(_describe(base), str(exc)))
-                    continue
-                _search(model, machine, base, capacity, options, space, result)
+                for ep in expert_parallel_sizes(dp * cp, moe, space.ep):
+                    base = Layout(world, dp, pp, tp, 1, global_batch, seq_len, False, 0, space.schedule, cp_size=cp,
+                                  ep_size=ep)
+                    try:
+                        base.validate(for_tp(model, tp))
+                        if refusal := expert_refusal(base, moe):
+                            raise PlanError(refusal)
+                    except HpcTrainError as exc:
+                        result.infeasible.append(Infeasible(_describe(base), str(exc)))
+                        continue
+                    _search(model, machine, base, capacity, options, space, result, moe)
     result.plans.sort(key=lambda pr: (-pr.tokens_per_s, pr.memory.total_gib))
     return result
 
 
 def _search(model, machine, base: Layout, capacity: float, options: Options, space: SearchSpace,
-            result: PlanResult) -> None:
+            result: PlanResult, moe=None) -> None:
     """The choices of one valid (dp, tp, pp): feasible ones into ``result.plans``; if none fits in memory,
     one entry (its least-memory choice) into ``result.infeasible``; rule violations once per reason."""
     local = base.global_batch // base.dp_size
@@ -224,7 +265,7 @@ def _search(model, machine, base: Layout, capacity: float, options: Options, spa
         for sp in space.sequence_parallel if base.tp_size > 1 else (False,):
             for zero in space.zero if base.replica_size > 1 else (0,):
                 lay = Layout(base.world_size, base.dp_size, base.pp_size, base.tp_size, mb, base.global_batch,
-                             base.seq_len, sp, zero, space.schedule, cp_size=base.cp_size)
+                             base.seq_len, sp, zero, space.schedule, cp_size=base.cp_size, ep_size=base.ep_size)
                 try:
                     lay.validate(for_tp(model, lay.tp_size))
                     if refusal := engine_refusal(lay, options):
@@ -239,13 +280,13 @@ def _search(model, machine, base: Layout, capacity: float, options: Options, spa
                     kinds = [k for k in kinds if k != "selective"]
                 for recompute in kinds:
                     result.evaluated += 1
-                    mem = memory(model, lay, recompute, options)
+                    mem = memory(model, lay, recompute, options, moe)
                     if mem.total_gib > capacity:
                         if smallest is None or mem.total_gib < smallest[0].total_gib:
                             smallest = (mem, lay, recompute)
                         continue
                     fitted = True
-                    result.plans.append(_predict(model, lay, machine, recompute, options, mem))
+                    result.plans.append(_predict(model, lay, machine, recompute, options, mem, moe))
     if not fitted and smallest is not None:
         mem, lay, recompute = smallest
         parts = ", ".join(f"{k} {v:.1f}" for k, v in mem.breakdown().items())

@@ -1,7 +1,7 @@
 """The text report of ``hpctrain plan``: the best layouts, where their time goes, why others do not fit."""
 from __future__ import annotations
 
-from hpctrain.config.arithmetic import count_parameters
+from hpctrain.config.arithmetic import active_parameters, count_parameters
 
 
 def _layout(p: dict) -> str:
@@ -10,15 +10,19 @@ def _layout(p: dict) -> str:
                                     (recompute, recompute), (f"V={p['virtual_stages']}", p["virtual_stages"] > 1))
               if on]
     cp = f" cp={p['cp']}" if p.get("cp", 1) > 1 else ""
-    return (f"dp={p['dp']}{cp} tp={p['tp']} pp={p['pp']} M={p['microbatches']}"
+    ep = f" ep={p['ep']}" if p.get("ep", 1) > 1 else ""
+    return (f"dp={p['dp']}{cp}{ep} tp={p['tp']} pp={p['pp']} M={p['microbatches']}"
             + (f" +{'+'.join(extras)}" if extras else ""))
 
 
-def print_plans(result, machine, model, name: str, global_batch: int, seq_len: int, options, top: int) -> None:
+def print_plans(result, machine, model, name: str, global_batch: int, seq_len: int, options, top: int,
+                moe=None) -> None:
     dev = machine.device
     window = getattr(model, "attention_window", 0)
-    print(f"plan: {name} ({count_parameters(model) / 1e9:.2f}B parameters), global batch {global_batch} x "
-          f"{seq_len} tokens{f', attention window {window}' if window else ''}, {options.dtype}")
+    experts = (f", {active_parameters(model, moe) / 1e9:.2f}B active: {moe.num_experts} experts, top {moe.top_k}, "
+               f"in {len(moe.layers)} of {model.n_layers} blocks" if moe is not None else "")
+    print(f"plan: {name} ({count_parameters(model, moe) / 1e9:.2f}B parameters{experts}), global batch "
+          f"{global_batch} x {seq_len} tokens{f', attention window {window}' if window else ''}, {options.dtype}")
     print(f"machine: {machine.nodes} node(s) x {machine.gpus_per_node} {dev.name} "
           f"({dev.peak(options.dtype):g} TFLOP/s peak x {dev.efficiency:.2f}, {machine.memory_gib():.0f} GiB); "
           f"links: {machine.links.source or 'given'}")
@@ -39,7 +43,8 @@ def print_plans(result, machine, model, name: str, global_batch: int, seq_len: i
         for i, warning in warned:
             print(f"{i:>2} WARNING: {warning}")
         print("\nwhere the time goes (seconds per step; tp inside a node, cp next to it, pp and dp where the grid "
-              "places them; cp_comm: the ring's exchange not hidden behind attention):")
+              "places them; cp_comm: the ring's exchange not hidden behind attention"
+              + ("; ep_comm: the experts' all-to-alls" if moe is not None else "") + "):")
         for i, pred in enumerate(result.plans[:min(top, 3)], 1):
             p = pred.to_dict()
             parts = ", ".join(f"{k} {v:.3g}" for k, v in p["breakdown_s"].items() if v > 0)

@@ -27,7 +27,7 @@ def for_tp(m, tp: int):
     return m if v == m.vocab_size else dataclasses.replace(m, vocab_size=v)
 
 
-def block_gemms(m, tokens: int, tp: int) -> list[tuple[float, tuple[int, ...]]]:
+def block_gemms(m, tokens: int, tp: int) -> list[tuple[float, tuple[float, ...]]]:
     """One block's forward matrix multiplications on one tp rank: (FLOPs, (rows, columns, inner)).
 
     ``tokens``: rows of the activations (micro-batch x sequence; the full sequence also with sequence
@@ -39,6 +39,25 @@ def block_gemms(m, tokens: int, tp: int) -> list[tuple[float, tuple[int, ...]]]:
     shapes = [(tokens, d // t, d), (tokens, 2 * kv // t, d), (tokens, d, d // t),
               (tokens, (mats - 1) * f // t, d), (tokens, d, f // t)]
     return [(2.0 * r * c * k, (r, c, k)) for r, c, k in shapes]
+
+
+def moe_block_gemms(m, moe, tokens: int, tp: int, ep: int) -> list[tuple[float, tuple[float, ...]]]:
+    """One MoE block's forward matrix multiplications on one tp rank of an ep group (hpctrain/models/moe.py):
+    the attention's (as ``block_gemms``), the router (``tokens x E x d``, whole on every tp rank), the rank's
+    ``E / ep`` experts, each on ``tokens x top_k x ep / E`` rows (routing taken as balanced: the ep group's
+    choices spread evenly over its experts), gate and up split over tp by columns, down by its inner
+    dimension; the shared experts' SwiGLU (width ``S f_e``) on every token. An expert's GEMMs are listed once
+    with the FLOPs of all ``E / ep`` of them."""
+    d, f, t, e = m.d_model, moe.d_ff_expert, tp, moe.num_experts
+    rows = tokens * moe.top_k * ep / e
+    local = e // ep
+    out = block_gemms(m, tokens, tp)[:3]
+    out.append((2.0 * tokens * e * d, (tokens, e, d)))
+    out += [(local * 2.0 * rows * c * k, (rows, c, k)) for c, k in ((2 * f // t, d), (d, f // t))]
+    if moe.shared_experts:
+        w = moe.shared_experts * f
+        out += [(2.0 * tokens * c * k, (tokens, c, k)) for c, k in ((2 * w // t, d), (d, w // t))]
+    return out
 
 
 def megatron_flops_per_token(m, seq_len: int, recompute: str) -> float:

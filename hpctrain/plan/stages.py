@@ -1,13 +1,14 @@
 """What one rank of a layout holds: its pipeline stage's layers, parameters and activation sizes.
 
 Shared by the time model (cost.py) and the memory model (memory.py). Counts are per tensor-parallel
-rank; bytes are for the training dtype (``dtype_bytes``: 2 for bfloat16/float16).
+rank; bytes are for the training dtype (``dtype_bytes``: 2 for bfloat16/float16). ``moe``: a resolved
+``[moe]`` section (``config.moe_keys.resolve_moe``), None for a dense model; ``ep``: ``parallel.ep``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.config.arithmetic import partition_layers
+from hpctrain.config.arithmetic import moe_rank_parameters, partition_layers
 from hpctrain.plan.devices import PlanError
 from hpctrain.plan.shapes import block_matmul_params, position_params
 
@@ -25,33 +26,66 @@ def recompute_kind(value) -> str:
 
 @dataclass(frozen=True)
 class Stage:
-    """Pipeline stage ``index`` holds ``layers`` blocks; the first embeds, the last has the LM head."""
+    """Pipeline stage ``index`` holds ``layers`` blocks, ``moe_layers`` of them MoE blocks; the first embeds,
+    the last has the LM head."""
 
     index: int
     layers: int
     first: bool
     last: bool
+    moe_layers: int = 0
+
+    @property
+    def kind(self) -> tuple[int, bool, bool, int]:
+        """What makes two stages alike (their memory and slot times are the same)."""
+        return self.layers, self.first, self.last, self.moe_layers
 
 
-def stages(model, layout) -> list[Stage]:
+def stages(model, layout, moe=None) -> list[Stage]:
     """The stages of ``layout`` with hpctrain's own split (``partition_layers``, balanced by parameters)."""
-    ranges = partition_layers(model, layout.pp_size, list(layout.stage_layers) or None)
+    ranges = partition_layers(model, layout.pp_size, list(layout.stage_layers) or None, moe)
     last = len(ranges) - 1
-    return [Stage(i, hi - lo, i == 0, i == last) for i, (lo, hi) in enumerate(ranges)]
+    routed = set(moe.layers) if moe is not None else set()
+    return [Stage(i, hi - lo, i == 0, i == last, sum(1 for j in range(lo, hi) if j in routed))
+            for i, (lo, hi) in enumerate(ranges)]
 
 
-def stage_parameters(model, stage: Stage, tp: int) -> int:
+def stage_parameters(model, stage: Stage, tp: int, moe=None, ep: int = 1) -> int:
     """Parameters on one tp rank of ``stage``: its blocks' matrices / tp plus the replicated norm weights;
     the embedding rows / tp on the first stage; the final norm and LM head rows / tp on the last (a tied
     head is the embedding itself with one stage, a copy that is trained like a parameter with pp > 1);
-    a learned position table on the first stage. ``model``'s vocabulary as given (padded by the caller)."""
+    a learned position table on the first stage. ``model``'s vocabulary as given (padded by the caller).
+    An MoE block holds ``arithmetic.moe_rank_parameters``: its dense part and ``num_experts / ep`` experts."""
     h, vh = model.d_model, model.vocab_size * model.d_model // tp
-    n = stage.layers * (block_matmul_params(model) // tp + 2 * h)
+    n = (stage.layers - stage.moe_layers) * (block_matmul_params(model) // tp + 2 * h)
+    if stage.moe_layers:
+        n += stage.moe_layers * (sum(moe_rank_parameters(model, moe, tp, ep)) + 2 * h)
     if stage.first:
         n += vh + position_params(model)
     if stage.last:
         n += h + (0 if (model.tie_embeddings and stage.first) else vh)
     return n
+
+
+def stage_expert_parameters(model, stage: Stage, tp: int, moe=None, ep: int = 1) -> int:
+    """The part of ``stage_parameters`` that is routed experts (``num_experts / ep`` per MoE block / tp):
+    reduced and sharded over the dp x cp / ep ranks that hold the same experts, not over dp x cp."""
+    return stage.moe_layers * moe_rank_parameters(model, moe, tp, ep)[1] if stage.moe_layers else 0
+
+
+def moe_activation_bytes(model, moe, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                         dtype_bytes: int) -> float:
+    """Bytes an MoE block keeps beyond ``layer_activation_bytes`` per tp rank and micro-batch (its MLP share
+    of Korthikanti's count, ``19 s b h`` / t with sequence parallelism, ``3 s b h + 16 s b h / t`` without,
+    is the dense MLP's and is replaced): each of the ``top_k`` routed copies of a token and each shared expert
+    keeps a SwiGLU's input (``2 h``, / t with SP) and its gate, up and product (``6 f_e / t``), at 16 bits;
+    plus the router's float32 logits and probabilities (``8 E`` bytes). Routing is taken as dropless and
+    balanced (each rank's experts get ``top_k`` x its tokens)."""
+    s, b, h, f, t = seq_len, micro_batch, model.d_model, moe.d_ff_expert, tp
+    split = sequence_parallel or t == 1
+    dense_mlp = 19.0 * h / t if split else 3.0 * h + 16.0 * h / t
+    experts = (moe.top_k + moe.shared_experts) * ((2.0 * h / t if split else 2.0 * h) + 6.0 * f / t)
+    return s * b * ((experts - dense_mlp) * dtype_bytes / 2 + 8.0 * moe.num_experts)
 
 
 def layer_activation_bytes(model, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,

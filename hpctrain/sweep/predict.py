@@ -1,12 +1,12 @@
 """The performance model's prediction for one sweep run (``hpctrain sweep`` adds it next to the measurement).
 
 ``predict_run(cfg, row, device, profile)`` builds the run's ``Layout`` from the sweep row (ranks, dp, tp,
-pp, microbatches, global_batch; cp where the row has it) and the config (model, seq_len, schedule, ZeRO,
-sequence parallelism, dtype, ``parallel.cp``), a ``Machine`` of ``row["nodes"]`` nodes (1 for local
-mpiexec sweeps) and asks hpctrain/plan for the step time. With a link profile (``hpctrain bench comm
---profile``) the links and, where it measured
-them, the device's rates come from it; without one, the ``device`` preset (with its intra-node bandwidth)
-and ``DEFAULT_INTER_GBPS`` are used. The fields it returns are the sweep CSV's ``predicted_*`` columns.
+pp, microbatches, global_batch; cp and ep where the row has them) and the config (model and its experts,
+seq_len, schedule, ZeRO, sequence parallelism, dtype, ``parallel.cp``, ``parallel.ep``), a ``Machine`` of
+``row["nodes"]`` nodes (1 for local mpiexec sweeps) and asks hpctrain/plan for the step time. With a link
+profile (``hpctrain bench comm --profile``) the links and, where it measured them, the device's rates come
+from it; without one, the ``device`` preset (with its intra-node bandwidth) and ``DEFAULT_INTER_GBPS`` are used.
+The fields it returns are the sweep CSV's ``predicted_*`` columns.
 """
 from __future__ import annotations
 
@@ -36,10 +36,11 @@ def machine_for(ranks: int, nodes: int, device: str, profile: str | None):
 
 def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None) -> dict | None:
     """``predicted_step_s``, ``predicted_tokens_per_s``, ``predicted_compute_s``, ``predicted_comm_s``
-    (tp + cp + pp + exposed dp + optimizer's reductions), ``predicted_bubble_s`` and ``predicted_memory_gib``
-    (memory per rank of the heaviest stage, hpctrain/plan/memory.py, without the reserve) for one sweep row; None
+    (tp + cp + pp + ep all-to-alls + exposed dp + optimizer's reductions), ``predicted_bubble_s`` and
+    ``predicted_memory_gib`` (memory per rank of the heaviest stage, hpctrain/plan/memory.py, without the reserve) for one sweep row; None
     when the model cannot tell (an invalid layout)."""
     from hpctrain.config import resolve_model
+    from hpctrain.config.moe_keys import resolve_moe
     from hpctrain.plan.cost import Options
     from hpctrain.plan.planner import predict
 
@@ -47,19 +48,21 @@ def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None)
     model = resolve_model(cfg.model)
     layout = Layout(row["ranks"], row["dp"], row["pp"], row["tp"], row["microbatches"], row["global_batch"],
                     t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers), p.virtual_stages,
-                    int(row.get("cp") or p.cp))
+                    int(row.get("cp") or p.cp), int(row.get("ep") or p.ep))
     try:
         layout.validate(model)
         machine = machine_for(row["ranks"], int(row.get("nodes") or 1), device, profile)
         options = Options(dtype=t.dtype, flash_attention=True, bucket_mb=p.bucket_mb, reserve_gib=0.0,
                           zero_prefetch=p.zero_prefetch, zero_reshard_after_forward=p.zero_reshard_after_forward,
                           virtual_stages=p.virtual_stages)
-        pred = predict(model, layout, machine, recompute=bool(getattr(t, "recompute", False)), options=options)
+        pred = predict(model, layout, machine, recompute=bool(getattr(t, "recompute", False)), options=options,
+                       moe=resolve_moe(cfg.moe, model))
     except HpcTrainError:
         return None
     parts = pred.time
     return {"predicted_step_s": parts.step_s, "predicted_tokens_per_s": pred.tokens_per_s,
             "predicted_compute_s": parts.compute_s + parts.optimizer_s,
-            "predicted_comm_s": parts.tp_comm_s + parts.cp_comm_s + parts.pp_comm_s + parts.dp_comm_s,
+            "predicted_comm_s": parts.tp_comm_s + parts.cp_comm_s + parts.pp_comm_s + parts.dp_comm_s
+            + parts.ep_comm_s,
             "predicted_bubble_s": parts.bubble_s,
             "predicted_memory_gib": pred.memory.total_gib}  # no reserve: next to the run's peak_memory_gib

@@ -106,7 +106,7 @@ def build_stages(m, layout: Layout, pp_rank: int, tp_comm, dtype: torch.dtype, s
     ``[lora]`` section (rank > 0: adapters, the rest frozen); ``moe``: the resolved ``[moe]`` section (None:
     dense), its experts split over ``ep_comm``."""
     pp, per_rank = layout.pp_size, layout.virtual_stages
-    ranges = partition_layers(m, pp * per_rank, list(layout.stage_layers))
+    ranges = partition_layers(m, pp * per_rank, list(layout.stage_layers), moe=moe)  # MoE blocks weigh more
     stages = []
     for c in range(per_rank):
         v = c * pp + pp_rank
@@ -198,7 +198,7 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
         local_model=local_model, compiled=compiled, compile_since=compile_since, sdpa=sdpa, flat=flat,
         param_gather=param_gather, moe_stats=MoeStepStats(stages, moe, grid.world, t.global_batch) if moe else None,
         optimizer=optimizer, executor=executor, scaler=scaler, outcomes=outcomes, data=data,
-        flops_per_token=flops_per_token(m, t.seq_len, cfg.lora.rank, cfg.lora.targets),
+        flops_per_token=flops_per_token(m, t.seq_len, cfg.lora.rank, cfg.lora.targets, moe=moe),  # active params
         peak_tflops=t.peak_tflops or peak_tflops(device, dtype, t.allow_tf32),
         # idle over ideal time with equal stages, (pp - 1) / (V M): printed at start-up
         bubble=bubble_fraction(layout.pp_size, layout.microbatches, layout.virtual_stages))

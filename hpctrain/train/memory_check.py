@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from hpctrain.checkpoint.directory import human_size
 from hpctrain.config import ConfigError, resolve_model
 from hpctrain.config.arithmetic import partition_layers, rank_parameters
+from hpctrain.config.moe_keys import resolve_moe
 from hpctrain.config.rules import padded_vocab
 from hpctrain.runtime.peak_memory import available_memory
 
@@ -39,35 +40,45 @@ class Need:
 def rank_need(cfg, layout, pp_rank: int) -> Need:
     """The lower bound for one rank of pipeline rank ``pp_rank`` of ``layout`` (a validated Layout)."""
     m, t = resolve_model(cfg.model), cfg.train
+    moe = resolve_moe(cfg.moe, m)
     tp, nb = layout.tp_size, DTYPE_BYTES[t.dtype]
-    counts = rank_parameters(m, tp, layout.pp_size, pp_rank, layout.stage_layers, layout.virtual_stages)
+    counts = rank_parameters(m, tp, layout.pp_size, pp_rank, layout.stage_layers, layout.virtual_stages,
+                             moe=moe, ep=layout.ep_size)
     n = sum(counts.values())
-    trainable = 0 if cfg.lora.rank else n  # LoRA: the adapters alone (left out: a lower bound)
+    experts = counts.get("experts", 0)  # this rank's experts (num_experts / ep of each MoE block)
+    trainable = 0 if cfg.lora.rank else n - experts  # LoRA: the adapters alone (left out: a lower bound)
+    trainable_experts = 0 if cfg.lora.rank else experts
     state = 2 * max(4, nb) + (4 if nb == 2 else 0) if cfg.optim.name == "adamw" else 0
-    ranges = partition_layers(m, layout.pp_size * layout.virtual_stages, list(layout.stage_layers) or None)
+    ranges = partition_layers(m, layout.pp_size * layout.virtual_stages, list(layout.stage_layers) or None, moe=moe)
     layers = sum(hi - lo for lo, hi in ranges[pp_rank::layout.pp_size])
     tokens = layout.micro_batch * (layout.seq_len // layout.cp_size)
     activations = layers * tokens * m.d_model * nb // (tp if layout.sequence_parallel else 1)
     replicas, zero = layout.replica_size, layout.zero
+    holders = replicas // layout.ep_size  # the replicas holding the same experts (ZeRO shards experts over them)
     # the largest unit ZeRO-3 gathers: a block, or the embedding (the LM head) with the learned positions
     unit = max(counts["blocks"] // max(layers, 1), counts["vocabulary"] + counts["positions"])
     gathered = 0
     if zero == 3:  # the gathered units: the running one and the prefetched ones, or all (no resharding)
         p = cfg.parallel
         gathered = n * nb if not p.zero_reshard_after_forward else min(n, (1 + p.zero_prefetch) * unit) * nb
-    parts = {"parameters": n * nb // (replicas if zero == 3 else 1),
-             "gradients": trainable * max(4, nb) // (replicas if zero >= 2 else 1),
-             "optimizer": trainable * state // (replicas if zero else 1),
+    parts = {"parameters": (n - experts) * nb // (replicas if zero == 3 else 1) + experts * nb,
+             "gradients": trainable * max(4, nb) // (replicas if zero >= 2 else 1)
+             + trainable_experts * max(4, nb) // (holders if zero >= 2 else 1),
+             "optimizer": trainable * state // (replicas if zero else 1)
+             + trainable_experts * state // (holders if zero else 1),
              "gathered units": gathered, "activations": activations}
     per_param = (parts["parameters"] + parts["gradients"] + parts["optimizer"]) / max(n, 1)
     shares = {part: count * per_param for part, count in counts.items()}
     shares["activations"] = activations
     if gathered:  # its keys are named when it is the largest share
         shares["gathered"] = gathered
-    return Need(n, parts, _keys(max(shares, key=shares.__getitem__), m, layout, layers))
+    return Need(n, parts, _keys(max(shares, key=shares.__getitem__), m, layout, layers, moe))
 
 
-def _keys(part: str, m, layout, layers: int) -> str:
+def _keys(part: str, m, layout, layers: int, moe=None) -> str:
+    if part == "experts" and moe is not None:
+        return (f"the experts: moe.num_experts={moe.num_experts} / parallel.ep={layout.ep_size} per rank in each of "
+                f"its MoE blocks (moe.layers) x 3 x model.d_model={m.d_model} x moe.d_ff_expert={moe.d_ff_expert}")
     if part == "vocabulary":
         return (f"the embedding and LM head: model.vocab_size={m.vocab_size} padded to {padded_vocab(m, layout.tp_size)} "
                 f"rows (a multiple of model.vocab_multiple={m.vocab_multiple} x parallel.tp={layout.tp_size}) x "

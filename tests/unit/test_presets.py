@@ -7,12 +7,15 @@ model and architecture as GPT-2", GPT-2's count of the Table 2.1 shape): it must
 count, and our ``count_parameters`` must be within 1% of it. Our model has no biases and RMSNorm instead
 of LayerNorm (one weight, not two), which the GPT counts below include: 11 d per layer, < 0.1%.
 The counts here are derived from the sources' formulas, not from ``hpctrain.config.arithmetic``.
+A preset with experts (``mixtral-8x7b``) is counted with its ``[moe]`` section resolved
+(``config.moe_keys.MOE_PRESETS``), and its active parameters (per token) against the source's too.
 """
 import pytest
 import torch
 
 from hpctrain.config import PRESETS, ModelConfig, resolve_model
-from hpctrain.config.arithmetic import count_parameters, flops_per_token
+from hpctrain.config.arithmetic import active_parameters, count_parameters, flops_per_token
+from hpctrain.config.moe_keys import MoeConfig, resolve_moe
 from hpctrain.models.gpt import GPTStage
 
 
@@ -32,6 +35,9 @@ GPT3 = "Brown et al. 2020, Table 2.1 (n_params, d_model, n_layers, n_heads; cont
 PTDP = "Narayanan et al. SC21, Table 1 (parameters, hidden size, layers, heads; vocab 51200, seq 2048)"
 LLAMA2 = "Touvron et al. 2023 (Llama 2), Table 1 / HF meta-llama/Llama-2-{}-hf config.json"
 LLAMA3 = "Meta 2024, The Llama 3 Herd of Models, Table 3 / HF meta-llama/{} config.json"
+MIXTRAL = ("Jiang et al. 2024, 'Mixtral of Experts' (arXiv 2401.04088) sections 1-2 ('47B parameters', '13B active "
+           "parameters'); Mistral AI, 'Mixtral of experts' (2023-12-11): '46.7B total parameters', '12.9B parameters "
+           "per token'; HF mistralai/Mixtral-8x7B-v0.1: 46,702,792,704")
 
 # preset: (source, published count as printed, the source's exact count of that shape)
 SOURCES = {
@@ -59,7 +65,16 @@ SOURCES = {
     "llama-3-8b": (LLAMA3.format("Meta-Llama-3-8B"), 8_030_261_248, 8_030_261_248),
     "llama-3-70b": (LLAMA3.format("Meta-Llama-3-70B"), 70_553_706_496, 70_553_706_496),
     "llama-3-405b": (LLAMA3.format("Llama-3.1-405B"), 405_853_388_800, 405_853_388_800),
+    "mixtral-8x7b": (MIXTRAL, 46.7e9, 46_702_792_704),
 }
+# presets with experts: (source, active parameters as printed); the paper's rounding, 13B, is within 1% too
+ACTIVE = {"mixtral-8x7b": (MIXTRAL, 12.9e9, 13e9)}
+
+
+def preset_model(name):
+    """(resolved model, resolved [moe] section or None) of a preset, as a config naming only it resolves."""
+    m = resolve_model(ModelConfig(preset=name))
+    return m, resolve_moe(MoeConfig(), m)
 
 
 # Printed with two significant figures, and their shape's exact count more than 1% below the printed one
@@ -76,12 +91,33 @@ def test_preset_parameter_count_is_its_sources_within_one_percent(preset):
     source, published, exact = SOURCES[preset]
     half_digit = 0.5 if published % 1e6 else 0.05e9  # exact counts, or billions printed to one decimal
     assert abs(exact - published) <= max(half_digit, 0.01 * published), (source, exact, published)
-    ours = count_parameters(resolve_model(ModelConfig(preset=preset)))
+    ours = count_parameters(*preset_model(preset))
     assert abs(ours / exact - 1) <= 0.01, f"{preset}: {ours:,} vs {exact:,} ({source})"
     if preset not in ROUNDED_IN_PRINT:
         assert abs(ours / published - 1) <= 0.01, f"{preset}: {ours:,} vs the printed {published:,.0f}"
     else:
         assert abs(ours / published - 1) > 0.01 and abs(exact - published) <= half_digit
+
+
+@pytest.mark.parametrize("name", list(ACTIVE))
+def test_active_parameters_of_a_preset_with_experts_are_its_sources_within_one_percent(name):
+    source, published, rounded = ACTIVE[name]
+    m, moe = preset_model(name)
+    assert moe is not None and moe.num_experts > moe.top_k
+    ours = active_parameters(m, moe)
+    assert abs(ours / published - 1) <= 0.01 and abs(ours / rounded - 1) <= 0.01, f"{name}: {ours:,} ({source})"
+    assert count_parameters(m, moe) > 3 * ours  # 8 experts, 2 active
+
+
+def test_mixtral_is_8_experts_top_2_in_every_block_and_dense_presets_have_none():
+    m, moe = preset_model("mixtral-8x7b")
+    assert (moe.num_experts, moe.top_k, moe.d_ff_expert, moe.shared_experts) == (8, 2, 14336, 0)
+    assert moe.layers == list(range(32)) and (m.n_kv_heads, m.rope_theta, m.max_seq_len) == (8, 1e6, 32768)
+    # by hand: 32 x (attention 2 x 4096^2 + 2 x 4096 x 1024, router 8 x 4096, 8 experts of 3 x 4096 x 14336,
+    # norms 2 x 4096) + embedding and head 2 x 32000 x 4096 + the final norm: HF's count exactly
+    block = 2 * 4096**2 + 2 * 4096 * 1024 + 8 * 4096 + 8 * 3 * 4096 * 14336 + 2 * 4096
+    assert count_parameters(m, moe) == 32 * block + 2 * 32000 * 4096 + 4096 == 46_702_792_704
+    assert all(preset_model(name)[1] is None for name in SOURCES if name not in ACTIVE)
 
 
 def test_the_gpt_presets_are_gelu_learned_tied_and_llama_swiglu_rope_untied():
@@ -116,6 +152,16 @@ def test_count_parameters_is_the_numel_of_the_built_model(mlp, positions, tied):
     last = GPTStage(m, (1, 3), is_first=False, is_last=True, dtype=torch.float64)
     split = sum(p.spec.valid_numel for s in (first, last) for p in s.parameters() if not p.spec.tied_copy)
     assert split == count_parameters(m)  # over two pipeline stages: the table on the first, a tied copy once
+
+
+def test_count_parameters_of_an_moe_model_is_the_numel_of_the_built_model():
+    m = resolve_model(ModelConfig(preset="custom", vocab_size=96, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                                  d_ff=80, max_seq_len=40))
+    moe = resolve_moe(MoeConfig(num_experts=4, top_k=2, layers=[0, 2], d_ff_expert=24, shared_experts=1), m)
+    stage = GPTStage(m, (0, 3), is_first=True, is_last=True, dtype=torch.float64, moe=moe)
+    assert sum(p.spec.valid_numel for p in stage.parameters()) == count_parameters(m, moe) == 46560
+    names = {n for n, _ in stage.named_parameters()}
+    assert {"layers.0.moe.router.weight", "layers.2.moe.experts.gate", "layers.1.mlp.gate.weight"} <= names
 
 
 def test_learned_positions_change_the_output_and_rope_is_skipped():

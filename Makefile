@@ -31,7 +31,7 @@ demo: setup
 # The default environment (PyPI MPICH, serial h5py), then the cluster-like one (Debian MPICH + parallel
 # HDF5, collective MPI-IO checkpoints) where this machine can build it (root + apt-get), else a notice.
 test: setup
-	$(BIN)/python -m pytest tests -v --timeout 900 --durations=20
+	$(BIN)/python -m pytest tests -v --timeout 900 --durations=60
 	scripts/test_parallel_hdf5.sh --if-possible
 
 test-parallel-hdf5:

@@ -7,15 +7,19 @@ is the best of ``rounds`` rounds (implementations interleaved per size, their or
 
 Sizes are the total buffer (nccl-tests convention): the allreduce / broadcast tensor, the
 reduce_scatter input, the allgather output, the message each rank sends in sendrecv (a ring: to
-group rank+1, from rank-1). algbw = bytes / time; busbw = algbw * 2(n-1)/n for allreduce, (n-1)/n
-for reduce_scatter and allgather, 1 for broadcast and sendrecv. GB = 1e9 bytes.
+group rank+1, from rank-1), each rank's alltoall input (equal splits: size/n to every rank). algbw =
+bytes / time; busbw = algbw * 2(n-1)/n for allreduce, (n-1)/n for reduce_scatter, allgather and
+alltoall, 1 for broadcast and sendrecv. GB = 1e9 bytes.
 
 Implementations: ``hpctrain`` = ``grid.comm(axis)``'s Communicator on torch tensors (watchdog and
 counters included). ``mpi4py`` = the same group's mpi4py communicator on numpy views of the same
-tensors (Allreduce(IN_PLACE), Reduce_scatter_block, Allgather, Bcast, Sendrecv); MPI has no
+tensors (Allreduce(IN_PLACE), Reduce_scatter_block, Allgather, Bcast, Sendrecv, Alltoallv with its
+counts and displacements built once); MPI has no
 bfloat16, so for 16-bit dtypes it reduces the raw words as int16 (same bytes; hpctrain stages
 reductions in float32, and the gap shows that cost). ``gloo`` = torch.distributed gloo over TCP
-(rendezvous on rank 0, port broadcast over MPI) with one ``new_group`` per group of the axis.
+(rendezvous on rank 0, port broadcast over MPI) with one ``new_group`` per group of the axis. The
+``alltoall`` op times the uneven path with equal splits: ``Communicator.alltoallv`` (which hands MPI
+counts and displacements built per call), mpi4py ``Alltoallv``, gloo ``all_to_all_single`` with splits.
 ``hpctrain-shm`` = the node-local shared-memory collectives (hpctrain/comm/shm.py: an MPI-3 shared
 window, each rank summing its slice out of its peers' slots; allreduce, reduce_scatter and allgather
 only: the row is left out for other ops); a group spanning nodes goes hierarchical (comm/hierarchical.py,
@@ -44,7 +48,7 @@ from hpctrain.errors import HpcTrainError
 from hpctrain.runtime import env
 from hpctrain.runtime.dtypes import torch_dtype
 
-OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "sendrecv")
+OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "sendrecv", "alltoall")
 IMPLS = ("hpctrain", "hpctrain-persistent", "hpctrain-shm", "hpctrain-auto", "mpi4py", "gloo")
 FIELDS = ("impl", "op", "bytes", "time_us", "algbw_GBps", "busbw_GBps", "ratio_vs_mpi4py", "ranks", "axis",
           "group_size", "dtype", "iters", "rounds")
@@ -75,7 +79,7 @@ def default_iters(nbytes: int) -> int:
 def bus_factor(op: str, n: int) -> float:
     if op == "allreduce":
         return 2 * (n - 1) / n
-    if op in ("reduce_scatter", "allgather"):
+    if op in ("reduce_scatter", "allgather", "alltoall"):
         return (n - 1) / n
     return 1.0
 
@@ -94,6 +98,9 @@ def make_buffers(op: str, nbytes: int, n: int, dtype) -> tuple[dict, int]:
     if op in ("reduce_scatter", "allgather"):
         per = max(1, nbytes // (esize * n))
         return {"big": torch.zeros(per * n, dtype=dtype), "small": torch.zeros(per, dtype=dtype)}, per * n * esize
+    if op == "alltoall":  # equal splits: ``per`` elements to every rank
+        per = max(1, nbytes // (esize * n))
+        return {"send": torch.zeros(per * n, dtype=dtype), "recv": torch.zeros(per * n, dtype=dtype)}, per * n * esize
     count = max(1, nbytes // esize)
     if op == "sendrecv":
         return {"send": torch.zeros(count, dtype=dtype), "recv": torch.zeros(count, dtype=dtype)}, count * esize
@@ -110,6 +117,9 @@ def hpctrain_step(op: str, comm, b: dict):
         return lambda: comm.allgather(b["big"], b["small"])
     if op == "broadcast":
         return lambda: comm.broadcast(b["t"], root=0)
+    if op == "alltoall":
+        splits = [b["send"].numel() // comm.size] * comm.size
+        return lambda: comm.alltoallv(b["recv"], splits, b["send"], splits)
 
     def sendrecv():
         handles = (comm.irecv(b["recv"], left), comm.isend(b["send"], right))
@@ -164,6 +174,10 @@ def mpi4py_step(op: str, mpi_comm, b: dict):
         return lambda: mpi_comm.Allgather(v["small"], v["big"])
     if op == "broadcast":
         return lambda: mpi_comm.Bcast(v["t"], 0)
+    if op == "alltoall":
+        per = v["send"].size // n
+        counts, displs = [per] * n, [per * j for j in range(n)]
+        return lambda: mpi_comm.Alltoallv([v["send"], (counts, displs)], [v["recv"], (counts, displs)])
     return lambda: mpi_comm.Sendrecv(v["send"], (r + 1) % n, 0, v["recv"], (r - 1) % n, 0)
 
 
@@ -181,6 +195,9 @@ def gloo_step(op: str, group, members: tuple, b: dict):
         return lambda: all_gather(b["big"], b["small"], group=group)
     if op == "broadcast":
         return lambda: dist.broadcast(b["t"], src=members[0], group=group)
+    if op == "alltoall":
+        splits = [b["send"].numel() // n] * n
+        return lambda: dist.all_to_all_single(b["recv"], b["send"], splits, splits, group=group)
 
     def sendrecv():
         ops = [dist.P2POp(dist.irecv, b["recv"], members[(i - 1) % n], group),

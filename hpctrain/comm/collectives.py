@@ -10,12 +10,14 @@ A ``Communicator`` wraps one mpi4py communicator (a dp, pp, tp or world group). 
   group; a stalled call aborts the job with a report naming the ranks that never reached it);
 - with ``check`` on (``comm.check = true``), is preceded by a fingerprint exchange: every member must
   call the same collective with the same size and type, else ``CommCheckError`` names the first
-  divergence (a debugging mode: one extra small allgather per call).
+  divergence (a debugging mode: one extra small allgather per call); for ``alltoallv`` also that the
+  splits agree (what rank i sends to rank j is what j expects from i).
 
 Bytes on the wire (``OpCounter.sent``) follow the bandwidth-optimal algorithms MPI and NCCL use for
 large messages, per rank of a group of p: allreduce 2(p-1)/p x n, reduce-scatter / allgather /
-alltoall / broadcast (p-1)/p x n (n = the full buffer), send n; at p = 2 that is exact for any
-algorithm, and tests/integration/test_two_hosts.py checks it against a veth link's byte counters.
+alltoall / broadcast (p-1)/p x n (n = the full buffer), alltoallv the rows sent to other ranks, send
+n; at p = 2 that is exact for any algorithm, and tests/integration/test_two_hosts.py checks it against
+a veth link's byte counters.
 
 Blocking calls return None; ``nonblocking=True`` returns a ``Handle`` to ``wait()`` or ``test()``
 (calling ``test`` between pieces of work drives MPI progress and gives overlap: see
@@ -129,11 +131,12 @@ class Communicator:
 
     # ---------------------------------------------------------------- plumbing
     def _run(self, op: str, nbytes: int, nonblocking: bool, method, *args, peer=None, fingerprint=None,
-             wire: float | None = None, route: str = ""):
+             wire: float | None = None, route: str = "", splits=None):
         """Count, watch and time ``method(*args, nonblocking)`` (the hot path: attribute updates only).
         ``peer``: the group rank of a point-to-point call; ``fingerprint``: what comm.check compares;
         ``wire``: bytes sent per byte of ``nbytes`` (default (p-1)/p); ``route``: how the call travels when
-        not through MPI (the shm route's name, for hang reports)."""
+        not through MPI (the shm route's name, for hang reports); ``splits``: an alltoallv's (input_splits,
+        output_splits), which comm.check matches across the group."""
         counter = self._counters.get(op)
         if counter is None:
             counter = self._counters[op] = self.stats.ops[(self.name, op)]
@@ -142,7 +145,7 @@ class Communicator:
         counter.bytes += nbytes
         counter.sent += sent
         if self.check and peer is None:
-            self.check_same_call(op, fingerprint)
+            self.check_same_call(op, fingerprint, splits)
         watchdog, trace = self.watchdog, self.trace
         token = watchdog.begin(op, self, nbytes, peer)
         if route:
@@ -169,21 +172,32 @@ class Communicator:
             trace.comm(self.name, op, nbytes, sent, start, end, blocked=True)
         return None
 
-    def check_same_call(self, op: str, fingerprint) -> None:
+    def check_same_call(self, op: str, fingerprint, splits=None) -> None:
         """Collective (comm.check): every member must be about to make the same call; else raise
-        ``CommCheckError`` on every member, naming the call and the first rank that differs."""
+        ``CommCheckError`` on every member, naming the call and the first rank that differs. ``splits``:
+        an alltoallv's (input_splits, output_splits); what rank i sends to rank j must be what j expects."""
         mine = (op, fingerprint)
         token = self.watchdog.begin(f"comm.check before {op}", self, seq=self.seq + 1)
         try:
-            calls = self.mpi.allgather(mine)
+            gathered = self.mpi.allgather((mine, None if splits is None else [list(map(int, s)) for s in splits]))
         finally:
             self.watchdog.end(token)
+        where = f"comm.check: collective #{self.seq + 1} on group '{self.name}' (world ranks {list(self.members)})"
+        calls = [call for call, _ in gathered]
         for group_rank, theirs in enumerate(calls):
             if theirs != calls[0]:
                 raise CommCheckError(
-                    f"comm.check: collective #{self.seq + 1} on group '{self.name}' (world ranks "
-                    f"{list(self.members)}): world rank {self.members[0]} calls {_show(calls[0])}, but world rank "
+                    f"{where}: world rank {self.members[0]} calls {_show(calls[0])}, but world rank "
                     f"{self.members[group_rank]} calls {_show(theirs)}")
+        if splits is None:
+            return
+        for i, (sends, _) in enumerate(s for _, s in gathered):
+            for j, (_, expects) in enumerate(s for _, s in gathered):
+                if sends[j] != expects[i]:
+                    raise CommCheckError(
+                        f"{where}: {op} splits disagree: world rank {self.members[i]} sends {sends[j]} rows to world "
+                        f"rank {self.members[j]}, which expects {expects[i]} from it (input_splits of every rank: "
+                        f"{[s[0] for _, s in gathered]}, output_splits: {[s[1] for _, s in gathered]})")
 
     def _watched(self, op: str, call, *args, **kwargs):
         """A collective made outside ``_run`` (python objects, barriers), numbered and watched too."""
@@ -231,6 +245,38 @@ class Communicator:
         backend = self.backend_for(input)
         return self._run("alltoall", input.nbytes, nonblocking, backend.alltoall, output, input,
                          fingerprint=(input.dtype, input.numel()))
+
+    def alltoallv(self, output: torch.Tensor, output_splits, input: torch.Tensor, input_splits,
+                  nonblocking: bool = False):
+        """Uneven all-to-all over rows (dim 0). ``input`` (sum(input_splits), *row): its first
+        ``input_splits[0]`` rows go to group rank 0, the next ``input_splits[1]`` to rank 1, and so on;
+        ``output`` (sum(output_splits), *row) receives ``output_splits[i]`` rows from group rank i, in rank
+        order. Splits are sequences of ``size`` ints (0 allowed); ``row`` and dtype are the same on every rank.
+        The splits must agree: ``input_splits[j]`` here == ``output_splits[self.rank]`` on rank j
+        (``alltoall_splits`` derives output_splits from input_splits). comm.check verifies that; without it
+        MPI reports a piece longer than its receiver expects (truncation), not a shorter one."""
+        size, shape = self.size, input.shape
+        row = shape[1:]
+        if (len(input_splits) != size or len(output_splits) != size or not shape or not output.shape
+                or input.dtype != output.dtype or row != output.shape[1:]
+                or sum(input_splits) != shape[0] or sum(output_splits) != output.shape[0]
+                or min(input_splits) < 0 or min(output_splits) < 0):
+            raise ValueError(_bad_splits(self, output, output_splits, input, input_splits))
+        rows = shape[0]
+        backend = self.backend_for(input)
+        return self._run("alltoallv", input.nbytes, nonblocking, backend.alltoallv, output, output_splits, input,
+                         input_splits, fingerprint=(input.dtype, row),
+                         wire=(rows - input_splits[self.rank]) / rows if rows else 0.0,
+                         splits=(input_splits, output_splits) if self.check else None)
+
+    def alltoall_splits(self, input_splits) -> list[int]:
+        """Collective: the ``output_splits`` that go with this rank's ``input_splits`` in ``alltoallv``
+        (entry i: the rows group rank i sends here), by one alltoall of ``size`` int64s on the host."""
+        if len(input_splits) != self.size:
+            raise ValueError(f"alltoall_splits: {len(input_splits)} splits for a group of {self.size} ranks")
+        output = torch.empty(self.size, dtype=torch.int64)
+        self.alltoall(output, torch.tensor(input_splits, dtype=torch.int64))
+        return output.tolist()
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, nonblocking: bool = False):
         """In place: every rank's ``tensor`` becomes group rank ``root``'s."""
@@ -311,6 +357,22 @@ class _WatchedSection:
     def __exit__(self, *exc):
         self.comm.watchdog.end(self.token)
         return False
+
+
+def _bad_splits(comm: Communicator, output, output_splits, input, input_splits) -> str:
+    """The message for ``alltoallv`` arguments that cannot go together (checked on this rank alone)."""
+    head = f"alltoallv on group '{comm.name}' (rank {comm.rank} of {comm.size})"
+    if len(input_splits) != comm.size or len(output_splits) != comm.size:
+        return (f"{head}: input_splits has {len(input_splits)} entries and output_splits {len(output_splits)}; "
+                f"expected one per rank ({comm.size})")
+    if min(input_splits) < 0 or min(output_splits) < 0:
+        return f"{head}: negative split in input_splits {list(input_splits)} or output_splits {list(output_splits)}"
+    if input.dim() == 0 or output.dim() == 0 or input.dtype != output.dtype or input.shape[1:] != output.shape[1:]:
+        return (f"{head}: input {input.dtype} {tuple(input.shape)} and output {output.dtype} {tuple(output.shape)} "
+                f"must have at least one dimension, the same dtype and the same trailing dims (one row)")
+    return (f"{head}: input_splits {list(input_splits)} add up to {sum(input_splits)} rows, input has "
+            f"{input.shape[0]}; output_splits {list(output_splits)} add up to {sum(output_splits)}, output has "
+            f"{output.shape[0]}")
 
 
 def _show(call) -> str:

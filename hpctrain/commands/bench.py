@@ -9,7 +9,8 @@ def add_parser(sub) -> None:
     bsub = p.add_subparsers(dest="bench_what", required=True)
     c = bsub.add_parser("comm", help="collective benchmark: hpctrain vs raw mpi4py vs torch.distributed gloo")
     c.add_argument("--ops", default="allreduce,reduce_scatter,allgather,broadcast",
-                   help="comma list of allreduce, reduce_scatter, allgather, broadcast, sendrecv")
+                   help="comma list of allreduce, reduce_scatter, allgather, broadcast, sendrecv, alltoall "
+                        "(alltoall: Communicator.alltoallv with equal splits against mpi4py Alltoallv)")
     c.add_argument("--sizes", default=None,
                    help="comma list of total buffer sizes, binary K/M/G suffixes (default 1K,64K,1M,16M; "
                         "with --profile 4K,64K,256K,1M,4M,16M)")

@@ -53,6 +53,20 @@ def test_collectives_on_one_gpu_through_nccl():
     assert "OK" in result.stdout and "backend nccl" in result.stdout
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device is visible to torch")
+@pytest.mark.parametrize("ranks,backend", [(2, "mpi"), (1, "nccl"), (2, "nccl")])
+def test_alltoallv_on_cuda(ranks, backend):
+    """Uneven pieces of CUDA tensors (tests/mpi/scripts/check_alltoallv.py): host staging (ranks may share a
+    GPU), one-rank NCCL (the send/recv group to itself, for real) and, with a GPU per rank, NCCL."""
+    if backend == "nccl" and not NCCL_OK:
+        pytest.skip(f"NCCL backend unavailable: {NCCL_REASON}")
+    if backend == "nccl" and GPUS < ranks:
+        pytest.skip(f"NCCL needs one GPU per rank: {ranks} ranks, {GPUS} visible GPU(s)")
+    result = run_mpi(ranks, "check_alltoallv.py", "--device", "cuda", "--backend", backend, timeout=300)
+    want = "mpi-staged" if backend == "mpi" else backend
+    assert f"OK {ranks * 56} checks on {ranks} ranks, backend {want}" in result.stdout, result.output
+
+
 def test_nccl_dtype_table_matches_nccl_h():
     table = nccl_backend.NCCL_DTYPES
     for dtype, (name, value) in table.items():

@@ -10,7 +10,7 @@ from hpctrain.bench.profile import fit_alpha_beta
 from hpctrain.plan.machine import wire_bytes
 from mpirun import ROOT, run_mpi
 
-OPS = ["allreduce", "reduce_scatter", "allgather", "broadcast", "sendrecv"]
+OPS = ["allreduce", "reduce_scatter", "allgather", "broadcast", "sendrecv", "alltoall"]
 IMPLS = ["hpctrain", "mpi4py", "gloo"]
 KEYS = {"impl", "op", "bytes", "time_us", "algbw_GBps", "busbw_GBps"}
 
@@ -52,6 +52,7 @@ def test_sizes_and_formulas():
             parse_size(bad)
     assert bus_factor("allreduce", 4) == 1.5 and bus_factor("allgather", 4) == 0.75
     assert bus_factor("broadcast", 4) == bus_factor("sendrecv", 4) == 1.0
+    assert bus_factor("alltoall", 4) == 0.75 and bus_factor("alltoall", 2) == 0.5
     assert default_iters(1024) == 200 and default_iters(256 << 20) == 5
 
 

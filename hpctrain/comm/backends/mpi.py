@@ -12,6 +12,9 @@ which is also more accurate than reducing in half precision. Half-precision DATA
 """
 from __future__ import annotations
 
+import math
+from itertools import accumulate
+
 import torch
 from mpi4py import MPI
 
@@ -35,6 +38,19 @@ def mpi_buffer(tensor: torch.Tensor):
         tensor = tensor.detach()
         return tensor.view(torch.int16) if tensor.dtype in _HALF else tensor
     return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes), _MPI_TYPES[tensor.dtype]]
+
+
+def mpi_layout(splits, row: int) -> tuple:
+    """(counts, displacements) in elements of consecutive pieces of ``splits[j]`` rows of ``row`` elements."""
+    counts = splits if row == 1 else [n * row for n in splits]
+    return counts, list(accumulate(counts[:-1], initial=0))
+
+
+def mpi_vbuffer(tensor: torch.Tensor, layout: tuple) -> list:
+    """``mpi_buffer`` for the v-collectives: [buffer, (counts, displacements), datatype]."""
+    if tensor.is_cuda or not tensor.is_contiguous():  # CUDA-aware MPI: the tensor itself; or mpi_buffer's error
+        return [mpi_buffer(tensor), layout, _MPI_TYPES[tensor.dtype]]  # 16-bit floats: raw words either way
+    return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes), layout, _MPI_TYPES[tensor.dtype]]
 
 
 class MpiWork:
@@ -152,6 +168,24 @@ class MpiBackend:
         if nonblocking:
             return MpiWork(self.comm.Ialltoall(sbuf, rbuf), None, (input, output))
         self.comm.Alltoall(sbuf, rbuf)
+        return None
+
+    def alltoallv(self, output, output_splits, input, input_splits, nonblocking=False):
+        """Rows (dim 0) ``input_splits[j]`` of ``input``, in order, go to rank j; ``output`` receives
+        ``output_splits[i]`` rows from rank i, in rank order (Alltoallv, zero-copy; any dtype)."""
+        self._ready(input)
+        row = math.prod(input.shape[1:])
+        sends = mpi_layout(input_splits, row)
+        receives = sends if output_splits is input_splits else mpi_layout(output_splits, row)
+        sbuf, rbuf = mpi_vbuffer(input, sends), mpi_vbuffer(output, receives)
+        if nonblocking:  # mpi4py keeps the count and displacement arrays alive with the request
+            return MpiWork(self.comm.Ialltoallv(sbuf, rbuf), None, (input, output))
+        try:
+            self.comm.Alltoallv(sbuf, rbuf)
+        except MPI.Exception as exc:  # MPICH says only "see the MPI_ERROR field in MPI_Status"
+            raise RuntimeError(f"alltoallv: MPI failed ({exc.Get_error_string()}): more rows came from some rank "
+                               f"than output_splits {list(output_splits)} expect? (comm.check = true names the "
+                               f"ranks whose splits disagree)") from exc
         return None
 
     def broadcast(self, tensor, root=0, nonblocking=False):

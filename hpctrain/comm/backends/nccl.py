@@ -12,6 +12,7 @@ Contract as in the MPI backend: contiguous tensors, ``op`` "sum" | "avg" | "max"
 """
 from __future__ import annotations
 
+import math
 import socket
 
 import torch
@@ -164,6 +165,29 @@ class NcclBackend:
             for peer in range(self.size):
                 self.comm.send(input.data_ptr() + peer * step, count, dtype, peer, stream)
                 self.comm.recv(output.data_ptr() + peer * step, count, dtype, peer, stream)
+        finally:
+            nccl.groupEnd()
+        return self._work(nonblocking, (input, output))
+
+    def alltoallv(self, output, output_splits, input, input_splits, nonblocking=False):
+        """``input_splits[j]`` rows (dim 0) of ``input``, in order, to rank j; ``output_splits[i]`` rows from
+        rank i into ``output``, in rank order: one NCCL group of send/recv pairs, empty pieces left out (on
+        both sides, as the splits agree)."""
+        nccl, stream, dtype = self._nccl, self._stream(), self._dtype(input)
+        if self._dtype(output) != dtype:
+            raise TypeError(f"alltoallv: input {input.dtype} and output {output.dtype} differ")
+        row = math.prod(input.shape[1:])
+        step = row * input.element_size()
+        nccl.groupStart()
+        try:
+            sent = received = 0
+            for peer in range(self.size):
+                if input_splits[peer]:
+                    self.comm.send(input.data_ptr() + sent * step, input_splits[peer] * row, dtype, peer, stream)
+                if output_splits[peer]:
+                    self.comm.recv(output.data_ptr() + received * step, output_splits[peer] * row, dtype, peer,
+                                   stream)
+                sent, received = sent + input_splits[peer], received + output_splits[peer]
         finally:
             nccl.groupEnd()
         return self._work(nonblocking, (input, output))

@@ -88,6 +88,11 @@ class HostStagedBackend:
         work = self.host.alltoall(host_out, _to_host(input), nonblocking)
         return self._done(work, output, host_out, nonblocking)
 
+    def alltoallv(self, output, output_splits, input, input_splits, nonblocking=False):
+        host_out = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
+        work = self.host.alltoallv(host_out, output_splits, _to_host(input), input_splits, nonblocking)
+        return self._done(work, output, host_out, nonblocking)
+
     def broadcast(self, tensor, root=0, nonblocking=False):
         host = _to_host(tensor)
         return self._done(self.host.broadcast(host, root, nonblocking), tensor, host, nonblocking)

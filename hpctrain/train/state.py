@@ -41,8 +41,9 @@ class TrainerState:
             owner[id(part)] = len(ranges)
             ranges.append(OwnedRange(part.params, {kind: getattr(part, kind) for kind in kinds}))
         first_replica = coords["dp"] == 0 and coords["cp"] == 0  # one of the dp x cp replicas
-        # an expert split over ep: the first of the replicas holding the same experts (ep_replica rank 0)
-        first_holder = first_replica if t.parts.layout.ep_size == 1 else t.grid.comm("ep_replica").rank == 0
+
+        def first_holder(p) -> bool:  # an expert split over ep: the first replica holding it (ep_replica rank 0)
+            return first_replica if p.spec.experts is None else t.grid.comm("ep_replica").rank == 0
 
         def writes(p) -> bool:
             if isinstance(flat, FlatGroup):
@@ -54,8 +55,7 @@ class TrainerState:
                                  writes(piece.param) and piece.param.spec.counted_on(coords["tp"]))
                   for piece, part in opt.owned_pieces()]
         params = [ModelSlab(p.spec, p.data, sharded=flat.bucket_of[id(p)].sharded) if p.requires_grad else
-                  ModelSlab(p.spec, p.data, frozen=True, written=(first_holder if p.spec.experts else first_replica)
-                            and p.spec.counted_on(coords["tp"]))
+                  ModelSlab(p.spec, p.data, frozen=True, written=first_holder(p) and p.spec.counted_on(coords["tp"]))
                   for p in t.parts.local_model.parameters()]
         return TrainTensors(params, ranges, pieces, kinds, flat.param_dtype, opt.master_dtype)
 

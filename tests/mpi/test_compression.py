@@ -81,7 +81,6 @@ def test_error_feedback_is_what_makes_topk_converge(dense, tmp_path):
 @pytest.mark.parametrize("method,layout", [
     ("topk", ["parallel.zero=1"]),
     ("onebit-adam", ["parallel.zero=1", "compression.warmup_steps=2"]),
-    ("onebit-adam", ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "compression.warmup_steps=2"]),
     ("onebit", ["parallel.tp=2", "parallel.pp=2", "parallel.zero=1", "parallel.microbatches=2"]),
     ("powersgd", ["parallel.pp=2", "parallel.microbatches=2"]),
 ])

@@ -316,7 +316,7 @@ def test_round_trip_dict():
     cfg = load_config(str(CONFIGS / "small.toml"), ["parallel.stage_layers=4,2", "checkpoint.async=false"])
     d = config_to_dict(cfg)
     assert set(d) == {"model", "parallel", "comm", "compression", "optim", "data", "train", "checkpoint", "lora",
-                      "monitor"}
+                      "monitor", "moe"}
     assert "async" in d["checkpoint"] and "async_" not in d["checkpoint"] and d["checkpoint"]["async"] is False
     assert config_from_dict(d) == cfg
     d["parallel"]["stage_layers"].append(9)  # a plain copy, not shared with cfg

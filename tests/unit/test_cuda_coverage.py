@@ -9,7 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = ["hpctrain/comm/backends/nccl.py", "hpctrain/runtime/device.py", "hpctrain/models/attention_backend.py"]
-TESTS = ["tests/unit/test_nccl_on_cpu.py", "tests/unit/test_cuda_paths_on_cpu.py",
+TESTS = ["tests/unit/test_nccl_on_cpu.py", "tests/unit/test_alltoallv_backends.py", "tests/unit/test_cuda_paths_on_cpu.py",
          "tests/unit/test_attention_backend.py", "tests/unit/test_device.py"]
 MIN_PERCENT = 90.0
 

@@ -57,13 +57,13 @@ def test_checkpoints_resume_across_cp_sizes(tmp_path):
     each: every step's loss equals one uninterrupted process to 1e-10 and the final weights too (checkpoints
     hold global tensors, whatever cp wrote them)."""
     reference = tmp_path / "reference"
-    train(1, reference, *F64, "parallel.pp=1", "parallel.tp=1", "parallel.microbatches=1")
+    train(1, reference, *F64, "parallel.pp=1", "parallel.tp=1", "parallel.microbatches=1", "train.steps=10")
     chain = [(2, ["parallel.pp=1", "parallel.cp=2"]),
              (1, ["parallel.pp=1"]),
              (8, ["parallel.pp=1", "parallel.tp=2", "parallel.cp=4", "parallel.sequence_parallel=true"]),
              (4, ["parallel.pp=1", "parallel.cp=2", "parallel.zero=1"]),
-             (4, ["parallel.pp=2", "parallel.cp=2"])]
-    run_chain(tmp_path / "chain", reference, step_losses(reference), chain)
+             (4, ["parallel.pp=2", "parallel.cp=2"])]  # 5 segments of 2 steps: the reference's 10
+    run_chain(tmp_path / "chain", reference, step_losses(reference), chain, "train.steps=10")
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -31,6 +31,7 @@ import sys  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling bench_train.py, imported or run
 from bench_train import HpcTrainImpl, add_output_args, add_run_args  # noqa: E402
 from hpctrain.bench.report import run_benchmark, timed_rounds, timed_steps, write_records  # noqa: E402
 

@@ -8,7 +8,13 @@ PYTHON="${PYTHON:-python3}"
 VENV=.venv
 STAMP="$VENV/.hpctrain-installed"
 
+# An editable install leaves the package uncompiled; where PYTHONDONTWRITEBYTECODE is set (CI images
+# often set it) every rank of every launch would then compile ~150 modules from source (~0.15 s a
+# process, ~0.8 s of a 4-rank launch on 2 cores). Byte-compiling here (incremental) saves that.
+compile_sources() { "$VENV/bin/python" -m compileall -q -j 0 hpctrain tests benchmarks >/dev/null; }
+
 if [[ -f "$STAMP" && "$STAMP" -nt setup.py && "$STAMP" -nt pyproject.toml && "$STAMP" -nt scripts/constraints.txt && -x "$VENV/bin/hpctrain" && -x "$VENV/bin/mpiexec" ]]; then
+  compile_sources
   echo "setup: $VENV is up to date (delete $STAMP to reinstall)"
   exit 0
 fi
@@ -21,5 +27,6 @@ fi
 # its own resolves to a multi-GB CUDA build); on a GPU cluster install with the site's torch instead
 "$VENV/bin/python" -m pip install --progress-bar off -c scripts/constraints.txt -e ".[mpi,test,compression,data,hf,monitor]"
 "$VENV/bin/python" -c "import hpctrain, torch, mpi4py.MPI"  # fail here, not in the first test
+compile_sources
 touch "$STAMP"
 echo "setup: ready ($VENV/bin/hpctrain, $VENV/bin/mpiexec)"

@@ -18,8 +18,9 @@ counts and displacements built once); MPI has no
 bfloat16, so for 16-bit dtypes it reduces the raw words as int16 (same bytes; hpctrain stages
 reductions in float32, and the gap shows that cost). ``gloo`` = torch.distributed gloo over TCP
 (rendezvous on rank 0, port broadcast over MPI) with one ``new_group`` per group of the axis. The
-``alltoall`` op times the uneven path with equal splits: ``Communicator.alltoallv`` (which hands MPI
-counts and displacements built per call), mpi4py ``Alltoallv``, gloo ``all_to_all_single`` with splits.
+``alltoall`` op times the uneven path with equal splits: ``Communicator.alltoallv`` (counts and displacements
+built per call; given the largest block, as the MoE dispatcher gives it, so blocks of 128 KiB or more go one
+Isend/Irecv per peer), mpi4py ``Alltoallv``, gloo ``all_to_all_single`` with splits.
 ``hpctrain-shm`` = the node-local shared-memory collectives (hpctrain/comm/shm.py: an MPI-3 shared
 window, each rank summing its slice out of its peers' slots; allreduce, reduce_scatter and allgather
 only: the row is left out for other ops); a group spanning nodes goes hierarchical (comm/hierarchical.py,
@@ -118,8 +119,9 @@ def hpctrain_step(op: str, comm, b: dict):
     if op == "broadcast":
         return lambda: comm.broadcast(b["t"], root=0)
     if op == "alltoall":
-        splits = [b["send"].numel() // comm.size] * comm.size
-        return lambda: comm.alltoallv(b["recv"], splits, b["send"], splits)
+        per = b["send"].numel() // comm.size
+        splits = [per] * comm.size  # equal splits: every rank knows the largest block, as the MoE dispatcher does
+        return lambda: comm.alltoallv(b["recv"], splits, b["send"], splits, largest_block=per)
 
     def sendrecv():
         handles = (comm.irecv(b["recv"], left), comm.isend(b["send"], right))

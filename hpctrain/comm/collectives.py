@@ -25,6 +25,7 @@ docs/architecture.md). Ranks in ``src``/``dst``/``root`` are ranks WITHIN this g
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,11 @@ from hpctrain.comm.handle import Handle, _end  # noqa: F401 - _end: tests import
 from hpctrain.comm.persistent import Recurring
 from hpctrain.comm.watchdog import CommStats, Watchdog
 from hpctrain.errors import HpcTrainError
+
+# alltoallv given ``largest_block`` sends host blocks one Isend/Irecv per peer from this size on (the default
+# of comm.alltoall_by_peer_kib): faster than PyPI MPICH's Alltoallv from 128 KiB blocks at 2 ranks, while
+# 64 KiB blocks at 4 ranks were slower (``hpctrain bench comm --ops alltoall``, docs/benchmarks.md)
+ALLTOALL_BY_PEER_BYTES = 128 << 10
 
 if TYPE_CHECKING:
     from hpctrain.comm.backends.nccl import NcclBackend
@@ -73,6 +79,8 @@ class Communicator:
         self.recurring: list[Recurring] = []  # persistent small collectives on this group (freed at close)
         self._counters: dict[str, OpCounter] = {}  # op -> this group's OpCounter in ``stats``
         self.check = check
+        # alltoallv given ``largest_block``: host blocks of this many bytes or more go one Isend/Irecv per peer
+        self.alltoall_by_peer_bytes = ALLTOALL_BY_PEER_BYTES
         self.trace = None  # a TraceRecorder (train.trace): every call recorded while it is active
         self.seq = self.p2p_seq = 0  # collectives / point-to-point calls started on this group (Watchdog)
         self.done_seq, self.done_op, self.done_at = 0, None, None  # the last collective completed
@@ -247,14 +255,18 @@ class Communicator:
                          fingerprint=(input.dtype, input.numel()))
 
     def alltoallv(self, output: torch.Tensor, output_splits, input: torch.Tensor, input_splits,
-                  nonblocking: bool = False):
+                  nonblocking: bool = False, largest_block: int | None = None):
         """Uneven all-to-all over rows (dim 0). ``input`` (sum(input_splits), *row): its first
         ``input_splits[0]`` rows go to group rank 0, the next ``input_splits[1]`` to rank 1, and so on;
         ``output`` (sum(output_splits), *row) receives ``output_splits[i]`` rows from group rank i, in rank
         order. Splits are sequences of ``size`` ints (0 allowed); ``row`` and dtype are the same on every rank.
         The splits must agree: ``input_splits[j]`` here == ``output_splits[self.rank]`` on rank j
         (``alltoall_splits`` derives output_splits from input_splits). comm.check verifies that; without it
-        MPI reports a piece longer than its receiver expects (truncation), not a shorter one."""
+        MPI reports a piece longer than its receiver expects (truncation), not a shorter one.
+        ``largest_block``: the most rows ANY rank of the group sends to any one rank in this call, where the
+        caller knows it (the same number on every rank: the expert dispatcher gathers every rank's counts).
+        Host tensors whose largest block is ``alltoall_by_peer_bytes`` (comm.alltoall_by_peer_kib) or more go block by block,
+        one Isend/Irecv per peer, faster than MPICH's Alltoallv; without it, one Alltoallv."""
         size, shape = self.size, input.shape
         row = shape[1:]
         if (len(input_splits) != size or len(output_splits) != size or not shape or not output.shape
@@ -264,7 +276,12 @@ class Communicator:
             raise ValueError(_bad_splits(self, output, output_splits, input, input_splits))
         rows = shape[0]
         backend = self.backend_for(input)
-        return self._run("alltoallv", input.nbytes, nonblocking, backend.alltoallv, output, output_splits, input,
+        method = backend.alltoallv
+        by_peer = getattr(backend, "alltoallv_by_peer", None)
+        if (largest_block is not None and by_peer is not None and not input.is_cuda  # row: the same everywhere
+                and largest_block * math.prod(row) * input.element_size() >= self.alltoall_by_peer_bytes):
+            method = by_peer
+        return self._run("alltoallv", input.nbytes, nonblocking, method, output, output_splits, input,
                          input_splits, fingerprint=(input.dtype, row),
                          wire=(rows - input_splits[self.rank]) / rows if rows else 0.0,
                          splits=(input_splits, output_splits) if self.check else None)

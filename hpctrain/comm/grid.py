@@ -78,6 +78,8 @@ class ProcessGrid:
                          cp=layout.cp_size, strict_placement=p.strict_placement, backend=p.backend, timeout_s=timeout_s,
                          check=cfg.comm.check, ep=layout.ep_size)
         grid.layout = layout
+        if layout.ep_size > 1:
+            grid.comm("ep").alltoall_by_peer_bytes = cfg.comm.alltoall_by_peer_kib << 10
         try:
             grid.use_intra_node(cfg.comm.intra_node, progress=cfg.comm.shm_progress,
                                 cache_dir=env.cache_dir(cfg.data.cache_dir), use_cache=cfg.comm.route_cache)

@@ -108,6 +108,11 @@ class CommConfig:
         "and MPI (JSON under `intra-node/` in the cache dir: `HPCTRAIN_CACHE`, else `data.cache_dir`, else "
         "`~/.cache/hpctrain`) and shown by `hpctrain info`. `true` = reuse a cached table; `false` = measure "
         "again and rewrite it."))
+    alltoall_by_peer_kib: int = key(128, min=0, help=(
+        "Expert parallelism on CPUs: the dispatch and combine all-to-alls send blocks of this many KiB or more "
+        "(the largest block of any ep rank; every rank knows it) one MPI Isend/Irecv per peer instead of one "
+        "Alltoallv: PyPI MPICH's Alltoallv took 1.3-3x as long at 1-64 MiB (docs/benchmarks.md). 0 = always block "
+        "by block. GPU tensors on NCCL are not affected."))
     shm_progress: str = key("call", choices=("call", "thread"), help=(
         "When a shared-memory dp reduction (comm.intra_node) runs: `call` = inside the call, in the backward hook "
         "that starts it (measured fastest on this 2-core machine); `thread` = on one worker thread per rank, in "

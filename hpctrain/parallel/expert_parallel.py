@@ -10,6 +10,9 @@ the replicas that hold the same experts (the ``ep_replica`` group), the rest of 
 
     op               forward                         backward
     all_to_all_rows  rows -> their ranks (Alltoallv)  grads back the same way reversed
+
+Every rank gathers every rank's per-expert counts (one small all-gather), so each knows the largest block
+of the call: large blocks then go one Isend/Irecv per peer on host tensors (Communicator.alltoallv).
 """
 from __future__ import annotations
 
@@ -18,12 +21,12 @@ import time
 import torch
 
 
-def _traced_alltoallv(comm, out, recv, rows, send, label: str) -> None:
+def _traced_alltoallv(comm, out, recv, rows, send, largest: int, label: str) -> None:
     """``comm.alltoallv``; with a trace recording, also a span ``label`` on the "moe all-to-all" track (the
     Communicator's own event says only "alltoallv on ep")."""
     trace = comm.trace
     start = time.perf_counter()
-    comm.alltoallv(out, recv, rows, send)
+    comm.alltoallv(out, recv, rows, send, largest_block=largest)
     if trace is not None and trace.active:
         trace.span(label, "moe all-to-all", start, time.perf_counter(), rows=int(rows.shape[0]))
 
@@ -32,24 +35,26 @@ class _AllToAllRows(torch.autograd.Function):
     """rows [sum(send), D] cut into ``send[j]`` rows for rank j -> [sum(recv), D], ``recv[i]`` from rank i."""
 
     @staticmethod
-    def forward(ctx, rows, send: list[int], recv: list[int], comm, label: str):
-        ctx.send, ctx.recv, ctx.comm, ctx.label = send, recv, comm, label
+    def forward(ctx, rows, send: list[int], recv: list[int], largest: int, comm, label: str):
+        ctx.send, ctx.recv, ctx.largest, ctx.comm, ctx.label = send, recv, largest, comm, label
         rows = rows.contiguous()
         out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
-        _traced_alltoallv(comm, out, recv, rows, send, label)
+        _traced_alltoallv(comm, out, recv, rows, send, largest, label)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
         out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
-        _traced_alltoallv(ctx.comm, out, ctx.send, grad, ctx.recv, ctx.label + " (backward)")
-        return out, None, None, None, None
+        _traced_alltoallv(ctx.comm, out, ctx.send, grad, ctx.recv, ctx.largest, ctx.label + " (backward)")
+        return out, None, None, None, None, None
 
 
-def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], comm, label: str = "") -> torch.Tensor:
-    """Differentiable Alltoallv of ``rows`` on ``comm`` (module docstring); ``label`` names it in a trace."""
-    return _AllToAllRows.apply(rows, send, recv, comm, label)
+def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], comm, label: str = "",
+                    largest: int | None = None) -> torch.Tensor:
+    """Differentiable Alltoallv of ``rows`` on ``comm`` (module docstring); ``label`` names it in a trace.
+    ``largest``: the largest block of any rank in this call, the same on every rank (or None)."""
+    return _AllToAllRows.apply(rows, send, recv, largest, comm, label)
 
 
 class Dispatcher:
@@ -65,19 +70,21 @@ class Dispatcher:
     def run(self, rows: torch.Tensor, expert: torch.Tensor, experts) -> torch.Tensor:
         """rows [N, D] and their global expert ids ``expert`` [N] (sorted ascending) -> the experts' outputs
         [N, D] in the same order (partial over tp). ``experts``: this rank's ``Experts`` module. Talks on ep:
-        two all-to-alls of the per-expert counts, two of the rows (forward), two of their gradients."""
+        one all-gather of the per-expert counts, two all-to-alls of the rows (forward), two of their gradients."""
         counts = torch.bincount(expert, minlength=self.num_experts)
         if self.comm is None:
             return experts(rows, counts)
         ep = self.comm.size
         sent_counts = counts.view(ep, self.per_rank).cpu()  # [to rank, its local expert]
-        got_counts = torch.empty_like(sent_counts)  # [from rank, my local expert]
-        self.comm.alltoall(got_counts, sent_counts)
-        send, recv = sent_counts.sum(1).tolist(), got_counts.sum(1).tolist()
-        arrived = all_to_all_rows(rows, send, recv, self.comm, f"{self.name} dispatch")  # by source, each by expert
+        every = torch.empty((ep,) + sent_counts.shape, dtype=sent_counts.dtype)  # [from rank, to rank, expert]
+        self.comm.allgather(every, sent_counts)
+        got_counts = every[:, self.comm.rank]  # [from rank, my local expert]
+        blocks = every.sum(2)  # [from rank, to rank]: rows per block
+        send, recv, largest = blocks[self.comm.rank].tolist(), blocks[:, self.comm.rank].tolist(), int(blocks.max())
+        arrived = all_to_all_rows(rows, send, recv, self.comm, f"{self.name} dispatch", largest)  # by source, by expert
         local = torch.repeat_interleave(torch.arange(self.per_rank).repeat(ep), got_counts.reshape(-1))
         order = torch.argsort(local.to(rows.device), stable=True)  # expert-major, then source
         computed = experts(arrived[order], got_counts.sum(0).to(rows.device))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
-        return all_to_all_rows(computed[back], recv, send, self.comm, f"{self.name} combine")
+        return all_to_all_rows(computed[back], recv, send, self.comm, f"{self.name} combine", largest)

@@ -7,9 +7,9 @@ import pytest
 from mpirun import run_mpi, run_self_stopping
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_uneven_and_empty_pieces_equal_numpy(ranks):
-    result = run_mpi(ranks, "check_alltoallv.py", timeout=120)
+@pytest.mark.parametrize("ranks,path", [(2, "alltoallv"), (3, "alltoallv"), (3, "by-peer")])
+def test_uneven_and_empty_pieces_equal_numpy(ranks, path):
+    result = run_mpi(ranks, "check_alltoallv.py", *(["--by-peer"] if path == "by-peer" else []), timeout=120)
     assert f"OK {ranks * 56} checks on {ranks} ranks" in result.stdout, result.output
 
 
@@ -30,8 +30,9 @@ def test_splits_that_do_not_fit_the_tensors_are_named_before_any_communication()
             "has 3; output_splits [1, 1] add up to 2, output has 2") in result.stderr, result.stderr
 
 
-def test_without_comm_check_a_longer_piece_is_an_mpi_error_with_a_hint():
-    result = run_mpi(2, "alltoallv_faults.py", "truncate", timeout=60, check=False)
+@pytest.mark.parametrize("mode", ["truncate", "truncate-by-peer"])
+def test_without_comm_check_a_longer_piece_is_an_mpi_error_with_a_hint(mode):
+    result = run_mpi(2, "alltoallv_faults.py", mode, timeout=60, check=False)
     assert result.returncode not in (0, 124, 137) and "rank 1: not detected" not in result.stdout, result.output
     assert "RuntimeError: alltoallv: MPI failed (" in result.stderr, result.stderr
     assert "than output_splits [2, 1] expect? (comm.check = true names" in result.stderr

@@ -53,6 +53,31 @@ def mpi_vbuffer(tensor: torch.Tensor, layout: tuple) -> list:
     return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes), layout, _MPI_TYPES[tensor.dtype]]
 
 
+ALLTOALL_TAG = 32_011  # below the 32767 every MPI must allow; pipeline exchanges use small tags
+
+
+def _truncated(exc, output_splits) -> RuntimeError:
+    """MPICH says only "see the MPI_ERROR field in MPI_Status": name the likely cause."""
+    return RuntimeError(f"alltoallv: MPI failed ({exc.Get_error_string()}): more rows came from some rank than "
+                        f"output_splits {list(output_splits)} expect? (comm.check = true names the ranks whose "
+                        f"splits disagree)")
+
+
+class _Requests:
+    """Several MPI requests behind one ``Test``/``Wait`` (an MpiWork's request)."""
+
+    __slots__ = ("requests",)
+
+    def __init__(self, requests):
+        self.requests = requests
+
+    def Test(self) -> bool:  # noqa: N802 (mpi4py's names)
+        return MPI.Request.Testall(self.requests)
+
+    def Wait(self) -> None:  # noqa: N802
+        MPI.Request.Waitall(self.requests)
+
+
 class MpiWork:
     """A pending MPI operation; ``finish`` runs once, after completion (averaging, half copy-back).
 
@@ -172,7 +197,7 @@ class MpiBackend:
 
     def alltoallv(self, output, output_splits, input, input_splits, nonblocking=False):
         """Rows (dim 0) ``input_splits[j]`` of ``input``, in order, go to rank j; ``output`` receives
-        ``output_splits[i]`` rows from rank i, in rank order (Alltoallv, zero-copy; any dtype)."""
+        ``output_splits[i]`` rows from rank i, in rank order (one Alltoallv, zero-copy; any dtype)."""
         self._ready(input)
         row = math.prod(input.shape[1:])
         sends = mpi_layout(input_splits, row)
@@ -182,10 +207,43 @@ class MpiBackend:
             return MpiWork(self.comm.Ialltoallv(sbuf, rbuf), None, (input, output))
         try:
             self.comm.Alltoallv(sbuf, rbuf)
-        except MPI.Exception as exc:  # MPICH says only "see the MPI_ERROR field in MPI_Status"
-            raise RuntimeError(f"alltoallv: MPI failed ({exc.Get_error_string()}): more rows came from some rank "
-                               f"than output_splits {list(output_splits)} expect? (comm.check = true names the "
-                               f"ranks whose splits disagree)") from exc
+        except MPI.Exception as exc:
+            raise _truncated(exc, output_splits) from exc
+        return None
+
+    def alltoallv_by_peer(self, output, output_splits, input, input_splits, nonblocking=False):
+        """``alltoallv`` for host tensors, block by block: every Irecv posted, this rank's own block copied
+        by torch, then one Isend per peer (zero-length ones too, so a piece longer than its receiver
+        expects fails as in Alltoallv), all waited together. Every rank of the group must take this path
+        for the same call: ``Communicator.alltoallv`` decides from ``largest_block``, the same everywhere."""
+        row = math.prod(input.shape[1:])
+        if not input.is_contiguous() or not output.is_contiguous():
+            mpi_buffer(input if not input.is_contiguous() else output)  # raises the contiguity error
+        rank, size = self.comm.Get_rank(), self.size
+        row_bytes = row * input.element_size()
+        sends, receives = list(accumulate(input_splits[:-1], initial=0)), list(accumulate(output_splits[:-1], initial=0))
+        send_base, recv_base = input.data_ptr(), output.data_ptr()
+        peers = [(rank + k) % size for k in range(1, size)]  # every receive posted before any send
+        requests = [self.comm.Irecv([MPI.buffer.fromaddress(recv_base + receives[src] * row_bytes,
+                                                            output_splits[src] * row_bytes), MPI.BYTE],
+                                    src, ALLTOALL_TAG) for src in reversed(peers)]
+        requests += [self.comm.Isend([MPI.buffer.fromaddress(send_base + sends[dst] * row_bytes,
+                                                             input_splits[dst] * row_bytes), MPI.BYTE],
+                                     dst, ALLTOALL_TAG) for dst in peers]
+        if input_splits[rank] != output_splits[rank]:
+            MPI.Request.Waitall(requests)
+            raise RuntimeError(f"alltoallv: this rank sends itself {input_splits[rank]} rows but expects "
+                               f"{output_splits[rank]} (input_splits {list(input_splits)}, output_splits "
+                               f"{list(output_splits)})")
+        mine = input_splits[rank]
+        output[receives[rank]:receives[rank] + mine].copy_(input[sends[rank]:sends[rank] + mine])
+        work = MpiWork(_Requests(requests), None, (input, output))
+        if nonblocking:
+            return work
+        try:
+            work.wait()
+        except MPI.Exception as exc:
+            raise _truncated(exc, output_splits) from exc
         return None
 
     def broadcast(self, tensor, root=0, nonblocking=False):

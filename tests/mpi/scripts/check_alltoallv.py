@@ -2,7 +2,10 @@
 or receive nothing, 1-D and multi-dimensional rows, float64 / int64 / float32 / bfloat16 / uint8, blocking
 and non-blocking, the splits derived by ``alltoall_splits``, and the byte counters.
 
-Run: mpiexec -n K python -m mpi4py check_alltoallv.py [--device cuda --backend B]
+Run: mpiexec -n K python -m mpi4py check_alltoallv.py [--device cuda --backend B] [--by-peer]
+``--by-peer``: every call also passes ``largest_block`` (the split matrix's largest entry, known to every
+rank) with the backend's threshold at 0, so host tensors of every size take the block-by-block path (one
+Isend/Irecv per peer), which otherwise starts at 128 KiB blocks.
 ``--device cuda`` puts the tensors on the rank's GPU, through the group's device backend (``--backend``: nccl,
 cuda-mpi or mpi = host staging; tests/gpu/test_nccl_backend.py).
 Every rank draws the same split matrix S (S[i, j] = rows rank i sends to rank j) from a shared seed and
@@ -47,6 +50,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "cuda-mpi", "mpi"])
+    parser.add_argument("--by-peer", action="store_true")
     args = parser.parse_args()
     info = discover()
     device = torch.device("cpu") if args.device == "cpu" else bind_device(info)
@@ -54,6 +58,12 @@ def main():
     grid = ProcessGrid.build(info, backend=args.backend, timeout_s=120)
     backends = grid.use_device(device)
     comm, me, n = grid.world, grid.world.rank, grid.world.size
+    if args.by_peer:
+        comm.alltoall_by_peer_bytes = 0
+
+        def refused(*_args, **_kwargs):
+            raise AssertionError("--by-peer: a call went through one Alltoallv")
+        comm.backend_for(torch.zeros(1)).alltoallv = refused
     rng = np.random.default_rng(41)  # the same on every rank
     checks, calls, sent_bytes, total_bytes = 0, 0, 0, 0
     for splits in matrices(n, rng):
@@ -67,7 +77,8 @@ def main():
             for nonblocking in (False, True):
                 out = torch.full((sum(output_splits),) + row, 255 if dtype == torch.uint8 else -1, dtype=dtype,
                                  device=device)
-                handle = comm.alltoallv(out, output_splits, mine, input_splits, nonblocking=nonblocking)
+                handle = comm.alltoallv(out, output_splits, mine, input_splits, nonblocking=nonblocking,
+                                        largest_block=int(splits.max()) if args.by_peer else None)
                 if nonblocking:
                     while not handle.test():
                         pass

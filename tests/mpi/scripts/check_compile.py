@@ -2,12 +2,12 @@
 
     mpiexec -n K python -m mpi4py check_compile.py --layouts "2,2,1;1,2,2" [section.key=value ...]
 
-For each layout "dp,tp,pp[,cp][+sp]" whose product is K (``+sp``: sequence parallel): train ``--steps`` steps eagerly, then compiled, from the same
+For each layout "dp,tp,pp[,cp[,ep]]][+sp]" whose product (without ep) is K (``+sp``: sequence parallel): train ``--steps`` steps eagerly, then compiled, from the same
 seed and data; world rank 0 compares the losses and the final GLOBAL parameters (relative error <= ``--rtol``).
 The compiled runs also check that the dp reduction still overlaps the backward: every bucket of the replica
 group (dp > 1) was launched by the gradient hooks before ``finish_reduction``, the first while other buckets
 were still waiting for gradients; and torch.compile broke the blocks' graphs only at tp collectives and ring attention
-(none with tp = cp = 1). Compare with ``optim.name=sgd``: AdamW's first steps move every weight by about lr x sign(grad),
+(none with tp = cp = 1), and at the MoE layers, which run eagerly (with ``moe.num_experts`` set). Compare with ``optim.name=sgd``: AdamW's first steps move every weight by about lr x sign(grad),
 so float32 rounding of near-zero gradients shows in the weights (eager tp=2 against one process differs by
 ~4e-4 there too); SGD's updates are linear in the gradients.
 """
@@ -47,11 +47,12 @@ def watch_launches(flat) -> list:
 def train(cfg, world, tokens, steps):
     grid = ProcessGrid.from_config(cfg, discover(world), mpi_world=world, timeout_s=300)
     trainer = Trainer(cfg, grid, tokens=tokens)
-    launches = watch_launches(trainer.parts.flat)
+    dense = getattr(trainer.parts.flat, "parts", [trainer.parts.flat])[0]  # with experts: a FlatGroup, dense first
+    launches = watch_launches(dense)
     losses = [trainer.train_step().loss for _ in range(steps)]
     report = compile_report(trainer.parts.compile_since) if trainer.parts.compiled else None
     params = global_parameters(trainer)
-    regular = sum(not b.deferred for b in trainer.parts.flat.buckets)
+    regular = sum(not b.deferred for b in dense.buckets)
     grid.close()
     return losses, params, launches, regular, report
 
@@ -62,7 +63,7 @@ def rel_err(a, b) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp[,cp][+sp]"')
+    ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp[,cp[,ep]][+sp]"')
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rtol", type=float, default=1e-5)
     ap.add_argument("overrides", nargs="*")
@@ -75,18 +76,18 @@ def main():
     tokens = load_tokens_collective(world, cfg0.data.source, cfg0.data.cache_dir, cfg0.data.max_bytes)
     for layout in args.layouts.split(";"):
         sizes, sp = layout.removesuffix("+sp"), layout.endswith("+sp")
-        dp, tp, pp, cp = ([int(v) for v in sizes.split(",")] + [1])[:4]
+        dp, tp, pp, cp, ep = ([int(v) for v in sizes.split(",")] + [1, 1])[:5]
         micro = 8 // dp // 4  # every layout feeds micro-batches of 4 sequences: one graph shape for all
         layout_keys = [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}",
-                       f"parallel.microbatches={micro}", f"parallel.sequence_parallel={str(sp).lower()}"]
+                       f"parallel.ep={ep}", f"parallel.microbatches={micro}", f"parallel.sequence_parallel={str(sp).lower()}"]
         runs = {mode: train(load_config(None, base + layout_keys + [f"train.compile={mode}"]), world, tokens,
                             args.steps) for mode in ("false", "true")}
         (eager_losses, eager_params, *_), (losses, params, launches, regular, report) = runs["false"], runs["true"]
-        name = f"dp={dp} tp={tp} pp={pp} cp={cp}{' sp' if sp else ''}"
+        name = f"dp={dp} tp={tp} pp={pp} cp={cp} ep={ep}{' sp' if sp else ''}"
         breaks = int(report[0].split(", ")[1].split()[0])  # "torch.compile: G graph(s) compiled, B graph break(s)"
-        if tp == cp == 1:  # one graph per block shape, no break
+        if tp == cp == 1 and not cfg0.moe.num_experts:  # one graph per block shape, no break
             assert breaks == 0, f"{name}: {report}"
-        else:  # the tp collectives and ring attention (torch.compiler.disable'd), and nothing else, split the blocks
+        else:  # the tp collectives, ring attention and MoE layers (torch.compiler.disable'd), nothing else, split the blocks
             assert breaks > 0 and all("by design" in line for line in report[1:]), f"{name}: {report}"
         if dp > 1:  # hooks fired in the compiled backward: every regular bucket launched before finish_reduction
             early = [waiting for during, waiting in launches if during]

@@ -17,6 +17,8 @@ import errno
 import mmap
 import os
 
+from hpctrain.runtime.container import container_kind, shm_fix
+
 MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+); older kernels answer EINVAL: nothing can be checked
 SHM_DIR = "/dev/shm"  # where MPICH (and most MPIs) put the window's file
 
@@ -43,18 +45,9 @@ def populate(address: int, nbytes: int) -> str:
 
 
 def container_shm_fix(root: str = "/") -> str:
-    """How to give the container this process runs in a larger /dev/shm, from the marker file its runtime
-    leaves (Kubernetes, podman, docker, Apptainer); "" outside a container these recognise."""
-    def exists(path: str) -> bool:
-        return os.path.exists(os.path.join(root, path))
-
-    if exists("var/run/secrets/kubernetes.io"):  # first: a pod may run under docker too
-        return "mount an emptyDir with `medium: Memory` at /dev/shm (64 MiB by default; containers/k8s/mpijob.yaml)"
-    if exists("run/.containerenv") or exists(".dockerenv"):
-        return "run it with --shm-size=1g (podman and docker give it 64 MiB by default)"
-    if exists(".singularity.d"):
-        return "bind the host's: apptainer exec --bind /dev/shm (or leave out --contain / --containall)"
-    return ""
+    """How to give the container this process runs in a larger /dev/shm (runtime/container.py); "" outside a
+    container it recognises."""
+    return shm_fix(container_kind(root))
 
 
 def shm_free_bytes(path: str = SHM_DIR) -> int | str:

@@ -33,7 +33,10 @@ def run(args) -> int:
         print(f"hpctrain: removed {path}: MPICH's shared memory of a killed earlier attempt of this Slurm job "
               f"step, which this attempt would attach to", file=sys.stderr, flush=True)
     import torch
-    from mpi4py import MPI  # noqa: F401  initialised first: a config error then names its rank and ends the job
+
+    from hpctrain.runtime.launcher import import_mpi
+
+    import_mpi()  # initialised first: a config error then names its rank and ends the job
 
     from hpctrain.config import load_config
     from hpctrain.train.loop import run_training

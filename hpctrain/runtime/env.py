@@ -18,7 +18,8 @@ Precedence, the one rule: a set variable wins over its config key, wherever the 
 Facts about the launch, read where they are simple: ``SLURM_RESTART_COUNT`` (``slurm_restart_count``),
 ``SLURM_JOB_ID`` (``slurm_job_id``), ``SLURM_STEP_ID`` (``slurm_step_id``), ``SLURM_PMI2_PMI_JOBID``
 (``slurm_pmi2_jobid``), the batch systems' job ids (``in_batch_job``), ``OMP_NUM_THREADS``
-(``omp_num_threads``), ``CUDA_VISIBLE_DEVICES`` (``cuda_visible_devices``). The launchers' variables
+(``omp_num_threads``), ``CUDA_VISIBLE_DEVICES`` (``cuda_visible_devices``), ``MPI4PY_LIBMPI``
+(``mpi4py_libmpi``). The launchers' variables
 that need interpreting (``SLURM_*``, ``OMPI_*``, ``PMI_*``, ...) are read by ``runtime/launcher.py``
 and ``runtime/signals.py`` from an ``env`` mapping. ``child_environ`` builds a child process's
 environment. Every function takes ``environ`` (default ``os.environ``) so tests pass a dict.
@@ -150,6 +151,11 @@ def omp_num_threads(environ: Mapping[str, str] | None = None) -> int:
     """``$OMP_NUM_THREADS`` (its first level when nested, ``4,2``), default 1: torch's CPU threads."""
     text = _get("OMP_NUM_THREADS", environ)
     return 1 if text is None else _count("OMP_NUM_THREADS", text.split(",")[0].strip(), 1)
+
+
+def mpi4py_libmpi(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$MPI4PY_LIBMPI`` (the MPI library mpi4py loads instead of its default; for messages), or None."""
+    return _get("MPI4PY_LIBMPI", environ)
 
 
 def cuda_visible_devices(environ: Mapping[str, str] | None = None) -> str | None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hpctrain.errors import LaunchError
+from hpctrain.runtime.container import MPI_DOC, container_kind, mpi_fix
 
 
 @dataclass(frozen=True)
@@ -82,20 +83,31 @@ class RankInfo:
     local_rank_of_rank: tuple[int, ...] = field(repr=False, default=())
 
 
-def check_launcher_agreement(mpi_rank: int, mpi_size: int, mpi_local_rank: int, launcher: LauncherEnv) -> list[str]:
-    """Compare MPI's view with the launcher's. Raises LaunchError on rank/size mismatch; returns warnings."""
+def check_launcher_agreement(mpi_rank: int, mpi_size: int, mpi_local_rank: int, launcher: LauncherEnv,
+                             mpi_library: str = "", container: str = "") -> list[str]:
+    """Compare MPI's view with the launcher's. Raises LaunchError on rank/size mismatch; returns warnings.
+    ``mpi_library``: MPI's own name for the library this process loaded, named in the error; ``container``:
+    ``runtime.container.container_kind()``, whose fix (the image's mpiexec, or the host MPI bound in) the
+    error then gives."""
+    loaded = f" (this process loaded {mpi_library})" if mpi_library else ""
+    fix = mpi_fix(container)
     if launcher.size is not None and launcher.size != mpi_size:
-        hint = ("srun started the tasks without a PMI that this MPI understands: use `srun --mpi=pmi2` "
-                "(or set MpiDefault=pmi2)" if launcher.name == "slurm" else
-                "the launcher and mpi4py use different MPI libraries: rebuild mpi4py against the launcher's MPI "
-                "(`MPICC=... pip install --no-binary=mpi4py mpi4py`) or launch with the matching mpiexec")
+        if launcher.name == "slurm":
+            hint = "srun started the tasks without a PMI that this MPI understands: use `srun --mpi=pmi2` " \
+                   "(or set MpiDefault=pmi2)"
+        elif fix:
+            hint = f"the launcher's MPI is not this container's; {fix}"
+        else:
+            hint = ("the launcher and mpi4py use different MPI libraries: rebuild mpi4py against the launcher's MPI "
+                    "(`MPICC=... pip install --no-binary=mpi4py mpi4py`) or launch with the matching mpiexec")
         raise LaunchError(
             f"launch mismatch: {launcher.name} started {launcher.size} tasks ({launcher.source}) but this "
-            f"process's MPI world has {mpi_size} rank(s); {hint}.")
+            f"process's MPI world has {mpi_size} rank(s){loaded}; {hint}.")
     if launcher.rank is not None and launcher.rank != mpi_rank:
         raise LaunchError(
             f"launch mismatch: {launcher.name} says rank {launcher.rank} ({launcher.source}) but MPI says rank "
-            f"{mpi_rank}; the launcher and mpi4py's MPI library disagree.")
+            f"{mpi_rank}{loaded}; the launcher and mpi4py's MPI library disagree"
+            + (f"; {fix}." if fix else "."))
     notes = []
     if launcher.local_rank is not None and launcher.local_rank != mpi_local_rank:
         notes.append(f"{launcher.name} local rank {launcher.local_rank} differs from MPI's node-local rank "
@@ -124,6 +136,23 @@ def missing_thread_multiple(feature: str, needed: str = "MULTIPLE") -> str | Non
             f"provides MPI_THREAD_{names.get(provided, provided)}. {THREAD_LEVEL_HELP}")
 
 
+def import_mpi():
+    """``mpi4py.MPI``, initialising MPI; a library mpi4py cannot load (a host MPI bound into a container that
+    is not MPICH-ABI, a missing dependency, a wrong ``MPI4PY_LIBMPI``) is one LaunchError line naming it."""
+    try:
+        from mpi4py import MPI
+    except (ImportError, OSError, RuntimeError) as exc:
+        from hpctrain.runtime.env import mpi4py_libmpi
+
+        reason = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        named = mpi4py_libmpi()
+        raise LaunchError(f"cannot load the MPI library for mpi4py: {reason}"
+                          + (f" (MPI4PY_LIBMPI={named})" if named else "")
+                          + f"; a host MPI named by MPI4PY_LIBMPI must be MPICH-ABI (MPICH, Cray MPICH, Intel MPI, "
+                            f"MVAPICH) and, in a container, be bound in with the libraries it needs ({MPI_DOC})") from exc
+    return MPI
+
+
 def discover(mpi_world=None, env: dict | None = None) -> RankInfo:
     """Collective over ``mpi_world`` (an mpi4py communicator; default COMM_WORLD): find rank, node and
     local rank of every process."""
@@ -140,7 +169,8 @@ def discover(mpi_world=None, env: dict | None = None) -> RankInfo:
     launcher = read_launcher_env(env)
     if mpi_world is MPI.COMM_WORLD:  # a sub-world (tests' COMM_SELF reference runs) is not the launch
         # every rank checks itself, so a bad launch fails everywhere without communication
-        for note in check_launcher_agreement(rank, size, local_rank, launcher):
+        library = " ".join(MPI.Get_library_version().splitlines()[0].split())
+        for note in check_launcher_agreement(rank, size, local_rank, launcher, library, container_kind()):
             warnings.warn(f"rank {rank}: {note}", stacklevel=2)
     leaders_and_locals = mpi_world.allgather((node_leader, local_rank))
     leaders = sorted({leader for leader, _ in leaders_and_locals})

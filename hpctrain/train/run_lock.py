@@ -37,6 +37,7 @@ from typing import Any
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.runtime import env
+from hpctrain.runtime.container import bind_fix, container_kind
 from hpctrain.runtime.errors_exit import process_alive
 
 LOCK_NAME = ".hpctrain.lock"
@@ -74,10 +75,9 @@ def unusable_directory(path: str, key: str) -> str | None:
         what = "is" if probe == os.path.abspath(path) else f"is inside {probe}, which is"
         return f"{key}={path} {what} a regular file, not a directory; choose another path"
     if not os.access(probe, os.W_OK | os.X_OK):
-        in_container = os.path.exists("/run/.containerenv") or os.path.exists("/.dockerenv")
+        fix = bind_fix(container_kind(), probe)
         return (f"{key}={path}: {probe} is not writable by this user (or is on a read-only file system)"
-                + ("; in this container: bind a writable host directory there (podman/docker -v HOST_DIR:"
-                   f"{probe}, without :ro; apptainer --bind HOST_DIR:{probe})" if in_container else ""))
+                + (f"; in this container: {fix}" if fix else ""))
     return None
 
 

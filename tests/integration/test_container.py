@@ -1,6 +1,7 @@
 """The CPU image (containers/build_cpu_image.sh: debootstrap, podman import, podman build) trains the demo
 like the same run outside it (float64, every loss equal), and a container's bad setup is one line with its
-fix: a /dev/shm too small for MPI (never a bus error), a read-only run directory. Needs root, podman and
+fix: a /dev/shm too small for MPI (never a bus error), a read-only run directory, another MPI's launcher
+or a host MPI mpi4py cannot load. Needs root, podman and
 debootstrap; skipped with the reason elsewhere (CI machines have neither). The root file system is cached in
 ~/.cache/hpctrain/containers, so a rebuild takes about a minute."""
 import json
@@ -83,4 +84,24 @@ def test_a_small_dev_shm_and_a_read_only_run_dir_are_one_line_with_the_fix(podma
                              "train.run_dir=/runs/x", runs_mode="ro")
     assert read_only.returncode == 2, read_only.stdout[-2000:] + read_only.stderr[-2000:]
     assert "not writable" in read_only.stderr and "-v HOST_DIR:/runs, without :ro" in read_only.stderr, read_only.stderr
+    assert not (tmp_path / "runs" / "x").exists()
+
+
+def test_another_mpis_launcher_and_a_host_mpi_mpi4py_cannot_load_are_one_line_with_the_fix(podman, tmp_path):
+    """What a host MPI that does not match the image's looks like from inside: Open MPI's mpirun starting the
+    image's MPICH (its OMPI_* variables; MPICH then makes every rank a world of 1), and an Open MPI library
+    (libmpi.so.40, not MPICH-ABI) named by MPI4PY_LIBMPI. Each is one line naming the cause and the fix."""
+    (tmp_path / "runs").mkdir()
+    foreign = in_container(podman, tmp_path / "runs", "env", "OMPI_COMM_WORLD_SIZE=2", "OMPI_COMM_WORLD_RANK=1",
+                           "hpctrain", "train", *ARGS, "train.run_dir=/runs/x")
+    errors = [line for line in foreign.stderr.splitlines() if line.startswith("hpctrain: error:")]
+    assert foreign.returncode == 2 and len(errors) == 1, foreign.stderr[-2000:]
+    assert "openmpi started 2 tasks" in errors[0] and "(this process loaded MPICH Version:" in errors[0], errors
+    assert "the image's mpiexec inside one container" in errors[0] and "MPI4PY_LIBMPI" in errors[0], errors
+    unloadable = in_container(podman, tmp_path / "runs", "env", "MPI4PY_LIBMPI=/opt/host-mpi/lib/libmpi.so.40",
+                              "hpctrain", "train", *ARGS, "train.run_dir=/runs/x")
+    errors = [line for line in unloadable.stderr.splitlines() if line.startswith("hpctrain: error:")]
+    assert unloadable.returncode == 2 and len(errors) == 1, unloadable.stderr[-2000:]
+    assert "cannot load the MPI library for mpi4py" in errors[0] and "libmpi.so.40" in errors[0], errors
+    assert "must be MPICH-ABI" in errors[0] and "Traceback" not in unloadable.stderr, unloadable.stderr[-2000:]
     assert not (tmp_path / "runs" / "x").exists()

@@ -41,6 +41,40 @@ def test_rank_mismatch_and_local_rank_note():
     assert "local rank 1 differs" in check_launcher_agreement(1, 2, 0, env)[0]
 
 
+@pytest.mark.parametrize("container, fix", [
+    ("", "rebuild mpi4py against the launcher's MPI"),
+    ("podman/docker", "the image's mpiexec inside one container"),
+    ("apptainer", "srun --mpi=pmi2"),
+    ("kubernetes", "MPIJob's launcher pod"),
+])
+def test_another_mpis_launcher_names_the_loaded_library_and_the_containers_fix(container, fix):
+    """Open MPI's mpirun starting ranks whose mpi4py loads MPICH (a host launcher and an image's MPI): every
+    rank is a world of 1. The one line names both and the fix for where it runs."""
+    env = read_launcher_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})
+    with pytest.raises(LaunchError) as raised:
+        check_launcher_agreement(0, 1, 0, env, "MPICH Version: 5.0.2", container)
+    message = str(raised.value)
+    assert "\n" not in message and "openmpi started 2 tasks" in message and fix in message, message
+    assert "1 rank(s) (this process loaded MPICH Version: 5.0.2)" in message, message
+    if container:
+        assert "docs/containers.md#mpi-inside-vs-host-mpi-bind-mounted" in message
+
+
+def test_an_mpi_library_mpi4py_cannot_load_is_one_line_naming_it(tmp_path):
+    """MPI4PY_LIBMPI naming a library that is not MPI (what a non-MPICH-ABI host MPI bound in looks like)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom hpctrain.runtime.errors_exit import run_and_exit\n"
+            "from hpctrain.runtime.launcher import import_mpi\nsys.exit(run_and_exit(lambda _: import_mpi()))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin", "MPI4PY_LIBMPI": str(tmp_path / "libnotmpi.so.12")})
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("hpctrain: error:")]
+    assert len(lines) == 1 and "cannot load the MPI library for mpi4py" in lines[0], result.stderr
+    assert f"MPI4PY_LIBMPI={tmp_path / 'libnotmpi.so.12'}" in lines[0] and "MPICH-ABI" in lines[0], lines
+
+
 def test_resolve_sizes():
     assert resolve_sizes(8, tp=2, pp=2) == {"dp": 2, "pp": 2, "cp": 1, "tp": 2}
     assert resolve_sizes(8, dp=8) == {"dp": 8, "pp": 1, "cp": 1, "tp": 1}

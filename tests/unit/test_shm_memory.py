@@ -75,3 +75,14 @@ def test_a_dev_shm_too_small_for_mpi_is_named_before_mpi_starts(tmp_path, monkey
     assert problem and "1.0 MiB free" in problem and "at least 2 MiB" in problem and "--shm-size=1g" in problem
     monkeypatch.setattr(shm_memory, "shm_free_bytes", lambda path=None: 64 << 20)  # podman's default: enough here
     assert shm_memory.too_small_for_mpi(root=str(tmp_path)) is None
+
+
+def test_the_container_kind_and_its_fixes_for_the_run_directory_and_the_mpi(tmp_path):
+    from hpctrain.runtime.container import bind_fix, container_kind, mpi_fix
+
+    assert container_kind(str(tmp_path)) == "" and bind_fix("", "/runs") == "" and mpi_fix("") == ""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/.containerenv").touch()
+    kind = container_kind(str(tmp_path))
+    assert kind == "podman/docker" and "-v HOST_DIR:/runs, without :ro" in bind_fix(kind, "/runs")
+    assert "MPI4PY_LIBMPI" in mpi_fix(kind)

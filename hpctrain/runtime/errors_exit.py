@@ -58,15 +58,16 @@ def run_and_exit(main, argv=None) -> int:
         code, text = INTERNAL_ERROR_EXIT, "internal error:\n" + traceback.format_exc()
     rank, size, mpi_world = _world()
     prefix = f"rank {rank}: " if size > 1 else ""
-    if code == USER_ERROR_EXIT and size > 1 and getattr(exc_value, "everywhere", False):
-        prefix = f"all {size} ranks: "  # the same error on every rank: printed once, by rank 0
-        text = text if rank == 0 else ""
-    if text:
-        sys.stderr.write(f"hpctrain: error: {prefix}{text}\n")
-        sys.stderr.flush()
+    # an error every rank should raise alike is printed once, by rank 0, but only once the ranks agree that
+    # they all raised it: an input that differs between nodes (a file missing on one) fails a rank alone
+    once = code == USER_ERROR_EXIT and size > 1 and mpi_world is not None and getattr(exc_value, "everywhere", False)
+    if text and not once:
+        _say(f"hpctrain: error: {prefix}{text}")
     sys.stdout.flush()
     if mpi_world is not None and size > 1:
-        peers = agree_to_exit(mpi_world, code, abort_grace_s())
+        peers = agree_to_exit(mpi_world, code, abort_grace_s(), same_as=text if once else None)
+        if once and (peers is None or rank == 0):
+            _say(f"hpctrain: error: {prefix if peers is None else f'all {size} ranks: '}{text}")
         if peers is not None:
             _leave_by(EXIT_DEADLINE_S)  # if MPI_Finalize never returns, the kernel ends the process
             # the Python exit handlers now, as the interpreter would at exit (the watchdog's stops its thread,
@@ -77,13 +78,19 @@ def run_and_exit(main, argv=None) -> int:
     return code
 
 
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 AGREE_TAG = 32001  # point-to-point tag on the world communicator used by ``agree_to_exit`` alone
 EXIT_DEADLINE_S = 30  # after an agreed error: the longest the interpreter's exit (MPI_Finalize) may take
 
 
-def agree_to_exit(world, code: int, grace_s: float, poll_s: float = 0.002) -> list | None:
-    """Whether every rank of ``world`` (an mpi4py communicator) is leaving with ``code``: each sends its code,
-    host and pid to rank 0, which answers every rank once all have arrived with the same code, or when its
+def agree_to_exit(world, code: int, grace_s: float, poll_s: float = 0.002, same_as: str | None = None) -> list | None:
+    """Whether every rank of ``world`` (an mpi4py communicator) is leaving with ``code`` (and, given ``same_as``,
+    the same message): each sends its code, host, pid and message to rank 0, which answers every rank once all
+    have arrived with the same code and message, or when its
     wait of ``grace_s`` is over or a code differs. Returns the peers [(host, host, pid)] per rank, as
     ``leave_with`` takes them, when all agree; None otherwise (abort). The other ranks wait ``2 x grace_s``
     for the answer (rank 0 may arrive up to ``grace_s`` after them): a rank that is gone or stuck in a
@@ -93,7 +100,7 @@ def agree_to_exit(world, code: int, grace_s: float, poll_s: float = 0.002) -> li
     import socket
 
     rank, size = world.Get_rank(), world.Get_size()
-    mine = (code, socket.gethostname(), os.getpid())
+    mine = (code, socket.gethostname(), os.getpid(), same_as)
     if rank != 0:
         world.isend(mine, dest=0, tag=AGREE_TAG)  # left pending if rank 0 never receives it: an abort follows
         answer = _wait_for(world.irecv(source=0, tag=AGREE_TAG), 2 * grace_s, poll_s)
@@ -107,7 +114,7 @@ def agree_to_exit(world, code: int, grace_s: float, poll_s: float = 0.002) -> li
             if done:
                 del pending[r]
                 arrived[r] = value
-                same = same and value[0] == code
+                same = same and value[0] == code and value[3] == same_as
         if pending:
             time.sleep(poll_s)
     peers = [(arrived[r][1], arrived[r][1], arrived[r][2]) for r in range(size)] if same and not pending else None

@@ -68,3 +68,21 @@ def test_an_error_on_one_rank_alone_still_aborts_the_job_in_seconds(tmp_path):
     assert result.returncode == 2, result.output[-3000:]
     assert "hpctrain: error: rank 1: rank 1 alone" in result.stderr, result.output[-3000:]
     assert "MPI_Abort" in result.output, result.output[-3000:]  # the peer in the barrier is ended by the abort
+
+
+def test_a_config_file_missing_on_one_node_is_named_by_the_rank_that_cannot_read_it(tmp_path):
+    """A config error is one every rank raises alike, so it is printed once, by rank 0 ("all N ranks") -- but
+    only once the ranks agree they all raised it. Here rank 1 alone cannot read the file (its working directory
+    lacks it, as a node without the file system would): rank 1 names it after the grace period, exit 2."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    shutil.copy(ROOT / "configs" / "tiny.toml", tmp_path / "a" / "tiny.toml")
+    train = [sys.executable, "-m", "hpctrain.cli", "train", "--config", "tiny.toml", f"train.run_dir={tmp_path}/run"]
+    result = subprocess.run(["timeout", "-k", "5", "60", *mpiexec(), "-n", "1", "-wdir", str(tmp_path / "a"), *train,
+                             ":", "-n", "1", "-wdir", str(tmp_path / "b"), *train], capture_output=True, text=True,
+                            env=mpi_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hpctrain: error:")]
+    assert errors == ["hpctrain: error: rank 1: config: cannot read config file tiny.toml: No such file or "
+                      "directory"], result.stderr[-3000:]
+    assert not (tmp_path / "run").exists()

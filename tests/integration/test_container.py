@@ -105,3 +105,55 @@ def test_another_mpis_launcher_and_a_host_mpi_mpi4py_cannot_load_are_one_line_wi
     assert "cannot load the MPI library for mpi4py" in errors[0] and "libmpi.so.40" in errors[0], errors
     assert "must be MPICH-ABI" in errors[0] and "Traceback" not in unloadable.stderr, unloadable.stderr[-2000:]
     assert not (tmp_path / "runs" / "x").exists()
+
+
+def test_two_containers_on_two_emulated_hosts_train_like_one_host(podman, tmp_path):
+    """The Kubernetes MPIJob's pattern on two emulated hosts (network namespaces h1, h2 on a veth pair,
+    hpctrain/tools/two_hosts.py): a worker container in h2 runs the image's sshd as mpiuser (the keys
+    mounted at /home/mpiuser/.ssh, as the MPI Operator mounts them), the launcher container in h1 runs the
+    image's mpiexec with the ssh launcher over TCP, the run directory is one host directory mounted in both
+    (the shared volume). Every loss equals the same 2-rank run outside, bitwise (float64: a 2-rank sum is the
+    same in any order), and the gradients crossed the wire (h1's veth counters)."""
+    from hpctrain.tools.two_hosts import TwoHosts
+
+    ok, reason = TwoHosts.available()
+    if not ok:
+        pytest.skip(reason)
+    outside = subprocess.run(["timeout", "-k", "5", "120", shutil.which("mpiexec", path=os.path.dirname(sys.executable)),
+                              "-n", "2", sys.executable, "-m", "hpctrain.cli", "train", *ARGS,
+                              f"data.source={ROOT / DATA}", f"train.run_dir={tmp_path / 'outside'}"],
+                             capture_output=True, text=True, env=mpi_env(), cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert outside.returncode == 0, outside.stderr[-3000:]
+    keys, runs = tmp_path / "keys", tmp_path / "runs"
+    keys.mkdir(mode=0o700)
+    runs.mkdir(mode=0o777)
+    runs.chmod(0o777)  # mpiuser (uid 1000) writes the run there
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / "id_rsa")], check=True, timeout=60)
+    shutil.copy(keys / "id_rsa.pub", keys / "authorized_keys")
+    for path in (keys, *keys.iterdir()):
+        os.chown(path, 1000, 1000)
+    mounts = ["--user", "1000", "--shm-size=1g", "-v", f"{keys}:/home/mpiuser/.ssh", "-v", f"{runs}:/runs",
+              "-v", f"{ROOT}:/src:ro"]
+    worker = f"hpctrain-worker-{os.getpid()}"
+    with TwoHosts("none", directory=tmp_path / "hosts", timeout=60).running() as hosts:
+        try:
+            started = subprocess.run([*podman, "run", "-d", "--rm", "--name", worker, "--network", "ns:/run/netns/h2",
+                                      "--hostname", "h2", *mounts, IMAGE, "/usr/sbin/sshd", "-De", "-f",
+                                      "/home/mpiuser/.sshd_config"], capture_output=True, text=True, timeout=120)
+            assert started.returncode == 0, started.stderr[-2000:]
+            before = hosts.counters()
+            launched = subprocess.run(
+                [*podman, "run", "--rm", "--network", "ns:/run/netns/h1", "--hostname", "h1", *mounts, IMAGE,
+                 "mpiexec", "-launcher", "ssh", "-hosts", "10.200.0.1,10.200.0.2", "-ppn", "1", "-n", "2",
+                 "-genv", "FI_PROVIDER", "tcp", "-genv", "FI_TCP_IFACE", "eth1", "hpctrain", "train",
+                 *[a.replace("configs/", "/src/configs/") for a in ARGS], f"data.source=/src/{DATA}",
+                 "train.run_dir=/runs/two"],
+                capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+            sent = TwoHosts.delta(before, hosts.counters())["h1"]["tx_bytes"]
+        finally:
+            subprocess.run([*podman, "rm", "-f", worker], capture_output=True, timeout=120)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    assert "2 ranks on 2 node(s)" in launched.stdout, launched.stdout[-3000:]
+    assert losses(runs / "two") == losses(tmp_path / "outside") and len(losses(runs / "two")) == 4
+    assert sent > 4 * 1_000_000, sent  # 4 steps of a 1.19 MiB float64 gradient all-reduce, over TCP on eth1
+    assert any((runs / "two" / "checkpoints").iterdir())

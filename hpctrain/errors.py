@@ -6,7 +6,8 @@ class HpcTrainError(RuntimeError):
 
     The CLI prints ``str(error)`` prefixed with the rank and exits with status 2. ``everywhere``: the
     error is raised identically on every rank (the same input validated everywhere, or an outcome the
-    ranks agreed on by a collective), so rank 0 alone prints it, once per job. Programming errors stay
+    ranks agreed on by a collective), so rank 0 alone prints it, once per job, when the ranks agree they
+    all raised it with the same message (else each rank that raised it prints it). Programming errors stay
     ordinary exceptions with a traceback.
     """
 
@@ -14,7 +15,7 @@ class HpcTrainError(RuntimeError):
 
 
 def everywhere(error: HpcTrainError) -> HpcTrainError:
-    """Mark ``error`` as raised identically on every rank (printed once per job, by rank 0)."""
+    """Mark ``error`` as raised identically on every rank (printed once per job, by rank 0, when they agree)."""
     error.everywhere = True
     return error
 

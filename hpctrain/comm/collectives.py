@@ -282,7 +282,7 @@ class Communicator:
                 and largest_block * math.prod(row) * input.element_size() >= self.alltoall_by_peer_bytes):
             method = by_peer
         return self._run("alltoallv", input.nbytes, nonblocking, method, output, output_splits, input,
-                         input_splits, fingerprint=(input.dtype, row),
+                         input_splits, fingerprint=(input.dtype, row, method is by_peer),
                          wire=(rows - input_splits[self.rank]) / rows if rows else 0.0,
                          splits=(input_splits, output_splits) if self.check else None)
 

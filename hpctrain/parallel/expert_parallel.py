@@ -9,7 +9,7 @@ the same two all-to-alls the other way. Expert gradients are then partial per ho
 the replicas that hold the same experts (the ``ep_replica`` group), the rest of the model over dp x cp.
 
     op               forward                         backward
-    all_to_all_rows  rows -> their ranks (Alltoallv)  grads back the same way reversed
+    all_to_all_rows  rows -> their ranks (alltoallv)  grads back the same way reversed
 
 Every rank gathers every rank's per-expert counts (one small all-gather), so each knows the largest block
 of the call: large blocks then go one Isend/Irecv per peer on host tensors (Communicator.alltoallv).
@@ -21,7 +21,7 @@ import time
 import torch
 
 
-def _traced_alltoallv(comm, out, recv, rows, send, largest: int, label: str) -> None:
+def _traced_alltoallv(comm, out, recv, rows, send, largest: int | None, label: str) -> None:
     """``comm.alltoallv``; with a trace recording, also a span ``label`` on the "moe all-to-all" track (the
     Communicator's own event says only "alltoallv on ep")."""
     trace = comm.trace
@@ -35,7 +35,7 @@ class _AllToAllRows(torch.autograd.Function):
     """rows [sum(send), D] cut into ``send[j]`` rows for rank j -> [sum(recv), D], ``recv[i]`` from rank i."""
 
     @staticmethod
-    def forward(ctx, rows, send: list[int], recv: list[int], largest: int, comm, label: str):
+    def forward(ctx, rows, send: list[int], recv: list[int], largest: int | None, comm, label: str):
         ctx.send, ctx.recv, ctx.largest, ctx.comm, ctx.label = send, recv, largest, comm, label
         rows = rows.contiguous()
         out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))

@@ -141,6 +141,11 @@ def import_mpi():
     is not MPICH-ABI, a missing dependency, a wrong ``MPI4PY_LIBMPI``) is one LaunchError line naming it."""
     try:
         from mpi4py import MPI
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("mpi4py", "mpi4py.MPI"):
+            raise
+        raise LaunchError("mpi4py is not installed: pip install 'hpctrain[mpi]' (mpi4py and the PyPI MPICH), or "
+                          "mpi4py built against your MPI (MPICC=mpicc pip install --no-binary=mpi4py mpi4py)") from exc
     except (ImportError, OSError, RuntimeError) as exc:
         from hpctrain.runtime.env import mpi4py_libmpi
 
@@ -169,7 +174,7 @@ def discover(mpi_world=None, env: dict | None = None) -> RankInfo:
     launcher = read_launcher_env(env)
     if mpi_world is MPI.COMM_WORLD:  # a sub-world (tests' COMM_SELF reference runs) is not the launch
         # every rank checks itself, so a bad launch fails everywhere without communication
-        library = " ".join(MPI.Get_library_version().splitlines()[0].split())
+        library = " ".join((MPI.Get_library_version().splitlines() or [""])[0].split())
         for note in check_launcher_agreement(rank, size, local_rank, launcher, library, container_kind()):
             warnings.warn(f"rank {rank}: {note}", stacklevel=2)
     leaders_and_locals = mpi_world.allgather((node_leader, local_rank))

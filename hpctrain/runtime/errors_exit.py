@@ -36,7 +36,8 @@ def run_and_exit(main, argv=None) -> int:
 
     A user error (HpcTrainError) usually happens on every rank at once (they validate the same input):
     each prints its message (one marked ``everywhere`` is printed once, by rank 0, when every rank raised
-    it with the same message; else by each rank that raised it), and the ranks agree on the ending (``agree_to_exit``, bounded by the grace
+    it with the same message; else by each rank that raised it), and the ranks agree on the ending
+    (``agree_to_exit``, bounded by the grace
     period ``HPCTRAIN_ERROR_GRACE_S``, 1 s): when every rank is here with the same exit code, each returns
     it (2) through ``leave_with`` (MPI finalised, rank 0 carries the code and leaves last, so that
     ``srun --kill-on-bad-exit`` reports 2 rather than killing a peer mid-finalisation), and MPICH removes its
@@ -66,11 +67,12 @@ def run_and_exit(main, argv=None) -> int:
         _say(f"hpctrain: error: {prefix}{text}")
     sys.stdout.flush()
     if mpi_world is not None and size > 1:
-        peers = agree_to_exit(mpi_world, code, abort_grace_s(), same_as=text if once else None)
+        grace = abort_grace_s()
+        peers = agree_to_exit(mpi_world, code, grace, same_as=text if once else None)
         if once and (peers is None or rank == 0):
             _say(f"hpctrain: error: {prefix if peers is None else f'all {size} ranks: '}{text}")
             if peers is None and rank == 0:  # peers that raised another message print it on rank 0's answer
-                time.sleep(min(0.3, abort_grace_s()))
+                time.sleep(min(0.3, grace))
         if peers is not None:
             _leave_by(EXIT_DEADLINE_S)  # if MPI_Finalize never returns, the kernel ends the process
             # the Python exit handlers now, as the interpreter would at exit (the watchdog's stops its thread,

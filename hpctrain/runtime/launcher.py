@@ -172,9 +172,9 @@ def discover(mpi_world=None, env: dict | None = None) -> RankInfo:
     finally:
         node_comm.Free()
     launcher = read_launcher_env(env)
+    library = " ".join((MPI.Get_library_version().splitlines() or [""])[0].split())
     if mpi_world is MPI.COMM_WORLD:  # a sub-world (tests' COMM_SELF reference runs) is not the launch
         # every rank checks itself, so a bad launch fails everywhere without communication
-        library = " ".join((MPI.Get_library_version().splitlines() or [""])[0].split())
         for note in check_launcher_agreement(rank, size, local_rank, launcher, library, container_kind()):
             warnings.warn(f"rank {rank}: {note}", stacklevel=2)
     leaders_and_locals = mpi_world.allgather((node_leader, local_rank))
@@ -183,7 +183,7 @@ def discover(mpi_world=None, env: dict | None = None) -> RankInfo:
     return RankInfo(
         rank=rank, size=size, local_rank=local_rank, local_size=local_size,
         node=node_of_rank[rank], num_nodes=len(leaders), hostname=MPI.Get_processor_name(),
-        launcher=launcher, mpi_library=" ".join(MPI.Get_library_version().splitlines()[0].split()),
+        launcher=launcher, mpi_library=library,
         node_of_rank=node_of_rank, local_rank_of_rank=tuple(loc for _, loc in leaders_and_locals))
 
 

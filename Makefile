@@ -30,8 +30,12 @@ demo: setup
 
 # The default environment (PyPI MPICH, serial h5py), then the cluster-like one (Debian MPICH + parallel
 # HDF5, collective MPI-IO checkpoints) where this machine can build it (root + apt-get), else a notice.
+# Two pytest workers (pytest-xdist): on 2 cores about a third of a serial run's CPU time is idle
+# (launches, timeouts, Slurm). tests/conftest.py says what may run beside what. PYTEST_WORKERS=0: serial.
+PYTEST_WORKERS ?= 2
+
 test: setup
-	$(BIN)/python -m pytest tests -v --timeout 900 --durations=60
+	$(BIN)/python -m pytest tests -v -n $(PYTEST_WORKERS) --timeout 900 --durations=60
 	scripts/test_parallel_hdf5.sh --if-possible
 
 test-parallel-hdf5:

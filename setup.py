@@ -28,7 +28,7 @@ setup(
         # transformers and peft only in tests (logits compared with LlamaForCausalLM, LoRA with PEFT)
         # mypy pinned: tests/unit/test_type_check.py wants zero findings, and a new mypy finds new ones
         # coverage pinned: tests/unit/test_cuda_coverage.py measures the lines the CPU tests run of CUDA-only modules
-        "test": ["pytest", "pytest-timeout", "transformers", "safetensors", "peft", "mypy==2.4.1", "coverage==7.17.3"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "transformers", "safetensors", "peft", "mypy==2.4.1", "coverage==7.17.3"],
         "compression": ["zfpy"],  # compression.method = "zfp" (a manylinux wheel)
         "data": ["tokenizers"],  # data.tokenizer = a tokenizer.json; hpctrain data train-tokenizer
         "hf": ["safetensors"],

@@ -130,6 +130,7 @@ def test_a_real_prometheus_scrapes_a_live_4_rank_run(prometheus, tmp_path):
     assert run.returncode == 75 and "(signal TERM); checkpoint saved" in out, out[-3000:] + err[-3000:]  # requeue
 
 
+@pytest.mark.alone  # the straggler ratio of a rank slowed by 60 ms a step
 def test_textfile_and_tensorboard_hold_the_runs_numbers_and_name_a_slow_rank(tmp_path):
     """tp=2 x pp=2, rank 2 sleeps 60 ms in every forward: it is the slowest rank; the textfile (written at
     exit with hpctrain_up 0) and TensorBoard's EventAccumulator give metrics.jsonl's losses."""

@@ -6,11 +6,14 @@ import statistics
 import subprocess
 import sys
 
+import pytest
+
 from mpirun import ROOT, mpi_env, run_mpi
 
 SMALL = ["model.preset=small", "train.seq_len=128", "data.max_bytes=400000"]
 
 
+@pytest.mark.alone  # a measured profile against measured step times
 def test_model_predicts_every_2_rank_layout(tmp_path):
     profile = tmp_path / "profile.json"
     run_mpi(2, "hpctrain.cli", "bench", "comm", "--profile", str(profile), "--sizes", "4K,64K,1M,4M",

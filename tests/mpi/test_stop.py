@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from mpirun import ROOT, mpi_env, mpiexec, run_mpi
 
 FAST = ["--config", "configs/tiny.toml", "data.max_bytes=300000", "train.seq_len=32", "train.global_batch=8",
@@ -58,6 +60,7 @@ def test_usr1_stops_saves_and_the_resumed_run_is_bitwise_equal(tmp_path):
     assert diff.returncode == 0, diff.output
 
 
+@pytest.mark.alone  # a deadline against the steps' own times
 def test_time_limit_stops_in_time_with_a_checkpoint(tmp_path):
     """The deadline (train.time_limit_s after start-up) lies between ``began`` + limit and the first step's
     record + limit. The policy stops when now + (last step + margin) would pass it, so the checkpoint is

@@ -10,6 +10,8 @@ What a checkpoint holds of a rank (docs/checkpoint-format.md):
                     (a LoRA run's base weights) has no optimizer state and is written whole by one rank
   optimizer pieces  ``tensors().pieces``: the parameter elements whose optimizer state this rank owns,
                     with ``state_kinds`` per element, inside the owned ``tensors().ranges``
+  frozen pieces     ``tensors().frozen_pieces``: ZeRO-3's frozen base, the elements this rank keeps, inside
+                    ``tensors().frozen_slices`` (no optimizer state)
   reducer state     ``reducer``: error-feedback residuals, PowerSGD's Q (docs/compression.md)
   root attributes   ``root_state()`` (step, optimizer step, sampler, loss scaler), ``rng_state()``, and
                     the run's ``config`` and ``layout``; restored through ``set_steps`` and the ``load_*``
@@ -19,7 +21,7 @@ What a checkpoint holds of a rank (docs/checkpoint-format.md):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import torch
@@ -40,7 +42,8 @@ class ModelSlab:
     ``written`` (frozen ones only): this rank writes its real slab (each global element by exactly one rank:
     dp x cp replica 0, the tp rank ``SlabSpec.counted_on`` names, never a tied copy).
     ``sharded``: ZeRO-3, ``data`` is not held between steps: the values are this rank's ``OptimizerPiece``s
-    of it (written and loaded through them, in ``TrainTensors.ranges[...].params``)."""
+    of it (written and loaded through them, in ``TrainTensors.ranges[...].params``; a frozen one's in
+    ``TrainTensors.frozen_pieces``, in ``frozen_slices``)."""
 
     spec: SlabSpec
     data: torch.Tensor
@@ -89,6 +92,10 @@ class TrainTensors:
     state_kinds: tuple[str, ...]  # ("exp_avg", "exp_avg_sq"), + "master" when it is a separate copy
     model_dtype: torch.dtype  # of the parameters
     state_dtype: torch.dtype  # of the optimizer state
+    # ZeRO-3 with a frozen base: the 1-D slices this rank keeps of it, and the pieces of the frozen parameters
+    # in them (``OptimizerPiece.owner``: an index into ``frozen_slices``; ``written``: this rank writes them)
+    frozen_slices: list[torch.Tensor] = field(default_factory=list)
+    frozen_pieces: list[OptimizerPiece] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

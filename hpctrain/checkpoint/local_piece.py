@@ -7,8 +7,9 @@ what happened to the bytes since. Nothing here communicates (local_tier.py moves
 
 What a piece holds of a rank (``piece_tensors``, through the ``TrainState`` contract only):
   ``range<i>/params`` and ``range<i>/<kind>``  each owned optimizer range (parameters, Adam moments, masters)
+  ``frozen<i>``         ZeRO-3: this rank's slice of a unit's frozen base (a LoRA run's)
   ``param<i>/<name>``   a parameter's local slab, unless an owned range holds all of it in the same storage
-                        (sharded ZeRO-3 parameters never: their values are the ranges)
+                        (sharded ZeRO-3 parameters never: their values are the ranges or frozen slices)
   ``reducer/<key>``     the dp reducer's state (error-feedback residuals, PowerSGD Q)
   ``rng``               the torch CPU generator
 Loading needs the same layout: the same names, dtypes and shapes, checked before anything is copied.
@@ -50,6 +51,7 @@ def piece_tensors(state: TrainState) -> list[tuple[str, torch.Tensor]]:
     for i, owned in enumerate(tensors.ranges):
         out.append((f"range{i}/params", owned.params))
         out.extend((f"range{i}/{kind}", owned.state[kind]) for kind in tensors.state_kinds)
+    out.extend((f"frozen{i}", values) for i, values in enumerate(tensors.frozen_slices))  # ZeRO-3's frozen base
     owned_elements: dict[str, int] = {}
     for piece in tensors.pieces:
         owned_elements[piece.spec.name] = owned_elements.get(piece.spec.name, 0) + piece.hi - piece.lo

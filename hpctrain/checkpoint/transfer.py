@@ -76,11 +76,30 @@ def snapshot(state: TrainState | FrozenState) -> Snapshot:
 def _snapshot_frozen(tensors, snap: Snapshot, model_dtype) -> None:
     """The frozen parameters (a LoRA run's base weights) this rank writes, copied whole into the checkpoint
     (``lora.checkpoint_base = "copy"``, or a run without a base to refer to: a checkpoint that stands alone)."""
-    frozen = [p for p in tensors.params if p.frozen and p.written and p.spec.valid_numel]
+    frozen = [p for p in tensors.params if p.frozen and p.written and not p.sharded and p.spec.valid_numel]
     host = to_host([p.data[p.spec.valid_local()] for p in frozen])
     for p, values in zip(frozen, host):
         box = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.valid_shape)
         snap.items.append(WriteItem(model_dataset(p.spec.name), box, _host(values, model_dtype, box)))
+    if tensors.frozen_pieces:  # ZeRO-3: the frozen base's elements this rank keeps
+        slices = to_host(tensors.frozen_slices)
+        for piece in tensors.frozen_pieces:
+            if piece.written:
+                for box, a, b in local_range_boxes(piece.spec, piece.lo, piece.hi):
+                    snap.items.append(WriteItem(model_dataset(piece.spec.name), box,
+                                                _host(piece.take(slices[piece.owner], a, b), model_dtype, box)))
+
+
+def frozen_piece_copies(tensors, read) -> list:
+    """(target, values) for every box of the frozen pieces this rank keeps (ZeRO-3's frozen base);
+    ``read(name, box)``: the values of parameter ``name`` inside the global ``box``, or None to skip it."""
+    copies = []
+    for piece in tensors.frozen_pieces:
+        for box, a, b in local_range_boxes(piece.spec, piece.lo, piece.hi):
+            values = read(piece.spec.name, box)
+            if values is not None:
+                copies.append((piece.take(tensors.frozen_slices[piece.owner], a, b), values.reshape(-1)))
+    return copies
 
 
 BASE_UNUSABLE = "its LoRA base weights cannot be used"  # in every message of a referred base: no fallback
@@ -94,9 +113,11 @@ def _read_base(state: TrainState, reader, staged: StagedState) -> dict:
         base = state.open_base(reader.attrs[BASE_REFERENCE_ATTR], f"checkpoint {reader.dir}")
         try:
             base.verify_share(state.rank, state.world_size)
-            for p in state.tensors().params:
-                if p.frozen and p.spec.valid_numel:
+            tensors = state.tensors()
+            for p in tensors.params:
+                if p.frozen and p.spec.valid_numel and not p.sharded:
                     staged.copies.append((p.data[p.spec.valid_local()], base.read(p.spec.name, p.spec.local_slices())))
+            staged.copies += frozen_piece_copies(tensors, lambda name, box: base.read(name, box.slices()))
             return base.reference
         finally:
             base.close()
@@ -197,6 +218,9 @@ def read_state(state: TrainState, reader) -> StagedState:
         if p.spec.valid_numel and not (weights_only and reader.shape(model_dataset(p.spec.name)) is None):
             slab = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.valid_shape)
             staged.copies.append((p.data[p.spec.valid_local()], reader.read_checked(model_dataset(p.spec.name), slab)))
+    if staged.base_reference is None:  # ZeRO-3's frozen base (else _read_base staged it)
+        staged.copies += frozen_piece_copies(tensors, lambda name, box: None if weights_only and reader.shape(
+            model_dataset(name)) is None else reader.read_checked(model_dataset(name), box))
     sharded = {p.spec.name for p in tensors.params if p.sharded}
     for piece in tensors.pieces:
         owned = tensors.ranges[piece.owner]

@@ -43,8 +43,9 @@ class ParallelConfig:
         "(the embedding, each transformer block, the final norm and head; of its tp slab and pipeline stage); a "
         "unit is all-gathered before it runs and freed after (`zero_reshard_after_forward`), the next "
         "`zero_prefetch` units' gathers posted ahead. Parameters whose gradient is first summed over another "
-        "group (sequence-parallel norm weights, LoRA factors, a tied embedding split over pp) stay whole. 0 = "
-        "off. Compression needs zero <= 1."))
+        "group (sequence-parallel norm weights, LoRA factors with tp > 1, a tied embedding split over pp) stay "
+        "whole; a LoRA run's frozen base is sharded and gathered like the rest. 0 = off. Compression needs "
+        "zero <= 1."))
     zero_reshard_after_forward: bool = key(True, help=(
         "ZeRO-3: free a unit's gathered parameters after each forward and gather them again for its backward "
         "(2 all-gathers per unit and micro-batch, the least memory; the final norm + LM head's unit stays "

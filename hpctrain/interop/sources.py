@@ -160,11 +160,12 @@ def check_adapters(source, lora, where: str) -> bool:
 def _piece_values(tensors, spec, source) -> list:
     """(target, values) for each box of the ZeRO-3 pieces of parameter ``spec`` this rank keeps."""
     staged = []
-    for piece in tensors.pieces:
+    kept = [(piece, tensors.ranges[piece.owner].params) for piece in tensors.pieces] + \
+        [(piece, tensors.frozen_slices[piece.owner]) for piece in tensors.frozen_pieces]  # a frozen base's too
+    for piece, values in kept:
         if piece.spec.name == spec.name:
-            params = tensors.ranges[piece.owner].params
             for box, a, b in local_range_boxes(spec, piece.lo, piece.hi):
-                staged.append((piece.take(params, a, b), source.read(spec.name, box.slices()).reshape(-1)))
+                staged.append((piece.take(values, a, b), source.read(spec.name, box.slices()).reshape(-1)))
     return staged
 
 

@@ -27,12 +27,15 @@ class PipelineExecutor:
     ``stage_modules``: the GPTStage of each virtual stage held here, c = 0..V-1 (one unless interleaved);
     ``pp_comm``: the PP Communicator (None when pp == 1); ``flat``: the FlatParams whose ``last_microbatch``
     flag gates the DP bucket reduction. ``act_shape``: [S(/tp), mb, D]. ``timer``: a PhaseTimer; phases
-    ``forward``, ``backward``, ``pp_wait`` (receives, send completion).
+    ``forward``, ``backward``, ``pp_wait`` (receives, send completion). ``after_backward(stage_module)``:
+    called when a micro-batch's backward through that virtual stage has returned (ZeRO-3's
+    ``ParamGather.backward_pass_done``), or None.
     """
 
     def __init__(self, stage_modules, pp_comm, flat, kind: str, microbatches: int, act_shape, act_dtype,
-                 device=None, timer=NULL_TIMER):
+                 device=None, timer=NULL_TIMER, after_backward=None):
         self.stage_modules = list(stage_modules)
+        self.after_backward = after_backward
         self.pp_comm, self.flat, self.timer, self.kind = pp_comm, flat, timer, kind
         self.stages = 1 if pp_comm is None else pp_comm.size
         self.rank = 0 if pp_comm is None else pp_comm.rank
@@ -104,6 +107,8 @@ class PipelineExecutor:
                     grad = None if module.is_last else received.pop(("B", i, c))
                     with timer.phase("backward"):
                         torch.autograd.backward(y, grad)
+                    if self.after_backward is not None:
+                        self.after_backward(module)
                     if not module.is_first:
                         assert x.grad is not None  # x: the received activation, a leaf that requires grad
                         produced[("B", i, c)] = x.grad.contiguous()

@@ -24,8 +24,15 @@ The life of a unit within a step (``ParamGather``, all on the replica group ``fl
 Every rank of the replica group runs the same schedule and the same hooks, so the collectives are posted
 in the same order everywhere; completions (``test``) only move a gather from posted to ready. Under
 torch.compile the hooks run eagerly (``torch.compiler.disable``): a compiled block's body stays one graph.
-Parameters that stay whole at zero 3 (the deferred bucket: sequence-parallel norm weights, LoRA factors,
-a tied embedding split over pp) and frozen ones are never gathered.
+Parameters that stay whole at zero 3 (the deferred bucket: sequence-parallel norm weights, LoRA factors
+partial over tp, a tied embedding split over pp) are never gathered.
+
+Frozen parameters (a LoRA run's base, ``frozen_shards.py``) are sharded too, in gather-only buckets
+(``Unit.frozen``): gathered with their unit's forward and backward like the trainable ones, but with no
+gradient to say when the backward is over. That signal is the gradient reaching the unit's input (a hook on
+it: every operation of the unit that reads its weights lies between the two), or, where the input needs no
+gradient (the first block after a frozen embedding), the end of the virtual stage's backward pass
+(``backward_pass_done``, called by the pipeline executor).
 """
 from __future__ import annotations
 
@@ -35,19 +42,26 @@ from typing import Any
 import torch
 
 from hpctrain.parallel.data_parallel import Bucket, FlatParams, allocate, free
+from hpctrain.parallel.frozen_shards import FrozenShards
 
 
 @dataclass
 class Unit:
     """One unit of a stage: ``entry`` runs first, ``exit`` last (their hooks bracket the unit);
     ``buckets``: the sharded buckets holding the parameters it uses (a tied LM head uses the embedding's;
-    their completed gradients end its backward)."""
+    their completed gradients end its backward); ``frozen``: the gather-only buckets of its frozen ones."""
     name: str
     entry: torch.nn.Module
     exit: torch.nn.Module
     params: list
     last: bool = False
     buckets: list[Bucket] = field(default_factory=list)
+    frozen: list[Bucket] = field(default_factory=list)
+
+    @property
+    def all_buckets(self) -> list[Bucket]:
+        """Everything gathered while the unit runs: the trainable buckets, then the frozen ones."""
+        return self.buckets + [b for b in self.frozen if b not in self.buckets]
 
 
 def stage_units(stage) -> list[Unit]:
@@ -68,14 +82,14 @@ def stage_units(stage) -> list[Unit]:
     return units
 
 
-def unit_params(stages) -> list[list]:
-    """The trainable parameters of each unit of ``stages`` (FlatParams' ``units=``), a shared one in its
-    first unit only."""
+def unit_params(stages, trainable: bool = True) -> list[list]:
+    """The trainable (``trainable=False``: the frozen) parameters of each unit of ``stages`` (FlatParams'
+    ``units=``, or FrozenShards'), a shared one in its first unit only."""
     seen: set[int] = set()
     groups = []
     for stage in stages:
         for unit in stage_units(stage):
-            group = [p for p in unit.params if p.requires_grad and id(p) not in seen]
+            group = [p for p in unit.params if p.requires_grad == trainable and id(p) not in seen]
             seen.update(id(p) for p in group)
             groups.append(group)
     return groups
@@ -92,9 +106,11 @@ def _eager(fn):
 
 class ParamGather:
     """Gathers and frees the units of ``stages`` (this rank's virtual stages) around their forward and
-    backward; see the module docstring. ``prefetch``: units whose gathers are posted ahead."""
+    backward; see the module docstring. ``prefetch``: units whose gathers are posted ahead; ``frozen``:
+    the frozen parameters' buckets (``FrozenShards``), or None."""
 
-    def __init__(self, flat: FlatParams, stages, *, reshard_after_forward: bool = True, prefetch: int = 1):
+    def __init__(self, flat: FlatParams, stages, *, reshard_after_forward: bool = True, prefetch: int = 1,
+                 frozen: FrozenShards | None = None):
         self.flat, self.comm = flat, flat.dp_comm
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self._posted: dict[int, Any] = {}  # bucket index -> its all-gather in flight
@@ -104,16 +120,20 @@ class ParamGather:
         # (each micro-batch's backward completes a bucket once): a tied head keeps the embedding's bucket
         self._pinned: dict[int, int] = {}
         self.stage_units: list[list[Unit]] = []
+        self._units_of: dict[int, list[Unit]] = {}  # id(stage) -> its units
+        self.frozen = frozen
         self.gathers = 0  # all-gathers posted (metrics, tests)
         for stage in stages:
             units = stage_units(stage)
             for unit in units:
                 unit.buckets = self._buckets_of(unit.params)
+                unit.frozen = frozen.buckets_of(unit.params) if frozen is not None else []
                 unit.entry.register_forward_pre_hook(_eager(lambda module, args, u=unit, us=units:
-                                                            self._before_forward(u, us)))
+                                                            self._before_forward(u, us, args)))
                 unit.exit.register_forward_hook(_eager(lambda module, args, output, u=unit, us=units:
                                                        self._after_forward(u, us, output)))
             self.stage_units.append(units)
+            self._units_of[id(stage)] = units
         flat.on_backward_done = self._backward_done
 
     def _buckets_of(self, params) -> list[Bucket]:
@@ -160,16 +180,19 @@ class ParamGather:
     def _prefetch(self, units: list[Unit], at: int, step: int) -> None:
         for k in range(1, self.prefetch + 1):
             if 0 <= at + step * k < len(units):
-                for bucket in units[at + step * k].buckets:
+                for bucket in units[at + step * k].all_buckets:
                     self._post(bucket)
 
     # ------------------------------------------------------------- hooks
-    def _before_forward(self, unit: Unit, units: list[Unit]) -> None:
-        for bucket in unit.buckets:
+    def _before_forward(self, unit: Unit, units: list[Unit], args) -> None:
+        for bucket in unit.all_buckets:
             self._post(bucket)
         if id(unit) not in self._in_backward:  # not a recomputation inside backward
             self._prefetch(units, units.index(unit), +1)
-        for bucket in unit.buckets:
+            x = args[0] if args else None
+            if unit.frozen and torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+                x.register_hook(_eager(lambda grad, u=unit: self._input_grad_ready(u)))
+        for bucket in unit.all_buckets:
             self._wait(bucket)
 
     def _after_forward(self, unit: Unit, units: list[Unit], output) -> None:
@@ -179,20 +202,20 @@ class ParamGather:
         if training and not unit.last:
             output.register_hook(_eager(lambda grad, u=unit, us=units: self._before_backward(u, us)))
         if training and unit.last:
-            for bucket in unit.buckets:
+            for bucket in unit.all_buckets:
                 self._pinned[bucket.index] = self._pinned.get(bucket.index, 0) + 1
         if self.reshard_after_forward and not unit.last:  # the last: its backward (or the head) follows
-            for bucket in unit.buckets:
+            for bucket in unit.all_buckets:
                 if not self._pinned.get(bucket.index):
                     self._free(bucket)
         self.progress()
 
     def _before_backward(self, unit: Unit, units: list[Unit]) -> None:
         self._in_backward.add(id(unit))
-        for bucket in unit.buckets:
+        for bucket in unit.all_buckets:
             self._post(bucket)
         self._prefetch(units, units.index(unit), -1)
-        for bucket in unit.buckets:
+        for bucket in unit.all_buckets:
             self._wait(bucket)
 
     def _backward_done(self, bucket: Bucket) -> None:
@@ -208,10 +231,35 @@ class ParamGather:
             self._free(bucket)
         self.progress()
 
+    def _input_grad_ready(self, unit: Unit) -> None:
+        """The gradient reached ``unit``'s input: its backward of this micro-batch is over, so its frozen
+        buckets may go (the trainable ones go when their gradients are complete, ``_backward_done``)."""
+        self._in_backward.discard(id(unit))
+        for bucket in unit.frozen:
+            if unit.last and self._pinned.get(bucket.index):
+                self._pinned[bucket.index] -= 1
+            self._release_frozen(bucket)
+        self.progress()
+
+    def _release_frozen(self, bucket: Bucket) -> None:
+        gathered = bucket.index in self._ready or bucket.index in self._posted
+        if gathered and not self._pinned.get(bucket.index) and \
+                (self.reshard_after_forward or self.flat.last_microbatch):
+            self._free(bucket)
+
+    def backward_pass_done(self, stage) -> None:
+        """The pipeline executor: a micro-batch's backward through virtual stage ``stage`` returned. Frozen
+        buckets no input gradient released (a unit whose input needs none) go now."""
+        for unit in self._units_of.get(id(stage), []):
+            self._in_backward.discard(id(unit))
+            for bucket in unit.frozen:
+                self._release_frozen(bucket)
+
     def release_all(self) -> None:
         """Free every gathered unit (after a step's reductions, after an evaluation)."""
         self._in_backward.clear()
         self._pinned.clear()
-        for bucket in self.flat.buckets:
+        frozen = self.frozen.buckets if self.frozen is not None else []
+        for bucket in list(self.flat.buckets) + frozen:
             if bucket.sharded and (bucket.index in self._ready or bucket.index in self._posted):
                 self._free(bucket)

@@ -22,6 +22,7 @@ The torchtitan "train spec" idea, without a registry: plain builder functions, o
 """
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -44,6 +45,7 @@ from hpctrain.optim.flat import FlatOptimizer
 from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.parallel.flat_group import FlatGroup, OptimizerGroup
+from hpctrain.parallel.frozen_shards import FrozenShards
 from hpctrain.config.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
 from hpctrain.parallel.zero3 import ParamGather, unit_params
@@ -82,6 +84,7 @@ class StepParts:
     sdpa: Any
     flat: FlatParams | FlatGroup  # a FlatGroup with expert parallelism (parallel/flat_group.py)
     param_gather: ParamGather | None  # ZeRO-3 (hpctrain/parallel/zero3.py), else None
+    frozen: FrozenShards | None  # ZeRO-3 with frozen parameters (a LoRA base): their slices, else None
     moe_stats: MoeStepStats | None  # a model with experts: the step's routing counts and auxiliary losses
     optimizer: FlatOptimizer | OptimizerGroup
     executor: PipelineExecutor
@@ -95,6 +98,16 @@ class StepParts:
     @property
     def reducer(self):
         return self.flat.reducer
+
+    @contextmanager
+    def gathered(self):
+        """Collective over the replica group: the whole local model readable between steps (ZeRO-3's
+        trainable and frozen units gathered, freed on exit; nothing to do otherwise)."""
+        with ExitStack() as stack:
+            stack.enter_context(self.flat.gathered())
+            if self.frozen is not None:
+                stack.enter_context(self.frozen.gathered())
+            yield
 
 
 def build_stages(m, layout: Layout, pp_rank: int, tp_comm, dtype: torch.dtype, seed: int, recompute: bool,
@@ -166,9 +179,17 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
                       make_reducer=partial(build_reducer, comp, grid=grid, seed=t.seed, optimizer=cfg.optim.name,
                                            steps=t.steps))
     reducer = flat.reducer
-    # ZeRO-3: each unit's parameters gathered over the replica group around its forward and backward
+    # ZeRO-3: each unit's parameters gathered over the replica group around its forward and backward; the
+    # frozen ones (a LoRA base) sharded too, in gather-only buckets
+    frozen = None
+    frozen_params = [p for p in local_model.parameters() if not p.requires_grad]
+    if layout.zero == 3 and frozen_params:
+        frozen_units = unit_params(stages, trainable=False)
+        if sum(map(len, frozen_units)) != len(frozen_params):
+            raise ValueError("zero 3: a frozen parameter belongs to no unit")
+        frozen = FrozenShards(frozen_units, grid.comm(grid.replica_axis), first_index=len(flat.buckets))
     param_gather = ParamGather(flat, stages, reshard_after_forward=cfg.parallel.zero_reshard_after_forward,
-                               prefetch=cfg.parallel.zero_prefetch) if layout.zero == 3 else None
+                               prefetch=cfg.parallel.zero_prefetch, frozen=frozen) if layout.zero == 3 else None
     # 1-bit Adam (even where no reducer compresses: one replica): AdamW's variance frozen after the warm-up
     optimizer = FlatOptimizer(flat, cfg.optim, tp_rank=grid.coords["tp"],
                               freeze_variance_after=comp.warmup_steps if comp.method == "onebit-adam" else None,
@@ -182,7 +203,8 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
         optimizer = OptimizerGroup([optimizer, FlatOptimizer(expert_flat, cfg.optim, tp_rank=grid.coords["tp"])])  # type: ignore[assignment]
     executor = PipelineExecutor(stages, pp_comm if layout.pp_size > 1 else None, flat, layout.schedule,
                                 layout.microbatches, (layout.seq_chunk, layout.micro_batch, m.d_model),
-                                residual_dtype(m, dtype), device=device, timer=timer)
+                                residual_dtype(m, dtype), device=device, timer=timer,
+                                after_backward=param_gather.backward_pass_done if param_gather else None)
     scaler = DynamicLossScaler(t.loss_scale, enabled=dtype == torch.float16, device=device)
     outcomes = StepOutcomes(grid.world, device, scaler, reducer,
                             read_before_update=reducer.outcome_before_update or optimizer.outcome_before_update,
@@ -196,7 +218,7 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     return StepParts(
         model_cfg=m, layout=layout, dtype=dtype, timer=timer, faults=faults, backends=backends, stages=stages,
         local_model=local_model, compiled=compiled, compile_since=compile_since, sdpa=sdpa, flat=flat,
-        param_gather=param_gather, moe_stats=MoeStepStats(stages, moe, grid.world, t.global_batch) if moe else None,
+        param_gather=param_gather, frozen=frozen, moe_stats=MoeStepStats(stages, moe, grid.world, t.global_batch) if moe else None,
         optimizer=optimizer, executor=executor, scaler=scaler, outcomes=outcomes, data=data,
         flops_per_token=flops_per_token(m, t.seq_len, cfg.lora.rank, cfg.lora.targets, moe=moe),  # active params
         peak_tflops=t.peak_tflops or peak_tflops(device, dtype, t.allow_tf32),

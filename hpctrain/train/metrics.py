@@ -126,10 +126,11 @@ class MetricsLog:
 def model_state_bytes(parts) -> dict[str, int]:
     """This rank's model state kept between steps, in bytes: {"params", "grads", "optimizer"} (what ZeRO
     shards: hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py); a LoRA run's frozen base counts
-    as parameters."""
+    as parameters (at ZeRO-3 its slices: hpctrain/parallel/frozen_shards.py)."""
     kept = parts.flat.memory_bytes()
     trainable = {id(p) for p in parts.flat.params}
-    frozen = sum(p.nbytes for p in parts.local_model.parameters() if id(p) not in trainable)
+    frozen = parts.frozen.memory_bytes() if parts.frozen is not None else \
+        sum(p.nbytes for p in parts.local_model.parameters() if id(p) not in trainable)
     return {"params": kept["params"] + frozen, "grads": kept["grads"], "optimizer": parts.optimizer.state_bytes()}
 
 

@@ -54,10 +54,20 @@ class TrainerState:
                                  piece.flat_lo - part.start,
                                  writes(piece.param) and piece.param.spec.counted_on(coords["tp"]))
                   for piece, part in opt.owned_pieces()]
+        frozen = t.parts.frozen  # ZeRO-3: the frozen base sharded over the replica group, else None
+        sharded_frozen = frozen.bucket_of if frozen is not None else {}
         params = [ModelSlab(p.spec, p.data, sharded=flat.bucket_of[id(p)].sharded) if p.requires_grad else
-                  ModelSlab(p.spec, p.data, frozen=True, written=first_holder(p) and p.spec.counted_on(coords["tp"]))
+                  ModelSlab(p.spec, p.data, frozen=True, sharded=id(p) in sharded_frozen,
+                            written=first_holder(p) and p.spec.counted_on(coords["tp"]))
                   for p in t.parts.local_model.parameters()]
-        return TrainTensors(params, ranges, pieces, kinds, flat.param_dtype, opt.master_dtype)
+        frozen_slices, frozen_pieces = [], []
+        if frozen is not None:  # each element kept by one rank of the replica group: that rank writes it
+            frozen_slices = [b.param_slice for b in frozen.buckets]
+            frozen_pieces = [OptimizerPiece(piece.param.spec, piece.param_lo, piece.param_hi, k, at,
+                                            piece.param.spec.counted_on(coords["tp"]))
+                             for piece, k, at in frozen.pieces()]
+        return TrainTensors(params, ranges, pieces, kinds, flat.param_dtype, opt.master_dtype,
+                            frozen_slices, frozen_pieces)
 
     def root_state(self) -> RootState:
         t = self._trainer

@@ -43,10 +43,11 @@ def test_adapters_over_tp_x_pp_with_recompute_and_tied_embeddings():
 
 
 def test_checkpoint_holds_adapters_their_state_and_the_base_and_resumes_bitwise_in_any_layout(tmp_path):
-    """dp=2 x tp=2 with ZeRO-1 and SP: 6 steps in one go == 3 steps + resume (bitwise); the checkpoint has
-    optimizer state for the adapters alone and the frozen base as it was initialised; the step-3 checkpoint
-    resumed on pp=2 goes on like the uninterrupted run (1e-10); a run without adapters refuses it."""
-    layout = ["parallel.tp=2", "parallel.pp=1", "parallel.zero=1", "parallel.sequence_parallel=true",
+    """dp=2 x tp=2 with ZeRO-3 (the frozen base sharded too) and SP: 6 steps in one go == 3 steps + resume
+    (bitwise); the checkpoint has optimizer state for the adapters alone and the frozen base as it was
+    initialised (written from the ranks' slices); the step-3 checkpoint resumed on pp=2 (zero 0) goes on like
+    the uninterrupted run (1e-10); a run without adapters refuses it."""
+    layout = ["parallel.tp=2", "parallel.pp=1", "parallel.zero=3", "parallel.sequence_parallel=true",
               "train.steps=6", "checkpoint.async=false"]
     whole, split, moved = tmp_path / "whole", tmp_path / "split", tmp_path / "moved"
     train(4, whole, *F64, *LORA, *layout)
@@ -81,8 +82,9 @@ def test_checkpoint_holds_adapters_their_state_and_the_base_and_resumes_bitwise_
 
 def test_checkpoints_refer_to_their_hugging_face_base_by_path_and_checksum(tmp_path):
     """model.init_from of an HF directory into a tp=2 LoRA run: its checkpoints hold the adapters and a
-    reference to the base (path + a CRC-32 per tensor), not the base; a resume (here on pp=2) reads the base
-    back bit for bit and trains like a run that copies it (1e-10). A base that moved stops the resume with one
+    reference to the base (path + a CRC-32 per tensor), not the base; a resume (here on dp=2 at ZeRO-3: each
+    rank reads its slices of the base) reads the base back bit for bit and trains like a run that copies it
+    (1e-10; that one starts at ZeRO-3 from the HF directory). A base that moved stops the resume with one
     line until model.init_from says where it is; a changed base is refused naming the tensor; nothing is
     written by a refused resume; export reads the base through the reference (peft needs none)."""
     pytest.importorskip("transformers")
@@ -107,7 +109,7 @@ def test_checkpoints_refer_to_their_hugging_face_base_by_path_and_checksum(tmp_p
         return run_mpi(2, "hpctrain.cli", "train", *common, f"train.run_dir={run_dir}", *args, module=True,
                        timeout=120, check=check)
 
-    run(copy, "parallel.tp=2", "lora.checkpoint_base=copy", f"model.init_from={tmp_path / 'hf'}")
+    run(copy, "parallel.zero=3", "lora.checkpoint_base=copy", f"model.init_from={tmp_path / 'hf'}")
     first = run(ref, "parallel.tp=2", f"model.init_from={tmp_path / 'hf'}", "--max-steps", "2")
     assert f"checkpoints refer to the frozen base {tmp_path / 'hf'} (checksum" in first.stdout, first.stdout
     hf = load_file(tmp_path / "hf" / "model.safetensors")
@@ -122,7 +124,7 @@ def test_checkpoints_refer_to_their_hugging_face_base_by_path_and_checksum(tmp_p
     assert f"frozen base: {len(hf)} tensors referred to at {tmp_path / 'hf'}" in ckpt("inspect", str(step2)).stdout
 
     (tmp_path / "hf").rename(tmp_path / "moved")
-    gone = run(ref, "parallel.pp=2", "--resume", "auto", check=False)
+    gone = run(ref, "parallel.zero=3", "--resume", "auto", check=False)
     errors = [line for line in gone.stderr.splitlines() if line.startswith("hpctrain: error: ")]
     assert gone.returncode != 0 and len(errors) == 1 and "which is gone" in errors[0], gone.stderr
     assert "set model.init_from to where it is now" in errors[0] and "Traceback" not in gone.stderr
@@ -131,13 +133,13 @@ def test_checkpoints_refer_to_their_hugging_face_base_by_path_and_checksum(tmp_p
     tensors = load_file(changed / "model.safetensors")
     tensors["model.layers.1.mlp.up_proj.weight"][0, 0] += 1e-12
     save_file(tensors, changed / "model.safetensors", metadata={"format": "pt"})
-    refused = run(ref, "parallel.pp=2", "--resume", "auto", f"model.init_from={changed}", check=False)
+    refused = run(ref, "parallel.zero=3", "--resume", "auto", f"model.init_from={changed}", check=False)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("hpctrain: error: ")]
     assert refused.returncode != 0 and len(errors) == 1, refused.stderr
     assert "not the base its adapters were trained on" in errors[0] and "layers.1.mlp.up.weight" in errors[0]
     assert sorted(p.name for p in (ref / "checkpoints").glob("step-*")) == ["step-00000002"]
 
-    resumed = run(ref, "parallel.pp=2", "--resume", "auto", f"model.init_from={tmp_path / 'moved'}")
+    resumed = run(ref, "parallel.zero=3", "--resume", "auto", f"model.init_from={tmp_path / 'moved'}")
     assert "at step 2" in resumed.stdout and f"refer to the frozen base {tmp_path / 'moved'}" in resumed.stdout
     want, got = losses(copy), losses(ref)
     assert sorted(got) == [1, 2, 3, 4] and all(abs(got[s] - want[s]) <= 1e-10 * abs(want[s]) for s in got)

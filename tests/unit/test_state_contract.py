@@ -13,6 +13,7 @@ from hpctrain.checkpoint import contract
 from hpctrain.checkpoint.contract import OptimizerPiece, TrainState
 from hpctrain.optim.flat import FlatOptimizer
 from hpctrain.parallel.data_parallel import FlatParams
+from hpctrain.parallel.frozen_shards import FrozenShards
 from hpctrain.parallel.slab import SlabSpec
 from hpctrain.train.state import TrainerState
 
@@ -128,18 +129,21 @@ def params(*specs, dtype=torch.float32):
     return out
 
 
-def stand_in_trainer(ps, *, dp_rank, zero, tp_rank=0, frozen=()):
+def stand_in_trainer(ps, *, dp_rank, zero, tp_rank=0, frozen=(), frozen_units=None):
     """What TrainerState reads of a Trainer (its step and ``parts``), built from real FlatParams and FlatOptimizer over a fake dp group;
-    ``frozen``: parameters of the model outside them (requires_grad=False: a LoRA run's base)."""
+    ``frozen``: parameters of the model outside them (requires_grad=False: a LoRA run's base); ``frozen_units``:
+    ZeRO-3's units of them (sharded in FrozenShards), or None (kept whole)."""
     flat = FlatParams(ps, SimpleNamespace(size=2, rank=dp_rank), zero=zero)
     for p in frozen:
         p.requires_grad_(False)
+    shards = None if frozen_units is None else FrozenShards(frozen_units, SimpleNamespace(size=2, rank=dp_rank),
+                                                            first_index=len(flat.buckets))
     local_model = SimpleNamespace(parameters=lambda: iter(list(frozen) + list(ps)))
     grid = SimpleNamespace(info=SimpleNamespace(rank=3, size=4), sizes={"dp": 2, "tp": 2, "pp": 1},
                            coords={"dp": dp_rank, "tp": tp_rank, "pp": 0, "cp": 0})
     cfg = SimpleNamespace(parallel=SimpleNamespace(zero=int(zero)))
     state_dict = lambda: {"position": 7}  # noqa: E731
-    parts = SimpleNamespace(model_cfg="model", timer="timer", flat=flat, reducer=flat.reducer,
+    parts = SimpleNamespace(model_cfg="model", timer="timer", flat=flat, reducer=flat.reducer, frozen=shards,
                             local_model=local_model, optimizer=FlatOptimizer(flat, SimpleNamespace(), tp_rank=tp_rank),
                             data=SimpleNamespace(batches=SimpleNamespace(state_dict=state_dict)),
                             scaler=SimpleNamespace(state_dict=lambda: {}, enabled=False))
@@ -183,6 +187,34 @@ def test_frozen_parameters_are_model_pieces_without_optimizer_state_written_once
     assert [piece.spec.name for piece in t.pieces] == ["a.lora_A.weight"]
     assert [p.written for p in tensors(0, 0).params if p.frozen] == [True, True, False]
     assert not any(p.written for p in tensors(1, 0).params)
+
+
+def test_a_sharded_frozen_base_is_written_and_loaded_through_the_slices_each_rank_keeps():
+    """ZeRO-3 with a frozen base: its params are ``sharded`` (never read whole); ``frozen_pieces`` cover every
+    element once over the two dp ranks, lie in ``frozen_slices``, and are written where counted (tp rank 0 for
+    a tp-replicated norm, never the tied copy)."""
+    def tensors(dp_rank, tp_rank):
+        adapter, = params(SlabSpec("a.lora_A.weight", (2, 3)))
+        w, norm, head = params(SlabSpec("w", (4, 3), 0, tp_rank, 2), SlabSpec("norm", (3,), None, tp_rank, 2),
+                               SlabSpec("head", (4, 3), 0, tp_rank, 2, tied="copy"))
+        trainer = stand_in_trainer([adapter], dp_rank=dp_rank, zero=3, tp_rank=tp_rank, frozen=[w, norm, head],
+                                   frozen_units=[[w], [norm, head]])
+        return TrainerState(trainer).tensors(), {"w": w, "norm": norm, "head": head}
+
+    for tp_rank in (0, 1):
+        covered: dict[str, list] = {}
+        for dp_rank in (0, 1):
+            t, base = tensors(dp_rank, tp_rank)
+            assert [(p.spec.name, p.frozen, p.sharded) for p in t.params if p.frozen] == [
+                ("w", True, True), ("norm", True, True), ("head", True, True)]
+            assert [s.numel() for s in t.frozen_slices] == [3, 5]  # w: 6 elements / 2; norm + head: 9 -> 10 / 2
+            for piece in t.frozen_pieces:
+                values = piece.take(t.frozen_slices[piece.owner], piece.lo, piece.hi)
+                assert torch.equal(values, torch.arange(float(piece.lo), float(piece.hi))), piece  # params() counts up
+                assert piece.written == (piece.spec.name == "w" or (piece.spec.name == "norm" and tp_rank == 0))
+                covered.setdefault(piece.spec.name, []).extend(range(piece.lo, piece.hi))
+        assert {name: sorted(e) for name, e in covered.items()} == {"w": list(range(6)), "norm": list(range(3)),
+                                                                     "head": list(range(6))}
 
 
 def test_trainer_state_root_state_and_step_counters():

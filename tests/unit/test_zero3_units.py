@@ -29,7 +29,7 @@ def trained(tokens, steps, *overrides, inspect=None):
         trainer = Trainer(cfg, grid, tokens=tokens)
         losses = [trainer.train_step().loss for _ in range(steps)]
         seen = inspect(trainer) if inspect else None
-        with trainer.parts.flat.gathered():
+        with trainer.parts.gathered():
             params = {p.spec.name: p.detach().clone() for p in trainer.parts.local_model.parameters()}
         return losses, params, seen
     finally:
@@ -88,3 +88,69 @@ def test_prefetch_posts_the_next_unit_before_the_current_one_computes(tokens):
     first, second = order[1][0], order[1][1]
     assert first[0] == "embed" and len(first[1]) == 2 and len(second[1]) == 2
     assert all(len(held) == 1 for _, held in order[0][:4])
+
+
+@pytest.mark.parametrize("microbatches, prefetch", [(1, 1), (2, 1), (2, 0)])
+def test_a_lora_base_is_sharded_and_only_the_running_units_are_gathered(tokens, microbatches, prefetch):
+    """LoRA at zero 3: the frozen base of each unit is a gather-only bucket. Freed after each unit's forward,
+    and after its backward as soon as the gradient reaches its input (the first block, whose input needs
+    none, when the backward pass returns): when unit k's forward starts only k and the prefetched k + 1 are
+    gathered, and never more than 3 of the 5 at once (the head's stays from its forward to its backward),
+    where keeping them to the step's end would hold all 5. Trains exactly as zero 0."""
+    seen: dict = {"most": 0, "extra": []}
+
+    def watch(trainer):
+        gather, frozen = trainer.parts.param_gather, trainer.parts.frozen
+        position = {b.index: k for k, b in enumerate(frozen.buckets)}
+        held: set[int] = set()
+        post, release = gather._post, gather._free
+
+        def posted(bucket):
+            post(bucket)
+            if bucket.index in position:
+                held.add(position[bucket.index])
+                seen["most"] = max(seen["most"], len(held))
+
+        def freed(bucket):
+            release(bucket)
+            held.discard(position.get(bucket.index))
+
+        gather._post, gather._free = posted, freed
+        for k, unit in enumerate(gather.stage_units[0]):  # after ParamGather's own hook: the unit is gathered
+            unit.entry.register_forward_pre_hook(lambda m, a, k=k: seen["extra"].append(sorted(held - {k, k + prefetch})))
+        trainer.train_step()
+        seen["units"] = len(frozen.buckets)
+        seen["between"] = [is_allocated(b.param_values) for b in frozen.buckets]
+
+    lora = ["lora.rank=4", f"parallel.microbatches={microbatches}"]
+    sharded, params, _ = trained(tokens, 2, *lora, "parallel.zero=3", f"parallel.zero_prefetch={prefetch}",
+                                 inspect=watch)
+    whole, reference, _ = trained(tokens, 3, *lora)
+    assert seen["units"] == 5 and seen["most"] <= 3 and not any(seen["between"]), seen
+    assert len(seen["extra"]) == 5 * microbatches and not any(seen["extra"]), seen
+    assert sharded == whole[:2]  # the watched step is the third
+    assert all(torch.equal(params[name], reference[name]) for name in params)
+
+
+def test_a_local_tier_piece_of_a_lora_zero3_rank_holds_the_frozen_slices(tokens):
+    """The node-local tier's piece takes the frozen base through its slices (``frozen<i>``), never through the
+    parameters (freed between steps); copying a piece's tensors into another run restores it bitwise."""
+    from hpctrain.checkpoint.local_piece import piece_tensors
+
+    def pieces(trainer):
+        return [(name, t.clone()) for name, t in piece_tensors(trainer.state)]
+
+    lora = ["lora.rank=4", "parallel.zero=3"]
+    _, params, taken = trained(tokens, 2, *lora, inspect=pieces)
+    names = [name for name, _ in taken]
+    assert [n for n in names if n.startswith("frozen")] == [f"frozen{i}" for i in range(5)], names
+    assert not any(n.startswith("param") for n in names), names  # every parameter is in a range or a slice
+
+    def restore(trainer):
+        for (name, target), (_, saved) in zip(piece_tensors(trainer.state), taken):
+            target.copy_(saved)
+        with trainer.parts.gathered():
+            return {p.spec.name: p.detach().clone() for p in trainer.parts.local_model.parameters()}
+
+    _, _, restored = trained(tokens, 0, *lora, "train.seed=7", inspect=restore)
+    assert all(torch.equal(restored[name], params[name]) for name in params)

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.config import load_config
 from hpctrain.data.corpus import load_tokens_collective
+from hpctrain.parallel.data_parallel import is_allocated
 from hpctrain.parallel.lora import is_adapter
 from hpctrain.runtime.launcher import discover
 from hpctrain.train.trainer import Trainer
@@ -45,7 +46,7 @@ def train(cfg, mpi_world, tokens, steps):
     initial = global_parameters(trainer) if cfg.lora.rank else None
     losses = [trainer.train_step().loss for _ in range(steps)]
     flat = trainer.parts.flat
-    with flat.gathered():
+    with trainer.parts.gathered():
         for p in trainer.parts.local_model.parameters():  # vocabulary padding rows: never trained, exactly zero
             pad = p.spec.valid_shape[0] if p.spec.padded_dim is not None else p.shape[0]
             kept = p.requires_grad and (flat.zero_stage <= 1 or flat.bucket_of[id(p)].deferred)  # else freed
@@ -66,6 +67,14 @@ def check_lora(trainer, initial, params):
     assert all(is_adapter(p.spec.name) for p in trainer.parts.flat.params), "a frozen weight in the flat buffers"
     for p in trainer.parts.local_model.parameters():
         assert p.requires_grad == is_adapter(p.spec.name) and (p.requires_grad or p.grad is None), p.spec.name
+    flat, frozen = trainer.parts.flat, trainer.parts.frozen
+    if flat.zero_stage == 3:  # the frozen base sharded over the replica group too, nothing gathered between steps
+        whole = sum(p.nbytes for p in trainer.parts.local_model.parameters() if not p.requires_grad)
+        assert frozen is not None, "zero 3 left the frozen base whole"
+        padding = len(frozen.buckets) * flat.dp_size * frozen.slices.element_size()
+        assert whole / flat.dp_size <= frozen.memory_bytes() <= whole / flat.dp_size + padding, (frozen.memory_bytes(), whole)
+        assert not any(is_allocated(b.param_values) for b in frozen.buckets), "a frozen unit left gathered"
+        print(f"FROZEN SHARDED {frozen.memory_bytes()} of {whole} bytes kept", flush=True)
     if params is None:
         return
     for name, value in params.items():

@@ -1,0 +1,110 @@
+"""ZeRO-3 for the parameters that do not train (a LoRA run's frozen base): sharded over the replica group like
+the trainable ones, gathered only while their unit runs.
+
+Each unit's frozen parameters (``zero3.unit_params(stages, trainable=False)``: the frozen ones a unit uses, a
+shared one in its first unit) become one gather-only ``Bucket``: no gradient, no reduction, no optimizer
+state. ``param_slice``: this rank's 1/dp of the unit (padded to a multiple of dp), a view of ``slices``, the
+one buffer kept between steps; ``param_values``: the whole unit, which every parameter's ``.data`` views,
+allocated only while ``ParamGather`` (zero3.py) holds the unit gathered. Bucket indices continue after the
+trainable ``FlatParams``' buckets, so the gatherer keys both alike.
+
+Checkpoints read and write the frozen base through ``pieces`` (the parameter elements this rank keeps), as
+they do the trainable slices: the base is never gathered for a save or a load. Collective only in
+``gathered`` (over the replica group ``dp_comm``).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from hpctrain.parallel.data_parallel import Bucket, ParamPiece, allocate, free, intersect, is_allocated
+
+
+class FrozenShards:
+    """The gather-only buckets of ``units`` (lists of frozen parameters, in forward order) over ``dp_comm``
+    (the replica group, dp x cp); ``first_index``: the first bucket's ``index`` (after the trainable ones)."""
+
+    def __init__(self, units: list[list], dp_comm, first_index: int):
+        self.dp_comm = dp_comm
+        self.dp_size = 1 if dp_comm is None else dp_comm.size
+        self.dp_rank = 0 if dp_comm is None else dp_comm.rank
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[int, Bucket] = {}  # id(parameter) -> its bucket
+        self._offsets: dict[int, tuple[int, int]] = {}  # id(parameter) -> (start in the flat order, elements)
+        start = 0
+        for members in units:
+            if members:
+                size = -(-sum(p.numel() for p in members) // self.dp_size) * self.dp_size
+                self.buckets.append(Bucket(start, start + size, list(members), index=first_index + len(self.buckets)))
+                start += size
+        params = [p for b in self.buckets for p in b.params]
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"zero 3: the frozen parameters have several dtypes {sorted(map(str, dtypes))}")
+        dtype = params[0].dtype if params else torch.float32
+        device = params[0].device if params else torch.device("cpu")
+        self.slices = torch.zeros(start // self.dp_size, dtype=dtype, device=device)
+        at = 0
+        for b in self.buckets:
+            share = b.size // self.dp_size
+            b.param_slice = self.slices[at:at + share]
+            b.param_values = torch.zeros(b.size, dtype=dtype, device=device)
+            at += share
+            offset = b.start
+            with torch.no_grad():
+                for p in b.params:
+                    n = p.numel()
+                    view = b.param_values[offset - b.start:offset - b.start + n].view_as(p)
+                    view.copy_(p.data)
+                    p.data = view
+                    self._offsets[id(p)], self.bucket_of[id(p)] = (offset, n), b
+                    offset += n
+                b.param_slice.copy_(b.param_values[self.dp_rank * share:(self.dp_rank + 1) * share])
+            free(b.param_values)
+
+    def buckets_of(self, params) -> list[Bucket]:
+        """The buckets holding any of ``params``, in first-use order."""
+        found: list[Bucket] = []
+        for p in params:
+            bucket = self.bucket_of.get(id(p))
+            if bucket is not None and bucket not in found:
+                found.append(bucket)
+        return found
+
+    def pieces(self) -> list[tuple[ParamPiece, int, int]]:
+        """(piece, k, at) for every run of parameter elements this rank keeps: elements [piece.param_lo,
+        piece.param_hi) of the parameter's flattened local slab lie at [at, at + length) of
+        ``buckets[k].param_slice``. Padding has no piece."""
+        found = []
+        for k, b in enumerate(self.buckets):
+            share = b.size // self.dp_size
+            lo, hi = b.start + self.dp_rank * share, b.start + (self.dp_rank + 1) * share
+            for p in b.params:
+                offset, n = self._offsets[id(p)]
+                overlap = intersect(offset, offset + n, lo, hi)
+                if overlap:
+                    found.append((ParamPiece(p, overlap[0], overlap[1], overlap[0] - offset), k, overlap[0] - lo))
+        return found
+
+    def memory_bytes(self) -> int:
+        """The frozen parameter bytes this rank keeps between steps (its slices)."""
+        return self.slices.nbytes
+
+    @contextmanager
+    def gathered(self):
+        """Collective over the replica group: every frozen unit gathered (the whole local base readable, as
+        ``FlatParams.gathered`` makes the trainable one), freed again on exit."""
+        taken = [b for b in self.buckets if not is_allocated(b.param_values)]
+        for b in taken:
+            assert b.param_slice is not None  # every bucket here is sharded
+            allocate(b.param_values)
+            if self.dp_size > 1:
+                self.dp_comm.allgather(b.param_values, b.param_slice)
+            else:
+                b.param_values.copy_(b.param_slice)
+        try:
+            yield
+        finally:
+            for b in taken:
+                free(b.param_values)

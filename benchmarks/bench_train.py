@@ -165,16 +165,17 @@ class HpcTrainImpl:
         self.grid.close()
 
 
-def peer_model(args, total_steps):
+def peer_model(args, total_steps, extra=()):
     """The torch peers' config and model: the hpctrain GPT (``GPTStage``) whole on each rank, float32, the same
-    initial weights; returns (cfg, model, parameter count)."""
+    initial weights (``extra``: more overrides, e.g. ``lora.rank``: its adapters, the base frozen); returns
+    (cfg, model, parameter count)."""
     from hpctrain.config import load_config, resolve_model
     from hpctrain.models.gpt import GPTStage, count_parameters
 
-    cfg = load_config(None, model_overrides(args) + [f"train.steps={total_steps}"])
+    cfg = load_config(None, model_overrides(args) + [f"train.steps={total_steps}", *extra])
     m = resolve_model(cfg.model)
     model = GPTStage(m, (0, m.n_layers), is_first=True, is_last=True, tp_comm=None, dtype=torch.float32,
-                     seed=cfg.train.seed)
+                     seed=cfg.train.seed, lora=cfg.lora)
     return cfg, model, count_parameters(m)
 
 

@@ -33,6 +33,9 @@ Two measurements in one job:
   sizes (gloo counts nothing): 2 all-gathers of the parameters (forward, backward) and one reduce-scatter
   of the gradients, each (n-1)/n of the model per rank.
 
+``--lora-rank R``: every row trains LoRA adapters (rank R, on q and v) of the same model with the rest
+frozen; hpctrain's zero 3 shards the frozen base too, FSDP2 shards it with the rest.
+
 One thread per rank (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
 """
 from __future__ import annotations
@@ -60,7 +63,7 @@ from hpctrain.bench.report import (resident_mb, run_benchmark, timed_rounds, tim
 
 FIELDS = ["impl", "ranks", "zero", "step_ms", "step_ms_min", "step_ms_max", "ratio_vs_fsdp2", "peak_mb", "state_mb",
           "mb_sent_per_step", "final_loss", "timed_steps", "params", "d_model", "n_layers", "vocab", "global_batch",
-          "seq_len", "intra_node", "prefetch", "reshard"]
+          "seq_len", "intra_node", "prefetch", "reshard", "lora_rank"]
 IMPLS = ("hpctrain-zero0", "hpctrain-zero1", "hpctrain-zero2", "hpctrain-zero3", "fsdp2-gloo")
 
 
@@ -75,6 +78,8 @@ def parse_args(argv=None):
                    help="parallel.zero_reshard_after_forward of the zero-3 row (default true, as FSDP2's)")
     p.add_argument("--intra-node", default="auto", choices=("auto", "shm", "mpi"),
                    help="comm.intra_node of the hpctrain rows (default auto, hpctrain's default)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="LoRA adapters of this rank on q and v in every row, the rest frozen (default 0: off)")
     add_output_args(p)
     return p.parse_args(argv)
 
@@ -82,7 +87,7 @@ def parse_args(argv=None):
 class ZeroImpl(HpcTrainImpl):
     def __init__(self, zero: int, args, info, tokens, total_steps):
         extra = [f"parallel.zero={zero}", f"parallel.zero_prefetch={args.prefetch}",
-                 f"parallel.zero_reshard_after_forward={args.reshard}"]
+                 f"parallel.zero_reshard_after_forward={args.reshard}", f"lora.rank={args.lora_rank}"]
         super().__init__(f"hpctrain-zero{zero}", args, info, tokens, total_steps, extra=extra)
         self.impl, self.zero = f"hpctrain-zero{zero}", zero
 
@@ -101,15 +106,17 @@ class Fsdp2Impl:
 
         self.impl = self.name = "fsdp2-gloo"
         self.zero = "fsdp2"
-        self.cfg, self.model, self.params = peer_model(args, total_steps)
+        self.cfg, self.model, self.params = peer_model(args, total_steps, [f"lora.rank={args.lora_rank}"])
         mesh = init_device_mesh("cpu", (info.size,))
         for block in self.model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.optimizer, self.batches, self.local_tokens = peer_optimizer_and_batches(self.cfg, self.model, info, tokens)
         self.step_count, self.loss = 0, float("nan")
-        n, nbytes = info.size, 4 * sum(p.numel() for p in self.model.parameters())  # global sizes (DTensor)
-        self.bytes_sent = int(3 * nbytes * (n - 1) / n)
+        n, params = info.size, list(self.model.parameters())
+        nbytes = 4 * sum(p.numel() for p in params)  # global sizes (DTensor)
+        trainable = 4 * sum(p.numel() for p in params if p.requires_grad)  # a LoRA run reduces the adapters' alone
+        self.bytes_sent = int((2 * nbytes + trainable) * (n - 1) / n)
         self.phases = Phases()
 
     def step(self) -> None:
@@ -242,7 +249,7 @@ def run(args) -> list[dict]:
                         "final_loss": impl.final_loss(world), "timed_steps": len(t), "params": impl.params,
                         "d_model": args.d_model, "n_layers": args.layers, "vocab": args.vocab,
                         "global_batch": args.global_batch, "seq_len": args.seq_len, "intra_node": args.intra_node,
-                        "prefetch": args.prefetch, "reshard": args.reshard})
+                        "prefetch": args.prefetch, "reshard": args.reshard, "lora_rank": args.lora_rank})
     fsdp = next((r for r in records if r["impl"] == "fsdp2-gloo"), None)
     for r in records:
         if fsdp is not None:

@@ -132,6 +132,25 @@ def is_allocated(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().size() > 0
 
 
+@contextmanager
+def gather_whole(buckets: list[Bucket], dp_comm):
+    """Collective over ``dp_comm`` (None: one rank): each sharded bucket of ``buckets`` not gathered now gets
+    its whole ``param_values`` from the ranks' slices (blocking all-gathers), freed again on exit."""
+    taken = [b for b in buckets if b.sharded and not is_allocated(b.param_values)]
+    for b in taken:
+        assert b.param_slice is not None  # a sharded bucket
+        allocate(b.param_values)
+        if dp_comm is not None and dp_comm.size > 1:
+            dp_comm.allgather(b.param_values, b.param_slice)
+        else:
+            b.param_values.copy_(b.param_slice)
+    try:
+        yield
+    finally:
+        for b in taken:
+            free(b.param_values)
+
+
 class FlatParams:
     """Flat buffers, buckets and the replica group's gradient reducer of one pipeline stage's parameters.
 
@@ -419,23 +438,10 @@ class FlatParams:
         for h in handles:
             h.wait()
 
-    @contextmanager
     def gathered(self):
         """Every sharded bucket's parameters gathered (collective over dp), freed again on exit: the whole
         local model readable between steps (zero 3; nothing to do otherwise)."""
-        sharded = [b for b in self.buckets if b.sharded and not is_allocated(b.param_values)]
-        for b in sharded:
-            assert b.param_slice is not None  # a sharded bucket
-            allocate(b.param_values)
-            if self.dp_size > 1:
-                self.dp_comm.allgather(b.param_values, b.param_slice)
-            else:
-                b.param_values.copy_(b.param_slice)
-        try:
-            yield
-        finally:
-            for b in sharded:
-                free(b.param_values)
+        return gather_whole(self.buckets, self.dp_comm)
 
     def memory_bytes(self) -> dict[str, int]:
         """Model-state bytes this rank keeps between steps: {"params": ``param_buffer``, "grads": the main

@@ -14,11 +14,9 @@ they do the trainable slices: the base is never gathered for a save or a load. C
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
-from hpctrain.parallel.data_parallel import Bucket, ParamPiece, allocate, free, intersect, is_allocated
+from hpctrain.parallel.data_parallel import Bucket, ParamPiece, free, gather_whole, intersect
 
 
 class FrozenShards:
@@ -91,20 +89,7 @@ class FrozenShards:
         """The frozen parameter bytes this rank keeps between steps (its slices)."""
         return self.slices.nbytes
 
-    @contextmanager
     def gathered(self):
         """Collective over the replica group: every frozen unit gathered (the whole local base readable, as
         ``FlatParams.gathered`` makes the trainable one), freed again on exit."""
-        taken = [b for b in self.buckets if not is_allocated(b.param_values)]
-        for b in taken:
-            assert b.param_slice is not None  # every bucket here is sharded
-            allocate(b.param_values)
-            if self.dp_size > 1:
-                self.dp_comm.allgather(b.param_values, b.param_slice)
-            else:
-                b.param_values.copy_(b.param_slice)
-        try:
-            yield
-        finally:
-            for b in taken:
-                free(b.param_values)
+        return gather_whole(self.buckets, self.dp_comm)

@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from hpctrain.comm.backends.mpi import MpiBackend
+from hpctrain.comm.bound import BoundCalls
 from hpctrain.comm.handle import Handle, _end  # noqa: F401 - _end: tests import it from here
 from hpctrain.comm.persistent import Recurring
-from hpctrain.comm.watchdog import CommStats, Watchdog
+from hpctrain.comm.watchdog import IDLE, CommStats, Watchdog, clock
 from hpctrain.errors import HpcTrainError
 
 # alltoallv given ``largest_block`` sends host blocks one Isend/Irecv per peer from this size on (the default
@@ -45,7 +46,7 @@ ALLTOALL_BY_PEER_BYTES = 128 << 10
 if TYPE_CHECKING:
     from hpctrain.comm.backends.nccl import NcclBackend
     from hpctrain.comm.backends.staged import HostStagedBackend
-    from hpctrain.comm.watchdog import OpCounter
+    from hpctrain.comm.watchdog import OpCounter, Slot
 
 BACKEND_CHOICES = ("auto", "mpi", "cuda-mpi", "nccl")
 
@@ -73,17 +74,24 @@ class Communicator:
         self.watchdog = watchdog
         self.stats = stats
         self.backend_choice = backend
+        # bytes sent per byte of the buffer (bandwidth-optimal algorithms; OpCounter.sent)
+        self._allreduce_wire = 2 * (self.size - 1) / self.size
+        self._spread_wire = (self.size - 1) / self.size  # reduce-scatter, all-gather, alltoall, broadcast
         self._host = MpiBackend(mpi_comm)
+        self._bound = BoundCalls(mpi_comm)  # blocking host calls bound to their tensors (the hot path, bound.py)
         self._device: MpiBackend | HostStagedBackend | NcclBackend | None = None  # created on the first CUDA tensor (NCCL init is collective and costly)
         self.shm = None  # a ShmRoute (comm.intra_node, intra_node.py): CPU float sums in shared memory
         self.recurring: list[Recurring] = []  # persistent small collectives on this group (freed at close)
         self._counters: dict[str, OpCounter] = {}  # op -> this group's OpCounter in ``stats``
+        self._slots: dict[str, Slot] = {}  # op -> its watchdog slot (with its counter): blocking host calls
         self.check = check
         # alltoallv given ``largest_block``: host blocks of this many bytes or more go one Isend/Irecv per peer
         self.alltoall_by_peer_bytes = ALLTOALL_BY_PEER_BYTES
         self.trace = None  # a TraceRecorder (train.trace): every call recorded while it is active
         self.seq = self.p2p_seq = 0  # collectives / point-to-point calls started on this group (Watchdog)
-        self.done_seq, self.done_op, self.done_at = 0, None, None  # the last collective completed
+        self.done_seq = 0  # the last collective completed: its number, op and clock() time
+        self.done_op: str | None = None
+        self.done_at: float | None = None
         watchdog.groups.append(self)
 
     # ---------------------------------------------------------------- backend choice
@@ -132,6 +140,7 @@ class Communicator:
             self._device.close()
         if self.shm is not None:  # collective over the group, like the grid's close
             self.shm.close()
+        self._bound.clear()
         for op in self.recurring:
             op.free()
         self.recurring = []
@@ -145,9 +154,7 @@ class Communicator:
         ``wire``: bytes sent per byte of ``nbytes`` (default (p-1)/p); ``route``: how the call travels when
         not through MPI (the shm route's name, for hang reports); ``splits``: an alltoallv's (input_splits,
         output_splits), which comm.check matches across the group."""
-        counter = self._counters.get(op)
-        if counter is None:
-            counter = self._counters[op] = self.stats.ops[(self.name, op)]
+        counter = self._counter(op)
         sent = int(nbytes * (wire if wire is not None else (self.size - 1) / self.size))
         counter.calls += 1
         counter.bytes += nbytes
@@ -179,6 +186,45 @@ class Communicator:
         if trace is not None and trace.active:
             trace.comm(self.name, op, nbytes, sent, start, end, blocked=True)
         return None
+
+    def _host_call(self, op: str, nbytes: int, wire: float, method, *args, route: str = "") -> None:
+        """``_run`` for a blocking collective on host memory with comm.check off: the hot path of every small
+        collective, where each step of Python shows against MPI's own few microseconds. The same counting,
+        numbering, watching and tracing as ``_run``, through the watchdog ``Slot`` this group keeps for
+        ``op`` (nothing allocated or registered per call; its begin/end written out here, a call less). A call
+        of the same op already in flight (another thread's) takes ``_run``."""
+        slot = self._slots.get(op)
+        if slot is None:
+            slot = self._slots[op] = self.watchdog.slot(op, self, self._counter(op))
+        call = slot.call
+        if call.start != IDLE:
+            return self._run(op, nbytes, False, method, *args, wire=wire, route=route)
+        self.seq += 1
+        call.seq, call.nbytes, call.route = self.seq, nbytes, route
+        call.start = start = clock()
+        try:
+            method(*args, False)
+        finally:  # a failed call must not look stalled later
+            end = clock()
+            call.start = IDLE
+            if call.seq > self.done_seq:
+                self.done_seq, self.done_op, self.done_at = call.seq, op, end
+        counter = slot.counter
+        sent = int(nbytes * wire)
+        counter.calls += 1
+        counter.bytes += nbytes
+        counter.sent += sent
+        counter.seconds += end - start
+        trace = self.trace
+        if trace is not None and trace.active:
+            trace.comm(self.name, op, nbytes, sent, start, end, blocked=True)
+        return None
+
+    def _counter(self, op: str) -> OpCounter:
+        counter = self._counters.get(op)
+        if counter is None:
+            counter = self._counters[op] = self.stats.ops[(self.name, op)]
+        return counter
 
     def check_same_call(self, op: str, fingerprint, splits=None) -> None:
         """Collective (comm.check): every member must be about to make the same call; else raise
@@ -218,31 +264,60 @@ class Communicator:
             self.watchdog.end(token)
 
     # ---------------------------------------------------------------- collectives
+    # The hot path first: a blocking host call with comm.check off, on tensors a ``BoundCall`` was (or can be) made
+    # for (bound.py); then the ordinary way, where comm.check's fingerprint is built only when it is compared.
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", nonblocking: bool = False):
         """In place: every rank's ``tensor`` becomes the sum / average / max over the group."""
-        backend = self._host if not tensor.is_cuda else self.backend_for(tensor)
-        route = ""
-        if self.shm is not None and self.shm.takes(tensor, op, "allreduce"):
-            backend, route = self.shm, self.shm.route
+        if not (nonblocking or self.check):
+            bound = self._bound.get("allreduce", tensor, None, op, self.shm)
+            if bound is not None:
+                return self._host_call("allreduce", bound.nbytes, self._allreduce_wire, bound)
+        shm = self.shm
+        if shm is not None and shm.takes(tensor, op, "allreduce"):
+            backend, route = shm, shm.route
+        else:
+            backend, route = self.backend_for(tensor), ""
+        if not (nonblocking or self.check or tensor.is_cuda):
+            return self._host_call("allreduce", tensor.nbytes, self._allreduce_wire, backend.allreduce, tensor, op,
+                                   route=route)
         return self._run("allreduce", tensor.nbytes, nonblocking, backend.allreduce, tensor, op,
-                         fingerprint=(op, tensor.dtype, tensor.numel()), wire=2 * (self.size - 1) / self.size,
-                         route=route)
+                         fingerprint=(op, tensor.dtype, tensor.numel()), wire=self._allreduce_wire, route=route)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                        nonblocking: bool = False):
         """``input`` (size*n elements, block r for group rank r) reduced; block ``self.rank`` -> ``output`` (n)."""
-        shm = self.shm if self.shm is not None and self.shm.takes(input, op, "reduce_scatter") else None
-        backend = shm if shm is not None else self.backend_for(input)
+        if not (nonblocking or self.check):
+            bound = self._bound.get("reduce_scatter", output, input, op, self.shm)
+            if bound is not None:
+                return self._host_call("reduce_scatter", bound.nbytes, self._spread_wire, bound)
+        shm = self.shm
+        if shm is not None and shm.takes(input, op, "reduce_scatter"):
+            backend, route = shm, shm.route
+        else:
+            backend, route = self.backend_for(input), ""
+        if not (nonblocking or self.check or input.is_cuda):
+            return self._host_call("reduce_scatter", input.nbytes, self._spread_wire, backend.reduce_scatter,
+                                   output, input, op, route=route)
         return self._run("reduce_scatter", input.nbytes, nonblocking, backend.reduce_scatter, output, input, op,
-                         fingerprint=(op, input.dtype, input.numel()), route=shm.route if shm is not None else "")
+                         fingerprint=(op, input.dtype, input.numel()), route=route)
 
     def allgather(self, output: torch.Tensor, input: torch.Tensor | None = None, nonblocking: bool = False):
         """``output`` (size*n elements) gets every rank's ``input`` (n) in group-rank order.
         ``input=None``: in place, this rank's block of ``output`` already holds its contribution."""
-        shm = self.shm if self.shm is not None and self.shm.takes(output, "sum", "allgather") else None
-        backend = shm if shm is not None else self.backend_for(output)
+        if not (nonblocking or self.check):
+            bound = self._bound.get("allgather", output, input, None, self.shm)
+            if bound is not None:
+                return self._host_call("allgather", bound.nbytes, self._spread_wire, bound)
+        shm = self.shm
+        if shm is not None and shm.takes(output, "sum", "allgather"):
+            backend, route = shm, shm.route
+        else:
+            backend, route = self.backend_for(output), ""
+        if not (nonblocking or self.check or output.is_cuda):
+            return self._host_call("allgather", output.nbytes, self._spread_wire, backend.allgather, output, input,
+                                   route=route)
         return self._run("allgather", output.nbytes, nonblocking, backend.allgather, output, input,
-                         fingerprint=(output.dtype, output.numel()), route=shm.route if shm is not None else "")
+                         fingerprint=(output.dtype, output.numel()), route=route)
 
     def alltoall(self, output: torch.Tensor, input: torch.Tensor, nonblocking: bool = False):
         """``input`` (size*n elements): block j goes to group rank j; ``output`` (size*n): block j came
@@ -297,7 +372,13 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, nonblocking: bool = False):
         """In place: every rank's ``tensor`` becomes group rank ``root``'s."""
+        if not (nonblocking or self.check):
+            bound = self._bound.get("broadcast", tensor, None, root, None)
+            if bound is not None:
+                return self._host_call("broadcast", bound.nbytes, self._spread_wire, bound)
         backend = self.backend_for(tensor)
+        if not (nonblocking or self.check or tensor.is_cuda):
+            return self._host_call("broadcast", tensor.nbytes, self._spread_wire, backend.broadcast, tensor, root)
         return self._run("broadcast", tensor.nbytes, nonblocking, backend.broadcast, tensor, root,
                          fingerprint=(root, tensor.dtype, tensor.numel()))
 

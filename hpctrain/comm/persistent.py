@@ -20,18 +20,13 @@ Contract:
 """
 from __future__ import annotations
 
-import time
-
 import torch
 from mpi4py import MPI
 
 from hpctrain.comm.backends.mpi import mpi_buffer
+from hpctrain.comm.watchdog import clock as _clock
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX}
-# the watchdog's clock is time.monotonic(); perf_counter reads the same clock where both are
-# CLOCK_MONOTONIC (Linux, macOS), so one reading serves the slot and the timing; elsewhere use monotonic
-_clock = time.perf_counter if time.get_clock_info("perf_counter").implementation == \
-    time.get_clock_info("monotonic").implementation else time.monotonic
 _HOST_TYPES = frozenset((torch.float32, torch.float64, torch.int32, torch.int64))
 
 
@@ -73,7 +68,7 @@ class Recurring:
         factor = 2 * (comm.size - 1) / comm.size if kind == "allreduce" else (comm.size - 1) / comm.size
         self._sent = int(tensor.nbytes * factor)
         self._counter = comm.stats.ops[(comm.name, kind)]
-        self._slot = comm.watchdog.slot(kind, comm, tensor.nbytes)
+        self._slot = comm.watchdog.slot(kind, comm, self._counter, tensor.nbytes)
         comm.recurring.append(self)  # Communicator.close() frees it
 
     def __call__(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import math
 import os
 import threading
 import time
@@ -32,7 +33,12 @@ from dataclasses import dataclass, field
 
 from hpctrain.runtime.errors_exit import abort_grace_s
 
+IDLE = math.inf  # a Slot's call record between calls: "started" never, so never stalled, whoever reads it
 COMPILE_PATIENCE_S = 3600.0  # a stall whose causes are all inside torch.compile is reported after this much more
+# the watchdog's clock is time.monotonic(); perf_counter reads the same clock where both are CLOCK_MONOTONIC
+# (Linux, macOS), so one reading serves a ``Slot`` and the call's timing; elsewhere use monotonic
+clock = time.perf_counter if time.get_clock_info("perf_counter").implementation == \
+    time.get_clock_info("monotonic").implementation else time.monotonic
 
 
 @dataclass
@@ -75,6 +81,14 @@ class Call:
         self.route = ""  # how it travels when not MPI: "shared memory" (comm.intra_node's route)
         self.start = time.monotonic()
 
+    def copy(self) -> "Call":
+        """A snapshot (``start`` read first: a reused record may start its next call meanwhile)."""
+        new = Call.__new__(Call)
+        new.start = self.start
+        new.op, new.comm, new.nbytes, new.seq, new.peer = self.op, self.comm, self.nbytes, self.seq, self.peer
+        new.numbered, new.route = self.numbered, self.route
+        return new
+
     def describe(self) -> str:
         route = f" ({self.route})" if self.route else ""
         size = f" of {self.nbytes} bytes" if self.nbytes else ""
@@ -84,28 +98,34 @@ class Call:
 
 
 class Slot:
-    """``Watchdog.begin``/``end`` for a call made again and again (a persistent collective): the same
-    ``Call`` record and token every time, so registering allocates nothing (about half the cost of
-    ``begin``/``end``, single-process timeit).
-    Numbered like every collective on its group, so hang reports and ``done_seq`` are unchanged."""
+    """A call made again and again (a persistent collective; a group's blocking host collectives of one op),
+    registered with the watchdog once: the same ``Call`` record every time, in flight while ``call.start``
+    is a time (``IDLE`` between calls), so a call allocates nothing and touches no shared table (the hot path of small collectives).
+    One call at a time (``idle``). Numbered like every collective on its group, so hang reports and
+    ``done_seq`` are unchanged. ``counter``: the group's ``OpCounter`` for the op, for the caller.
+    (``Communicator._host_call`` writes ``begin``/``end`` out, to save a call on its hot path.)"""
 
-    __slots__ = ("_inflight", "_token", "call")
+    __slots__ = ("call", "counter")
 
-    def __init__(self, inflight: dict, token: int, call: Call):
-        self._inflight, self._token, self.call = inflight, token, call
+    def __init__(self, call: Call, counter: OpCounter):
+        self.call, self.counter = call, counter
+        call.start = IDLE
+
+    @property
+    def idle(self) -> bool:
+        return self.call.start == IDLE
 
     def begin(self, now: float) -> None:
-        """``now``: ``time.perf_counter()`` (the same clock as ``time.monotonic()`` on Linux and macOS,
-        CPython >= 3.3; the caller's reading serves its own timing too)."""
+        """``now``: a ``clock()`` reading (the watchdog's clock; the caller's reading serves its own timing too)."""
         call = self.call
         comm = call.comm
         comm.seq += 1
-        call.seq, call.start = comm.seq, now
-        self._inflight[self._token] = call
+        call.seq = comm.seq
+        call.start = now
 
     def end(self, now: float) -> None:
         call = self.call
-        del self._inflight[self._token]
+        call.start = IDLE
         comm = call.comm
         if call.seq > comm.done_seq:
             comm.done_seq, comm.done_op, comm.done_at = call.seq, call.op, now
@@ -129,6 +149,7 @@ class Watchdog:
         self.report_path: str | None = None
         self.groups: list = []  # every Communicator on this watchdog (their sequence numbers)
         self._inflight: dict[int, Call] = {}
+        self._slots: list[Slot] = []  # registered once, in flight while their call's start is set
         self._device: dict[int, Callable[[], bool]] = {}  # token -> done(): calls whose host part returned, device work queued
         self._ids = itertools.count()
         self._stop = threading.Event()
@@ -172,9 +193,12 @@ class Watchdog:
             comm = call.comm
             comm.done_seq, comm.done_op, comm.done_at = call.seq, call.op, time.monotonic()
 
-    def slot(self, op: str, comm, nbytes: int = 0) -> "Slot":
-        """A reusable registration for one recurring collective on ``comm`` (comm/persistent.py)."""
-        return Slot(self._inflight, next(self._ids), Call(op, comm, nbytes, 0))
+    def slot(self, op: str, comm, counter: OpCounter, nbytes: int = 0) -> Slot:
+        """A registration for calls of ``op`` on ``comm`` made one at a time, again and again (comm/persistent.py,
+        ``Communicator``'s blocking host calls); lives as long as the watchdog."""
+        slot = Slot(Call(op, comm, nbytes, 0), counter)
+        self._slots.append(slot)
+        return slot
 
     def end_when(self, token: int, done) -> None:
         """The host part of call ``token`` returned but its device work (an NCCL kernel on a stream) may
@@ -198,7 +222,13 @@ class Watchdog:
                 self.end(token)
 
     def inflight(self) -> list[Call]:
-        return list(self._inflight.values())
+        """The calls in flight now; a slot's call as a copy (its record is reused by its next call)."""
+        calls = list(self._inflight.values())
+        for slot in list(self._slots):
+            copy = slot.call.copy()
+            if copy.start != IDLE:
+                calls.append(copy)
+        return calls
 
     def close(self) -> None:
         """Stop the thread and wait for it (it must not be inside MPI when MPI is finalised)."""

@@ -83,7 +83,8 @@ def test_a_real_prometheus_scrapes_a_live_4_rank_run(prometheus, tmp_path):
     rules = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert rules.returncode == 0 and "SUCCESS" in rules.stdout + rules.stderr, rules.stdout + rules.stderr
     port, prom_port = free_port(), free_port()
-    run = start_train(4, tmp_path / "run", "train.steps=400", "train.log_interval=20", "monitor.interval=5",
+    run = start_train(4, tmp_path / "run", "train.steps=100000",  # stopped by the test (SIGTERM)
+                      "train.log_interval=20", "monitor.interval=5",
                       f"monitor.prometheus_port={port}", "monitor.labels=[cluster=ci]")
     server = None
     try:

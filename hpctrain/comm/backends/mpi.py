@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 _HALF = frozenset((torch.bfloat16, torch.float16))  # a set: membership is a hash, not dtype __eq__ calls
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}
+_PLAIN_OPS = {"sum": MPI.SUM, "max": MPI.MAX}  # nothing to do after MPI (no averaging), for non-16-bit types
 
 
 _MPI_TYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int64: MPI.INT64_T,
@@ -37,6 +38,13 @@ def mpi_buffer(tensor: torch.Tensor):
     if tensor.is_cuda:
         tensor = tensor.detach()
         return tensor.view(torch.int16) if tensor.dtype in _HALF else tensor
+    return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes), _MPI_TYPES[tensor.dtype]]
+
+
+def host_buffer(tensor: torch.Tensor) -> list:
+    """``mpi_buffer`` of a tensor known to be on the host (the hot path's, one check fewer)."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"collectives need contiguous tensors (zero-copy); got strides {tensor.stride()}")
     return [MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes), _MPI_TYPES[tensor.dtype]]
 
 
@@ -143,7 +151,13 @@ class MpiBackend:
                 tensor.copy_(staging)
         return staging, finish
 
+    # The blocking host calls of a plain sum/max (no staging, nothing afterwards) go straight to MPI: they are the
+    # small-message hot path, where every Python step shows against MPI's few microseconds.
     def allreduce(self, tensor, op="sum", nonblocking=False):
+        plain = _PLAIN_OPS.get(op)
+        if plain is not None and not nonblocking and not tensor.is_cuda and tensor.dtype not in _HALF:
+            self.comm.Allreduce(MPI.IN_PLACE, host_buffer(tensor), plain)
+            return None
         self._ready(tensor)
         staging, finish = self._reduction(tensor, op)
         buf = mpi_buffer(staging)
@@ -159,6 +173,11 @@ class MpiBackend:
         if input.numel() != output.numel() * self.size:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
                              f"{self.size} x {output.numel()}")
+        plain = _PLAIN_OPS.get(op)
+        if (plain is not None and not nonblocking and not input.is_cuda and not output.is_cuda
+                and input.dtype not in _HALF):
+            self.comm.Reduce_scatter_block(host_buffer(input), host_buffer(output), plain)
+            return None
         self._ready(input)
         staging_in = input.float() if input.dtype in _HALF else input
         staging_out, finish = self._reduction(output, op)
@@ -174,12 +193,15 @@ class MpiBackend:
     def allgather(self, output, input=None, nonblocking=False):
         """output: (size * n,) elements. ``input`` None = in place: this rank's block of ``output``
         already holds its data (the ZeRO parameter all-gather)."""
-        self._ready(output)
-        rbuf = mpi_buffer(output)
-        sbuf = MPI.IN_PLACE if input is None else mpi_buffer(input)
         if input is not None and input.numel() * self.size != output.numel():
             raise ValueError(f"allgather: output has {output.numel()} elements, expected "
                              f"{self.size} x {input.numel()}")
+        if not output.is_cuda and not nonblocking:
+            self.comm.Allgather(MPI.IN_PLACE if input is None else mpi_buffer(input), host_buffer(output))
+            return None
+        self._ready(output)
+        rbuf = mpi_buffer(output)
+        sbuf = MPI.IN_PLACE if input is None else mpi_buffer(input)
         if nonblocking:
             return MpiWork(self.comm.Iallgather(sbuf, rbuf), None, (output, input))
         self.comm.Allgather(sbuf, rbuf)

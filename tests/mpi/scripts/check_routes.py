@@ -1,8 +1,9 @@
 """comm.intra_node=auto's routing table (hpctrain/comm/routes.py) on the world group of one node. argv[1]: a cache dir.
 
 1. A cache file written beforehand (allreduce: MPI <= 8 KiB, shm above; reduce_scatter shm; allgather MPI) is
-   read, not measured, and routes each call by it: the route's call counts and the routes the watchdog was
-   told (what a hang report names) follow the table; float64 results equal a local reference exactly.
+   read, not measured, and routes each call by it: the route's call counts and the route of each call in
+   flight (what a hang report names: "shared memory" inside the shm route, nothing on MPI) follow the table;
+   float64 results equal a local reference exactly.
 2. A corrupt cache file is measured again without an error and rewritten valid.
 3. ``use_cache=False`` measures again although a valid file is there.
 Every rank must hold the same table each time.
@@ -25,9 +26,18 @@ cache_dir = sys.argv[1]
 key = route_key(world, world, "call")  # hpctrain's key for this group (collective)
 assert key["ranks_per_node"] == n and key["mpi"] == info.mpi_library, key
 path = cache_path(cache_dir, key)
-told = []  # the routes the watchdog was told of (a hang report's "(shared memory)")
-set_route = grid.watchdog.set_route
-grid.watchdog.set_route = lambda token, route: (told.append(route), set_route(token, route))[1]
+told = []  # the routes of the calls in flight, seen from inside the shm route (a hang report's "(shared memory)")
+
+
+def spy_on(route):
+    """Record, inside each of ``route``'s collectives, the route of every call the watchdog has in flight."""
+    for op in ("allreduce", "reduce_scatter", "allgather"):
+        method = getattr(route, op)
+
+        def spied(*args, _method=method):
+            told.extend(call.route for call in grid.watchdog.inflight())
+            return _method(*args)
+        setattr(route, op, spied)
 
 
 def routed(use_cache=True):
@@ -52,6 +62,7 @@ comm, choice = routed()
 assert choice.kind == "shm" and choice.source == f"cached in {path}", choice
 assert choice.note() == " (auto, cached: allreduce shm > 8K, reduce_scatter shm, allgather mpi)", choice.note()
 route = comm.shm
+spy_on(route)
 for numel in (1000, 4096, 300_000):  # 8000 B: MPI; 32 KiB and 2.4 MB: shm
     x = torch.arange(numel, dtype=torch.float64) * (r + 1)
     comm.allreduce(x)
@@ -66,7 +77,9 @@ gathered = torch.empty(n * m, dtype=torch.float64)
 comm.allgather(gathered, torch.full((m,), float(r), dtype=torch.float64))
 same(gathered, torch.arange(n, dtype=torch.float64).repeat_interleave(m), "allgather")
 assert route.calls == {"allreduce": 2, "reduce_scatter": 1, "allgather": 0}, route.calls
-assert told == ["shared memory"] * 3, told  # MPI calls carry no route: a hang report says MPI for them
+assert told == ["shared memory"] * 3, told
+mpi_call = [slot.call for slot in grid.watchdog._slots if slot.call.comm is comm and slot.call.op == "allgather"]
+assert mpi_call and mpi_call[0].route == "", mpi_call  # an MPI call carries no route: a hang report says MPI
 assert grid.stats.ops[("world", "allgather")].calls == 1  # counted like any call
 comm.close()
 

@@ -141,6 +141,9 @@ class Communicator:
         if self.shm is not None:  # collective over the group, like the grid's close
             self.shm.close()
         self._bound.clear()
+        for slot in self._slots.values():
+            self.watchdog.unslot(slot)
+        self._slots = {}
         for op in self.recurring:
             op.free()
         self.recurring = []
@@ -199,9 +202,14 @@ class Communicator:
         call = slot.call
         if call.start != IDLE:
             return self._run(op, nbytes, False, method, *args, wire=wire, route=route)
+        counter = slot.counter
+        sent = int(nbytes * wire)
+        counter.calls += 1
+        counter.bytes += nbytes
+        counter.sent += sent
         self.seq += 1
         call.seq, call.nbytes, call.route = self.seq, nbytes, route
-        call.start = start = clock()
+        call.start = start = clock()  # last: a snapshot (Call.copy) reads it last
         try:
             method(*args, False)
         finally:  # a failed call must not look stalled later
@@ -209,11 +217,6 @@ class Communicator:
             call.start = IDLE
             if call.seq > self.done_seq:
                 self.done_seq, self.done_op, self.done_at = call.seq, op, end
-        counter = slot.counter
-        sent = int(nbytes * wire)
-        counter.calls += 1
-        counter.bytes += nbytes
-        counter.sent += sent
         counter.seconds += end - start
         trace = self.trace
         if trace is not None and trace.active:

@@ -97,3 +97,4 @@ class Recurring:
         if self._request is not None:
             self._request.Free()
             self._request = None
+            self.comm.watchdog.unslot(self._slot)

@@ -73,21 +73,28 @@ class Call:
     """One call in flight: ``op`` on ``comm`` (a Communicator), collective number ``seq`` on that group
     (or, for point-to-point, this rank's ``seq``-th message with group rank ``peer``)."""
 
-    __slots__ = ("op", "comm", "nbytes", "seq", "peer", "start", "numbered", "route")
+    __slots__ = ("op", "comm", "nbytes", "seq", "peer", "start", "numbered", "route", "origin")
 
     def __init__(self, op: str, comm, nbytes: int, seq: int, peer: int | None = None):
         self.op, self.comm, self.nbytes, self.seq, self.peer = op, comm, nbytes, seq, peer
         self.numbered = True
         self.route = ""  # how it travels when not MPI: "shared memory" (comm.intra_node's route)
+        self.origin: Call | None = None  # the record a snapshot (``copy``) was taken of
         self.start = time.monotonic()
 
     def copy(self) -> "Call":
-        """A snapshot (``start`` read first: a reused record may start its next call meanwhile)."""
+        """A snapshot of a reused record (a ``Slot``'s). ``start`` is read last: the record's call may end and
+        the next begin meanwhile (its fields are written before its ``start``), and a start too new only makes
+        the call look younger, never stalled."""
         new = Call.__new__(Call)
-        new.start = self.start
         new.op, new.comm, new.nbytes, new.seq, new.peer = self.op, self.comm, self.nbytes, self.seq, self.peer
-        new.numbered, new.route = self.numbered, self.route
+        new.numbered, new.route, new.origin = self.numbered, self.route, self
+        new.start = self.start
         return new
+
+    def key(self) -> tuple[int, int]:
+        """The same for every snapshot of one call (a reused record's calls differ by ``seq``)."""
+        return id(self.origin if self.origin is not None else self), self.seq
 
     def describe(self) -> str:
         route = f" ({self.route})" if self.route else ""
@@ -154,8 +161,8 @@ class Watchdog:
         self._ids = itertools.count()
         self._stop = threading.Event()
         self.noticed: Call | None = None  # the stalled call this rank is reporting on
-        # id(call) -> (its stall clock restarted at, still waiting for a compile): calls whose peers compile
-        self._compile_waits: dict[int, tuple[float, bool]] = {}
+        # call.key() -> (its stall clock restarted at, still waiting for a compile): calls whose peers compile
+        self._compile_waits: dict[tuple[int, int], tuple[float, bool]] = {}
         self._thread = None
         self.period = min(1.0, self.timeout_s / 4) if self.timeout_s > 0 else 1.0
         if self.timeout_s > 0:
@@ -199,6 +206,11 @@ class Watchdog:
         slot = Slot(Call(op, comm, nbytes, 0), counter)
         self._slots.append(slot)
         return slot
+
+    def unslot(self, slot: Slot) -> None:
+        """Forget ``slot`` (its owner is freed or closed; idempotent)."""
+        if slot in self._slots:
+            self._slots.remove(slot)
 
     def end_when(self, token: int, done) -> None:
         """The host part of call ``token`` returned but its device work (an NCCL kernel on a stream) may
@@ -246,18 +258,18 @@ class Watchdog:
             self._finish_device_calls()
             now = time.monotonic()
             inflight = self.inflight()
-            live = {id(c) for c in inflight}
+            live = {c.key() for c in inflight}
             self._compile_waits = {k: v for k, v in self._compile_waits.items() if k in live}
             clock = {k: restarted for k, (restarted, _) in self._compile_waits.items()}
-            stalled = [c for c in inflight if now - max(c.start, clock.get(id(c), 0.0)) > self.timeout_s]
+            stalled = [c for c in inflight if now - max(c.start, clock.get(c.key(), 0.0)) > self.timeout_s]
             if stalled:
                 self.noticed = call = min(stalled, key=lambda c: c.start)
                 report, compiling = hang_report.investigate(self, call)
                 if compiling and now - call.start < self.timeout_s + COMPILE_PATIENCE_S:
                     self._wait_for_compile(call, compiling)
-                elif id(call) in self._compile_waits and self._compile_waits[id(call)][1]:
+                elif call.key() in self._compile_waits and self._compile_waits[call.key()][1]:
                     # the ranks it waited for have finished compiling (maybe just now): a full timeout from here
-                    self.noticed, self._compile_waits[id(call)] = None, (time.monotonic(), False)
+                    self.noticed, self._compile_waits[call.key()] = None, (time.monotonic(), False)
                 else:
                     self.fire(report)
                     return
@@ -268,8 +280,8 @@ class Watchdog:
         import sys
 
         now = time.monotonic()
-        told = id(call) in self._compile_waits
-        self.noticed, self._compile_waits[id(call)] = None, (now, True)
+        told = call.key() in self._compile_waits
+        self.noticed, self._compile_waits[call.key()] = None, (now, True)
         if not told and self.rank == min(set(call.comm.members) - set(compiling), default=self.rank):
             sys.stderr.write(f"hpctrain: rank {self.rank}: {call.describe()} has waited {now - call.start:.0f} s "
                              f"for rank(s) {compiling}, inside torch.compile (train.compile: the first step compiles "

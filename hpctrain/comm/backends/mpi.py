@@ -175,7 +175,7 @@ class MpiBackend:
                              f"{self.size} x {output.numel()}")
         plain = _PLAIN_OPS.get(op)
         if (plain is not None and not nonblocking and not input.is_cuda and not output.is_cuda
-                and input.dtype not in _HALF):
+                and input.dtype not in _HALF and output.dtype is input.dtype):
             self.comm.Reduce_scatter_block(host_buffer(input), host_buffer(output), plain)
             return None
         self._ready(input)

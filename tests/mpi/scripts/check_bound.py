@@ -4,7 +4,8 @@
 and again on the same tensors, give the values numpy computes; the second call reuses the first's binding;
 every call is numbered and counted like an ordinary one. A tensor whose storage moved, whose dtype changed
 at the same address, or that became non-contiguous is not served by a stale binding (new storage read,
-int32 sum, the ordinary contiguity error); avg, bfloat16 and comm.check take the ordinary path; temporaries
+int32 sum, the ordinary contiguity error); avg, bfloat16, a float32 input into a bfloat16 output and comm.check
+take the ordinary path; temporaries
 never grow a table past its limit.
 ``stop``: rank 1 stops itself (SIGSTOP) before the 3rd bound allgather: the watchdog must name that call.
 """
@@ -121,6 +122,11 @@ assert torch.allclose(t, torch.full((8,), (n - 1) / 2)) and bound("allreduce", t
 h = torch.full((8,), float(r + 1), dtype=torch.bfloat16)
 world.allreduce(h)
 assert torch.equal(h, torch.full((8,), n * (n + 1) / 2, dtype=torch.bfloat16)) and bound("allreduce", h) is None
+
+# a float32 input reduced into a bfloat16 output: staged through float32 by the ordinary path, as always
+half_out = torch.zeros(4, dtype=torch.bfloat16)
+world.reduce_scatter(half_out, torch.full((4 * n,), float(r + 1)))
+assert torch.equal(half_out, torch.full((4,), n * (n + 1) / 2, dtype=torch.bfloat16)), half_out
 
 # comm.check on: the fingerprinted ordinary path
 world.check = True

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tomllib
 
 
@@ -140,7 +139,8 @@ def _run_keys(cfg) -> dict:
     p, c = cfg.parallel, cfg.compression
     return {"schedule": p.schedule, "bucket_mb": p.bucket_mb, "zero_prefetch": p.zero_prefetch,
             "zero_reshard_after_forward": p.zero_reshard_after_forward, "compression": c.method,
-            "warmup_steps": c.warmup_steps, "zfp_rate": c.zfp_rate, "lora_rank": cfg.lora.rank}
+            "warmup_steps": c.warmup_steps, "zfp_rate": c.zfp_rate, "lora_rank": cfg.lora.rank,
+            "lora_targets": tuple(cfg.lora.targets)}
 
 
 def _model_and_defaults(spec: str, overrides=()):
@@ -280,13 +280,12 @@ def run_plan(args) -> int:
                       zfp_rate=defaults["zfp_rate"],
                       zero_prefetch=defaults["zero_prefetch"] if args.zero_prefetch is None else args.zero_prefetch,
                       zero_reshard_after_forward=defaults["zero_reshard_after_forward"]
-                      if args.zero_reshard_after_forward is None else args.zero_reshard_after_forward == "true")
+                      if args.zero_reshard_after_forward is None else args.zero_reshard_after_forward == "true",
+                      lora_rank=defaults.get("lora_rank", 0), lora_targets=defaults.get("lora_targets", ()))
+    if options.lora_rank and moe is not None:
+        raise PlanError(f"lora.rank={options.lora_rank} on a mixture of experts: the planner models LoRA on dense "
+                        f"models only")
     space = _space(args, defaults.get("given", {}), schedule, machine.devices)
-    lora_rank = defaults.get("lora_rank", 0)
-    if lora_rank:  # said before the search: the numbers below are not the run's
-        print(f"hpctrain plan: lora.rank={lora_rank} is not modelled: the plan is for full fine-tuning of the same "
-              f"model, whose frozen base would need no gradients or optimizer state and skip its weight gradients, "
-              f"so a LoRA run needs less memory and time than shown", file=sys.stderr, flush=True)
     result = plan(model, machine, global_batch, seq_len, options, space, moe)
     warmup = _onebit_adam_warmup(args, defaults, model, machine, options, result, moe)
     name = args.model or model.preset
@@ -298,7 +297,8 @@ def run_plan(args) -> int:
                           "attention_window": model.attention_window, "ring": args.ring,
                           "dtype": options.dtype, "evaluated": result.evaluated,
                           "compression": options.compression, "set": args.overrides, **experts,
-                          **({"lora": {"rank": lora_rank, "modelled": False}} if lora_rank else {}),
+                          **({"lora": {"rank": options.lora_rank, "targets": list(options.lora_targets)}}
+                             if options.lora_rank else {}),
                           "plans": [{**p.to_dict(), **warmup.get(i, {})} for i, p in enumerate(result.plans[:args.top])],
                           "infeasible": [i.to_dict() for i in result.infeasible]}, indent=1))
     else:

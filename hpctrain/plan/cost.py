@@ -71,6 +71,11 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
   group (cp fastest); the experts' gradients are reduced (ZeRO: sharded and gathered) over the dp x cp /
   ep ranks holding the same experts (``ep_placements``), the rest over dp x cp, one after the other on
   the link. The executed FLOPs count the ACTIVE parameters (``arithmetic.active_matmul_parameters``).
+- LoRA (``Options.lora_rank`` > 0, dense models; lora.py): each block's forward adds its adapters' thin
+  matmuls (``lora.adapter_gemms``, on the GEMM curve); the backward skips the frozen base's weight gradients
+  (the block's and the LM head's matmuls once less: twice the forward minus them); only the adapters'
+  gradients are reduced over dp (nothing of a frozen tied embedding) and stepped by the optimizer; at zero 3
+  every unit is still gathered (the base is sharded too), with its sharded adapters.
 - optimizer: AdamW is memory-bound: the device's measured seconds per parameter where a profile has
   them (``Device.optimizer_s_per_param``), else 32 bytes of traffic per local parameter in 16-bit training (14
   reads and writes of parameters, main grads, master weights and moments; 7 per element in fp32/fp64),
@@ -85,6 +90,8 @@ from hpctrain.config.layout import Layout
 from hpctrain.plan.devices import DTYPE_BYTES, PlanError
 from hpctrain.plan.machine import GroupPlacement
 from hpctrain.plan.compressed import dp_wire_fraction, payload_fraction
+from hpctrain.plan.lora import (adapter_gemms, block_adapter_parameters, check_targets, lora_flops_per_token,
+                               partial_adapter_parameters)
 from hpctrain.plan.memory import head_buckets, sharded, whole_parameters, zero3_units
 from hpctrain.plan.ring import RING_TILE, SCORE_PASSES, exposed_s, kv_elements, ring_math_dtype, ring_pairs
 from hpctrain.plan.shapes import block_gemms, block_matmul_params, for_tp, moe_block_gemms
@@ -110,7 +117,8 @@ class Options:
     in a fused kernel in the training dtype (TransformerEngine's, as Megatron-LM runs cp), to compare with
     hpctrain's ring, which computes them unfused in float32 (ring.py). ``zero_prefetch``,
     ``zero_reshard_after_forward``: ``parallel.zero_prefetch`` / ``parallel.zero_reshard_after_forward``
-    (ZeRO-3's gathers: memory.py, ``_dp_exposed``).
+    (ZeRO-3's gathers: memory.py, ``_dp_exposed``). ``lora_rank`` > 0 (``lora.rank``) and ``lora_targets``
+    (``lora.targets``): a LoRA run, its base frozen (lora.py).
     """
 
     dtype: str = "bfloat16"
@@ -125,6 +133,8 @@ class Options:
     fused_ring: bool = False
     zero_prefetch: int = 1
     zero_reshard_after_forward: bool = True
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -133,6 +143,13 @@ class Options:
             raise PlanError(f"bad options {self}: virtual_stages >= 1, 0 < dp_compression <= 1, bucket_mb > 0, "
                             f"zero_prefetch >= 0")
         payload_fraction(self.compression, self.zfp_rate)  # a method the model does not know: one line
+        if self.lora_rank < 0:
+            raise PlanError(f"lora_rank {self.lora_rank}: must be >= 0")
+        if self.lora_rank:
+            try:
+                check_targets(self.lora_targets)
+            except ValueError as exc:
+                raise PlanError(str(exc)) from exc
 
 
 @dataclass(frozen=True)
@@ -170,12 +187,14 @@ class StepTime:
                 "dp_comm": self.dp_comm_s, "bubble": self.bubble_s, "optimizer": self.optimizer_s}
 
 
-def executed_flops_per_token(model, seq_len: int, recompute, flash_attention: bool, moe=None) -> float:
+def executed_flops_per_token(model, seq_len: int, recompute, flash_attention: bool, moe=None,
+                             lora: tuple[int, tuple[str, ...]] = (0, ())) -> float:
     """FLOPs a token costs forward + backward (+ what is recomputed): what the hardware executes, over
     ``model``'s vocabulary as given (``shapes.for_tp`` pads it). With ``flash_attention=False`` and full
     recomputation this is Megatron's count (Narayanan et al. 2021, eq. 3: ``96 B s l h^2 (1 + s / 6h + V /
     16 l h)`` per step for a GELU 4h MLP). An MoE block (``moe``) counts its active matmuls: attention,
-    router, ``top_k`` experts, the shared ones."""
+    router, ``top_k`` experts, the shared ones. ``lora``: (rank, targets) of a LoRA run (lora.py: no weight
+    gradients of the frozen matmuls, the adapters' own)."""
     kind = recompute_kind(recompute)
     h, layers, k = model.d_model, model.n_layers, moe_layer_count(model, moe)
     attention = 4.0 * seq_len * h * (0.5 if flash_attention else 1.0)
@@ -185,7 +204,8 @@ def executed_flops_per_token(model, seq_len: int, recompute, flash_attention: bo
         extra = block_fwd if kind == "full" else attention if kind == "selective" and not flash_attention else 0.0
         return 3 * block_fwd + extra
     routed = k * block(attention_matmul_parameters(model) + moe_layer_parameters(model, moe, moe.top_k)) if k else 0.0
-    return (layers - k) * block(block_matmul_params(model)) + routed + 6.0 * h * model.vocab_size
+    adapters = lora_flops_per_token(model, lora[0], lora[1], kind == "full") if lora[0] else 0.0
+    return (layers - k) * block(block_matmul_params(model)) + routed + 6.0 * h * model.vocab_size + adapters
 
 
 def _gemm_s(dev, peak: float, gemms) -> float:
@@ -234,8 +254,11 @@ def step_time(model, cand: Candidate, machine, options: Options = Options(), moe
         return machine.collective_s(op, nbytes, t, tp_at)
 
     ring_f, ring_b, attention = _attention(model, lay, machine, options, cp_at, peak)
-    block_f = _gemm_s(dev, peak, block_gemms(model, b * seq, t)) + attention
+    rank, targets = options.lora_rank, options.lora_targets
+    block_gemm = _gemm_s(dev, peak, block_gemms(model, b * seq, t))
+    block_f = block_gemm + attention + (_gemm_s(dev, peak, adapter_gemms(model, b * seq, t, rank, targets)) if rank else 0.0)
     block_f += 2 * layer_activation_bytes(model, b, seq, t, sp, flash, nb) / hbm
+    frozen_wgrad = block_gemm if rank else 0.0  # LoRA: the weight gradients the frozen base does not compute
     rematerialised = {"off": 0.0, "full": block_f,
                       "selective": 0.0 if flash else attention + 2 * score_bytes(model, b, seq, t, nb) / hbm}[recompute]
     moe_f = remat_moe = ep_f = ep_b = shared = 0.0  # an MoE block's forward, recomputation, ep, shared tp
@@ -244,8 +267,9 @@ def step_time(model, cand: Candidate, machine, options: Options = Options(), moe
         moe_f += 2 * (layer_activation_bytes(model, b, seq, t, sp, flash, nb)
                       + moe_activation_bytes(model, moe, b, seq, t, sp, nb)) / hbm
         remat_moe = moe_f if recompute == "full" else rematerialised
-    head_f = _gemm_s(dev, peak, [(2.0 * b * seq * h * vocab / t, (b * seq, vocab // t, h))])
-    head_f += b * seq * vocab / t * (nb + 4) / hbm
+    head_gemm = _gemm_s(dev, peak, [(2.0 * b * seq * h * vocab / t, (b * seq, vocab // t, h))])
+    head_f = head_gemm + b * seq * vocab / t * (nb + 4) / hbm
+    head_wgrad = head_gemm if rank else 0.0
 
     act = float(b * seq * h * nb)
     one = (tp_op("reduce_scatter", act) + tp_op("allgather", act)) if sp else tp_op("allreduce", act)
@@ -275,6 +299,7 @@ def step_time(model, cand: Candidate, machine, options: Options = Options(), moe
         k = st.moe_layers
         fwd = (st.layers - k) * block_f + (k * moe_f if k else 0.0) + (head_f if st.last else 0.0)
         bwd = 2 * fwd + (st.layers - k) * rematerialised + (k * remat_moe if k else 0.0)
+        bwd -= (st.layers - k) * frozen_wgrad + (head_wgrad if st.last else 0.0)
         tpf = st.layers * 2 * one + k * shared
         tpb = (st.layers * 2 * one + k * shared) * (2 if recompute == "full" else 1)
         cpf, cpb = st.layers * ring_f, st.layers * (ring_b + (ring_f if recompute == "full" else 0.0))
@@ -285,9 +310,10 @@ def step_time(model, cand: Candidate, machine, options: Options = Options(), moe
         return fwd, bwd, tpf, tpb, cpf, cpb, k * ep_f, k * ep_b
 
     again = recompute == "full"  # the recomputed forward's tp and cp
-    units = {"embed": embed_tp, "head": (head_f + head_tp[0], 2 * head_f + head_tp[1]),  # ZeRO-3: (fwd, bwd) s
+    units = {"embed": embed_tp, "head": (head_f + head_tp[0], 2 * head_f - head_wgrad + head_tp[1]),  # ZeRO-3: (fwd, bwd) s
              "block": (block_f + 2 * one + ring_f,
-                       2 * block_f + rematerialised + 2 * one * (2 if again else 1) + ring_b + (ring_f if again else 0.0)),
+                       2 * block_f - frozen_wgrad + rematerialised + 2 * one * (2 if again else 1) + ring_b
+                       + (ring_f if again else 0.0)),
              "moe": (moe_f + 2 * one + shared + ring_f + ep_f,
                      2 * moe_f + remat_moe + (2 * one + shared) * (2 if again else 1) + ring_b
                      + (ring_f if again else 0.0) + ep_b)}
@@ -303,8 +329,12 @@ def step_time(model, cand: Candidate, machine, options: Options = Options(), moe
     _, _, (fk, bk, tfk, tbk, cfk, cbk, efk, ebk), slot_k = max(firsts, key=lambda r: r[3])  # the slowest stage
     bubble = (sum(r[1] * r[3] for r in firsts) - slot_k) / v  # (pp - 1) / v x the other stages' mean slot
 
-    params = [(st, stage_parameters(model, st, t, moe, lay.ep_size), costs,
-               stage_expert_parameters(model, st, t, moe, lay.ep_size)) for st, _, costs, _ in firsts]
+    if rank:  # only the adapters have gradients, are reduced and stepped
+        per_block = block_adapter_parameters(model, t, rank, targets)
+        params = [(st, st.layers * per_block, costs, 0) for st, _, costs, _ in firsts]
+    else:
+        params = [(st, stage_parameters(model, st, t, moe, lay.ep_size), costs,
+                   stage_expert_parameters(model, st, t, moe, lay.ep_size)) for st, _, costs, _ in firsts]
     dp_at = machine.group_placement((t * c * p, lay.dp_size), (t, c))  # the dp x cp group
     dp_s = _dp_exposed(model, lay, machine, options, (dp_at, experts_at), pp_at, params, p2p, units, moe)
     world_at = GroupPlacement("inter" if machine.nodes > 1 else "intra", machine.gpus_per_node)
@@ -315,7 +345,7 @@ def step_time(model, cand: Candidate, machine, options: Options = Options(), moe
 
     tokens = lay.global_batch * full_seq
     step = m * slot_k + bubble + dp_s + optimizer
-    flops = executed_flops_per_token(model, full_seq, recompute, options.flash_attention, moe) * tokens
+    flops = executed_flops_per_token(model, full_seq, recompute, options.flash_attention, moe, (rank, targets)) * tokens
     return StepTime(step, m * (fk + bk), m * (tfk + tbk), m * pp_slot, dp_s, bubble, optimizer, flops, tokens,
                     m * (cfk + cbk), m * (efk + ebk))
 
@@ -340,6 +370,13 @@ def _attention(model, lay, machine, options, cp_at, peak) -> tuple[float, float,
     forward = exposed_s([kv_s] * (c - 1) + [0.0], steps)
     backward = exposed_s([kv_s * (i < c - 1) + dkv_s * (i >= 1) for i in range(c)], [2 * x for x in steps])
     return forward, backward + dkv_s, sum(steps)
+
+
+def _adapters_per_block(model, lay, options) -> int:
+    """A LoRA run's adapter parameters per block on one tp rank that its ZeRO-3 unit gathers (0 without LoRA;
+    the factors partial over tp stay whole: lora.py)."""
+    t, rank, targets = lay.tp_size, options.lora_rank, options.lora_targets
+    return block_adapter_parameters(model, t, rank, targets) - partial_adapter_parameters(model, t, rank, targets)
 
 
 def _gather_stall_s(gathers: list[float], computes: list[float], prefetch: int) -> float:
@@ -368,7 +405,7 @@ def _zero3_gathers(model, lay, machine, options, groups, st: Stage, units,
     gathered over the latter after its dense buckets."""
     nb, d, v = DTYPE_BYTES[options.dtype], lay.replica_size, options.virtual_stages
     reshard, prefetch = options.zero_reshard_after_forward, options.zero_prefetch
-    chunks = zero3_units(model, st, lay, v, moe)
+    chunks = zero3_units(model, st, lay, v, moe, _adapters_per_block(model, lay, options))
     head = head_buckets(chunks)  # gathered from its forward to its backward (a tied head: with the embedding)
     held = set(head) if reshard and in_flight(lay, st, v) > 1 else set()  # still there from an earlier micro-batch
 
@@ -414,14 +451,16 @@ def _dp_exposed(model, lay, machine, options, groups, pp_at, params, p2p, units,
     # compression is refused at zero >= 2 (planner.engine_refusal): its wire fraction applies at zero <= 1
     fraction = options.dp_compression * (dp_wire_fraction(options.compression, zero, options.zfp_rate)
                                          if zero <= 1 else 1.0)
+    frozen = options.lora_rank > 0  # LoRA: ``params`` are the adapters; the base (a tied embedding too) never changes
     exposed = 0.0
     for st, n, (fwd, bwd, tpf, tpb, cpf, cpb, epf, epb), e in params:
         s, gb = st.index, max(4, nb)
-        grads = (n - (whole_parameters(model, st, lay) if zero >= 2 else 0)) * gb * fraction
+        grads = (n - (whole_parameters(model, st, lay) if zero >= 2 and not frozen else 0)) * gb * fraction
         expert_grads = e * gb * fraction  # reduced over the experts' group, after the rest
         bucket = options.bucket_mb * 2**20
-        if zero == 3:  # the last bucket reduced is the stage's first unit
-            bucket = sum(zero3_units(model, st, lay, options.virtual_stages, moe)[0][0].values()) * gb
+        if zero == 3:  # the last bucket reduced is the stage's first unit (LoRA: its adapters)
+            first = zero3_units(model, st, lay, options.virtual_stages, moe, _adapters_per_block(model, lay, options))[0][0]
+            bucket = sum(v for k, v in first.items() if not frozen or k.startswith("lora")) * gb
         whole = (machine.collective_s(reduce_op, grads - expert_grads, d, dp_at)
                  + machine.collective_s(reduce_op, expert_grads, experts_d, experts_at))
         last = machine.collective_s(reduce_op, min(grads, bucket), d, dp_at)
@@ -444,10 +483,10 @@ def _dp_exposed(model, lay, machine, options, groups, pp_at, params, p2p, units,
         most, experts = max((row[1], row[3]) for row in params)
         exposed += (machine.collective_s("allgather", (most - experts) * nb, d, dp_at)
                     + machine.collective_s("allgather", experts * nb, experts_d, experts_at))
-    if zero == 3:  # the parameters that stay whole (a tied embedding split over pp)
+    if zero == 3 and not frozen:  # the parameters that stay whole (a tied embedding split over pp)
         kept = max(whole_parameters(model, st, lay) for st, _, _, _ in params)
         exposed += machine.collective_s("allgather", kept * nb, d, dp_at) if kept else 0.0
-    if model.tie_embeddings and lay.pp_size > 1:
+    if model.tie_embeddings and lay.pp_size > 1 and not frozen:
         emb = model.vocab_size * model.d_model / lay.tp_size * 4.0
         exposed += machine.collective_s("allreduce", emb, 2, pp_at)
         exposed += machine.collective_s(reduce_op, emb * fraction, d, dp_at)

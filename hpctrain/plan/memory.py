@@ -43,6 +43,12 @@ buffers (hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py):
   experts a bucket of their own). Its activations add ``stages.moe_activation_bytes`` (the routed copies'
   SwiGLUs in place of the dense MLP's). With MoE blocks only on some layers the stage's MoE blocks are
   taken to come first (ZeRO-3's gathered window: the heaviest units side by side);
+- LoRA (``Options.lora_rank`` > 0, dense models; lora.py): the base parameters stay (in the dtype, sharded at
+  zero 3), without gradients, optimizer state or masters; the adapters' parameters, gradients and AdamW
+  state follow zero 0-3 as above (``lora_state_bytes``), except that with tp > 1 the factors whose gradients
+  are partial over tp stay whole at zero >= 2; at zero 3 each block's unit also gathers its sharded
+  adapters. The adapters' activations (``r`` wide) and, with ``lora.dropout``, the dropped inputs they keep
+  are not counted;
 - reserve: ``Options.reserve_gib`` (runtime context, communication buffers, fragmentation).
 
 The layout needs the maximum over its stages.
@@ -53,6 +59,7 @@ from dataclasses import dataclass
 
 from hpctrain.config.arithmetic import moe_rank_parameters
 from hpctrain.plan.devices import DTYPE_BYTES
+from hpctrain.plan.lora import block_adapter_parameters, partial_adapter_parameters
 from hpctrain.plan.ring import lse_bytes, ring_workspace_bytes
 from hpctrain.plan.shapes import block_matmul_params, for_tp, position_params
 from hpctrain.plan.stages import (in_flight, layer_activation_bytes, moe_activation_bytes, recompute_kind,
@@ -121,14 +128,15 @@ def whole_parameters(model, stage, layout) -> int:
     return model.vocab_size * model.d_model // layout.tp_size if split else 0
 
 
-def zero3_units(model, stage, layout, virtual_stages: int = 1, moe=None) -> list[list[dict[str, int]]]:
+def zero3_units(model, stage, layout, virtual_stages: int = 1, moe=None, adapters: int = 0) -> list[list[dict[str, int]]]:
     """The ZeRO-3 units of one tp rank of ``stage`` per virtual stage, in forward order (zero3.py
     ``stage_units``): each unit is ``{bucket: sharded parameters}`` of the buckets it gathers. The
     embedding (+ learned positions) opens the first stage, the final norm + LM head closes the last (a
     tied head with one stage gathers the embedding's bucket; a tied embedding split over pp stays whole:
     ``whole_parameters``). An MoE block's unit is its dense part and its ``num_experts / ep`` experts
-    (bucket ``experts...``: gathered over dp x cp / ep); the stage's MoE blocks come first. ``model``'s
-    vocabulary as given (padded by the caller)."""
+    (bucket ``experts...``: gathered over dp x cp / ep); the stage's MoE blocks come first. ``adapters``: a
+    LoRA run's adapter parameters per block (bucket ``lora...``, the block's trainable one; lora.py).
+    ``model``'s vocabulary as given (padded by the caller)."""
     h, t = model.d_model, layout.tp_size
     vh, split = model.vocab_size * h // t, model.tie_embeddings and layout.pp_size > 1
     v = virtual_stages if layout.pp_size > 1 else 1
@@ -138,7 +146,7 @@ def zero3_units(model, stage, layout, virtual_stages: int = 1, moe=None) -> list
     def unit(c: int, i: int, j: int) -> dict[str, int]:  # block i of chunk c, the stage's j-th
         if j < stage.moe_layers:
             return {f"block{c}.{i}": dense + 2 * h, f"experts{c}.{i}": experts}
-        return {f"block{c}.{i}": block}
+        return {f"block{c}.{i}": block, f"lora{c}.{i}": adapters} if adapters else {f"block{c}.{i}": block}
     counts = [stage.layers // v + (1 if c < stage.layers % v else 0) for c in range(v)]
     chunks: list[list[dict[str, int]]] = [[unit(c, i, sum(counts[:c]) + i) for i in range(k)]
                                           for c, k in enumerate(counts)]
@@ -203,6 +211,8 @@ def state_bytes(model, stage, layout, options, moe=None) -> tuple[float, float, 
     n = stage_parameters(model, stage, layout.tp_size, moe, layout.ep_size)
     e = stage_expert_parameters(model, stage, layout.tp_size, moe, layout.ep_size)
     ob = optimizer_bytes_per_param(options.dtype)
+    if options.lora_rank:
+        return lora_state_bytes(model, stage, layout, options, n)
     optimizer = sharded(n, e, layout, ob) if zero >= 1 else n * ob / 1
     if zero <= 1:
         return n * nb, n * gb + (sharded(n, e, layout, gb) if zero == 1 else 0.0), optimizer
@@ -215,6 +225,29 @@ def state_bytes(model, stage, layout, options, moe=None) -> tuple[float, float, 
     gathered = gathered_parameters(chunks, options.zero_prefetch, options.zero_reshard_after_forward, held)
     largest = max((unit_gradient(unit) for chunk in chunks for unit in chunk), default=0)
     return sharded(n - whole, e, layout, nb) + (whole + gathered) * nb, whole * gb + slices + largest * gb, optimizer
+
+
+def lora_state_bytes(model, stage, layout, options, base: int) -> tuple[float, float, float]:
+    """``state_bytes`` of a LoRA run (dense): the ``base`` parameters frozen (stored in the dtype, sharded at
+    zero 3 like any parameter; no gradients, no optimizer state, no float32 masters), the adapters trained:
+    zero 0-3 as for full training, on the adapters only, except that with tp > 1 the factors whose gradients
+    are partial over tp stay whole at zero >= 2, gradients and parameters (the deferred bucket; lora.py)."""
+    nb, gb = DTYPE_BYTES[options.dtype], max(4, DTYPE_BYTES[options.dtype])
+    zero, d, t = layout.zero, layout.replica_size, layout.tp_size
+    per_block = block_adapter_parameters(model, t, options.lora_rank, options.lora_targets)
+    partial = partial_adapter_parameters(model, t, options.lora_rank, options.lora_targets)
+    a, w = stage.layers * per_block, stage.layers * partial
+    optimizer = a * optimizer_bytes_per_param(options.dtype) / (d if zero >= 1 else 1)
+    if zero <= 1:
+        return (base + a) * nb, a * gb + (a * gb / d if zero == 1 else 0.0), optimizer
+    grads = w * gb + a * gb / d  # the deferred bucket's whole gradients, every bucket's reduced slice
+    if zero == 2:  # a bucket filling while the previous one's reduce-scatter travels
+        return (base + a) * nb, grads + min((a - w) * gb, 2 * options.bucket_mb * 2**20), optimizer
+    chunks = zero3_units(model, stage, layout, options.virtual_stages, adapters=per_block - partial)
+    held = in_flight(layout, stage, options.virtual_stages) > 1
+    gathered = gathered_parameters(chunks, options.zero_prefetch, options.zero_reshard_after_forward, held)
+    whole = whole_parameters(model, stage, layout) + w
+    return (base + a - whole) * nb / d + (whole + gathered) * nb, grads + (per_block - partial) * gb, optimizer
 
 
 def memory(model, layout, recompute, options, moe=None) -> Memory:

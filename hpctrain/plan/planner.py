@@ -189,7 +189,8 @@ def _predict(model, layout, machine, recompute, options: Options, mem: Memory, m
         placement["ep"] = ep_placements(machine, layout)[0].level
     return Prediction(cand, step_time(model, cand, machine, options, moe), mem,
                       machine.devices, machine.device.peak(options.dtype),
-                      model_flops_per_token(model, layout.seq_len, moe=moe), placement, options.virtual_stages,
+                      model_flops_per_token(model, layout.seq_len, options.lora_rank, options.lora_targets, moe=moe),
+                      placement, options.virtual_stages,
                       options.zero_prefetch, options.zero_reshard_after_forward)
 
 

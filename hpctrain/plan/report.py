@@ -1,7 +1,7 @@
 """The text report of ``hpctrain plan``: the best layouts, where their time goes, why others do not fit."""
 from __future__ import annotations
 
-from hpctrain.config.arithmetic import active_parameters, count_parameters
+from hpctrain.config.arithmetic import active_parameters, adapter_parameters, count_parameters
 
 
 def _layout(p: dict) -> str:
@@ -26,6 +26,10 @@ def print_plans(result, machine, model, name: str, global_batch: int, seq_len: i
     print(f"machine: {machine.nodes} node(s) x {machine.gpus_per_node} {dev.name} "
           f"({dev.peak(options.dtype):g} TFLOP/s peak x {dev.efficiency:.2f}, {machine.memory_gib():.0f} GiB); "
           f"links: {machine.links.source or 'given'}")
+    if options.lora_rank:
+        trainable = adapter_parameters(model, options.lora_rank, options.lora_targets)
+        print(f"LoRA rank {options.lora_rank} on {','.join(options.lora_targets)}: {trainable / 1e6:.3g}M trainable "
+              f"parameters, the base frozen (no gradients or optimizer state; no weight gradients in the backward)")
     if any(pred.candidate.layout.zero == 3 for pred in result.plans[:top]):
         print(f"ZeRO-3: {options.zero_prefetch} unit(s) prefetched, parameters "
               f"{'resharded after each forward' if options.zero_reshard_after_forward else 'kept gathered over the step'}")

@@ -171,16 +171,6 @@ def test_plan_cli_json_and_table():
     assert "where the time goes" in table.stdout and "dp=" in table.stdout
 
 
-def test_plan_says_lora_is_not_modelled():
-    args = ("--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--device", "cpu", "--global-batch", "8",
-            "--seq-len", "64", "--top", "1", "--json")
-    full = hpctrain_plan(*args)
-    lora = hpctrain_plan(*args, "--set", "lora.rank=8")
-    assert full.returncode == lora.returncode == 0, lora.stderr
-    assert "lora.rank=8 is not modelled" in lora.stderr and "not modelled" not in full.stderr
-    assert json.loads(lora.stdout)["lora"] == {"rank": 8, "modelled": False} and "lora" not in json.loads(full.stdout)
-
-
 @pytest.mark.parametrize("args, message", [
     (["--model", "gpt-9t", "--nodes", "1", "--gpus-per-node", "8"], "neither a preset"),
     (["--model", "tiny", "--nodes", "2", "--gpus-per-node", "8"], "give --inter-gbps"),

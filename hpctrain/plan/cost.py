@@ -72,7 +72,8 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
   ep ranks holding the same experts (``ep_placements``), the rest over dp x cp, one after the other on
   the link. The executed FLOPs count the ACTIVE parameters (``arithmetic.active_matmul_parameters``).
 - LoRA (``Options.lora_rank`` > 0, dense models; lora.py): each block's forward adds its adapters' thin
-  matmuls (``lora.adapter_gemms``, on the GEMM curve); the backward skips the frozen base's weight gradients
+  matmuls (``lora.adapter_gemms``, on the GEMM curve) and the tensors they make (``lora.adapter_traffic_bytes``
+  through memory); the backward skips the frozen base's weight gradients
   (the block's and the LM head's matmuls once less: twice the forward minus them); only the adapters'
   gradients are reduced over dp (nothing of a frozen tied embedding) and stepped by the optimizer; at zero 3
   every unit is still gathered (the base is sharded too), with its sharded adapters.
@@ -90,8 +91,8 @@ from hpctrain.config.layout import Layout
 from hpctrain.plan.devices import DTYPE_BYTES, PlanError
 from hpctrain.plan.machine import GroupPlacement
 from hpctrain.plan.compressed import dp_wire_fraction, payload_fraction
-from hpctrain.plan.lora import (adapter_gemms, block_adapter_parameters, check_targets, lora_flops_per_token,
-                               partial_adapter_parameters)
+from hpctrain.plan.lora import (adapter_gemms, adapter_traffic_bytes, block_adapter_parameters, check_targets,
+                               lora_flops_per_token, partial_adapter_parameters)
 from hpctrain.plan.memory import head_buckets, sharded, whole_parameters, zero3_units
 from hpctrain.plan.ring import RING_TILE, SCORE_PASSES, exposed_s, kv_elements, ring_math_dtype, ring_pairs
 from hpctrain.plan.shapes import block_gemms, block_matmul_params, for_tp, moe_block_gemms
@@ -256,7 +257,10 @@ def step_time(model, cand: Candidate, machine, options: Options = Options(), moe
     ring_f, ring_b, attention = _attention(model, lay, machine, options, cp_at, peak)
     rank, targets = options.lora_rank, options.lora_targets
     block_gemm = _gemm_s(dev, peak, block_gemms(model, b * seq, t))
-    block_f = block_gemm + attention + (_gemm_s(dev, peak, adapter_gemms(model, b * seq, t, rank, targets)) if rank else 0.0)
+    block_f = block_gemm + attention
+    if rank:  # the adapters' thin matmuls and the tensors they make
+        block_f += _gemm_s(dev, peak, adapter_gemms(model, b * seq, t, rank, targets))
+        block_f += adapter_traffic_bytes(model, b * seq, t, rank, targets, nb) / hbm
     block_f += 2 * layer_activation_bytes(model, b, seq, t, sp, flash, nb) / hbm
     frozen_wgrad = block_gemm if rank else 0.0  # LoRA: the weight gradients the frozen base does not compute
     rematerialised = {"off": 0.0, "full": block_f,

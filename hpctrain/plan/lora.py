@@ -65,6 +65,14 @@ def adapter_gemms(m, tokens: int, tp: int, rank: int, targets) -> list[tuple[flo
     return out
 
 
+def adapter_traffic_bytes(m, tokens: int, tp: int, rank: int, targets, nbytes: int) -> float:
+    """Bytes one block's adapters move through memory in the forward on one tp rank, beside their matmuls:
+    per target the tensors it makes, ``x A^T`` (``r`` wide), ``(x A^T) B^T``, its scaling and its sum with the
+    base output (``out'`` wide each), every one written once and read once (cost.py's rule for a block's
+    element-wise work)."""
+    return sum(2.0 * tokens * (rank + 3 * width_out) * nbytes for _, width_out in _factors(m, tp, targets))
+
+
 def lora_flops_per_token(m, rank: int, targets, recomputed: bool) -> float:
     """What LoRA changes in the FLOPs a token executes (``cost.executed_flops_per_token``): minus the frozen
     matmuls' weight gradients (2 per parameter of the blocks and the LM head), plus the adapters' forward and

@@ -54,9 +54,12 @@ def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None)
         machine = machine_for(row["ranks"], int(row.get("nodes") or 1), device, profile)
         options = Options(dtype=t.dtype, flash_attention=True, bucket_mb=p.bucket_mb, reserve_gib=0.0,
                           zero_prefetch=p.zero_prefetch, zero_reshard_after_forward=p.zero_reshard_after_forward,
-                          virtual_stages=p.virtual_stages)
+                          virtual_stages=p.virtual_stages, lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.targets))
+        moe = resolve_moe(cfg.moe, model)
+        if moe is not None and options.lora_rank:
+            return None  # the model has LoRA on dense models only
         pred = predict(model, layout, machine, recompute=bool(getattr(t, "recompute", False)), options=options,
-                       moe=resolve_moe(cfg.moe, model))
+                       moe=moe)
     except HpcTrainError:
         return None
     parts = pred.time

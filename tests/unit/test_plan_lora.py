@@ -1,5 +1,5 @@
 """LoRA in the planner (hpctrain/plan/lora.py): the frozen base's memory and time, the adapters' split over tp,
-the FLOPs, and `hpctrain plan` with `lora.rank`. tests/mpi/test_plan_lora.py holds the memory against the engine."""
+the FLOPs, and `hpctrain plan` with `lora.rank`. tests/mpi/test_lora_plan_memory.py holds the memory against the engine."""
 import json
 import subprocess
 import sys

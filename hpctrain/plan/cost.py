@@ -409,7 +409,8 @@ def _zero3_gathers(model, lay, machine, options, groups, st: Stage, units,
     gathered over the latter after its dense buckets."""
     nb, d, v = DTYPE_BYTES[options.dtype], lay.replica_size, options.virtual_stages
     reshard, prefetch = options.zero_reshard_after_forward, options.zero_prefetch
-    chunks = zero3_units(model, st, lay, v, moe, _adapters_per_block(model, lay, options))
+    frozen = options.lora_rank > 0
+    chunks = zero3_units(model, st, lay, v, moe, _adapters_per_block(model, lay, options), frozen)
     head = head_buckets(chunks)  # gathered from its forward to its backward (a tied head: with the embedding)
     held = set(head) if reshard and in_flight(lay, st, v) > 1 else set()  # still there from an earlier micro-batch
 
@@ -433,7 +434,8 @@ def _zero3_gathers(model, lay, machine, options, groups, st: Stage, units,
         stall_f += _gather_stall_s(forward, [f for f, _ in times], prefetch)
         link_f += sum(forward)
         if reshard:  # backward: every unit but the head, in reverse; the head's backward posts nothing
-            rest = [(u, t) for u, t in zip(chunk, times) if u is not head][::-1]
+            # (a frozen embedding's output needs no gradient: its unit is not gathered again)
+            rest = [(u, t) for u, t in zip(chunk, times) if u is not head and not (frozen and "embed" in u)][::-1]
             backward = [gather(u, set(head)) for u, _ in rest]
             stall_b += _gather_stall_s(backward, [bw for _, (_, bw) in rest], prefetch)
             link_b += sum(backward)
@@ -456,15 +458,21 @@ def _dp_exposed(model, lay, machine, options, groups, pp_at, params, p2p, units,
     fraction = options.dp_compression * (dp_wire_fraction(options.compression, zero, options.zfp_rate)
                                          if zero <= 1 else 1.0)
     frozen = options.lora_rank > 0  # LoRA: ``params`` are the adapters; the base (a tied embedding too) never changes
+    tp_at = machine.placement(1, lay.tp_size)
     exposed = 0.0
     for st, n, (fwd, bwd, tpf, tpb, cpf, cpb, epf, epb), e in params:
         s, gb = st.index, max(4, nb)
-        grads = (n - (whole_parameters(model, st, lay) if zero >= 2 and not frozen else 0)) * gb * fraction
+        # LoRA: the adapter factors partial over tp (the deferred bucket) are reduced once, after the last backward
+        deferred = st.layers * partial_adapter_parameters(model, lay.tp_size, options.lora_rank,
+                                                          options.lora_targets) if frozen else 0
+        grads = (n - deferred - (whole_parameters(model, st, lay) if zero >= 2 and not frozen else 0)) * gb * fraction
         expert_grads = e * gb * fraction  # reduced over the experts' group, after the rest
         bucket = options.bucket_mb * 2**20
-        if zero == 3:  # the last bucket reduced is the stage's first unit (LoRA: its adapters)
-            first = zero3_units(model, st, lay, options.virtual_stages, moe, _adapters_per_block(model, lay, options))[0][0]
-            bucket = sum(v for k, v in first.items() if not frozen or k.startswith("lora")) * gb
+        if zero == 3:  # the last bucket reduced is the stage's first unit (LoRA: the first with adapters)
+            units0 = zero3_units(model, st, lay, options.virtual_stages, moe, _adapters_per_block(model, lay, options),
+                                 frozen)[0]
+            first = next((u for u in units0 if any(k.startswith("lora") for k in u)), {}) if frozen else units0[0]
+            bucket = sum(size for k, size in first.items() if not frozen or k.startswith("lora")) * gb
         whole = (machine.collective_s(reduce_op, grads - expert_grads, d, dp_at)
                  + machine.collective_s(reduce_op, expert_grads, experts_d, experts_at))
         last = machine.collective_s(reduce_op, min(grads, bucket), d, dp_at)
@@ -475,6 +483,10 @@ def _dp_exposed(model, lay, machine, options, groups, pp_at, params, p2p, units,
             stall_f, stall_b, link_f, link_b = _zero3_gathers(model, lay, machine, options, groups, st, units, moe)
         b_slot = max(0.0, b_slot - link_b)  # the last backward's gathers share the dp link
         tail = max(last - s * b_slot, whole - (1 + s) * b_slot)  # the last micro-batch's reduction
+        if deferred:  # summed over tp, then reduced over dp x cp; at zero 3 gathered again after the step
+            tail += (machine.collective_s("allreduce", deferred * gb, lay.tp_size, tp_at)
+                     + machine.collective_s(reduce_op, deferred * gb * fraction, d, dp_at)
+                     + (machine.collective_s("allgather", deferred * nb, d, dp_at) if zero == 3 else 0.0))
         if zero <= 1:
             stage = tail
         elif zero == 2 or not options.zero_reshard_after_forward:  # gathers (if any) in the first forward only

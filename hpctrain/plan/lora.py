@@ -11,21 +11,26 @@ like any parameter (gradients, AdamW, ZeRO). memory.py and cost.py use these num
 from __future__ import annotations
 
 from hpctrain.config.arithmetic import adapter_parameters, lora_target_shapes
+from hpctrain.plan.devices import PlanError
 
 ROW_PARALLEL = frozenset(("o", "down"))  # RowParallelLinear targets (models/lora.py TARGET_MODULES); the rest are column
 
 
 def check_targets(targets) -> None:
-    """``targets`` are LoRA target names (ValueError naming the others)."""
+    """``targets`` are distinct LoRA target names (ValueError naming the others)."""
     known = ("q", "k", "v", "o", "gate", "up", "down")
     unknown = [t for t in targets if t not in known]
-    if unknown or not targets:
-        raise ValueError(f"LoRA targets {list(targets)}: expected a non-empty list of {', '.join(known)}")
+    if unknown or not targets or len(set(targets)) != len(targets):
+        raise ValueError(f"LoRA targets {list(targets)}: expected a non-empty list of distinct names among "
+                         f"{', '.join(known)}")
 
 
 def _factors(m, tp: int, targets) -> list[tuple[int, int]]:
     """Per target of one block on one tp rank: (the input width ``A`` reads, the output width ``B`` writes)."""
     shapes = lora_target_shapes(m)
+    missing = [t for t in targets if t not in shapes]
+    if missing:  # gate on a model without a gated MLP
+        raise PlanError(f"LoRA targets {missing}: this model has no such linear (it has {', '.join(shapes)})")
     out = []
     for target in targets:
         width_in, width_out = shapes[target]

@@ -128,17 +128,21 @@ def whole_parameters(model, stage, layout) -> int:
     return model.vocab_size * model.d_model // layout.tp_size if split else 0
 
 
-def zero3_units(model, stage, layout, virtual_stages: int = 1, moe=None, adapters: int = 0) -> list[list[dict[str, int]]]:
+def zero3_units(model, stage, layout, virtual_stages: int = 1, moe=None, adapters: int = 0,
+                frozen: bool = False) -> list[list[dict[str, int]]]:
     """The ZeRO-3 units of one tp rank of ``stage`` per virtual stage, in forward order (zero3.py
     ``stage_units``): each unit is ``{bucket: sharded parameters}`` of the buckets it gathers. The
     embedding (+ learned positions) opens the first stage, the final norm + LM head closes the last (a
     tied head with one stage gathers the embedding's bucket; a tied embedding split over pp stays whole:
     ``whole_parameters``). An MoE block's unit is its dense part and its ``num_experts / ep`` experts
     (bucket ``experts...``: gathered over dp x cp / ep); the stage's MoE blocks come first. ``adapters``: a
-    LoRA run's adapter parameters per block (bucket ``lora...``, the block's trainable one; lora.py).
+    LoRA run's adapter parameters per block (bucket ``lora...``, the block's trainable one; lora.py);
+    ``frozen``: a LoRA run, whose frozen base is sharded whole, a tied embedding split over pp too (the first
+    stage's in its embedding unit, the last stage's copy in its head unit: frozen_shards.py).
     ``model``'s vocabulary as given (padded by the caller)."""
     h, t = model.d_model, layout.tp_size
-    vh, split = model.vocab_size * h // t, model.tie_embeddings and layout.pp_size > 1
+    copy = frozen and model.tie_embeddings and layout.pp_size > 1  # the last stage's own (sharded) copy
+    vh, split = model.vocab_size * h // t, model.tie_embeddings and layout.pp_size > 1 and not frozen
     v = virtual_stages if layout.pp_size > 1 else 1
     block = block_matmul_params(model) // t + 2 * h
     dense, experts = moe_rank_parameters(model, moe, t, layout.ep_size) if stage.moe_layers else (0, 0)
@@ -154,8 +158,8 @@ def zero3_units(model, stage, layout, virtual_stages: int = 1, moe=None, adapter
     if stage.first and embed:
         chunks[0].insert(0, {"embed": embed})
     if stage.last:
-        head = {"head": h + (0 if model.tie_embeddings else vh)}
-        if model.tie_embeddings and not split:  # one stage: the head's weight is the embedding's
+        head = {"head": h + (vh if copy or not model.tie_embeddings else 0)}
+        if model.tie_embeddings and not split and not copy:  # one stage: the head's weight is the embedding's
             head["embed"] = embed
         chunks[-1].append(head)
     return [chunk for chunk in chunks if chunk]
@@ -243,11 +247,10 @@ def lora_state_bytes(model, stage, layout, options, base: int) -> tuple[float, f
     grads = w * gb + a * gb / d  # the deferred bucket's whole gradients, every bucket's reduced slice
     if zero == 2:  # a bucket filling while the previous one's reduce-scatter travels
         return (base + a) * nb, grads + min((a - w) * gb, 2 * options.bucket_mb * 2**20), optimizer
-    chunks = zero3_units(model, stage, layout, options.virtual_stages, adapters=per_block - partial)
+    chunks = zero3_units(model, stage, layout, options.virtual_stages, adapters=per_block - partial, frozen=True)
     held = in_flight(layout, stage, options.virtual_stages) > 1
     gathered = gathered_parameters(chunks, options.zero_prefetch, options.zero_reshard_after_forward, held)
-    whole = whole_parameters(model, stage, layout) + w
-    return (base + a - whole) * nb / d + (whole + gathered) * nb, grads + (per_block - partial) * gb, optimizer
+    return (base + a - w) * nb / d + (w + gathered) * nb, grads + (per_block - partial) * gb, optimizer
 
 
 def memory(model, layout, recompute, options, moe=None) -> Memory:

@@ -9,12 +9,13 @@ import pytest
 from hpctrain.config import ModelConfig, resolve_model
 from hpctrain.config.arithmetic import adapter_parameters
 from hpctrain.config.layout import Layout
-from hpctrain.plan.cost import Candidate, Options, executed_flops_per_token, step_time
+from hpctrain.plan.cost import Candidate, Options, _zero3_gathers, executed_flops_per_token, step_time
 from hpctrain.plan.devices import PlanError, device_preset
 from hpctrain.plan.lora import ROW_PARALLEL, block_adapter_parameters, partial_adapter_parameters
 from hpctrain.plan.machine import Machine, links_from_bandwidth
-from hpctrain.plan.memory import GIB, memory
+from hpctrain.plan.memory import GIB, memory, zero3_units
 from hpctrain.plan.shapes import block_matmul_params, for_tp
+from hpctrain.plan.stages import stages
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -69,11 +70,47 @@ def test_the_frozen_base_skips_its_weight_gradients_and_its_reduction():
     assert difference == pytest.approx(2 * frozen - 6 * adapter_parameters(m, 16, ("q", "v")))
 
 
+def test_without_lora_nothing_changes():
+    m = llama()
+    machine = Machine(device_preset("a100"), links_from_bandwidth(2400, 200.0), 2, 8)
+    for zero in (0, 2, 3):
+        cand = Candidate(Layout(16, 4, 2, 2, 8, 512, 2048, zero=zero))
+        assert step_time(m, cand, machine, Options()) == step_time(m, cand, machine, Options(lora_targets=("q",)))
+
+
+def test_zero3_gathers_a_frozen_tied_embedding_with_its_units_and_never_in_the_backward():
+    gpt = for_tp(resolve_model(ModelConfig(preset="gpt-1.7b", vocab_size=0)), 1)  # tied, learned positions
+    assert gpt.tie_embeddings
+    lay = Layout(8, 4, 2, 1, 8, 512, 2048, zero=3)
+    first, last = stages(gpt, lay)[0], stages(gpt, lay)[-1]
+    vh = gpt.vocab_size * gpt.d_model
+    frozen = zero3_units(gpt, first, lay, frozen=True)[0][0], zero3_units(gpt, last, lay, frozen=True)[-1][-1]
+    assert frozen[0]["embed"] >= vh and frozen[1]["head"] == gpt.d_model + vh  # sharded, each stage its own
+    assert zero3_units(gpt, first, lay)[0][0]["embed"] < vh  # full training: the split embedding stays whole
+    m = llama()
+    machine = Machine(device_preset("a100"), links_from_bandwidth(2400, 200.0), 1, 8)
+    lay = Layout(8, 8, 1, 1, 32, 512, 2048, zero=3)
+    st = stages(for_tp(m, 1), lay)[0]
+    at = machine.placement(1, 8)
+    units = {k: (1.0, 1.0) for k in ("embed", "block", "head", "moe")}
+    gaps = []
+    for options in (Options(), Options(lora_rank=16, lora_targets=("q", "v"))):
+        _, _, forward, backward = _zero3_gathers(for_tp(m, 1), lay, machine, options, (at, at), st, units)
+        gaps.append(forward - backward)  # the head (and, frozen, the embedding) not gathered in the backward
+    embed = machine.collective_s("allgather", m.vocab_size * m.d_model * 2, 8, at)
+    assert gaps[1] - gaps[0] == pytest.approx(embed)
+
+
 def test_bad_lora_options_are_refused_by_name():
     with pytest.raises(PlanError, match="LoRA targets"):
         Options(lora_rank=8, lora_targets=("qkv",))
     with pytest.raises(PlanError, match="lora_rank"):
         Options(lora_rank=-1)
+    with pytest.raises(PlanError, match="distinct"):
+        Options(lora_rank=8, lora_targets=("q", "q"))
+    gelu = resolve_model(ModelConfig(preset="gpt-1.7b", vocab_size=0))
+    with pytest.raises(PlanError, match=r"\['gate'\]: this model has no such linear"):
+        block_adapter_parameters(gelu, 1, 8, ("q", "gate"))
 
 
 def plan_cli(*args):

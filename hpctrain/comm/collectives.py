@@ -266,6 +266,14 @@ class Communicator:
         finally:
             self.watchdog.end(token)
 
+    def _route(self, tensor: torch.Tensor, op: str, kind: str):
+        """(backend, route name) for collective ``kind`` on ``tensor``: the group's shm route where it takes the
+        call (comm.intra_node), else the tensor's backend (MPI, no route name)."""
+        shm = self.shm
+        if shm is not None and shm.takes(tensor, op, kind):
+            return shm, shm.route
+        return self.backend_for(tensor), ""
+
     # ---------------------------------------------------------------- collectives
     # The hot path first: a blocking host call with comm.check off, on tensors a ``BoundCall`` was (or can be) made
     # for (bound.py); then the ordinary way, where comm.check's fingerprint is built only when it is compared.
@@ -275,11 +283,7 @@ class Communicator:
             bound = self._bound.get("allreduce", tensor, None, op, self.shm)
             if bound is not None:
                 return self._host_call("allreduce", bound.nbytes, self._allreduce_wire, bound)
-        shm = self.shm
-        if shm is not None and shm.takes(tensor, op, "allreduce"):
-            backend, route = shm, shm.route
-        else:
-            backend, route = self.backend_for(tensor), ""
+        backend, route = self._route(tensor, op, "allreduce")
         if not (nonblocking or self.check or tensor.is_cuda):
             return self._host_call("allreduce", tensor.nbytes, self._allreduce_wire, backend.allreduce, tensor, op,
                                    route=route)
@@ -293,11 +297,7 @@ class Communicator:
             bound = self._bound.get("reduce_scatter", output, input, op, self.shm)
             if bound is not None:
                 return self._host_call("reduce_scatter", bound.nbytes, self._spread_wire, bound)
-        shm = self.shm
-        if shm is not None and shm.takes(input, op, "reduce_scatter"):
-            backend, route = shm, shm.route
-        else:
-            backend, route = self.backend_for(input), ""
+        backend, route = self._route(input, op, "reduce_scatter")
         if not (nonblocking or self.check or input.is_cuda):
             return self._host_call("reduce_scatter", input.nbytes, self._spread_wire, backend.reduce_scatter,
                                    output, input, op, route=route)
@@ -311,11 +311,7 @@ class Communicator:
             bound = self._bound.get("allgather", output, input, None, self.shm)
             if bound is not None:
                 return self._host_call("allgather", bound.nbytes, self._spread_wire, bound)
-        shm = self.shm
-        if shm is not None and shm.takes(output, "sum", "allgather"):
-            backend, route = shm, shm.route
-        else:
-            backend, route = self.backend_for(output), ""
+        backend, route = self._route(output, "sum", "allgather")
         if not (nonblocking or self.check or output.is_cuda):
             return self._host_call("allgather", output.nbytes, self._spread_wire, backend.allgather, output, input,
                                    route=route)

@@ -92,7 +92,7 @@ from hpctrain.plan.devices import DTYPE_BYTES, PlanError
 from hpctrain.plan.machine import GroupPlacement
 from hpctrain.plan.compressed import dp_wire_fraction, payload_fraction
 from hpctrain.plan.lora import (adapter_gemms, adapter_traffic_bytes, block_adapter_parameters, check_targets,
-                               lora_flops_per_token, partial_adapter_parameters)
+                               lora_flops_per_token, partial_adapter_parameters, unit_adapter_parameters)
 from hpctrain.plan.memory import head_buckets, sharded, whole_parameters, zero3_units
 from hpctrain.plan.ring import RING_TILE, SCORE_PASSES, exposed_s, kv_elements, ring_math_dtype, ring_pairs
 from hpctrain.plan.shapes import block_gemms, block_matmul_params, for_tp, moe_block_gemms
@@ -377,10 +377,8 @@ def _attention(model, lay, machine, options, cp_at, peak) -> tuple[float, float,
 
 
 def _adapters_per_block(model, lay, options) -> int:
-    """A LoRA run's adapter parameters per block on one tp rank that its ZeRO-3 unit gathers (0 without LoRA;
-    the factors partial over tp stay whole: lora.py)."""
-    t, rank, targets = lay.tp_size, options.lora_rank, options.lora_targets
-    return block_adapter_parameters(model, t, rank, targets) - partial_adapter_parameters(model, t, rank, targets)
+    """A LoRA run's adapter parameters per block on one tp rank that its ZeRO-3 unit gathers (0 without LoRA)."""
+    return unit_adapter_parameters(model, lay.tp_size, options.lora_rank, options.lora_targets)
 
 
 def _gather_stall_s(gathers: list[float], computes: list[float], prefetch: int) -> float:

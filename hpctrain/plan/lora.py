@@ -59,6 +59,12 @@ def partial_adapter_parameters(m, tp: int, rank: int, targets) -> int:
     return sum(rank * (shapes[t][1] if t in ROW_PARALLEL else shapes[t][0]) for t in targets)
 
 
+def unit_adapter_parameters(m, tp: int, rank: int, targets) -> int:
+    """Of ``block_adapter_parameters``, those a block's ZeRO-3 unit shards and gathers (the rest, partial over
+    tp, stay whole)."""
+    return block_adapter_parameters(m, tp, rank, targets) - partial_adapter_parameters(m, tp, rank, targets)
+
+
 def adapter_gemms(m, tokens: int, tp: int, rank: int, targets) -> list[tuple[float, tuple[float, ...]]]:
     """One block's adapter matrix multiplications in the forward on one tp rank, as ``shapes.block_gemms``
     lists them (FLOPs, (rows, columns, inner)): ``x A^T`` then ``(x A^T) B^T`` per target. Thin (``rank``

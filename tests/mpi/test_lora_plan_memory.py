@@ -12,7 +12,7 @@ from hpctrain.config import load_config, resolve_model
 from hpctrain.config.layout import Layout
 from hpctrain.plan.cost import Options
 from hpctrain.plan.devices import DTYPE_BYTES
-from hpctrain.plan.lora import block_adapter_parameters, partial_adapter_parameters
+from hpctrain.plan.lora import unit_adapter_parameters
 from hpctrain.plan.memory import gathered_parameters, state_bytes, zero3_units
 from hpctrain.plan.shapes import for_tp
 from hpctrain.plan.stages import in_flight, stages
@@ -30,8 +30,7 @@ def planned_kept(overrides: list[str], ranks: int, rank: int) -> dict[str, int]:
     params, grads, optimizer = state_bytes(model, stage, lay, options)
     if lay.zero == 3:
         nb, gb = DTYPE_BYTES[cfg.train.dtype], max(4, DTYPE_BYTES[cfg.train.dtype])
-        unit = block_adapter_parameters(model, t, lora.rank, lora.targets) - \
-            partial_adapter_parameters(model, t, lora.rank, lora.targets)
+        unit = unit_adapter_parameters(model, t, lora.rank, lora.targets)
         held = in_flight(lay, stage, 1) > 1
         gathered = gathered_parameters(zero3_units(model, stage, lay, 1, None, unit, frozen=True), 1, True, held)
         params, grads = params - gathered * nb, grads - unit * gb

@@ -133,8 +133,7 @@ def choose_sdpa(device, dtype, head_dim: int, masked: bool = False, probe=trial,
     shape = TrialShape(batch, heads, seq, head_dim)
     kinds = (False, True) if masked else (False,)
     trials = {(b, m): probe(b, device, dtype, shape, m) for m in kinds for b in FAST}
-    if probe is trial:
-        torch.cuda.reset_peak_memory_stats(device)  # the run's peak-memory report leaves the trials out
+    # (no reset of the device's peak: the run's memory reports count everything since the process started)
     keys = list(trials)
     times = [math.inf if trials[key].ms is None else float(trials[key].ms) for key in keys]
     if gather is not None:

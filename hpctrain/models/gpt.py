@@ -31,7 +31,8 @@ from hpctrain.parallel.context_parallel import causal_window_mask, default_tile,
 from hpctrain.parallel.head_loss import chunk_tokens, fused_head_cross_entropy
 from hpctrain.parallel.packed import local_document_positions, same_document
 from hpctrain.config.rules import check_tp_divisibility, padded_vocab
-from hpctrain.parallel.slab import init_from_global_, make_spec
+from hpctrain.parallel.param_init import InitRule, new_param
+from hpctrain.parallel.slab import make_spec
 from hpctrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       vocab_parallel_cross_entropy)
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq
@@ -53,9 +54,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         spec = make_spec(f"{name}.weight", (dim,), None, tp_comm,
                          partial_grad_over_tp=bool(sp and tp_comm and tp_comm.size > 1))
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
-        init_from_global_(self.weight, spec, 0, None)
-        self.weight.spec = spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
+        self.weight = new_param(spec, dtype, InitRule("ones"))
         self.eps = eps
 
     def forward(self, x):
@@ -183,9 +182,7 @@ class LearnedPositions(nn.Module):
         super().__init__()
         split_seq = bool(sp and tp_comm is not None and tp_comm.size > 1)
         spec = make_spec("pos_embed.weight", (m.max_seq_len, m.d_model), None, tp_comm, partial_grad_over_tp=split_seq)
-        self.weight = nn.Parameter(torch.empty(spec.local_shape, dtype=dtype))
-        init_from_global_(self.weight, spec, seed, m.init_std)
-        self.weight.spec = spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
+        self.weight = new_param(spec, dtype, InitRule.normal(m.init_std, seed))
         self.sp_index: int  # which S/tp part of the sequence this tp rank holds (0 without SP)
         self.split_over: int
         self.sp_index, self.split_over = (tp_comm.rank, tp_comm.size) if split_seq else (0, 1)

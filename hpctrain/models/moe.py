@@ -36,8 +36,9 @@ from torch import nn
 from hpctrain.models.mlp import MLP
 from hpctrain.parallel.context_parallel import zigzag_positions
 from hpctrain.parallel.expert_parallel import Dispatcher
-from hpctrain.parallel.lora import LoraFactor, LoraSettings
-from hpctrain.parallel.slab import global_generator, init_from_global_, make_spec, place_global_
+from hpctrain.parallel.lora import LoraFactor, LoraSettings, kaiming_uniform_rule
+from hpctrain.parallel.param_init import InitRule, new_param
+from hpctrain.parallel.slab import make_spec
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 
 
@@ -120,9 +121,7 @@ class Router(nn.Module):
         super().__init__()
         tp = 1 if tp_comm is None else tp_comm.size
         spec = make_spec(f"{name}.weight", (num_experts, m.d_model), None, tp_comm, partial_grad_over_tp=tp > 1)
-        self.weight = nn.Parameter(torch.empty(num_experts, m.d_model, dtype=dtype))
-        init_from_global_(self.weight, spec, seed, m.init_std)
-        self.weight.spec = spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
+        self.weight = new_param(spec, dtype, InitRule.normal(m.init_std, seed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> logits [T, E] in float32 (float64 for float64)."""
@@ -143,10 +142,7 @@ class Experts(nn.Module):
 
         def weight(part, shape, split) -> nn.Parameter:
             spec = make_spec(f"{name}.{part}", shape, split, tp_comm, experts=held)
-            param = nn.Parameter(torch.empty(spec.local_shape, dtype=dtype))
-            init_from_global_(param, spec, seed, m.init_std)
-            param.spec = spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
-            return param
+            return new_param(spec, dtype, InitRule.normal(m.init_std, seed))
 
         self.gate = weight("gate", (e, f, d), 1)
         self.up = weight("up", (e, f, d), 1)
@@ -169,12 +165,8 @@ class Experts(nn.Module):
                                partial_grad_over_tp=partial and column, experts=self.held)
             b_spec = make_spec(f"{self.name}.{part}.lora_B.weight", (e, out, rank), 1 if column else None, tp_comm,
                                partial_grad_over_tp=partial and not column, experts=self.held)
-            lora_a, lora_b = LoraFactor(a_spec, self.dtype), LoraFactor(b_spec, self.dtype)
-            bound = nn.init.calculate_gain("leaky_relu", math.sqrt(5)) * math.sqrt(3.0 / fan_in)
-            full = torch.empty(a_spec.global_shape, dtype=torch.float64)
-            full.uniform_(-bound, bound, generator=global_generator(seed, a_spec.name))
-            with torch.no_grad():
-                place_global_(lora_a.weight, a_spec, full)
+            lora_a = LoraFactor(a_spec, self.dtype, kaiming_uniform_rule(fan_in, seed))
+            lora_b = LoraFactor(b_spec, self.dtype)  # zero
             self.adapters[part] = nn.ModuleDict({"lora_A": lora_a, "lora_B": lora_b})
         self.lora = LoraSettings(alpha / rank, dropout)
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hpctrain.parallel.data_parallel import intersect
+from hpctrain.parallel.buckets import intersect
 
 
 @dataclass

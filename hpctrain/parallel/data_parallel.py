@@ -42,113 +42,15 @@ reduction, no optimizer state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from hpctrain.compression.reducer import DenseReducer, GradReducer
+from hpctrain.parallel.buckets import (Bucket, ParamPiece, allocate, free, gather_whole, intersect, place_params,
+                                       sharded_pieces)
 from hpctrain.profiling.timers import NULL_TIMER
 
 TIED_GRAD_TAG = 23  # beside the pipeline's ACT_TAG = 21, GRAD_TAG = 22 on the same pp communicator
-
-
-def intersect(lo: int, hi: int, start: int, end: int) -> tuple[int, int] | None:
-    """The overlap of flat ranges [lo, hi) and [start, end), or None: the one range helper."""
-    a, b = max(lo, start), min(hi, end)
-    return (a, b) if a < b else None
-
-
-@dataclass(frozen=True)
-class ParamPiece:
-    """The part of parameter ``param`` that lies in flat [flat_lo, flat_hi); ``param_lo`` is where that
-    part starts inside the parameter's own flattened slab (so param elements [param_lo, param_hi))."""
-
-    param: torch.nn.Parameter
-    flat_lo: int
-    flat_hi: int
-    param_lo: int
-
-    @property
-    def param_hi(self) -> int:
-        return self.param_lo + self.flat_hi - self.flat_lo
-
-
-@dataclass(eq=False)  # compared by identity
-class Bucket:
-    """A run of the flat buffers, [start, end) (padded to a multiple of dp), reduced as one.
-
-    ``grads``: its main grads [size] (a view of ``FlatParams.grad_buffer`` at zero <= 1; at zero >= 2 a
-    tensor of its own, freed between micro-batches except in the deferred bucket). ``param_values``: its
-    parameters [size] (a view of ``param_buffer`` at zero <= 2; at zero 3 a tensor of its own that holds
-    the gathered unit while it runs, ``sharded``). ``param_slice``: zero 3, this rank's 1/dp of ``param_values``, kept
-    between steps. ``slice_grad``: zero >= 1, this rank's reduced 1/dp of ``grads``; ``slice_out``: where the
-    running reduce-scatter writes (``slice_grad``, or ``incoming`` when earlier micro-batches' sum is there)."""
-    start: int  # range in the flat buffers
-    end: int  # padded end
-    params: list = field(default_factory=list)
-    deferred: bool = False
-    pending: int = 0
-    handle: Any = None  # the reducer's reduction in flight (test/wait), None when idle
-    slice_grad: torch.Tensor | None = None  # ZeRO: this rank's reduced slice
-    index: int = 0  # position in FlatParams.buckets (the reducer's key for per-bucket state)
-    grads: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    param_values: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    param_slice: torch.Tensor | None = None
-    slice_out: torch.Tensor | None = None
-    incoming: torch.Tensor | None = None
-    launches: int = 0  # zero >= 2: reductions started this step (decided by the hooks alone: the same on every rank)
-
-    @property
-    def size(self) -> int:
-        return self.end - self.start
-
-    @property
-    def sharded(self) -> bool:
-        """zero 3: ``param_values`` is gathered only while its unit runs (this rank keeps ``param_slice``)."""
-        return self.param_slice is not None
-
-    @property
-    def per_microbatch(self) -> bool:
-        """Reduced after every micro-batch's backward (zero >= 2, not the deferred bucket)."""
-        return self.incoming is not None
-
-
-def allocate(tensor: torch.Tensor) -> None:
-    """Give ``tensor`` (which owns its storage, offset 0) back its storage after ``free``; contents undefined."""
-    storage = tensor.untyped_storage()
-    if storage.size() == 0:
-        storage.resize_(tensor.numel() * tensor.element_size())
-
-
-def free(tensor: torch.Tensor) -> None:
-    """Drop ``tensor``'s storage (views of it stay valid objects, and see it again after ``allocate``).
-    Never call ``.numpy()`` on a view of it: numpy pins a storage's size (copy first)."""
-    tensor.untyped_storage().resize_(0)
-
-
-def is_allocated(tensor: torch.Tensor) -> bool:
-    return tensor.untyped_storage().size() > 0
-
-
-@contextmanager
-def gather_whole(buckets: list[Bucket], dp_comm):
-    """Collective over ``dp_comm`` (None: one rank): each sharded bucket of ``buckets`` not gathered now gets
-    its whole ``param_values`` from the ranks' slices (blocking all-gathers), freed again on exit."""
-    taken = [b for b in buckets if b.sharded and not is_allocated(b.param_values)]
-    for b in taken:
-        assert b.param_slice is not None  # a sharded bucket
-        allocate(b.param_values)
-        if dp_comm is not None and dp_comm.size > 1:
-            dp_comm.allgather(b.param_values, b.param_slice)
-        else:
-            b.param_values.copy_(b.param_slice)
-    try:
-        yield
-    finally:
-        for b in taken:
-            free(b.param_values)
 
 
 class FlatParams:
@@ -165,7 +67,7 @@ class FlatParams:
     def __init__(self, params: list, dp_comm, *, tp_comm=None, pp_comm=None, bucket_mb: float = 25.0,
                  zero: int = 0, units: list[list] | None = None, grad_dtype: torch.dtype | None = None,
                  timer=NULL_TIMER, check_finite: bool = False,
-                 make_reducer: Callable[[FlatParams], GradReducer] = DenseReducer):
+                 make_reducer: Callable[[FlatParams], GradReducer] = DenseReducer, initialize: bool = True):
         self.params, self.dp_comm, self.tp_comm, self.pp_comm = list(params), dp_comm, tp_comm, pp_comm
         self.zero_stage = int(zero)
         self.zero = self.zero_stage >= 1  # optimizer state sharded: each rank owns 1/dp of every bucket
@@ -180,23 +82,16 @@ class FlatParams:
         self.buckets = self._make_buckets(bucket_mb * 2**20 / torch.empty((), dtype=self.grad_dtype).element_size(),
                                           units if self.zero_stage == 3 else None)
         self._make_storage()
-        self._offsets, self.bucket_of = {}, {}
+        self._offsets: dict[int, tuple[int, int]] = {}  # id(parameter) -> (start in the flat buffers, elements)
+        self.bucket_of: dict[int, Bucket] = {}
         for bucket in self.buckets:
-            offset = bucket.start
+            # zero 3: this rank's slice kept (drawn, or copied), the whole freed until gathered
+            place_params(bucket, self._offsets, self.dp_rank, self.dp_size, initialize)
             for p in bucket.params:
-                n = p.numel()
-                view = bucket.param_values[offset - bucket.start:offset - bucket.start + n].view_as(p)
-                view.copy_(p.data)
-                p.data = view
+                offset, n = self._offsets[id(p)]
                 p.main_grad = bucket.grads[offset - bucket.start:offset - bucket.start + n].view_as(p)
-                self._offsets[id(p)] = (offset, n)
                 self.bucket_of[id(p)] = bucket
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                offset += n
-            if bucket.param_slice is not None:  # zero 3: this rank's slice kept, the whole freed until gathered
-                n = bucket.size // self.dp_size
-                bucket.param_slice.copy_(bucket.param_values[self.dp_rank * n:(self.dp_rank + 1) * n])
-                free(bucket.param_values)
             if bucket.incoming is not None:  # zero >= 2: reduced per micro-batch
                 free(bucket.grads)
                 free(bucket.incoming)  # only while a later micro-batch's sum travels
@@ -223,9 +118,10 @@ class FlatParams:
         self.grad_buffer = torch.zeros(total if zero <= 1 else 0, dtype=self.grad_dtype, device=device)
         at = 0
         for b in self.buckets:
-            if zero == 3 and not b.deferred:
+            if zero == 3 and not b.deferred:  # the whole unit: storage only while gathered (``place_params``)
                 b.param_slice = self.param_buffer[at:at + b.size // dp]
-                b.param_values = torch.zeros(b.size, dtype=self.param_dtype, device=device)
+                b.param_values = torch.empty(b.size, dtype=self.param_dtype, device=device)
+                free(b.param_values)
                 at += b.size // dp
             else:
                 b.param_values = self.param_buffer[at:at + b.size] if zero == 3 else self.param_buffer[b.start:b.end]

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from hpctrain.parallel.data_parallel import Bucket, ParamPiece, free, gather_whole, intersect
+from hpctrain.parallel.buckets import Bucket, ParamPiece, free, gather_whole, place_params, sharded_pieces
 
 
 class FrozenShards:
     """The gather-only buckets of ``units`` (lists of frozen parameters, in forward order) over ``dp_comm``
     (the replica group, dp x cp); ``first_index``: the first bucket's ``index`` (after the trainable ones)."""
 
-    def __init__(self, units: list[list], dp_comm, first_index: int):
+    def __init__(self, units: list[list], dp_comm, first_index: int, initialize: bool = True):
         self.dp_comm = dp_comm
         self.dp_size = 1 if dp_comm is None else dp_comm.size
         self.dp_rank = 0 if dp_comm is None else dp_comm.rank
@@ -47,19 +47,11 @@ class FrozenShards:
         for b in self.buckets:
             share = b.size // self.dp_size
             b.param_slice = self.slices[at:at + share]
-            b.param_values = torch.zeros(b.size, dtype=dtype, device=device)
+            b.param_values = torch.empty(b.size, dtype=dtype, device=device)
+            free(b.param_values)  # storage only while gathered
             at += share
-            offset = b.start
-            with torch.no_grad():
-                for p in b.params:
-                    n = p.numel()
-                    view = b.param_values[offset - b.start:offset - b.start + n].view_as(p)
-                    view.copy_(p.data)
-                    p.data = view
-                    self._offsets[id(p)], self.bucket_of[id(p)] = (offset, n), b
-                    offset += n
-                b.param_slice.copy_(b.param_values[self.dp_rank * share:(self.dp_rank + 1) * share])
-            free(b.param_values)
+            place_params(b, self._offsets, self.dp_rank, self.dp_size, initialize)
+            self.bucket_of.update((id(p), b) for p in b.params)
 
     def buckets_of(self, params) -> list[Bucket]:
         """The buckets holding any of ``params``, in first-use order."""
@@ -74,16 +66,8 @@ class FrozenShards:
         """(piece, k, at) for every run of parameter elements this rank keeps: elements [piece.param_lo,
         piece.param_hi) of the parameter's flattened local slab lie at [at, at + length) of
         ``buckets[k].param_slice``. Padding has no piece."""
-        found = []
-        for k, b in enumerate(self.buckets):
-            share = b.size // self.dp_size
-            lo, hi = b.start + self.dp_rank * share, b.start + (self.dp_rank + 1) * share
-            for p in b.params:
-                offset, n = self._offsets[id(p)]
-                overlap = intersect(offset, offset + n, lo, hi)
-                if overlap:
-                    found.append((ParamPiece(p, overlap[0], overlap[1], overlap[0] - offset), k, overlap[0] - lo))
-        return found
+        return [(piece, k, at) for k, b in enumerate(self.buckets)
+                for piece, at in sharded_pieces(b, self._offsets, self.dp_rank, self.dp_size)]
 
     def memory_bytes(self) -> int:
         """The frozen parameter bytes this rank keeps between steps (its slices)."""

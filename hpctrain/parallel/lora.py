@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.parallel.slab import global_generator, make_spec, place_global_
+from hpctrain.parallel.param_init import InitRule, new_param
+from hpctrain.parallel.slab import make_spec
 
 ADAPTER_MARKS = (".lora_A.", ".lora_B.")
 
@@ -49,10 +50,9 @@ class LoraSettings:
 class LoraFactor(nn.Module):
     """One adapter matrix (PEFT's ``lora_A`` / ``lora_B`` module): ``weight``, this rank's slab."""
 
-    def __init__(self, spec, dtype):
+    def __init__(self, spec, dtype, rule: InitRule = InitRule("zeros")):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(spec.local_shape, dtype=dtype))
-        self.weight.spec = spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
+        self.weight = new_param(spec, dtype, rule)
 
 
 def attach_lora(linear: nn.Module, name: str, in_features: int, out_features: int, tp_comm, *, column: bool,
@@ -65,21 +65,15 @@ def attach_lora(linear: nn.Module, name: str, in_features: int, out_features: in
                        partial_grad_over_tp=partial and column)
     b_spec = make_spec(f"{name}.lora_B.weight", (out_features, rank), 0 if column else None, tp_comm,
                        partial_grad_over_tp=partial and not column)
-    linear.lora_A = LoraFactor(a_spec, dtype)
+    linear.lora_A = LoraFactor(a_spec, dtype, kaiming_uniform_rule(in_features, seed))
     linear.lora_B = LoraFactor(b_spec, dtype)  # zero
-    kaiming_uniform_global_(linear.lora_A.weight, a_spec, seed)
     linear.lora = LoraSettings(alpha / rank, dropout)  # type: ignore[assignment]  # Module.__setattr__'s stub takes only Tensor/Module
 
 
-@torch.no_grad()
-def kaiming_uniform_global_(param: torch.Tensor, spec, seed: int) -> None:
-    """Fill ``param`` with its slab of the global [r, in] tensor drawn as ``nn.init.kaiming_uniform_(A,
-    a=sqrt(5))`` (PEFT's A; fan_in = in) from (seed, spec.name)."""
-    fan_in = spec.global_shape[1]
+def kaiming_uniform_rule(fan_in: int, seed: int) -> InitRule:
+    """PEFT's A: ``nn.init.kaiming_uniform_(A, a=sqrt(5))`` over ``fan_in`` inputs, as an ``InitRule``."""
     bound = nn.init.calculate_gain("leaky_relu", math.sqrt(5)) * math.sqrt(3.0 / fan_in)
-    full = torch.empty(spec.global_shape, dtype=torch.float64)
-    full.uniform_(-bound, bound, generator=global_generator(seed, spec.name))
-    place_global_(param, spec, full)
+    return InitRule("uniform", bound, seed)
 
 
 def lora_delta(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

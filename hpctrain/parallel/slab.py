@@ -17,7 +17,6 @@ the last rank(s) may hold fewer, or none. The padding rows are zero and stay zer
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -135,26 +134,3 @@ def make_spec(name: str, global_shape, split_dim, tp_comm, padded_dim: int | Non
             raise ValueError(f"{name}: dimension {split_dim} of global shape {tuple(global_shape)} (padded to "
                              f"{length}) is not divisible by tp={size}")
     return SlabSpec(name, tuple(global_shape), split_dim, rank, size, padded_dim=padded_dim, **flags)
-
-
-def global_generator(seed: int, name: str) -> torch.Generator:
-    """A generator that depends only on (seed, parameter name): the same numbers in every layout."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-
-
-@torch.no_grad()
-def init_from_global_(param: torch.Tensor, spec: SlabSpec, seed: int, std: float | None) -> None:
-    """Fill ``param`` with its slab of the GLOBAL tensor N(0, std) (std None: ones); padding rows with 0."""
-    if std is None:
-        param.fill_(1.0)
-        return
-    full = torch.empty(spec.global_shape, dtype=torch.float64)
-    full.normal_(0.0, std, generator=global_generator(seed, spec.name))
-    place_global_(param, spec, full)
-
-
-@torch.no_grad()
-def place_global_(param: torch.Tensor, spec: SlabSpec, full: torch.Tensor) -> None:
-    """Fill ``param`` with its slab of the global tensor ``full`` (``spec.global_shape``); padding rows with 0."""
-    param.zero_()
-    param[spec.valid_local()] = full[spec.local_slices()]

@@ -23,15 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.parallel.lora import lora_delta
-from hpctrain.parallel.slab import init_from_global_, make_spec
+from hpctrain.parallel.param_init import InitRule, new_param
+from hpctrain.parallel.slab import make_spec
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 
 
 def _param(spec, dtype, seed, std):
-    p = nn.Parameter(torch.empty(spec.local_shape, dtype=dtype))
-    init_from_global_(p, spec, seed, std)
-    p.spec = spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
-    return p
+    return new_param(spec, dtype, InitRule.normal(std, seed))
 
 
 class ColumnParallelLinear(nn.Module):

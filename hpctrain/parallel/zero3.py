@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from hpctrain.parallel.data_parallel import Bucket, FlatParams, allocate, free
+from hpctrain.parallel.buckets import Bucket, allocate, free
+from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.parallel.frozen_shards import FrozenShards
 
 

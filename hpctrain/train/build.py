@@ -22,6 +22,7 @@ The torchtitan "train spec" idea, without a registry: plain builder functions, o
 """
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -46,6 +47,7 @@ from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.parallel.flat_group import FlatGroup, OptimizerGroup
 from hpctrain.parallel.frozen_shards import FrozenShards
+from hpctrain.parallel.param_init import give_storage, materialize_
 from hpctrain.config.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
 from hpctrain.parallel.zero3 import ParamGather, unit_params
@@ -94,6 +96,7 @@ class StepParts:
     flops_per_token: float
     peak_tflops: float
     bubble: float
+    build_s: float  # seconds to build the model and create this rank's parameter bytes
 
     @property
     def reducer(self):
@@ -160,11 +163,13 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     torch.manual_seed(t.seed * 100_003 + grid.info.rank)  # derived per rank, never shared by accident
     tp_comm, pp_comm = grid.comm("tp"), grid.comm("pp")
     moe = resolve_moe(cfg.moe, m)
-    stages = build_stages(m, layout, grid.coords["pp"], tp_comm, dtype, t.seed, t.recompute,
-                          cp_comm=grid.comm("cp"), lora=cfg.lora, moe=moe,
-                          ep_comm=grid.comm("ep") if layout.ep_size > 1 else None)
+    built = time.perf_counter()
+    with torch.device("meta"):  # shapes only: each rank's bytes are created where they live, below
+        stages = build_stages(m, layout, grid.coords["pp"], tp_comm, dtype, t.seed, t.recompute,
+                              cp_comm=grid.comm("cp"), lora=cfg.lora, moe=moe,
+                              ep_comm=grid.comm("ep") if layout.ep_size > 1 else None)
     local_model = torch.nn.ModuleList(stages)  # train()/eval()/parameters() of every stage
-    local_model.to(device)  # initialised on the host from the global generator, then moved
+    give_storage(local_model, device)  # the same parameters, on the device, still without storage
     compiled = compile_wanted(t.compile, device)  # every block compiled in place (models/compile.py)
     compile_since = compile_stages(stages) if compiled else None
     comp = cfg.compression
@@ -188,6 +193,8 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
         if sum(map(len, frozen_units)) != len(frozen_params):
             raise ValueError("zero 3: a frozen parameter belongs to no unit")
         frozen = FrozenShards(frozen_units, grid.comm(grid.replica_axis), first_index=len(flat.buckets))
+    else:
+        materialize_(frozen_params, device)  # below zero 3 a frozen base is whole on every replica
     param_gather = ParamGather(flat, stages, reshard_after_forward=cfg.parallel.zero_reshard_after_forward,
                                prefetch=cfg.parallel.zero_prefetch, frozen=frozen) if layout.zero == 3 else None
     # 1-bit Adam (even where no reducer compresses: one replica): AdamW's variance frozen after the warm-up
@@ -201,6 +208,7 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
                                  check_finite=dtype == torch.float16)
         flat = FlatGroup([flat, expert_flat])  # type: ignore[assignment]  # the FlatParams calls, to both
         optimizer = OptimizerGroup([optimizer, FlatOptimizer(expert_flat, cfg.optim, tp_rank=grid.coords["tp"])])  # type: ignore[assignment]
+    build_s = time.perf_counter() - built  # the model built and this rank's bytes created (drawn or placed)
     executor = PipelineExecutor(stages, pp_comm if layout.pp_size > 1 else None, flat, layout.schedule,
                                 layout.microbatches, (layout.seq_chunk, layout.micro_batch, m.d_model),
                                 residual_dtype(m, dtype), device=device, timer=timer,
@@ -223,4 +231,4 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
         flops_per_token=flops_per_token(m, t.seq_len, cfg.lora.rank, cfg.lora.targets, moe=moe),  # active params
         peak_tflops=t.peak_tflops or peak_tflops(device, dtype, t.allow_tf32),
         # idle over ideal time with equal stages, (pp - 1) / (V M): printed at start-up
-        bubble=bubble_fraction(layout.pp_size, layout.microbatches, layout.virtual_stages))
+        bubble=bubble_fraction(layout.pp_size, layout.microbatches, layout.virtual_stages), build_s=build_s)

@@ -44,7 +44,7 @@ from hpctrain.runtime.signals import (SignalFlag, requeue_slurm_job, scheduler_d
 from hpctrain.train.announce import announce, first_step_report
 from hpctrain.train.guard import DIVERGED_EXIT
 from hpctrain.train.memory_check import check_memory
-from hpctrain.train.metrics import MetricsLog, model_state_bytes, report_peak_memory
+from hpctrain.train.metrics import MetricsLog, model_state_bytes, report_peak_memory, run_peak_memory
 from hpctrain.train.run_dir import RunDirHoldsARun, decide_start, set_aside_agreed
 from hpctrain.train.run_lock import RunDirInUse, RunLock, unusable_directory
 from hpctrain.train.stop import StopPolicy, decode, encode
@@ -164,6 +164,7 @@ def _train(run: Run) -> Ending:
     try:
         _steps(run)
         ending = _save_and_stop(run)
+        run.log.run_peak = run_peak_memory(run.grid.world, run.device)  # collective: the whole run, per rank
     finally:
         run.monitor.close()
         run.flag.restore()

@@ -49,6 +49,7 @@ class MetricsLog:
         # (tokens_per_s, step_time_s, comm_time_s) of the last steps
         self.timings: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=SUMMARY_WINDOW)
         self.started = time.perf_counter()
+        self.run_peak: dict | None = None  # rank 0: the whole run's peak memory (``run_peak_memory``), set at the end
         self._file = self._bar = None
         if not enabled:
             return
@@ -117,9 +118,14 @@ class MetricsLog:
             "skipped_steps": self.skipped,
             "wall_time_s": time.perf_counter() - self.started,
         }
+        peak = ""
+        if self.run_peak:  # the whole run's peak per rank (``run_peak_memory``)
+            summary.update(self.run_peak)
+            peak = (f", peak memory {self.run_peak['run_peak_memory_gib']:.2f} GiB per rank (rank "
+                    f"{self.run_peak['run_peak_memory_rank']}, whole run)")
         print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
               f"{summary['mean_tokens_per_s']:.0f} tokens/s, comm {100 * summary['comm_fraction']:.0f}% of step "
-              f"time, {summary['wall_time_s']:.1f} s; metrics in {self.path}", file=self.stream, flush=True)
+              f"time, {summary['wall_time_s']:.1f} s{peak}; metrics in {self.path}", file=self.stream, flush=True)
         return summary
 
 
@@ -157,5 +163,20 @@ def report_peak_memory(world, device, record: dict, state: dict[str, int] | None
         record["model_state_bytes"] = every[top][1]
         kept = f", of which model state {describe_state(every[top][1])}"
     print(f"hpctrain train: memory per rank after step {record['step']}: peak {every[top][0] / 2**30:.3f} GiB on rank "
-          f"{top}{kept} (least peak {min(u for u, _ in every) / 2**30:.3f} GiB), {source}; `hpctrain plan --model "
+          f"{top} since the process started (build included){kept} (least peak {min(u for u, _ in every) / 2**30:.3f} GiB), {source}; `hpctrain plan --model "
           f"<config>` predicts it per GPU", flush=True)
+
+
+def run_peak_memory(world, device) -> dict | None:
+    """Collective over ``world`` (once, at the run's end): the peak of the whole run per rank -- build, steps,
+    saves and resume, never reset (hpctrain/runtime/peak_memory.py) -- on rank 0 as ``run_peak_memory_gib``
+    (the maximum over the ranks), ``run_peak_memory_rank`` and ``run_peak_memory_source``; None elsewhere."""
+    from hpctrain.runtime.peak_memory import peak_memory
+
+    used, source = peak_memory(device)
+    every = world.gather_object(used, root=0)
+    if every is None:
+        return None
+    top = max(range(len(every)), key=lambda r: every[r])
+    return {"run_peak_memory_gib": round(every[top] / 2**30, 4), "run_peak_memory_rank": top,
+            "run_peak_memory_source": source}

@@ -14,7 +14,8 @@ from hpctrain.checkpoint.format import local_range_boxes
 from hpctrain.config import load_config, resolve_model
 from hpctrain.models.gpt import partition_layers
 from hpctrain.optim.flat import lr_at
-from hpctrain.parallel.slab import SlabSpec, init_from_global_, make_spec
+from hpctrain.parallel.param_init import init_from_global_
+from hpctrain.parallel.slab import SlabSpec, make_spec
 
 
 # ---------------------------------------------------------------- slabs (SlabSpec)

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from hpctrain.optim.flat import FlatOptimizer
-from hpctrain.parallel.data_parallel import FlatParams, intersect
+from hpctrain.parallel.buckets import intersect
+from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.parallel.slab import SlabSpec
 
 

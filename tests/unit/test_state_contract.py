@@ -21,12 +21,12 @@ PACKAGE = Path(contract.__file__).resolve().parents[1]
 CHECKED = sorted((PACKAGE / "checkpoint").glob("*.py")) + sorted((PACKAGE / "interop").glob("*.py"))
 # the trainer-side classes whose attributes checkpoint/ and interop/ must not name: (file, classes)
 INTERNALS = [("train/trainer.py", {"Trainer"}), ("train/state.py", {"TrainerState"}),
-             ("parallel/data_parallel.py", {"FlatParams", "Bucket", "ParamPiece"}),
+             ("parallel/data_parallel.py", {"FlatParams"}), ("parallel/buckets.py", {"Bucket", "ParamPiece"}),
              ("optim/flat.py", {"FlatOptimizer", "OptimizerSlice"})]
 # names too common to flag anywhere (slices, arrays, configs have them too); on a run itself they still
 # count as outside the contract
 GENERIC = {"start", "end", "size", "index", "dtype", "device", "step", "cfg", "params", "data", "state", "pending"}
-FORBIDDEN_IMPORTS = ("hpctrain.train", "hpctrain.optim", "hpctrain.parallel.data_parallel")
+FORBIDDEN_IMPORTS = ("hpctrain.train", "hpctrain.optim", "hpctrain.parallel.data_parallel", "hpctrain.parallel.buckets")
 
 
 def members(proto) -> set[str]:

@@ -12,7 +12,8 @@ from hpctrain.config import ConfigError, load_config, resolve_model
 from hpctrain.models.gpt import GPTStage
 from hpctrain.config.layout import Layout
 from hpctrain.config.rules import padded_vocab
-from hpctrain.parallel.slab import SlabSpec, init_from_global_, make_spec
+from hpctrain.parallel.param_init import init_from_global_
+from hpctrain.parallel.slab import SlabSpec, make_spec
 from hpctrain.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from hpctrain.tools.generate import generate_ids
 

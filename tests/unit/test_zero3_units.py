@@ -8,7 +8,7 @@ from mpi4py import MPI
 from hpctrain.comm.grid import ProcessGrid
 from hpctrain.config import load_config
 from hpctrain.data.corpus import load_tokens_collective
-from hpctrain.parallel.data_parallel import is_allocated
+from hpctrain.parallel.buckets import is_allocated
 from hpctrain.runtime.launcher import discover
 from hpctrain.train.trainer import Trainer
 

@@ -24,6 +24,8 @@ Two measurements in one job:
   this process's resident peak over steps 2-3 (``VmHWM``, reset after step 1, so the construction's
   temporaries are left out) minus its resident memory before the build, the max over ranks: what training
   holds at its peak, model state, activations and buffers;
+  ``with build MiB`` (``run_peak_mb``) = the same with the build and the first step counted (``VmHWM`` reset
+  before the build instead);
   ``state MiB`` = the model state a rank keeps between steps (parameters, gradients, optimizer state:
   hpctrain's ``model_state_bytes``, FSDP2's local shards), max over ranks;
 - time: every implementation built, ``--warmup`` steps each, then ``--rounds`` rounds of ``--steps`` steps
@@ -32,6 +34,10 @@ Two measurements in one job:
   ``MB sent/rank/step``: hpctrain's counted bytes (metrics ``bytes_sent``); FSDP2's from its collectives'
   sizes (gloo counts nothing): 2 all-gathers of the parameters (forward, backward) and one reduce-scatter
   of the gradients, each (n-1)/n of the model per rank.
+
+``--process-peak --impls X``: X alone in this process, no throwaway build, ``VmHWM`` never reset: the whole
+process's peak (what a user's job needs), max over ranks, one line and ``--json``/``--csv``; run it once per
+implementation and once with a tiny model (the base every implementation shares).
 
 ``--lora-rank R``: every row trains LoRA adapters (rank R, on q and v) of the same model with the rest
 frozen; hpctrain's zero 3 shards the frozen base too, FSDP2 shards it with the rest.
@@ -61,7 +67,8 @@ from hpctrain.bench.comm import init_gloo_world  # noqa: E402
 from hpctrain.bench.report import (resident_mb, run_benchmark, timed_rounds, timed_steps,  # noqa: E402
                                    write_records)
 
-FIELDS = ["impl", "ranks", "zero", "step_ms", "step_ms_min", "step_ms_max", "ratio_vs_fsdp2", "peak_mb", "state_mb",
+FIELDS = ["impl", "ranks", "zero", "step_ms", "step_ms_min", "step_ms_max", "ratio_vs_fsdp2", "peak_mb", "run_peak_mb",
+          "state_mb",
           "mb_sent_per_step", "final_loss", "timed_steps", "params", "d_model", "n_layers", "vocab", "global_batch",
           "seq_len", "intra_node", "prefetch", "reshard", "lora_rank"]
 IMPLS = ("hpctrain-zero0", "hpctrain-zero1", "hpctrain-zero2", "hpctrain-zero3", "fsdp2-gloo")
@@ -80,6 +87,9 @@ def parse_args(argv=None):
                    help="comm.intra_node of the hpctrain rows (default auto, hpctrain's default)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="LoRA adapters of this rank on q and v in every row, the rest frozen (default 0: off)")
+    p.add_argument("--process-peak", action="store_true",
+                   help="measure only the whole process's resident peak of the one --impls (no throwaway build, "
+                        "VmHWM never reset); no timing, no table")
     add_output_args(p)
     return p.parse_args(argv)
 
@@ -194,21 +204,48 @@ def measure_memory(names, args, info, tokens, world) -> dict[str, dict]:
         release_memory()
         world.Barrier()
         before = resident_mb("VmRSS")
+        resident_mb("VmHWM", reset=True)  # this implementation's peak from here: its build counts
         impl = build(name, args, info, tokens, 3)
         impl.step()  # the first step allocates what later steps reuse
-        resident_mb("VmHWM", reset=True)  # the construction's temporaries (global initial tensors) left out
+        build_peak = resident_mb("VmHWM") - before  # the build and the first step
+        resident_mb("VmHWM", reset=True)  # steady state: steps 2-3 alone
         for _ in range(2):
             impl.step()
         peak = resident_mb("VmHWM") - before
         state = impl.state_bytes() / 2**20
         impl.close()
         del impl
-        found[name] = {"peak_mb": world.allreduce(peak, op=MPI.MAX), "state_mb": world.allreduce(state, op=MPI.MAX)}
+        found[name] = {"peak_mb": world.allreduce(peak, op=MPI.MAX), "state_mb": world.allreduce(state, op=MPI.MAX),
+                       "run_peak_mb": world.allreduce(max(build_peak, peak), op=MPI.MAX)}
         if info.rank == 0:
-            print(f"bench_zero: memory of {name}: peak +{found[name]['peak_mb']:.1f} MiB, model state "
+            print(f"bench_zero: memory of {name}: peak +{found[name]['peak_mb']:.1f} MiB in steps 2-3, "
+                  f"+{found[name]['run_peak_mb']:.1f} MiB with its build, model state "
                   f"{found[name]['state_mb']:.1f} MiB", file=sys.stderr, flush=True)
     release_memory()
     return found
+
+
+def process_peak(names, args, info, tokens, world) -> dict:
+    """``--process-peak``: the one implementation of ``names`` built, 3 steps, closed, in a process that runs
+    nothing else, with no throwaway build and ``VmHWM`` never reset: the whole process's resident peak
+    (interpreter, torch, MPI, the build, the steps), max over ranks. Subtract the same command's figure for a
+    tiny model (``--d-model 64 --layers 2``) to compare implementations."""
+    if len(names) != 1:
+        raise SystemExit("bench_zero: --process-peak measures one implementation: give one --impls")
+    impl = build(names[0], args, info, tokens, 3)
+    for _ in range(3):
+        impl.step()
+    state = impl.state_bytes() / 2**20
+    loss = impl.final_loss(world)
+    impl.close()
+    peak = world.allreduce(resident_mb("VmHWM"), op=MPI.MAX)
+    record = {"impl": names[0], "ranks": info.size, "process_peak_mb": peak, "state_mb": world.allreduce(state, op=MPI.MAX),
+              "final_loss": loss, "d_model": args.d_model, "n_layers": args.layers, "vocab": args.vocab,
+              "seq_len": args.seq_len, "global_batch": args.global_batch}
+    if info.rank == 0:
+        print(f"bench_zero: {names[0]}: whole-process peak {peak:.1f} MiB per rank (max over {info.size} ranks; "
+              f"build and 3 steps, VmHWM never reset), model state {record['state_mb']:.1f} MiB", flush=True)
+    return record
 
 
 def run(args) -> list[dict]:
@@ -229,6 +266,8 @@ def run(args) -> list[dict]:
     tokens = load_tokens_collective(world, "builtin", "", args.max_bytes)
     if "fsdp2-gloo" in names:
         init_gloo_world(world, info)
+    if args.process_peak:
+        return [process_peak(names, args, info, tokens, world)]
     mmap_threshold(128 * 1024)
     memory = measure_memory(names, args, info, tokens, world)
     mmap_threshold(32 * 2**20)
@@ -270,13 +309,13 @@ def print_table(records: list[dict], ranks: int) -> None:
     table = Table(title=f"ZeRO vs FSDP2: {ranks} ranks, GPT d_model={r0['d_model']} x {r0['n_layers']} layers, "
                         f"vocab {r0['vocab']} ({r0['params'] / 1e6:.2f} M params), seq {r0['seq_len']}, global batch "
                         f"{r0['global_batch']}, float32, AdamW; median of {r0['timed_steps']} steps")
-    for name in ("impl", "step ms", "min-max ms", "ratio vs fsdp2", "peak MiB", "state MiB", "MB sent/rank/step",
-                 "final loss"):
+    for name in ("impl", "step ms", "min-max ms", "ratio vs fsdp2", "peak MiB", "with build MiB", "state MiB",
+                 "MB sent/rank/step", "final loss"):
         table.add_column(name, justify="left" if name == "impl" else "right")
     for r in records:
         ratio = "-" if r["ratio_vs_fsdp2"] is None else f"{r['ratio_vs_fsdp2']:.2f}x"
         table.add_row(r["impl"], f"{r['step_ms']:.1f}", f"{r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}", ratio,
-                      f"{r['peak_mb']:.1f}", f"{r['state_mb']:.1f}", f"{r['mb_sent_per_step']:.1f}",
+                      f"{r['peak_mb']:.1f}", f"{r['run_peak_mb']:.1f}", f"{r['state_mb']:.1f}", f"{r['mb_sent_per_step']:.1f}",
                       f"{r['final_loss']:.4f}")
     console.print(table)
 
@@ -288,6 +327,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"bench_zero: --{name} must be >= 1")
     records = run(args)
     if MPI.COMM_WORLD.Get_rank() == 0:
+        if args.process_peak:
+            write_records(records, args.json, args.csv, list(records[0]))
+            return 0
         print_table(records, MPI.COMM_WORLD.Get_size())
         write_records(records, args.json, args.csv, FIELDS)
     return 0

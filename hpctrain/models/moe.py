@@ -220,7 +220,7 @@ class MoE(nn.Module):
             self.shared = MLP(f"{name}.shared", dataclasses.replace(m, d_ff=width, mlp="swiglu"), tp_comm, sp, dtype,
                               seed)
         self.aux_weight = aux_weight if aux_weight is not None else AuxLossWeight()
-        self.stats = MoeStats(torch.zeros(moe.num_experts, dtype=torch.float64))
+        self.stats = MoeStats(torch.zeros(moe.num_experts, dtype=torch.float64, device="cpu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Under torch.compile (``train.compile``) the layer runs eagerly, a graph break by design: its shapes

@@ -87,14 +87,15 @@ class FlatParams:
         for bucket in self.buckets:
             # zero 3: this rank's slice kept (drawn, or copied), the whole freed until gathered
             place_params(bucket, self._offsets, self.dp_rank, self.dp_size, initialize)
+            if bucket.per_microbatch:
+                allocate(bucket.grads)  # for the views (untouched), then free until a micro-batch's grads come
             for p in bucket.params:
                 offset, n = self._offsets[id(p)]
                 p.main_grad = bucket.grads[offset - bucket.start:offset - bucket.start + n].view_as(p)
                 self.bucket_of[id(p)] = bucket
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-            if bucket.incoming is not None:  # zero >= 2: reduced per micro-batch
+            if bucket.per_microbatch:
                 free(bucket.grads)
-                free(bucket.incoming)  # only while a later micro-batch's sum travels
         self.last_microbatch = False
         self._unwritten: set[int] = set(self._offsets)  # ids of the parameters with no grad since their bucket's last read
         # each bucket's padding past its parameters, [lo, hi) in the flat buffers (only with dp > 1)
@@ -126,12 +127,15 @@ class FlatParams:
             else:
                 b.param_values = self.param_buffer[at:at + b.size] if zero == 3 else self.param_buffer[b.start:b.end]
                 at += b.size if zero == 3 else 0
+            per_microbatch = zero >= 2 and not b.deferred  # storage only while a micro-batch's grads are there
             b.grads = self.grad_buffer[b.start:b.end] if zero <= 1 else \
-                torch.zeros(b.size, dtype=self.grad_dtype, device=device)
+                (torch.empty if per_microbatch else torch.zeros)(b.size, dtype=self.grad_dtype, device=device)
             if zero:
                 b.slice_grad = b.slice_out = torch.zeros(b.size // dp, dtype=self.grad_dtype, device=device)
-            if zero >= 2 and not b.deferred:
-                b.incoming = torch.zeros(b.size // dp, dtype=self.grad_dtype, device=device)
+            if per_microbatch:
+                b.incoming = torch.empty(b.size // dp, dtype=self.grad_dtype, device=device)
+                free(b.grads)  # a whole stage's gradients are never held at once
+                free(b.incoming)
 
     def _make_buckets(self, bucket_elems: float, units: list[list] | None) -> list[Bucket]:
         """Buckets in backward order: by size (``bucket_elems``), or one per unit (zero 3); then the

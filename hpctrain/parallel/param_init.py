@@ -30,11 +30,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from hpctrain.errors import HpcTrainError, everywhere
 from hpctrain.parallel.slab import SlabSpec
 
 GAMMA = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment (the golden ratio)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 CHUNK = 1 << 20  # elements drawn at once (~40 MiB of float64 and uint64 temporaries)
+MAX_ELEMENTS = 2**62  # global flat indices are int64 (and the stream's counters 64-bit): larger cannot be addressed
 KINDS = ("normal", "uniform", "ones", "zeros")
 
 
@@ -74,8 +76,8 @@ def stream_key(seed: int, name: str) -> np.uint64:
 
 
 def _outputs(key: np.uint64, index: np.ndarray) -> np.ndarray:
-    """uint64 [len(index)]: output ``index`` (int64 >= 0) of stream ``key``, one per element."""
-    z = index.astype(np.uint64)
+    """uint64 [len(index)]: output ``index`` (int64 >= 0, overwritten) of stream ``key``, one per element."""
+    z = index.view(np.uint64)  # in place: ``index`` is not read again (non-negative, so the same integers)
     z += np.uint64(1)
     z *= GAMMA
     z += key
@@ -88,7 +90,7 @@ def _unit(bits: np.ndarray, width: int) -> torch.Tensor:
 
 
 def values_at(rule: InitRule, name: str, index: np.ndarray) -> torch.Tensor:
-    """float64 [len(index)]: the initial values of global flat elements ``index`` (int64) of ``name``."""
+    """float64 [len(index)]: the initial values of global flat elements ``index`` (int64, consumed) of ``name``."""
     n = len(index)
     if rule.kind == "zeros":
         return torch.zeros(n, dtype=torch.float64)
@@ -117,12 +119,12 @@ def global_index(spec: SlabSpec, lo: int, hi: int) -> tuple[np.ndarray, np.ndarr
         offsets[0] += spec.experts[0]
     cut = [dim for dim in range(len(whole)) if offsets[dim] or local[dim] != whole[dim]]
     positions = np.arange(lo, hi, dtype=np.int64)
-    if not cut:
+    if not cut or hi <= lo:
         return positions, np.ones(hi - lo, dtype=bool)
     d = cut[-1]
     inner = math.prod(whole[d + 1:])
     run_length = local[d] * inner
-    first_run, last_run = lo // run_length, max(lo, hi - 1) // run_length
+    first_run, last_run = lo // run_length, (hi - 1) // run_length
     runs = np.arange(first_run, last_run + 1, dtype=np.int64)
     starts = np.zeros(len(runs), dtype=np.int64)  # each run's global start
     for c, size, off in zip(np.unravel_index(runs, local[:d]) if d else (), whole[:d], offsets[:d]):
@@ -158,9 +160,19 @@ def fill_(dest: torch.Tensor, spec: SlabSpec, rule: InitRule, lo: int = 0) -> No
         flat[start:stop].copy_(values)
 
 
+def check_addressable(spec: SlabSpec) -> None:
+    """Refuse, on every rank alike, a global tensor whose elements the counter-based stream cannot address."""
+    n = math.prod(spec.global_shape)
+    if n >= MAX_ELEMENTS:
+        raise everywhere(HpcTrainError(
+            f"{spec.name}: the global shape {tuple(spec.global_shape)} has {n} elements, which the counter-based "
+            f"initialisation cannot be addressed beyond (2**62, the 64-bit global index); use a smaller model"))
+
+
 def new_param(spec: SlabSpec, dtype: torch.dtype, rule: InitRule, requires_grad: bool = True) -> nn.Parameter:
     """A parameter of shape ``spec.local_shape`` on the current default device, carrying ``spec`` and ``rule``
     (``param.spec``, ``param.init``); filled now unless that device is meta (filled where it comes to live)."""
+    check_addressable(spec)
     p = nn.Parameter(torch.empty(spec.local_shape, dtype=dtype), requires_grad=requires_grad)
     p.spec = spec  # type: ignore[attr-defined]  # the SlabSpec hpctrain attaches (parallel/slab.py)
     p.init = rule  # type: ignore[attr-defined]  # its InitRule

@@ -41,7 +41,9 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
     replicas = grid.sizes["dp"] * grid.sizes["cp"]
     print(f"hpctrain train: model state on rank 0: {describe_state(model_state_bytes(parts))} (ZeRO-{p.zero} over "
           f"{replicas} replica(s)" + (f", units gathered with prefetch {p.zero_prefetch}, reshard after forward "
-          f"{'on' if p.zero_reshard_after_forward else 'off'}" if p.zero == 3 else "") + ")", flush=True)
+          f"{'on' if p.zero_reshard_after_forward else 'off'}" if p.zero == 3 else "") + f"), built in "
+          f"{parts.build_s:.1f} s (only this rank's parameter bytes created)",
+          flush=True)
     if p.zero and replicas == 1:
         print(f"hpctrain: WARNING: parallel.zero={p.zero} with one replica (dp x cp = 1): nothing to shard",
               file=sys.stderr, flush=True)

@@ -69,4 +69,12 @@ def test_bench_zero_trains_the_same_model_in_every_stage_and_fsdp2(tmp_path):
     assert state[0] > state[1] > state[2] > state[3], state
     assert state[3] == pytest.approx(records["fsdp2-gloo"]["state_mb"], rel=0.05)
     assert all(r["step_ms"] > 0 and r["peak_mb"] > 0 and r["mb_sent_per_step"] > 0 for r in records.values())
+    assert all(r["run_peak_mb"] >= r["peak_mb"] for r in records.values())  # the build counted too
     assert "ratio vs fsdp2" in result.stdout
+    whole = run_mpi(2, str(ROOT / "benchmarks" / "bench_zero.py"), "--process-peak", "--impls", "hpctrain-zero3",
+                    "--d-model", "32", "--layers", "2", "--heads", "2", "--vocab", "512", "--seq-len", "16",
+                    "--global-batch", "4", "--max-bytes", "300000", "--json", str(out_json), timeout=240)
+    (record,) = json.loads(out_json.read_text())
+    assert record["impl"] == "hpctrain-zero3" and "whole-process peak" in whole.stdout
+    assert record["process_peak_mb"] > 100  # the interpreter, torch and MPI included: never reset
+    assert 0 < record["final_loss"] < 20 and record["state_mb"] == pytest.approx(records["hpctrain-zero3"]["state_mb"])

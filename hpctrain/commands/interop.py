@@ -2,7 +2,8 @@
 
 export: the global view of a checkpoint of any layout (dp/tp/pp/ZeRO/ep) -> config.json (a Llama, a
 Mistral when model.attention_window > 0, a Mixtral when the model has experts), model.safetensors and the
-run's tokenizer (when it used a tokenizer.json). import-hf: a Llama, Mistral or Mixtral config.json +
+run's tokenizer (when it used a tokenizer.json); the weights stream one parameter at a time into safetensors
+files of at most ``--max-shard-gb`` (hpctrain/interop/safetensors_stream.py). import-hf: a Llama, Mistral or Mixtral config.json +
 safetensors -> a weights-only hpctrain checkpoint at step 0 (``CKPT_DIR/latest``, ``CKPT_DIR/step-00000000/``;
 a Mixtral's config with its ``[moe]`` section) that ``hpctrain train --resume CKPT_DIR`` or
 ``model.init_from=CKPT_DIR`` starts from, in any layout.
@@ -12,11 +13,12 @@ end: a failure leaves nothing half-written, and a non-empty ``--out`` is only re
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 
 from hpctrain.errors import HpcTrainError
-from hpctrain.commands.peft import add_import_parser, read_run, run_export_peft
+from hpctrain.commands.peft import add_import_parser, open_run, run_export_peft
 from hpctrain.interop.staging import model_toml, staged_output, window_note, write_weights_only
 from hpctrain.runtime import env
 from hpctrain.runtime.dtypes import DTYPE_NAMES  # no torch import here: `hpctrain info` stays fast
@@ -41,6 +43,10 @@ def add_parser(sub) -> None:
     e.add_argument("--tokenizer", default="", metavar="PATH|none",
                    help="tokenizer.json to include (default: the run's data.tokenizer when it is a file)")
     e.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    e.add_argument("--max-shard-gb", type=float, default=5.0, metavar="GB",
+                   help="--format hf: the most bytes (1e9) one safetensors file holds (default 5, as save_pretrained); "
+                        "more weights go to model-0000i-of-0000n.safetensors + model.safetensors.index.json. The "
+                        "export streams one parameter at a time whatever the size")
     e.add_argument("--base", default="", metavar="PATH",
                    help="where a LoRA run's base is now, if it moved from the path its checkpoints refer to")
     e.add_argument("--base-model", default="", metavar="HF_DIR|NAME",
@@ -80,16 +86,19 @@ def run_export(args) -> int:
     if args.format == "peft":
         return run_export_peft(args)
     torch.set_num_threads(env.omp_num_threads())
+    if not args.max_shard_gb > 0:
+        raise HpcTrainError(f"--max-shard-gb {args.max_shard_gb}: must be > 0")
     with staged_output(args.out, args.force, "hpctrain export", args.checkpoint) as tmp:  # checks --out first
-        run = read_run(args.checkpoint, args.merge_lora, "hf", args.base)  # a LoRA run's weights merged
-        m, tensors, lora, moe = run.model, run.tensors, run.lora, run.moe
-        dtype = run.dtype if args.dtype == "auto" else args.dtype
-        tokenizer = _tokenizer_file(args.tokenizer, run.config.data.tokenizer)
-        if tokenizer and load_tokenizer(tokenizer).vocab_size > m.vocab_size:
-            raise HpcTrainError(f"{tokenizer} has more tokens than the model's vocab_size={m.vocab_size}: "
-                                f"not this model's tokenizer")
-        files = write_hf(tmp, m, tensors, dtype, tokenizer, moe)
-    params = sum(t.numel() for t in tensors.values())
+        with open_run(args.checkpoint, args.merge_lora, "hf", args.base) as run:  # a LoRA run's weights merged
+            m, lora, moe = run.model, run.lora, run.moe
+            dtype = run.dtype if args.dtype == "auto" else args.dtype
+            tokenizer = _tokenizer_file(args.tokenizer, run.config.data.tokenizer)
+            if tokenizer and load_tokenizer(tokenizer).vocab_size > m.vocab_size:
+                raise HpcTrainError(f"{tokenizer} has more tokens than the model's vocab_size={m.vocab_size}: "
+                                    f"not this model's tokenizer")
+            files = write_hf(tmp, m, run.shapes, run.read, dtype, tokenizer, moe,
+                             max_shard_bytes=int(args.max_shard_gb * 1e9))  # one parameter at a time
+    params = sum(math.prod(shape) for shape in run.shapes.values())
     merged = f" (LoRA r={lora.rank} on {','.join(lora.targets)} merged in)" if lora else ""
     print(f"hpctrain export: {run.dir} (step {run.step}) -> {os.path.abspath(args.out)}: a {hf_model_type(m, moe)} "
           f"model{merged}, {', '.join(files)}; "

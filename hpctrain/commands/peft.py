@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 from hpctrain.errors import HpcTrainError
@@ -56,12 +57,14 @@ def base_model_path(init_from: str, depth: int = 4) -> str | None:
     return base_model_path(cfg.model.init_from, depth - 1)
 
 
-def read_run(path: str, merge_lora: bool, want: str, base: str = "") -> SimpleNamespace:
-    """``model``, ``moe`` (the resolved ``[moe]``, None without experts), ``dtype``, ``tensors`` (base,
-    merged), ``adapters``, ``lora`` (None without), ``config``,
-    ``step`` and ``dir`` (the step directory) of a checkpoint; ``want``: ``hf`` or
-    ``peft``. A LoRA run exported as hf needs ``merge_lora`` (its base alone is not the trained model); a run
-    without adapters has nothing to export as peft. ``base``: where a referred LoRA base is now, if it moved."""
+@contextmanager
+def open_run(path: str, merge_lora: bool, want: str, base: str = ""):
+    """Yield ``model``, ``moe`` (the resolved ``[moe]``, None without experts), ``dtype``, ``shapes`` (base
+    parameter name -> global shape), ``read(name)`` (that parameter's global tensor, read when asked: a LoRA
+    run's merged), ``adapters`` (read), ``lora`` (None without), ``config``, ``step`` and ``dir`` (the step
+    directory) of a checkpoint, open until the block ends; ``want``: ``hf`` or ``peft``. A LoRA run exported as
+    hf needs ``merge_lora`` (its base alone is not the trained model); a run without adapters has nothing to
+    export as peft. ``base``: where a referred LoRA base is now, if it moved."""
     from hpctrain.interop.hf import parameter_shapes, require_llama
     from hpctrain.interop.peft import merged
     from hpctrain.interop.sources import CheckpointSource
@@ -80,10 +83,15 @@ def read_run(path: str, merge_lora: bool, want: str, base: str = "") -> SimpleNa
             raise HpcTrainError(f"hpctrain export --merge-lora: {source.dir} has no LoRA adapters to merge")
         base_names = parameter_shapes(m, source.moe)
         adapters = {n: source.read(n) for n in source.shapes if n not in base_names}
-        tensors = {} if want == "peft" else {n: merged(n, source.read(n), adapters, lora) if lora else source.read(n)
-                                             for n in base_names}
-        return SimpleNamespace(model=m, moe=source.moe, dtype=source.dtype, tensors=tensors, adapters=adapters,
-                               lora=lora, config=source.config, step=source.attrs.get("step"), dir=source.dir)
+
+        def read(name: str):
+            tensor = merged(name, source.read(name), adapters, lora) if lora else source.read(name)
+            source.drop_cache()  # its boxes are in ``tensor`` now: hold one parameter, never the model
+            return tensor
+
+        yield SimpleNamespace(model=m, moe=source.moe, dtype=source.dtype,
+                              shapes={} if want == "peft" else base_names, read=read, adapters=adapters, lora=lora,
+                              config=source.config, step=source.attrs.get("step"), dir=source.dir)
     finally:
         source.close()
 
@@ -99,8 +107,8 @@ def run_export_peft(args) -> int:
         raise HpcTrainError("hpctrain export --merge-lora goes with --format hf (merged full weights); "
                             "--format peft writes the adapters")
     with staged_output(args.out, args.force, "hpctrain export", args.checkpoint) as tmp:
-        run = read_run(args.checkpoint, False, "peft")
-        lora, adapters = run.lora, run.adapters
+        with open_run(args.checkpoint, False, "peft") as run:
+            lora, adapters = run.lora, run.adapters
         dtype = run.dtype if args.dtype == "auto" else args.dtype
         init_from = run.config.model.init_from
         base = getattr(args, "base_model", "") or base_model_path(init_from)

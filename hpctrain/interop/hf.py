@@ -34,6 +34,7 @@ from hpctrain.interop.hf_config import (CONFIG_FILE, HFError, hf_config, hf_mode
 from hpctrain.runtime.dtypes import torch_dtype
 
 WEIGHTS_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default shard size ("5GB")
 _SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64", "BF16": "bfloat16", "F16": "float16"}
 _TOP = {"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"}
 _LAYER = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
@@ -242,30 +243,50 @@ def tokenizer_eos(tokenizer_json: str) -> int | None:
 
 def hf_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """hpctrain name -> global tensor as HF name -> tensor (Mixtral's experts one tensor each, the Hub's names)."""
-    out = {}
-    for name, t in tensors.items():
-        where = stored(name, tuple(t.shape))
-        out.update(dict(zip(where.keys, t.unbind(0))) if len(where.shape) < t.dim() else {where.keys[0]: t})
-    return out
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    return {key: tensors[name] if j is None else tensors[name][j] for key, _, name, j in hf_entries(shapes)}
 
 
-def write_hf(directory: str, m: ModelConfig, tensors: dict[str, torch.Tensor], dtype: str,
-             tokenizer_json: str | None = None, moe: MoeConfig | None = None) -> list[str]:
-    """Write config.json (a Mixtral with ``moe``, the resolved ``[moe]``), model.safetensors (HF names; a tied
-    head is not stored, as transformers does) and, when given, the tokenizer (tokenizer.json + a
-    tokenizer_config.json) into ``directory``. Returns the files."""
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise HFError("writing Hugging Face weights needs the `safetensors` package (pip install safetensors, "
-                      "or the hpctrain[hf] extra)") from None
+def hf_entries(shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, tuple[int, ...], str, int | None]]:
+    """(HF name, its shape, the hpctrain parameter it comes from, its expert index or None) for the global
+    ``shapes`` of hpctrain parameters, in their order (an expert tensor gives one HF tensor per expert)."""
+    entries = []
+    for name, shape in shapes.items():
+        where = stored(name, tuple(shape))
+        split = len(where.shape) < len(shape)
+        entries += [(key, tuple(where.shape), name, j if split else None) for j, key in enumerate(where.keys)]
+    return entries
+
+
+def write_hf(directory: str, m: ModelConfig, shapes: dict[str, tuple[int, ...]], read, dtype: str,
+             tokenizer_json: str | None = None, moe: MoeConfig | None = None,
+             max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Write config.json (a Mixtral with ``moe``, the resolved ``[moe]``), the weights (HF names; a tied head is
+    not stored, as transformers does) and, when given, the tokenizer (tokenizer.json + a tokenizer_config.json)
+    into ``directory``. ``shapes``: hpctrain parameter -> global shape; ``read(name)``: its global tensor, asked
+    for one parameter at a time (the weights stream into safetensors files of at most ``max_shard_bytes``:
+    ``safetensors_stream.py``), so no more than one parameter is held. Returns the files."""
+    from hpctrain.interop.safetensors_stream import write_streamed
+
     eos = tokenizer_eos(tokenizer_json) if tokenizer_json else None
     with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(hf_config(m, dtype, eos, moe), f, indent=2, sort_keys=True)
         f.write("\n")
-    save_file({k: t.to(torch_dtype(dtype)).contiguous() for k, t in hf_tensors(tensors).items()},
-              os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
-    files = [CONFIG_FILE, WEIGHTS_FILE]
+    entries = hf_entries(shapes)
+    source = {key: (name, j) for key, _, name, j in entries}
+    held: dict[str, torch.Tensor] = {}  # the one hpctrain parameter being written (its experts one by one)
+
+    def produce(key: str) -> torch.Tensor:
+        name, j = source[key]
+        if name not in held:
+            held.clear()
+            held[name] = read(name)
+        return held[name] if j is None else held[name][j]
+
+    weights = write_streamed(directory, [(key, shape) for key, shape, _, _ in entries], produce, torch_dtype(dtype),
+                             max_shard_bytes)
+    held.clear()
+    files = [CONFIG_FILE] + weights
     if tokenizer_json:
         shutil.copyfile(tokenizer_json, os.path.join(directory, "tokenizer.json"))
         special = {"eos_token": "<|endoftext|>"} if eos is not None else {}

@@ -85,6 +85,12 @@ class CheckpointSource:
             raise HpcTrainError(f"{self.reader.path} is corrupt: " + "; ".join(self.reader.problems[:3]))
         return torch.from_numpy(data)
 
+    def drop_cache(self) -> None:
+        """Forget the checked boxes read so far (an export reading one parameter at a time holds one)."""
+        self.reader.drop_cache()
+        if self._base is not None:
+            self._base.drop_cache()
+
     def close(self) -> None:
         self.reader.close()
         if self._base is not None:

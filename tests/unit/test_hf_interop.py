@@ -109,6 +109,43 @@ def test_export_import_export_is_bitwise(tmp_path, dtype, tied):
         assert (tmp_path / "hf1" / name).read_bytes() == (tmp_path / "hf2" / name).read_bytes(), name
 
 
+def test_a_sharded_export_streams_one_parameter_at_a_time_and_loads_like_one_file(tmp_path, monkeypatch):
+    """--max-shard-gb cuts the weights into model-0000i-of-0000n.safetensors + the index, as save_pretrained
+    does; every tensor equals the one-file export's and transformers gives the same logits. The export reads
+    each parameter when its turn comes and holds one at a time (hpctrain/interop/safetensors_stream.py)."""
+    from hpctrain.interop import sources
+
+    m = model_cfg(tied=False)
+    tensors = random_checkpoint(tmp_path / "ckpt", m, "float64")
+    hpctrain("export", tmp_path / "ckpt", "--format", "hf", "--out", tmp_path / "one")
+    reads = []
+    real_read = sources.CheckpointSource.read
+
+    def counted(self, name, *args, **kwargs):
+        reads.append(name)
+        return real_read(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(sources.CheckpointSource, "read", counted)
+    hpctrain("export", tmp_path / "ckpt", "--format", "hf", "--out", tmp_path / "many", "--max-shard-gb", "0.00002")
+    assert sorted(reads) == sorted(set(reads)) == sorted(tensors)  # each parameter read once
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert visible(tmp_path / "many") == sorted(["config.json", "model.safetensors.index.json", *files])
+    one = load_file(tmp_path / "one" / "model.safetensors")
+    many = {k: v for f in files for k, v in load_file(tmp_path / "many" / f).items()}
+    assert one.keys() == many.keys() == index["weight_map"].keys()
+    assert all(torch.equal(one[k], many[k]) for k in one)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in one.values())
+    with float64_exact_transformers():
+        hf = LlamaForCausalLM.from_pretrained(tmp_path / "many", dtype=torch.float64).eval()
+        torch.testing.assert_close(hf_logits(hf, IDS), hpctrain_logits(m, tensors, IDS, torch.float64), rtol=0,
+                                   atol=1e-10 * hf_logits(hf, IDS).abs().max().item())
+    with pytest.raises(HpcTrainError, match="--max-shard-gb 0.0: must be > 0"):
+        hpctrain("export", tmp_path / "ckpt", "--format", "hf", "--out", tmp_path / "none", "--max-shard-gb", "0")
+    assert not (tmp_path / "none").exists()
+
+
 @pytest.mark.parametrize("tied,kv,shard", [(False, 2, False), (True, 1, True)])
 def test_an_imported_hf_model_gives_the_same_logits_in_hpctrain(tmp_path, tied, kv, shard):
     hf = random_llama(tmp_path / "hf", tied=tied, kv_heads=kv)

@@ -42,6 +42,7 @@ class CheckpointReader:
         for i, (name, _, _) in enumerate(self._boxes):
             self._by_dataset.setdefault(name, []).append(i)
         self._cache: dict[int, np.ndarray | None] = {}  # None: the box failed its check
+        self._taken: dict[int, int] = {}  # box index -> elements copied out of its cached data so far
         self.checked: set[int] = set()  # manifest box indices whose CRC read_checked() has computed
         self.problems: list[str] = []    # what read_checked() found wrong
         self.bytes_read = 0              # bytes read from the file so far, by read() and all that uses it
@@ -126,7 +127,12 @@ class CheckpointReader:
             if cached is not None:
                 out[tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, box.offset))] = \
                     cached[tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, written.offset))]
-            covered += int(np.prod([y - x for x, y in zip(lo, hi)]))
+            taken = int(np.prod([y - x for x, y in zip(lo, hi)]))
+            covered += taken
+            self._taken[i] = self._taken.get(i, 0) + taken
+            if self._taken[i] >= written.size and cached is not None:  # every element copied out: forget it
+                del self._cache[i]  # (asked again, it is read and checked again), so a resume holds its
+                self._taken[i] = 0  # state once beside the run's, not twice
         if covered != box.size:
             self.problems.append(f"dataset {name} box {box.offset}+{box.shape}: the manifest covers {covered} "
                                  f"of its {box.size} elements (partial checkpoint)")
@@ -134,6 +140,7 @@ class CheckpointReader:
 
     def drop_cache(self) -> None:
         self._cache.clear()
+        self._taken.clear()
 
     def close(self) -> None:
         self._cache.clear()

@@ -145,5 +145,11 @@ class ReferencedBase:
         if bad:
             raise HpcTrainError(mismatch_message(self.path, self.what, self.reference, bad))
 
+    def drop_cache(self) -> None:
+        """Forget what the base's source cached (a Hugging Face directory caches nothing)."""
+        drop = getattr(self.source, "drop_cache", None)
+        if drop is not None:
+            drop()
+
     def close(self) -> None:
         self.source.close()

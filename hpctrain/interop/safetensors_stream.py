@@ -75,7 +75,7 @@ def write_streamed(directory: str, entries: list[tuple[str, tuple[int, ...]]], p
                 t = produce(name)
                 if tuple(t.shape) != tuple(shape):
                     raise ValueError(f"{name}: produced shape {tuple(t.shape)}, declared {tuple(shape)}")
-                f.write(memoryview(t.detach().to("cpu", dtype).contiguous().reshape(-1).view(torch.uint8).numpy()))
+                f.write(t.detach().to("cpu", dtype).contiguous().reshape(-1).view(torch.uint8).numpy().data)
                 weight_map[name] = file
                 del t
         total += data

@@ -132,9 +132,9 @@ def _check_moe(moe: MoeConfig, m: ModelConfig, ep: int, zero: int = 0, method: s
     _require(len(set(r.layers)) == len(r.layers), "moe.layers", f"names a block twice: {moe.layers}")
     _require(r.num_experts % ep == 0, "parallel.ep",
              f"{ep} does not divide moe.num_experts={r.num_experts} (each ep rank holds num_experts / ep experts)")
-    _require(ep == 1 or zero <= 1, "parallel.zero",
-             f"{zero} with parallel.ep={ep} is not implemented (the experts' gradient group shards ZeRO-1 only): use "
-             f"parallel.zero <= 1 or parallel.ep=1")
+    _require(ep == 1 or zero <= 2, "parallel.zero",
+             f"{zero} with parallel.ep={ep} is not implemented (the experts' parameters are not gathered per unit "
+             f"over their replica group): use parallel.zero <= 2 or parallel.ep=1")
     _require(ep == 1 or method == "none", "compression.method",
              f"{method!r} with parallel.ep={ep} is not implemented (the experts' gradients are summed over their own "
              f"group, uncompressed): use compression.method='none' or parallel.ep=1")

@@ -137,10 +137,12 @@ class PlanResult:
 
 def engine_refusal(layout, options: Options) -> str:
     """Why the engine refuses ``layout`` with ``options`` beyond the layout rules ("" if it does not):
-    compression at zero >= 2 (hpctrain/config/validation.py)."""
+    compression at zero >= 2, ZeRO-3 with expert parallelism (hpctrain/config/validation.py)."""
     if layout.zero >= 2 and options.compression != "none":
         return (f"parallel.zero={layout.zero} keeps only this rank's slice of each gradient, which "
                 f"compression.method={options.compression!r} cannot compress: use parallel.zero <= 1 or no compression")
+    if layout.zero == 3 and layout.ep_size > 1:
+        return f"parallel.zero=3 with parallel.ep={layout.ep_size} is not implemented: use parallel.zero <= 2"
     return ""
 
 

@@ -47,6 +47,10 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
     if p.zero and replicas == 1:
         print(f"hpctrain: WARNING: parallel.zero={p.zero} with one replica (dp x cp = 1): nothing to shard",
               file=sys.stderr, flush=True)
+    elif p.zero and p.ep > 1 and replicas // p.ep == 1:
+        print(f"hpctrain: WARNING: parallel.zero={p.zero} with parallel.ep={p.ep} = dp x cp: each expert lives on one "
+              f"rank (its replica group has one rank), so the experts' state is not sharded; only the dense "
+              f"parameters' is", file=sys.stderr, flush=True)
     if parts.sdpa.warning:  # the same on every rank: said once
         print(f"hpctrain: WARNING: {parts.sdpa.warning}", file=sys.stderr, flush=True)
     if parts.sdpa.note:  # a fast kernel that raised in its trial, or cuDNN missing: what runs instead

@@ -134,13 +134,12 @@ def sharded_pieces(bucket: Bucket, offsets: dict, dp_rank: int, dp_size: int) ->
 
 
 @torch.no_grad()
-def place_params(bucket: Bucket, offsets: dict, dp_rank: int, dp_size: int, initialize: bool = True) -> None:
+def place_params(bucket: Bucket, offsets: dict, dp_rank: int, dp_size: int) -> None:
     """Point every parameter of ``bucket`` into its ``param_values`` (``p.data`` becomes a view), record its
     (start, elements) in ``offsets`` (keyed by id), and give it its initial values. A parameter with storage
-    is copied; one without (built on the meta device: ``param_init.give_storage``) is drawn from its rule,
-    unless ``initialize`` is False (a resume overwrites every value: left as allocated). A sharded bucket
-    (ZeRO-3: ``param_slice``) keeps only this rank's slice: drawn straight into it when no parameter has
-    storage (the whole unit is never allocated), else copied out of the whole, which is then freed."""
+    is copied; one without (built on the meta device: ``param_init.give_storage``) is drawn from its rule. A
+    sharded bucket (ZeRO-3: ``param_slice``) keeps only this rank's slice: drawn straight into it when no
+    parameter has storage (the whole unit is never written), else copied out of the whole, which is then freed."""
     with_storage = any(has_storage(p) for p in bucket.params)
     whole = bucket.param_slice is None or with_storage
     if bucket.param_slice is not None:
@@ -153,7 +152,7 @@ def place_params(bucket: Bucket, offsets: dict, dp_rank: int, dp_size: int, init
         view = bucket.param_values[offset - bucket.start:offset - bucket.start + n].view_as(p)
         if whole and has_storage(p):
             view.copy_(p.data)
-        elif whole and initialize:
+        elif whole:
             fill_(view, p.spec, p.init)
         p.data = view
         offsets[id(p)] = (offset, n)
@@ -163,7 +162,7 @@ def place_params(bucket: Bucket, offsets: dict, dp_rank: int, dp_size: int, init
     share = bucket.size // dp_size
     if whole:
         bucket.param_slice.copy_(bucket.param_values[dp_rank * share:(dp_rank + 1) * share])
-    elif initialize:
+    else:
         for piece, at in sharded_pieces(bucket, offsets, dp_rank, dp_size):
             spec, rule = piece.param.spec, piece.param.init  # type: ignore[attr-defined]  # (parallel/param_init.py)
             fill_(bucket.param_slice[at:at + piece.flat_hi - piece.flat_lo], spec, rule, lo=piece.param_lo)

@@ -67,7 +67,7 @@ class FlatParams:
     def __init__(self, params: list, dp_comm, *, tp_comm=None, pp_comm=None, bucket_mb: float = 25.0,
                  zero: int = 0, units: list[list] | None = None, grad_dtype: torch.dtype | None = None,
                  timer=NULL_TIMER, check_finite: bool = False,
-                 make_reducer: Callable[[FlatParams], GradReducer] = DenseReducer, initialize: bool = True):
+                 make_reducer: Callable[[FlatParams], GradReducer] = DenseReducer):
         self.params, self.dp_comm, self.tp_comm, self.pp_comm = list(params), dp_comm, tp_comm, pp_comm
         self.zero_stage = int(zero)
         self.zero = self.zero_stage >= 1  # optimizer state sharded: each rank owns 1/dp of every bucket
@@ -86,7 +86,7 @@ class FlatParams:
         self.bucket_of: dict[int, Bucket] = {}
         for bucket in self.buckets:
             # zero 3: this rank's slice kept (drawn, or copied), the whole freed until gathered
-            place_params(bucket, self._offsets, self.dp_rank, self.dp_size, initialize)
+            place_params(bucket, self._offsets, self.dp_rank, self.dp_size)
             if bucket.per_microbatch:
                 allocate(bucket.grads)  # for the views (untouched), then free until a micro-batch's grads come
             for p in bucket.params:

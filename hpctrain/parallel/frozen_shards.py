@@ -23,7 +23,7 @@ class FrozenShards:
     """The gather-only buckets of ``units`` (lists of frozen parameters, in forward order) over ``dp_comm``
     (the replica group, dp x cp); ``first_index``: the first bucket's ``index`` (after the trainable ones)."""
 
-    def __init__(self, units: list[list], dp_comm, first_index: int, initialize: bool = True):
+    def __init__(self, units: list[list], dp_comm, first_index: int):
         self.dp_comm = dp_comm
         self.dp_size = 1 if dp_comm is None else dp_comm.size
         self.dp_rank = 0 if dp_comm is None else dp_comm.rank
@@ -50,7 +50,7 @@ class FrozenShards:
             b.param_values = torch.empty(b.size, dtype=dtype, device=device)
             free(b.param_values)  # storage only while gathered
             at += share
-            place_params(b, self._offsets, self.dp_rank, self.dp_size, initialize)
+            place_params(b, self._offsets, self.dp_rank, self.dp_size)
             self.bucket_of.update((id(p), b) for p in b.params)
 
     def buckets_of(self, params) -> list[Bucket]:

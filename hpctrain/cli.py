@@ -3,7 +3,8 @@
 Subcommands: ``info`` (launch and grid report), ``bench comm`` (collective benchmark),
 ``train`` (training), ``ckpt`` (checkpoint tools), ``trace`` (where a traced run's time went), ``export`` /
 ``import-hf`` / ``import-peft`` (Hugging Face Llama and Mistral models, PEFT LoRA adapters), ``runs`` (runs
-that publish metrics), ``plan``, ``sweep``, ``data``, ``generate``. Run them under ``mpiexec``/``srun`` for
+that publish metrics), ``check`` (a run's start-up checks before it is launched), ``plan``, ``sweep``, ``data``,
+``generate``. Run them under ``mpiexec``/``srun`` for
 many ranks. Each subcommand's parser and runner is a module of ``hpctrain/commands/``; this module is the
 entry point (the ``hpctrain`` console script, ``python -m hpctrain.cli``) and its dispatch.
 """
@@ -18,12 +19,12 @@ from hpctrain.runtime.errors_exit import run_and_exit
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hpctrain.commands import (bench, checkpoint, data, info, interop, monitor, plan, profiling, sweep,
+    from hpctrain.commands import (bench, check, checkpoint, data, info, interop, monitor, plan, profiling, sweep,
                                    tools, train)  # here, not at the top: `main` records signals first
 
     parser = argparse.ArgumentParser(prog="hpctrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (info, bench, train, checkpoint, profiling, sweep, data, tools, interop, plan, monitor):
+    for command in (info, bench, check, train, checkpoint, profiling, sweep, data, tools, interop, plan, monitor):
         command.add_parser(sub)  # in this order in `hpctrain --help`
     return parser
 

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import json
 import zlib
-from typing import Any
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch only for annotations: `hpctrain check` lists checkpoints without importing it (2 s)
+    import torch
 
 FORMAT_NAME = "hpctrain-checkpoint"
 FORMAT_VERSION = 1
@@ -35,8 +37,8 @@ LATEST_POINTER = "latest"
 STEP_PREFIX = "step-"
 BASE_REFERENCE_ATTR = "lora_base"  # a LoRA checkpoint's reference to its frozen base (interop/base_ref.py)
 
-_DISK_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.bfloat16: np.float32,
-                torch.float16: np.float32}
+_DISK_DTYPES = {"torch.float64": np.float64, "torch.float32": np.float32, "torch.bfloat16": np.float32,
+                "torch.float16": np.float32}  # by str(dtype)
 
 
 def step_dirname(step: int) -> str:
@@ -52,7 +54,7 @@ def optim_dataset(kind: str, name: str) -> str:
 
 
 def disk_dtype(dtype: torch.dtype):
-    return np.dtype(_DISK_DTYPES[dtype])
+    return np.dtype(_DISK_DTYPES[str(dtype)])
 
 
 @dataclass(frozen=True)

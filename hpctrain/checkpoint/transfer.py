@@ -19,7 +19,8 @@ import torch
 import hpctrain
 from hpctrain.checkpoint.format import (BASE_REFERENCE_ATTR, FORMAT_NAME, FORMAT_VERSION, Box, disk_dtype,
                                         local_range_boxes, model_dataset, optim_dataset)
-from hpctrain.checkpoint.architecture import ARCHITECTURE_ATTR, of_checkpoint
+from hpctrain.checkpoint.architecture import (ARCHITECTURE_ATTR, is_weights_only, lora_differences,  # noqa: F401
+                                              model_differences)
 from hpctrain.checkpoint.architecture import record as record_architecture
 from hpctrain.checkpoint.compression_state import check_onebit_adam, read_compression, snapshot_compression
 from hpctrain.checkpoint.contract import TrainState
@@ -139,12 +140,7 @@ def check_compatible(state: TrainState, reader) -> None:
     tied embeddings) differs from this run's, each named; any but a weights-only one without adapters: if
     lora.rank, lora.targets or lora.alpha differ; or if this rank's parameters are missing or shaped
     differently in it."""
-    from hpctrain.config import architecture, architecture_differences, config_from_dict
-
-    theirs = config_from_dict(reader.attrs["config"])
-    differences = architecture_differences(of_checkpoint(reader.attrs), architecture(state.model_config, state.config.moe))
-    if not is_weights_only(reader.attrs) or theirs.lora.rank:  # adapters (``import-peft``) need their [lora]
-        differences += lora_differences(theirs.lora, state.config.lora)
+    differences = model_differences(reader.attrs, state.config)
     if differences:
         kind = "weights-only checkpoint" if is_weights_only(reader.attrs) else "checkpoint"
         hint = ("; a checkpoint resumes with its own adapters (model.init_from takes its base weights into a "
@@ -166,16 +162,6 @@ def check_compatible(state: TrainState, reader) -> None:
                                   f"in the checkpoint but {tuple(p.spec.global_shape)} in this model")
 
 
-def lora_differences(theirs, ours) -> list[str]:
-    """``lora.KEY is X there, Y here`` for the adapter keys (rank; targets, unordered) on which a checkpoint and
-    this run differ: a checkpoint resumes with its own adapters (``model.init_from`` takes its base weights)."""
-    pairs = {"lora.rank": (theirs.rank, ours.rank)}
-    if theirs.rank and ours.rank:
-        pairs["lora.targets"] = (sorted(theirs.targets), sorted(ours.targets))
-        pairs["lora.alpha"] = (theirs.alpha, ours.alpha)  # the same adapters compute another function
-    return [f"{key} is {a!r} there, {b!r} here" for key, (a, b) in pairs.items() if a != b]
-
-
 @dataclass
 class StagedState:
     """What a load read, on the host, before anything in the run changes: (target tensor, source)
@@ -188,15 +174,6 @@ class StagedState:
     base_reference: dict | None = None  # the LoRA base the checkpoint refers to (its path where it is now)
     compression: dict = field(default_factory=dict)  # the reducer's state_dict, when restorable
     compression_note: str | None = None  # why the reducer's state was not restored
-
-
-def is_weights_only(attrs: dict) -> bool:
-    """A weights-only checkpoint (root attribute ``weights_only``, e.g. from ``hpctrain import-hf``) holds
-    ``/model`` alone: it loads as a fresh start from those weights (zero optimizer moments, the run's own
-    sampler, loss scaler and RNG), in any layout, and its model config must match the run's exactly. A
-    LoRA run takes its base weights from it; adapters it does not hold keep their initial values; one that
-    holds adapters (``hpctrain import-peft``) needs the same lora.rank, targets and alpha."""
-    return bool(attrs.get("weights_only", False))
 
 
 def read_state(state: TrainState, reader) -> StagedState:

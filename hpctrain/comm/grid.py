@@ -21,7 +21,7 @@ from hpctrain.comm.intra_node import RouteChoice, route_intra_node
 from hpctrain.comm.watchdog import CommStats, Watchdog
 from hpctrain.errors import GridError, LaunchError, everywhere
 from hpctrain.config.layout import Layout
-from hpctrain.config.rules import resolve_sizes
+from hpctrain.config.rules import resolve_sizes, tp_across_nodes
 from hpctrain.runtime import env
 from hpctrain.runtime.launcher import RankInfo, missing_thread_multiple
 
@@ -168,9 +168,7 @@ class ProcessGrid:
         bad_tp = any(len(nodes) > 1 for nodes in tp_nodes.values())
         if bad_tp:
             per_node = sorted(set(info.node_of_rank.count(n) for n in range(info.num_nodes)))
-            message = (f"tensor-parallel groups span nodes (tp={tp}, ranks per node {per_node}): every layer's "
-                       f"activations then cross the inter-node network twice per forward and backward, "
-                       f"typically 5-20x slower than intra-node; use tp <= ranks per node and a divisor of it")
+            message = tp_across_nodes(tp, per_node)
             if strict_placement:
                 raise GridError(message + " (parallel.strict_placement=true)")
             warnings.append(message)
@@ -295,3 +293,4 @@ class ProcessGrid:
         for comm in self.communicators():
             for op in comm.recurring:
                 op.free()
+

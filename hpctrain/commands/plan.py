@@ -80,6 +80,9 @@ def add_parser(sub) -> None:
                    help="ZeRO stage (parallel.zero; default: try 0 to 3 with dp x cp > 1): 1 shards the optimizer "
                         "state, 2 the gradients too, 3 the parameters too (gathered unit by unit)")
     p.add_argument("--no-zero", action="store_true", help="do not consider ZeRO (zero 0 only)")
+    p.add_argument("--allow-tp-across-nodes", action="store_true",
+                   help="also search tp groups that span nodes (tp not dividing --gpus-per-node): by default tp stays "
+                        "inside a node, as Megatron-LM advises, since every layer's collectives would cross the network")
     p.add_argument("--zero-prefetch", type=int, default=None,
                    help="ZeRO-3: units whose all-gather is posted ahead (parallel.zero_prefetch; default: the "
                         "config's, else 1)")
@@ -240,7 +243,7 @@ def _space(args, given: dict, schedule: str, devices: int):
         (bool(given["sequence_parallel"]),) if "sequence_parallel" in given else (False, True)
     microbatches = (given["microbatches"],) if "microbatches" in given and not micro_batch else ()
     return SearchSpace(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=micro_batch, microbatches=microbatches, zero=zero,
-                       sequence_parallel=sp, schedule=schedule,
+                       sequence_parallel=sp, schedule=schedule, tp_across_nodes=args.allow_tp_across_nodes,
                        recompute={"auto": ("off", "selective", "full"), "on": ("full",)}.get(args.recompute,
                                                                                           (args.recompute,)))
 
@@ -296,6 +299,7 @@ def run_plan(args) -> int:
                           "device": machine.device.name, "global_batch": global_batch, "seq_len": seq_len,
                           "attention_window": model.attention_window, "ring": args.ring,
                           "dtype": options.dtype, "evaluated": result.evaluated,
+                          "tp_across_nodes_skipped": result.tp_across_nodes_skipped,
                           "compression": options.compression, "set": args.overrides, **experts,
                           **({"lora": {"rank": options.lora_rank, "targets": list(options.lora_targets)}}
                              if options.lora_rank else {}),

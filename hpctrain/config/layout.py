@@ -13,6 +13,7 @@ from hpctrain.config.rules import LayoutError  # noqa: F401 (re-exported)
 from hpctrain.config.rules import (check_batch, check_context, check_cp_stripes, check_schedule, check_stages,
                                    check_tp_divisibility, resolve_microbatches, resolve_sizes)
 from hpctrain.config.validation import resolve_model
+from hpctrain.errors import HpcTrainError
 
 
 def divisors(n: int) -> list[int]:
@@ -40,7 +41,15 @@ class Layout:
     ep_size: int = 1  # expert parallelism: ranks of the replica group sharing each MoE layer's experts
 
     @classmethod
-    def from_config(cls, cfg, world_size: int) -> "Layout":
+    def problems_of(cls, cfg, world_size: int) -> list[HpcTrainError]:
+        """Every broken layout rule of ``cfg`` on ``world_size`` ranks (``from_config`` raises the first)."""
+        try:
+            return cls.from_config(cfg, world_size, validated=False).problems(resolve_model(cfg.model))
+        except HpcTrainError as exc:  # the sizes or the micro-batches: nothing else can be checked
+            return [exc]
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int, validated: bool = True) -> "Layout":
         """The validated layout of ``cfg`` on ``world_size`` ranks (raises on the first broken rule). The
         micro-batches come from ``train.micro_batch_size`` when it is > 0, else ``parallel.microbatches``
         (``rules.resolve_microbatches``)."""
@@ -50,6 +59,8 @@ class Layout:
         layout = cls(world_size, sizes["dp"], sizes["pp"], sizes["tp"], microbatches, t.global_batch,
                      t.seq_len, p.sequence_parallel, p.zero, p.schedule, tuple(p.stage_layers), p.virtual_stages,
                      sizes["cp"], p.ep)
+        if not validated:  # the sizes and micro-batches alone: ``problems_of`` lists the rest
+            return layout
         try:
             layout.validate(resolve_model(cfg.model))
         except LayoutError as exc:
@@ -61,16 +72,35 @@ class Layout:
 
     def validate(self, model=None) -> None:
         """Raise on the first broken rule; ``model`` (a resolved ModelConfig) adds the model rules."""
-        resolve_sizes(self.world_size, self.dp_size, self.pp_size, self.tp_size, self.cp_size)
+        found = self.problems(model)
+        if found:
+            raise found[0]
+
+    def problems(self, model=None) -> list[HpcTrainError]:
+        """Every broken rule, in ``validate``'s order (the sizes first: nothing else is checked when they do not
+        factor the world); ``model`` (a resolved ModelConfig) adds the model rules."""
+        try:
+            resolve_sizes(self.world_size, self.dp_size, self.pp_size, self.tp_size, self.cp_size)
+        except HpcTrainError as exc:
+            return [exc]
+        checks = [lambda: check_cp_stripes(self.seq_len, self.cp_size)]
         if model is not None:
-            check_tp_divisibility(model, self.tp_size)
-            check_schedule(model, self.schedule, self.pp_size, self.virtual_stages, self.microbatches)
-            check_stages(model, self.pp_size, list(self.stage_layers), self.virtual_stages)
-            check_context(model, self.seq_len, self.cp_size, self.tp_size)
-        else:
-            check_cp_stripes(self.seq_len, self.cp_size)
-        check_batch(self.global_batch, self.microbatches, self.seq_len, self.dp_size, self.tp_size,
-                    self.sequence_parallel, self.cp_size)
+            checks = [lambda: check_tp_divisibility(model, self.tp_size),
+                      lambda: check_schedule(model, self.schedule, self.pp_size, self.virtual_stages, self.microbatches),
+                      lambda: check_stages(model, self.pp_size, list(self.stage_layers), self.virtual_stages),
+                      lambda: check_context(model, self.seq_len, self.cp_size, self.tp_size)]
+        checks += [lambda: check_batch(self.global_batch, self.microbatches, self.seq_len, self.dp_size, self.tp_size,
+                                       self.sequence_parallel, self.cp_size),
+                   self._check_experts]
+        found = []
+        for check in checks:
+            try:
+                check()
+            except HpcTrainError as exc:
+                found.append(exc)
+        return found
+
+    def _check_experts(self) -> None:
         if self.replica_size % self.ep_size:
             raise LayoutError(f"parallel.ep={self.ep_size} does not divide the replica group dp x cp = "
                               f"{self.dp_size} x {self.cp_size} = {self.replica_size}: expert-parallel ranks are "

@@ -116,6 +116,14 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
 
 def load_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
     """Defaults, then the TOML file at path (None: none), then overrides; validated."""
+    cfg = read_config(path, overrides)
+    validate(cfg)
+    return cfg
+
+
+def read_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
+    """``load_config`` without the rules between keys: a file that parses and keys that exist, with values of
+    their type (``validation.problems`` lists what else is wrong; ``hpctrain check``)."""
     cfg = Config()
     if path is not None:
         try:
@@ -134,5 +142,4 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
     if cfg.data.tokenizer != "bytes" and cfg.data.tokenizer and not os.path.isabs(cfg.data.tokenizer):
         # the run's config.json is read later from other directories (generate, export): keep it findable
         cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)
-    validate(cfg)
     return cfg

@@ -166,3 +166,10 @@ def check_context(m, seq_len: int, cp_size: int, tp_size: int = 1) -> None:
                           f"sliding_window, is part of its function), or model.attention_window=0 for full "
                           f"causal attention")
     check_cp_stripes(seq_len, cp_size)
+
+
+def tp_across_nodes(tp: int, per_node) -> str:
+    """The warning (with ``parallel.strict_placement``: the error) for tp groups that span nodes."""
+    return (f"tensor-parallel groups span nodes (tp={tp}, ranks per node {per_node}): every layer's "
+            f"activations then cross the inter-node network twice per forward and backward, "
+            f"typically 5-20x slower than intra-node; use tp <= ranks per node and a divisor of it")

@@ -4,6 +4,7 @@ key's rule (``keys.key``) and the rules between keys; ``architecture`` names wha
     model = resolve_model(cfg.model)  # size fields left at 0 take the preset's value
 """
 import dataclasses
+import functools
 import math
 import operator
 from typing import Any
@@ -69,29 +70,91 @@ def _require(ok: bool, where: str, detail: str) -> None:
         raise error(where, detail)
 
 
-def _check_rules(section: str, obj: Any) -> None:
-    """Apply each field's ``key`` rule to its value in obj."""
-    for f in dataclasses.fields(obj):
-        value, rule, where = getattr(obj, f.name), f.metadata, f"{section}.{key_name(f)}"
-        if isinstance(value, float):  # inf and nan pass every comparison rule below (or none)
-            _require(math.isfinite(value), where, f"must be a finite number, got {value}")
-        if "choices" in rule:
-            choices = ", ".join(map(str, rule["choices"]))
-            _require(value in rule["choices"], where, f"expected one of {choices}, got {value!r}")
-        for name, (symbol, holds) in _COMPARISONS.items():
-            if name in rule:
-                _require(holds(value, rule[name]), where, f"must be {symbol} {rule[name]}, got {value}")
+def _rule_problems(section: str, obj: Any) -> list[ConfigError]:
+    """Each field of obj whose value breaks its ``key`` rule, one error per field."""
+    found = []
+    for attr, name, choices, comparisons in _rules_of(type(obj)):  # type: ignore[arg-type]  # a class is hashable
+        value = getattr(obj, attr)
+        try:
+            _check_rule(f"{section}.{name}", value, choices, comparisons)
+        except ConfigError as exc:
+            found.append(exc)
+    return found
+
+
+@functools.cache
+def _rules_of(cls: Any) -> tuple:
+    """(attribute, key name, choices or None, ((symbol, holds, bound), ...)) per field of a config section
+    (its ``key`` rule read once: ``hpctrain plan`` checks thousands of candidate runs)."""
+    return tuple((f.name, key_name(f), f.metadata.get("choices"),
+                  tuple((symbol, holds, f.metadata[name]) for name, (symbol, holds) in _COMPARISONS.items()
+                        if name in f.metadata))
+                 for f in dataclasses.fields(cls))
+
+
+def _check_rule(where: str, value: Any, choices: Any, comparisons: tuple) -> None:
+    if isinstance(value, float) and not math.isfinite(value):  # inf and nan pass every comparison rule below
+        raise error(where, f"must be a finite number, got {value}")
+    if choices is not None and value not in choices:
+        raise error(where, f"expected one of {', '.join(map(str, choices))}, got {value!r}")
+    for symbol, holds, bound in comparisons:
+        if not holds(value, bound):
+            raise error(where, f"must be {symbol} {bound}, got {value}")
+
+
+def key_problems(cfg: Config) -> list[ConfigError]:
+    """Each key of cfg (the model's resolved from its preset) that breaks its own rule: the first phase of
+    ``problems``; when it finds none, every value is in range for the rules between keys."""
+    try:
+        m = resolve_model(cfg.model)
+    except ConfigError as exc:
+        return [exc]
+    return [e for f in dataclasses.fields(Config) for e in _rule_problems(f.name, m if f.name == "model"
+                                                                          else getattr(cfg, f.name))]
+
+
+def problems(cfg: Config) -> list[ConfigError]:
+    """Every broken rule of cfg, in the order ``validate`` checks them (cfg itself is not modified): first each
+    key against its own rule; only when every key is valid alone, the rules between keys, each group reported
+    once (a group stops at its first broken rule: its later rules may depend on it). ``hpctrain check`` lists
+    them all; ``validate`` (a run's start) raises the first."""
+    found = key_problems(cfg)
+    if found:
+        return found
+    m = resolve_model(cfg.model)
+    p, t = cfg.parallel, cfg.train
+    groups = (lambda: _check_heads(m), lambda: _check_pipeline(m, p, t),
+              lambda: _require(t.seq_len <= m.max_seq_len, "train.seq_len",
+                               f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}"),
+              lambda: _check_run(cfg), lambda: _check_lora(cfg.lora, m) if cfg.lora.rank else None,
+              lambda: _check_zero_compression(p.zero, cfg.compression.method),
+              lambda: _check_moe(cfg.moe, m, p.ep), lambda: _check_experts_parallel(cfg.moe, m, p.ep, p.zero,
+                                                                                    cfg.compression.method),
+              lambda: _check_onebit_adam(cfg.compression, cfg.optim), lambda: _check_local_tier(cfg.checkpoint),
+              lambda: _check_monitor(cfg.monitor))
+    for group in groups:
+        try:
+            group()
+        except ConfigError as exc:
+            found.append(exc)
+    return found
 
 
 def validate(cfg: Config) -> None:
-    """Raise ConfigError naming the first bad value; cfg itself is not modified."""
-    m = resolve_model(cfg.model)
-    for f in dataclasses.fields(Config):
-        _check_rules(f.name, m if f.name == "model" else getattr(cfg, f.name))
+    """Raise ConfigError naming the first bad value (``problems`` lists them all); cfg itself is not modified."""
+    found = problems(cfg)
+    if found:
+        raise found[0]
+
+
+def _check_heads(m: ModelConfig) -> None:
     _require(m.d_model % m.n_heads == 0, "model.n_heads", f"d_model={m.d_model} not divisible by n_heads={m.n_heads}")
     _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
              f"n_heads={m.n_heads} not divisible by n_kv_heads={m.n_kv_heads}")
-    p, t = cfg.parallel, cfg.train
+
+
+def _check_pipeline(m: ModelConfig, p, t) -> None:
+    """The layout rules that need no world size (``rules.py``)."""
     try:
         if t.micro_batch_size == 0:  # else the micro-batches need dp: Layout.from_config checks the schedule
             check_schedule(m, p.schedule, p.pp, p.virtual_stages, p.microbatches)
@@ -99,24 +162,24 @@ def validate(cfg: Config) -> None:
         check_context(m, t.seq_len, p.cp)
     except HpcTrainError as exc:
         raise ConfigError(f"config: {exc}") from None
-    _require(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+
+
+def _check_run(cfg: Config) -> None:
+    t = cfg.train
     _require(cfg.data.source != "", "data.source", 'must be "builtin" or a path, got ""')
     _require(t.run_dir != "", "train.run_dir", "must not be empty")
     _require(t.eval_interval == 0 or cfg.data.valid_fraction > 0, "train.eval_interval",
              f"{t.eval_interval} needs held-out data: set data.valid_fraction (e.g. 0.05)")
-    if cfg.lora.rank:
-        _check_lora(cfg.lora, m)
-    _require(p.zero <= 1 or cfg.compression.method == "none", "parallel.zero",
-             f"{p.zero} keeps only this rank's slice of each gradient, which compression.method="
-             f"{cfg.compression.method!r} cannot compress (it needs the whole bucket): use parallel.zero <= 1 "
+
+
+def _check_zero_compression(zero: int, method: str) -> None:
+    _require(zero <= 1 or method == "none", "parallel.zero",
+             f"{zero} keeps only this rank's slice of each gradient, which compression.method="
+             f"{method!r} cannot compress (it needs the whole bucket): use parallel.zero <= 1 "
              f"or compression.method='none'")
-    _check_moe(cfg.moe, m, p.ep, p.zero, cfg.compression.method)
-    _check_onebit_adam(cfg.compression, cfg.optim)
-    _check_local_tier(cfg.checkpoint)
-    _check_monitor(cfg.monitor)
 
 
-def _check_moe(moe: MoeConfig, m: ModelConfig, ep: int, zero: int = 0, method: str = "none") -> None:
+def _check_moe(moe: MoeConfig, m: ModelConfig, ep: int) -> None:
     """[moe] keys only with experts; top_k, layers and parallel.ep that fit them."""
     r = resolve_moe(moe, m)
     if r is None:
@@ -132,6 +195,12 @@ def _check_moe(moe: MoeConfig, m: ModelConfig, ep: int, zero: int = 0, method: s
     _require(len(set(r.layers)) == len(r.layers), "moe.layers", f"names a block twice: {moe.layers}")
     _require(r.num_experts % ep == 0, "parallel.ep",
              f"{ep} does not divide moe.num_experts={r.num_experts} (each ep rank holds num_experts / ep experts)")
+
+
+def _check_experts_parallel(moe: MoeConfig, m: ModelConfig, ep: int, zero: int, method: str) -> None:
+    """What expert parallelism composes with: ZeRO up to 2, no gradient compression."""
+    if resolve_moe(moe, m) is None:
+        return
     _require(ep == 1 or zero <= 2, "parallel.zero",
              f"{zero} with parallel.ep={ep} is not implemented (the experts' parameters are not gathered per unit "
              f"over their replica group): use parallel.zero <= 2 or parallel.ep=1")

@@ -10,6 +10,7 @@ searched over expert parallelism too: every ep dividing both dp x cp and ``moe.n
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from hpctrain.errors import HpcTrainError
@@ -50,6 +51,7 @@ class SearchSpace:
     microbatches: tuple[int, ...] = ()
     schedule: str = "1f1b"
     ep: int = 0
+    tp_across_nodes: bool = False  # search tp groups that span nodes (tp not dividing the ranks per node)
 
 
 @dataclass(frozen=True)
@@ -133,17 +135,38 @@ class PlanResult:
     plans: list[Prediction] = field(default_factory=list)
     infeasible: list[Infeasible] = field(default_factory=list)
     evaluated: int = 0
+    tp_across_nodes_skipped: int = 0  # (dp, cp, tp, pp) not searched: tp would span nodes
 
 
-def engine_refusal(layout, options: Options) -> str:
-    """Why the engine refuses ``layout`` with ``options`` beyond the layout rules ("" if it does not):
-    compression at zero >= 2, ZeRO-3 with expert parallelism (hpctrain/config/validation.py)."""
-    if layout.zero >= 2 and options.compression != "none":
-        return (f"parallel.zero={layout.zero} keeps only this rank's slice of each gradient, which "
-                f"compression.method={options.compression!r} cannot compress: use parallel.zero <= 1 or no compression")
-    if layout.zero == 3 and layout.ep_size > 1:
-        return f"parallel.zero=3 with parallel.ep={layout.ep_size} is not implemented: use parallel.zero <= 2"
-    return ""
+def engine_refusal(layout, options: Options, model, moe=None) -> str:
+    """Why ``hpctrain train`` refuses ``layout`` with ``options`` beyond the layout rules ("" if it does not):
+    the rules between config keys of ``config/validation.py`` (``problems``: compression at zero >= 2, ZeRO-3
+    with experts, LoRA targets, ...), applied to the run the plan describes, so the planner never proposes what
+    the trainer (and ``hpctrain check``) refuses, whatever rules exist. ``model``: the resolved ModelConfig;
+    ``moe``: its resolved ``[moe]`` section or None."""
+    from hpctrain.config import CompressionConfig, Config, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
+    from hpctrain.config.moe_keys import MoeConfig
+    from hpctrain.config.validation import problems
+
+    if not isinstance(model, ModelConfig):  # a published run's Shape (shapes.py): another engine's run
+        return ""
+    if model.positions != "learned" and layout.seq_len > model.max_seq_len:  # planned as a context extension
+        model = dataclasses.replace(model, max_seq_len=layout.seq_len)  # (commands/plan.py, _long_context)
+    interleaved = layout.schedule == "interleaved"
+    cfg = Config(model=model, moe=moe if moe is not None else MoeConfig(),
+                 parallel=ParallelConfig(dp=layout.dp_size, pp=layout.pp_size, tp=layout.tp_size, cp=layout.cp_size,
+                                         ep=layout.ep_size, zero=layout.zero, sequence_parallel=layout.sequence_parallel,
+                                         microbatches=layout.microbatches, schedule=layout.schedule,
+                                         virtual_stages=options.virtual_stages if interleaved else layout.virtual_stages,
+                                         zero_prefetch=options.zero_prefetch,
+                                         zero_reshard_after_forward=options.zero_reshard_after_forward),
+                 train=TrainConfig(global_batch=layout.global_batch, seq_len=layout.seq_len, dtype=options.dtype),
+                 # 1-bit Adam's warm-up length is the user's key, not the layout's: any will do here
+                 compression=CompressionConfig(method=options.compression, warmup_steps=1),
+                 lora=LoraConfig(rank=options.lora_rank, targets=list(options.lora_targets)) if options.lora_rank
+                 else LoraConfig())
+    found = problems(cfg)
+    return str(found[0]).removeprefix("config: ") if found else ""
 
 
 def expert_refusal(layout, moe) -> str:
@@ -175,7 +198,7 @@ def predict(model, layout, machine, recompute="off", options: Options = Options(
     the vocabulary is padded for its tp first, as the trainer does); MFU counts the true vocabulary and the
     active parameters of an MoE model (``moe``: its resolved ``[moe]`` section, None = dense)."""
     layout.validate(for_tp(model, layout.tp_size))
-    if refusal := engine_refusal(layout, options) or expert_refusal(layout, moe):
+    if refusal := expert_refusal(layout, moe) or engine_refusal(layout, options, model, moe):
         raise PlanError(refusal)
     return _predict(model, layout, machine, recompute, options, memory(model, layout, recompute, options, moe), moe)
 
@@ -225,6 +248,9 @@ def plan(model, machine, global_batch: int, seq_len: int, options: Options = Opt
     for tp in [t for t in divisors(world) if space.tp in (0, t)]:
         for cp in [c for c in divisors(world // tp) if space.cp == c or (not space.cp and _searched_cp(seq_len, c))]:
             for pp in [p for p in divisors(world // (tp * cp)) if space.pp in (0, p)]:
+                if machine.gpus_per_node % tp and not (space.tp_across_nodes or space.tp):  # a tp given is kept
+                    result.tp_across_nodes_skipped += 1  # every layer's collectives would cross the network
+                    continue
                 dp = world // (tp * cp * pp)
                 if space.dp and dp != space.dp:
                     continue
@@ -271,7 +297,7 @@ def _search(model, machine, base: Layout, capacity: float, options: Options, spa
                              base.seq_len, sp, zero, space.schedule, cp_size=base.cp_size, ep_size=base.ep_size)
                 try:
                     lay.validate(for_tp(model, lay.tp_size))
-                    if refusal := engine_refusal(lay, options):
+                    if refusal := engine_refusal(lay, options, model, moe):
                         raise PlanError(refusal)
                 except HpcTrainError as exc:
                     if str(exc) not in reasons:

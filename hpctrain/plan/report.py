@@ -33,7 +33,9 @@ def print_plans(result, machine, model, name: str, global_batch: int, seq_len: i
     if any(pred.candidate.layout.zero == 3 for pred in result.plans[:top]):
         print(f"ZeRO-3: {options.zero_prefetch} unit(s) prefetched, parameters "
               f"{'resharded after each forward' if options.zero_reshard_after_forward else 'kept gathered over the step'}")
-    print(f"evaluated {result.evaluated} layouts, {len(result.plans)} fit\n")
+    skipped = (f"; {result.tp_across_nodes_skipped} (dp, cp, tp, pp) with tp across nodes not searched "
+               f"(--allow-tp-across-nodes)") if result.tp_across_nodes_skipped else ""
+    print(f"evaluated {result.evaluated} layouts, {len(result.plans)} fit{skipped}\n")
     if result.plans:
         print(f"{'#':>2} {'layout':<38} {'step s':>8} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>5} "
               f"{'GiB/dev':>8} {'bubble':>6}")

@@ -19,7 +19,6 @@ from hpctrain.config import ConfigError, resolve_model
 from hpctrain.config.arithmetic import partition_layers, rank_parameters
 from hpctrain.config.moe_keys import resolve_moe
 from hpctrain.config.rules import padded_vocab
-from hpctrain.runtime.peak_memory import available_memory
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
@@ -94,6 +93,14 @@ def _keys(part: str, m, layout, layers: int, moe=None) -> str:
                 f"blocks")
     return (f"the blocks: {layers} of model.n_layers={m.n_layers} x (model.d_model={m.d_model}, "
             f"model.d_ff={m.d_ff})")
+
+
+def available_memory(device):
+    """``runtime/peak_memory.available_memory``, imported when called: it needs torch, and ``hpctrain check``
+    uses ``rank_need`` alone."""
+    from hpctrain.runtime.peak_memory import available_memory as available
+
+    return available(device)
 
 
 def check_memory(cfg, grid, device) -> None:

@@ -283,7 +283,7 @@ def test_train_sbatch_publishes_the_job_for_prometheus(tmp_path, env, expected):
     srun.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
     srun.chmod(0o755)
     base = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HPCTRAIN_DIR": str(tmp_path), "VIRTUAL_ENV": "x",
-            "SLURM_JOB_ID": "123456", "SLURM_JOB_USER": "ann"}
+            "SLURM_JOB_ID": "123456", "SLURM_JOB_USER": "ann", "HPCTRAIN_CHECK": "0"}  # my.toml does not exist
     out = subprocess.run(["bash", str(ROOT / "slurm" / "train.sbatch"), "--config", "my.toml", "train.steps=9"],
                          capture_output=True, text=True, env={**base, **env}, timeout=60)
     assert out.returncode == 0, out.stderr

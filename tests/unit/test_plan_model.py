@@ -121,7 +121,7 @@ def test_slower_links_and_compression_move_the_dp_time():
 
 def test_planner_ranks_feasible_layouts_and_says_why_others_fail():
     result = plan(model("gpt-18b"), a100_nodes(4), 256, 2048,
-                  space=SearchSpace(zero=(0,), sequence_parallel=(False,), recompute=(True,)))
+                  space=SearchSpace(zero=(0,), sequence_parallel=(False,), recompute=(True,), tp_across_nodes=True))
     speeds = [p.tokens_per_s for p in result.plans]
     assert speeds == sorted(speeds, reverse=True) and len(speeds) > 3
     assert all(p.memory.total_gib <= 80 for p in result.plans)

@@ -41,6 +41,11 @@ def work_unit(nodeid: str) -> str:
     return "tests/integration" if path.startswith("tests/integration/") else path
 
 
+# unit-test files of one long test (mypy over the package; every CPU test under coverage): first among the unit
+# files, so that the last units are short and the two workers end together
+LONG_UNIT_FILES = frozenset({"tests/unit/test_type_check.py", "tests/unit/test_cuda_coverage.py"})
+
+
 def pytest_collection_modifyitems(config, items):
     """Multi-rank units first, the biggest (by number of tests) first; unit tests last. A stable sort,
     the same on every worker, so each file keeps its own order."""
@@ -48,7 +53,7 @@ def pytest_collection_modifyitems(config, items):
 
     def order(item):
         unit = work_unit(item.nodeid)
-        return (unit.startswith("tests/unit/"), -sizes[unit], unit)
+        return (unit.startswith("tests/unit/"), unit not in LONG_UNIT_FILES, -sizes[unit], unit)
 
     items.sort(key=order)
 

@@ -13,24 +13,37 @@ FAST = ["--config", "configs/tiny.toml", "data.max_bytes=300000", "train.seq_len
 
 
 def sbatch_and_wait(slurm_env, run_dir, *args, timeout=240):
+    """Submit and poll the job's state every 0.5 s (``sbatch --wait`` polls on a 2, 8, 32 s backoff: a 12 s job
+    returns after 42 s); returns the job's output. Fails unless it ends with exit code 0."""
     env = mpi_env(slurm_env)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
     out = run_dir.parent / f"{run_dir.name}-%j.out"
-    submit = subprocess.run(["sbatch", "--parsable", "--wait", f"--output={out}", "--ntasks-per-node=2",
+    submit = subprocess.run(["sbatch", "--parsable", f"--output={out}", "--ntasks-per-node=2",
                              "--time=10", str(ROOT / "slurm" / "train.sbatch"), *FAST,
                              f"train.run_dir={run_dir}", *args],
-                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert submit.returncode == 0, f"sbatch exit {submit.returncode}: {submit.stderr}"
     job = submit.stdout.strip().split(";")[0]
+    record = wait_for(lambda: job_ended(env, job), timeout, f"job {job} to end")
     log = Path(str(out).replace("%j", job))
     text = log.read_text() if log.exists() else ""
-    assert submit.returncode == 0, f"sbatch exit {submit.returncode}: {submit.stderr}\n{text}"
+    assert "JobState=COMPLETED" in record and "ExitCode=0:0" in record, f"{record}\n{text}"
     return text
+
+
+def job_ended(env, job):
+    """``scontrol show job``'s record once the job is neither pending nor running (else None)."""
+    out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+    return out if out and "JobState=RUNNING" not in out and "JobState=PENDING" not in out \
+        and "JobState=COMPLETING" not in out else None
 
 
 def test_sbatch_template_trains_and_resumes(slurm, tmp_path):
     run_dir = tmp_path / "run"
     first = sbatch_and_wait(slurm, run_dir, "--max-steps", "2")
     assert "dp=1 x pp=1 x tp=2" in first
+    # the template checked the job before the step started (HPCTRAIN_CHECK): 1 node of 2 ranks, nothing to resume
+    assert "hpctrain check: layout: 2 ranks on 1 node(s) of 2" in first and "hpctrain check: OK" in first
     second = sbatch_and_wait(slurm, run_dir)  # no --resume: auto inside a batch job
     assert "resumed from" in second and "at step 2" in second
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -75,15 +88,15 @@ def signal_after_steps(env, job, run_dir, steps=3):
 
 def test_usr1_saves_requeues_resumes_and_matches_an_uninterrupted_run(slurm, tmp_path):
     run_dir, whole = tmp_path / "run", tmp_path / "whole"
-    job, env = submit(slurm, run_dir, "train.steps=200")
+    job, env = submit(slurm, run_dir, "train.steps=60")
     signal_after_steps(env, job, run_dir)
     done = wait_for(lambda: [e for e in events(run_dir) if e.get("reason") == "max steps"], 240, "the requeued job")
     stops = [e for e in events(run_dir) if e.get("event") == "stop"]
     assert stops[0]["reason"] == "signal USR1" and stops[0]["requeue"] == job, stops
-    assert done[0]["restart_count"] >= 1 and done[0]["step"] == 200
+    assert done[0]["restart_count"] >= 1 and done[0]["step"] == 60
     wait_for(lambda: subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
                                     text=True).stdout.strip() == "", 60, "the job to leave the queue")
-    sbatch_and_wait(slurm, whole, "train.steps=200")
+    sbatch_and_wait(slurm, whole, "train.steps=60")
     diff = subprocess.run([sys.executable, "-m", "hpctrain.cli", "ckpt", "diff", str(run_dir), str(whole),
                            "--atol", "0"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert diff.returncode == 0, diff.stdout + diff.stderr
@@ -104,10 +117,7 @@ def test_a_job_that_cannot_be_requeued_exits_75(slurm, tmp_path):
     assert stop["step"] == stop["signal_seen_after_step"] + stop["steps_after_signal"]
     assert 0 < stop["save_s"] <= stop["signal_to_saved_s"], stop
 
-    def finished():
-        out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
-        return out if "JobState=RUNNING" not in out and "JobState=PENDING" not in out else None
-    record = wait_for(finished, 90, "the job to end")
+    record = wait_for(lambda: job_ended(env, job), 90, "the job to end")
     assert "ExitCode=75:0" in record, record  # not requeueable: the documented exit code
     log = next(tmp_path.glob("run-*.out")).read_text()
     assert "exit 75" in log and "Restarts=0" in record
@@ -121,10 +131,7 @@ def test_a_one_minute_job_stops_and_saves_before_its_time_limit(slurm, tmp_path)
     job, env = submit(slurm, run_dir, "train.steps=1000000", "train.time_limit_margin_s=20", requeue=False,
                       extra=["--time=1", "--signal=USR1@30"])
 
-    def finished():
-        out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
-        return out if "JobState=RUNNING" not in out and "JobState=PENDING" not in out else None
-    record = wait_for(finished, 150, "the one-minute job to end")
+    record = wait_for(lambda: job_ended(env, job), 150, "the one-minute job to end")
     assert "JobState=TIMEOUT" not in record and "ExitCode=75:0" in record, record
     stop = [e for e in events(run_dir) if e.get("event") == "stop"]
     assert len(stop) == 1 and stop[0]["reason"] in ("time limit", "signal USR1"), stop

@@ -31,8 +31,24 @@ def train(nprocs, run_dir, *args, check=True, timeout=240):
 
 
 def ckpt(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "hpctrain.cli", "ckpt", *args], capture_output=True, text=True,
-                          env=mpi_env(), cwd=ROOT, timeout=120)
+    """``hpctrain ckpt ARGS`` in this process (one Python + torch start-up less per call; the command needs no
+    MPI), through the entry point's own error handling: a CompletedProcess with its exit code and output.
+    ``test_ckpt_list_inspect_verify`` runs the command as its own process too."""
+    import contextlib
+    import io
+
+    from hpctrain.cli import dispatch
+    from hpctrain.runtime.errors_exit import run_and_exit
+
+    if h5py.get_config().mpi:  # a parallel h5py starts MPI when imported: the command keeps its own process
+        proc = subprocess.run([sys.executable, "-m", "hpctrain.cli", "ckpt", *args], capture_output=True, text=True,
+                              env=mpi_env(), cwd=ROOT, timeout=120)
+    else:
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = run_and_exit(dispatch, ["ckpt", *args])
+        assert "mpi4py.MPI" not in sys.modules, "hpctrain ckpt started MPI in the test process"
+        proc = subprocess.CompletedProcess(["hpctrain", "ckpt", *args], code, stdout.getvalue(), stderr.getvalue())
     if check:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -70,9 +86,16 @@ def run_chain(run_dir, reference, ref, chain, *common):
     ckpt("diff", str(reference), str(run_dir), "--atol", "1e-9")
 
 
-def test_reshard_chain_matches_one_process(tmp_path):
-    reference = tmp_path / "reference"
+@pytest.fixture(scope="module")
+def f64_reference(tmp_path_factory):
+    """One uninterrupted single-process float64 run that two resharding chains compare against (read only)."""
+    reference = tmp_path_factory.mktemp("f64") / "reference"
     train(1, reference, *F64, "parallel.pp=1", "parallel.tp=1", "parallel.microbatches=1")
+    return reference
+
+
+def test_reshard_chain_matches_one_process(tmp_path, f64_reference):
+    reference = f64_reference
     ref = losses(reference)
     chain = [  # (ranks, layout) — each segment resumes the previous one's checkpoint
         (1, ["parallel.tp=1", "parallel.pp=1"]),
@@ -122,12 +145,11 @@ def test_reshard_an_odd_vocabulary_with_tied_embeddings(tmp_path):
     ckpt("diff", str(reference), str(run_dir), "--atol", "1e-9")
 
 
-def test_interleaved_checkpoints_resume_in_any_schedule(tmp_path):
+def test_interleaved_checkpoints_resume_in_any_schedule(tmp_path, f64_reference):
     """Parameter names are global (``layers.i``), so an interleaved checkpoint (pp=2, V=2) resumes with 1f1b
     pp=2 and with one process, and back (also with dp=2, ZeRO-1, tp=2 + SP, 4 micro-batches),
     matching one uninterrupted process to 1e-10 (float64)."""
-    reference = tmp_path / "reference"
-    train(1, reference, *F64, "parallel.pp=1", "parallel.tp=1", "parallel.microbatches=1")
+    reference = f64_reference
     ref = losses(reference)
     interleaved = ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.pp=2", "parallel.tp=1"]
     chain = [
@@ -173,6 +195,9 @@ def test_ckpt_list_inspect_verify(two_checkpoints):
     names = {t["name"]: t for t in info["tensors"]}
     assert names["model/embed.weight"]["shape"] == [256, 64] and names["model/embed.weight"]["boxes"] == 2
     assert "OK" in ckpt("verify", records[-1]["path"]).stdout
+    cli = subprocess.run([sys.executable, "-m", "hpctrain.cli", "ckpt", "verify", records[-1]["path"]],
+                         capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=120)  # as its own process
+    assert cli.returncode == 0 and "OK" in cli.stdout, cli.stdout + cli.stderr
 
 
 def test_flipped_byte_is_detected_and_resume_falls_back(two_checkpoints, tmp_path):

@@ -35,7 +35,13 @@ def cli_losses(run_dir, *overrides, verbose=False):
     return result, [r["loss"] for r in records if "loss" in r]
 
 
-def test_verbose_reports_no_break_with_tp_1_and_adamw_with_recompute_equals_eager(tmp_path):
+@pytest.fixture(scope="module")
+def eager_losses(tmp_path_factory):
+    """The eager one-rank run two tests compare their compiled runs against (launched once)."""
+    return cli_losses(tmp_path_factory.mktemp("eager"), "train.compile=false")[1]
+
+
+def test_verbose_reports_no_break_with_tp_1_and_adamw_with_recompute_equals_eager(tmp_path, eager_losses):
     result, losses = cli_losses(tmp_path / "compiled", "train.compile=true", verbose=True)
     lines = [line for line in result.stdout.splitlines() if "torch.compile:" in line]
     assert len(lines) == 1 and "0 graph break(s)" in lines[0], result.stdout
@@ -43,7 +49,7 @@ def test_verbose_reports_no_break_with_tp_1_and_adamw_with_recompute_equals_eage
     assert graphs >= 1, lines  # the block graph (shared by both blocks) and the final norm's
     assert "first step" in result.stdout and "forward" in result.stdout and "done: 3 steps" in result.stdout
     assert "torch.compile of every block (train.compile=true)" in result.stdout
-    _, eager = cli_losses(tmp_path / "eager", "train.compile=false")
+    eager = eager_losses
     assert len(losses) == len(eager) == 3
     assert max(abs(a - b) / b for a, b in zip(losses, eager)) <= 1e-5, (losses, eager)
 
@@ -102,11 +108,11 @@ def test_bad_compile_value_is_one_line_on_every_rank(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_compiled_zero3_equals_eager_zero0(tmp_path):
+def test_compiled_zero3_equals_eager_zero0(tmp_path, eager_losses):
     """ZeRO-3's gather hooks on compiled blocks run eagerly (graph breaks at each unit's edge, named as such);
     the compiled ZeRO-3 run trains as the eager ZeRO-0 one (one rank: the gathers are copies)."""
     result, losses = cli_losses(tmp_path / "compiled", "train.compile=true", "parallel.zero=3", verbose=True)
     assert "ZeRO-3 parameter gather run eagerly" in result.stdout, result.stdout
-    _, eager = cli_losses(tmp_path / "eager", "train.compile=false")
+    eager = eager_losses
     assert len(losses) == len(eager) == 3
     assert max(abs(a - b) / b for a, b in zip(losses, eager)) <= 1e-5, (losses, eager)

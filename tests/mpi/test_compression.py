@@ -50,9 +50,20 @@ METHODS = [(["compression.method=fp16"], 0, 0.02), (["compression.method=bf16"],
            (["compression.method=onebit"], 0.9, 0.08)]
 
 
+@pytest.fixture(scope="module")
+def topk_with_feedback(tmp_path_factory):
+    """TopK at 1% with error feedback, plain SGD: the run two tests read (launched once)."""
+    run_dir = tmp_path_factory.mktemp("topk-ef")
+    train(run_dir, *SGD, "optim.momentum=0", "compression.method=topk")
+    return run_dir
+
+
 @pytest.mark.parametrize("overrides,momentum,rtol", METHODS, ids=[m[0][0].split("=")[1] for m in METHODS])
-def test_each_method_converges_near_dense(dense, tmp_path, overrides, momentum, rtol):
-    train(tmp_path, *SGD, f"optim.momentum={momentum}", *overrides)
+def test_each_method_converges_near_dense(dense, request, tmp_path, overrides, momentum, rtol):
+    if overrides == ["compression.method=topk"] and not momentum:
+        tmp_path = request.getfixturevalue("topk_with_feedback")
+    else:
+        train(tmp_path, *SGD, f"optim.momentum={momentum}", *overrides)
     reference = dense["momentum" if momentum else "plain"]
     loss = final_loss(tmp_path)
     assert abs(loss - reference) <= rtol * reference, (overrides, loss, reference)
@@ -60,12 +71,11 @@ def test_each_method_converges_near_dense(dense, tmp_path, overrides, momentum, 
     assert last["compression_ratio"] > 1.9 and last["compress_s"] > 0 and last["bytes_sent"] > 0
 
 
-def test_error_feedback_is_what_makes_topk_converge(dense, tmp_path):
+def test_error_feedback_is_what_makes_topk_converge(dense, tmp_path, topk_with_feedback):
     """TopK at 1%: without error feedback the run ends measurably worse than with it (measured: 3.29 vs
     3.20, dense 3.25), and the loss_compare tolerance mode says so."""
-    train(tmp_path / "ef", *SGD, "optim.momentum=0", "compression.method=topk")
     train(tmp_path / "no_ef", *SGD, "optim.momentum=0", "compression.method=topk", "compression.error_feedback=false")
-    with_ef, without = final_loss(tmp_path / "ef"), final_loss(tmp_path / "no_ef")
+    with_ef, without = final_loss(topk_with_feedback), final_loss(tmp_path / "no_ef")
     assert without - with_ef >= 0.03, (with_ef, without)
 
     def compare(one, other):
@@ -73,7 +83,7 @@ def test_error_feedback_is_what_makes_topk_converge(dense, tmp_path):
                                str(one / "metrics.jsonl"), str(other / "metrics.jsonl"),
                                "--final", "5", "--rtol", "0.02"], capture_output=True, text=True,
                               env=mpi_env(), cwd=ROOT, timeout=60)
-    good, bad = compare(dense["dir"] / "plain", tmp_path / "ef"), compare(tmp_path / "ef", tmp_path / "no_ef")
+    good, bad = compare(dense["dir"] / "plain", topk_with_feedback), compare(topk_with_feedback, tmp_path / "no_ef")
     assert good.returncode == 0 and "MATCH: mean loss of the last 5 steps" in good.stdout, good.stdout + good.stderr
     assert bad.returncode == 1 and "MISMATCH" in bad.stdout, bad.stdout + bad.stderr
 

@@ -17,6 +17,7 @@ SHORTER = [  # (pattern, replacement): smaller runs, same commands
     (r"train\.steps=\d+", "train.steps=3"), (r"--max-steps \d+", "--max-steps 2"),
     (r"--sizes \S+", "--sizes 1K,64K"), (r"step-00000100", "step-00000004"),
     (r"hpctrain bench comm", "hpctrain bench comm --iters 5 --rounds 1"),  # 5 s instead of 48 at 4 ranks
+    (r"mpiexec -n 8 ", "mpiexec -n 4 "),  # the tp=2 x pp=2 layouts at dp=1: 4 rank start-ups fewer on 2 cores
 ]
 
 

@@ -38,7 +38,7 @@ def finish(proc, timeout=180):
 
 
 def test_usr1_stops_saves_and_the_resumed_run_is_bitwise_equal(tmp_path):
-    run, whole, steps = tmp_path / "run", tmp_path / "whole", 300
+    run, whole, steps = tmp_path / "run", tmp_path / "whole", 80
     proc = start(run, f"train.steps={steps}")
     deadline = time.time() + 120
     while len([r for r in records(run) if "event" not in r]) < 5 and time.time() < deadline and proc.poll() is None:

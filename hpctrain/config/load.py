@@ -125,10 +125,13 @@ def read_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
     """``load_config`` without the rules between keys: a file that parses and keys that exist, with values of
     their type (``validation.problems`` lists what else is wrong; ``hpctrain check``)."""
     cfg = Config()
+    given_moe: list[str] = []  # the [moe] keys the file or an override sets, whatever their value
     if path is not None:
         try:
             with open(path, "rb") as fh:
-                cfg = config_from_dict(tomllib.load(fh))
+                raw = tomllib.load(fh)
+            given_moe += list(raw.get("moe", {})) if isinstance(raw.get("moe"), dict) else []
+            cfg = config_from_dict(raw)
         except OSError as exc:
             raise ConfigError(f"config: cannot read config file {path}: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:  # TOML is UTF-8 text
@@ -139,6 +142,12 @@ def read_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
         except ConfigError as exc:
             raise ConfigError(f"{exc} (in {path})") from None
     cfg = apply_overrides(cfg, overrides)
+    given_moe += [o.partition("=")[0].strip().lstrip("-").partition(".")[2] for o in overrides or ()
+                  if o.strip().lstrip("-").startswith("moe.")]
+    dense_but_set = [k for k in given_moe if k != "num_experts"]
+    if dense_but_set and not cfg.moe.num_experts:  # a key at its default counts too: it asked for experts
+        raise ConfigError(f"config: moe.{dense_but_set[0]}: is set but moe.num_experts is 0 (a dense model): set "
+                          f"moe.num_experts (> 0) to use experts, or leave the [moe] keys out")
     if cfg.data.tokenizer != "bytes" and cfg.data.tokenizer and not os.path.isabs(cfg.data.tokenizer):
         # the run's config.json is read later from other directories (generate, export): keep it findable
         cfg.data.tokenizer = os.path.abspath(cfg.data.tokenizer)

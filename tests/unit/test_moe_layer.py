@@ -103,6 +103,8 @@ def test_the_auxiliary_losses_gradient_is_that_of_the_objective_they_define():
 
 @pytest.mark.parametrize("overrides,key", [
     (["moe.top_k=3"], "moe.top_k: is set but moe.num_experts is 0"),
+    (["moe.top_k=2"], "moe.top_k: is set but moe.num_experts is 0"),  # at its default value too (issue #55)
+    (["moe.num_experts=0", "moe.capacity_factor=1.25"], "moe.capacity_factor: is set but moe.num_experts is 0"),
     (["parallel.ep=2"], "parallel.ep: 2 splits experts"),
     (["moe.num_experts=4", "moe.top_k=5"], "moe.top_k: 5 exceeds moe.num_experts=4"),
     (["moe.num_experts=4", "moe.layers=[9]"], "moe.layers: [9] are not blocks"),
@@ -113,3 +115,13 @@ def test_the_auxiliary_losses_gradient_is_that_of_the_objective_they_define():
 def test_bad_moe_keys_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match="config: " + key.replace("[", r"\[").replace("]", r"\]")):
         load_config(None, overrides)
+
+
+def test_a_moe_section_without_experts_is_refused_whatever_its_values(tmp_path):
+    """A TOML ``[moe]`` with only ``top_k = 2`` (its default) asked for experts: refused, never a dense run."""
+    config = tmp_path / "c.toml"
+    config.write_text("[moe]\ntop_k = 2\n")
+    with pytest.raises(ConfigError, match="moe.top_k: is set but moe.num_experts is 0"):
+        load_config(str(config))
+    config.write_text("[moe]\nnum_experts = 4\ntop_k = 2\n")
+    assert load_config(str(config)).moe.num_experts == 4

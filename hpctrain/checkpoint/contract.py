@@ -145,7 +145,7 @@ class TrainState(Protocol):
     world_size: int
     config: Config  # the run's config: saved whole (``config``; ``train.dtype`` as ``model_dtype``)
     model_config: ModelConfig  # resolved: what weights-only checkpoints and init_from must match
-    layout: dict  # saved as ``layout``: {axis: size for each grid axis, "zero": 0 or 1, "world": world_size}
+    layout: dict  # saved as ``layout``: {axis: size for each grid axis, "ep", "zero": the stage, "world": world_size}
     timer: PhaseTimer  # the blocking part of a save is its "checkpoint" phase
     reducer: ReducerState
     base_reference: dict | None  # saved as ``lora_base`` in place of the frozen weights; None: they are copied

@@ -294,7 +294,8 @@ class LocalTier:
                     continue  # a damaged index: not offered
                 if doc.get("run_dir") != self.run_dir or doc.get("step") != step:
                     continue
-                if doc.get("layout") != layout or doc.get("world_size") != world_size:
+                written = {"ep": 1, **(doc.get("layout") or {})}  # pieces from before ep was recorded: ep 1
+                if written != {"ep": 1, **layout} or doc.get("world_size") != world_size:
                     other[step] = doc.get("layout")
                 elif name == own_name(self.rank) + ".json":
                     own[step] = path
@@ -326,9 +327,9 @@ class LocalTier:
             if self.rank == 0 and (recent or other):
                 why = (f"step {recent[0]} lacks the pieces of rank(s) "
                        f"{_ranks([r for r in range(self.comm.size) if not options(r, recent[0])])}" if recent else
-                       f"step {other[-1]} was written for another layout "
-                       f"({_layout(next(inv['other_layout'][other[-1]] for inv in everyone if other[-1] in inv['other_layout']))}, "
-                       f"now {_layout(dict(state.layout))})")
+                       f"step {other[-1]} was written for another layout: " + layout_differences(
+                           next(inv['other_layout'][other[-1]] for inv in everyone if other[-1] in inv['other_layout']),
+                           dict(state.layout)))
                 print(f"hpctrain: local tier: nothing to resume from ({why}); resuming from the global tier",
                       file=sys.stderr, flush=True)
             return None
@@ -438,8 +439,20 @@ def _steps_in(root: str) -> list[int]:
     return sorted(steps)
 
 
-def _layout(layout: dict | None) -> str:
-    return " x ".join(f"{axis}{size}" for axis, size in (layout or {}).items() if axis not in ("zero", "world"))
+def layout_text(layout: dict | None) -> str:
+    """A saved layout record whole: ``dp2 x pp1 x cp1 x tp1 x ep2, ZeRO-1`` (ep and the stage where recorded)."""
+    layout = layout or {}
+    axes = " x ".join(f"{axis}{size}" for axis, size in layout.items() if axis not in ("zero", "world"))
+    return axes + (f", ZeRO-{layout['zero']}" if "zero" in layout else "")
+
+
+def layout_differences(theirs: dict | None, ours: dict) -> str:
+    """What differs between two layout records, by config key: ``parallel.ep 2 there, 4 here``."""
+    theirs = theirs or {}
+    names = {"world": "ranks"}
+    keys = [k for k in ours if theirs.get(k) != ours[k]] + [k for k in theirs if k not in ours]
+    return "; ".join(f"{names.get(k, 'parallel.' + k)} {theirs.get(k, 'unrecorded')} there, "
+                     f"{ours.get(k, 'unrecorded')} here" for k in keys)
 
 
 def _ranks(ranks: list[int]) -> str:

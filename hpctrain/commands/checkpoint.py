@@ -71,6 +71,8 @@ def _list(args) -> int:
 
 
 def _inspect(args) -> int:
+    from hpctrain.checkpoint.local_tier import layout_text
+
     with _open(args.path) as reader:
         tensors = []
         for name in reader.datasets():
@@ -94,7 +96,7 @@ def _inspect(args) -> int:
         print()
         return 0
     print(f"{info['path']}: step {info['step']}, {'complete' if info['complete'] else 'PARTIAL'}, "
-          f"writer {info['writer']}, layout {info['layout']}, {info['model_dtype']}, "
+          f"writer {info['writer']}, layout {layout_text(info['layout'])}, {info['model_dtype']}, "
           f"{info['total_bytes'] / 2**20:.2f} MiB, hpctrain {info['hpctrain_version']}")
     arch = info["architecture"]
     print(f"  architecture: fingerprint {arch['fingerprint']}{'' if arch['recorded'] else ' (from its config)'}: "
@@ -122,7 +124,7 @@ def _local_pieces(local_dir: str, run_dir: str) -> list[dict]:
     import glob
 
     from hpctrain.checkpoint.local_piece import read_index
-    from hpctrain.checkpoint.local_tier import tier_root
+    from hpctrain.checkpoint.local_tier import layout_text, tier_root
 
     records = []
     for path in sorted(glob.glob(os.path.join(tier_root(local_dir, run_dir), "step-*", "*.json"))):
@@ -130,7 +132,7 @@ def _local_pieces(local_dir: str, run_dir: str) -> list[dict]:
             doc = read_index(path)
         except (OSError, ValueError) as exc:
             raise HpcTrainError(f"{path}: unreadable local piece index: {exc}") from None
-        layout = " x ".join(f"{k}{v}" for k, v in doc["layout"].items() if k not in ("zero", "world"))
+        layout = layout_text(doc["layout"])
         records.append({"tier": "local", "step": doc["step"], "rank": doc["rank"], "path": path,
                         "kind": "replica" if os.path.basename(path).startswith("replica-") else "own",
                         "bytes": doc["nbytes"], "layout": layout})

@@ -23,6 +23,7 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
     with open(os.path.join(cfg.train.run_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config_to_dict(cfg), f, indent=1)
     layout = " x ".join(f"{a}={grid.sizes[a]}" for a in ("dp", "pp", "cp", "tp") if a != "cp" or grid.sizes[a] > 1)
+    layout += f" x ep={p.ep}" if p.ep > 1 else ""  # experts split over ep ranks of the replica group
     schedule = p.schedule + (f" (virtual_stages={p.virtual_stages})" if p.schedule == "interleaved" else "")
     formula = "(pp-1)/(V M)" if p.schedule == "interleaved" else "(pp-1)/M"
     bubble = (f", pipeline bubble {formula} = {parts.bubble:.1%} of "

@@ -17,7 +17,7 @@ class TrainerState:
         grid, cfg = trainer.grid, trainer.cfg
         self.rank, self.world_size = grid.info.rank, grid.info.size
         self.config, self.model_config, self.timer = cfg, trainer.parts.model_cfg, trainer.parts.timer
-        self.layout = {**grid.sizes, "zero": cfg.parallel.zero, "world": grid.info.size}
+        self.layout = {**grid.sizes, "ep": cfg.parallel.ep, "zero": cfg.parallel.zero, "world": grid.info.size}
         self.reducer = trainer.parts.reducer
         self.base_reference = None  # set by model.init_from (train/loop.py) or a resumed checkpoint
 

@@ -110,7 +110,8 @@ def test_a_flipped_byte_falls_back_to_the_replica_then_to_the_global_tier_in_one
 def test_another_layout_skips_the_local_tier_in_one_line(killed):
     run = put_back(killed)
     out = train(run, *killed["tier"], "parallel.tp=2")
-    assert "step 8 was written for another layout (dp2 x pp1 x cp1 x tp1, now dp1 x pp1 x cp1 x tp2)" in out.stderr, out.stderr
+    assert "step 8 was written for another layout: parallel.dp 2 there, 1 here; parallel.tp 1 there, 2 here" \
+        in out.stderr, out.stderr
     assert "at step 6 " in out.stdout and "local tier (" not in out.stdout
     # another lineage from here: the old pieces (own and replicas) are gone from both nodes; step 8 is new
     pieces = [json.loads(p.read_text()) for host in HOSTS for p in (killed["local"] / host).glob("*/step-*/*.json")]

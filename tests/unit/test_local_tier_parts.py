@@ -42,3 +42,15 @@ def test_a_piece_round_trips_and_a_flipped_byte_changes_its_checksum(tmp_path, m
     assert damaged.entries[0].crc != entries[0].crc and damaged.entries[1].crc == entries[1].crc
     monkeypatch.setenv("NODE_SCRATCH", "/scratch")
     assert expand("$NODE_SCRATCH/{hostname}/x").startswith("/scratch/") and "{" not in expand("{hostname}")
+
+
+def test_a_layout_is_named_whole_and_a_change_by_its_keys():
+    """ep and the ZeRO stage are part of every layout string; a change names only what differs (issue #55)."""
+    from hpctrain.checkpoint.local_tier import layout_differences, layout_text
+
+    ours = {"dp": 2, "pp": 1, "cp": 1, "tp": 1, "ep": 2, "zero": 1, "world": 2}
+    assert layout_text(ours) == "dp2 x pp1 x cp1 x tp1 x ep2, ZeRO-1"
+    assert layout_differences({**ours, "zero": 2}, ours) == "parallel.zero 2 there, 1 here"
+    assert layout_differences({**ours, "ep": 1}, ours) == "parallel.ep 1 there, 2 here"
+    older = {k: v for k, v in ours.items() if k != "ep"}  # a piece written before ep was recorded
+    assert layout_differences(older, ours) == "parallel.ep unrecorded there, 2 here"

@@ -141,7 +141,7 @@ def stand_in_trainer(ps, *, dp_rank, zero, tp_rank=0, frozen=(), frozen_units=No
     local_model = SimpleNamespace(parameters=lambda: iter(list(frozen) + list(ps)))
     grid = SimpleNamespace(info=SimpleNamespace(rank=3, size=4), sizes={"dp": 2, "tp": 2, "pp": 1},
                            coords={"dp": dp_rank, "tp": tp_rank, "pp": 0, "cp": 0})
-    cfg = SimpleNamespace(parallel=SimpleNamespace(zero=int(zero)))
+    cfg = SimpleNamespace(parallel=SimpleNamespace(zero=int(zero), ep=1))
     state_dict = lambda: {"position": 7}  # noqa: E731
     parts = SimpleNamespace(model_cfg="model", timer="timer", flat=flat, reducer=flat.reducer, frozen=shards,
                             local_model=local_model, optimizer=FlatOptimizer(flat, SimpleNamespace(), tp_rank=tp_rank),

@@ -155,7 +155,7 @@ def test_trainer_state_maps_owned_pieces_and_who_writes():
     trainer = stand_in_trainer([w, v], dp_rank=1, zero=True, tp_rank=1)  # one bucket [0, 8): v 0..2, w 2..8
     state = TrainerState(trainer)
     assert isinstance(state, TrainState)
-    assert state.layout == {"dp": 2, "tp": 2, "pp": 1, "zero": 1, "world": 4} and state.rank == 3
+    assert state.layout == {"dp": 2, "tp": 2, "pp": 1, "ep": 1, "zero": 1, "world": 4} and state.rank == 3
     tensors = state.tensors()
     assert [p.spec.name for p in tensors.params] == ["w", "v"] and tensors.params[0].data.data_ptr() == w.data_ptr()
     (owned,) = tensors.ranges  # ZeRO: dp rank 1 owns [4, 8), all of it inside w (elements 2..6)

@@ -1,4 +1,5 @@
 """User-facing errors: one message that says what is wrong and what to do, and a non-zero exit."""
+from hpctrain.runtime.exit_codes import NODE_FAILURE
 
 
 class HpcTrainError(RuntimeError):
@@ -28,3 +29,15 @@ class GridError(HpcTrainError):
     """The requested dp x pp x tp layout cannot be built on this world."""
 
     everywhere = True  # every rank validates the same layout
+
+
+class NodeFailure(HpcTrainError):
+    """A node cannot serve the run (its node-local disk missing, read-only or full; a /dev/shm too small for
+    MPI): exit ``exit_codes.NODE_FAILURE`` (5), which ``slurm/train.sbatch --restarts`` relaunches without the
+    nodes named in ``hosts`` (written to ``$HPCTRAIN_NODE_FAILURE_FILE`` where it is set)."""
+
+    exit_code = NODE_FAILURE
+
+    def __init__(self, message: str, hosts=()):
+        super().__init__(message)
+        self.hosts = sorted(set(hosts))

@@ -38,7 +38,7 @@ from hpctrain.checkpoint.local_piece import (Piece, SnapshotBuffer, apply_piece,
 from hpctrain.comm.collectives import Communicator
 from hpctrain.comm.shm_memory import container_shm_fix
 from hpctrain.config import config_to_dict
-from hpctrain.errors import everywhere
+from hpctrain.errors import NodeFailure, everywhere
 from hpctrain.runtime.launcher import missing_thread_multiple
 
 STEP_PREFIX = "step-"
@@ -136,11 +136,14 @@ class LocalTier:
         if problem:  # the same on every rank: refused without communication
             raise everywhere(CheckpointError(problem + "; or leave checkpoint.local_dir empty"))
         world = grid.world
-        problems = [p for p in world.allgather_object(self._unusable()) if p]
-        if problems:  # a missing or read-only local disk on any node: said before the first step, on every rank
-            raise everywhere(CheckpointError(f"checkpoint.local_dir={ckpt_cfg.local_dir!r} is not usable: "
-                                             + "; ".join(problems[:3])
-                                             + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")))
+        found = [(p, host) for p, host in world.allgather_object((self._unusable(), socket.gethostname())) if p]
+        if found:  # a missing, read-only or full local disk on any node: said before the first step, on every rank
+            problems = [p for p, _ in found]
+            raise everywhere(NodeFailure(f"checkpoint.local_dir={ckpt_cfg.local_dir!r} is not usable: "
+                                         + "; ".join(problems[:3])
+                                         + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+                                         + "; the node is the problem: exit 5, a relaunch without it can go on",
+                                         hosts=[host for _, host in found]))
         with world.watched("local checkpoint communicator (Dup)"):
             duplicate = world.mpi.Dup()
         self.comm = Communicator(duplicate, "local-checkpoint", world.members, grid.watchdog, grid.stats,

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hpctrain.runtime.errors_exit import abort_grace_s
+from hpctrain.runtime.exit_codes import HANG
 
 IDLE = math.inf  # a Slot's call record between calls: "started" never, so never stalled, whoever reads it
 COMPILE_PATIENCE_S = 3600.0  # a stall whose causes are all inside torch.compile is reported after this much more
@@ -305,7 +306,7 @@ class Watchdog:
                 pass
         time.sleep(abort_grace_s() + 1.0)  # the pipe, then the abort
         if self._abort is not None:
-            self._abort(3)
+            self._abort(HANG)
         else:
             from mpi4py import MPI
-            MPI.COMM_WORLD.Abort(3)
+            MPI.COMM_WORLD.Abort(HANG)

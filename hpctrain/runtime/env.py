@@ -32,7 +32,7 @@ from typing import Mapping
 from hpctrain.errors import HpcTrainError
 
 SETTINGS = ("HPCTRAIN_COMM_TIMEOUT", "HPCTRAIN_CACHE", "HPCTRAIN_ERROR_GRACE_S", "HPCTRAIN_FAULT",
-            "HPCTRAIN_FAULT_ONCE", "HPCTRAIN_GLOO_ADDR", "HPCTRAIN_NS_DIR")
+            "HPCTRAIN_FAULT_ONCE", "HPCTRAIN_GLOO_ADDR", "HPCTRAIN_NS_DIR", "HPCTRAIN_NODE_FAILURE_FILE")
 BATCH_JOB_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "COBALT_JOBID", "FLUX_JOB_ID")
 
 
@@ -77,6 +77,12 @@ def cache_dir(configured: str = "", environ: Mapping[str, str] | None = None) ->
     """``$HPCTRAIN_CACHE`` when set, else ``configured`` (``data.cache_dir``), else ``~/.cache/hpctrain``."""
     text = _get("HPCTRAIN_CACHE", environ)
     return text or configured or os.path.join(os.path.expanduser("~"), ".cache", "hpctrain")
+
+
+def node_failure_file(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$HPCTRAIN_NODE_FAILURE_FILE``: where a job that ends with a node failure (exit 5) writes the names of
+    the failed nodes, one per line (``slurm/train.sbatch --restarts`` sets it and relaunches without them)."""
+    return _get("HPCTRAIN_NODE_FAILURE_FILE", environ)
 
 
 def error_grace_s(environ: Mapping[str, str] | None = None) -> float:

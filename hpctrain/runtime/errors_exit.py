@@ -9,8 +9,8 @@ import traceback
 from hpctrain.errors import HpcTrainError
 from hpctrain.runtime import env
 
-USER_ERROR_EXIT = 2
-INTERNAL_ERROR_EXIT = 1
+from hpctrain.runtime.exit_codes import INTERNAL_ERROR as INTERNAL_ERROR_EXIT
+from hpctrain.runtime.exit_codes import USER_ERROR as USER_ERROR_EXIT
 
 
 def _world():
@@ -51,7 +51,7 @@ def run_and_exit(main, argv=None) -> int:
     try:
         return main(argv) or 0
     except HpcTrainError as exc:
-        code, text, exc_value = USER_ERROR_EXIT, str(exc), exc
+        code, text, exc_value = getattr(exc, "exit_code", USER_ERROR_EXIT), str(exc), exc  # NodeFailure: 5
     except KeyboardInterrupt:
         code, text = 130, "interrupted"
     except BrokenPipeError:
@@ -60,9 +60,11 @@ def run_and_exit(main, argv=None) -> int:
         code, text = INTERNAL_ERROR_EXIT, "internal error:\n" + traceback.format_exc()
     rank, size, mpi_world = _world()
     prefix = f"rank {rank}: " if size > 1 else ""
+    if rank == 0 and getattr(exc_value, "hosts", None):  # a NodeFailure: the nodes a relaunch should leave out
+        _write_failed_nodes(exc_value.hosts)
     # an error every rank should raise alike is printed once, by rank 0, but only once the ranks agree that
     # they all raised it: an input that differs between nodes (a file missing on one) fails a rank alone
-    once = code == USER_ERROR_EXIT and size > 1 and mpi_world is not None and getattr(exc_value, "everywhere", False)
+    once = exc_value is not None and size > 1 and mpi_world is not None and getattr(exc_value, "everywhere", False)
     if text and not once:
         _say(f"hpctrain: error: {prefix}{text}")
     sys.stdout.flush()
@@ -81,6 +83,17 @@ def run_and_exit(main, argv=None) -> int:
             return leave_with(code, rank, peers[rank][1], peers)
         mpi_world.Abort(code)
     return code
+
+
+def _write_failed_nodes(hosts) -> None:
+    """Append the failed nodes' names to ``$HPCTRAIN_NODE_FAILURE_FILE`` (where set), one per line."""
+    try:
+        path = env.node_failure_file()
+        if path:
+            with open(path, "a", encoding="utf-8") as f:
+                f.writelines(f"{host}\n" for host in hosts)
+    except (OSError, env.EnvError) as exc:  # the exit itself must not fail
+        _say(f"hpctrain: warning: cannot record the failed nodes {', '.join(hosts)}: {exc}")
 
 
 def _say(line: str) -> None:

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 
 from hpctrain.train.verdict import NONFINITE_LOSS, NONFINITE_NORM, TOO_MANY_SKIPS, Reading
+from hpctrain.runtime.exit_codes import DIVERGED as DIVERGED_EXIT
 
-DIVERGED_EXIT = 4  # the run diverged (non-finite loss/gradients, or too many skipped steps): nothing saved
 REASONS = {NONFINITE_LOSS: "non-finite loss", NONFINITE_NORM: "non-finite gradient norm",
            TOO_MANY_SKIPS: "too many skipped steps"}
 

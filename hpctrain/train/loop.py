@@ -38,6 +38,7 @@ from hpctrain.runtime import env
 from hpctrain.runtime.device import select_device
 from hpctrain.runtime.errors_exit import leave_with
 from hpctrain.runtime.faults import FaultInjector
+from hpctrain.runtime.exit_codes import STOPPED as STOPPED_EXIT
 from hpctrain.runtime.launcher import discover
 from hpctrain.runtime.signals import (SignalFlag, requeue_slurm_job, scheduler_deadline,
                                       slurm_job_to_requeue)
@@ -50,7 +51,6 @@ from hpctrain.train.run_lock import RunDirInUse, RunLock, unusable_directory
 from hpctrain.train.stop import StopPolicy, decode, encode
 from hpctrain.train.trainer import Trainer
 
-STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early and checkpointed; run again with --resume auto to continue
 
 
 @dataclass

@@ -125,11 +125,14 @@ def test_bad_local_tier_keys_are_refused_in_one_line(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
     blocked = tmp_path / "file"
     blocked.write_text("a file where the local directory should be")
+    failed = tmp_path / "failed-nodes"
     out = run_mpi(2, "hpctrain.cli", "train", *ARGS, f"train.run_dir={tmp_path / 'run'}", "--resume=none",
                   f"checkpoint.local_dir={blocked}/{{hostname}}", "checkpoint.local_interval=2", module=True,
-                  fake_nodes=HOSTS, check=False, timeout=60)
+                  fake_nodes=HOSTS, check=False, timeout=60, env={"HPCTRAIN_NODE_FAILURE_FILE": str(failed)})
     said = [line for line in out.stderr.splitlines() if "is not usable" in line]
-    assert out.returncode == 2 and len(said) == 1, out.output
+    # the nodes are the problem (exit 5: a relaunch without them can go on), named for slurm/train.sbatch
+    assert out.returncode == 5 and len(said) == 1, out.output
+    assert failed.read_text().split() == ["h1", "h2"], out.output
     assert "checkpoint.local_dir=" in said[0] and "rank 0 on h1" in said[0] and "rank 1 on h2" in said[0], said
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and blocked.read_text().startswith("a file")
 

@@ -120,6 +120,7 @@ class LocalTier:
         self._buffer = SnapshotBuffer()
         self._warned = False  # a local write failed on this rank (said once)
         self.offered = False  # resume() found pieces of this run at least as new as the global tier
+        self.other_layout = False  # ... and some of them were written for another layout
         if not self.enabled:
             return
         self.root = tier_root(ckpt_cfg.local_dir, run_dir)
@@ -272,6 +273,22 @@ class LocalTier:
         finally:
             self.comm.mpi.Free()
 
+    def set_aside(self) -> str:
+        """Collective on the tier's communicator: move this run's step directories on every node into
+        ``<tier>/unusable-<UTC time>/`` (kept, never deleted: a start-over over pieces none could use); returns
+        that path (the same name on every node)."""
+        stamp = self.comm.broadcast_object(time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) if self.rank == 0
+                                           else None, root=0)
+        aside = os.path.join(self.root, f"unusable-{stamp}")
+        os.makedirs(aside, exist_ok=True)
+        for step in _steps_in(self.root):
+            try:
+                os.rename(step_dir(self.root, step), os.path.join(aside, os.path.basename(step_dir(self.root, step))))
+            except FileNotFoundError:
+                pass  # another rank of this node moved it
+        self.comm.allgather_object(None)  # every node's pieces are aside before anything new is written
+        return aside
+
     def clear(self) -> None:
         """Remove this run's tier on this node (a start that did not resume from it: another lineage). Safe on
         every rank at once: no rank writes a piece before every rank has passed its first step."""
@@ -285,16 +302,23 @@ class LocalTier:
         own: dict[int, str] = {}
         replicas: dict[int, dict[int, str]] = {}
         other: dict[int, dict | None] = {}
+        damaged: list[tuple[int, str, str]] = []  # (step, path, why): unreadable, named by resume(), never absent
         for step in _steps_in(self.root):
             directory = step_dir(self.root, step)
-            for name in os.listdir(directory) if os.path.isdir(directory) else ():
+            try:
+                names = os.listdir(directory) if os.path.isdir(directory) else []
+            except OSError as exc:
+                damaged.append((step, directory, exc.strerror or str(exc)))
+                continue
+            for name in names:
                 if not name.endswith(".json"):
                     continue
                 path = os.path.join(directory, name)
                 try:
                     doc = read_index(path)
-                except (OSError, ValueError):
-                    continue  # a damaged index: not offered
+                except (OSError, ValueError) as exc:
+                    damaged.append((step, path, f"{type(exc).__name__}: {exc}"))
+                    continue
                 if doc.get("run_dir") != self.run_dir or doc.get("step") != step:
                     continue
                 written = {"ep": 1, **(doc.get("layout") or {})}  # pieces from before ep was recorded: ep 1
@@ -304,7 +328,8 @@ class LocalTier:
                     own[step] = path
                 elif name.startswith("replica-") and doc.get("rank") in self.sources:
                     replicas.setdefault(int(doc["rank"]), {})[step] = path
-        return {"own": own, "replicas": replicas, "other_layout": other, "hostname": socket.gethostname()}
+        return {"own": own, "replicas": replicas, "other_layout": other, "damaged": damaged,
+                "hostname": socket.gethostname()}
 
     def resume(self, state: TrainState, newest_global: int | None) -> str | None:
         """Collective on the tier's communicator: load the newest local step >= ``newest_global`` (None: no
@@ -325,7 +350,14 @@ class LocalTier:
         whole = [s for s in recent if all(options(r, s) for r in range(self.comm.size))]
         other = sorted({s for inv in everyone for s in inv["other_layout"]
                         if newest_global is None or s >= newest_global})
-        self.offered = bool(recent or other)  # the same on every rank (from the allgathered inventory)
+        damaged = sorted({(inv["hostname"], step, path, why) for inv in everyone for step, path, why in inv["damaged"]
+                          if newest_global is None or step >= newest_global})  # a node's ranks see the same files
+        if self.rank == 0:
+            for host, step, path, why in damaged:
+                print(f"hpctrain: WARNING: local tier: {host}:{path} (step {step}) cannot be read: {why}; its piece "
+                      f"is not offered", file=sys.stderr, flush=True)
+        self.offered = bool(recent or other or damaged)  # the same on every rank (from the allgathered inventory)
+        self.other_layout = bool(other)  # usable by a resume in the layout that wrote them: never started over
         if not whole:
             if self.rank == 0 and (recent or other):
                 why = (f"step {recent[0]} lacks the pieces of rank(s) "

@@ -58,6 +58,15 @@ def resume(manager, state: TrainState, what: str = "auto") -> str | None:
     local = manager.local.resume(state, newest_step)  # the node-local tier, when as new as the newest global one
     if local:
         return local
+    if not candidates and manager.local.offered and not manager.local.other_layout:
+        # the tier held the only state of this run and none of it could be used (each said above): an announced
+        # start-over, the pieces kept aside; pieces of another layout are usable there: refused below
+        aside = manager.local.set_aside()
+        if manager.rank == 0:
+            print(f"hpctrain: local tier: none of this run's pieces could be used (see the lines above) and "
+                  f"{manager.dir} holds no checkpoint: starting over from step 0; the pieces are kept in {aside} "
+                  f"on each node", file=sys.stderr, flush=True)
+        return None
     if not candidates and manager.local.offered:  # never a silent restart from step 0 over a run's local pieces
         raise everywhere(CheckpointError(
             f"--resume auto: the node-local tier ({manager.local.root}) holds steps of this run but none could be "

@@ -124,6 +124,8 @@ def _start(cfg, grid, device, decision, max_steps: int, flag, lock, verbose: boo
     trainer = Trainer(cfg, grid, device=device)
     checkpoints = CheckpointManager(cfg.checkpoint, grid, cfg.train.run_dir)
     resumed = checkpoints.resume(trainer.state, decision.resume)
+    if resumed is None and decision.resume == "auto":  # nothing could be resumed: a fresh start after all
+        decision.start_over(grid.world, cfg.train.run_dir, checkpoints.dir)  # its earlier files set aside below
     if resumed:
         moved = checkpoints.set_aside_newer(trainer.step)
         if moved:

@@ -47,6 +47,13 @@ class StartDecision:
     problem: str | None = None  # refuse to start (identical message on every rank)
     earlier: list[str] = field(default_factory=list)  # the earlier run's files a fresh start sets aside
 
+    def start_over(self, world, run_dir: str, checkpoint_dir: str) -> None:
+        """Collective over ``world``: ``--resume auto`` found nothing it could resume (an announced start-over):
+        a fresh start, so the earlier run's files (as rank 0 lists them) are set aside like ``--resume
+        none``'s by ``set_aside_agreed``, never appended to."""
+        self.earlier = world.broadcast_object(_earlier_outputs(run_dir, checkpoint_dir) if world.rank == 0 else None,
+                                              root=0)
+
 
 def default_resume(environ=None) -> str | None:
     """``auto`` inside a batch job (a requeued job must continue), else None (decided by the table above)."""

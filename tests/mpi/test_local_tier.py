@@ -181,6 +181,33 @@ def test_local_pieces_that_cannot_be_used_with_no_global_checkpoint_never_start_
     assert (run / "metrics.jsonl").read_text() == before
 
 
+def test_unreadable_pieces_and_nothing_else_are_named_and_the_run_starts_over_announced(killed, tmp_path):
+    """The local tier holds the only state of the run (checkpoint.interval=0) and every index file of it is damaged
+    after a kill -9: each is named in one line (host, file, why), never treated as absent; the run starts over
+    from step 0 saying so, the pieces moved aside (kept), the killed run's files set aside, and it trains like an
+    uninterrupted run (issue #55)."""
+    run, local = tmp_path / "run", tmp_path / "local"
+    tier = [f"checkpoint.local_dir={local}/{{hostname}}", "checkpoint.local_interval=2", "checkpoint.replicas=0",
+            "checkpoint.interval=0"]
+    out = train(run, *tier, resume="none", env={"HPCTRAIN_FAULT": "rank=1,step=5,phase=forward,action=kill"},
+                check=False)
+    assert out.returncode != 0
+    indexes = sorted(local.rglob("step-*/*.json"))
+    pieces = sorted(p.name for p in local.rglob("step-*/*.bin"))
+    assert len(indexes) >= 2 and pieces, indexes  # step 4 on both nodes (step 2 where its removal was cut short)
+    for path in indexes:
+        path.write_text('{"step": 4, "damaged')
+    out = train(run, *tier)
+    assert out.returncode == 0, out.output
+    named = [line for line in out.stderr.splitlines() if "cannot be read" in line]
+    assert len(named) == len(indexes) and {line.split("local tier: ")[1].split(":")[0] for line in named} == set(HOSTS), named
+    assert "starting over from step 0" in out.stderr and "resumed" not in out.stdout, out.output
+    kept = sorted(p.name for p in local.rglob("unusable-*/step-*/*.bin"))
+    assert kept == pieces, (kept, pieces)
+    assert list(run.glob("superseded/*/metrics.jsonl"))  # the killed run's metrics, set aside, not appended to
+    assert losses(run) == killed["ref"], (losses(run), killed["ref"])
+
+
 def test_one_bit_adam_resumes_from_the_local_tier_bitwise(tmp_path):
     """1-bit Adam commits its averaged momentum into the optimizer state before the update: the background copy
     of a local save must be done before that (TrainState.before_next_update), or the piece mixes two steps."""

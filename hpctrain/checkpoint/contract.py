@@ -99,6 +99,30 @@ class TrainTensors:
 
 
 @dataclass(frozen=True)
+class Resumed:
+    """What a resume loaded (``CheckpointManager.resume``): ``tier`` "global" (a checkpoint directory, any
+    layout) or "local" (the node-local tier's pieces), ``path`` its step directory, ``step``, and ``rebuilt``:
+    the ranks whose local piece came from a partner's replica. ``str()`` is how the start-up line names it."""
+
+    tier: str
+    path: str
+    step: int
+    rebuilt: tuple[int, ...] = ()
+
+    @property
+    def is_global(self) -> bool:
+        """A global checkpoint of this step exists (a local piece alone is none: the step must still be saved)."""
+        return self.tier == "global"
+
+    def __str__(self) -> str:
+        if self.tier == "global":
+            return self.path
+        shown = ", ".join(map(str, self.rebuilt[:8])) + (f" and {len(self.rebuilt) - 8} more"
+                                                          if len(self.rebuilt) > 8 else "")
+        return f"the local tier ({self.path}" + (f"; rank(s) {shown} rebuilt from replicas" if self.rebuilt else "") + ")"
+
+
+@dataclass(frozen=True)
 class RootState:
     """The run's scalars a checkpoint saves as root attributes."""
 

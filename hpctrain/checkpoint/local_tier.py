@@ -31,7 +31,7 @@ import time
 import torch
 
 from hpctrain.checkpoint.background import BackgroundJob
-from hpctrain.checkpoint.contract import TrainState
+from hpctrain.checkpoint.contract import Resumed, TrainState
 from hpctrain.checkpoint.items import CheckpointError
 from hpctrain.checkpoint.local_piece import (Piece, SnapshotBuffer, apply_piece, checksum, piece_from, problems_of,
                                              read_index, read_piece, write_piece)
@@ -42,7 +42,6 @@ from hpctrain.errors import NodeFailure, everywhere
 from hpctrain.runtime.launcher import missing_thread_multiple
 
 STEP_PREFIX = "step-"
-LOCAL_TIER = "the local tier"  # how a resume from it is described (CheckpointManager.resume tells it apart)
 CHUNK = 256 << 20  # bytes per point-to-point message (MPI counts are ints)
 
 
@@ -331,10 +330,10 @@ class LocalTier:
         return {"own": own, "replicas": replicas, "other_layout": other, "damaged": damaged,
                 "hostname": socket.gethostname()}
 
-    def resume(self, state: TrainState, newest_global: int | None) -> str | None:
+    def resume(self, state: TrainState, newest_global: int | None) -> Resumed | None:
         """Collective on the tier's communicator: load the newest local step >= ``newest_global`` (None: no
         global checkpoint) of which every rank can get its piece (its own or a replica), falling back piece by
-        piece to the replicas; returns a description of what was loaded, or None (the global tier is next).
+        piece to the replicas; returns what was loaded (``Resumed``, tier "local"), or None (the global tier is next).
         Every rank returns the same. Steps some rank lacks (a save cut short by the failure) are skipped."""
         if not self.enabled:
             return None
@@ -385,9 +384,8 @@ class LocalTier:
                 apply_piece(piece, state)
                 # steps after this one are another lineage now (a crashed attempt's): never mixed with new pieces
                 self._remove_steps([later for later in _steps_in(self.root) if later > step])
-                rebuilt = [r for r, (holder, _) in plan.items() if holder != r]
-                return (f"{LOCAL_TIER} ({step_dir(self.root, step)}" +
-                        (f"; rank(s) {_ranks(rebuilt)} rebuilt from replicas" if rebuilt else "") + ")")
+                rebuilt = tuple(r for r, (holder, _) in plan.items() if holder != r)
+                return Resumed("local", step_dir(self.root, step), step, rebuilt)
             for r, problem in bad.items():
                 holder, path = plan[r]
                 sources[r] = sources[r][1:]

@@ -27,7 +27,7 @@ import time
 
 from hpctrain.checkpoint import resume as resuming
 from hpctrain.checkpoint.background import BackgroundJob
-from hpctrain.checkpoint.contract import TrainState
+from hpctrain.checkpoint.contract import Resumed, TrainState
 from hpctrain.checkpoint.directory import (REPLACED_SUFFIX, RETIRED_PREFIX, enospc_detail, free_bytes, fsync_path,
                                            human_size, list_checkpoints, read_latest, recover_replaced, retire,
                                            space_shortfall)
@@ -294,12 +294,12 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
     # ------------------------------------------------------------------ resuming (checkpoint/resume.py)
-    def resume(self, state: TrainState, what: str = "auto") -> str | None:
-        """Load ``what`` ("auto": the newest usable checkpoint of this run's dir; "none"; or a path) into
-        the run (``trainer.state``; collective): every rank loads the same one, falling back together
-        (``resume.resume``). Returns the path loaded, or None (fresh start: nothing to resume)."""
+    def resume(self, state: TrainState, what: str = "auto") -> Resumed | None:
+        """Load ``what`` ("auto": the newest usable checkpoint of this run's dir or its node-local tier; "none";
+        or a path) into the run (``trainer.state``; collective): every rank loads the same one, falling back
+        together (``resume.resume``). Returns what was loaded (tier, path, step), or None (a fresh start)."""
         loaded = resuming.resume(self, state, what)
-        if not (loaded or "").startswith(resuming.LOCAL_TIER):
+        if loaded is None or loaded.tier != "local":
             self.local.clear()  # another lineage from here on: its local pieces must never be taken
         return loaded
 

@@ -18,23 +18,22 @@ import sys
 import time
 
 from hpctrain.checkpoint.compression_state import ANOTHER_METHOD, OTHER_FREEZE
-from hpctrain.checkpoint.contract import TrainState
+from hpctrain.checkpoint.contract import Resumed, TrainState
 from hpctrain.checkpoint.directory import fsync_path, list_checkpoints, read_latest, recover_replaced, resolve_latest
 from hpctrain.checkpoint.format import COMPLETE_MARKER, LATEST_POINTER
-from hpctrain.checkpoint.local_tier import LOCAL_TIER
 from hpctrain.checkpoint.reader import CheckpointReader
 from hpctrain.checkpoint.transfer import ANOTHER_MODEL, BASE_UNUSABLE, CheckpointError, apply_state, read_state
 from hpctrain.errors import HpcTrainError, everywhere
 
 
-def resume(manager, state: TrainState, what: str = "auto") -> str | None:
+def resume(manager, state: TrainState, what: str = "auto") -> Resumed | None:
     """Load ``what`` ("auto": newest usable in ``manager.dir``; "none"; or a path) into the run
     (``trainer.state``; collective on ``manager.comm``). "auto": rank 0 lists the directory once
     (putting back a step directory an interrupted save moved aside) and broadcasts the candidates,
     newest first; every rank tries them in that order and falls back together from a corrupt,
     unreadable or partial one, warning on rank 0. If complete checkpoints exist and none loads,
-    raises (never a silent fresh start). Returns the path loaded, or None (fresh start: nothing to
-    resume)."""
+    raises (never a silent fresh start). Returns what was loaded (``Resumed``: tier, path, step), or None
+    (fresh start: nothing to resume)."""
     if what == "none":
         return None
     if what != "auto":  # rank 0 resolves a run or checkpoints directory to its step: one answer for all
@@ -42,7 +41,7 @@ def resume(manager, state: TrainState, what: str = "auto") -> str | None:
         problem = try_load(manager, what, state)
         if problem:
             raise everywhere(CheckpointError(f"cannot resume from {what}: {problem}"))
-        return what
+        return Resumed("global", what, state.root_state().step)
     choice = None
     if manager.rank == 0:  # one view of the directory, chosen once (ranks may see it at different moments)
         recover_replaced(manager.dir)
@@ -85,7 +84,7 @@ def resume(manager, state: TrainState, what: str = "auto") -> str | None:
         if not problem:
             if path != candidates[0] and manager.rank == 0:
                 print(f"hpctrain: resumed from the older checkpoint {path}", file=sys.stderr, flush=True)
-            return path
+            return Resumed("global", path, state.root_state().step)
         failures.append(f"{os.path.basename(path)}: {problem}")
         if manager.rank == 0:
             print(f"hpctrain: WARNING: checkpoint {path} is unusable ({problem}); "

@@ -6,7 +6,7 @@ import sys
 import time
 import traceback
 
-from hpctrain.errors import HpcTrainError
+from hpctrain.errors import HpcTrainError, NodeFailure
 from hpctrain.runtime import env
 
 from hpctrain.runtime.exit_codes import INTERNAL_ERROR as INTERNAL_ERROR_EXIT
@@ -60,7 +60,7 @@ def run_and_exit(main, argv=None) -> int:
         code, text = INTERNAL_ERROR_EXIT, "internal error:\n" + traceback.format_exc()
     rank, size, mpi_world = _world()
     prefix = f"rank {rank}: " if size > 1 else ""
-    if rank == 0 and getattr(exc_value, "hosts", None):  # a NodeFailure: the nodes a relaunch should leave out
+    if rank == 0 and isinstance(exc_value, NodeFailure) and exc_value.hosts:  # the nodes a relaunch leaves out
         _write_failed_nodes(exc_value.hosts)
     # an error every rank should raise alike is printed once, by rank 0, but only once the ranks agree that
     # they all raised it: an input that differs between nodes (a file missing on one) fails a rank alone

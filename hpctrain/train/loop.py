@@ -24,7 +24,8 @@ from typing import Any
 
 from hpctrain.checkpoint.directory import list_checkpoints
 from hpctrain.checkpoint.items import CheckpointError
-from hpctrain.checkpoint.local_tier import LOCAL_TIER, newest_held
+from hpctrain.checkpoint.contract import Resumed
+from hpctrain.checkpoint.local_tier import newest_held
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.references import protect
 from hpctrain.comm.grid import ProcessGrid
@@ -69,7 +70,7 @@ class Run:
     trace: TraceRecorder | None
     kernels: Any  # the CUDA profiler of train.trace, or None
     verbose: bool
-    resumed: str | None  # the checkpoint resumed from
+    resumed: Resumed | None  # what the run resumed from (tier, path, step), or None
     resumed_step: int | None  # its step: stopping before a step must not save it again
     last_step: int
 
@@ -156,7 +157,7 @@ def _start(cfg, grid, device, decision, max_steps: int, flag, lock, verbose: boo
                      log_interval=cfg.train.log_interval)
     trace = _start_trace(cfg, grid, trainer)
     kernels = cuda_profiler(cfg.train, grid.info.rank, device)  # train.trace on CUDA: kernels and syncs
-    saved = resumed and not resumed.startswith(LOCAL_TIER)  # a local piece alone is no global checkpoint of it
+    saved = resumed is not None and resumed.is_global  # a local piece alone is no global checkpoint of its step
     return Run(cfg, grid, device, trainer, checkpoints, monitor, log, policy, flag, lock, trace, kernels, verbose,
                resumed, trainer.step if saved else None, last_step)
 

@@ -66,11 +66,11 @@ def _ranks(args) -> int:
     from hpctrain.errors import HpcTrainError
 
     if args.nodes < 0 or args.gpus_per_node < 0 or args.ranks < 0:
-        raise HpcTrainError("hpctrain check: --ranks, --nodes and --gpus-per-node must be >= 0")
+        raise HpcTrainError("check: --ranks, --nodes and --gpus-per-node must be >= 0")
     if args.nodes and not args.gpus_per_node:
-        raise HpcTrainError("hpctrain check: --nodes needs --gpus-per-node (ranks per node)")
+        raise HpcTrainError("check: --nodes needs --gpus-per-node (ranks per node)")
     from_nodes = args.nodes * args.gpus_per_node
     if args.ranks and from_nodes and args.ranks != from_nodes:
-        raise HpcTrainError(f"hpctrain check: --ranks {args.ranks} disagrees with --nodes {args.nodes} x "
+        raise HpcTrainError(f"check: --ranks {args.ranks} disagrees with --nodes {args.nodes} x "
                             f"--gpus-per-node {args.gpus_per_node} = {from_nodes}")
     return args.ranks or from_nodes

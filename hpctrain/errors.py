@@ -1,5 +1,5 @@
 """User-facing errors: one message that says what is wrong and what to do, and a non-zero exit."""
-from hpctrain.runtime.exit_codes import NODE_FAILURE
+from hpctrain.exit_codes import NODE_FAILURE
 
 
 class HpcTrainError(RuntimeError):

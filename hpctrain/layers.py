@@ -19,7 +19,7 @@ from __future__ import annotations
 ROOT = "hpctrain"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("hpctrain", "hpctrain.errors", "hpctrain.layers")),
+    ("base", ("hpctrain", "hpctrain.errors", "hpctrain.exit_codes", "hpctrain.layers")),
     ("runtime", ("hpctrain.runtime",)),
     ("data", ("hpctrain.data",)),
     ("profiling", ("hpctrain.profiling",)),

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hpctrain.runtime.errors_exit import abort_grace_s
-from hpctrain.runtime.exit_codes import HANG
+from hpctrain.exit_codes import HANG
 
 IDLE = math.inf  # a Slot's call record between calls: "started" never, so never stalled, whoever reads it
 COMPILE_PATIENCE_S = 3600.0  # a stall whose causes are all inside torch.compile is reported after this much more

@@ -145,7 +145,8 @@ def read_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
     given_moe += [o.partition("=")[0].strip().lstrip("-").partition(".")[2] for o in overrides or ()
                   if o.strip().lstrip("-").startswith("moe.")]
     dense_but_set = [k for k in given_moe if k != "num_experts"]
-    if dense_but_set and not cfg.moe.num_experts:  # a key at its default counts too: it asked for experts
+    if dense_but_set and "num_experts" not in given_moe and not cfg.moe.num_experts:  # at its default too
+        # (a [moe] key without moe.num_experts asked for experts; a whole dump that says num_experts = 0 is dense)
         raise ConfigError(f"config: moe.{dense_but_set[0]}: is set but moe.num_experts is 0 (a dense model): set "
                           f"moe.num_experts (> 0) to use experts, or leave the [moe] keys out")
     if cfg.data.tokenizer != "bytes" and cfg.data.tokenizer and not os.path.isabs(cfg.data.tokenizer):

@@ -9,8 +9,8 @@ import traceback
 from hpctrain.errors import HpcTrainError, NodeFailure
 from hpctrain.runtime import env
 
-from hpctrain.runtime.exit_codes import INTERNAL_ERROR as INTERNAL_ERROR_EXIT
-from hpctrain.runtime.exit_codes import USER_ERROR as USER_ERROR_EXIT
+from hpctrain.exit_codes import INTERNAL_ERROR as INTERNAL_ERROR_EXIT
+from hpctrain.exit_codes import USER_ERROR as USER_ERROR_EXIT
 
 
 def _world():

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from hpctrain.train.verdict import NONFINITE_LOSS, NONFINITE_NORM, TOO_MANY_SKIPS, Reading
-from hpctrain.runtime.exit_codes import DIVERGED as DIVERGED_EXIT
+from hpctrain.exit_codes import DIVERGED as DIVERGED_EXIT
 
 REASONS = {NONFINITE_LOSS: "non-finite loss", NONFINITE_NORM: "non-finite gradient norm",
            TOO_MANY_SKIPS: "too many skipped steps"}

@@ -39,7 +39,7 @@ from hpctrain.runtime import env
 from hpctrain.runtime.device import select_device
 from hpctrain.runtime.errors_exit import leave_with
 from hpctrain.runtime.faults import FaultInjector
-from hpctrain.runtime.exit_codes import STOPPED as STOPPED_EXIT
+from hpctrain.exit_codes import STOPPED as STOPPED_EXIT
 from hpctrain.runtime.launcher import discover
 from hpctrain.runtime.signals import (SignalFlag, requeue_slurm_job, scheduler_deadline,
                                       slurm_job_to_requeue)

@@ -104,7 +104,6 @@ def test_the_auxiliary_losses_gradient_is_that_of_the_objective_they_define():
 @pytest.mark.parametrize("overrides,key", [
     (["moe.top_k=3"], "moe.top_k: is set but moe.num_experts is 0"),
     (["moe.top_k=2"], "moe.top_k: is set but moe.num_experts is 0"),  # at its default value too (issue #55)
-    (["moe.num_experts=0", "moe.capacity_factor=1.25"], "moe.capacity_factor: is set but moe.num_experts is 0"),
     (["parallel.ep=2"], "parallel.ep: 2 splits experts"),
     (["moe.num_experts=4", "moe.top_k=5"], "moe.top_k: 5 exceeds moe.num_experts=4"),
     (["moe.num_experts=4", "moe.layers=[9]"], "moe.layers: [9] are not blocks"),

@@ -11,9 +11,7 @@ directory would prune each other's checkpoints and flip ``latest``). A lock foun
   ``STALE_S``; or it belongs to an earlier attempt of THIS Slurm job (same ``SLURM_JOB_ID``, lower
   ``SLURM_RESTART_COUNT``: Slurm ends an attempt before requeueing it, on whatever node it ran), or, on
   another host, to an earlier job step of this attempt (same job and restart count, lower ``SLURM_STEP_ID``:
-  ``slurm/train.sbatch --restarts`` starts its next ``srun`` only once the failed one has ended) that Slurm no
-  longer lists as running (``squeue --steps``, polled up to ``STEP_END_WAIT_S`` while it ends; two steps of one
-  job run at once only when a user starts them so, and then the earlier one's lock stays live).
+  ``slurm/train.sbatch --restarts`` starts its next ``srun`` only once the failed one has ended).
 
 Every step is atomic on POSIX file systems, NFS and Lustre alike, using only operations those
 guarantee to be atomic on the server: a lock is created complete (written to a private file, then
@@ -47,22 +45,6 @@ TAKEOVER_SUFFIX = ".takeover"
 HEARTBEAT_S = 30.0
 STALE_S = 300.0
 TAKEOVER_STALE_S = 60.0  # a takeover file this old was left by a contender that died mid-takeover
-STEP_END_WAIT_S = 30.0  # how long an earlier job step may still be listed by Slurm (completing) before it is live
-
-
-def slurm_step_running(job: str, step: int) -> bool | None:
-    """Whether Slurm lists job step ``job.step`` as running (``squeue -h --steps -j JOB -o %i``); None when
-    squeue cannot say (no Slurm client, an error): the caller decides by the heartbeat then."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["squeue", "-h", "--steps", "-j", str(job), "-o", "%i"], capture_output=True,
-                             text=True, timeout=10, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return f"{job}.{step}" in out.stdout.split()
 
 
 def _step_id(environ) -> int | None:
@@ -114,9 +96,8 @@ def _read(path: str) -> tuple[dict | None, float]:
 class DirectoryLock:
     """This job's lock on one directory (``acquire`` / ``heartbeat`` / ``release``)."""
 
-    def __init__(self, directory: str, key: str, environ=None, step_running=slurm_step_running):
+    def __init__(self, directory: str, key: str, environ=None):
         self.directory, self.key = directory, key
-        self.step_running = step_running  # (job, step) -> bool | None: is that Slurm job step still running?
         self.path = os.path.join(directory, LOCK_NAME)
         self.held = False
         self.created: list[str] = []  # directories ``acquire`` made (absent before), deepest first
@@ -170,21 +151,9 @@ class DirectoryLock:
         if owner.get("host") == self.me["host"]:
             return None if process_alive(int(owner.get("pid", -1))) else "its process is gone"
         if owner.get("job") and owner.get("job") == self.me["job"] and int(owner.get("restart") or 0) == self.me["restart"] \
-                and owner.get("step") is not None and self.me["step"] is not None and owner["step"] < self.me["step"] \
-                and self._step_ended(owner["job"], int(owner["step"])):
+                and owner.get("step") is not None and self.me["step"] is not None and owner["step"] < self.me["step"]:
             return f"an earlier job step of this Slurm job (step {owner['step']}: relaunched inside the allocation)"
         return f"no heartbeat for {age:.0f} s" if age >= STALE_S else None
-
-    def _step_ended(self, job: str, step: int) -> bool:
-        """Slurm no longer lists the step (waiting up to ``STEP_END_WAIT_S`` while it completes); unknown: no."""
-        deadline = time.monotonic() + STEP_END_WAIT_S
-        while True:
-            running = self.step_running(job, step)
-            if running is None or running and time.monotonic() >= deadline:
-                return False
-            if not running:
-                return True
-            time.sleep(1.0)
 
     def _take_over(self, mine: str, judged: dict) -> bool:
         """Replace the lock ``judged`` stale with ``mine``, atomically against other contenders."""
@@ -248,13 +217,13 @@ class RunLock:
     one), kept fresh by a heartbeat thread from ``acquire`` to ``release``."""
 
     def __init__(self, run_dir: str, enabled: bool, checkpoint_dir: str | None = None, environ=None,
-                 heartbeat_s: float = HEARTBEAT_S, step_running=slurm_step_running):
+                 heartbeat_s: float = HEARTBEAT_S):
         self.enabled, self.heartbeat_s = enabled, heartbeat_s
-        self.locks = [DirectoryLock(run_dir, "train.run_dir", environ, step_running)]
+        self.locks = [DirectoryLock(run_dir, "train.run_dir", environ)]
         inside = checkpoint_dir is None or os.path.abspath(os.path.dirname(checkpoint_dir.rstrip(os.sep))) == \
             os.path.abspath(run_dir)
         if checkpoint_dir is not None and not inside:
-            self.locks.append(DirectoryLock(checkpoint_dir, "checkpoint.dir", environ, step_running))
+            self.locks.append(DirectoryLock(checkpoint_dir, "checkpoint.dir", environ))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

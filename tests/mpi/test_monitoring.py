@@ -42,6 +42,17 @@ def start_train(nprocs, run_dir, *args) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL, start_new_session=True)
 
 
+def term_the_job_not_its_timeout(run: subprocess.Popen) -> None:
+    """SIGTERM to mpiexec and every rank, as Slurm sends it to a step. The `timeout` wrapper (run.pid) is
+    spared: on TERM it would SIGKILL the whole group 5 s later, killing a run still saving."""
+    members = subprocess.run(["pgrep", "-g", str(run.pid)], capture_output=True, text=True).stdout.split()
+    for pid in (int(p) for p in members if int(p) != run.pid):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
 def textfile_samples(path) -> dict:
     """{(name, frozenset(labels)): value} of a Prometheus text file."""
     samples = {}

@@ -27,6 +27,11 @@ class BackgroundJob:
             self._error = exc
 
     @property
+    def failed(self) -> bool:
+        """The job ended with an error that ``wait`` has not raised yet."""
+        return self._thread is not None and not self._thread.is_alive() and self._error is not None
+
+    @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

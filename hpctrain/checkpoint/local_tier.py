@@ -16,6 +16,11 @@ newest global checkpoint for which every rank's piece exists, its own or a repli
 piece, or receives it from the partner that keeps it (point-to-point); checksums and layout are checked;
 the problems are agreed. A bad piece is named in one line and its next source is tried; a rank with no
 source left sends the whole run to the global tier. The plan only shrinks, so this never loops.
+
+A background save that raises on some ranks (the copy from the device, the checksum: a CUDA error) is agreed
+before any piece is sent: every rank's thread ends with the same ``NodeFailure`` naming the ranks and hosts,
+``failed`` turns true, and the training loop stops every rank at the same step (the ``"local checkpoint
+failed"`` stop request) and raises it there: exit 5 within a step or two, never a partner left waiting.
 """
 from __future__ import annotations
 
@@ -108,8 +113,9 @@ class LocalTier:
     """One run's node-local tier on this rank. Collective to build (it duplicates the world communicator);
     ``enabled`` False (no ``checkpoint.local_dir``) makes every method a no-op."""
 
-    def __init__(self, ckpt_cfg, grid, run_dir: str):
+    def __init__(self, ckpt_cfg, grid, run_dir: str, faults=None):
         self.enabled = bool(ckpt_cfg.local_dir)
+        self.faults = faults  # test-only FaultInjector: phase "copy" of the background save
         self.interval = ckpt_cfg.local_interval
         self.rank = grid.info.rank
         self.last_block_s: float | None = None  # the step's stall of the last local save
@@ -196,12 +202,26 @@ class LocalTier:
         and the exchange still runs (the partners wait for it); errors of the copy or the exchange are
         raised by ``wait``."""
         started = time.perf_counter()
-        try:
-            copy_rest()  # parameters and optimizer state: they change only at the next update
-        finally:
-            copied.set()
         step = piece.meta["step"]
-        checksum(piece)
+        error = None
+        try:
+            try:
+                if self.faults:
+                    self.faults.hit("copy", step)
+                copy_rest()  # parameters and optimizer state: they change only at the next update
+            finally:
+                copied.set()
+            checksum(piece)
+        except Exception as exc:  # noqa: BLE001 - agreed below, before any rank waits for this one's piece
+            error = (f"rank {self.rank} on {socket.gethostname()}: {type(exc).__name__}: {exc}", socket.gethostname())
+        failures = [e for e in self.comm.allgather_object(error) if e]
+        if failures:  # every rank raises the same, so no partner waits in the exchange
+            raise everywhere(NodeFailure(
+                f"the node-local checkpoint of step {step} failed in the background: "
+                + "; ".join(text for text, _ in failures[:3])
+                + (f" (and {len(failures) - 3} more rank(s))" if len(failures) > 3 else "")
+                + "; the node is the problem: exit 5, a relaunch without it can go on",
+                hosts=[host for _, host in failures]))
         failed = self._write(piece, step, own_name(self.rank))
         for source, received in self._exchange(piece):
             failed = self._write(received, step, replica_name(source)) or failed
@@ -257,10 +277,17 @@ class LocalTier:
         for step in list(steps):
             shutil.rmtree(step_dir(self.root, step), ignore_errors=True)
 
+    @property
+    def failed(self) -> bool:
+        """The last background save ended with an error (agreed: true on every rank within seconds)."""
+        return self.enabled and self._job.failed
+
     def wait(self) -> None:
         """Block until the previous local save is written and sent; re-raise its error."""
         try:
             self._job.wait()
+        except NodeFailure:
+            raise  # agreed in the background, the same text on every rank
         except Exception as error:
             raise everywhere(CheckpointError(f"local checkpoint in {self.root} failed: {error}")) from error
 

@@ -93,7 +93,7 @@ class CheckpointManager:
         # verify, apply, agree), in seconds: one save or resume runs at a time, on one thread
         self.timer = PhaseTimer()
         self.last_phases: dict[str, float] = {}
-        self.local = LocalTier(ckpt_cfg, grid, run_dir)  # checkpoint.local_dir (off when empty)
+        self.local = LocalTier(ckpt_cfg, grid, run_dir, faults=self.faults)  # checkpoint.local_dir (off when empty)
 
     # ------------------------------------------------------------------ saving
     def save(self, state: TrainState, sync: bool = False) -> None:

@@ -11,13 +11,15 @@ the PMI), all at start-up: step 0
   (counted from 1); ``write``, ``verify``, ``publish`` of the checkpoint of step N (``publish``: on
   rank 0 after the step directory is renamed into place, before ``latest`` is updated); ``shm``: N counts
   this rank's barriers in a shared-memory window instead (comm.intra_node, hpctrain/comm/shm.py): after
-  its N-th, inside the exchange, where its peers wait for it at the next one;
+  its N-th, inside the exchange, where its peers wait for it at the next one; ``copy``: the background copy
+  of this rank's node-local piece of step N (checkpoint.local_dir);
 - ``action``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself), ``sleep:S`` (stall S seconds in
   Python, the watchdog thread still alive), ``exit`` (``os._exit(9)``: dies without MPI_Finalize),
   ``nan`` (fills the tensor the hook passes, this rank's parameters at ``optimizer``, with NaN: a
   diverged state, for the divergence guard and the checkpoint writers' finite check), ``enospc``
   (at ``write``: this rank's checkpoint write fails with "No space left on device"), ``slow:S`` (sleep S
-  seconds at that phase of step N and of EVERY later step: a straggler rank).
+  seconds at that phase of step N and of EVERY later step: a straggler rank), ``raise`` (raises
+  RuntimeError there, as a CUDA error in a background copy would).
 
 With ``HPCTRAIN_FAULT_ONCE=PATH`` the fault fires only if PATH does not exist yet, and creates it first: the
 first launch fails, a resubmitted or requeued one runs clean (``tests/integration/test_slurm_sweep.py``).
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 from hpctrain.runtime import env
 
-PHASES = ("forward", "backward", "optimizer", "write", "verify", "publish", "corpus", "trace", "launch", "shm")
+PHASES = ("forward", "backward", "optimizer", "write", "verify", "publish", "corpus", "trace", "launch", "shm", "copy")
 ENV = "HPCTRAIN_FAULT"
 
 
@@ -59,8 +61,8 @@ class FaultInjector:
                         env.fault_once_marker(environ))
         except (KeyError, ValueError) as exc:
             raise ValueError(f"{ENV}={spec!r}: expected rank=R,step=N,phase=P,action=A ({exc})") from None
-        if fault.phase not in PHASES or fault.action.split(":")[0] not in ("kill", "stop", "sleep", "exit", "nan", "enospc", "slow"):
-            raise ValueError(f"{ENV}={spec!r}: phase must be one of {PHASES}; action kill, stop, sleep:S, exit, nan, enospc or slow:S")
+        if fault.phase not in PHASES or fault.action.split(":")[0] not in ("kill", "stop", "sleep", "exit", "nan", "enospc", "slow", "raise"):
+            raise ValueError(f"{ENV}={spec!r}: phase must be one of {PHASES}; action kill, stop, sleep:S, exit, nan, enospc, slow:S or raise")
         return fault if fault.rank == my_rank else cls()
 
     def __bool__(self) -> bool:
@@ -87,6 +89,8 @@ class FaultInjector:
             os._exit(9)
         elif action == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"(injected at {phase} of step {step})")
+        elif action == "raise":
+            raise RuntimeError(f"injected error at {phase} of step {step}")
         elif action == "nan":
             if tensor is None:
                 raise ValueError(f"{ENV}: action nan needs a hook that passes a tensor (phase optimizer)")

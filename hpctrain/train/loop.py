@@ -49,7 +49,7 @@ from hpctrain.train.memory_check import check_memory
 from hpctrain.train.metrics import MetricsLog, model_state_bytes, report_peak_memory, run_peak_memory
 from hpctrain.train.run_dir import RunDirHoldsARun, decide_start, set_aside_agreed
 from hpctrain.train.run_lock import RunDirInUse, RunLock, unusable_directory
-from hpctrain.train.stop import StopPolicy, decode, encode
+from hpctrain.train.stop import LOCAL_TIER_FAILED, StopPolicy, decode, encode
 from hpctrain.train.trainer import Trainer
 
 
@@ -189,6 +189,8 @@ def _steps(run: Run) -> None:
     while trainer.step < run.last_step:  # "max steps": the same count on every rank, nothing to agree
         with trainer.parts.timer.phase("sync"):
             request = policy.local_reason(trainer.step)  # agreed in the step's own reduction
+            if checkpoints.local.failed:  # a background local save raised (agreed there): stop every rank here
+                request = _stronger(request, LOCAL_TIER_FAILED)
         metrics = trainer.train_step(request, defer=True)  # its verdict is read one step later
         if run.kernels is not None:
             run.kernels.step()
@@ -228,6 +230,9 @@ def _save_and_stop(run: Run) -> Ending:
     checkpoint named), or finished / stopped early after the last save (unless this step is saved already:
     an async save of it may still be in flight, so wait first)."""
     cfg, trainer, checkpoints = run.cfg, run.trainer, run.checkpoints
+    if trainer.agreed_stop == LOCAL_TIER_FAILED:  # raise its agreed NodeFailure on every rank
+        checkpoints.wait()  # a global save in flight is a good checkpoint: it ends first (its thread calls MPI)
+        checkpoints.local.wait()
     if trainer.diverged:
         try:  # background saves of earlier steps end before MPI does (their threads call MPI)
             checkpoints.close()

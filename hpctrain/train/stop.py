@@ -21,7 +21,8 @@ from __future__ import annotations
 import signal
 import time
 
-REASONS = ("", "max steps", "time limit")  # codes 0..2; a signal is 100 + its number (highest wins)
+REASONS = ("", "max steps", "time limit", "local checkpoint failed")  # codes 0..3; a signal: 100 + its number
+LOCAL_TIER_FAILED = REASONS[3]  # a background save of the node-local tier raised (agreed there): an error ending
 
 
 class StopPolicy:
@@ -82,7 +83,7 @@ def decode(code: int) -> str:
     return f"signal {signal.Signals(code - 100).name.removeprefix('SIG')}" if code >= 100 else REASONS[code]
 
 
-STOP_SLOTS = len(REASONS) + 65  # one-hot slots: codes 0..2, then signals 0..64 (code 100 + n -> slot 3 + n)
+STOP_SLOTS = len(REASONS) + 65  # one-hot slots: codes 0..3, then signals 0..64 (code 100 + n -> slot 4 + n)
 
 
 def stop_slot(reason: str) -> int | None:

@@ -221,3 +221,19 @@ def test_one_bit_adam_resumes_from_the_local_tier_bitwise(tmp_path):
     at = int(re.search(r"resumed from the local tier \(\S+\) at step (\d+)", out.stdout).group(1))
     ref, got = losses(tmp_path / "ref"), losses(tmp_path / "run")
     assert at >= 4 and max(got) == 12 and all(got[s] == ref[s] for s in range(at + 1, 13)), (at, got, ref)
+
+
+def test_a_background_copy_that_raises_on_one_rank_stops_every_rank_within_a_step_naming_it(tmp_path):
+    """Rank 1's background copy of its step-4 piece raises (as a CUDA error would): every rank stops at the
+    same step within a step or two, with one agreed error naming rank 1 and its host, exit 5 (a node failure:
+    `--restarts` relaunches without h2, named in $HPCTRAIN_NODE_FAILURE_FILE); no partner waits for its piece."""
+    run, failed_nodes = tmp_path / "run", tmp_path / "failed-nodes"
+    out = train(run, f"checkpoint.local_dir={tmp_path}/local/{{hostname}}", "checkpoint.local_interval=4",
+                "checkpoint.replicas=1", resume="none", check=False,
+                env={"HPCTRAIN_FAULT": "rank=1,step=4,phase=copy,action=raise",
+                     "HPCTRAIN_NODE_FAILURE_FILE": str(failed_nodes)})
+    assert out.returncode == 5, out.output[-3000:]
+    assert "local checkpoint of step 4 failed in the background: rank 1 on h2: RuntimeError: injected error" \
+        in out.output, out.output[-3000:]
+    assert max(losses(run)) <= 6, losses(run)  # agreed in the step after the copy, read one step late
+    assert failed_nodes.read_text().split() == ["h2"]

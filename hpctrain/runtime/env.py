@@ -85,6 +85,13 @@ def node_failure_file(environ: Mapping[str, str] | None = None) -> str | None:
     return _get("HPCTRAIN_NODE_FAILURE_FILE", environ)
 
 
+def earlier_steps_ended(environ: Mapping[str, str] | None = None) -> bool:
+    """``$HPCTRAIN_EARLIER_STEPS_ENDED=1``: every earlier job step of this Slurm job (and attempt) has returned
+    (``slurm/train.sbatch --restarts`` runs its steps one after the other), so a run lock one of them left on
+    another host is taken over at once."""
+    return _get("HPCTRAIN_EARLIER_STEPS_ENDED", environ) == "1"
+
+
 def error_grace_s(environ: Mapping[str, str] | None = None) -> float:
     """``$HPCTRAIN_ERROR_GRACE_S`` (default 1 s): how long a failing rank waits for its peers to print
     their errors (or a hang report to be forwarded) before the job is aborted."""

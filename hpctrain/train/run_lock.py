@@ -10,8 +10,11 @@ directory would prune each other's checkpoints and flip ``latest``). A lock foun
 - **stale** (taken over, with a warning): its pid is gone on this host; its heartbeat is older than
   ``STALE_S``; or it belongs to an earlier attempt of THIS Slurm job (same ``SLURM_JOB_ID``, lower
   ``SLURM_RESTART_COUNT``: Slurm ends an attempt before requeueing it, on whatever node it ran), or, on
-  another host, to an earlier job step of this attempt (same job and restart count, lower ``SLURM_STEP_ID``:
-  ``slurm/train.sbatch --restarts`` starts its next ``srun`` only once the failed one has ended).
+  another host, to an earlier job step of this attempt (same job and restart count, lower ``SLURM_STEP_ID``)
+  when the batch script says that every earlier step has returned (``HPCTRAIN_EARLIER_STEPS_ENDED=1``:
+  ``slurm/train.sbatch --restarts`` starts its next ``srun`` only once the failed one has ended). Without
+  that word an earlier step's lock on another host is live while its heartbeat is: two ``srun`` of one
+  script running at once never share a run directory.
 
 Every step is atomic on POSIX file systems, NFS and Lustre alike, using only operations those
 guarantee to be atomic on the server: a lock is created complete (written to a private file, then
@@ -104,6 +107,7 @@ class DirectoryLock:
         self.me: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.slurm_job_id(environ),
                    "restart": env.slurm_restart_count(environ), "step": _step_id(environ), "started": time.time(),
                    "token": uuid.uuid4().hex}
+        self.earlier_steps_ended = env.earlier_steps_ended(environ)
 
     def acquire(self) -> str | None:
         """Take the lock; returns a warning when a stale lock was taken over. Raises RunDirInUse."""
@@ -128,11 +132,12 @@ class DirectoryLock:
                     continue  # released meanwhile: try again
                 reason = self._stale_because(owner, age)
                 if reason is None:
-                    raise RunDirInUse(f"{self.key}={self.directory} is in use by {_describe(owner)} (lock {self.path}, "
-                                      f"refreshed {age:.0f} s ago): wait for it, stop it, or use another "
-                                      f"{self.key}. A lock whose job died is taken over automatically (at once on "
-                                      f"the same host or by a requeue of the same Slurm job, after {STALE_S:.0f} s "
-                                      f"elsewhere)")
+                    raise RunDirInUse(f"{self.key}={self.directory} is in use by {_describe(owner)}{self._step_of(owner)} "
+                                      f"(lock {self.path}, refreshed {age:.0f} s ago): wait for it, stop it, or use "
+                                      f"another {self.key}. A lock whose job died is taken over automatically (at once "
+                                      f"on the same host, by a requeue of the same Slurm job, or by a step relaunched "
+                                      f"with HPCTRAIN_EARLIER_STEPS_ENDED=1 as slurm/train.sbatch does; after "
+                                      f"{STALE_S:.0f} s elsewhere)")
                 if self._take_over(mine, owner):
                     self.held = True
                     return f"took over the stale lock of {_describe(owner)} ({self.path}: {reason})"
@@ -150,10 +155,19 @@ class DirectoryLock:
             return f"an earlier attempt of this Slurm job (restart {owner.get('restart') or 0})"
         if owner.get("host") == self.me["host"]:
             return None if process_alive(int(owner.get("pid", -1))) else "its process is gone"
-        if owner.get("job") and owner.get("job") == self.me["job"] and int(owner.get("restart") or 0) == self.me["restart"] \
-                and owner.get("step") is not None and self.me["step"] is not None and owner["step"] < self.me["step"]:
-            return f"an earlier job step of this Slurm job (step {owner['step']}: relaunched inside the allocation)"
+        if self.earlier_steps_ended and self._earlier_step(owner):
+            return f"an earlier job step of this Slurm job (step {owner['step']}, ended: relaunched inside the allocation)"
         return f"no heartbeat for {age:.0f} s" if age >= STALE_S else None
+
+    def _earlier_step(self, owner: dict) -> bool:
+        """``owner`` is an earlier job step of this Slurm job's attempt (same job and restart, lower step id)."""
+        return bool(owner.get("job")) and owner.get("job") == self.me["job"] \
+            and int(owner.get("restart") or 0) == self.me["restart"] \
+            and owner.get("step") is not None and self.me["step"] is not None and owner["step"] < self.me["step"]
+
+    def _step_of(self, owner: dict) -> str:
+        """", an earlier step of this job (step N) still running" where that is what holds the lock."""
+        return f", an earlier step of this job (step {owner['step']}) still running" if self._earlier_step(owner) else ""
 
     def _take_over(self, mine: str, judged: dict) -> bool:
         """Replace the lock ``judged`` stale with ``mine``, atomically against other contenders."""

@@ -57,13 +57,16 @@ def test_a_requeued_slurm_job_takes_over_its_own_lock_from_another_node_at_once(
     requeued.release()
 
 
-def test_a_step_relaunched_in_the_same_allocation_takes_over_its_dead_steps_lock_from_another_node(tmp_path):
+def test_a_step_relaunched_in_the_same_allocation_takes_over_its_ended_steps_lock_from_another_node(tmp_path):
     foreign_lock(tmp_path, age=1, job="55", restart=0, step=0)  # fresh heartbeat: the node died with step 0
     job = {"SLURM_JOB_ID": "55", "SLURM_RESTART_COUNT": "0"}
     with pytest.raises(RunDirInUse):  # the same step is no relaunch
         RunLock(str(tmp_path), enabled=True, environ={**job, "SLURM_STEP_ID": "0"}).acquire()
-    relaunched = RunLock(str(tmp_path), enabled=True, environ={**job, "SLURM_STEP_ID": "1"})
-    assert "earlier job step of this Slurm job (step 0" in relaunched.acquire()
+    with pytest.raises(RunDirInUse, match=r"an earlier step of this job \(step 0\) still running"):
+        RunLock(str(tmp_path), enabled=True, environ={**job, "SLURM_STEP_ID": "1"}).acquire()  # two sruns at once
+    relaunched = RunLock(str(tmp_path), enabled=True,
+                         environ={**job, "SLURM_STEP_ID": "1", "HPCTRAIN_EARLIER_STEPS_ENDED": "1"})  # train.sbatch's
+    assert "earlier job step of this Slurm job (step 0, ended" in relaunched.acquire()
     assert json.loads((tmp_path / LOCK_NAME).read_text())["step"] == 1
     relaunched.release()
 

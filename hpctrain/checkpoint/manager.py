@@ -96,6 +96,19 @@ class CheckpointManager:
         self.local = LocalTier(ckpt_cfg, grid, run_dir, faults=self.faults)  # checkpoint.local_dir (off when empty)
 
     # ------------------------------------------------------------------ saving
+    def due(self, step: int, last_step: int) -> bool:
+        """A tier saves after ``step``: the global one every ``checkpoint.interval`` steps, the node-local one
+        every ``checkpoint.local_interval``; never at ``last_step``, which the run's ending saves."""
+        return step < last_step and (bool(self.interval and step % self.interval == 0) or self.local.due(step))
+
+    def after_step(self, state: TrainState, step: int) -> None:
+        """The one after-step call of the training loop, when ``due``: the global tier's save (async unless
+        configured otherwise), then the node-local tier's (collective on both tiers' communicators)."""
+        if self.interval and step % self.interval == 0:
+            self.save(state)
+        if self.local.due(step):
+            self.local.save(state)
+
     def save(self, state: TrainState, sync: bool = False) -> None:
         """Checkpoint the run (``trainer.state``) at its current step (collective). Async unless ``sync`` or
         config says no. The blocking part (waiting for the previous save; a synchronous save's snapshot and

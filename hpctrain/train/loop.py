@@ -1,30 +1,21 @@
-"""The training run: set up, resume, step until an agreed stop, checkpoint, and leave the right exit code.
+"""The training run: set up, resume, step until an agreed stop, checkpoint; how it ends is ``train/ending.py``.
 
 ``run_training(cfg, resume, max_steps)`` is what ``hpctrain train`` calls on every rank. Each step
-carries this rank's wish to stop (``train/stop.py``: a signal, ``train.exit_signals``, or the scheduler's
-time limit) in its own reduction; the agreed answer arrives with the step's verdict, which the host reads
-one step late (``Trainer.train_step(defer=True)``: no host wait inside a step), so the run stops one or
-two steps after the request, every rank after the same step. The end of the run and ``--max-steps`` need
-no agreement. metrics.jsonl gets every step's record once its verdict is read. Then: wait for an in-flight
-async save, save synchronously (unless this step is already saved), log ``{"event": "stop", ...}`` to
-metrics.jsonl, and:
-
-- finished, or ``--max-steps`` reached: exit 0;
-- signal or time limit, under Slurm with ``train.requeue = "auto"``: rank 0 runs ``scontrol requeue``;
-  if that works every rank exits 0 (the requeued job resumes with ``--resume auto``), else 75;
-- signal or time limit otherwise: exit ``STOPPED_EXIT`` = 75 (EX_TEMPFAIL), for wrapper scripts.
+carries this rank's wish to stop (``train/stop.py``: a signal, ``train.exit_signals``, the scheduler's
+time limit, or a node-local save that failed in the background) in its own reduction; the agreed answer
+arrives with the step's verdict, which the host reads one step late (``Trainer.train_step(defer=True)``: no
+host wait inside a step), so the run stops one or two steps after the request, every rank after the same
+step. The end of the run and ``--max-steps`` need no agreement. metrics.jsonl gets every step's record
+once its verdict is read. After each step the checkpoint tiers that are due save
+(``CheckpointManager.after_step``); then ``train/ending.py`` saves, logs the stop event and leaves with the
+exit code.
 """
 from __future__ import annotations
 
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any
 
-from hpctrain.checkpoint.directory import list_checkpoints
-from hpctrain.checkpoint.items import CheckpointError
-from hpctrain.checkpoint.contract import Resumed
 from hpctrain.checkpoint.local_tier import newest_held
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.references import protect
@@ -35,59 +26,20 @@ from hpctrain.interop.sources import init_weights, open_source
 from hpctrain.monitor.run_monitor import RunMonitor
 from hpctrain.profiling.cuda_trace import cuda_profiler
 from hpctrain.profiling.trace import TraceRecorder
-from hpctrain.runtime import env
 from hpctrain.runtime.device import select_device
-from hpctrain.runtime.errors_exit import leave_with
 from hpctrain.runtime.faults import FaultInjector
-from hpctrain.exit_codes import STOPPED as STOPPED_EXIT
 from hpctrain.runtime.launcher import discover
-from hpctrain.runtime.signals import (SignalFlag, requeue_slurm_job, scheduler_deadline,
-                                      slurm_job_to_requeue)
+from hpctrain.runtime.signals import SignalFlag, scheduler_deadline
 from hpctrain.train.announce import announce, first_step_report
-from hpctrain.train.guard import DIVERGED_EXIT
 from hpctrain.train.memory_check import check_memory
 from hpctrain.train.metrics import MetricsLog, model_state_bytes, report_peak_memory, run_peak_memory
 from hpctrain.train.run_dir import RunDirHoldsARun, decide_start, set_aside_agreed
 from hpctrain.train.run_lock import RunDirInUse, RunLock, unusable_directory
-from hpctrain.train.stop import LOCAL_TIER_FAILED, StopPolicy, decode, encode
+from hpctrain.train.ending import Ending, leave, save_and_stop, stronger
+from hpctrain.train.run import Run
+from hpctrain.train.stop import LOCAL_TIER_FAILED, StopPolicy
 from hpctrain.train.trainer import Trainer
 
-
-
-@dataclass
-class Run:
-    """One training run's parts on this rank, from ``_start`` to ``_leave``."""
-    cfg: Any
-    grid: ProcessGrid
-    device: Any
-    trainer: Trainer
-    checkpoints: CheckpointManager
-    monitor: RunMonitor
-    log: MetricsLog
-    policy: StopPolicy
-    flag: SignalFlag
-    lock: RunLock
-    trace: TraceRecorder | None
-    kernels: Any  # the CUDA profiler of train.trace, or None
-    verbose: bool
-    resumed: Resumed | None  # what the run resumed from (tier, path, step), or None
-    resumed_step: int | None  # its step: stopping before a step must not save it again
-    last_step: int
-
-    @property
-    def is_root(self) -> bool:
-        return self.grid.info.rank == 0
-
-
-@dataclass
-class Ending:
-    """How the run ends (``_save_and_stop``): its stop event's reason, step and fields, and the exit code."""
-    reason: str
-    step: int
-    event: dict
-    exit_code: int
-    requeue: str | None = None  # the Slurm job to requeue after MPI is finalised
-    message: str = ""  # a diverged run's one line for the user
 
 
 def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None, verbose: bool = False) -> int:
@@ -111,7 +63,7 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
     try:
         run = _start(cfg, grid, device, decision, max_steps, flag, lock, verbose)
         ending = _train(run)
-        return _leave(run, ending)  # closes the grid
+        return leave(run, ending)  # closes the grid
     except BaseException:
         grid.free_requests()  # the error ends the job: MPI_Finalize at exit must find no request left
         raise
@@ -166,7 +118,7 @@ def _train(run: Run) -> Ending:
     """The steps, then the last save and the stop event; the outputs are closed however it ends."""
     try:
         _steps(run)
-        ending = _save_and_stop(run)
+        ending = save_and_stop(run)
         run.log.run_peak = run_peak_memory(run.grid.world, run.device)  # collective: the whole run, per rank
     finally:
         run.monitor.close()
@@ -190,7 +142,7 @@ def _steps(run: Run) -> None:
         with trainer.parts.timer.phase("sync"):
             request = policy.local_reason(trainer.step)  # agreed in the step's own reduction
             if checkpoints.local.failed:  # a background local save raised (agreed there): stop every rank here
-                request = _stronger(request, LOCAL_TIER_FAILED)
+                request = stronger(request, LOCAL_TIER_FAILED)
         metrics = trainer.train_step(request, defer=True)  # its verdict is read one step later
         if run.kernels is not None:
             run.kernels.step()
@@ -205,92 +157,17 @@ def _steps(run: Run) -> None:
         if cfg.train.eval_interval and (trainer.step % cfg.train.eval_interval == 0 or trainer.step == run.last_step):
             metrics.val_loss = trainer.evaluate()  # type: ignore[attr-defined]  # a key of eval steps' records only
             metrics.time_s["eval"] = round(trainer.parts.timer.take("eval"), 6)
-        interval = cfg.checkpoint.interval
-        if interval and trainer.step % interval == 0 and trainer.step < run.last_step:
+        if checkpoints.due(trainer.step, run.last_step):
             trainer.read_pending()  # never save a step whose verdict is unread
-            if trainer.diverged is None:
-                checkpoints.save(trainer.state)
-                policy.record_save(checkpoints.last_save_s)  # None until the first save completes
+            if trainer.diverged is None:  # both tiers; the node-local one blocks the step for a host copy only
+                checkpoints.after_step(trainer.state, trainer.step)
+                policy.record_save(checkpoints.last_save_s)  # None until the first global save completes
                 metrics.time_s["checkpoint"] = round(trainer.parts.timer.take("checkpoint"), 6)
-        if checkpoints.local.due(trainer.step) and trainer.step < run.last_step:
-            trainer.read_pending()
-            if trainer.diverged is None:  # the node-local tier: the step blocks for a host copy only
-                checkpoints.local.save(trainer.state)
-                metrics.time_s["checkpoint"] = round(metrics.time_s.get("checkpoint", 0.0)
-                                                     + trainer.parts.timer.take("checkpoint"), 6)
         _log_finished(run)
         if trainer.diverged or trainer.agreed_stop:
             break
     trainer.read_pending()
     _log_finished(run)
-
-
-def _save_and_stop(run: Run) -> Ending:
-    """How the run ends, with its stop event logged (metrics.jsonl): diverged (nothing saved: the newest
-    checkpoint named), or finished / stopped early after the last save (unless this step is saved already:
-    an async save of it may still be in flight, so wait first)."""
-    cfg, trainer, checkpoints = run.cfg, run.trainer, run.checkpoints
-    if trainer.agreed_stop == LOCAL_TIER_FAILED:  # raise its agreed NodeFailure on every rank
-        checkpoints.wait()  # a global save in flight is a good checkpoint: it ends first (its thread calls MPI)
-        checkpoints.local.wait()
-    if trainer.diverged:
-        try:  # background saves of earlier steps end before MPI does (their threads call MPI)
-            checkpoints.close()
-        except CheckpointError as exc:
-            print(f"hpctrain: WARNING: {exc}", file=sys.stderr, flush=True)
-        kept = [r for r in list_checkpoints(checkpoints.dir) if r["complete"]] if run.is_root else []
-        event = {"reason": trainer.diverged.stop, "step": trainer.step, "detail": trainer.diverged.detail,
-                 "checkpoint": kept[-1]["path"] if kept else None}
-        newest = f"the newest checkpoint is step {kept[-1]['step']} ({kept[-1]['path']})" if kept else "no checkpoint"
-        ending = Ending(trainer.diverged.stop, trainer.step, event, DIVERGED_EXIT,
-                        message=f"stopped at {trainer.diverged.detail}; the update was not applied and nothing "
-                                f"was saved; {newest}; exit {DIVERGED_EXIT}")
-    else:
-        reason = _stronger(trainer.agreed_stop, "max steps" if trainer.step >= run.last_step else "")
-        start = time.perf_counter()
-        checkpoints.wait()  # an async save of this very step may still be in flight: never save a step twice
-        if trainer.step not in checkpoints.saved_steps and trainer.step != run.resumed_step:
-            checkpoints.save(trainer.state, sync=True)
-        checkpoints.close()  # waits for an async save still in flight
-        save_s = time.perf_counter() - start
-        run.monitor.on_saved(trainer.step, checkpoints.saved_steps, checkpoints.last_phases)
-        early = reason.startswith("signal") or reason == "time limit"
-        job = slurm_job_to_requeue() if early and cfg.train.requeue == "auto" else None
-        timing = run.policy.signal_timing(trainer.step) if reason.startswith("signal") else {}
-        event = {"reason": reason, "step": trainer.step, "save_s": round(save_s, 3),
-                 "restart_count": env.slurm_restart_count(), "requeue": job, **timing}
-        ending = Ending(reason, trainer.step, event, STOPPED_EXIT if early else 0, job)
-    run.log.event({"event": "stop", **ending.event})
-    return ending
-
-
-def _leave(run: Run, ending: Ending) -> int:
-    """Say how it ended (rank 0), close the grid, then requeue if asked: ``scontrol requeue`` kills the job's
-    tasks at once, so everything is on disk and MPI is finalised first (a task killed inside MPI leaves
-    shared-memory segments that the requeued attempt, with the same step id, would attach to). Returns this
-    rank's exit code: 0, DIVERGED_EXIT or STOPPED_EXIT on rank 0 (it leaves last: ``leave_with``)."""
-    grid, early = run.grid, ending.exit_code == STOPPED_EXIT
-    if run.is_root:
-        if ending.exit_code == DIVERGED_EXIT:
-            print(f"hpctrain train: {ending.message}", flush=True)
-        elif early:
-            print(f"hpctrain train: stopped at step {ending.step} ({ending.reason}); checkpoint saved in "
-                  f"{ending.event['save_s']:.1f} s" + (f"; requeueing Slurm job {ending.requeue}"
-                                                        if ending.requeue else ""), flush=True)
-    grid.world.barrier()
-    run.lock.release()  # before a requeue: the next attempt must find the directory free
-    grid.close()
-    if not ending.requeue:
-        if run.is_root and early:
-            print(f"hpctrain train: exit {STOPPED_EXIT}; continue with --resume auto", flush=True)
-        return leave_with(ending.exit_code, grid.info.rank, grid.info.node, grid.watchdog.peers)
-    from mpi4py import MPI  # here, not at the top: importing mpi4py initialises MPI
-
-    MPI.Finalize()
-    problem = requeue_slurm_job(ending.requeue) if run.is_root else None
-    if problem:  # rank 0 alone carries the 75 (``leave_with``); the others exit 0
-        print(f"hpctrain train: {problem}; exit {STOPPED_EXIT}; continue with --resume auto", flush=True)
-    return leave_with(STOPPED_EXIT if problem else 0, grid.info.rank, grid.info.node, grid.watchdog.peers)
 
 
 def _log_finished(run: Run) -> None:
@@ -304,11 +181,6 @@ def _log_finished(run: Run) -> None:
             run.monitor.on_step(record)
         else:  # collective every interval
             run.monitor.on_step(record, run.checkpoints.saved_steps, run.checkpoints.last_phases)
-
-
-def _stronger(*reasons: str) -> str:
-    """The reason with the highest stop code (a signal beats the time limit beats max steps)."""
-    return decode(max(encode(r) for r in reasons))
 
 
 def _start_trace(cfg, grid, trainer):

@@ -40,8 +40,34 @@ def mpiexec() -> list[str]:
     return [exe]
 
 
+def yield_shim() -> str | None:
+    """tests/native/yield_sleeps.c built once into .pytest_cache (a sched_yield that sleeps 50 us: MPI ranks
+    waiting on an oversubscribed machine let the others run), or None where no C compiler is found or
+    ``HPCTRAIN_TEST_YIELD_SHIM=0``. Safe on two workers at once: built under a private name, then renamed."""
+    if os.environ.get("HPCTRAIN_TEST_YIELD_SHIM", "1") == "0":
+        return None
+    source = Path(__file__).resolve().parent / "native" / "yield_sleeps.c"
+    target = ROOT / ".pytest_cache" / "native" / f"yield_sleeps-{int(source.stat().st_mtime)}.so"
+    if target.exists():
+        return str(target)
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    private = target.with_name(f"{target.name}.{os.getpid()}")
+    built = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(private), str(source)],
+                           capture_output=True, text=True, timeout=60)
+    if built.returncode != 0:
+        return None
+    os.replace(private, target)
+    return str(target)
+
+
 def mpi_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
+    shim = yield_shim()
+    if shim and shim not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = f"{shim} {env['LD_PRELOAD']}".strip() if env.get("LD_PRELOAD") else shim
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "HPCTRAIN_ERROR_GRACE_S": "0.5",
                 "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})

@@ -45,7 +45,8 @@ class ParallelConfig:
         "`zero_prefetch` units' gathers posted ahead. Parameters whose gradient is first summed over another "
         "group (sequence-parallel norm weights, LoRA factors with tp > 1, a tied embedding split over pp) stay "
         "whole; a LoRA run's frozen base is sharded and gathered like the rest. 0 = off. Compression needs "
-        "zero <= 1; expert parallelism (`parallel.ep` > 1) zero <= 2 (the experts sharded over their replicas). "
+        "zero <= 1. With expert parallelism (`parallel.ep` > 1) the experts are sharded over their replicas (the "
+        "dp x cp / ep ranks holding the same experts; at 3 a block's experts are gathered over them with its unit). "
         "At every stage the model is built on the meta device and each rank creates only the parameter bytes it "
         "keeps (docs/parallelism.md, \"Parameters born sharded\")."))
     zero_reshard_after_forward: bool = key(True, help=(

@@ -128,7 +128,7 @@ def problems(cfg: Config) -> list[ConfigError]:
                                f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}"),
               lambda: _check_run(cfg), lambda: _check_lora(cfg.lora, m) if cfg.lora.rank else None,
               lambda: _check_zero_compression(p.zero, cfg.compression.method),
-              lambda: _check_moe(cfg.moe, m, p.ep), lambda: _check_experts_parallel(cfg.moe, m, p.ep, p.zero,
+              lambda: _check_moe(cfg.moe, m, p.ep), lambda: _check_experts_parallel(cfg.moe, m, p.ep,
                                                                                     cfg.compression.method),
               lambda: _check_onebit_adam(cfg.compression, cfg.optim), lambda: _check_local_tier(cfg.checkpoint),
               lambda: _check_monitor(cfg.monitor))
@@ -197,13 +197,11 @@ def _check_moe(moe: MoeConfig, m: ModelConfig, ep: int) -> None:
              f"{ep} does not divide moe.num_experts={r.num_experts} (each ep rank holds num_experts / ep experts)")
 
 
-def _check_experts_parallel(moe: MoeConfig, m: ModelConfig, ep: int, zero: int, method: str) -> None:
-    """What expert parallelism composes with: ZeRO up to 2, no gradient compression."""
+def _check_experts_parallel(moe: MoeConfig, m: ModelConfig, ep: int, method: str) -> None:
+    """What expert parallelism composes with: every ZeRO stage (the experts' state sharded over the replicas
+    holding the same experts), no gradient compression."""
     if resolve_moe(moe, m) is None:
         return
-    _require(ep == 1 or zero <= 2, "parallel.zero",
-             f"{zero} with parallel.ep={ep} is not implemented (the experts' parameters are not gathered per unit "
-             f"over their replica group): use parallel.zero <= 2 or parallel.ep=1")
     _require(ep == 1 or method == "none", "compression.method",
              f"{method!r} with parallel.ep={ep} is not implemented (the experts' gradients are summed over their own "
              f"group, uncompressed): use compression.method='none' or parallel.ep=1")

@@ -58,7 +58,7 @@ class Bucket:
     pending: int = 0
     handle: Any = None  # the reducer's reduction in flight (test/wait), None when idle
     slice_grad: torch.Tensor | None = None  # ZeRO: this rank's reduced slice
-    index: int = 0  # position in FlatParams.buckets (the reducer's key for per-bucket state)
+    index: int = 0  # position in FlatParams.buckets, + its first_index (the reducer's and ZeRO-3's key)
     grads: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     param_values: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     param_slice: torch.Tensor | None = None

@@ -62,12 +62,14 @@ class FlatParams:
     ``GradReducer.overflow``) and ``reducer``, built LAST by ``make_reducer(self)`` once the buffers,
     buckets and timer exist (default: the dense reducer; the Trainer passes one of
     ``hpctrain.compression.build_reducer``). ``on_backward_done(bucket)``: zero 3's gatherer
-    (hpctrain/parallel/zero3.py) is told when a bucket's micro-batch grads are complete."""
+    (hpctrain/parallel/zero3.py) is told when a bucket's micro-batch grads are complete. ``first_index``: the
+    first bucket's ``index`` (the experts' FlatParams continues after the dense one's: ZeRO-3's gatherer keys
+    the buckets of both by it)."""
 
     def __init__(self, params: list, dp_comm, *, tp_comm=None, pp_comm=None, bucket_mb: float = 25.0,
                  zero: int = 0, units: list[list] | None = None, grad_dtype: torch.dtype | None = None,
                  timer=NULL_TIMER, check_finite: bool = False,
-                 make_reducer: Callable[[FlatParams], GradReducer] = DenseReducer):
+                 make_reducer: Callable[[FlatParams], GradReducer] = DenseReducer, first_index: int = 0):
         self.params, self.dp_comm, self.tp_comm, self.pp_comm = list(params), dp_comm, tp_comm, pp_comm
         self.zero_stage = int(zero)
         self.zero = self.zero_stage >= 1  # optimizer state sharded: each rank owns 1/dp of every bucket
@@ -79,6 +81,7 @@ class FlatParams:
         self.grad_dtype = grad_dtype or (torch.float32 if param_dtype in (torch.float16, torch.bfloat16)
                                          else param_dtype)
         self.device = device = self.params[0].device  # buffers live where the parameters are
+        self.first_index = first_index
         self.buckets = self._make_buckets(bucket_mb * 2**20 / torch.empty((), dtype=self.grad_dtype).element_size(),
                                           units if self.zero_stage == 3 else None)
         self._make_storage()
@@ -173,7 +176,7 @@ class FlatParams:
         for members, is_deferred in groups:
             n = sum(p.numel() for p in members)
             padded = -(-n // self.dp_size) * self.dp_size
-            buckets.append(Bucket(start, start + padded, members, is_deferred, index=len(buckets)))
+            buckets.append(Bucket(start, start + padded, members, is_deferred, index=self.first_index + len(buckets)))
             start += padded
         return buckets
 

@@ -8,11 +8,17 @@ one buffer kept between steps; ``param_values``: the whole unit, which every par
 allocated only while ``ParamGather`` (zero3.py) holds the unit gathered. Bucket indices continue after the
 trainable ``FlatParams``' buckets, so the gatherer keys both alike.
 
+With expert parallelism the routed experts' frozen weights are sharded over their own group (the replicas
+holding the same experts, ``ep_replica``): a ``FrozenShards`` of their own, presented with the dense one's as
+one by ``FrozenGroup``.
+
 Checkpoints read and write the frozen base through ``pieces`` (the parameter elements this rank keeps), as
 they do the trainable slices: the base is never gathered for a save or a load. Collective only in
 ``gathered`` (over the replica group ``dp_comm``).
 """
 from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -77,3 +83,41 @@ class FrozenShards:
         """Collective over the replica group: every frozen unit gathered (the whole local base readable, as
         ``FlatParams.gathered`` makes the trainable one), freed again on exit."""
         return gather_whole(self.buckets, self.dp_comm)
+
+
+class FrozenGroup:
+    """``FrozenShards``-like view of several (``parts``: the dense one over the replica group, the experts' over
+    ep_replica), their bucket indices consecutive: the calls the gatherer and the checkpoint use, to each."""
+
+    def __init__(self, parts: list[FrozenShards]):
+        self.parts = parts
+        self.buckets = [b for f in parts for b in f.buckets]
+        self.bucket_of = {k: v for f in parts for k, v in f.bucket_of.items()}
+
+    def buckets_of(self, params) -> list[Bucket]:
+        """The buckets holding any of ``params``, in first-use order."""
+        found: list[Bucket] = []
+        for p in params:
+            bucket = self.bucket_of.get(id(p))
+            if bucket is not None and bucket not in found:
+                found.append(bucket)
+        return found
+
+    def pieces(self) -> list[tuple[ParamPiece, int, int]]:
+        """``FrozenShards.pieces`` of every part, ``k`` indexing ``buckets`` (all parts' in order)."""
+        found, first = [], 0
+        for f in self.parts:
+            found += [(piece, first + k, at) for piece, k, at in f.pieces()]
+            first += len(f.buckets)
+        return found
+
+    def memory_bytes(self) -> int:
+        return sum(f.memory_bytes() for f in self.parts)
+
+    @contextmanager
+    def gathered(self):
+        """Collective over each part's group: every frozen unit gathered, freed again on exit."""
+        with ExitStack() as stack:
+            for f in self.parts:
+                stack.enter_context(f.gathered())
+            yield

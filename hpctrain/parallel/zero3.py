@@ -7,7 +7,9 @@ are one bucket of ``FlatParams`` (``units=``), whose ``param_slice`` a rank keep
 ``param_values`` (the whole unit, which every parameter's ``.data`` views) exist only while gathered:
 ``allocate``/``free`` give and take the storage, so the views, and the tensors autograd saved, stay valid.
 
-The life of a unit within a step (``ParamGather``, all on the replica group ``flat.dp_comm``):
+The life of a unit within a step (``ParamGather``; each bucket on the group it is sharded over: the replica
+group, or with expert parallelism, for the experts' buckets of an MoE block's unit, ``ep_replica``, the ranks
+holding the same experts; ``FlatGroup``'s parts, ``FrozenGroup``'s):
 
 - forward: before it runs its buckets are all-gathered (``Iallgather`` from the slices, waited here)
   and the next ``prefetch`` units' gathers are posted, so they travel while this one computes; after it
@@ -43,7 +45,8 @@ import torch
 
 from hpctrain.parallel.buckets import Bucket, allocate, free
 from hpctrain.parallel.data_parallel import FlatParams
-from hpctrain.parallel.frozen_shards import FrozenShards
+from hpctrain.parallel.flat_group import FlatGroup
+from hpctrain.parallel.frozen_shards import FrozenGroup, FrozenShards
 
 
 @dataclass
@@ -107,12 +110,20 @@ def _eager(fn):
 
 class ParamGather:
     """Gathers and frees the units of ``stages`` (this rank's virtual stages) around their forward and
-    backward; see the module docstring. ``prefetch``: units whose gathers are posted ahead; ``frozen``:
-    the frozen parameters' buckets (``FrozenShards``), or None."""
+    backward; see the module docstring. ``flat``: a ``FlatParams``, or a ``FlatGroup`` (the experts' buckets
+    over ep_replica); ``prefetch``: units whose gathers are posted ahead; ``frozen``: the frozen parameters'
+    buckets (``FrozenShards``, or ``FrozenGroup`` with frozen experts), or None. Buckets are keyed by
+    ``index``, unique over all of them."""
 
-    def __init__(self, flat: FlatParams, stages, *, reshard_after_forward: bool = True, prefetch: int = 1,
-                 frozen: FrozenShards | None = None):
-        self.flat, self.comm = flat, flat.dp_comm
+    def __init__(self, flat: FlatParams | FlatGroup, stages, *, reshard_after_forward: bool = True,
+                 prefetch: int = 1, frozen: FrozenShards | FrozenGroup | None = None):
+        self.flat = flat
+        flats = flat.parts if isinstance(flat, FlatGroup) else [flat]
+        shards = [] if frozen is None else frozen.parts if isinstance(frozen, FrozenGroup) else [frozen]
+        groups: list[Any] = [*flats, *shards]  # FlatParams and FrozenShards: buckets sharded over dp_comm
+        # bucket index -> the group it is sharded over: the replica group (dp x cp), or the experts' ep_replica
+        self._comm_of = {b.index: part.dp_comm for part in groups for b in part.buckets}
+        self._buckets: list[Bucket] = [b for part in groups for b in part.buckets]
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self._posted: dict[int, Any] = {}  # bucket index -> its all-gather in flight
         self._ready: set[int] = set()  # bucket indices gathered and waited
@@ -135,7 +146,8 @@ class ParamGather:
                                                        self._after_forward(u, us, output)))
             self.stage_units.append(units)
             self._units_of[id(stage)] = units
-        flat.on_backward_done = self._backward_done
+        for part in flats:
+            part.on_backward_done = self._backward_done
 
     def _buckets_of(self, params) -> list[Bucket]:
         found: list[Bucket] = []
@@ -152,8 +164,9 @@ class ParamGather:
             return
         assert bucket.param_slice is not None  # a sharded bucket
         allocate(bucket.param_values)
-        if self.flat.dp_size > 1:
-            self._posted[bucket.index] = self.comm.allgather(bucket.param_values, bucket.param_slice, nonblocking=True)
+        comm = self._comm_of[bucket.index]
+        if comm is not None and comm.size > 1:
+            self._posted[bucket.index] = comm.allgather(bucket.param_values, bucket.param_slice, nonblocking=True)
         else:
             self._posted[bucket.index] = None
             bucket.param_values.copy_(bucket.param_slice)
@@ -260,7 +273,6 @@ class ParamGather:
         """Free every gathered unit (after a step's reductions, after an evaluation)."""
         self._in_backward.clear()
         self._pinned.clear()
-        frozen = self.frozen.buckets if self.frozen is not None else []
-        for bucket in list(self.flat.buckets) + frozen:
+        for bucket in self._buckets:
             if bucket.sharded and (bucket.index in self._ready or bucket.index in self._posted):
                 self._free(bucket)

@@ -140,8 +140,8 @@ class PlanResult:
 
 def engine_refusal(layout, options: Options, model, moe=None) -> str:
     """Why ``hpctrain train`` refuses ``layout`` with ``options`` beyond the layout rules ("" if it does not):
-    the rules between config keys of ``config/validation.py`` (``problems``: compression at zero >= 2, ZeRO-3
-    with experts, LoRA targets, ...), applied to the run the plan describes, so the planner never proposes what
+    the rules between config keys of ``config/validation.py`` (``problems``: compression at zero >= 2 or with
+    ep > 1, LoRA targets, ...), applied to the run the plan describes, so the planner never proposes what
     the trainer (and ``hpctrain check``) refuses, whatever rules exist. ``model``: the resolved ModelConfig;
     ``moe``: its resolved ``[moe]`` section or None."""
     from hpctrain.config import CompressionConfig, Config, LoraConfig, ModelConfig, ParallelConfig, TrainConfig

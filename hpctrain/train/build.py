@@ -9,7 +9,9 @@ Parts, in the order they are built (each line: the part, what it talks on):
 - ``FlatParams``: the trainable parameters' flat buffers and the gradient reducer over the replica group
   ``grid.comm(grid.replica_axis)`` (dp, or dp x cp; compressed: hpctrain/compression/), sharded by
   ``parallel.zero``; at zero 3 one bucket per unit and ``ParamGather`` (hpctrain/parallel/zero3.py), which
-  gathers each unit's parameters around its forward and backward;
+  gathers each unit's parameters around its forward and backward; with expert parallelism the experts'
+  own ``FlatParams`` over ``grid.comm("ep_replica")`` (the ranks holding the same experts), every ZeRO stage
+  sharding them there, behind one ``FlatGroup``;
 - ``FlatOptimizer``: AdamW/SGD on the owned slices; 1-bit Adam's binding is made here and only here (the
   variance frozen after ``compression.warmup_steps``, the momentum taken from the reducer that averages it);
 - ``PipelineExecutor``: the schedule over ``grid.comm("pp")``;
@@ -46,7 +48,7 @@ from hpctrain.optim.flat import FlatOptimizer
 from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.parallel.flat_group import FlatGroup, OptimizerGroup
-from hpctrain.parallel.frozen_shards import FrozenShards
+from hpctrain.parallel.frozen_shards import FrozenGroup, FrozenShards
 from hpctrain.parallel.param_init import give_storage, materialize_
 from hpctrain.config.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
@@ -86,7 +88,7 @@ class StepParts:
     sdpa: Any
     flat: FlatParams | FlatGroup  # a FlatGroup with expert parallelism (parallel/flat_group.py)
     param_gather: ParamGather | None  # ZeRO-3 (hpctrain/parallel/zero3.py), else None
-    frozen: FrozenShards | None  # ZeRO-3 with frozen parameters (a LoRA base): their slices, else None
+    frozen: FrozenShards | FrozenGroup | None  # ZeRO-3 with frozen parameters (a LoRA base): their slices, else None
     moe_stats: MoeStepStats | None  # a model with experts: the step's routing counts and auxiliary losses
     optimizer: FlatOptimizer | OptimizerGroup
     executor: PipelineExecutor
@@ -177,37 +179,47 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     # expert parallelism the experts are a group of their own, summed over the replicas holding the same ones
     trainable = [p for p in local_model.parameters() if p.requires_grad]
     experts = [p for p in trainable if getattr(p, "spec").experts is not None]  # the SlabSpec (parallel/slab.py)
-    flat = FlatParams([p for p in trainable if getattr(p, "spec").experts is None], grid.comm(grid.replica_axis),
-                      tp_comm=tp_comm, pp_comm=pp_comm, bucket_mb=cfg.parallel.bucket_mb, zero=layout.zero,
-                      units=unit_params(stages) if layout.zero == 3 else None,
-                      timer=timer, check_finite=dtype == torch.float16,
-                      make_reducer=partial(build_reducer, comp, grid=grid, seed=t.seed, optimizer=cfg.optim.name,
-                                           steps=t.steps))
-    reducer = flat.reducer
-    # ZeRO-3: each unit's parameters gathered over the replica group around its forward and backward; the
-    # frozen ones (a LoRA base) sharded too, in gather-only buckets
-    frozen = None
+    units = unit_params(stages) if layout.zero == 3 else None  # each FlatParams takes its own members of each unit
+    dense_flat = FlatParams([p for p in trainable if getattr(p, "spec").experts is None], grid.comm(grid.replica_axis),
+                            tp_comm=tp_comm, pp_comm=pp_comm, bucket_mb=cfg.parallel.bucket_mb, zero=layout.zero,
+                            units=units, timer=timer, check_finite=dtype == torch.float16,
+                            make_reducer=partial(build_reducer, comp, grid=grid, seed=t.seed, optimizer=cfg.optim.name,
+                                                 steps=t.steps))
+    reducer = dense_flat.reducer
+    flat: FlatParams | FlatGroup = dense_flat
+    expert_flat = None
+    if experts:  # (validation refused compression with parallel.ep > 1) sharded over ep_replica at zero >= 1
+        expert_flat = FlatParams(experts, grid.comm("ep_replica"), tp_comm=tp_comm, pp_comm=pp_comm,
+                                 bucket_mb=cfg.parallel.bucket_mb, zero=layout.zero, units=units, timer=timer,
+                                 check_finite=dtype == torch.float16, first_index=len(dense_flat.buckets))
+        flat = FlatGroup([dense_flat, expert_flat])  # the FlatParams calls, to both
+    # ZeRO-3: each unit's parameters gathered around its forward and backward, over the replica group (the
+    # experts' over ep_replica); the frozen ones (a LoRA base) sharded too, in gather-only buckets
+    frozen: FrozenShards | FrozenGroup | None = None
     frozen_params = [p for p in local_model.parameters() if not p.requires_grad]
     if layout.zero == 3 and frozen_params:
         frozen_units = unit_params(stages, trainable=False)
         if sum(map(len, frozen_units)) != len(frozen_params):
             raise ValueError("zero 3: a frozen parameter belongs to no unit")
-        frozen = FrozenShards(frozen_units, grid.comm(grid.replica_axis), first_index=len(flat.buckets))
+        first = (expert_flat or dense_flat).buckets[-1].index + 1  # after the trainable buckets
+        frozen = FrozenShards([[p for p in u if getattr(p, "spec").experts is None] for u in frozen_units],
+                              grid.comm(grid.replica_axis), first_index=first)
+        frozen_experts = [[p for p in u if getattr(p, "spec").experts is not None] for u in frozen_units]
+        if any(frozen_experts):  # split over ep: sharded over the replicas holding the same experts
+            frozen = FrozenGroup([frozen, FrozenShards(frozen_experts, grid.comm("ep_replica"),
+                                                       first_index=first + len(frozen.buckets))])
     else:
         materialize_(frozen_params, device)  # below zero 3 a frozen base is whole on every replica
     param_gather = ParamGather(flat, stages, reshard_after_forward=cfg.parallel.zero_reshard_after_forward,
                                prefetch=cfg.parallel.zero_prefetch, frozen=frozen) if layout.zero == 3 else None
     # 1-bit Adam (even where no reducer compresses: one replica): AdamW's variance frozen after the warm-up
-    optimizer = FlatOptimizer(flat, cfg.optim, tp_rank=grid.coords["tp"],
-                              freeze_variance_after=comp.warmup_steps if comp.method == "onebit-adam" else None,
-                              momentum_from_reducer=reducer.shares_momentum)
+    optimizer: FlatOptimizer | OptimizerGroup = FlatOptimizer(
+        dense_flat, cfg.optim, tp_rank=grid.coords["tp"],
+        freeze_variance_after=comp.warmup_steps if comp.method == "onebit-adam" else None,
+        momentum_from_reducer=reducer.shares_momentum)
     reducer.bind_optimizer(optimizer)
-    if experts:  # (validation refused compression and zero > 1 with parallel.ep > 1)
-        expert_flat = FlatParams(experts, grid.comm("ep_replica"), tp_comm=tp_comm, pp_comm=pp_comm,
-                                 bucket_mb=cfg.parallel.bucket_mb, zero=layout.zero, timer=timer,
-                                 check_finite=dtype == torch.float16)
-        flat = FlatGroup([flat, expert_flat])  # type: ignore[assignment]  # the FlatParams calls, to both
-        optimizer = OptimizerGroup([optimizer, FlatOptimizer(expert_flat, cfg.optim, tp_rank=grid.coords["tp"])])  # type: ignore[assignment]
+    if expert_flat is not None:
+        optimizer = OptimizerGroup([optimizer, FlatOptimizer(expert_flat, cfg.optim, tp_rank=grid.coords["tp"])])
     build_s = time.perf_counter() - built  # the model built and this rank's bytes created (drawn or placed)
     executor = PipelineExecutor(stages, pp_comm if layout.pp_size > 1 else None, flat, layout.schedule,
                                 layout.microbatches, (layout.seq_chunk, layout.micro_batch, m.d_model),

@@ -34,27 +34,62 @@ def records(run_dir):
     return [r for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "event" not in r]
 
 
+def planned_kept(overrides: list[str], ranks: int, rank: int) -> dict[str, int]:
+    """The planner's model state (hpctrain/plan/memory.py) on world rank ``rank``'s stage of a run with experts,
+    less what it holds only during a step at zero 3 (the gathered units, one unit's full gradient): what the
+    engine keeps between steps (metrics.jsonl ``model_state_bytes``)."""
+    from hpctrain.config import load_config, resolve_model
+    from hpctrain.config.layout import Layout
+    from hpctrain.config.moe_keys import resolve_moe
+    from hpctrain.plan.cost import Options
+    from hpctrain.plan.devices import DTYPE_BYTES
+    from hpctrain.plan.memory import gathered_parameters, state_bytes, unit_gradient, zero3_units
+    from hpctrain.plan.shapes import for_tp
+    from hpctrain.plan.stages import in_flight, stages
+
+    cfg = load_config(None, overrides)
+    lay = Layout.from_config(cfg, ranks)
+    model = for_tp(resolve_model(cfg.model), lay.tp_size)
+    moe = resolve_moe(cfg.moe, model)
+    stage = stages(model, lay, moe)[rank // lay.tp_size % lay.pp_size]
+    params, grads, optimizer = state_bytes(model, stage, lay, Options(dtype=cfg.train.dtype), moe)
+    if lay.zero == 3:
+        nb = DTYPE_BYTES[cfg.train.dtype]
+        units = zero3_units(model, stage, lay, 1, moe)
+        params -= gathered_parameters(units, 1, True, in_flight(lay, stage, 1) > 1) * nb
+        grads -= max(unit_gradient(u) for chunk in units for u in chunk) * max(4, nb)
+    return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer)}
+
+
 def test_every_layout_family_trains_like_one_process_with_and_without_expert_parallelism():
     """dp=4 over ep=4 (one expert per rank, no expert reduction), dp=4 over ep=2 (each expert's gradients and
     state sharded over its two replicas), dp x tp (SP) with ep=2, dp x pp with ep=2, cp=4 with ep=2 (capacity
     over the whole zig-zag sequence), and tp x pp without ep: with a capacity that drops choices, the z-loss and
     a shared expert, ZeRO-2 (the experts' group reduce-scattered per micro-batch like the dense one), to 1e-10
-    of one process. ZeRO-1 with ep: the LoRA, mixed-precision and 8-rank tests below."""
-    out = fidelity(4, "4,1,1,1,4;4,1,1,1,2;2,2,1,1,2;2,1,2,1,2;1,1,1,4,2;1,2,2", "1f1b,sp,zero2", *F64, *MOE,
-                   "moe.capacity_factor=1.0", "moe.shared_experts=1")
-    assert out.count("OK dp=") == 6 and out.count(" ep=2 ") == 4 and " ep=4 " in out and "zero=2" in out, out
+    of one process. ZeRO-3 with ep (each unit's experts gathered over their replicas, the ep_replica group,
+    around its forward and backward, their gradients reduce-scattered there): dp=4 over ep=2, and ep=2 with
+    dp x tp (SP) and with dp x pp (there one replica holds each expert: only the dense part is sharded).
+    ZeRO-1 with ep: the LoRA, mixed-precision and 8-rank tests below."""
+    both = "|1f1b,sp,zero2/1f1b,sp,zero3"
+    out = fidelity(4, f"4,1,1,1,4;4,1,1,1,2{both};2,2,1,1,2{both};2,1,2,1,2{both};1,1,1,4,2;1,2,2", "1f1b,sp,zero2",
+                   *F64, *MOE, "moe.capacity_factor=1.0", "moe.shared_experts=1")
+    assert out.count("OK dp=") == 9 and out.count(" ep=2 ") == 7 and " ep=4 " in out, out
+    assert out.count("zero=3 ") == 3 and "OK dp=4 tp=1 pp=1 ep=2 1f1b sp=True zero=3" in out, out
+    assert "EXPERTS SHARDED over 2 rank(s)" in out, out
 
 
 def test_lora_on_the_experts_and_the_shared_expert_in_ep_tp_and_pp_layouts():
     """lora.targets gate and down adapt every routed expert (batched factors, split over ep and tp like their
     weights) and the shared expert's SwiGLU; q and v the attention. Only the adapters train (the frozen weights
     stay bit-identical: checked by the script), like one process. Every ep all-to-all here goes one
-    Isend/Irecv per peer (comm.alltoall_by_peer_kib=0), the other tests' through one Alltoallv."""
-    out = fidelity(4, "2,2,1,1,2;4,1,1,1,4;1,2,2", "1f1b,sp,zero1", *F64, *MOE, "moe.shared_experts=1",
-                   "lora.rank=4", "lora.targets=[q,v,gate,down]", "comm.alltoall_by_peer_kib=0")
+    Isend/Irecv per peer (comm.alltoall_by_peer_kib=0), the other tests' through one Alltoallv. At ZeRO-3 with
+    dp=4 over ep=2 the frozen experts are sharded over their two replicas (ep_replica), the rest over dp."""
+    out = fidelity(4, "2,2,1,1,2;4,1,1,1,4;1,2,2;4,1,1,1,2|1f1b,sp,zero3", "1f1b,sp,zero1", *F64, *MOE,
+                   "moe.shared_experts=1", "lora.rank=4", "lora.targets=[q,v,gate,down]", "comm.alltoall_by_peer_kib=0")
     # 44 = q, v (A, B) in 4 blocks + gate, down of the dense block 1 + gate, down of the experts and of the
     # shared expert in the 3 MoE blocks
-    assert out.count("OK dp=") == 3 and out.count("LORA OK 44 adapters trained") == 4, out  # and the reference
+    assert out.count("OK dp=") == 4 and out.count("LORA OK 44 adapters trained") == 5, out  # and the reference
+    assert "OK dp=4 tp=1 pp=1 ep=2 1f1b sp=True zero=3" in out and "FROZEN SHARDED" in out, out
 
 
 def test_mixed_precision_and_compile_with_expert_parallelism():
@@ -82,19 +117,28 @@ def test_eight_ranks_expert_parallel_with_tp_interleaved_pipeline_and_zero1_drop
 
 
 def test_checkpoints_reshard_across_ep_sizes_like_one_process(tmp_path):
-    """Saved at ep=4 (dp=4), resumed at ep=2 with tp=2, then ep=1 on one process, then ep=2 x ZeRO-1 on dp=2:
-    the losses of every segment equal one uninterrupted process to 1e-10, and the experts of the checkpoint
-    are global [E, F, D] tensors."""
+    """Saved at ep=4 (dp=4), resumed at ep=2 x ZeRO-3 on dp=4 (each expert's parameters born as slices over
+    its two replicas), then at ep=2 with tp=2 x ZeRO-3 (one replica per expert: a warning naming the keys),
+    then ep=1 on one process, then ep=2 x ZeRO-1 on dp=2: the losses of every segment equal one uninterrupted
+    process to 1e-10, and the experts of the checkpoint are global [E, F, D] tensors. The ZeRO-3 x ep run keeps
+    the model state ``hpctrain plan`` predicts, byte for byte."""
     import h5py
 
+    steps = "train.steps=10"
     reference = tmp_path / "reference"
-    train(1, reference)
+    train(1, reference, steps)
     ref = {r["step"]: r["loss"] for r in records(reference)}
     run_dir = tmp_path / "chain"
-    chain = [(4, ["parallel.ep=4"]), (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    chain = [(4, ["parallel.ep=4"]), (4, ["parallel.ep=2", "parallel.zero=3"]),
+             (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=3"]),
              (1, []), (2, ["parallel.ep=2", "parallel.zero=1"])]
     for i, (ranks, layout) in enumerate(chain):
-        train(ranks, run_dir, *layout, "--max-steps", "2", "--resume", "auto", "checkpoint.interval=2")
+        out = train(ranks, run_dir, steps, *layout, "--max-steps", "2", "--resume", "auto", "checkpoint.interval=2")
+        warned = "WARNING: parallel.zero=3 with parallel.ep=2 = dp x cp: each expert lives on one rank" in out.stderr
+        assert warned == (i == 2), (layout, out.stderr[-2000:])
+        if i == 1:  # ZeRO-3 x ep: the planner's model state is the engine's, byte for byte
+            first = next(r for r in records(run_dir) if r["step"] == 3 and "model_state_bytes" in r)
+            assert first["model_state_bytes"] == planned_kept(RUN + [steps] + layout, ranks, first["peak_memory_rank"])
         got = {r["step"]: r["loss"] for r in records(run_dir)}
         for step in (2 * i + 1, 2 * i + 2):
             assert abs(got[step] - ref[step]) <= 1e-10 * abs(ref[step]), (layout, step, got[step], ref[step])

@@ -408,6 +408,16 @@ def test_non_finite_numbers_are_refused_by_name(override):
         validate(load_config(str(CONFIGS / "tiny.toml"), [override]))
 
 
+def test_expert_parallelism_takes_every_zero_stage_and_refuses_compression():
+    """ZeRO 0-3 with parallel.ep > 1: the experts' state (at ZeRO-3 their parameters too) sharded over their
+    replicas; a compressed reduction still names both keys (the experts' gradients are summed uncompressed)."""
+    moe = ["moe.num_experts=4", "parallel.ep=2"]
+    for zero in (0, 1, 2, 3):
+        assert load_config(None, moe + [f"parallel.zero={zero}"]).parallel.zero == zero  # validated
+    with raises_naming("compression.method", "'topk' with parallel.ep=2", "compression.method='none'"):
+        load_config(None, moe + ["compression.method=topk"])
+
+
 @pytest.mark.parametrize("method", ["topk", "powersgd", "onebit-adam"])
 def test_zero_two_and_three_refuse_compression_in_one_line(method):
     """Sharded gradients cannot be compressed: ZeRO 2/3 with a compression method names both keys."""

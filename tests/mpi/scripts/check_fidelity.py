@@ -52,6 +52,13 @@ def train(cfg, mpi_world, tokens, steps):
             kept = p.requires_grad and (flat.zero_stage <= 1 or flat.bucket_of[id(p)].deferred)  # else freed
             grad = p.main_grad[pad:] if kept else torch.zeros(0)
             assert not p.detach()[pad:].any() and not grad.any(), f"{p.spec.name}: padding rows changed"
+    if flat.zero_stage == 3:  # every unit's bucket (the experts' too) kept as a slice, none gathered between steps
+        groups = getattr(flat, "parts", [flat])  # a FlatGroup with expert parallelism: dense, then the experts
+        for group in groups:
+            assert all(b.sharded and not is_allocated(b.param_values) for b in group.buckets if not b.deferred), \
+                "a zero-3 unit left whole or gathered"
+        if len(groups) > 1 and mpi_world.Get_rank() == 0:
+            print(f"EXPERTS SHARDED over {groups[1].dp_size} rank(s), {len(groups[1].buckets)} bucket(s)", flush=True)
     params = global_parameters(trainer)
     if cfg.lora.rank:
         check_lora(trainer, initial, params)
@@ -71,8 +78,12 @@ def check_lora(trainer, initial, params):
     if flat.zero_stage == 3:  # the frozen base sharded over the replica group too, nothing gathered between steps
         whole = sum(p.nbytes for p in trainer.parts.local_model.parameters() if not p.requires_grad)
         assert frozen is not None, "zero 3 left the frozen base whole"
-        padding = len(frozen.buckets) * flat.dp_size * frozen.slices.element_size()
-        assert whole / flat.dp_size <= frozen.memory_bytes() <= whole / flat.dp_size + padding, (frozen.memory_bytes(), whole)
+        groups = getattr(frozen, "parts", [frozen])  # with ep: the dense base, then the experts' (over ep_replica)
+        assert sum(p.nbytes for g in groups for b in g.buckets for p in b.params) == whole, "a frozen weight unsharded"
+        for g in groups:
+            mine = sum(p.nbytes for b in g.buckets for p in b.params)
+            padding = len(g.buckets) * g.dp_size * g.slices.element_size()
+            assert mine / g.dp_size <= g.memory_bytes() <= mine / g.dp_size + padding, (g.memory_bytes(), mine)
         assert not any(is_allocated(b.param_values) for b in frozen.buckets), "a frozen unit left gathered"
         print(f"FROZEN SHARDED {frozen.memory_bytes()} of {whole} bytes kept", flush=True)
     if params is None:
@@ -90,9 +101,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
+def variant_combos(variants: str) -> list:
+    """[((schedule, virtual stages), sequence parallel, zero)] of a --variants string."""
+    if variants == "all":
+        return list(itertools.product([("1f1b", 1), ("gpipe", 1)], [False, True], [0, 1]))
+    combos = []
+    for combo in variants.split("/"):
+        words = combo.split(",")
+        schedule = next(((w[:11], int(w[11:])) for w in words if w.startswith("interleaved")),
+                        ("gpipe", 1) if "gpipe" in words else ("1f1b", 1))
+        zero = next((int(w[4:]) for w in words if w in ("zero1", "zero2", "zero3")), 0)
+        combos.append((schedule, "sp" in words, zero))
+    return combos
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp" or "dp,tp,pp,cp"')
+    ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp", "dp,tp,pp,cp" or "dp,tp,pp,cp,ep", '
+                                                     'each optionally "|variants": its own, in place of --variants')
     ap.add_argument("--variants", default="1f1b", help='"/"-separated combinations, each ","-separated words '
                                                        'from 1f1b, gpipe, interleavedV (V virtual stages), sp, '
                                                        'zero1, zero2, zero3; or "all"')
@@ -109,16 +135,7 @@ def main():
     base = ["data.max_bytes=300000", "train.global_batch=8", "train.seq_len=16", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
             f"train.dtype={args.dtype}", "parallel.microbatches=2", "optim.grad_clip=1.0",
             "train.warmup_steps=1", "train.lr=1e-2", "model.tie_embeddings=false"] + args.overrides
-    if args.variants == "all":
-        combos = list(itertools.product([("1f1b", 1), ("gpipe", 1)], [False, True], [0, 1]))
-    else:
-        combos = []
-        for combo in args.variants.split("/"):
-            words = combo.split(",")
-            schedule = next(((w[:11], int(w[11:])) for w in words if w.startswith("interleaved")),
-                            ("gpipe", 1) if "gpipe" in words else ("1f1b", 1))
-            zero = next((int(w[4:]) for w in words if w in ("zero1", "zero2", "zero3")), 0)
-            combos.append((schedule, "sp" in words, zero))
+    combos = variant_combos(args.variants)
     single = [o for o in base if not o.startswith("parallel.stage_layers")]  # a split for pp > 1 only
     single += [o for o in args.reference.split(",") if o]
     cfg0 = load_config(None, single)
@@ -129,9 +146,10 @@ def main():
                           args.steps)[:2]
     world.Barrier()
     checks = 0
-    for layout in args.layouts.split(";"):
+    for entry in args.layouts.split(";"):
+        layout, _, own = entry.partition("|")  # "dp,tp,pp,cp,ep|variants": this layout's own variants
         dp, tp, pp, cp, ep = ([int(v) for v in layout.split(",")] + [1, 1])[:5]
-        for (schedule, virtual), sp, zero in combos:
+        for (schedule, virtual), sp, zero in variant_combos(own) if own else combos:
             name = f"dp={dp} tp={tp} pp={pp}{f' cp={cp}' if cp > 1 else ''}{f' ep={ep}' if ep > 1 else ''} {schedule}{virtual if virtual > 1 else ''} sp={sp} zero={zero} " \
                    f"{args.dtype}"
             cfg = load_config(None, base + [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}",

@@ -32,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 
 import torch
 
@@ -44,6 +45,7 @@ from hpctrain.comm.collectives import Communicator
 from hpctrain.comm.shm_memory import container_shm_fix
 from hpctrain.config import config_to_dict
 from hpctrain.errors import NodeFailure, everywhere
+from hpctrain.runtime import env
 from hpctrain.runtime.launcher import missing_thread_multiple
 
 STEP_PREFIX = "step-"
@@ -134,16 +136,34 @@ class LocalTier:
         self.holders = partners(self.rank, ckpt_cfg.replicas, info.node_of_rank, info.local_rank_of_rank)
         self.sources = [r for r in range(info.size)
                         if self.rank in partners(r, ckpt_cfg.replicas, info.node_of_rank, info.local_rank_of_rank)]
-        if ckpt_cfg.replicas and len(self.holders) < ckpt_cfg.replicas and self.rank == 0:
-            print(f"hpctrain: WARNING: checkpoint.replicas={ckpt_cfg.replicas} needs {ckpt_cfg.replicas + 1} nodes; "
-                  f"this job has {info.num_nodes}: {len(self.holders)} replica(s) per piece", file=sys.stderr,
-                  flush=True)
+        if ckpt_cfg.replicas and len(self.holders) < ckpt_cfg.replicas:  # the same on every rank
+            too_many = (f"checkpoint.replicas={ckpt_cfg.replicas} needs {ckpt_cfg.replicas + 1} nodes; this job has "
+                        f"{info.num_nodes}")
+            if not env.earlier_steps_ended():  # a first launch: the keys are wrong for this job
+                raise everywhere(CheckpointError(f"{too_many}: set checkpoint.replicas <= {info.num_nodes - 1} "
+                                                 f"(nodes - 1), or run on more nodes"))
+            if self.rank == 0:  # a relaunch shrunk onto fewer nodes (slurm/train.sbatch --restarts) goes on
+                print(f"hpctrain: WARNING: {too_many} (relaunched on fewer nodes): {len(self.holders)} replica(s) "
+                      f"per piece", file=sys.stderr, flush=True)
         problem = missing_thread_multiple("checkpoint.local_dir (pieces are written and sent on a thread)")
         if problem:  # the same on every rank: refused without communication
             raise everywhere(CheckpointError(problem + "; or leave checkpoint.local_dir empty"))
         world = grid.world
-        found = [(p, host) for p, host in world.allgather_object((self._unusable(), socket.gethostname())) if p]
+        host = socket.gethostname()
+        start = world.broadcast_object(uuid.uuid4().hex[:12] if self.rank == 0 else None, root=0)
+        found = [(p, h) for p, h in world.allgather_object((self._unusable(start), host)) if p]
+        if not found:  # every probe is written: may a node see another's? (a shared file system)
+            seen = world.allgather_object(self._probes_of_other_nodes(start, host))
+            self._remove_probe(start)
+            shared = sorted({h for hosts in seen for h in hosts})
+            if shared:
+                raise everywhere(CheckpointError(
+                    f"checkpoint.local_dir={ckpt_cfg.local_dir!r} is shared between nodes ({', '.join(shared[:4])}"
+                    + (f" and {len(shared) - 4} more" if len(shared) > 4 else "") + f" see each other's files in "
+                    f"{self.root}): the node-local tier needs each node's own disk or memory (/dev/shm, a local "
+                    f"NVMe, $TMPDIR), or {{hostname}} in the path"))
         if found:  # a missing, read-only or full local disk on any node: said before the first step, on every rank
+            self._remove_probe(start)
             problems = [p for p, _ in found]
             raise everywhere(NodeFailure(f"checkpoint.local_dir={ckpt_cfg.local_dir!r} is not usable: "
                                          + "; ".join(problems[:3])
@@ -155,17 +175,37 @@ class LocalTier:
         self.comm = Communicator(duplicate, "local-checkpoint", world.members, grid.watchdog, grid.stats,
                                  check=world.check)
 
-    def _unusable(self) -> str | None:
-        """Why this rank cannot write into its tier directory (created here), or None."""
-        probe = os.path.join(self.root, f".probe-{self.rank}")
+    def _probe(self, start: str, host: str | None = None) -> str:
+        return os.path.join(self.root, f".probe-{start}-{self.rank}-{host or socket.gethostname()}")
+
+    def _unusable(self, start: str) -> str | None:
+        """Why this rank cannot write into its tier directory (created here), or None; the probe written stays
+        until ``_remove_probe``, for ``_probes_of_other_nodes`` (``start``: this start's token, the same on
+        every rank)."""
+        probe = self._probe(start)
         try:
             os.makedirs(self.root, exist_ok=True)
             with open(probe, "wb") as f:
                 f.write(b"hpctrain")
-            os.remove(probe)
         except OSError as exc:
+            try:
+                os.remove(probe)
+            except OSError:
+                pass
             return f"{exc.filename or self.root}: {exc.strerror or exc} (rank {self.rank} on {socket.gethostname()})"
         return None
+
+    def _probes_of_other_nodes(self, start: str, host: str) -> list[str]:
+        """The hosts whose probes of this start this rank sees in its tier directory, other than its own."""
+        prefix = f".probe-{start}-"
+        return sorted({name[len(prefix):].split("-", 1)[1] for name in _names(self.root)
+                       if name.startswith(prefix) and name.count("-") >= 3} - {host})
+
+    def _remove_probe(self, start: str) -> None:
+        try:
+            os.remove(self._probe(start))
+        except OSError:
+            pass
 
     # ------------------------------------------------------------------ saving
     def due(self, step: int) -> bool:

@@ -237,3 +237,20 @@ def test_a_background_copy_that_raises_on_one_rank_stops_every_rank_within_a_ste
         in out.output, out.output[-3000:]
     assert max(losses(run)) <= 6, losses(run)  # agreed in the step after the copy, read one step late
     assert failed_nodes.read_text().split() == ["h2"]
+
+
+def test_a_local_dir_shared_between_nodes_and_too_many_replicas_are_refused_in_one_line(tmp_path):
+    """A checkpoint.local_dir that both emulated nodes see (no {hostname}: one shared file system) and
+    checkpoint.replicas above nodes - 1: one line naming the keys, exit 2, nothing written."""
+    shared = train(tmp_path / "run", f"checkpoint.local_dir={tmp_path}/shared", "checkpoint.local_interval=2",
+                   resume="none", check=False)
+    said = [line for line in shared.stderr.splitlines() if "hpctrain: error" in line]
+    assert shared.returncode == 2 and len(said) == 1 and "is shared between nodes (h1, h2" in said[0], shared.output
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert [p.name for p in (tmp_path / "shared").iterdir()] and not any(
+        p.name.startswith(".probe") for tier in (tmp_path / "shared").iterdir() for p in tier.iterdir())
+    many = train(tmp_path / "run2", f"checkpoint.local_dir={tmp_path}/local/{{hostname}}", "checkpoint.local_interval=2",
+                 "checkpoint.replicas=2", resume="none", check=False)
+    said = [line for line in many.stderr.splitlines() if "hpctrain: error" in line]
+    assert many.returncode == 2 and len(said) == 1 and "checkpoint.replicas=2 needs 3 nodes" in said[0], many.output
+    assert not (tmp_path / "run2" / "metrics.jsonl").exists() and not (tmp_path / "local").exists()

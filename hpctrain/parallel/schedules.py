@@ -1,4 +1,5 @@
-"""Pipeline schedules as data: per-rank action lists (GPipe, 1F1B, interleaved 1F1B), their point-to-point
+"""Pipeline schedules as data: per-rank action lists (GPipe, 1F1B, interleaved 1F1B; the zero-bubble ZB-H1
+and ZB-V of ``zero_bubble.py``, not yet selectable: the executor has no split backward), their point-to-point
 posts, and the strict-rendezvous deadlock check (``rendezvous_completes``) that proves them, and context
 parallelism's ring (``cp_comm.ring_plan``), deadlock-free. Pure Python: no torch, no MPI.
 
@@ -7,7 +8,8 @@ stage c. A pp rank r holds V virtual stages (``parallel.virtual_stages``; V > 1 
 c-th (c = 0..V-1) is virtual stage ``v = c * pp + r`` of a V * pp stage pipeline (Megatron's round-robin);
 gpipe and 1f1b have V = 1 (c = 0, v = r). Forward of virtual stage v receives from v - 1 and sends to
 v + 1, backward the reverse; on the pp ranks that is r -> r + 1 at the same c and pp - 1 -> 0 from c to
-c + 1 (a ring on the PP communicator).
+c + 1 (a ring on the PP communicator). The zero-bubble schedules add "W" (weight gradient; no message) and
+zb-v the V placement (``zero_bubble.virtual_stage``, ``v_shape``).
 
 Interleaved order (Narayanan et al. SC21 section 2.2; Megatron-LM ``forward_backward_pipelining_with_
 interleaving``): the V * M (micro-batch, virtual stage) units of a rank run in groups of pp micro-batches
@@ -17,7 +19,10 @@ one backward, then drains.
 """
 from __future__ import annotations
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from hpctrain.parallel.zero_bubble import (ZERO_BUBBLE_SCHEDULES, dependency, holder, virtual_stage,
+                                           zero_bubble_orders)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # what parallel.schedule accepts; ZERO_BUBBLE_SCHEDULES not yet
 
 
 def _unit(k: int, stages: int, virtual_stages: int, forward: bool) -> tuple[int, int]:
@@ -30,8 +35,10 @@ def _unit(k: int, stages: int, virtual_stages: int, forward: bool) -> tuple[int,
 def schedule_actions(kind: str, stage: int, stages: int, microbatches: int,
                      virtual_stages: int = 1) -> list[tuple[str, int, int]]:
     """The order of ("F" | "B", micro-batch, c) steps on pp rank ``stage`` of ``stages``; ``virtual_stages``
-    = V per rank (interleaved)."""
+    = V per rank (interleaved, zb-v). zb-h1 and zb-v add "W" steps (``zero_bubble.py``)."""
     m = microbatches
+    if kind in ZERO_BUBBLE_SCHEDULES:
+        return zero_bubble_orders(kind, stages, m, virtual_stages)[stage]
     if kind == "gpipe":
         return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
     if kind == "1f1b":
@@ -47,7 +54,8 @@ def schedule_actions(kind: str, stage: int, stages: int, microbatches: int,
         forwards = [("F", *_unit(k, stages, virtual_stages, True)) for k in range(total)]
         backwards = [("B", *_unit(k, stages, virtual_stages, False)) for k in range(total)]
     else:
-        raise ValueError(f"unknown pipeline schedule {kind!r}; expected one of {', '.join(SCHEDULES)}")
+        raise ValueError(f"unknown pipeline schedule {kind!r}; expected one of {', '.join(SCHEDULES)} "
+                         f"(or, not yet selectable, {', '.join(ZERO_BUBBLE_SCHEDULES)})")
     actions = forwards[:warmup]
     for f, b in zip(forwards[warmup:], backwards):  # steady state: one forward, one backward
         actions += [f, b]
@@ -65,17 +73,21 @@ def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> 
     return (stages - 1) / (virtual_stages * microbatches)
 
 
-def peer(op: str, stage: int, c: int, stages: int, virtual_stages: int,
-         direction: str) -> tuple[int, int] | None:
+def peer(op: str, stage: int, c: int, stages: int, virtual_stages: int, direction: str,
+         v_shape: bool = False) -> tuple[int, int] | None:
     """(pp rank, its c) that action ``op`` on pp rank ``stage``'s virtual stage c receives from (``direction``
-    "recv") or sends to ("send"); None when there is none (the first virtual stage's forward input, the last
-    one's output)."""
-    v = c * stages + stage
+    "recv") or sends to ("send"); None when there is no message: the first virtual stage's forward input, the
+    last one's output, a W, or a neighbour on the same rank (zb-v's turn on rank pp - 1: handed over in
+    memory). ``v_shape``: zb-v's placement."""
+    if op == "W":
+        return None
+    v = virtual_stage(stage, c, stages, v_shape)
     upstream = (op == "F") == (direction == "recv")  # forward receives from v-1; backward sends to v-1
     other = v - 1 if upstream else v + 1
     if not 0 <= other < stages * virtual_stages:
         return None
-    return other % stages, other // stages
+    rank, its_c = holder(other, stages, v_shape)
+    return None if rank == stage else (rank, its_c)
 
 
 def schedule_steps(kind: str, stage: int, stages: int, microbatches: int, virtual_stages: int = 1,
@@ -96,7 +108,8 @@ def schedule_steps(kind: str, stage: int, stages: int, microbatches: int, virtua
             + [[a] for a in actions[paired:]])
 
 
-def step_posts(steps: list, stage: int, stages: int, virtual_stages: int = 1) -> tuple[list, list[list]]:
+def step_posts(steps: list, stage: int, stages: int, virtual_stages: int = 1,
+               v_shape: bool = False) -> tuple[list, list[list]]:
     """(receives before the first step, [the post after step j]) for ``schedule_steps``' steps. The post after
     step j holds the sends of step j's actions, then the receives of step j + 1's, in action order, as one
     group (Megatron's send_forward_recv_backward and its kin). An operation is ("send" | "recv", "F" | "B",
@@ -104,7 +117,7 @@ def step_posts(steps: list, stage: int, stages: int, virtual_stages: int = 1) ->
     def ops(step, direction):
         found = []
         for op, i, c in step:
-            other = peer(op, stage, c, stages, virtual_stages, direction)
+            other = peer(op, stage, c, stages, virtual_stages, direction, v_shape)
             if other is not None:
                 found.append((direction, op, i, other[0], c))
         return found
@@ -119,23 +132,24 @@ def p2p_posts(kind: str, stage: int, stages: int, microbatches: int, virtual_sta
     """The point-to-point posts of ``stage`` in the order the executor issues them (``step_posts``, empty
     posts dropped); one list per NCCL group / set of MPI requests waited together."""
     first, after = step_posts(schedule_steps(kind, stage, stages, microbatches, virtual_stages, forward_only),
-                              stage, stages, virtual_stages)
+                              stage, stages, virtual_stages, kind == "zb-v")
     return [post for post in [first] + after if post]
 
 
-def message(op_tuple: tuple, rank: int, stages: int, virtual_stages: int) -> tuple:
+def message(op_tuple: tuple, rank: int, stages: int, virtual_stages: int, v_shape: bool = False) -> tuple:
     """The message a post operation carries: (F | B, micro-batch, sender virtual stage, receiver's)."""
     kind_, action, i, other, c = op_tuple
-    mine = c * stages + rank
+    mine = virtual_stage(rank, c, stages, v_shape)
     theirs = mine + ((1 if action == "F" else -1) * (1 if kind_ == "send" else -1))
     return (action, i, mine, theirs) if kind_ == "send" else (action, i, theirs, mine)
 
 
-def labelled(plans: list[list[list[tuple]]], virtual_stages: int = 1) -> list[list[list[tuple]]]:
+def labelled(plans: list[list[list[tuple]]], virtual_stages: int = 1,
+             v_shape: bool = False) -> list[list[list[tuple]]]:
     """Pipeline posts (``p2p_posts`` of every pp rank, in rank order) as ``rendezvous_completes`` reads them:
     each operation ``("send" | "recv", peer rank, the message it carries)``."""
     stages = len(plans)
-    return [[[(op[0], op[3], message(op, rank, stages, virtual_stages)) for op in post] for post in plan]
+    return [[[(op[0], op[3], message(op, rank, stages, virtual_stages, v_shape)) for op in post] for post in plan]
             for rank, plan in enumerate(plans)]
 
 
@@ -185,17 +199,27 @@ def simulate(kind: str, stages: int, microbatches: int, virtual_stages: int = 1,
     NCCL runs a rank's posts in stream order, each post blocks until all of it has matched, and the n-th
     message between two ranks must be the one the receiver expects (NCCL matches in order, not by tag)."""
     plans = [p2p_posts(kind, s, stages, microbatches, virtual_stages, forward_only) for s in range(stages)]
-    return rendezvous_completes(labelled(plans, virtual_stages))
+    return rendezvous_completes(labelled(plans, virtual_stages, kind == "zb-v"))
 
 
 def timeline(kind: str, stages: int, microbatches: int, virtual_stages: int = 1, forward: int = 1,
-             backward: int = 2) -> list[list[tuple[int, int, tuple]]]:
-    """When each action runs if a virtual stage's forward takes ``forward`` time units, its backward
-    ``backward``, and messages are instant: per rank, [(start, end, action)] in its schedule's order (each
-    action waits for its rank's previous one and for its input: forward of virtual stage v - 1, backward of
-    v + 1, or the last virtual stage's own forward)."""
-    plans = [schedule_actions(kind, s, stages, microbatches, virtual_stages) for s in range(stages)]
-    done: dict[tuple, int] = {}  # (op, micro-batch, rank, c) -> end time
+             backward: int = 2, weight: int | None = None) -> list[list[tuple[int, int, tuple]]]:
+    """When each action runs if a virtual stage's forward takes ``forward`` time units and messages are
+    instant: per rank, [(start, end, action)] in its schedule's order (each action waits for its rank's
+    previous one and for its input: ``zero_bubble.dependency``). ``weight`` None: a full backward takes
+    ``backward``, which zb-h1 and zb-v split into B = ``backward - backward // 2`` and W = ``backward // 2``;
+    else B takes ``backward`` and W ``weight`` (a full backward ``backward + weight``)."""
+    split, v_shape = kind in ZERO_BUBBLE_SCHEDULES, kind == "zb-v"
+    w = backward // 2 if weight is None else weight
+    cost = {"F": forward, "B": backward - (w if weight is None else 0) if split else backward + (weight or 0),
+            "W": w}
+    if min(cost[op] for op in ("FBW" if split else "FB")) < 1:
+        raise ValueError(f"every action of {kind} needs at least one time unit, got F={cost['F']}, B={cost['B']}"
+                         + (f", W={cost['W']}" if split else ""))
+    plans = [schedule_actions(kind, s, stages, microbatches, virtual_stages) for s in range(stages)] if not split \
+        else zero_bubble_orders(kind, stages, microbatches, virtual_stages)
+    last = stages * virtual_stages - 1
+    done: dict[tuple, int] = {}  # (op, micro-batch, virtual stage) -> end time
     pos, clock = [0] * stages, [0] * stages
     out: list[list[tuple[int, int, tuple]]] = [[] for _ in range(stages)]
     progressed = True
@@ -204,12 +228,12 @@ def timeline(kind: str, stages: int, microbatches: int, virtual_stages: int = 1,
         for s in range(stages):
             while pos[s] < len(plans[s]):
                 op, i, c = plans[s][pos[s]]
-                source = peer(op, s, c, stages, virtual_stages, "recv")
-                need = (op, i, *source) if source else (("F", i, s, c) if op == "B" else None)
+                v = virtual_stage(s, c, stages, v_shape)
+                need = dependency(op, i, v, last)
                 if need is not None and need not in done:
                     break
-                start = max(clock[s], done.get(need, 0) if need is not None else 0)
-                clock[s] = done[(op, i, s, c)] = start + (forward if op == "F" else backward)
+                start = max(clock[s], done[need] if need is not None else 0)
+                clock[s] = done[(op, i, v)] = start + cost[op]
                 out[s].append((start, clock[s], (op, i, c)))
                 pos[s] += 1
                 progressed = True
@@ -219,14 +243,15 @@ def timeline(kind: str, stages: int, microbatches: int, virtual_stages: int = 1,
 
 
 def render_timeline(kind: str, stages: int, microbatches: int, virtual_stages: int = 1, forward: int = 1,
-                    backward: int = 2, cell: int = 0) -> str:
+                    backward: int = 2, cell: int = 0, weight: int | None = None) -> str:
     """A text Gantt chart of ``timeline`` (a virtual stage's forward ``forward`` units, its backward
-    ``backward``), one line per pp rank: ``F3`` is the forward of micro-batch 3 (``F3.1``: through the rank's
-    virtual stage c = 1), ``B3 --`` a backward over several units, ``.`` an idle unit, then the rank's idle
-    share of the step; ``cell`` characters a unit (0: the longest label's + 1). To compare schedules at one
-    time scale give 1f1b V times the units of interleaved and both one ``cell``. docs/parallelism.md shows these
-    (tests/unit/test_pipeline_schedule.py keeps them equal)."""
-    rows = timeline(kind, stages, microbatches, virtual_stages, forward, backward)
+    ``backward``, W ``weight``: see ``timeline``), one line per pp rank: ``F3`` is the forward of micro-batch 3
+    (``F3.1``: through the rank's virtual stage c = 1), ``B3 --`` a backward over several units, ``W3`` a
+    weight gradient, ``.`` an idle unit, then the rank's idle share of the step; ``cell`` characters a unit
+    (0: the longest label's + 1). To compare schedules at one time scale give 1f1b V times the units of
+    interleaved and both one ``cell``. docs/parallelism.md shows these (tests/unit/test_pipeline_schedule.py
+    keeps them equal)."""
+    rows = timeline(kind, stages, microbatches, virtual_stages, forward, backward, weight)
     width = cell or 1 + max(len(_label(a, virtual_stages)) for row in rows for _, _, a in row)
     span = max(end for row in rows for _, end, _ in row)
     lines = []
@@ -249,7 +274,20 @@ def _label(action: tuple, virtual_stages: int) -> str:
     return f"{op}{i}" + (f".{c}" if virtual_stages > 1 else "")
 
 
-if __name__ == "__main__":  # python -m hpctrain.parallel.schedules KIND PP M [V [FORWARD BACKWARD]]
+def main(argv: list[str]) -> str:
+    """The chart ``python -m hpctrain.parallel.schedules`` prints for ``argv``: KIND PP M [V [F B [W]]] for zb-h1
+    and zb-v (then an optional cell width), KIND PP M [V [F B [CELL]]] for the others (docs/parallelism.md's
+    commands). Defaults F = 1, B = 2, W: B split in halves, so F = B = W = 1 for zb-h1 and zb-v."""
+    kind, numbers = argv[0], [int(a) for a in argv[1:]]
+    names = ["stages", "microbatches", "virtual_stages", "forward", "backward"]
+    names += ["weight", "cell"] if kind in ZERO_BUBBLE_SCHEDULES else ["cell"]
+    return render_timeline(kind, **dict(zip(names, numbers)))
+
+
+if __name__ == "__main__":  # python -m hpctrain.parallel.schedules KIND PP M [V [F B [W]]]
     import sys
 
-    print(render_timeline(sys.argv[1], *map(int, sys.argv[2:])))
+    try:
+        print(main(sys.argv[1:]))
+    except ValueError as error:
+        sys.exit(f"error: {error}")

@@ -1,0 +1,227 @@
+"""Zero-bubble pipeline schedules as data (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): the
+backward of a micro-batch through a virtual stage is split into B (the input gradient, which the previous
+virtual stage waits for) and W (the weight gradient, which nobody waits for), and W fills the bubbles.
+Pure Python: no torch, no MPI. ``schedules.py`` serves these orders through ``schedule_actions``, proves them
+deadlock-free (``simulate``) and draws them (``render_timeline``).
+
+Not yet selectable: the executor has no split backward (``PipelineExecutor`` runs one full backward per "B"),
+so ``parallel.schedule``, ``hpctrain plan`` and ``hpctrain info`` do not accept ``zb-h1`` or ``zb-v``.
+
+Actions are ``(op, i, c)`` as in ``schedules.py``, op one of "F", "B" (input gradient only) and "W" (weight
+gradient of micro-batch i through the rank's virtual stage c; no communication, it runs on the rank that
+ran that B, any time after it).
+
+- ``zb-h1`` (V = 1): rank r holds virtual stage r, as 1F1B.
+- ``zb-v`` (V = 2, the V shape): rank r holds virtual stage r (c = 0) and 2 pp - 1 - r (c = 1), so rank 0
+  runs the first and the last; the forward goes down the ranks through c = 0, turns on rank pp - 1 (an
+  in-memory hand-over from c = 0 to c = 1, no message) and comes back up through c = 1.
+
+ZB-H1 is 1F1B's order with rank r's Ws deferred by r backwards (``zb_h1_order``); ZB-V's order comes from
+list scheduling at unit times (``zb_v_orders``). An order is the schedule whatever the real times; at
+F = B = W = 1 ZB-H1's step takes 3 M + pp - 1 units (1F1B's 3 M + 3 (pp - 1)) and ZB-V's about
+6 M + pp - 1 units of a virtual stage, the least a rank that receives its first input after pp - 1 units
+can take.
+
+Memory, counted per rank in units of one virtual stage's activations of one micro-batch: a (micro-batch, c)
+is alive from its F until its W (W still reads the saved inputs of the layers; after B alone most of them,
+the activation gradients' operands, could be freed, which this count ignores: it is the strict one).
+1F1B's peak, on its first rank, is ``min(pp, M)`` micro-batches of a whole stage, ``V min(pp, M)`` units.
+Both schedules keep every rank's alive units within it (``memory_problems``); ZB-H1 also keeps 1F1B's count
+on each rank of micro-batches with F done and B not (at most ``min(pp - r, M)``). Keeping the alive count
+itself within 1F1B's per-rank ``min(pp - r, M)`` is impossible at a third of the bubble: the last rank could
+hold one micro-batch, so its F, B, W would run back to back and the step could not be shorter than
+3 M + 2 (pp - 1) units, two thirds of 1F1B's bubble.
+"""
+from __future__ import annotations
+
+ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zb-v")
+
+Action = tuple[str, int, int]
+
+
+def virtual_stage(stage: int, c: int, stages: int, v_shape: bool = False) -> int:
+    """The virtual stage that pp rank ``stage``'s c-th holds: ``c * pp + stage`` (Megatron's round robin), or
+    in the V shape (zb-v) ``stage`` for c = 0 and ``2 pp - 1 - stage`` for c = 1."""
+    if v_shape:
+        return stage if c == 0 else 2 * stages - 1 - stage
+    return c * stages + stage
+
+
+def holder(v: int, stages: int, v_shape: bool = False) -> tuple[int, int]:
+    """(pp rank, its c) that holds virtual stage ``v``; the inverse of ``virtual_stage``."""
+    if v_shape:
+        return (v, 0) if v < stages else (2 * stages - 1 - v, 1)
+    return v % stages, v // stages
+
+
+def dependency(op: str, i: int, v: int, last: int) -> tuple[str, int, int] | None:
+    """The action ``(op, micro-batch, virtual stage)`` that ``op`` of micro-batch i through virtual stage v
+    waits for: forward of v - 1 (none for v = 0), B of v + 1 (the last virtual stage's own forward), or,
+    for W, its own B."""
+    if op == "F":
+        return ("F", i, v - 1) if v > 0 else None
+    if op == "B":
+        return ("B", i, v + 1) if v < last else ("F", i, v)
+    return ("B", i, v)
+
+
+def check_arguments(kind: str, stages: int, microbatches: int, virtual_stages: int) -> None:
+    """Raises ValueError naming what ``kind`` needs: zb-h1 V = 1, zb-v V = 2, both pp >= 2 and M >= pp."""
+    needed = {"zb-h1": 1, "zb-v": 2}[kind]
+    if virtual_stages != needed:
+        shape = "two virtual stages per rank in the V shape" if kind == "zb-v" else "one virtual stage per rank"
+        raise ValueError(f"{kind} needs V={needed} ({shape}), got V={virtual_stages}")
+    if stages < 2 or microbatches < stages:
+        raise ValueError(f"{kind} needs pp >= 2 and micro-batches M >= pp, got pp={stages}, M={microbatches}")
+
+
+def zero_bubble_orders(kind: str, stages: int, microbatches: int, virtual_stages: int) -> list[list[Action]]:
+    """Every pp rank's action list (``(op, micro-batch, c)``, op F, B or W) of ``kind``, zb-h1 or zb-v."""
+    check_arguments(kind, stages, microbatches, virtual_stages)
+    if kind == "zb-h1":
+        return [zb_h1_order(r, stages, microbatches) for r in range(stages)]
+    return zb_v_orders(stages, microbatches)
+
+
+def zb_h1_order(stage: int, stages: int, microbatches: int) -> list[Action]:
+    """ZB-H1 on pp rank ``stage``: 1F1B's order of F and B (``pp - r - 1`` warm-up forwards, then one F and
+    one B, then the remaining Bs), the W of micro-batch k right after the B of micro-batch k + r, and the
+    last r Ws at the end: rank r defers its Ws by r backwards, which fills the drain (Qi et al. section 3.1)."""
+    m, warmup = microbatches, stages - stage - 1
+    order = [("F", i, 0) for i in range(warmup)]
+    for k in range(m):
+        order += [("F", warmup + k, 0)] if warmup + k < m else []
+        order += [("B", k, 0)] + ([("W", k - stage, 0)] if k >= stage else [])
+    return order + [("W", k, 0) for k in range(m - stage, m)]
+
+
+def zb_v_orders(stages: int, microbatches: int) -> list[list[Action]]:
+    """ZB-V's action list of every pp rank, by list scheduling at F = B = W = 1 time unit. At every tick each
+    rank runs the first runnable of: its next B (older micro-batch first, then c = 1), its next F (c = 1
+    first), its oldest pending W. An action is runnable when its input is here: a neighbour's message that
+    is the oldest not yet used on that link (NCCL matches in order), or its own earlier action; when a
+    message it sends finds the link to its peer empty (one message in flight per link, so a send's receive
+    is posted soon: the strict rendezvous completes); and, for an F entering c = 0, when the rank it runs
+    on keeps ``load`` (alive units, one reserved for each micro-batch between its c = 0 and c = 1 forward,
+    two for each c = 0 forward on its way there) within 1F1B's peak ``2 min(pp, M)``. The per-rank order is
+    the schedule."""
+    m, last, cap = microbatches, 2 * stages - 1, 2 * min(stages, microbatches)
+    finished: set[tuple[str, int, int]] = set()  # (op, micro-batch, virtual stage) run in an earlier tick
+    next_f = [[0, 0] for _ in range(stages)]  # per rank, per c: the next micro-batch to run F (or B) for
+    next_b = [[0, 0] for _ in range(stages)]
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(stages)]  # (micro-batch, c) in B order
+    links: dict[tuple[int, int], list[tuple[str, int, int]]] = {}  # (sender, receiver) -> messages not yet used
+    entering = [0] * stages  # c = 0 forwards sent to the rank, not yet run there
+    orders: list[list[Action]] = [[] for _ in range(stages)]
+
+    def load(r: int) -> int:
+        alive = sum(next_f[r]) - sum(next_b[r]) + len(pending_w[r])
+        return alive + next_f[r][0] - next_f[r][1] + 2 * entering[r]
+
+    def source(op: str, i: int, r: int, c: int) -> tuple[int | None, tuple[str, int, int] | None]:
+        need = dependency(op, i, virtual_stage(r, c, stages, True), last)
+        sender = None if need is None else holder(need[2], stages, True)[0]
+        return (None if sender == r else sender), need
+
+    def target(op: str, r: int, c: int) -> int | None:
+        v = virtual_stage(r, c, stages, True) + (1 if op == "F" else -1)
+        receiver = holder(v, stages, True)[0] if 0 <= v <= last else r
+        return None if receiver == r else receiver
+
+    def runnable(r: int, op: str, i: int, c: int) -> bool:
+        if i >= (m if op == "F" else next_f[r][c]):
+            return False
+        sender, need = source(op, i, r, c)
+        receiver = target(op, r, c)
+        waiting = links.get((sender, r), []) if sender is not None else []
+        arrived = need is None or need in finished if sender is None else bool(waiting) and waiting[0] == need
+        room = not (op == "F" and c == 0 and sender is None and load(r) + 2 > cap)
+        if receiver is not None:
+            room = room and not links.get((r, receiver)) and not (op == "F" and c == 0 and load(receiver) + 2 > cap)
+        return arrived and room
+
+    def pick(r: int) -> Action | None:
+        backwards = [("B", next_b[r][c], c) for c in (1, 0) if runnable(r, "B", next_b[r][c], c)]
+        if backwards:
+            return min(backwards, key=lambda action: action[1])
+        forwards = [("F", next_f[r][c], c) for c in (1, 0) if runnable(r, "F", next_f[r][c], c)]
+        if forwards:
+            return forwards[0]
+        return ("W", *pending_w[r][0]) if pending_w[r] else None
+
+    def run(r: int, action: Action, sent: list[tuple[tuple[int, int], tuple[str, int, int]]]) -> None:
+        op, i, c = action
+        if op != "W":
+            sender, _ = source(op, i, r, c)
+            if sender is not None:
+                links[(sender, r)].pop(0)
+                entering[r] -= op == "F" and c == 0
+            receiver = target(op, r, c)
+            if receiver is not None:
+                sent.append(((r, receiver), (op, i, virtual_stage(r, c, stages, True))))
+                entering[receiver] += op == "F" and c == 0
+        if op == "F":
+            next_f[r][c] += 1
+        elif op == "B":
+            next_b[r][c] += 1
+            pending_w[r].append((i, c))
+        else:
+            pending_w[r].pop(0)
+        orders[r].append(action)
+
+    tick = 0
+    while any(len(order) < 6 * m for order in orders):
+        ran: list[tuple[str, int, int]] = []
+        sent: list[tuple[tuple[int, int], tuple[str, int, int]]] = []  # ranks decide in turn, each seeing the loads its predecessors this tick left
+        for r in range(stages):
+            action = pick(r)
+            if action is not None:
+                run(r, action, sent)
+                ran.append((action[0], action[1], virtual_stage(r, action[2], stages, True)))
+        if not ran:
+            raise RuntimeError(f"zb-v list scheduling stalled at tick {tick} (pp={stages}, M={m})")
+        finished.update(ran)  # what ran and was sent this tick is there for the next one
+        for link, message in sent:
+            links.setdefault(link, []).append(message)
+        tick += 1
+    return orders
+
+
+def order_problems(orders: list[list[Action]], microbatches: int, virtual_stages: int) -> list[str]:
+    """What breaks the split-backward rules, one line each (empty: none): every (micro-batch, c) of every
+    rank runs exactly one F, one B and one W, B after F and W after B."""
+    found = []
+    units = [(i, c) for i in range(microbatches) for c in range(virtual_stages)]
+    for r, order in enumerate(orders):
+        if sorted(order) != sorted((op, i, c) for op in "FBW" for i, c in units):
+            found.append(f"rank {r}: not exactly one F, B and W per (micro-batch, c)")
+            continue
+        position = {action: k for k, action in enumerate(order)}
+        found += [f"rank {r}: micro-batch {i}, c={c}: F, B, W out of order" for i, c in units
+                  if not position[("F", i, c)] < position[("B", i, c)] < position[("W", i, c)]]
+    return found
+
+
+def peak_alive(order: list[Action], until: str = "W") -> int:
+    """The most (micro-batch, c) whose F has run and whose ``until`` ("W", or "B" for the whole activations)
+    has not, at any point of ``order``."""
+    alive = peak = 0
+    for op, _, _ in order:
+        alive += 1 if op == "F" else -1 if op == until else 0
+        peak = max(peak, alive)
+    return peak
+
+
+def memory_problems(kind: str, orders: list[list[Action]], microbatches: int, virtual_stages: int) -> list[str]:
+    """Where ``orders`` exceed 1F1B's activation memory, one line each (empty: nowhere): on any rank more
+    alive units (F run, W not) than 1F1B's peak ``V min(pp, M)``; for zb-h1 also, on rank r, more micro-batches
+    with F run and B not than 1F1B's ``min(pp - r, M)`` there."""
+    stages, found = len(orders), []
+    for r, order in enumerate(orders):
+        alive, cap = peak_alive(order), virtual_stages * min(stages, microbatches)
+        if alive > cap:
+            found.append(f"rank {r}: {alive} alive (micro-batch, c) > 1F1B's peak {cap}")
+        whole, own = peak_alive(order, "B"), min(stages - r, microbatches)
+        if kind == "zb-h1" and whole > own:
+            found.append(f"rank {r}: {whole} micro-batches between F and B > 1F1B's {own}")
+    return found

@@ -1,0 +1,107 @@
+"""Zero-bubble schedules (ZB-H1, ZB-V; hpctrain/parallel/zero_bubble.py): for every pp in 2..16 and M from pp
+to 64, complete (one F, B, W per micro-batch and virtual stage, in that order), within 1F1B's activation
+memory, deadlock-free under strict rendezvous; ZB-H1 idles a third of 1F1B at F = B = W."""
+import pytest
+
+from hpctrain.parallel.schedules import (labelled, main, p2p_posts, rendezvous_completes, schedule_actions,
+                                         simulate, step_posts, timeline)
+from hpctrain.parallel.zero_bubble import memory_problems, order_problems, peak_alive, zero_bubble_orders
+
+KINDS = [("zb-h1", 1), ("zb-v", 2)]
+
+
+def microbatch_counts(stages: int) -> list[int]:
+    """M = pp, pp + 1 (fill and drain overlap), 2 pp - 1, 2 pp (ZB-V's full warm-up), 3 pp + 1 and 64."""
+    return sorted({m for m in (stages, stages + 1, 2 * stages - 1, 2 * stages, 3 * stages + 1, 64) if m <= 64})
+
+
+def posts_complete(kind: str, orders: list, virtual_stages: int, forward_only: bool = False) -> bool:
+    """``simulate``'s check on precomputed orders: each action a step, ``step_posts`` between them (empty
+    posts dropped), under ``rendezvous_completes``."""
+    v_shape, plans = kind == "zb-v", []
+    for stage, order in enumerate(orders):
+        steps = [[a] for a in order if not forward_only or a[0] == "F"]
+        first, after = step_posts(steps, stage, len(orders), virtual_stages, v_shape)
+        plans.append([post for post in [first] + after if post])
+    return rendezvous_completes(labelled(plans, virtual_stages, v_shape))
+
+
+@pytest.mark.parametrize("kind,virtual_stages", KINDS)
+@pytest.mark.parametrize("stages", range(2, 17))
+def test_complete_within_1f1b_memory_and_deadlock_free(kind, virtual_stages, stages):
+    for m in microbatch_counts(stages):
+        orders = zero_bubble_orders(kind, stages, m, virtual_stages)
+        assert order_problems(orders, m, virtual_stages) == [], (stages, m)
+        assert memory_problems(kind, orders, m, virtual_stages) == [], (stages, m)
+        if m in (stages, stages + 1, 2 * stages - 1, 64):  # the strict check costs most: these M
+            assert posts_complete(kind, orders, virtual_stages), (stages, m)
+        if m in (stages, 64):
+            assert posts_complete(kind, orders, virtual_stages, forward_only=True), (stages, m)
+
+
+@pytest.mark.parametrize("kind,virtual_stages", KINDS)
+def test_schedule_actions_and_simulate_serve_them(kind, virtual_stages):
+    orders = zero_bubble_orders(kind, 4, 8, virtual_stages)
+    assert [schedule_actions(kind, s, 4, 8, virtual_stages) for s in range(4)] == orders
+    assert simulate(kind, 4, 8, virtual_stages) and simulate(kind, 4, 8, virtual_stages, forward_only=True)
+    assert all(op != "W" for post in p2p_posts(kind, 1, 4, 8, virtual_stages) for _, op, *_ in post)
+
+
+def test_zb_h1_keeps_1f1bs_order_and_memory():
+    """The F/B order of 1F1B; the most alive (F run, W not) on any rank is 1F1B's peak pp (its first rank);
+    micro-batches between F and B on rank r at most 1F1B's pp - r."""
+    stages, m = 4, 8
+    for r in range(stages):
+        order = schedule_actions("zb-h1", r, stages, m)
+        assert [a for a in order if a[0] != "W"] == schedule_actions("1f1b", r, stages, m)
+        assert peak_alive(order) == stages and peak_alive(order, "B") == stages - r
+
+
+def test_zb_v_places_chunks_in_a_v():
+    """Rank pp - 1 hands c = 0's forward to its c = 1 in memory: no message; rank 0 runs the loss (c = 1)."""
+    posts = p2p_posts("zb-v", 1, 2, 2, 2)  # pp = 2: rank 1 holds virtual stages 1 and 2
+    assert all(op[3] == 0 for post in posts for op in post)
+    assert ("recv", "F", 0, 0, 0) in posts[0] and not any(op[1] == "F" and op[0] == "send" and op[4] == 0
+                                                          for post in posts for op in post)
+
+
+def idle_units(kind, stages, m, virtual_stages, **times) -> int:
+    rows = timeline(kind, stages, m, virtual_stages, **times)
+    span = max(end for row in rows for _, end, _ in row)
+    return span - sum(end - start for start, end, _ in rows[0])
+
+
+@pytest.mark.parametrize("stages,m", [(2, 4), (4, 8), (8, 32), (16, 64)])
+def test_zb_h1_idles_a_third_of_1f1b(stages, m):
+    """F = B = W = 1 (1F1B's backward is B + W = 2): 1F1B idles 3 (pp - 1) units a rank, ZB-H1 pp - 1."""
+    assert idle_units("1f1b", stages, m, 1) == 3 * (stages - 1)
+    assert idle_units("zb-h1", stages, m, 1) == stages - 1
+    assert idle_units("1f1b", stages, m, 1, backward=1, weight=1) == 3 * (stages - 1)
+    assert idle_units("zb-h1", stages, m, 1, backward=1, weight=1) == stages - 1
+
+
+def test_zb_v_idles_less_than_zb_h1():
+    """Units of a virtual stage (half a stage): ZB-V's idle at pp = 4, M = 8 is the least possible, pp - 1
+    (the last rank's wait for its first input), half of ZB-H1's in stage time."""
+    assert idle_units("zb-v", 4, 8, 2) == 3
+
+
+def test_bad_input_is_refused_by_name():
+    with pytest.raises(ValueError, match="zb-v needs V=2"):
+        schedule_actions("zb-v", 0, 4, 8)
+    with pytest.raises(ValueError, match="zb-h1 needs V=1"):
+        schedule_actions("zb-h1", 0, 4, 8, 2)
+    for kind, virtual_stages in KINDS:
+        with pytest.raises(ValueError, match=f"{kind} needs pp >= 2 and micro-batches M >= pp, got pp=4, M=3"):
+            schedule_actions(kind, 0, 4, 3, virtual_stages)
+    with pytest.raises(ValueError, match="zb-h1, zb-v"):
+        schedule_actions("zb-h2", 0, 4, 8)
+
+
+def test_the_printer_takes_w():
+    """KIND PP M [V [F B [W]]]: W given, B is the input gradient alone; the other kinds keep their 7th number as
+    the cell width (docs/parallelism.md)."""
+    assert main(["zb-h1", "2", "4"]) == main(["zb-h1", "2", "4", "1", "1", "1", "1"])
+    assert "W3" in main(["zb-h1", "2", "4"]) and "idle 8% of the step" in main(["zb-h1", "2", "4"])
+    assert "W3.1" in main(["zb-v", "2", "4", "2"])
+    assert main(["1f1b", "2", "4", "1", "2", "4", "5"]).startswith("rank 0 | F0 ------ F1 ------ .    .")

@@ -36,7 +36,9 @@ def train(nprocs, run_dir, *args, check=True, env=None, timeout=180):
 
 
 def start_train(nprocs, run_dir, *args) -> subprocess.Popen:
-    cmd = ["timeout", "-k", "5", "300"] + mpiexec() + ["-n", str(nprocs), sys.executable, "-m", "hpctrain.cli",
+    # -k 60: hydra's mpiexec passes a SIGTERM on to its process group, `timeout` included, which then SIGKILLs
+    # the group -k seconds later: a graceful stop on a loaded machine needs more than 5 s to save and exit
+    cmd = ["timeout", "-k", "60", "300"] + mpiexec() + ["-n", str(nprocs), sys.executable, "-m", "hpctrain.cli",
                                                        "train", *TINY, f"train.run_dir={run_dir}", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL, start_new_session=True)

@@ -28,7 +28,8 @@ CASES = [  # (overrides, the key the line names)
     (["moe.num_experts=4", "moe.top_k=5"], "moe.top_k"),
     (["moe.num_experts=4", "parallel.ep=3"], "parallel.ep"),  # does not divide the experts
     (["moe.num_experts=6", "parallel.ep=3", "parallel.tp=1", "parallel.pp=1"], "parallel.ep"),  # nor dp x cp = 2
-    (["moe.num_experts=4", "parallel.ep=2", "parallel.tp=1", "parallel.pp=1", "parallel.zero=3"], "parallel.zero"),
+    (["moe.num_experts=4", "parallel.ep=2", "parallel.tp=1", "parallel.pp=1", "compression.method=topk"],
+     "compression.method"),  # the experts' gradients are reduced uncompressed
     (["model.vocab_size=16777216", "model.d_model=65536", "model.n_heads=64", "model.n_kv_heads=64"],
      "model.vocab_size=16777216 padded to"),  # fits no host: refused by the memory check, before allocation
 ]

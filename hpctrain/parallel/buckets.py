@@ -11,7 +11,7 @@ keeps, so a parameter built on the meta device is never held whole by a rank tha
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,3 +167,22 @@ def place_params(bucket: Bucket, offsets: dict, dp_rank: int, dp_size: int) -> N
             spec, rule = piece.param.spec, piece.param.init  # type: ignore[attr-defined]  # (parallel/param_init.py)
             fill_(bucket.param_slice[at:at + piece.flat_hi - piece.flat_lo], spec, rule, lo=piece.param_lo)
     free(bucket.param_values)
+
+
+def buckets_holding(bucket_of: dict[int, Bucket], params) -> list[Bucket]:
+    """The buckets of ``bucket_of`` (``id(param)`` -> bucket) holding any of ``params``, in first-use order."""
+    found: list[Bucket] = []
+    for p in params:
+        bucket = bucket_of.get(id(p))
+        if bucket is not None and bucket not in found:
+            found.append(bucket)
+    return found
+
+
+@contextmanager
+def all_gathered(parts):
+    """Every part's ``gathered()`` entered in order (collective over each part's group), left in reverse."""
+    with ExitStack() as stack:
+        for part in parts:
+            stack.enter_context(part.gathered())
+        yield

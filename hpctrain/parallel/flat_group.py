@@ -9,9 +9,9 @@ buckets (``FlatOptimizer.grad_norm_sq_tensor``), and the experts of different ep
 """
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
-
 import torch
+
+from hpctrain.parallel.buckets import all_gathered
 
 
 class FlatGroup:
@@ -51,12 +51,8 @@ class FlatGroup:
         for f in self.parts:
             f.gather_params()
 
-    @contextmanager
     def gathered(self):
-        with ExitStack() as stack:
-            for f in self.parts:
-                stack.enter_context(f.gathered())
-            yield
+        return all_gathered(self.parts)
 
     def memory_bytes(self) -> dict[str, int]:
         totals: dict[str, int] = {}

@@ -18,11 +18,10 @@ they do the trainable slices: the base is never gathered for a save or a load. C
 """
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
-
 import torch
 
-from hpctrain.parallel.buckets import Bucket, ParamPiece, free, gather_whole, place_params, sharded_pieces
+from hpctrain.parallel.buckets import (Bucket, ParamPiece, all_gathered, buckets_holding, free, gather_whole, place_params,
+                                      sharded_pieces)
 
 
 class FrozenShards:
@@ -61,12 +60,7 @@ class FrozenShards:
 
     def buckets_of(self, params) -> list[Bucket]:
         """The buckets holding any of ``params``, in first-use order."""
-        found: list[Bucket] = []
-        for p in params:
-            bucket = self.bucket_of.get(id(p))
-            if bucket is not None and bucket not in found:
-                found.append(bucket)
-        return found
+        return buckets_holding(self.bucket_of, params)
 
     def pieces(self) -> list[tuple[ParamPiece, int, int]]:
         """(piece, k, at) for every run of parameter elements this rank keeps: elements [piece.param_lo,
@@ -96,12 +90,7 @@ class FrozenGroup:
 
     def buckets_of(self, params) -> list[Bucket]:
         """The buckets holding any of ``params``, in first-use order."""
-        found: list[Bucket] = []
-        for p in params:
-            bucket = self.bucket_of.get(id(p))
-            if bucket is not None and bucket not in found:
-                found.append(bucket)
-        return found
+        return buckets_holding(self.bucket_of, params)
 
     def pieces(self) -> list[tuple[ParamPiece, int, int]]:
         """``FrozenShards.pieces`` of every part, ``k`` indexing ``buckets`` (all parts' in order)."""
@@ -114,10 +103,6 @@ class FrozenGroup:
     def memory_bytes(self) -> int:
         return sum(f.memory_bytes() for f in self.parts)
 
-    @contextmanager
     def gathered(self):
         """Collective over each part's group: every frozen unit gathered, freed again on exit."""
-        with ExitStack() as stack:
-            for f in self.parts:
-                stack.enter_context(f.gathered())
-            yield
+        return all_gathered(self.parts)

@@ -68,6 +68,17 @@ class TrainConfig:
     warmup_steps: int = key(5, min=0, help="Steps of linear warm-up from lr / warmup_steps to lr.")
     lr_schedule: str = key("cosine", choices=("cosine", "constant", "linear"), help=(
         "After warm-up: `cosine` or `linear` decay to min_lr at the last step, or `constant`."))
+    fp8: str = key("none", choices=("none", "tensorwise", "rowwise"), help=(
+        "Float8 matmuls in the transformer blocks' linears (attention q/k/v/o, the MLP, the experts' linears) "
+        "through torchao's `torchao.float8` casts (the `fp8` extra): `tensorwise` (one dynamic scale per tensor) "
+        "or `rowwise` (one per row, power-of-2 scales); the embedding, LM head and MoE router stay in "
+        "`train.dtype`. Scales are computed over the whole logical tensor (amax max-reduced over the tp group "
+        "where a tensor is split), so every layout computes what one process does. Needs `train.dtype=bfloat16` "
+        "(float32 too with `train.fp8_emulate`) and an sm89+ GPU, or `train.fp8_emulate`. Nothing fp8 is saved: "
+        "the masters stay float32. See docs/gpus.md (FP8)."))
+    fp8_emulate: bool = key(False, help=(
+        "Emulate `train.fp8` (the CPU, or a GPU below sm89): the same casts and scales, each float8 operand "
+        "dequantised and the matmul run in float32 (torchao's emulation). Not a speed path."))
     recompute: bool = key(False, help=(
         "Activation checkpointing: keep only each block's input and recompute the block in backward (less memory, "
         "about a third more compute)."))

@@ -131,7 +131,7 @@ def problems(cfg: Config) -> list[ConfigError]:
               lambda: _check_moe(cfg.moe, m, p.ep), lambda: _check_experts_parallel(cfg.moe, m, p.ep,
                                                                                     cfg.compression.method),
               lambda: _check_onebit_adam(cfg.compression, cfg.optim), lambda: _check_local_tier(cfg.checkpoint),
-              lambda: _check_monitor(cfg.monitor))
+              lambda: _check_monitor(cfg.monitor), lambda: _check_fp8(t))
     for group in groups:
         try:
             group()
@@ -236,6 +236,17 @@ def _check_monitor(mon: MonitorConfig) -> None:
         raise error("monitor.labels", str(exc).removeprefix("monitor.labels: ")) from None
     _require(not mon.prometheus_textfile or mon.prometheus_textfile.endswith(".prom"), "monitor.prometheus_textfile",
              f"{mon.prometheus_textfile!r} must end in .prom (node_exporter's textfile collector reads only *.prom)")
+
+
+def _check_fp8(t) -> None:
+    """train.fp8 runs on bfloat16 training (its float32 masters stay); the emulation on float32 and float64 too
+    (references: every layout compared with one process)."""
+    if t.fp8 == "none":
+        return
+    allowed = ("bfloat16", "float32", "float64") if t.fp8_emulate else ("bfloat16",)
+    _require(t.dtype in allowed, "train.fp8",
+             f"{t.fp8!r} needs train.dtype=bfloat16 (float32 or float64 too with train.fp8_emulate=true: references), "
+             f"got {t.dtype!r}")
 
 
 def _check_lora(lora: LoraConfig, m: ModelConfig) -> None:

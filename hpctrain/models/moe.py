@@ -36,6 +36,7 @@ from torch import nn
 from hpctrain.models.mlp import MLP
 from hpctrain.parallel.context_parallel import zigzag_positions
 from hpctrain.parallel.expert_parallel import Dispatcher
+from hpctrain.parallel.fp8 import Fp8Linear, fp8_linear
 from hpctrain.parallel.lora import LoraFactor, LoraSettings, kaiming_uniform_rule
 from hpctrain.parallel.param_init import InitRule, new_param
 from hpctrain.parallel.slab import make_spec
@@ -150,6 +151,7 @@ class Experts(nn.Module):
         self.name, self.held, self.dtype = name, held, dtype
         self.adapters = nn.ModuleDict()  # LoRA (``add_adapters``): part -> its factors
         self.lora: LoraSettings | None = None
+        self.fp8: dict[str, Fp8Linear] = {}  # part -> its float8 settings (hpctrain/models/fp8.py), none: dtype
 
     def add_adapters(self, parts, rank: int, alpha: float, dropout: float, tp_comm, seed: int) -> None:
         """LoRA on the experts' ``parts`` (of gate, up, down), split like their weights (parallel/lora.py):
@@ -187,9 +189,13 @@ class Experts(nn.Module):
             y = y + (x @ a.transpose(1, 2)) @ b.transpose(1, 2) * self.lora.scaling
         return y
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, sources: torch.Tensor | None = None) -> torch.Tensor:
         """rows [N, D] sorted by local expert, ``counts`` [count] rows per expert -> [N, D] (partial over tp):
-        one batched matmul per weight over the experts, each padded to the most rows any of them got."""
+        one batched matmul per weight over the experts, each padded to the most rows any of them got. ``sources``
+        [ep, count] (host): how many of each expert's rows came from each ep rank (they come in that order);
+        None: all from this rank. With ``train.fp8``: ``_float8_forward``."""
+        if self.fp8:
+            return self._float8_forward(rows, counts, sources)
         n, d = rows.shape
         most = int(counts.max()) if n else 0
         expert = torch.repeat_interleave(torch.arange(self.count, device=rows.device), counts)
@@ -198,6 +204,32 @@ class Experts(nn.Module):
         padded = rows.new_zeros(self.count * most, d).index_copy(0, slot, rows).view(self.count, most, d)
         h = F.silu(self._linear(padded, "gate")) * self._linear(padded, "up")  # [count, M, F/tp]
         return self._linear(h, "down").reshape(self.count * most, d)[slot]
+
+
+    def _float8_forward(self, rows: torch.Tensor, counts: torch.Tensor, sources: torch.Tensor | None) -> torch.Tensor:
+        """``forward`` with float8 linears: each expert runs its rows from each source rank (one replica's
+        micro-batch) as a linear of its own, so their activations are scaled over the tokens one process's
+        micro-batch gives the expert, whatever ep is (parallel/fp8.py); no padding."""
+        per = 1 if sources is None else sources.shape[0]
+        sizes = (counts.cpu() if sources is None else sources.t().reshape(-1)).tolist()  # expert-major, then source
+        out, start = [], 0
+        for i, n in enumerate(sizes):
+            x, e = rows[start:start + n], i // per
+            start += n
+            h = F.silu(self._expert_linear(x, e, "gate")) * self._expert_linear(x, e, "up")
+            out.append(self._expert_linear(h, e, "down"))
+        return torch.cat(out) if out else rows[:0]
+
+    def _expert_linear(self, x: torch.Tensor, e: int, part: str) -> torch.Tensor:
+        """x [M, in] through local expert ``e``'s ``part`` weight (float8 where ``fp8`` has it) + its adapter."""
+        weight, f = getattr(self, part)[e], self.fp8.get(part)
+        y = fp8_linear(x, weight, f) if f is not None else F.linear(x, weight)
+        if part in self.adapters and self.lora is not None:
+            a, b = self._factor(part, "lora_A")[e], self._factor(part, "lora_B")[e]
+            if self.lora.dropout and self.training:
+                x = F.dropout(x, self.lora.dropout)
+            y = y + F.linear(F.linear(x, a), b) * self.lora.scaling
+        return y
 
 
 class MoE(nn.Module):

@@ -84,7 +84,7 @@ class Dispatcher:
         arrived = all_to_all_rows(rows, send, recv, self.comm, f"{self.name} dispatch", largest)  # by source, by expert
         local = torch.repeat_interleave(torch.arange(self.per_rank).repeat(ep), got_counts.reshape(-1))
         order = torch.argsort(local.to(rows.device), stable=True)  # expert-major, then source
-        computed = experts(arrived[order], got_counts.sum(0).to(rows.device))
+        computed = experts(arrived[order], got_counts.sum(0).to(rows.device), got_counts)  # by expert, by source
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return all_to_all_rows(computed[back], recv, send, self.comm, f"{self.name} combine", largest)

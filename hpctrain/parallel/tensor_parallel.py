@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.parallel.fp8 import fp8_linear
 from hpctrain.parallel.lora import lora_delta
 from hpctrain.parallel.param_init import InitRule, new_param
 from hpctrain.parallel.slab import make_spec
@@ -44,6 +45,7 @@ class ColumnParallelLinear(nn.Module):
                  std=0.02, weight=None, input_mode=None, padded_out=None):
         super().__init__()
         self.tp_comm, self.lora = tp_comm, None
+        self.fp8 = None  # float8 GEMMs (parallel/fp8.py ``Fp8Linear``; models/fp8.py sets it), or None
         self.input_mode = input_mode or ("gather" if sp else "copy")
         if weight is None:  # ``weight``: share an existing [out/tp, in] parameter (tied LM head)
             # ``padded_out``: out_features padded to that many rows (the LM head over a padded vocabulary)
@@ -62,7 +64,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_seq(x, self.tp_comm)
         elif self.input_mode == "copy":
             x = copy_to_tp(x, self.tp_comm)
-        y = F.linear(x, self.w)
+        y = fp8_linear(x, self.w, self.fp8) if self.fp8 is not None else F.linear(x, self.w)
         return y if self.lora is None else y + lora_delta(self, x)
 
 
@@ -73,10 +75,11 @@ class RowParallelLinear(nn.Module):
                  std=0.02):
         super().__init__()
         self.tp_comm, self.sp, self.lora = tp_comm, sp, None
+        self.fp8 = None  # float8 GEMMs (parallel/fp8.py ``Fp8Linear``; models/fp8.py sets it), or None
         self.weight = _param(make_spec(f"{name}.weight", (out_features, in_features), 1, tp_comm), dtype, seed, std)
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = fp8_linear(x, self.weight, self.fp8) if self.fp8 is not None else F.linear(x, self.weight)
         if self.lora is not None:  # a partial sum over tp, like y
             y = y + lora_delta(self, x)
         return reduce_scatter_seq(y, self.tp_comm) if self.sp else reduce_from_tp(y, self.tp_comm)

@@ -58,6 +58,11 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
         print(f"hpctrain train: {parts.sdpa.note}", flush=True)
     if verbose and parts.sdpa.timings:  # each SDPA kernel's trial, forward + backward
         print(f"hpctrain train: attention kernel trials (forward + backward): {parts.sdpa.timings}", flush=True)
+    fp8 = trainer.fp8  # train.fp8 (hpctrain/models/fp8.py): the recipe, the linears it covers, any fallback
+    for line in fp8.lines if fp8 is not None else ():
+        print(f"hpctrain train: {line}", flush=True)
+    for line in fp8.warnings if fp8 is not None else ():
+        print(f"hpctrain: WARNING: {line}", file=sys.stderr, flush=True)
     if parts.compiled:
         print(f"hpctrain train: torch.compile of every block (train.compile={cfg.train.compile})", flush=True)
     if hasattr(parts.data.sampler, "describe"):  # packed SFT examples (hpctrain/data/packing.py)

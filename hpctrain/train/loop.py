@@ -23,6 +23,7 @@ from hpctrain.comm.grid import ProcessGrid
 from hpctrain.errors import everywhere
 from hpctrain.interop.base_ref import make_reference
 from hpctrain.interop.sources import init_weights, open_source
+from hpctrain.models.fp8 import check_fp8
 from hpctrain.monitor.run_monitor import RunMonitor
 from hpctrain.profiling.cuda_trace import cuda_profiler
 from hpctrain.profiling.trace import TraceRecorder
@@ -54,6 +55,7 @@ def run_training(cfg, resume: str | None, max_steps: int = 0, early_signals=None
     device = select_device(cfg.train.device, info)
     grid = ProcessGrid.from_config(cfg, info)
     try:
+        check_fp8(cfg.train, device)  # torchao and the device: before anything is built or written, on every rank
         check_memory(cfg, grid, device)  # a model that cannot fit is refused before it is allocated, on every rank
     except Exception:
         grid.close()  # every rank raises alike (agreed by one allgather): nothing is left waiting

@@ -17,7 +17,9 @@ import time
 
 import torch
 
+from hpctrain.config.moe_keys import resolve_moe
 from hpctrain.data.sampler import rank_slice
+from hpctrain.models.fp8 import Fp8Setup, setup_fp8
 from hpctrain.optim.flat import lr_at
 from hpctrain.parallel.context_parallel import zigzag_split
 from hpctrain.train.build import StepParts, build_step
@@ -37,6 +39,10 @@ class Trainer:
         self.cfg, self.grid = cfg, grid
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.parts: StepParts = build_step(cfg, grid, self.device, tokens)
+        # train.fp8: the block linears in float8 (hpctrain/models/fp8.py), their amaxes max-reduced over tp
+        m = self.parts.model_cfg
+        self.fp8: Fp8Setup | None = setup_fp8(cfg.train, self.parts.stages, grid.comm("tp"), self.device,
+                                              cfg.train.dtype, m, resolve_moe(cfg.moe, m))
         self._step = 0  # steps run (the last one's verdict may still be in flight)
         # the evaluation loss's agreement, a host float64 [1]: from the last stage over pp, summed over dp x cp
         pp_comm = grid.comm("pp")
@@ -118,6 +124,8 @@ class Trainer:
         metrics = StepMetrics(self._step + 1, None, lr, None, 0.0, 0.0, 0.0, None, None, None)
         if parts.moe_stats is not None:  # collective over the world: the experts' load, the auxiliary losses
             metrics.__dict__.update(parts.moe_stats.collect())
+        if self.fp8 is not None and metrics.step % t.log_interval == 0:  # collective over the world: the casts seen
+            metrics.__dict__.update(self.fp8.stats.collect(grid.world))
         while self.before_update:  # a save still copying the parameters and optimizer state: before anything of
             self.before_update.pop(0)()  # the update, 1-bit Adam's momentum commit in before_update included
         skip_on_host = outcomes.before_update(metrics)

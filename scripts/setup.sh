@@ -28,7 +28,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 # torch is pinned to the CPU build by the constraints file (setup.py only asks for a range, which on
 # its own resolves to a multi-GB CUDA build); on a GPU cluster install with the site's torch instead
-"$VENV/bin/python" -m pip install --progress-bar off -c scripts/constraints.txt -e ".[mpi,test,compression,data,hf,monitor]"
+"$VENV/bin/python" -m pip install --progress-bar off -c scripts/constraints.txt -e ".[mpi,test,compression,data,hf,monitor,fp8]"
 "$VENV/bin/python" -c "import hpctrain, torch, mpi4py.MPI"  # fail here, not in the first test
 compile_sources
 touch "$STAMP"

@@ -18,15 +18,19 @@ class ParallelConfig:
         "2cp-1-i, so causal work is even) and attention is a ring: K/V blocks pass around the cp group while "
         "blocks compute. train.seq_len must be divisible by 2 x cp. Gradients are summed and ZeRO-1 shards over dp "
         "x cp. Placed inside a node with tp when cp x tp fits."))
-    schedule: str = key("1f1b", choices=("gpipe", "1f1b", "interleaved"), help=(
+    schedule: str = key("1f1b", choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"), help=(
         "Pipeline schedule: `gpipe` (all forwards, then all backwards), `1f1b` (same bubble, at most pp - s "
-        "micro-batches of activations held on stage s) or `interleaved` (Megatron's interleaved 1F1B over "
+        "micro-batches of activations held on stage s), `interleaved` (Megatron's interleaved 1F1B over "
         "`virtual_stages` virtual stages per rank: the bubble divided by V; needs pp >= 2 and microbatches a "
-        "multiple of pp)."))
+        "multiple of pp), or the zero-bubble schedules (Qi et al. 2024), whose backward is split into B (input "
+        "gradient) and W (weight gradients, deferred into the bubbles): `zb-h1` (1F1B's memory, about a third "
+        "of its bubble) and `zb-v` (`virtual_stages = 2` in a V shape: rank r holds virtual stages r and "
+        "2 pp - 1 - r); both need pp >= 2 and microbatches >= pp."))
     virtual_stages: int = key(1, min=1, max=COUNT_MAX, help=(
         "Virtual stages per pp rank (V). With `schedule = \"interleaved\"`: >= 2, and pp x V <= n_layers; rank r "
         "holds virtual stages r, pp + r, 2 pp + r, ... (Megatron's `--num-layers-per-virtual-pipeline-stage`, "
-        "counted in virtual stages). 1 with gpipe and 1f1b."))
+        "counted in virtual stages). 2 with zb-v (virtual stages r and 2 pp - 1 - r); 1 with gpipe, 1f1b and "
+        "zb-h1."))
     microbatches: int = key(1, min=1, max=SIZE_MAX, help=(
         "Micro-batches per replica per step: the replica batch (global_batch / dp) is split into this many; "
         "gradients accumulate over them. The pipeline bubble is (pp - 1) / (virtual_stages x microbatches) of the "

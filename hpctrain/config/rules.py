@@ -9,8 +9,9 @@ Rules, in the order ``Layout.validate`` checks them (each raises the message use
 for the factorisation of the world, ``LayoutError`` for the rest):
   sizes: tp, pp, cp >= 1; dp >= 0; dp * pp * cp * tp == world (dp = 0 derives it; world divisible by
          tp * pp * cp)
-  schedule: virtual_stages > 1 only with interleaved; interleaved: virtual_stages >= 2, pp >= 2,
-         pp * virtual_stages <= n_layers, micro-batches a multiple of pp
+  schedule: virtual_stages > 1 only with interleaved and zb-v; interleaved: virtual_stages >= 2, pp >= 2,
+         pp * virtual_stages <= n_layers, micro-batches a multiple of pp; zb-h1 (V = 1) and zb-v
+         (virtual_stages = 2, 2 pp <= n_layers): pp >= 2, micro-batches >= pp
   model: n_heads, n_kv_heads, d_ff divisible by tp (the vocabulary is padded: ``padded_vocab``);
          pp <= n_layers;
          stage_layers (if given) has pp (x virtual_stages) entries >= 1 summing to n_layers
@@ -74,28 +75,52 @@ def check_tp_divisibility(m, tp_size: int) -> None:
                                 f"KV heads and the MLP are split over tp; choose tp dividing it")
 
 
+ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zb-v")  # hpctrain/parallel/zero_bubble.py (the same names)
+
+
 def check_schedule(m, schedule: str, pp_size: int, virtual_stages: int, microbatches: int) -> None:
-    """Interleaved 1F1B: V >= 2 virtual stages per pp rank (V > 1 with no other schedule), pp >= 2, every
-    virtual stage a layer, micro-batches a multiple of pp (Megatron's rule: they run through each virtual stage
-    in groups of pp)."""
+    """Interleaved 1F1B: V >= 2 virtual stages per pp rank, pp >= 2, every virtual stage a layer, micro-batches
+    a multiple of pp (Megatron's rule: they run through each virtual stage in groups of pp). zb-v: V = 2 (the V
+    shape), zb-h1: V = 1; both pp >= 2 and micro-batches >= pp. V > 1 with no other schedule."""
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        _check_zero_bubble(m, schedule, pp_size, virtual_stages, microbatches)
+        return
     if schedule != "interleaved":
         if virtual_stages != 1:
-            raise LayoutError(f"parallel.virtual_stages={virtual_stages} needs parallel.schedule=interleaved "
-                              f"(gpipe and 1f1b hold one virtual stage per pp rank; use virtual_stages=1)")
+            raise LayoutError(f"parallel.virtual_stages={virtual_stages} needs parallel.schedule=interleaved or zb-v "
+                              f"(gpipe, 1f1b and zb-h1 hold one virtual stage per pp rank; use virtual_stages=1)")
         return
     if virtual_stages < 2:
         raise LayoutError(f"parallel.schedule=interleaved needs parallel.virtual_stages >= 2 (virtual stages "
                           f"per pp rank), got {virtual_stages}")
     if pp_size < 2:
         raise LayoutError(f"parallel.schedule=interleaved needs parallel.pp >= 2, got pp={pp_size}")
-    if m.n_layers < virtual_stages * pp_size:
-        raise LayoutError(f"parallel.virtual_stages={virtual_stages} is too many for the layers: model.n_layers="
-                          f"{m.n_layers} < pp x virtual_stages = {pp_size * virtual_stages} (every virtual stage "
-                          f"needs a layer)")
+    _check_layers(m, pp_size, virtual_stages)
     if microbatches % pp_size:
         raise LayoutError(f"parallel.microbatches={microbatches} must be a multiple of parallel.pp={pp_size} with "
                           f"the interleaved schedule (as Megatron requires: micro-batches go through each virtual "
                           f"stage in groups of pp)")
+
+
+def _check_layers(m, pp_size: int, virtual_stages: int) -> None:
+    if m.n_layers < virtual_stages * pp_size:
+        raise LayoutError(f"parallel.virtual_stages={virtual_stages} is too many for the layers: model.n_layers="
+                          f"{m.n_layers} < pp x virtual_stages = {pp_size * virtual_stages} (every virtual stage "
+                          f"needs a layer)")
+
+
+def _check_zero_bubble(m, schedule: str, pp_size: int, virtual_stages: int, microbatches: int) -> None:
+    needed = 2 if schedule == "zb-v" else 1
+    if virtual_stages != needed:
+        shape = "two virtual stages per rank, in the V shape" if needed == 2 else "one virtual stage per pp rank"
+        raise LayoutError(f"parallel.schedule={schedule} needs parallel.virtual_stages={needed} ({shape}), "
+                          f"got {virtual_stages}")
+    if pp_size < 2:
+        raise LayoutError(f"parallel.schedule={schedule} needs parallel.pp >= 2, got pp={pp_size}")
+    _check_layers(m, pp_size, virtual_stages)
+    if microbatches < pp_size:
+        raise LayoutError(f"parallel.schedule={schedule} needs parallel.microbatches >= parallel.pp, got "
+                          f"microbatches={microbatches} < pp={pp_size}")
 
 
 def check_stages(m, pp_size: int, stage_layers: list[int], virtual_stages: int = 1) -> None:

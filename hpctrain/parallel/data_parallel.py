@@ -286,9 +286,13 @@ class FlatParams:
 
     def _pre_reduce(self, bucket: Bucket) -> None:
         self._sum_partial_grads_over_tp(bucket, [p for p in bucket.params if p.spec.partial_grad_over_tp])
-        for p in bucket.params:
-            if p.spec.tied:
-                self._sum_tied_embedding_grad(p)
+        tied = [p for p in bucket.params if p.spec.tied]
+        if len(tied) == 2:  # zb-v: rank 0 holds the first virtual stage and the last, the original and its copy
+            total = tied[0].main_grad + tied[1].main_grad
+            for p in tied:
+                p.main_grad.copy_(total)
+        for p in tied[:1] if len(tied) == 1 else []:
+            self._sum_tied_embedding_grad(p)
 
     def _sum_partial_grads_over_tp(self, bucket: Bucket, params: list) -> None:
         """Grads partial per TP rank (a replicated norm weight that saw S/tp tokens with sequence parallelism,

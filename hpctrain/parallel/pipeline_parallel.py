@@ -9,13 +9,22 @@ of the next step (``step_posts``: one ``Communicator.exchange``, one NCCL group 
 send_forward_recv_backward); a group without receives is not waited until the end of the step. ``simulate``
 proves these posts deadlock-free and in order under NCCL's strict rendezvous (``schedules.rendezvous_completes``)
 for every (pp, V, M) in the tests.
+
+The zero-bubble schedules (zb-h1, zb-v: ``zero_bubble.py``) split each backward: "B" computes the input
+gradient (sent on at once) and the gradients of the parameters outside the linears, and queues the linears'
+weight gradients in the executor's ``WeightGradStore`` (``weight_grad.py``); "W" computes them and accumulates
+every gradient of that (micro-batch, c) where a full backward would have (``FlatParams``' hooks). zb-v holds
+virtual stages r and 2 pp - 1 - r (``zero_bubble.virtual_stage``): on rank pp - 1 the forward turns from c = 0
+to c = 1, and the backward back, in memory.
 """
 from __future__ import annotations
 
 import torch
 
-from hpctrain.parallel.schedules import (bubble_fraction, p2p_posts, schedule_actions,  # noqa: F401 (re-exported)
+from hpctrain.parallel.schedules import (bubble_fraction, p2p_posts, peer, schedule_actions,  # noqa: F401 (re-exported)
                                          schedule_steps, simulate, step_posts)
+from hpctrain.parallel.weight_grad import WeightGradStore, attach
+from hpctrain.parallel.zero_bubble import ZERO_BUBBLE_SCHEDULES
 from hpctrain.profiling.timers import NULL_TIMER
 
 ACT_TAG, GRAD_TAG = 21, 22
@@ -29,7 +38,8 @@ class PipelineExecutor:
     flag gates the DP bucket reduction. ``act_shape``: [S(/tp), mb, D]. ``timer``: a PhaseTimer; phases
     ``forward``, ``backward``, ``pp_wait`` (receives, send completion). ``after_backward(stage_module)``:
     called when a micro-batch's backward through that virtual stage has returned (ZeRO-3's
-    ``ParamGather.backward_pass_done``), or None.
+    ``ParamGather.backward_pass_done``), or None. A zb schedule (``kind`` zb-h1, zb-v): the executor owns a
+    ``WeightGradStore`` (``weight_grads``) that it gives to its stages' linears; phase ``backward`` times both B and W.
     """
 
     def __init__(self, stage_modules, pp_comm, flat, kind: str, microbatches: int, act_shape, act_dtype,
@@ -42,6 +52,11 @@ class PipelineExecutor:
         self.microbatches = microbatches
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
         self.device = torch.device("cpu") if device is None else device
+        self.split = kind in ZERO_BUBBLE_SCHEDULES
+        self.v_shape = kind == "zb-v"
+        self.weight_grads = WeightGradStore() if self.split else None
+        if self.split:
+            attach(self.stage_modules, self.weight_grads)
 
     def _steps(self, forward_only: bool) -> list:
         return schedule_steps(self.kind, self.rank, self.stages, self.microbatches, len(self.stage_modules),
@@ -74,7 +89,7 @@ class PipelineExecutor:
         of this rank (a float64 0-d tensor on the device where the last virtual stage lives, else 0.0).
         ``masks``/``docs``: per micro-batch loss masks and packed document ids (every virtual stage gets
         its micro-batch's ``docs``), or None."""
-        first_recvs, after = step_posts(steps, self.rank, self.stages, len(self.stage_modules))
+        first_recvs, after = step_posts(steps, self.rank, self.stages, len(self.stage_modules), self.v_shape)
         produced: dict[tuple[str, int, int], torch.Tensor] = {}  # (op, micro-batch, c) -> to send
         received: dict[tuple[str, int, int], torch.Tensor] = {}  # (op, micro-batch, c) -> arrived
         saved, outstanding, loss_total = {}, [], 0.0
@@ -100,25 +115,60 @@ class PipelineExecutor:
                     if train:
                         saved[(i, c)] = (x, y)
                         self.flat.progress()
+                elif op == "W":
+                    assert self.weight_grads is not None  # a zb schedule
+                    self.flat.last_microbatch = i == self.microbatches - 1
+                    with timer.phase("backward"):
+                        self.weight_grads.run((i, c))
+                    self.flat.progress()
                 else:
                     x, y = saved.pop((i, c))
                     # a parameter lives in one virtual stage: its last backward is that stage's last micro-batch
                     self.flat.last_microbatch = i == self.microbatches - 1
                     grad = None if module.is_last else received.pop(("B", i, c))
                     with timer.phase("backward"):
-                        torch.autograd.backward(y, grad)
+                        if self.split:
+                            x_grad = self._input_backward(module, (i, c), x, y, grad)
+                        else:
+                            torch.autograd.backward(y, grad)
+                            x_grad = x.grad
                     if self.after_backward is not None:
                         self.after_backward(module)
                     if not module.is_first:
-                        assert x.grad is not None  # x: the received activation, a leaf that requires grad
-                        produced[("B", i, c)] = x.grad.contiguous()
+                        assert x_grad is not None  # x: the received activation, a leaf that requires grad
+                        produced[("B", i, c)] = x_grad.contiguous()
+                if self.v_shape:
+                    self._hand_over(op, i, c, produced, received)
             handle = self._post(post, produced, received)
             if handle is not None:
                 outstanding.append(handle)
         with timer.phase("pp_wait"):
             for handle in outstanding:
                 handle.wait()
+        if train and self.weight_grads is not None:
+            self.weight_grads.check_drained()  # no weight gradient lost at the update
         return loss_total
+
+    def _input_backward(self, module, key: tuple[int, int], x, y, grad):
+        """B of a zb schedule: dL/dx (None on the first virtual stage) now; the gradients of ``module``'s
+        parameters kept in ``weight_grads`` (the linears' queued) until W of ``key``. No accumulation here."""
+        assert self.weight_grads is not None
+        params = [p for p in module.parameters() if p.requires_grad]
+        inputs = ([] if module.is_first else [x]) + params
+        if not inputs:
+            return None
+        with self.weight_grads.deferring(key):
+            grads = torch.autograd.grad(y, inputs, grad, allow_unused=True)
+        self.weight_grads.keep(key, params, grads[len(inputs) - len(params):])
+        return None if module.is_first else grads[0]
+
+    def _hand_over(self, op: str, i: int, c: int, produced: dict, received: dict) -> None:
+        """zb-v on rank pp - 1: what c = 0's forward (c = 1's input gradient) produced is the other's input,
+        handed over in memory (no message: ``schedules.peer`` is None)."""
+        if op == "W" or (op, i, c) not in produced:
+            return
+        if peer(op, self.rank, c, self.stages, len(self.stage_modules), "send", True) is None:
+            received[(op, i, 1 - c)] = produced.pop((op, i, c))
 
     def run(self, inputs: list, targets: list, loss_scale: float, masks: list | None = None,
             docs: list | None = None) -> float:

@@ -1,5 +1,5 @@
 """Pipeline schedules as data: per-rank action lists (GPipe, 1F1B, interleaved 1F1B; the zero-bubble ZB-H1
-and ZB-V of ``zero_bubble.py``, not yet selectable: the executor has no split backward), their point-to-point
+and ZB-V of ``zero_bubble.py``, whose backward the executor splits: ``weight_grad.py``), their point-to-point
 posts, and the strict-rendezvous deadlock check (``rendezvous_completes``) that proves them, and context
 parallelism's ring (``cp_comm.ring_plan``), deadlock-free. Pure Python: no torch, no MPI.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from hpctrain.parallel.zero_bubble import (ZERO_BUBBLE_SCHEDULES, dependency, holder, virtual_stage,
                                            zero_bubble_orders)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")  # what parallel.schedule accepts; ZERO_BUBBLE_SCHEDULES not yet
+SCHEDULES = ("gpipe", "1f1b", "interleaved") + ZERO_BUBBLE_SCHEDULES  # what parallel.schedule accepts
 
 
 def _unit(k: int, stages: int, virtual_stages: int, forward: bool) -> tuple[int, int]:
@@ -54,8 +54,7 @@ def schedule_actions(kind: str, stage: int, stages: int, microbatches: int,
         forwards = [("F", *_unit(k, stages, virtual_stages, True)) for k in range(total)]
         backwards = [("B", *_unit(k, stages, virtual_stages, False)) for k in range(total)]
     else:
-        raise ValueError(f"unknown pipeline schedule {kind!r}; expected one of {', '.join(SCHEDULES)} "
-                         f"(or, not yet selectable, {', '.join(ZERO_BUBBLE_SCHEDULES)})")
+        raise ValueError(f"unknown pipeline schedule {kind!r}; expected one of {', '.join(SCHEDULES)}")
     actions = forwards[:warmup]
     for f, b in zip(forwards[warmup:], backwards):  # steady state: one forward, one backward
         actions += [f, b]

@@ -9,7 +9,9 @@ All communication is on the TP group's ``Communicator`` (``tp_comm``); ``tp_comm
     VocabParallelEmbedding W [V/tp, D]      ids -> [S, B, D] reduced (or SP reduce-scattered)
 
 The linears may carry LoRA adapters (``lora_A``, ``lora_B``: hpctrain/parallel/lora.py ``attach_lora``),
-added to their output (row-parallel: before the reduction); ``lora`` is None without.
+added to their output (row-parallel: before the reduction); ``lora`` is None without. A zero-bubble schedule
+gives them its ``WeightGradStore`` (``weight_grads``; hpctrain/parallel/weight_grad.py): their weight
+gradient then waits for the schedule's W.
 
 The vocabulary layers (embedding, LM head) hold ``V = padded_vocab`` rows (config/rules.py): the
 rows past the true vocabulary are zero padding (``SlabSpec.padded_dim``). Their ids never occur and the
@@ -27,6 +29,7 @@ from hpctrain.parallel.lora import lora_delta
 from hpctrain.parallel.param_init import InitRule, new_param
 from hpctrain.parallel.slab import make_spec
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
+from hpctrain.parallel.weight_grad import deferrable_linear
 
 
 def _param(spec, dtype, seed, std):
@@ -46,6 +49,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp_comm, self.lora = tp_comm, None
         self.fp8 = None  # float8 GEMMs (parallel/fp8.py ``Fp8Linear``; models/fp8.py sets it), or None
+        self.weight_grads = None  # a zero-bubble schedule's WeightGradStore (parallel/weight_grad.py), or None
         self.input_mode = input_mode or ("gather" if sp else "copy")
         if weight is None:  # ``weight``: share an existing [out/tp, in] parameter (tied LM head)
             # ``padded_out``: out_features padded to that many rows (the LM head over a padded vocabulary)
@@ -64,7 +68,10 @@ class ColumnParallelLinear(nn.Module):
             x = gather_seq(x, self.tp_comm)
         elif self.input_mode == "copy":
             x = copy_to_tp(x, self.tp_comm)
-        y = fp8_linear(x, self.w, self.fp8) if self.fp8 is not None else F.linear(x, self.w)
+        if self.fp8 is not None:
+            y = fp8_linear(x, self.w, self.fp8)
+        else:
+            y = F.linear(x, self.w) if self.weight_grads is None else deferrable_linear(x, self.w, self.weight_grads)
         return y if self.lora is None else y + lora_delta(self, x)
 
 
@@ -76,10 +83,15 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_comm, self.sp, self.lora = tp_comm, sp, None
         self.fp8 = None  # float8 GEMMs (parallel/fp8.py ``Fp8Linear``; models/fp8.py sets it), or None
+        self.weight_grads = None  # a zero-bubble schedule's WeightGradStore (parallel/weight_grad.py), or None
         self.weight = _param(make_spec(f"{name}.weight", (out_features, in_features), 1, tp_comm), dtype, seed, std)
 
     def forward(self, x):
-        y = fp8_linear(x, self.weight, self.fp8) if self.fp8 is not None else F.linear(x, self.weight)
+        if self.fp8 is not None:
+            y = fp8_linear(x, self.weight, self.fp8)
+        else:
+            y = F.linear(x, self.weight) if self.weight_grads is None else \
+                deferrable_linear(x, self.weight, self.weight_grads)
         if self.lora is not None:  # a partial sum over tp, like y
             y = y + lora_delta(self, x)
         return reduce_scatter_seq(y, self.tp_comm) if self.sp else reduce_from_tp(y, self.tp_comm)

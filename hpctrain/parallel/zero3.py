@@ -240,7 +240,9 @@ class ParamGather:
                     self._in_backward.discard(id(unit))
         if self._pinned.get(bucket.index):
             self._pinned[bucket.index] -= 1
-        if bucket.sharded and not self._pinned.get(bucket.index) and \
+        gathered = bucket.index in self._ready or bucket.index in self._posted  # a zb schedule's W comes late:
+        # the unit's next forward may have freed it already (its parameters: not needed by the W)
+        if bucket.sharded and gathered and not self._pinned.get(bucket.index) and \
                 (self.reshard_after_forward or self.flat.last_microbatch):
             self._free(bucket)
         self.progress()

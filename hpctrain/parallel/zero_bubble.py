@@ -4,8 +4,8 @@ virtual stage waits for) and W (the weight gradient, which nobody waits for), an
 Pure Python: no torch, no MPI. ``schedules.py`` serves these orders through ``schedule_actions``, proves them
 deadlock-free (``simulate``) and draws them (``render_timeline``).
 
-Not yet selectable: the executor has no split backward (``PipelineExecutor`` runs one full backward per "B"),
-so ``parallel.schedule``, ``hpctrain plan`` and ``hpctrain info`` do not accept ``zb-h1`` or ``zb-v``.
+``parallel.schedule = zb-h1`` and ``zb-v`` run them: ``PipelineExecutor`` splits each backward (its "B" computes
+the input gradient, its "W" the weight gradients queued meanwhile: ``weight_grad.py``).
 
 Actions are ``(op, i, c)`` as in ``schedules.py``, op one of "F", "B" (input gradient only) and "W" (weight
 gradient of micro-batch i through the rank's virtual stage c; no communication, it runs on the rank that

@@ -52,6 +52,7 @@ from hpctrain.parallel.frozen_shards import FrozenGroup, FrozenShards
 from hpctrain.parallel.param_init import give_storage, materialize_
 from hpctrain.config.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
+from hpctrain.parallel.zero_bubble import virtual_stage
 from hpctrain.parallel.zero3 import ParamGather, unit_params
 from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime import env
@@ -117,8 +118,9 @@ class StepParts:
 
 def build_stages(m, layout: Layout, pp_rank: int, tp_comm, dtype: torch.dtype, seed: int, recompute: bool,
                  cp_comm=None, lora=None, moe=None, ep_comm=None) -> list[GPTStage]:
-    """The virtual stages of pp rank ``pp_rank``: its c-th is virtual stage v = c * pp + pp_rank of the
-    pp x V (V = ``layout.virtual_stages``), whose layers ``partition_layers`` balances over them (or
+    """The virtual stages of pp rank ``pp_rank``: its c-th is virtual stage v = c * pp + pp_rank (zb-v: the V
+    shape, pp_rank and 2 pp - 1 - pp_rank: ``zero_bubble.virtual_stage``) of the pp x V (V =
+    ``layout.virtual_stages``), whose layers ``partition_layers`` balances over them (or
     ``stage_layers`` gives, one entry per virtual stage). The embedding is on v = 0, the norm and LM head on
     the last; a tied embedding's copy lives there (its grad is summed over pp with rank 0's). ``lora``: the
     ``[lora]`` section (rank > 0: adapters, the rest frozen); ``moe``: the resolved ``[moe]`` section (None:
@@ -127,7 +129,7 @@ def build_stages(m, layout: Layout, pp_rank: int, tp_comm, dtype: torch.dtype, s
     ranges = partition_layers(m, pp * per_rank, list(layout.stage_layers), moe=moe)  # MoE blocks weigh more
     stages = []
     for c in range(per_rank):
-        v = c * pp + pp_rank
+        v = virtual_stage(pp_rank, c, pp, v_shape=layout.schedule == "zb-v")
         stages.append(GPTStage(m, ranges[v], is_first=v == 0, is_last=v == pp * per_rank - 1, tp_comm=tp_comm,
                                sp=layout.sequence_parallel, dtype=dtype, seed=seed, recompute=recompute,
                                cp_comm=cp_comm, lora=lora, moe=moe, ep_comm=ep_comm))

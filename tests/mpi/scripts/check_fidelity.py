@@ -109,7 +109,8 @@ def variant_combos(variants: str) -> list:
     for combo in variants.split("/"):
         words = combo.split(",")
         schedule = next(((w[:11], int(w[11:])) for w in words if w.startswith("interleaved")),
-                        ("gpipe", 1) if "gpipe" in words else ("1f1b", 1))
+                        ("gpipe", 1) if "gpipe" in words else ("zb-h1", 1) if "zbh1" in words
+                        else ("zb-v", 2) if "zbv" in words else ("1f1b", 1))
         zero = next((int(w[4:]) for w in words if w in ("zero1", "zero2", "zero3")), 0)
         combos.append((schedule, "sp" in words, zero))
     return combos
@@ -120,7 +121,7 @@ def main():
     ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp", "dp,tp,pp,cp" or "dp,tp,pp,cp,ep", '
                                                      'each optionally "|variants": its own, in place of --variants')
     ap.add_argument("--variants", default="1f1b", help='"/"-separated combinations, each ","-separated words '
-                                                       'from 1f1b, gpipe, interleavedV (V virtual stages), sp, '
+                                                       'from 1f1b, gpipe, interleavedV (V virtual stages), zbh1, zbv, sp, '
                                                        'zero1, zero2, zero3; or "all"')
     ap.add_argument("--dtype", default="float64")
     ap.add_argument("--steps", type=int, default=3)

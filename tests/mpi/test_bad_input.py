@@ -13,6 +13,10 @@ CASES = [  # (overrides, the key the line names)
     (["parallel.virtual_stages=2"], "parallel.virtual_stages"),
     (["parallel.schedule=interleaved", "parallel.virtual_stages=3", "parallel.tp=1", "parallel.pp=2"],
      "parallel.virtual_stages"),
+    (["parallel.schedule=zb-v", "parallel.tp=1", "parallel.pp=2"], "parallel.virtual_stages=2"),  # V = 1
+    (["parallel.schedule=zb-h1", "parallel.tp=1", "parallel.pp=2", "parallel.microbatches=1"],
+     "parallel.microbatches >= parallel.pp"),
+    (["parallel.schedule=zb-h1", "parallel.tp=2", "parallel.pp=1"], "parallel.pp >= 2"),
     (["model.vocab_multiple=1000000000"], "model.vocab_multiple"),
     (["model.mlp=relu"], "model.mlp"),
     (["model.positions=alibi"], "model.positions"),

@@ -1,0 +1,69 @@
+"""The zero-bubble schedules (zb-h1, zb-v: issue #53) train like one process in every layout family (float64:
+1e-10), and resume bitwise with the same schedule. One launch per family group keeps the cost small (each
+layout/variant is another run inside a launch; check_fidelity.py). The chain across schedules runs with
+``-m full_matrix``. Bad values: tests/mpi/test_bad_input.py."""
+import pytest
+
+from mpirun import run_mpi
+
+F64 = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
+
+
+def fidelity(nprocs, layouts, variants, *extra, timeout=400):
+    result = run_mpi(nprocs, "check_fidelity.py", "--layouts", layouts, "--variants", variants, *extra,
+                     timeout=timeout)
+    assert "FIDELITY OK" in result.stdout
+    return result.stdout
+
+
+def test_dp_tp_sp_cp_and_every_zero_stage_by_pp():
+    """dp x pp with ZeRO-1/2/3, tp x pp with SP, cp x pp; tied embeddings (zb-v holds both copies on rank 0) and
+    4 micro-batches (zb-h1 defers rank 1's Ws by one backward; ZeRO-3 frees a unit at its late W only if
+    gathered). Every freed storage is NaN first (check_fidelity.py), so a read after a free shows."""
+    out = fidelity(4, "2,1,2|zbh1,zero1/zbv,zero2/zbh1,zero3/zbv,zero3;1,2,2|zbh1,sp/zbv,sp,zero1;1,1,2,2|zbv",
+                   "zbh1", *F64, "model.tie_embeddings=true", "parallel.microbatches=4")
+    assert out.count("OK dp=") == 7 and out.count("zb-v2") == 4 and out.count("zero=3") == 2
+
+
+def test_lora_by_pp():
+    """LoRA: the frozen base has no W (the adapters' gradients are kept from B), bit-identical after training."""
+    out = fidelity(2, "1,1,2", "zbh1/zbv", *F64, "lora.rank=4")
+    assert out.count("OK dp=") == 2 and out.count("LORA OK") == 3
+
+
+def test_experts_by_pp():
+    """ep x pp: the experts' gradients (batched weights, kept from B) and the dense linears' deferred Ws."""
+    out = fidelity(4, "2,1,2,1,2", "zbh1,zero1/zbv", *F64, "moe.num_experts=4", "moe.layers=[0,2,3]",
+                   "moe.z_loss_coef=0.01")
+    assert out.count("OK dp=") == 2
+
+
+def test_same_schedule_resume_is_bitwise(tmp_path):
+    """The schedule is not part of a checkpoint: zb-v (a tied embedding held twice on rank 0) resumed with zb-v
+    is bitwise the uninterrupted run."""
+    import test_checkpoint as checkpoint_tests  # its helpers (train, losses, ckpt), not its tests
+
+    common = [*checkpoint_tests.F32, "train.steps=6", "parallel.tp=1", "parallel.pp=2", "parallel.schedule=zb-v",
+              "parallel.virtual_stages=2", "model.tie_embeddings=true", "model.n_layers=4"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    checkpoint_tests.train(2, whole, *common)
+    checkpoint_tests.train(2, split, *common, "--max-steps", "3", "checkpoint.async=false")
+    out = checkpoint_tests.train(2, split, *common, "--resume", "auto")
+    assert "resumed from" in out.stdout and "at step 3" in out.stdout
+    assert checkpoint_tests.losses(split) == checkpoint_tests.losses(whole)
+    checkpoint_tests.ckpt("diff", str(whole), str(split), "--atol", "0")
+
+
+@pytest.mark.full_matrix
+def test_a_chain_across_schedules_matches_one_process(tmp_path):
+    """1f1b -> zb-v -> zb-h1, each 2 steps resuming the last, within 1e-10 of one process (float64)."""
+    import test_checkpoint as checkpoint_tests  # its helpers (train, losses, ckpt, run_chain), not its tests
+
+    reference = tmp_path / "reference"
+    checkpoint_tests.train(1, reference, *checkpoint_tests.F64, "train.steps=6", "parallel.pp=1", "parallel.tp=1",
+                           "parallel.microbatches=1")
+    pp2 = ["parallel.tp=1", "parallel.pp=2"]
+    chain = [(2, pp2), (2, pp2 + ["parallel.schedule=zb-v", "parallel.virtual_stages=2"]),
+             (2, pp2 + ["parallel.schedule=zb-h1"])]
+    checkpoint_tests.run_chain(tmp_path / "chain", reference, checkpoint_tests.losses(reference), chain,
+                               "train.steps=6")

@@ -8,9 +8,10 @@ def add_parser(sub) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
     p.add_argument("--dp", type=int, default=0, help="data-parallel size (default world/(tp*pp*cp))")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"],
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
                    help="pipeline schedule, for the bubble report (default 1f1b)")
-    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pp rank (interleaved: >= 2)")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per pp rank (interleaved: >= 2; zb-v: 2)")
     p.add_argument("--microbatches", type=int, default=0, help="micro-batches per step (default: pp)")
     p.add_argument("--strict-placement", action="store_true", help="error if a tp group spans nodes")
     p.add_argument("--intra-node", default="auto", choices=["auto", "shm", "mpi"],

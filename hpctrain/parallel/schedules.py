@@ -72,6 +72,26 @@ def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> 
     return (stages - 1) / (virtual_stages * microbatches)
 
 
+def schedule_bubble(kind: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle time over the ideal (bubble-free) step of ``kind`` with equal stages: ``bubble_fraction`` for
+    gpipe, 1f1b and interleaved; for zb-h1 and zb-v read off ``timeline`` at F = B = W = 1 unit (a full
+    backward = B + W = 2 F, as 1F1B's count): zb-h1's is (pp - 1) / (3 M). 0 without a pipeline."""
+    if stages == 1:
+        return 0.0
+    if kind not in ZERO_BUBBLE_SCHEDULES:
+        return bubble_fraction(stages, microbatches, virtual_stages)
+    rows = timeline(kind, stages, microbatches, virtual_stages, 1, 1, 1)
+    span, busy = max(end for row in rows for _, end, _ in row), 3 * virtual_stages * microbatches
+    return (span - busy) / busy
+
+
+def bubble_formula(kind: str) -> str:
+    """How ``schedule_bubble`` counts ``kind``'s bubble, for the reports (info, train's start-up line)."""
+    if kind == "interleaved":
+        return "(pp-1)/(V M)"
+    return "(pp-1)/(3 M)" if kind == "zb-h1" else "(its timeline at F = B = W)" if kind == "zb-v" else "(pp-1)/M"
+
+
 def peer(op: str, stage: int, c: int, stages: int, virtual_stages: int, direction: str,
          v_shape: bool = False) -> tuple[int, int] | None:
     """(pp rank, its c) that action ``op`` on pp rank ``stage``'s virtual stage c receives from (``direction``

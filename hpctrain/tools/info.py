@@ -11,7 +11,7 @@ from hpctrain.comm.intra_node import RouteChoice
 from hpctrain.comm.routes import CLASSES, class_text, describe, uses_shm
 from hpctrain.errors import GridError, HpcTrainError
 from hpctrain.config.rules import check_schedule
-from hpctrain.parallel.schedules import bubble_fraction
+from hpctrain.parallel.schedules import bubble_formula, schedule_bubble
 from hpctrain.runtime.launcher import discover
 
 ROUTES = {"mpi": "MPI", "shm": "the node's shared-memory window",
@@ -19,7 +19,7 @@ ROUTES = {"mpi": "MPI", "shm": "the node's shared-memory window",
 
 
 def pipeline_report(pp: int, schedule: str = "1f1b", virtual_stages: int = 1, microbatches: int = 0) -> dict | None:
-    """The pipeline's schedule and bubble, (pp - 1) / (V M) of the ideal step (None without a pipeline).
+    """The pipeline's schedule and bubble (``schedule_bubble``) of the ideal step (None without a pipeline).
     ``microbatches`` 0 = pp. Raises GridError on a schedule rule (the layer rule needs a model: not here)."""
     if pp == 1:
         return None
@@ -29,7 +29,7 @@ def pipeline_report(pp: int, schedule: str = "1f1b", virtual_stages: int = 1, mi
     except HpcTrainError as exc:
         raise GridError(str(exc)) from None
     return {"schedule": schedule, "virtual_stages": virtual_stages, "microbatches": m,
-            "bubble": bubble_fraction(pp, m, virtual_stages)}
+            "bubble": schedule_bubble(schedule, pp, m, virtual_stages)}
 
 
 def routes_report(choice: RouteChoice) -> dict | None:
@@ -108,7 +108,7 @@ def run_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False, as_jso
           f"{document['ranks_per_node']}    layout: {layout}", file=stream)
     if pipeline:
         v = pipeline["virtual_stages"]
-        formula = "(pp-1)/(V M)" if v > 1 else "(pp-1)/M"
+        formula = bubble_formula(pipeline["schedule"])
         print(f"pipeline: schedule {pipeline['schedule']}" + (f", virtual_stages={v}" if v > 1 else "") +
               f", {pipeline['microbatches']} micro-batches, bubble {formula} = {pipeline['bubble']:.1%} of the "
               f"ideal step", file=stream)

@@ -12,6 +12,7 @@ from hpctrain.config import config_to_dict
 from hpctrain.models.compile import compile_report
 from hpctrain.models.lora import describe as describe_lora
 from hpctrain.parallel.head_loss import describe_head
+from hpctrain.parallel.schedules import bubble_formula
 from hpctrain.config.rules import padded_vocab
 from hpctrain.runtime.device import describe
 from hpctrain.train.metrics import describe_state, model_state_bytes
@@ -25,7 +26,7 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
     layout = " x ".join(f"{a}={grid.sizes[a]}" for a in ("dp", "pp", "cp", "tp") if a != "cp" or grid.sizes[a] > 1)
     layout += f" x ep={p.ep}" if p.ep > 1 else ""  # experts split over ep ranks of the replica group
     schedule = p.schedule + (f" (virtual_stages={p.virtual_stages})" if p.schedule == "interleaved" else "")
-    formula = "(pp-1)/(V M)" if p.schedule == "interleaved" else "(pp-1)/M"
+    formula = bubble_formula(p.schedule)
     bubble = (f", pipeline bubble {formula} = {parts.bubble:.1%} of "
               f"the ideal step" if grid.sizes["pp"] > 1 else "")
     m, tp = parts.model_cfg, grid.sizes["tp"]  # the last stage's tokens per micro-batch, its vocabulary slab

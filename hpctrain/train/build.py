@@ -51,7 +51,8 @@ from hpctrain.parallel.flat_group import FlatGroup, OptimizerGroup
 from hpctrain.parallel.frozen_shards import FrozenGroup, FrozenShards
 from hpctrain.parallel.param_init import give_storage, materialize_
 from hpctrain.config.layout import Layout
-from hpctrain.parallel.pipeline_parallel import PipelineExecutor, bubble_fraction
+from hpctrain.parallel.pipeline_parallel import PipelineExecutor
+from hpctrain.parallel.schedules import schedule_bubble
 from hpctrain.parallel.zero_bubble import virtual_stage
 from hpctrain.parallel.zero3 import ParamGather, unit_params
 from hpctrain.profiling.timers import PhaseTimer
@@ -244,5 +245,6 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
         optimizer=optimizer, executor=executor, scaler=scaler, outcomes=outcomes, data=data,
         flops_per_token=flops_per_token(m, t.seq_len, cfg.lora.rank, cfg.lora.targets, moe=moe),  # active params
         peak_tflops=t.peak_tflops or peak_tflops(device, dtype, t.allow_tf32),
-        # idle over ideal time with equal stages, (pp - 1) / (V M): printed at start-up
-        bubble=bubble_fraction(layout.pp_size, layout.microbatches, layout.virtual_stages), build_s=build_s)
+        # idle over ideal time with equal stages, (pp - 1) / (V M) (zero-bubble: their timeline's): printed at start-up
+        bubble=schedule_bubble(layout.schedule, layout.pp_size, layout.microbatches, layout.virtual_stages),
+        build_s=build_s)

@@ -105,3 +105,16 @@ def test_the_printer_takes_w():
     assert "W3" in main(["zb-h1", "2", "4"]) and "idle 8% of the step" in main(["zb-h1", "2", "4"])
     assert "W3.1" in main(["zb-v", "2", "4", "2"])
     assert main(["1f1b", "2", "4", "1", "2", "4", "5"]).startswith("rank 0 | F0 ------ F1 ------ .    .")
+
+
+def test_schedule_bubble_at_unit_times():
+    """The bubble ``hpctrain info`` and train's start-up line report: 1F1B's (pp - 1) / M, zb-h1's a third of it
+    ((pp - 1) / (3 M)), zb-v's below interleaved (V = 2)'s (at pp = 2, M = 4: 2/24 against 3/24)."""
+    from hpctrain.parallel.schedules import schedule_bubble
+
+    for pp, m in ((2, 2), (2, 4), (4, 4), (4, 8), (8, 16)):
+        assert schedule_bubble("1f1b", pp, m) == (pp - 1) / m
+        assert abs(schedule_bubble("zb-h1", pp, m) - (pp - 1) / (3 * m)) < 1e-12
+        assert schedule_bubble("zb-v", pp, m, 2) <= schedule_bubble("interleaved", pp, m, 2)
+    assert schedule_bubble("zb-v", 2, 4, 2) == 2 / 24
+    assert schedule_bubble("zb-h1", 1, 4) == 0.0

@@ -180,7 +180,8 @@ def _casts(f: Fp8Linear, wanted: list[_Cast]) -> list[tuple[Any, torch.Tensor]]:
             reduce.append(i)
     if reduce and comm is not None and comm.size > 1:
         parts = [amaxes[i] for i in reduce]
-        flat = torch.cat([a.float().reshape(-1) for a in parts if a is not None])
+        wide = torch.float64 if any(a is not None and a.dtype == torch.float64 for a in parts) else torch.float32
+        flat = torch.cat([a.to(wide).reshape(-1) for a in parts if a is not None])  # exact for every amax
         comm.allreduce(flat, op="max")
         for i, piece in zip(reduce, flat.split([a.numel() for a in parts if a is not None])):
             amax = amaxes[i]

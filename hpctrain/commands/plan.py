@@ -98,7 +98,9 @@ def add_parser(sub) -> None:
                    help="activation recomputation: try each (auto), full (= on: every block's forward again), "
                         "selective (Korthikanti et al.: only the attention core; with --attention fused the same "
                         "as off), off")
-    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="", help="pipeline schedule (default 1f1b)")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe", "zb-h1", "zb-v"), default="",
+                   help="pipeline schedule (default 1f1b; zb-v: two virtual stages per rank in the V shape, so "
+                        "--virtual-stages stays 1)")
     p.add_argument("--compression", default="",
                    help="gradient compression of the dp reduction (compression.method: none, fp16, bf16, int8, "
                         "zfp, onebit, onebit-adam; default: the config's, else none; hpctrain/plan/compressed.py)")
@@ -273,8 +275,9 @@ def run_plan(args) -> int:
         schedule = "1f1b"
         if args.virtual_stages == 1:
             args.virtual_stages = max(2, defaults.get("virtual_stages", 2))
-    if args.virtual_stages < 1 or (args.virtual_stages > 1 and schedule == "gpipe"):
-        raise PlanError(f"--virtual-stages {args.virtual_stages}: must be >= 1, and 1 with the gpipe schedule")
+    if args.virtual_stages < 1 or (args.virtual_stages > 1 and schedule in ("gpipe", "zb-h1", "zb-v")):
+        raise PlanError(f"--virtual-stages {args.virtual_stages}: must be >= 1, and 1 with the {schedule} schedule"
+                        + (" (its two virtual stages are its V shape)" if schedule == "zb-v" else ""))
     if args.zero_prefetch is not None and args.zero_prefetch < 0:
         raise PlanError(f"--zero-prefetch {args.zero_prefetch}: must be >= 0")
     options = Options(dtype=args.dtype or defaults["dtype"], bucket_mb=defaults["bucket_mb"],

@@ -33,8 +33,9 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
 - A slot is ``forward + backward + tp + cp + pp`` of one micro-batch. Step = ``M x slot_max`` (the slowest
   stage paces the steady state) ``+ (pp - 1) / v x mean slot of the other stages`` (the bubble: fill and
   drain; ``(pp - 1) / (v M)`` of the ideal time for equal stages; ``v`` virtual stages of interleaved
-  1F1B, Narayanan et al. 2021 section 2.2.2, whose p2p is ``v`` times as frequent)
-  ``+`` exposed dp ``+`` optimizer.
+  1F1B, Narayanan et al. 2021 section 2.2.2, whose p2p is ``v`` times as frequent; the zero-bubble
+  schedules' share of 1F1B's, ``ZERO_BUBBLE_SHARE``: zb-h1 (pp - 1) / (3 M), zb-v (pp - 1) / (6 M) at
+  F = B = W, zb-v's p2p as V = 2's) ``+`` exposed dp ``+`` optimizer.
 - dp: over the ``dp x cp`` ranks holding the same parameters (the grid's ``dp_cp`` group), gradients in
   float32 (hpctrain's main grads; ``x compression`` at zero <= 1: compression is refused at zero >= 2)
   are all-reduced (ZeRO-1: reduce-scattered) bucket by bucket during the backward of the last
@@ -188,6 +189,11 @@ class StepTime:
                 "dp_comm": self.dp_comm_s, "bubble": self.bubble_s, "optimizer": self.optimizer_s}
 
 
+# the zero-bubble schedules' bubble over 1F1B's (Qi et al. 2024, at F = B = W: a backward's weight-gradient half
+# fills the bubbles): zb-h1's timeline takes 3 M + pp - 1 units, 1F1B's 3 M + 3 (pp - 1); zb-v's 6 M + pp - 1
+# units of half a stage, the ideal (its list-scheduled orders reach it at (2, 2), (4, 4), (4, 8); one unit more at (2, 4))
+ZERO_BUBBLE_SHARE = {"zb-h1": 1 / 3, "zb-v": 1 / 6}
+
 def executed_flops_per_token(model, seq_len: int, recompute, flash_attention: bool, moe=None,
                              lora: tuple[int, tuple[str, ...]] = (0, ())) -> float:
     """FLOPs a token costs forward + backward (+ what is recomputed): what the hardware executes, over
@@ -282,7 +288,7 @@ def step_time(model, cand: Candidate, machine, options: Options = Options(), moe
         split = sp or options.pp_scatter_gather
         p2p = machine.collective_s("sendrecv", act / (t if split else 1), 2, pp_at)
         p2p += tp_op("allgather", act) if options.pp_scatter_gather and not sp else 0.0
-    pp_slot = 2 * v * p2p
+    pp_slot = 2 * (2 if lay.schedule == "zb-v" else v) * p2p  # zb-v: two boundaries a micro-batch, as V = 2
     ep_at, experts_at = ep_placements(machine, lay)  # the ep group; the experts' dp x cp / ep group
     if moe is not None:
         rows = machine.collective_s("alltoall", float(b * seq * moe.top_k * h * nb), lay.ep_size, ep_at)
@@ -332,6 +338,7 @@ def step_time(model, cand: Candidate, machine, options: Options = Options(), moe
     firsts = [(st, count, costs, sum(costs) + pp_slot) for st, count, costs in reps.values()]
     _, _, (fk, bk, tfk, tbk, cfk, cbk, efk, ebk), slot_k = max(firsts, key=lambda r: r[3])  # the slowest stage
     bubble = (sum(r[1] * r[3] for r in firsts) - slot_k) / v  # (pp - 1) / v x the other stages' mean slot
+    bubble *= ZERO_BUBBLE_SHARE.get(lay.schedule, 1.0)
 
     if rank:  # only the adapters have gradients, are reduced and stepped
         per_block = block_adapter_parameters(model, t, rank, targets)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from hpctrain.errors import HpcTrainError
 from hpctrain.config.layout import Layout, divisors
+from hpctrain.config.rules import ZERO_BUBBLE_SCHEDULES
 from hpctrain.plan.cost import Candidate, Options, StepTime, ep_placements, step_time
 from hpctrain.plan.devices import PlanError
 from hpctrain.plan.memory import Memory, memory
@@ -255,7 +256,9 @@ def plan(model, machine, global_batch: int, seq_len: int, options: Options = Opt
                 if space.dp and dp != space.dp:
                     continue
                 for ep in expert_parallel_sizes(dp * cp, moe, space.ep):
-                    base = Layout(world, dp, pp, tp, 1, global_batch, seq_len, False, 0, space.schedule, cp_size=cp,
+                    # the sizes alone: a zero-bubble schedule's rules need the micro-batches (_search)
+                    base = Layout(world, dp, pp, tp, 1, global_batch, seq_len, False, 0,
+                                  "1f1b" if space.schedule in ZERO_BUBBLE_SCHEDULES else space.schedule, cp_size=cp,
                                   ep_size=ep)
                     try:
                         base.validate(for_tp(model, tp))
@@ -294,7 +297,8 @@ def _search(model, machine, base: Layout, capacity: float, options: Options, spa
         for sp in space.sequence_parallel if base.tp_size > 1 else (False,):
             for zero in space.zero if base.replica_size > 1 else (0,):
                 lay = Layout(base.world_size, base.dp_size, base.pp_size, base.tp_size, mb, base.global_batch,
-                             base.seq_len, sp, zero, space.schedule, cp_size=base.cp_size, ep_size=base.ep_size)
+                             base.seq_len, sp, zero, space.schedule, cp_size=base.cp_size, ep_size=base.ep_size,
+                             virtual_stages=2 if space.schedule == "zb-v" else 1)  # zb-v: the V shape
                 try:
                     lay.validate(for_tp(model, lay.tp_size))
                     if refusal := engine_refusal(lay, options, model, moe):

@@ -34,6 +34,8 @@ CASES = [  # (overrides, the key the line names)
     (["moe.num_experts=6", "parallel.ep=3", "parallel.tp=1", "parallel.pp=1"], "parallel.ep"),  # nor dp x cp = 2
     (["moe.num_experts=4", "parallel.ep=2", "parallel.tp=1", "parallel.pp=1", "compression.method=topk"],
      "compression.method"),  # the experts' gradients are reduced uncompressed
+    (["train.fp8=tensorwise", "train.dtype=float16"], "train.fp8"),  # float8 on bfloat16 (or emulated float32/64)
+    (["train.fp8=rowwise", "train.dtype=bfloat16"], "train.fp8_emulate"),  # a CPU has no float8 matmul
     (["model.vocab_size=16777216", "model.d_model=65536", "model.n_heads=64", "model.n_kv_heads=64"],
      "model.vocab_size=16777216 padded to"),  # fits no host: refused by the memory check, before allocation
 ]

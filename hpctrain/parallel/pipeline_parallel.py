@@ -39,7 +39,7 @@ class PipelineExecutor:
     ``forward``, ``backward``, ``pp_wait`` (receives, send completion). ``after_backward(stage_module)``:
     called when a micro-batch's backward through that virtual stage has returned (ZeRO-3's
     ``ParamGather.backward_pass_done``), or None. A zb schedule (``kind`` zb-h1, zb-v): the executor owns a
-    ``WeightGradStore`` (``weight_grads``) that it gives to its stages' linears; phase ``backward`` times both B and W.
+    ``WeightGradStore`` (``weight_grads``) that it gives to its stages' linears; phases ``backward`` (B) and ``weight`` (W).
     """
 
     def __init__(self, stage_modules, pp_comm, flat, kind: str, microbatches: int, act_shape, act_dtype,
@@ -118,7 +118,7 @@ class PipelineExecutor:
                 elif op == "W":
                     assert self.weight_grads is not None  # a zb schedule
                     self.flat.last_microbatch = i == self.microbatches - 1
-                    with timer.phase("backward"):
+                    with timer.phase("weight"):
                         self.weight_grads.run((i, c))
                     self.flat.progress()
                 else:

@@ -31,7 +31,7 @@ from hpctrain.errors import HpcTrainError
 from hpctrain.profiling.cuda_trace import host_wait_lines
 
 BALANCED = 1.05  # a rank whose compute is within 5% of the others' median is not called slow
-COMPUTE_PHASES = ("forward", "backward", "optimizer", "grad_norm", "compress", "loss", "dp_wait", "other")
+COMPUTE_PHASES = ("forward", "backward", "weight", "optimizer", "grad_norm", "compress", "loss", "dp_wait", "other")
 
 
 class TraceError(HpcTrainError):

@@ -9,7 +9,8 @@ reported as ``other``). A timing costs two ``perf_counter`` calls and a dict upd
 The phases the package records (docs/scaling.md):
   data       next global batch from the sampler, copy to the device
   forward    stage forward (and the loss on the last stage)
-  backward   stage backward (DP bucket launches from its hooks included)
+  backward   stage backward (DP bucket launches from its hooks included); zb-h1/zb-v: B, the input gradient
+  weight     zb-h1/zb-v: W, the deferred weight gradients (and the DP bucket launches their hooks make)
   pp_wait    pipeline receives and send completion: the bubble and pipeline communication
   compress   gradient compression and decompression (compressed reducers)
   dp_wait    exposed data-parallel reduction: waiting for buckets after the last backward

@@ -1,13 +1,18 @@
 #!/usr/bin/env python
-"""Pipeline schedules in a bubble-bound case: interleaved 1F1B (V = 2, 4, ...) against 1F1B at the same micro-batches.
+"""Pipeline schedules in a bubble-bound case: interleaved 1F1B (V = 2, 4, ...) and the zero-bubble ZB-H1 and ZB-V
+against 1F1B at the same micro-batches.
 
     mpiexec -n 2 python benchmarks/bench_pipeline.py --microbatches 2 --virtual 2,4 --json pipe.json --csv pipe.csv
+    mpiexec -n 2 python benchmarks/bench_pipeline.py --microbatches 4 --virtual 2 --zero-bubble zb-h1,zb-v
 
 One MPI job builds, on the same ranks (pp = the world size, dp = tp = 1), one hpctrain Trainer per schedule:
-``1f1b`` and ``interleaved`` with each V of ``--virtual`` that the layers allow (pp x V <= layers), same model,
-data, optimizer and micro-batches (a multiple of pp, as interleaving needs). Few micro-batches make the
-pipeline bubble, (pp - 1) / (V M) of the ideal step, a large part of the step: interleaving divides it by V
-at the price of V times more point-to-point messages.
+``1f1b``, ``interleaved`` with each V of ``--virtual`` that the layers allow (pp x V <= layers), and each of
+``--zero-bubble`` (zb-h1; zb-v with V = 2 in the V shape), same model, data, optimizer and micro-batches (a
+multiple of pp where interleaving runs). Few micro-batches make the pipeline bubble, (pp - 1) / (V M) of the
+ideal step, a large part of the step: interleaving divides it by V at the price of V times more point-to-point
+messages; the zero-bubble schedules fill it with the deferred weight gradients (W), zb-h1 to (pp - 1) / (3 M).
+``--schedules`` keeps only the named ones (e.g. ``1f1b`` alone, for its peak RSS: ``peak_rss_mib`` is the
+ranks' largest resident set since the job started, so it tells one schedule's only when the job runs one).
 
 Method (as benchmarks/bench_train.py): ``--warmup`` untimed steps each, then ``--rounds`` rounds of ``--steps``
 timed steps of every schedule in turn, the order rotated each round; a step is timed from a barrier to its
@@ -38,7 +43,8 @@ from mpi4py import MPI  # noqa: E402
 from hpctrain.bench.report import run_benchmark, timed_rounds, timed_steps, write_records  # noqa: E402
 
 FIELDS = ["schedule", "virtual_stages", "pp", "microbatches", "bubble", "step_ms", "step_ms_min", "step_ms_max",
-          "speedup_vs_1f1b", "pp_wait_ms", "forward_ms", "backward_ms", "tokens_per_s", "final_loss",
+          "speedup_vs_1f1b", "pp_wait_ms", "pp_wait_ms_max", "forward_ms", "backward_ms", "weight_ms",
+          "peak_rss_mib", "tokens_per_s", "final_loss",
           "timed_steps", "n_layers", "d_model", "seq_len", "global_batch", "predicted_ms", "predicted_bubble_ms",
           "prediction_error"]
 
@@ -48,6 +54,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--microbatches", type=int, default=0, help="micro-batches per step (default: pp)")
     p.add_argument("--virtual", default="2,4", help="comma list of V for interleaved (default 2,4)")
+    p.add_argument("--zero-bubble", default="", help="comma list of zero-bubble schedules: zb-h1, zb-v (default none)")
+    p.add_argument("--schedules", default="", help="comma list: run only these of the above, by name (1f1b, "
+                                                   "interleaved, zb-h1, zb-v; default all)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per schedule per round (default 4)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule first (default 2)")
     p.add_argument("--rounds", type=int, default=4, help="rounds (schedules alternate; default 4)")
@@ -74,7 +83,7 @@ class Schedule:
         from hpctrain.train.trainer import Trainer
 
         self.schedule, self.virtual, self.microbatches = schedule, virtual, microbatches
-        self.name = schedule if virtual == 1 else f"{schedule} V={virtual}"
+        self.name = schedule if virtual == 1 or schedule == "zb-v" else f"{schedule} V={virtual}"
         cfg = load_config(None, [
             "model.preset=custom", "model.vocab_size=256", f"model.d_model={args.d_model}",
             f"model.n_layers={args.layers}", f"model.n_heads={args.heads}", f"model.n_kv_heads={args.heads}",
@@ -115,7 +124,9 @@ def add_prediction(record: dict, cfg, info, profile: str) -> None:
 
 def run(args) -> list[dict]:
     from hpctrain.data.corpus import load_tokens_collective
-    from hpctrain.parallel.schedules import bubble_fraction
+    import resource
+
+    from hpctrain.parallel.schedules import schedule_bubble
     from hpctrain.runtime.launcher import discover
 
     torch.set_num_threads(1)
@@ -123,8 +134,13 @@ def run(args) -> list[dict]:
     info = discover()
     pp = info.size
     m = args.microbatches or pp
-    if pp < 2 or m % pp:
-        raise SystemExit(f"bench_pipeline: needs >= 2 ranks and --microbatches a multiple of pp={pp}, got {m}")
+    zero_bubble = [k.strip() for k in args.zero_bubble.split(",") if k.strip()]
+    only = {k.strip() for k in args.schedules.split(",") if k.strip()}
+    if pp < 2 or m < pp or (m % pp and (not only or "interleaved" in only)):
+        raise SystemExit(f"bench_pipeline: needs >= 2 ranks and --microbatches >= pp={pp} (a multiple of it for "
+                         f"interleaved), got {m}")
+    if any(k not in ("zb-h1", "zb-v") for k in zero_bubble) or (not zero_bubble and only & {"zb-h1", "zb-v"}):
+        raise SystemExit(f"bench_pipeline: --zero-bubble takes zb-h1 and zb-v, got {args.zero_bubble!r}")
     if args.profile:  # a bad profile: one line now, before any rank builds a model
         from hpctrain.sweep.predict import machine_for
 
@@ -132,7 +148,9 @@ def run(args) -> list[dict]:
     tokens = load_tokens_collective(world, "builtin", "", args.max_bytes)
     total = args.warmup + args.rounds * args.steps
     wanted = [1] + [int(v) for v in args.virtual.split(",") if v.strip() and pp * int(v) <= args.layers]
-    impls = [Schedule(args, info, tokens, total, "1f1b" if v == 1 else "interleaved", v, m) for v in wanted]
+    kinds = [("1f1b" if v == 1 else "interleaved", v) for v in wanted] + [(k, 2 if k == "zb-v" else 1)
+                                                                          for k in zero_bubble]
+    impls = [Schedule(args, info, tokens, total, kind, v, m) for kind, v in kinds if not only or kind in only]
     if info.rank == 0:
         print(f"bench_pipeline: pp={pp}, {m} micro-batches, schedules {[i.name for i in impls]}, {args.warmup} "
               f"warm-up + {args.rounds} x {args.steps} timed steps each", file=sys.stderr, flush=True)
@@ -143,20 +161,25 @@ def run(args) -> list[dict]:
     for impl in impls:
         t = times[impl.name]
         phase = {name: world.allreduce(impl.phases.get(name, 0.0)) / pp / timed * 1e3
-                 for name in ("pp_wait", "forward", "backward")}
+                 for name in ("pp_wait", "forward", "backward", "weight")}
+        wait_max = world.allreduce(impl.phases.get("pp_wait", 0.0), op=MPI.MAX) / timed * 1e3
         median = statistics.median(t)
         records.append({"schedule": impl.schedule, "virtual_stages": impl.virtual, "pp": pp, "microbatches": m,
-                        "bubble": bubble_fraction(pp, m, impl.virtual), "step_ms": median * 1e3,
+                        "bubble": schedule_bubble(impl.schedule, pp, m, impl.virtual), "step_ms": median * 1e3,
                         "step_ms_min": min(t) * 1e3, "step_ms_max": max(t) * 1e3, "speedup_vs_1f1b": None,
-                        "pp_wait_ms": phase["pp_wait"], "forward_ms": phase["forward"],
-                        "backward_ms": phase["backward"], "tokens_per_s": args.global_batch * args.seq_len / median,
+                        "pp_wait_ms": phase["pp_wait"], "pp_wait_ms_max": wait_max, "forward_ms": phase["forward"],
+                        "backward_ms": phase["backward"], "weight_ms": phase["weight"],
+                        "peak_rss_mib": world.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                                                        op=MPI.MAX) / 1024,
+                        "tokens_per_s": args.global_batch * args.seq_len / median,
                         "final_loss": impl.loss, "timed_steps": len(t), "n_layers": args.layers,
                         "d_model": args.d_model, "seq_len": args.seq_len, "global_batch": args.global_batch,
                         "predicted_ms": None, "predicted_bubble_ms": None, "prediction_error": None})
         if args.profile:
             add_prediction(records[-1], impl.cfg, info, args.profile)
+    base = next((r for r in records if r["schedule"] == "1f1b"), None)
     for r in records:
-        r["speedup_vs_1f1b"] = records[0]["step_ms"] / r["step_ms"]
+        r["speedup_vs_1f1b"] = base["step_ms"] / r["step_ms"] if base else None
     for impl in impls:
         impl.close()
     return records
@@ -169,12 +192,15 @@ def print_table(records: list[dict]) -> None:
           f"{r0['n_layers']} layers, seq {r0['seq_len']}, global batch {r0['global_batch']}, float32; median of "
           f"{r0['timed_steps']} steps")
     print(f"{'schedule':<16} {'bubble':>7} {'step ms':>8} {'min-max ms':>12} {'vs 1f1b':>8} {'pp_wait':>8} "
-          f"{'fwd':>7} {'bwd':>7} {'loss':>8}" + (f" {'pred ms':>8} {'error':>7}" if predicted else ""))
+          f"{'max':>7} {'fwd':>7} {'bwd':>7} {'W':>7} {'RSS MiB':>8} {'loss':>8}"
+          + (f" {'pred ms':>8} {'error':>7}" if predicted else ""))
     for r in records:
-        name = r["schedule"] if r["virtual_stages"] == 1 else f"interleaved V={r['virtual_stages']}"
+        name = r["schedule"] if r["schedule"] != "interleaved" else f"interleaved V={r['virtual_stages']}"
+        speedup = f"{r['speedup_vs_1f1b']:>7.2f}x" if r["speedup_vs_1f1b"] is not None else f"{'-':>8}"
         print(f"{name:<16} {r['bubble']:>7.1%} {r['step_ms']:>8.1f} "
-              f"{r['step_ms_min']:>5.0f}-{r['step_ms_max']:<6.0f} {r['speedup_vs_1f1b']:>7.2f}x "
-              f"{r['pp_wait_ms']:>8.1f} {r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} {r['final_loss']:>8.4f}"
+              f"{r['step_ms_min']:>5.0f}-{r['step_ms_max']:<6.0f} {speedup} "
+              f"{r['pp_wait_ms']:>8.1f} {r['pp_wait_ms_max']:>7.1f} {r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} "
+              f"{r['weight_ms']:>7.1f} {r['peak_rss_mib']:>8.0f} {r['final_loss']:>8.4f}"
               + (_prediction(r) if predicted else ""))
 
 

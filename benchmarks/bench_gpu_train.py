@@ -28,6 +28,11 @@ alternating. MFU = the trainer's FLOPs per token (``flops_per_token``) x tokens/
 (989 TFLOP/s for an H100 SXM; ``hpctrain/runtime/device.py``). ``ratio`` = hpctrain's tokens/s over torch's.
 Peak memory: ``torch.cuda.max_memory_allocated`` (on CPU, the process's peak RSS).
 
+``--set train.fp8=tensorwise|rowwise`` (float8 block linears, hpctrain/parallel/fp8.py; on the CPU with
+``--set train.fp8_emulate=true``: the numbers' agreement only, no speed claim) adds a third row, ``hpctrain-bf16``:
+hpctrain without the ``train.fp8*`` sets (bfloat16 on a GPU; the CPU smoke mode's float32), and prints fp8's
+tokens/s and final loss against it.
+
 ``--residual-dtype float32`` sets hpctrain's ``model.residual_dtype`` (a float32 residual stream around bfloat16
 sublayers, as the loop's autocast keeps it; the loop is unchanged). The JSON records each row's
 ``residual_dtype`` and ``losses``, the loss of every step (warm-up included), to compare the two loops' training.
@@ -224,12 +229,20 @@ def worker(args) -> int:
 
 
 # --------------------------------------------------------------------------- driver
+def fp8_recipe(sets: list[str]) -> str:
+    """The ``train.fp8`` value among the ``--set`` overrides ("none" when absent)."""
+    return next((kv.split("=", 1)[1] for kv in reversed(sets) if kv.startswith("train.fp8=")), "none")
+
+
 def run_worker(args, preset: str, impl: str) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), f"--worker={impl}", f"--preset={preset}",
+    """One worker process; ``impl`` "hpctrain-bf16": hpctrain without the ``train.fp8*`` sets (fp8's baseline)."""
+    sets = [kv for kv in args.set if not kv.startswith("train.fp8")] if impl == "hpctrain-bf16" else args.set
+    worker = "hpctrain" if impl == "hpctrain-bf16" else impl
+    cmd = [sys.executable, str(Path(__file__).resolve()), f"--worker={worker}", f"--preset={preset}",
            f"--device={args.device}", f"--seq-len={args.seq_len}", f"--micro-batch={args.micro_batch}",
            f"--global-batch={args.global_batch}", f"--compile={args.compile}", f"--warmup={args.warmup}",
            f"--steps={args.steps}", f"--window={args.window}", f"--residual-dtype={args.residual_dtype}",
-           f"--profile={args.profile}", *(f"--set={kv}" for kv in args.set)]
+           f"--profile={args.profile}", *(f"--set={kv}" for kv in sets)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.timeout,
                           stdin=subprocess.DEVNULL)
@@ -239,7 +252,7 @@ def run_worker(args, preset: str, impl: str) -> dict:
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"bench_gpu_train: {preset} {impl} failed (exit {proc.returncode}):\n"
                          f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[0])
+    return {**json.loads(lines[0]), "impl": impl}
 
 
 def combine(runs: list[dict]) -> dict:
@@ -269,21 +282,27 @@ def main(argv=None) -> int:
     from hpctrain.bench.report import write_records
 
     records = []
-    print(f"{'preset':12} {'impl':9} {'params':>8} {'tokens/s':>10} {'step ms (min-max)':>24} {'MFU':>6} "
+    print(f"{'preset':12} {'impl':13} {'params':>8} {'tokens/s':>10} {'step ms (min-max)':>24} {'MFU':>6} "
           f"{'ratio':>6} {'GiB':>6} {'loss':>7}", flush=True)
     for preset in args.presets.split(","):
-        runs = {"hpctrain": [], "torch": []}
+        impls = ("hpctrain", "torch") + (("hpctrain-bf16",) if fp8_recipe(args.set) != "none" else ())
+        runs: dict[str, list] = {impl: [] for impl in impls}
         for r in range(args.repeats):
-            for impl in (("hpctrain", "torch") if r % 2 == 0 else ("torch", "hpctrain")):
+            for impl in (impls if r % 2 == 0 else impls[::-1]):
                 runs[impl].append(run_worker(args, preset, impl))
         rows = {impl: combine(found) for impl, found in runs.items()}
         for impl, row in rows.items():
             row["ratio"] = row["tokens_per_s"] / rows["torch"]["tokens_per_s"]
             mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
-            print(f"{preset:12} {impl:9} {row['params'] / 1e6:7.0f}M {row['tokens_per_s']:10.0f} "
+            print(f"{preset:12} {impl:13} {row['params'] / 1e6:7.0f}M {row['tokens_per_s']:10.0f} "
                   f"{row['step_ms']:9.1f} ({row['step_ms_min']:.1f}-{row['step_ms_max']:.1f}) {mfu:>6} "
                   f"{row['ratio']:6.2f} {row['peak_memory_gib']:6.2f} {row['final_loss']:7.3f}", flush=True)
             records.append(row)
+        if "hpctrain-bf16" in rows:  # train.fp8 against hpctrain's own bf16
+            fp8, bf16 = rows["hpctrain"], rows["hpctrain-bf16"]
+            print(f"{preset:12} train.fp8={fp8_recipe(args.set)}: {fp8['tokens_per_s'] / bf16['tokens_per_s']:.2f}x "
+                  f"hpctrain-bf16's tokens/s, final loss {fp8['final_loss']:.4f} against "
+                  f"{bf16['final_loss']:.4f} ({fp8['final_loss'] / bf16['final_loss'] - 1:+.2%})", flush=True)
     write_records(records, args.json, args.csv, list(FIELDS))
     return 0
 

@@ -104,6 +104,7 @@ def setup_fp8(t, stages, amax_comm, device: torch.device, dtype_name: str, m, mo
     training dtype where the device or a linear's shape cannot (said in one line each). None: fp8 off."""
     if t.fp8 == "none":
         return None
+    check_fp8(t, device)  # (``hpctrain train`` checked before building; a Trainer built directly is checked here)
     stats = Fp8Stats(device)
     native = native_fp8(device)
     if device.type == "cuda" and not native and not t.fp8_emulate:

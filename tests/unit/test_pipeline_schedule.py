@@ -185,11 +185,10 @@ def test_the_diagrams_in_the_docs_are_the_schedules_output():
     import re
     from pathlib import Path
 
-    from hpctrain.parallel.schedules import render_timeline
+    from hpctrain.parallel.schedules import main
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "parallelism.md").read_text()
-    blocks = re.findall(r"<!-- render_timeline: ([\w ]+) -->\n```text\n(.*?)\n```", text, re.S)
-    assert len(blocks) == 2 and {b[0].split()[0] for b in blocks} == {"1f1b", "interleaved"}
-    for args, diagram in blocks:
-        kind, *numbers = args.split()
-        assert diagram == render_timeline(kind, *map(int, numbers)), args
+    blocks = re.findall(r"<!-- render_timeline: ([\w -]+) -->\n```text\n(.*?)\n```", text, re.S)
+    assert len(blocks) == 4 and {b[0].split()[0] for b in blocks} == {"1f1b", "interleaved", "zb-h1", "zb-v"}
+    for args, diagram in blocks:  # the command line of ``python -m hpctrain.parallel.schedules``
+        assert diagram == main(args.split()), args

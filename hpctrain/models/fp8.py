@@ -58,9 +58,12 @@ def block_linears(stages) -> list[tuple[str, nn.Module, int, tuple[int, int]]]:
     return found
 
 
-def use_fp8(stages, recipe: Fp8Recipe, amax_comm, stats: Fp8Stats | None, aligned_only: bool = False) -> tuple[int, list[str]]:
+def use_fp8(stages, recipe: Fp8Recipe, amax_comm, stats: Fp8Stats | None, aligned_only: bool = False,
+            cp_comm=None) -> tuple[int, list[str]]:
     """Give every block linear of ``stages`` its ``Fp8Linear`` (amaxes max-reduced over ``amax_comm``: the tp
-    group; a test passes another to show what a wrong group breaks). ``aligned_only``: leave a linear whose
+    group; a test passes another to show what a wrong group breaks; the activations' over tokens also over
+    ``cp_comm``, the cp group; with ep > 1 the experts' rows come from the ep group's ranks, so their scales stay
+    per source rank's rows, and with cp too they differ from one process's). ``aligned_only``: leave a linear whose
     slab is not a multiple of 16 in the training dtype. Returns (linears in float8 on this rank, counting each
     expert, names of those left out)."""
     covered, left = 0, []
@@ -68,8 +71,11 @@ def use_fp8(stages, recipe: Fp8Recipe, amax_comm, stats: Fp8Stats | None, aligne
         if aligned_only and unaligned(*shape):
             left.append(f"{name} [{shape[0]}, {shape[1]}]")
             continue
-        settings = Fp8Linear(recipe, amax_comm, split, stats)
-        if isinstance(module, Experts):
+        experts = isinstance(module, Experts)
+        # an expert's rows come from this cp rank's tokens (ep = 1: its own, never another rank's expert's)
+        tokens = cp_comm if not experts or module.held is None else None
+        settings = Fp8Linear(recipe, amax_comm, split, stats, tokens)
+        if experts:
             module.fp8[name.rsplit(".", 1)[1]] = settings
             covered += module.count
         else:
@@ -99,9 +105,11 @@ def model_linears(m, moe=None) -> int:
     return sum(4 + (per_moe if i in routed else dense) for i in range(m.n_layers))
 
 
-def setup_fp8(t, stages, amax_comm, device: torch.device, dtype_name: str, m, moe=None) -> Fp8Setup | None:
-    """``train.fp8`` on this rank's ``stages`` (``check_fp8`` passed): float8 on the block linears, or the
-    training dtype where the device or a linear's shape cannot (said in one line each). None: fp8 off."""
+def setup_fp8(t, stages, amax_comm, device: torch.device, dtype_name: str, m, moe=None,
+              cp_comm=None) -> Fp8Setup | None:
+    """``train.fp8`` on this rank's ``stages``: float8 on the block linears (``use_fp8``: amaxes over
+    ``amax_comm``, the tp group, and over tokens ``cp_comm``), or the training dtype where the device or a
+    linear's shape cannot (said in one line each). None: fp8 off."""
     if t.fp8 == "none":
         return None
     check_fp8(t, device)  # (``hpctrain train`` checked before building; a Trainer built directly is checked here)
@@ -117,12 +125,14 @@ def setup_fp8(t, stages, amax_comm, device: torch.device, dtype_name: str, m, mo
     if native and t.fp8_emulate:
         setup.warnings.append(f"train.fp8_emulate=true on a GPU with float8 matmuls (sm89+): the emulation is slower "
                               f"than the native path; set train.fp8_emulate=false")
-    _, left = use_fp8(stages, recipe, amax_comm, stats, aligned_only=not t.fp8_emulate)
+    _, left = use_fp8(stages, recipe, amax_comm, stats, aligned_only=not t.fp8_emulate, cp_comm=cp_comm)
     tp = 1 if amax_comm is None else amax_comm.size
     how = "emulated: float8 casts, float32 matmuls" if t.fp8_emulate else "torch._scaled_mm"
     over = f"amax max-reduced over tp={tp} where a tensor is split" if tp > 1 else "amax of the whole tensor"
+    routed = moe is not None
     setup.lines.append(f"float8 {t.fp8} (torchao {TORCHAO_VERSION}, {how}) on {model_linears(m, moe)} linears of "
-                       f"{m.n_layers} blocks (attention q/k/v/o, MLP, each expert's){' but those below' if left else ''}; embedding, LM head and router in "
+                       f"{m.n_layers} blocks (attention q/k/v/o, MLP{', each expert' if routed else ''})"
+                       f"{' but those below' if left else ''}; embedding, LM head{', router' if routed else ''} in "
                        f"{dtype_name}; {over}")
     for name in left:
         setup.warnings.append(f"train.fp8: linear {name} is not a multiple of 16 (torch._scaled_mm): it runs in "

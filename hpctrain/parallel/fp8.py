@@ -20,8 +20,10 @@ over the tp group (``amax_comm``, an hpctrain ``Communicator``; torchao would us
                                                        grad_input (rowwise)
     row-parallel     x and W^T on in                   x, W^T (tensorwise); x and W^T for the output (rowwise)
 
-so a tp layout computes what one process computes. Activations (x, dy) are scaled per micro-batch on
-their own replica, never over dp (as torchao and torchtitan). Nothing here is state: no scale is kept
+so a tp layout computes what one process computes. With context parallelism an activation's tokens are
+split over cp: its amax over tokens (tensorwise; rowwise: the grad_weight casts) is max-reduced over cp too
+(``token_comm``). Activations (x, dy) are scaled per micro-batch on their own replica, never over dp (as
+torchao and torchtitan). Nothing here is state: no scale is kept
 between steps (dynamic scaling), so a checkpoint holds no float8 tensor.
 
 torchao is imported only by ``load_recipe`` (the ``fp8`` extra): ``import hpctrain`` works without it.
@@ -140,12 +142,15 @@ class Fp8Stats:
 class Fp8Linear:
     """One linear's float8 settings: the recipe, the group its amaxes are max-reduced on (``amax_comm``: the
     tp group; None or size 1: none) and which dimension of W [out, in] is split over it (0: column-parallel,
-    1: row-parallel, None: whole). ``stats``: where its casts are counted."""
+    1: row-parallel, None: whole). ``stats``: where its casts are counted. ``token_comm``: the group the
+    tokens of an activation (x, dy) are split over (context parallelism), whose amaxes over tokens are
+    max-reduced there too."""
 
     recipe: Fp8Recipe
     amax_comm: Any
     split: int | None
     stats: Fp8Stats | None = None
+    token_comm: Any = None  # the cp group: activations hold this cp rank's tokens (None or size 1: all of them)
 
 
 @dataclass(frozen=True)
@@ -160,33 +165,33 @@ class _Cast:
     axis: int
     split: int | None
     scale: torch.Tensor | None = None
+    tokens: bool = False  # an activation: dim 0 is this rank's tokens, split over ``token_comm``
 
 
 def _casts(f: Fp8Linear, wanted: list[_Cast]) -> list[tuple[Any, torch.Tensor]]:
     """Each operand -> (a torchao ``Float8TrainingTensor``, its scale), scaled by its amax (along ``axis``
     with rowwise, else of the whole tensor). The amaxes of operands held as a slab along the axis they run
     over (any axis, tensorwise) are max-reduced over ``f.amax_comm``: one all-reduce for them all."""
-    recipe, comm = f.recipe, f.amax_comm
+    recipe = f.recipe
     amaxes: list[torch.Tensor | None] = []
-    reduce = []
+    over_tp, over_tokens = [], []
     for i, c in enumerate(wanted):
         if c.scale is not None:
             amaxes.append(None)
             continue
         rowwise = c.config.scaling_granularity.value == "axiswise"
-        amaxes.append(recipe.utils.tensor_to_amax(c.t, scaling_granularity=c.config.scaling_granularity,
-                                                  axiswise_dim=c.axis if rowwise else None))
+        if c.t.numel() == 0:  # no tokens here (an expert's rows on this cp rank): amax 0, max-reduced with the others'
+            shape = [] if not rowwise else [1 if d == c.axis % c.t.dim() else n for d, n in enumerate(c.t.shape)]
+            amaxes.append(torch.zeros(shape, dtype=c.t.dtype, device=c.t.device))
+        else:
+            amaxes.append(recipe.utils.tensor_to_amax(c.t, scaling_granularity=c.config.scaling_granularity,
+                                                      axiswise_dim=c.axis if rowwise else None))
         if c.split is not None and (not rowwise or c.axis % c.t.dim() == c.split):
-            reduce.append(i)
-    if reduce and comm is not None and comm.size > 1:
-        parts = [amaxes[i] for i in reduce]
-        wide = torch.float64 if any(a is not None and a.dtype == torch.float64 for a in parts) else torch.float32
-        flat = torch.cat([a.to(wide).reshape(-1) for a in parts if a is not None])  # exact for every amax
-        comm.allreduce(flat, op="max")
-        for i, piece in zip(reduce, flat.split([a.numel() for a in parts if a is not None])):
-            amax = amaxes[i]
-            assert amax is not None
-            amaxes[i] = piece.view(amax.shape)
+            over_tp.append(i)
+        if c.tokens and (not rowwise or c.axis % c.t.dim() == 0):
+            over_tokens.append(i)
+    _max_over(amaxes, over_tp, f.amax_comm)
+    _max_over(amaxes, over_tokens, f.token_comm)
     out = []
     for c, amax in zip(wanted, amaxes):
         scale = c.scale
@@ -200,6 +205,19 @@ def _casts(f: Fp8Linear, wanted: list[_Cast]) -> list[tuple[Any, torch.Tensor]]:
         out.append((recipe.tensor.hp_tensor_and_scale_to_float8(c.t, scale, c.config.target_dtype, recipe.mm, c.role,
                                                                 c.axis if rowwise else None), scale))
     return out
+
+
+def _max_over(amaxes: list, which: list[int], comm) -> None:
+    """Max-reduce ``amaxes[i]`` for i in ``which`` over ``comm`` in place of them (talks on it: one all-reduce
+    of them all, in float32, or float64 for a float64 amax: exact for every amax); nothing without a group."""
+    if not which or comm is None or comm.size == 1:
+        return
+    parts = [amaxes[i] for i in which]
+    wide = torch.float64 if any(a.dtype == torch.float64 for a in parts) else torch.float32
+    flat = torch.cat([a.to(wide).reshape(-1) for a in parts])
+    comm.allreduce(flat, op="max")
+    for i, piece in zip(which, flat.split([a.numel() for a in parts])):
+        amaxes[i] = piece.view(amaxes[i].shape)
 
 
 def _same_tensorwise(a, b) -> bool:
@@ -217,7 +235,8 @@ class _Float8Matmul(torch.autograd.Function):
         ctx.f = f
         w_split = None if f.split is None else 1 - f.split  # of W^T [in, out]
         x_split = 1 if f.split == 1 else None  # row-parallel: x holds in/tp columns
-        (xq, ctx.x_scale), (wq, ctx.w_scale) = _casts(f, [_Cast(x, c.cast_config_input, role.INPUT, -1, x_split),
+        (xq, ctx.x_scale), (wq, ctx.w_scale) = _casts(f, [_Cast(x, c.cast_config_input, role.INPUT, -1, x_split,
+                                                                tokens=True),
                                                           _Cast(weight.t(), c.cast_config_weight, role.WEIGHT, 0,
                                                                 w_split)])
         return torch.mm(xq, wq)
@@ -237,13 +256,14 @@ class _Float8Matmul(torch.autograd.Function):
         wanted = []
         if want_x:
             reuse = ctx.w_scale if _same_tensorwise(c.cast_config_weight, c.cast_config_weight_for_grad_input) else None
-            wanted += [_Cast(grad_out, c.cast_config_grad_output, role.GRAD_OUTPUT, -1, g_split),
+            wanted += [_Cast(grad_out, c.cast_config_grad_output, role.GRAD_OUTPUT, -1, g_split, tokens=True),
                        _Cast(weight.t(), c.cast_config_weight_for_grad_input, role.WEIGHT, -1, w_split, reuse)]
         if want_w:
             reuse = ctx.x_scale if _same_tensorwise(c.cast_config_input, c.cast_config_input_for_grad_weight) else None
             if not one_dy:
-                wanted.append(_Cast(grad_out, c.cast_config_grad_output_for_grad_weight, role.GRAD_OUTPUT, 0, g_split))
-            wanted.append(_Cast(x, c.cast_config_input_for_grad_weight, role.INPUT, 0, x_split, reuse))
+                wanted.append(_Cast(grad_out, c.cast_config_grad_output_for_grad_weight, role.GRAD_OUTPUT, 0, g_split,
+                                    tokens=True))
+            wanted.append(_Cast(x, c.cast_config_input_for_grad_weight, role.INPUT, 0, x_split, reuse, tokens=True))
         cast = [q for q, _ in _casts(f, wanted)]
         grad_x = grad_w = None
         if want_x:
@@ -257,9 +277,10 @@ class _Float8Matmul(torch.autograd.Function):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, f: Fp8Linear) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T -> [..., out] in x's dtype, every GEMM in float8 (module docstring).
-    Talks on ``f.amax_comm`` (the tp group) where an operand is split over it: at most one all-reduce of
-    amaxes forward and one backward. No tokens (an MoE expert none were routed to, on every tp rank alike): F.linear."""
-    if x.numel() == 0:
+    Talks on ``f.amax_comm`` (the tp group) where an operand is split over it, and on ``f.token_comm`` (cp)
+    for the activations' amaxes over tokens: at most one all-reduce of amaxes on each, forward and backward.
+    No tokens (an expert none were routed to, on every tp rank alike) and no cp peers: F.linear."""
+    if x.numel() == 0 and (f.token_comm is None or f.token_comm.size == 1):
         return torch.nn.functional.linear(x, weight)
     if torch.compiler.is_compiling():  # mpi4py all-reduces cannot be traced: a graph break by design
         return torch.compiler.disable(_apply, reason="float8 linear (amax over tp, mpi4py)")(x, weight, f)

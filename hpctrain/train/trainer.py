@@ -42,7 +42,7 @@ class Trainer:
         # train.fp8: the block linears in float8 (hpctrain/models/fp8.py), their amaxes max-reduced over tp
         m = self.parts.model_cfg
         self.fp8: Fp8Setup | None = setup_fp8(cfg.train, self.parts.stages, grid.comm("tp"), self.device,
-                                              cfg.train.dtype, m, resolve_moe(cfg.moe, m))
+                                              cfg.train.dtype, m, resolve_moe(cfg.moe, m), grid.comm("cp"))
         self._step = 0  # steps run (the last one's verdict may still be in flight)
         # the evaluation loss's agreement, a host float64 [1]: from the last stage over pp, summed over dp x cp
         pp_comm = grid.comm("pp")

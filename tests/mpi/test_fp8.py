@@ -9,16 +9,18 @@ MOE = ["moe.num_experts=4", "moe.layers=[1]"]  # block 0 dense (attention + MLP)
 
 def test_every_layout_equals_one_process_and_a_wrong_amax_group_breaks_it():
     """float64 training (the emulation's matmuls are float32, as torchao's), 5 steps, one launch: pp=2, dp=2 x
-    ZeRO-3 and ep=2 take the very scales one process takes (identical up to float64 sums); tp=2 with SP too, its
-    row-parallel partial sums (float32 matmuls over in/tp) rounding apart, amplified by routing flips: within
-    1e-3 (measured 7.7e-5). Reducing the amaxes over dp (size 1: each tp slab scaled alone) instead of tp is the
-    failure of Megatron PR #442: measured 4.4e-3 after 5 steps."""
-    layouts = "1,1,2;2,1,1|zero3;2,1,1,1,2;1,2,1|sp;1,2,1|sp,amax=dp"
+    ZeRO-3 and ep=2 take the very scales one process takes (identical up to float64 sums); cp=2 too (the
+    activations' amaxes over tokens max-reduced over cp; its weight gradients' float32 halves summed: 2e-10);
+    tp=2 with SP too, its row-parallel partial sums (float32 matmuls over in/tp) rounding apart, amplified by
+    routing flips: within 1e-3 (measured 7.7e-5). Reducing the amaxes over dp (size 1: each tp slab scaled
+    alone) instead of tp is the failure of Megatron PR #442: measured 4.4e-3 after 5 steps."""
+    layouts = "1,1,2;2,1,1|zero3;2,1,1,1,2;1,1,1,2;1,2,1|sp;1,2,1|sp,amax=dp"
     out = run_mpi(2, "check_fp8.py", "--layouts", layouts, "--steps", "5", "--rtol", "1e-3", "--wrong", "1e-3",
                   "train.dtype=float64", *MOE, timeout=240).stdout
     assert "FP8 OK" in out, out
     err = {m[1]: float(m[2]) for m in re.finditer(r"^(\w+ \S+) tensorwise float64: loss rel err (\S+)", out, re.M)}
     assert err["OK 1,1,2"] < 1e-12 and err["OK 2,1,1|zero3"] < 1e-12 and err["OK 2,1,1,1,2"] < 1e-12, err
+    assert err["OK 1,1,1,2"] < 1e-8, err
     assert err["OK 1,2,1|sp"] < 1e-3 < err["BREAKS 1,2,1|sp,amax=dp"], err
     assert "fp8_amax_max" in out and "'fp8_overflows': 0" in out
 

@@ -27,7 +27,8 @@ def train(cfg, mpi_world, tokens, steps, amax_group=""):
     grid = ProcessGrid.from_config(cfg, discover(mpi_world), mpi_world=mpi_world, timeout_s=120)
     trainer = Trainer(cfg, grid, tokens=tokens)
     if amax_group:  # test-only: the amaxes reduced over another group than tp
-        use_fp8(trainer.parts.stages, trainer.fp8.recipe, grid.comm(amax_group), trainer.fp8.stats)
+        use_fp8(trainer.parts.stages, trainer.fp8.recipe, grid.comm(amax_group), trainer.fp8.stats,
+                cp_comm=grid.comm("cp"))
     losses, stats = [], {}
     for _ in range(steps):
         metrics = trainer.train_step()

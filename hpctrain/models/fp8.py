@@ -71,15 +71,13 @@ def use_fp8(stages, recipe: Fp8Recipe, amax_comm, stats: Fp8Stats | None, aligne
         if aligned_only and unaligned(*shape):
             left.append(f"{name} [{shape[0]}, {shape[1]}]")
             continue
-        experts = isinstance(module, Experts)
-        # an expert's rows come from this cp rank's tokens (ep = 1: its own, never another rank's expert's)
-        tokens = cp_comm if not experts or module.held is None else None
-        settings = Fp8Linear(recipe, amax_comm, split, stats, tokens)
-        if experts:
-            module.fp8[name.rsplit(".", 1)[1]] = settings
+        if isinstance(module, Experts):
+            # its rows come from this cp rank's tokens (ep = 1: its own, never another rank's experts')
+            tokens = cp_comm if module.held is None else None
+            module.fp8[name.rsplit(".", 1)[1]] = Fp8Linear(recipe, amax_comm, split, stats, tokens)
             covered += module.count
         else:
-            module.fp8 = settings  # type: ignore[assignment]  # Module.__setattr__'s stub takes only Tensor/Module
+            module.fp8 = Fp8Linear(recipe, amax_comm, split, stats, cp_comm)  # type: ignore[assignment]  # Module.__setattr__'s stub takes only Tensor/Module
             covered += 1
     return covered, left
 

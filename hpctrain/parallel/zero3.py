@@ -116,8 +116,9 @@ class ParamGather:
     ``index``, unique over all of them."""
 
     def __init__(self, flat: FlatParams | FlatGroup, stages, *, reshard_after_forward: bool = True,
-                 prefetch: int = 1, frozen: FrozenShards | FrozenGroup | None = None):
+                 prefetch: int = 1, frozen: FrozenShards | FrozenGroup | None = None, split_backward: bool = False):
         self.flat = flat
+        self.split_backward = split_backward
         flats = flat.parts if isinstance(flat, FlatGroup) else [flat]
         shards = [] if frozen is None else frozen.parts if isinstance(frozen, FrozenGroup) else [frozen]
         groups: list[Any] = [*flats, *shards]  # FlatParams and FrozenShards: buckets sharded over dp_comm
@@ -204,7 +205,8 @@ class ParamGather:
         if id(unit) not in self._in_backward:  # not a recomputation inside backward
             self._prefetch(units, units.index(unit), +1)
             x = args[0] if args else None
-            if unit.frozen and torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+            if (unit.frozen or self.split_backward) and torch.is_grad_enabled() and isinstance(x, torch.Tensor) \
+                    and x.requires_grad:
                 x.register_hook(_eager(lambda grad, u=unit: self._input_grad_ready(u)))
         for bucket in unit.all_buckets:
             self._wait(bucket)
@@ -249,15 +251,19 @@ class ParamGather:
 
     def _input_grad_ready(self, unit: Unit) -> None:
         """The gradient reached ``unit``'s input: its backward of this micro-batch is over, so its frozen
-        buckets may go (the trainable ones go when their gradients are complete, ``_backward_done``)."""
+        buckets may go (the trainable ones go when their gradients are complete, ``_backward_done``; with
+        ``split_backward`` now too: a zero-bubble schedule's W needs no parameter)."""
         self._in_backward.discard(id(unit))
         for bucket in unit.frozen:
             if unit.last and self._pinned.get(bucket.index):
                 self._pinned[bucket.index] -= 1
             self._release_frozen(bucket)
+        for bucket in unit.buckets if self.split_backward else []:
+            self._release_frozen(bucket)
         self.progress()
 
     def _release_frozen(self, bucket: Bucket) -> None:
+        """Free ``bucket`` if gathered, unpinned, and resharded after use (or this is the last micro-batch)."""
         gathered = bucket.index in self._ready or bucket.index in self._posted
         if gathered and not self._pinned.get(bucket.index) and \
                 (self.reshard_after_forward or self.flat.last_microbatch):
@@ -265,11 +271,15 @@ class ParamGather:
 
     def backward_pass_done(self, stage) -> None:
         """The pipeline executor: a micro-batch's backward through virtual stage ``stage`` returned. Frozen
-        buckets no input gradient released (a unit whose input needs none) go now."""
+        buckets no input gradient released (a unit whose input needs none) go now; with ``split_backward`` (a
+        zero-bubble schedule's B: its W needs no parameter, only the linears' inputs and output gradients) the
+        trainable ones too, unless pinned (the LM head's, until its W)."""
         for unit in self._units_of.get(id(stage), []):
             self._in_backward.discard(id(unit))
             for bucket in unit.frozen:
                 self._release_frozen(bucket)
+            for bucket in unit.buckets if self.split_backward else []:
+                self._release_frozen(bucket)  # the same rule: gathered, not pinned, resharded (or the last)
 
     def release_all(self) -> None:
         """Free every gathered unit (after a step's reductions, after an evaluation)."""

@@ -53,7 +53,7 @@ from hpctrain.parallel.param_init import give_storage, materialize_
 from hpctrain.config.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor
 from hpctrain.parallel.schedules import schedule_bubble
-from hpctrain.parallel.zero_bubble import virtual_stage
+from hpctrain.parallel.zero_bubble import ZERO_BUBBLE_SCHEDULES, virtual_stage
 from hpctrain.parallel.zero3 import ParamGather, unit_params
 from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime import env
@@ -214,7 +214,8 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     else:
         materialize_(frozen_params, device)  # below zero 3 a frozen base is whole on every replica
     param_gather = ParamGather(flat, stages, reshard_after_forward=cfg.parallel.zero_reshard_after_forward,
-                               prefetch=cfg.parallel.zero_prefetch, frozen=frozen) if layout.zero == 3 else None
+                               prefetch=cfg.parallel.zero_prefetch, frozen=frozen,
+                               split_backward=layout.schedule in ZERO_BUBBLE_SCHEDULES) if layout.zero == 3 else None
     # 1-bit Adam (even where no reducer compresses: one replica): AdamW's variance frozen after the warm-up
     optimizer: FlatOptimizer | OptimizerGroup = FlatOptimizer(
         dense_flat, cfg.optim, tp_rank=grid.coords["tp"],

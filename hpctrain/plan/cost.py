@@ -337,8 +337,9 @@ def step_time(model, cand: Candidate, machine, options: Options = Options(), moe
             reps[key] = [st, 1, parts(st)]
     firsts = [(st, count, costs, sum(costs) + pp_slot) for st, count, costs in reps.values()]
     _, _, (fk, bk, tfk, tbk, cfk, cbk, efk, ebk), slot_k = max(firsts, key=lambda r: r[3])  # the slowest stage
-    bubble = (sum(r[1] * r[3] for r in firsts) - slot_k) / v  # (pp - 1) / v x the other stages' mean slot
-    bubble *= ZERO_BUBBLE_SHARE.get(lay.schedule, 1.0)
+    zero_bubble = ZERO_BUBBLE_SHARE.get(lay.schedule)  # its share of 1F1B's (zb-v's V = 2 counted in it)
+    bubble = (sum(r[1] * r[3] for r in firsts) - slot_k) / (v if zero_bubble is None else 1 / zero_bubble)
+    # (pp - 1) / v x the other stages' mean slot
 
     if rank:  # only the adapters have gradients, are reduced and stepped
         per_block = block_adapter_parameters(model, t, rank, targets)

@@ -26,6 +26,8 @@ def test_bubble_share_and_activations_against_1f1b():
         zv = step_time(m, Candidate(layout("zb-v", 2)), machine)
         assert h1.bubble_s == pytest.approx(base.bubble_s / 3) and zv.bubble_s == pytest.approx(base.bubble_s / 6, rel=0.01)  # its p2p: V = 2
         assert h1.compute_s == base.compute_s
+        zv_sweep = step_time(m, Candidate(layout("zb-v", 2)), machine, Options(virtual_stages=2))  # as sweep gives it
+        assert zv_sweep.bubble_s == pytest.approx(zv.bubble_s)
         one = memory(m, layout("1f1b"), "off", Options())
         for zb in (memory(m, layout("zb-h1"), "off", Options()), memory(m, layout("zb-v", 2), "off", Options())):
             assert zb.activations_gib >= one.activations_gib  # every rank holds the first rank's min(pp, M)

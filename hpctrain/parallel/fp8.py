@@ -110,9 +110,7 @@ class Fp8Stats:
         self._values.copy_(torch.tensor([0.0, -float("inf"), 0.0, 0.0], dtype=torch.float64))
 
     def record(self, amax: torch.Tensor, scale: torch.Tensor) -> None:
-        """One cast's amax and scale (same shape: a scalar, or one per row); not in a recomputed forward."""
-        if torch._C._current_graph_task_id() != -1:  # inside backward: activation recomputation
-            return
+        """One cast's amax and scale (same shape: a scalar, or one per row)."""
         amax, scale = amax.detach().double(), scale.detach().double()
         if amax.device != self._values.device:
             self._values = self._values.to(amax.device)
@@ -168,10 +166,11 @@ class _Cast:
     tokens: bool = False  # an activation: dim 0 is this rank's tokens, split over ``token_comm``
 
 
-def _casts(f: Fp8Linear, wanted: list[_Cast]) -> list[tuple[Any, torch.Tensor]]:
+def _casts(f: Fp8Linear, wanted: list[_Cast], count: bool = True) -> list[tuple[Any, torch.Tensor]]:
     """Each operand -> (a torchao ``Float8TrainingTensor``, its scale), scaled by its amax (along ``axis``
     with rowwise, else of the whole tensor). The amaxes of operands held as a slab along the axis they run
-    over (any axis, tensorwise) are max-reduced over ``f.amax_comm``: one all-reduce for them all."""
+    over (any axis, tensorwise) are max-reduced over ``f.amax_comm``: one all-reduce for them all; an
+    activation's over its tokens over ``f.token_comm`` likewise. ``count``: add them to ``f.stats``."""
     recipe = f.recipe
     amaxes: list[torch.Tensor | None] = []
     over_tp, over_tokens = [], []
@@ -199,7 +198,7 @@ def _casts(f: Fp8Linear, wanted: list[_Cast]) -> list[tuple[Any, torch.Tensor]]:
             assert amax is not None
             scale = recipe.utils.amax_to_scale(amax, c.config.target_dtype,
                                                round_scales_to_power_of_2=recipe.config.round_scales_to_power_of_2)
-            if f.stats is not None:
+            if f.stats is not None and count:
                 f.stats.record(amax, scale)
         rowwise = c.config.scaling_granularity.value == "axiswise"
         out.append((recipe.tensor.hp_tensor_and_scale_to_float8(c.t, scale, c.config.target_dtype, recipe.mm, c.role,
@@ -235,10 +234,11 @@ class _Float8Matmul(torch.autograd.Function):
         ctx.f = f
         w_split = None if f.split is None else 1 - f.split  # of W^T [in, out]
         x_split = 1 if f.split == 1 else None  # row-parallel: x holds in/tp columns
+        recomputed = torch._C._current_graph_task_id() != -1  # activation recomputation, inside backward
         (xq, ctx.x_scale), (wq, ctx.w_scale) = _casts(f, [_Cast(x, c.cast_config_input, role.INPUT, -1, x_split,
                                                                 tokens=True),
                                                           _Cast(weight.t(), c.cast_config_weight, role.WEIGHT, 0,
-                                                                w_split)])
+                                                                w_split)], count=not recomputed)
         return torch.mm(xq, wq)
 
     @staticmethod

@@ -71,6 +71,20 @@ def test_tensorwise_is_one_scale_rowwise_one_power_of_two_per_row():
     assert inf.collect(_NoComm())["fp8_overflows"] == 1
 
 
+def test_the_stats_count_the_gradients_casts_and_not_a_recomputed_forward():
+    r = load_recipe("tensorwise", emulate=True)
+    stats = Fp8Stats()
+    f = Fp8Linear(r, None, None, stats)
+    x, w = torch.randn(4, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    fp8_linear(x, w, f).backward(torch.full((4, 16), 1000.0))
+    assert stats.collect(_NoComm())["fp8_amax_max"] == 1000.0  # the output gradient's cast
+    y = torch.utils.checkpoint.checkpoint(fp8_linear, x, w, f, use_reentrant=False)
+    assert stats.collect(_NoComm())["fp8_amax_max"] == pytest.approx(float(max(x.abs().max(), w.abs().max()).detach()))
+    y.backward(torch.zeros(4, 16))  # recomputes the forward (not counted); x and W's scales reused
+    after = stats.collect(_NoComm())
+    assert after["fp8_amax_max"] == 0.0 and after["fp8_scale_min"] is None
+
+
 class _NoComm:
     size = 1
 
@@ -199,6 +213,38 @@ def test_bad_input_is_one_line_naming_the_key_or_the_package(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.9.0" if name == "torchao" else real(name))
     with pytest.raises(ConfigError, match=r"found torchao 0\.9\.0: pip install 'hpctrain\[fp8\]'"):
         check_fp8(t, torch.device("cpu"))
+
+
+def test_what_the_device_allows_is_one_line_each(monkeypatch):
+    """A GPU below sm89 runs every linear in the training dtype; on sm89+ a linear whose slab is not a multiple of
+    16 does (named); the emulation there is a warning. Only shapes are read: the model is built on meta."""
+    from hpctrain.config import resolve_model
+    from hpctrain.models import fp8 as models_fp8
+    from hpctrain.models.gpt import GPTStage
+
+    cfg = load_config(None, BASE + ["model.d_ff=200", "train.fp8=tensorwise", "train.dtype=bfloat16"])
+    m = resolve_model(cfg.model)
+    with torch.device("meta"):
+        stage = GPTStage(m, (0, 2), is_first=True, is_last=True, dtype=torch.bfloat16)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(models_fp8, "Fp8Stats", lambda device: Fp8Stats())  # no CUDA here: its counts on the host
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    old = models_fp8.setup_fp8(cfg.train, [stage], None, cuda, "bfloat16", m)
+    assert old.recipe is None and old.warnings == [
+        "train.fp8=tensorwise: this GPU (sm80) has no float8 matmul (sm89+: Ada, Hopper); every linear runs in "
+        "bfloat16 instead (train.fp8_emulate=true runs the emulation)"]
+    assert stage.layers["0"].mlp.up.fp8 is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    hopper = models_fp8.setup_fp8(cfg.train, [stage], None, cuda, "bfloat16", m)
+    assert hopper.warnings == [f"train.fp8: linear layers.{i}.mlp.{part} [{shape}] is not a multiple of 16 "
+                               f"(torch._scaled_mm): it runs in bfloat16" for i in (0, 1)
+                               for part, shape in (("gate", "200, 64"), ("up", "200, 64"), ("down", "64, 200"))]
+    assert "d_ff" not in hopper.lines[0] and "on 14 linears of 2 blocks" in hopper.lines[0]
+    assert stage.layers["0"].attn.wq.fp8 is not None and stage.layers["0"].mlp.up.fp8 is None
+    cfg.train.fp8_emulate = True
+    emulated = models_fp8.setup_fp8(cfg.train, [stage], None, cuda, "bfloat16", m)
+    assert emulated.warnings[0].startswith("train.fp8_emulate=true on a GPU with float8 matmuls (sm89+)")
+    assert stage.layers["0"].mlp.up.fp8 is not None  # the emulation takes any shape
 
 
 def test_hpctrain_imports_without_torchao():

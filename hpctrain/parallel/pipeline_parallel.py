@@ -19,6 +19,8 @@ to c = 1, and the backward back, in memory.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hpctrain.parallel.schedules import (bubble_fraction, p2p_posts, peer, schedule_actions,  # noqa: F401 (re-exported)
@@ -55,6 +57,7 @@ class PipelineExecutor:
         self.split = kind in ZERO_BUBBLE_SCHEDULES
         self.v_shape = kind == "zb-v"
         self.weight_grads = WeightGradStore() if self.split else None
+        self.before_weight: Callable[[], None] | None = None  # called before each W (the trainer's fault point)
         if self.split:
             attach(self.stage_modules, self.weight_grads)
 
@@ -117,6 +120,8 @@ class PipelineExecutor:
                         self.flat.progress()
                 elif op == "W":
                     assert self.weight_grads is not None  # a zb schedule
+                    if self.before_weight is not None:
+                        self.before_weight()
                     self.flat.last_microbatch = i == self.microbatches - 1
                     with timer.phase("weight"):
                         self.weight_grads.run((i, c))

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 from hpctrain.runtime import env
 
-PHASES = ("forward", "backward", "optimizer", "write", "verify", "publish", "corpus", "trace", "launch", "shm", "copy")
+PHASES = ("forward", "backward", "weight", "optimizer", "write", "verify", "publish", "corpus", "trace", "launch", "shm",
+          "copy")
 ENV = "HPCTRAIN_FAULT"
 
 

@@ -14,6 +14,7 @@ to every rank from the sampler); the documents go to every stage (attention stay
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
@@ -107,6 +108,8 @@ class Trainer:
         reducer.begin_step(self._step, scaler.scale)  # the host's scale: current where a reducer needs it
         scale = scaler.scale_tensor if scaler.enabled else 1.0  # float16: moved on the device
         parts.faults.hit("forward", self._step + 1)
+        if parts.faults:  # test-only: a fault inside a zero-bubble schedule's deferred W
+            parts.executor.before_weight = partial(parts.faults.hit, "weight", self._step + 1)
         # no counted token (impossible with `data prepare` output): loss 0, zero gradients
         scaled_loss = parts.executor.run(inputs, targets, scale / max(counted, 1), **packing)
         parts.faults.hit("backward", self._step + 1)

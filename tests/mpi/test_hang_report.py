@@ -55,8 +55,9 @@ def run_with_fault(run_dir, fault: str, *overrides):
     ("rank=3,step=3,phase=forward,action=sleep:300", [], "main thread at hpctrain/runtime/faults.py"),
     ("rank=3,step=0,phase=corpus,action=stop", [], "stopped (SIGSTOP"),
     ("rank=3,step=0,phase=trace,action=stop", ["train.trace=true"], "stopped (SIGSTOP"),
+    ("rank=3,step=3,phase=weight,action=stop", ["parallel.schedule=zb-h1"], "stopped (SIGSTOP"),
 ], ids=["stopped-in-training", "stopped-in-sync-save", "stopped-in-async-save", "sleeping-in-python",
-        "stopped-in-corpus-broadcast", "stopped-in-trace-sync"])
+        "stopped-in-corpus-broadcast", "stopped-in-trace-sync", "stopped-in-a-deferred-weight-gradient"])
 def test_the_report_names_the_missing_rank(tmp_path, fault, overrides, where):
     code, stderr, seconds = run_with_fault(tmp_path / "run", fault, *overrides)
     assert code == 3, stderr[-3000:]

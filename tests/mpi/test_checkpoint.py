@@ -66,12 +66,16 @@ def losses(run_dir):
                                     ["parallel.tp=1", "parallel.pp=2", "parallel.schedule=interleaved",
                                      "parallel.virtual_stages=2", "model.n_layers=4", "model.tie_embeddings=true"]])
 def test_exact_resume_is_bitwise(tmp_path, layout):
+    """An uninterrupted 8-step run saves (synchronously) at step 4; a new run directory holding only that
+    checkpoint resumes from it and continues bitwise: the same losses at steps 5-8, bitwise-equal weights and
+    optimizer state. (A resume after a stop at --max-steps: tests/mpi/test_stop.py.)"""
     whole, split = tmp_path / "whole", tmp_path / "split"
-    train(4, whole, *F32, *layout)
-    train(4, split, *F32, *layout, "--max-steps", "4", "checkpoint.async=false")
-    out = train(4, split, *F32, *layout, "--resume", "auto")
+    train(4, whole, *F32, *layout, "checkpoint.interval=4", "checkpoint.async=false")
+    shutil.copytree(whole / "checkpoints" / "step-00000004", split / "checkpoints" / "step-00000004")
+    out = train(4, split, *F32, *layout, "checkpoint.interval=4", "checkpoint.async=false", "--resume", "auto")
     assert "resumed from" in out.stdout and "at step 4" in out.stdout
-    assert losses(split) == losses(whole)  # exactly equal, every step
+    expected = {step: loss for step, loss in losses(whole).items() if step > 4}
+    assert losses(split) == expected and len(expected) == 4  # exactly equal, every step
     ckpt("diff", str(whole), str(split), "--atol", "0")
 
 

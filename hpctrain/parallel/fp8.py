@@ -23,8 +23,8 @@ over the tp group (``amax_comm``, an hpctrain ``Communicator``; torchao would us
 so a tp layout computes what one process computes. With context parallelism an activation's tokens are
 split over cp: its amax over tokens (tensorwise; rowwise: the grad_weight casts) is max-reduced over cp too
 (``token_comm``). Activations (x, dy) are scaled per micro-batch on their own replica, never over dp (as
-torchao and torchtitan). Nothing here is state: no scale is kept
-between steps (dynamic scaling), so a checkpoint holds no float8 tensor.
+torchao and torchtitan). Nothing here is state: no scale is kept between steps (dynamic scaling), so a
+checkpoint holds no float8 tensor.
 
 torchao is imported only by ``load_recipe`` (the ``fp8`` extra): ``import hpctrain`` works without it.
 """
@@ -110,7 +110,9 @@ class Fp8Stats:
         self._values.copy_(torch.tensor([0.0, -float("inf"), 0.0, 0.0], dtype=torch.float64))
 
     def record(self, amax: torch.Tensor, scale: torch.Tensor) -> None:
-        """One cast's amax and scale (same shape: a scalar, or one per row)."""
+        """One cast's amax and scale (same shape: a scalar, or one per row; none for a tensor without rows)."""
+        if amax.numel() == 0:
+            return
         amax, scale = amax.detach().double(), scale.detach().double()
         if amax.device != self._values.device:
             self._values = self._values.to(amax.device)

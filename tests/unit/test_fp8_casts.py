@@ -122,6 +122,19 @@ def test_the_casts_of_a_split_tensor_are_reduced_over_the_group_once_per_pass(re
     assert comm.calls == backward
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_no_tokens_with_cp_peers_still_takes_part_in_their_reductions(recipe):
+    """An expert with no rows on this cp rank: amax 0 into the cp all-reduces its peers make (none with no peers)."""
+    cp = _Recording()
+    x, w = torch.zeros(0, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    y = fp8_linear(x, w, Fp8Linear(load_recipe(recipe, emulate=True), None, None, Fp8Stats(), cp))
+    assert y.shape == (0, 16) and len(cp.calls) == (1 if recipe == "tensorwise" else 0)
+    y.sum().backward()
+    assert w.grad is not None and not w.grad.any() and len(cp.calls) == (2 if recipe == "tensorwise" else 1)
+    alone = fp8_linear(x, w, Fp8Linear(load_recipe(recipe, emulate=True), None, None, None, None))
+    assert alone.shape == (0, 16)
+
+
 class _Pair:
     """Two threads as the two ranks of a tp group: allreduce(max) through a barrier."""
 

@@ -1,5 +1,5 @@
 """The zero-bubble schedules (zb-h1, zb-v: issue #53) train like one process in every layout family (float64:
-1e-10), and resume bitwise with the same schedule. One launch per family group keeps the cost small (each
+1e-10), and a run killed in a deferred W resumes bitwise with the same schedule. One launch per family group keeps the cost small (each
 layout/variant is another run inside a launch; check_fidelity.py). The chain across schedules runs with
 ``-m full_matrix``. Bad values: tests/mpi/test_bad_input.py."""
 import pytest
@@ -38,18 +38,21 @@ def test_experts_by_pp():
     assert out.count("OK dp=") == 2
 
 
-def test_same_schedule_resume_is_bitwise(tmp_path):
-    """The schedule is not part of a checkpoint: zb-v (a tied embedding held twice on rank 0) resumed with zb-v
-    is bitwise the uninterrupted run."""
+def test_killed_in_a_deferred_w_resumes_bitwise(tmp_path):
+    """The schedule is not part of a checkpoint: zb-v (a tied embedding held twice on rank 0), rank 1 SIGKILLed
+    in step 5's first W, resumed with zb-v from step 4, ends bitwise equal to the uninterrupted run."""
     import test_checkpoint as checkpoint_tests  # its helpers (train, losses, ckpt), not its tests
 
     common = [*checkpoint_tests.F32, "train.steps=6", "parallel.tp=1", "parallel.pp=2", "parallel.schedule=zb-v",
-              "parallel.virtual_stages=2", "model.tie_embeddings=true", "model.n_layers=4"]
+              "parallel.virtual_stages=2", "model.tie_embeddings=true", "model.n_layers=4", "checkpoint.interval=2",
+              "checkpoint.async=false"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     checkpoint_tests.train(2, whole, *common)
-    checkpoint_tests.train(2, split, *common, "--max-steps", "3", "checkpoint.async=false")
+    killed = run_mpi(2, "hpctrain.cli", "train", f"train.run_dir={split}", *common, module=True, timeout=240,
+                     check=False, env={"HPCTRAIN_FAULT": "rank=1,step=5,phase=weight,action=kill"})
+    assert killed.returncode != 0 and "fault injection" in killed.stderr, killed.output[-3000:]
     out = checkpoint_tests.train(2, split, *common, "--resume", "auto")
-    assert "resumed from" in out.stdout and "at step 3" in out.stdout
+    assert "resumed from" in out.stdout and "at step 4" in out.stdout, out.stdout
     assert checkpoint_tests.losses(split) == checkpoint_tests.losses(whole)
     checkpoint_tests.ckpt("diff", str(whole), str(split), "--atol", "0")
 

@@ -74,8 +74,8 @@ class TrainConfig:
         "or `rowwise` (one per row, power-of-2 scales); the embedding, LM head and MoE router stay in "
         "`train.dtype`. Scales are computed over the whole logical tensor (amax max-reduced over the tp group "
         "where a tensor is split), so every layout computes what one process does. Needs `train.dtype=bfloat16` "
-        "(float32 or float64 too with `train.fp8_emulate`: references) and an sm89+ GPU, or `train.fp8_emulate`. Nothing fp8 is saved: "
-        "the masters stay float32. See docs/gpus.md (FP8)."))
+        "(float32 or float64 too with `train.fp8_emulate`: references) and an sm89+ GPU, or `train.fp8_emulate`. "
+        "Nothing fp8 is saved: the masters stay float32. See docs/gpus.md (FP8)."))
     fp8_emulate: bool = key(False, help=(
         "Emulate `train.fp8` (the CPU, or a GPU below sm89): the same casts and scales, each float8 operand "
         "dequantised and the matmul run in float32 (torchao's emulation). Not a speed path."))

@@ -1,5 +1,6 @@
 """train.fp8 on real ranks (emulated on the CPU): every layout computes what one process computes in fp8, a
 wrong amax group breaks it, and a killed fp8 run resumes bit for bit (no fp8 state in checkpoints)."""
+import json
 import re
 
 from mpirun import run_mpi
@@ -28,7 +29,8 @@ def test_every_layout_equals_one_process_and_a_wrong_amax_group_breaks_it():
 STEPS = ["train.steps=4", "checkpoint.interval=2", "checkpoint.keep=2", "checkpoint.async=false"]
 FP8 = ["--config", "configs/tiny.toml", "data.max_bytes=200000", "train.seq_len=32", "train.global_batch=4",
        "model.n_layers=2", "train.progress=false", "train.dtype=bfloat16", "train.fp8=rowwise",
-       "train.fp8_emulate=true", "parallel.tp=2", "parallel.pp=1", "parallel.microbatches=1", *STEPS]
+       "train.fp8_emulate=true", "parallel.tp=2", "parallel.pp=1", "parallel.microbatches=1", "train.log_interval=2",
+       *STEPS]
 
 
 def train(run_dir, *extra, env=None, check=True):
@@ -43,6 +45,10 @@ def test_a_killed_fp8_run_resumes_bitwise(tmp_path):
     whole, run_dir = tmp_path / "whole", tmp_path / "run"
     out = train(whole).stdout
     assert "float8 rowwise (torchao" in out and "on 14 linears of 2 blocks" in out, out
+    records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    fp8 = {r["step"]: r for r in records if "fp8_amax_max" in r}  # every train.log_interval steps
+    assert sorted(fp8) == [2, 4] and all(r["fp8_overflows"] == 0 for r in fp8.values()), records
+    assert all(0 < r["fp8_amax_max"] and 0 < r["fp8_scale_min"] <= r["fp8_scale_max"] for r in fp8.values())
     killed = train(run_dir, env={"HPCTRAIN_FAULT": "rank=1,step=3,phase=forward,action=kill"}, check=False)
     assert killed.returncode != 0 and "fault injection" in killed.stderr, killed.output[-3000:]
     resumed = train(run_dir, "--resume", "auto")

@@ -230,7 +230,7 @@ class _Float8Matmul(torch.autograd.Function):
     """x [T, in] @ W^T -> [T, out] with float8 operands (module docstring), gradients likewise."""
 
     @staticmethod
-    def forward(ctx, x, weight, f: Fp8Linear):
+    def forward(ctx, x, weight, f: Fp8Linear, training: bool):
         c, role = f.recipe.config, f.recipe.tensor.GemmInputRole
         ctx.save_for_backward(x, weight)
         ctx.f = f
@@ -240,7 +240,7 @@ class _Float8Matmul(torch.autograd.Function):
         (xq, ctx.x_scale), (wq, ctx.w_scale) = _casts(f, [_Cast(x, c.cast_config_input, role.INPUT, -1, x_split,
                                                                 tokens=True),
                                                           _Cast(weight.t(), c.cast_config_weight, role.WEIGHT, 0,
-                                                                w_split)], count=not recomputed)
+                                                                w_split)], count=training and not recomputed)
         return torch.mm(xq, wq)
 
     @staticmethod
@@ -274,7 +274,7 @@ class _Float8Matmul(torch.autograd.Function):
         if want_w:
             gq = cast[0] if one_dy else cast[-2]
             grad_w = torch.mm(gq.t(), cast[-1])
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, f: Fp8Linear) -> torch.Tensor:
@@ -290,7 +290,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, f: Fp8Linear) -> torch.Ten
 
 
 def _apply(x: torch.Tensor, weight: torch.Tensor, f: Fp8Linear) -> torch.Tensor:
-    y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, f)
+    # counted in the stats: a training forward (not an evaluation's, under no_grad)
+    y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, f, torch.is_grad_enabled())
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

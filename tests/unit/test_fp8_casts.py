@@ -83,6 +83,9 @@ def test_the_stats_count_the_gradients_casts_and_not_a_recomputed_forward():
     y.backward(torch.zeros(4, 16))  # recomputes the forward (not counted); x and W's scales reused
     after = stats.collect(_NoComm())
     assert after["fp8_amax_max"] == 0.0 and after["fp8_scale_min"] is None
+    with torch.no_grad():  # an evaluation: not counted either
+        fp8_linear(x, w, f)
+    assert stats.collect(_NoComm())["fp8_amax_max"] == 0.0
 
 
 class _NoComm:

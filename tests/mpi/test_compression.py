@@ -4,6 +4,7 @@ scope, and the byte counts in metrics.jsonl. (Bytes on a real shaped link: tests
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -95,17 +96,20 @@ def test_error_feedback_is_what_makes_topk_converge(dense, tmp_path, topk_with_f
     ("powersgd", ["parallel.pp=2", "parallel.microbatches=2"]),
 ])
 def test_exact_resume_keeps_compression_state(tmp_path, method, layout):
-    """N steps + resume + N steps == 2N steps, bit for bit: the residuals (and PowerSGD's Q) are in the
+    """Resumed from step 4 of an uninterrupted 8-step run (a new run directory holding only that checkpoint),
+    steps 5-8 are bit for bit the uninterrupted run's: the residuals (and PowerSGD's Q) are in the
     checkpoint. 4 ranks; ZeRO-1 (compressed reduce-scatter), tp, pp, gradient accumulation. onebit-adam:
     resumed after its freeze (warm-up 2), its momentum, frozen variance and both error buffers."""
     common = ["data.max_bytes=300000", "train.progress=false", "train.seq_len=32", "model.n_layers=2",
-              "train.steps=8", f"compression.method={method}", "compression.density=0.05", *layout]
+              "train.steps=8", f"compression.method={method}", "compression.density=0.05", *layout,
+              "checkpoint.interval=4", "checkpoint.async=false"]
     train(tmp_path / "whole", *common, nprocs=4)
-    train(tmp_path / "split", *common, "--max-steps", "4", "checkpoint.async=false", nprocs=4)
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-00000004",
+                    tmp_path / "split" / "checkpoints" / "step-00000004")
     out = train(tmp_path / "split", *common, "--resume", "auto", nprocs=4)
-    assert "not restored" not in out.stderr
+    assert "not restored" not in out.stderr and "at step 4" in out.stdout
     whole, split = records(tmp_path / "whole"), records(tmp_path / "split")
-    assert [r["loss"] for r in whole] == [r["loss"] for r in split]
+    assert [r["loss"] for r in whole[4:]] == [r["loss"] for r in split] and len(split) == 4
     subprocess.run([sys.executable, "-m", "hpctrain.cli", "ckpt", "diff", str(tmp_path / "whole"),
                     str(tmp_path / "split"), "--atol", "0"], check=True, env=mpi_env(), cwd=ROOT, timeout=120)
     # another layout: the documented rule (state starts from zero, with a warning), not an error

@@ -16,6 +16,8 @@ of ``FlatParams``, checkpoints and exports see nothing new. Why blocks and not t
   time by ``torch.compiler.is_compiling()``, so eager runs never import torch._dynamo), graph breaks by design, and the compiled pieces are the local compute between them (norm; q/k/v
   projections, rotary, SDPA and output projection; SwiGLU/GELU MLP; residual adds). With tp = cp = 1 a
   block is one graph without a break; with tp > 1 each collective splits it (4 per block);
+- with ``train.fp8`` each float8 linear (hpctrain/parallel/fp8.py ``fp8_linear``: torchao's tensor subclass,
+  amax all-reduces over tp) runs eagerly the same way: a graph break per linear;
 - with ``train.recompute`` the compiled block runs under ``torch.utils.checkpoint``.
 
 The embedding, the LM head and the vocab-parallel loss stay eager (their tp collectives sit in the middle).

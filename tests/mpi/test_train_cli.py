@@ -76,6 +76,14 @@ BAD_CONFIGS = [  # (overrides, what the one line says); configs/tiny.toml at par
     (["train.global_batch=6", "parallel.tp=1"], "not divisible by dp=4"),
     (["data.source=/nonexistent/corpus.txt"], "data source '/nonexistent/corpus.txt': path does not exist"),
     (["data.source=README.md", "data.max_bytes=20"], "corpus too short: 20 tokens"),
+    # context parallelism
+    (["train.seq_len=20", "parallel.tp=1", "parallel.cp=4"], "train.seq_len=20 must be divisible by 2 x parallel.cp = 8"),
+    (["model.attention_window=100", "train.seq_len=64", "parallel.tp=1", "parallel.cp=2"],
+     "model.attention_window=100 is larger than the sequence train.seq_len=64"),
+    # `hpctrain info`'s layout flags
+    (["info", "--tp", "3"], "not divisible by tp*pp"),
+    (["info", "--tp", "2", "--pp", "2", "--dp", "2"], "dp*pp*tp = 2*2*2 = 8 but the job has 4 ranks"),
+    (["info", "--tp", "0"], "parallel.tp must be a positive integer"),
 ]
 
 

@@ -48,8 +48,8 @@ class Trainer:
         # the evaluation loss's agreement, a host float64 [1]: from the last stage over pp, summed over dp x cp
         pp_comm = grid.comm("pp")
         self._loss_value = torch.zeros(1, dtype=torch.float64)
-        self._loss_ops = [pp_comm.recurring_broadcast(self._loss_value, root=pp_comm.size - 1)] \
-            if pp_comm.size > 1 else []
+        last = 0 if cfg.parallel.schedule == "zb-v" else pp_comm.size - 1  # the pp rank of the last virtual stage
+        self._loss_ops = [pp_comm.recurring_broadcast(self._loss_value, root=last)] if pp_comm.size > 1 else []
         self._loss_ops.append(grid.comm(grid.replica_axis).recurring_allreduce(self._loss_value))
         self.before_update: list = []  # one-shot callables run before the next update (TrainState.before_next_update)
         self.state = TrainerState(self)  # what checkpoints save and restore

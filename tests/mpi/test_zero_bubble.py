@@ -2,6 +2,8 @@
 1e-10), and a run killed in a deferred W resumes bitwise with the same schedule. One launch per family group keeps the cost small (each
 layout/variant is another run inside a launch; check_fidelity.py). The chain across schedules runs with
 ``-m full_matrix``. Bad values: tests/mpi/test_bad_input.py."""
+import json
+
 import pytest
 
 from mpirun import run_mpi
@@ -40,12 +42,13 @@ def test_experts_by_pp():
 
 def test_killed_in_a_deferred_w_resumes_bitwise(tmp_path):
     """The schedule is not part of a checkpoint: zb-v (a tied embedding held twice on rank 0), rank 1 SIGKILLed
-    in step 5's first W, resumed with zb-v from step 4, ends bitwise equal to the uninterrupted run."""
+    in step 5's first W, resumed with zb-v from step 4, ends bitwise equal to the uninterrupted run; its validation
+    loss comes from rank 0, which holds the last virtual stage."""
     import test_checkpoint as checkpoint_tests  # its helpers (train, losses, ckpt), not its tests
 
     common = [*checkpoint_tests.F32, "train.steps=6", "parallel.tp=1", "parallel.pp=2", "parallel.schedule=zb-v",
               "parallel.virtual_stages=2", "model.tie_embeddings=true", "model.n_layers=4", "checkpoint.interval=2",
-              "checkpoint.async=false"]
+              "checkpoint.async=false", "train.eval_interval=3", "data.valid_fraction=0.1"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     checkpoint_tests.train(2, whole, *common)
     killed = run_mpi(2, "hpctrain.cli", "train", f"train.run_dir={split}", *common, module=True, timeout=240,
@@ -54,6 +57,8 @@ def test_killed_in_a_deferred_w_resumes_bitwise(tmp_path):
     out = checkpoint_tests.train(2, split, *common, "--resume", "auto")
     assert "resumed from" in out.stdout and "at step 4" in out.stdout, out.stdout
     assert checkpoint_tests.losses(split) == checkpoint_tests.losses(whole)
+    records = [json.loads(line) for line in open(whole / "metrics.jsonl") if '"val_loss"' in line]
+    assert len(records) == 2 and all(r["val_loss"] > 1 for r in records), records  # from rank 0's last stage
     checkpoint_tests.ckpt("diff", str(whole), str(split), "--atol", "0")
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import math
 import operator
+import signal
 from typing import Any
 
 from hpctrain.config.arithmetic import lora_target_shapes
@@ -170,6 +171,9 @@ def _check_run(cfg: Config) -> None:
     _require(t.run_dir != "", "train.run_dir", "must not be empty")
     _require(t.eval_interval == 0 or cfg.data.valid_fraction > 0, "train.eval_interval",
              f"{t.eval_interval} needs held-out data: set data.valid_fraction (e.g. 0.05)")
+    for name in t.exit_signals:  # checked here, before anything is written, not when the handlers are installed
+        _require(isinstance(getattr(signal, "SIG" + str(name).upper().removeprefix("SIG"), None), signal.Signals),
+                 "train.exit_signals", f"unknown signal {name!r} (e.g. USR1, USR2, TERM, INT)")
 
 
 def _check_zero_compression(zero: int, method: str) -> None:

@@ -36,6 +36,9 @@ CASES = [  # (overrides, the key the line names)
      "compression.method"),  # the experts' gradients are reduced uncompressed
     (["train.fp8=tensorwise", "train.dtype=float16"], "train.fp8"),  # float8 on bfloat16 (or emulated float32/64)
     (["train.fp8=rowwise", "train.dtype=bfloat16"], "train.fp8_emulate"),  # a CPU has no float8 matmul
+    (["lora.rank=40"], "lora.rank: 40 exceeds the dimensions of target 'v' (in 64, out 32)"),  # per value: unit tests
+    (["train.exit_signals=USR9"], "train.exit_signals: unknown signal 'USR9'"),
+    (["checkpoint.local_interval=2"], "checkpoint.local_dir"),  # a local interval needs a local directory
     (["model.vocab_size=16777216", "model.d_model=65536", "model.n_heads=64", "model.n_kv_heads=64"],
      "model.vocab_size=16777216 padded to"),  # fits no host: refused by the memory check, before allocation
 ]

@@ -197,10 +197,4 @@ def test_a_base_step_another_run_refers_to_is_kept_by_its_pruning(tmp_path, caps
         == str(tmp_path / "hf")
 
 
-def test_bad_lora_input_is_one_line_naming_the_key_on_every_rank(tmp_path):
-    """(every bad [lora] value's message: tests/unit/test_lora_adapters.py)"""
-    message = "lora.rank: 40 exceeds the dimensions of target 'v' (in 64, out 32)"
-    result = train(2, tmp_path / "run", "train.steps=1", "parallel.pp=1", "lora.rank=40", check=False, timeout=60)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("hpctrain: error: ")]
-    assert result.returncode != 0 and len(errors) == 1 and message in errors[0], result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "run" / "checkpoints").exists()
+# a bad lora.rank on every rank: tests/mpi/test_bad_input.py; every bad [lora] value: tests/unit/test_lora_adapters.py

@@ -144,9 +144,10 @@ def moe_rank_parameters(m, moe, tp: int, ep: int) -> tuple[int, int]:
 
 
 def rank_parameters(m, tp: int, pp: int, pp_rank: int, stage_layers=(), virtual_stages: int = 1, moe=None,
-                    ep: int = 1) -> dict[str, int]:
+                    ep: int = 1, v_shape: bool = False) -> dict[str, int]:
     """Parameters on one tp rank of pipeline rank ``pp_rank``, as the trainer builds its virtual stages (the
-    c-th is v = c x pp + pp_rank of pp x ``virtual_stages``), by part: "vocabulary" (embedding rows on v = 0,
+    c-th is v = c x pp + pp_rank of pp x ``virtual_stages``; ``v_shape``, zb-v's: pp_rank and 2 pp - 1 - pp_rank),
+    by part: "vocabulary" (embedding rows on v = 0,
     LM head rows on the last, of the PADDED vocabulary / tp; a tied head is the embedding with one stage),
     "blocks" (matrices / tp, norms; the final norm), "positions" (a learned table on v = 0). With ``moe``
     (resolved) an MoE block's "blocks" are its ``moe_rank_parameters`` dense part and norms, and a fifth part,
@@ -157,8 +158,7 @@ def rank_parameters(m, tp: int, pp: int, pp_rank: int, stage_layers=(), virtual_
     parts = {"vocabulary": 0, "blocks": 0, "positions": 0, **({"experts": 0} if moe is not None else {})}
     routed = set(moe.layers) if moe is not None else set()
     dense, expert = moe_rank_parameters(m, moe, tp, ep) if moe is not None else (0, 0)
-    for c in range(virtual_stages):
-        v = c * pp + pp_rank
+    for v in held_stages(pp, pp_rank, virtual_stages, v_shape):
         lo, hi = ranges[v]
         k = sum(1 for i in range(lo, hi) if i in routed)
         parts["blocks"] += (hi - lo - k) * (block_matmul_parameters(m) // tp + 2 * m.d_model)
@@ -172,6 +172,14 @@ def rank_parameters(m, tp: int, pp: int, pp_rank: int, stage_layers=(), virtual_
             parts["blocks"] += m.d_model
             parts["vocabulary"] += 0 if (m.tie_embeddings and stages == 1) else rows * m.d_model
     return parts
+
+
+def held_stages(pp: int, pp_rank: int, virtual_stages: int = 1, v_shape: bool = False) -> list[int]:
+    """The virtual stages pp rank ``pp_rank`` holds, its c = 0, 1, ...: c x pp + pp_rank (Megatron's round robin), or
+    with ``v_shape`` (zb-v, V = 2) pp_rank and 2 pp - 1 - pp_rank (``parallel/zero_bubble.virtual_stage``)."""
+    if v_shape:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [c * pp + pp_rank for c in range(virtual_stages)]
 
 
 def active_matmul_parameters(m, moe=None) -> int:

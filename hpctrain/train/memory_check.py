@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from hpctrain.checkpoint.directory import human_size
 from hpctrain.config import ConfigError, resolve_model
-from hpctrain.config.arithmetic import partition_layers, rank_parameters
+from hpctrain.config.arithmetic import held_stages, partition_layers, rank_parameters
 from hpctrain.config.moe_keys import resolve_moe
 from hpctrain.config.rules import padded_vocab
 
@@ -41,15 +41,17 @@ def rank_need(cfg, layout, pp_rank: int) -> Need:
     m, t = resolve_model(cfg.model), cfg.train
     moe = resolve_moe(cfg.moe, m)
     tp, nb = layout.tp_size, DTYPE_BYTES[t.dtype]
+    v_shape = layout.schedule == "zb-v"
     counts = rank_parameters(m, tp, layout.pp_size, pp_rank, layout.stage_layers, layout.virtual_stages,
-                             moe=moe, ep=layout.ep_size)
+                             moe=moe, ep=layout.ep_size, v_shape=v_shape)
     n = sum(counts.values())
     experts = counts.get("experts", 0)  # this rank's experts (num_experts / ep of each MoE block)
     trainable = 0 if cfg.lora.rank else n - experts  # LoRA: the adapters alone (left out: a lower bound)
     trainable_experts = 0 if cfg.lora.rank else experts
     state = 2 * max(4, nb) + (4 if nb == 2 else 0) if cfg.optim.name == "adamw" else 0
     ranges = partition_layers(m, layout.pp_size * layout.virtual_stages, list(layout.stage_layers) or None, moe=moe)
-    layers = sum(hi - lo for lo, hi in ranges[pp_rank::layout.pp_size])
+    layers = sum(ranges[v][1] - ranges[v][0] for v in held_stages(layout.pp_size, pp_rank, layout.virtual_stages,
+                                                                   v_shape))
     tokens = layout.micro_batch * (layout.seq_len // layout.cp_size)
     activations = layers * tokens * m.d_model * nb // (tp if layout.sequence_parallel else 1)
     replicas, zero = layout.replica_size, layout.zero

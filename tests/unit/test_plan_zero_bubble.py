@@ -41,3 +41,14 @@ def test_the_planner_searches_a_zero_bubble_schedule():
         assert result.plans and all(p.candidate.layout.schedule == schedule for p in result.plans)
         assert all(p.candidate.layout.microbatches >= 4 for p in result.plans)  # M >= pp
         assert any("microbatches >= parallel.pp" in i.reason for i in result.infeasible)
+
+
+def test_zb_v_rank_zero_holds_the_embedding_and_the_head():
+    """The start-up memory check counts zb-v's V shape: rank 0 holds virtual stages 0 and 2 pp - 1."""
+    from hpctrain.config.arithmetic import rank_parameters
+
+    m = resolve_model(ModelConfig(preset="custom", vocab_size=256, d_model=64, n_layers=8, n_heads=4, n_kv_heads=4,
+                                  d_ff=128, max_seq_len=64))
+    first, last = (rank_parameters(m, 1, 2, r, (), 2, v_shape=True) for r in (0, 1))
+    assert first["vocabulary"] == 2 * 256 * 64 and last["vocabulary"] == 0
+    assert first["blocks"] == last["blocks"] + 64  # the final norm too

@@ -34,15 +34,6 @@ def test_strategies_equal_their_references_on_4_ranks():
     assert "OK 30 checks" in run_mpi(4, "check_compression.py", timeout=120).stdout
 
 
-@pytest.fixture(scope="module")
-def dense(tmp_path_factory):
-    """Dense SGD reference runs: plain (momentum 0) and with momentum 0.9 (for 1-bit)."""
-    base = tmp_path_factory.mktemp("dense")
-    train(base / "plain", *SGD, "optim.momentum=0")
-    train(base / "momentum", *SGD, "optim.momentum=0.9")
-    return {"plain": final_loss(base / "plain"), "momentum": final_loss(base / "momentum"), "dir": base}
-
-
 # (method overrides, momentum, stated tolerance on the mean loss of the last 5 of 60 steps, relative)
 METHODS = [(["compression.method=fp16"], 0, 0.02), (["compression.method=bf16"], 0, 0.02),
            (["compression.method=int8"], 0, 0.02), (["compression.method=zfp"], 0, 0.02),
@@ -51,32 +42,39 @@ METHODS = [(["compression.method=fp16"], 0, 0.02), (["compression.method=bf16"],
            (["compression.method=onebit"], 0.9, 0.08)]
 
 
+def method_name(overrides):
+    return overrides[0].split("=")[1]
+
+
 @pytest.fixture(scope="module")
-def topk_with_feedback(tmp_path_factory):
-    """TopK at 1% with error feedback, plain SGD: the run two tests read (launched once)."""
-    run_dir = tmp_path_factory.mktemp("topk-ef")
-    train(run_dir, *SGD, "optim.momentum=0", "compression.method=topk")
-    return run_dir
+def sgd_runs(tmp_path_factory):
+    """Every 60-step SGD run of the convergence tests, in ONE 2-rank launch (scripts/train_many.py): dense
+    plain (momentum 0) and with momentum 0.9 (for 1-bit), each method of METHODS, TopK without error
+    feedback. {name: run directory}."""
+    base = tmp_path_factory.mktemp("sgd")
+    runs = {"plain": ["optim.momentum=0"], "momentum": ["optim.momentum=0.9"],
+            "topk-no-ef": ["optim.momentum=0", "compression.method=topk", "compression.error_feedback=false"]}
+    runs.update({method_name(o): [f"optim.momentum={m}", *o] for o, m, _ in METHODS})
+    commands = [["train", f"train.run_dir={base / name}", *SGD, *overrides] for name, overrides in runs.items()]
+    out = run_mpi(2, "train_many.py", json.dumps(commands), timeout=600)
+    assert f"EXITS {json.dumps([0] * len(commands))}" in out.stdout, out.output[-3000:]
+    return {name: base / name for name in runs}
 
 
-@pytest.mark.parametrize("overrides,momentum,rtol", METHODS, ids=[m[0][0].split("=")[1] for m in METHODS])
-def test_each_method_converges_near_dense(dense, request, tmp_path, overrides, momentum, rtol):
-    if overrides == ["compression.method=topk"] and not momentum:
-        tmp_path = request.getfixturevalue("topk_with_feedback")
-    else:
-        train(tmp_path, *SGD, f"optim.momentum={momentum}", *overrides)
-    reference = dense["momentum" if momentum else "plain"]
-    loss = final_loss(tmp_path)
+@pytest.mark.parametrize("overrides,momentum,rtol", METHODS, ids=[method_name(m[0]) for m in METHODS])
+def test_each_method_converges_near_dense(sgd_runs, overrides, momentum, rtol):
+    reference = final_loss(sgd_runs["momentum" if momentum else "plain"])
+    run_dir = sgd_runs[method_name(overrides)]
+    loss = final_loss(run_dir)
     assert abs(loss - reference) <= rtol * reference, (overrides, loss, reference)
-    last = records(tmp_path)[-1]
+    last = records(run_dir)[-1]
     assert last["compression_ratio"] > 1.9 and last["compress_s"] > 0 and last["bytes_sent"] > 0
 
 
-def test_error_feedback_is_what_makes_topk_converge(dense, tmp_path, topk_with_feedback):
+def test_error_feedback_is_what_makes_topk_converge(sgd_runs):
     """TopK at 1%: without error feedback the run ends measurably worse than with it (measured: 3.29 vs
     3.20, dense 3.25), and the loss_compare tolerance mode says so."""
-    train(tmp_path / "no_ef", *SGD, "optim.momentum=0", "compression.method=topk", "compression.error_feedback=false")
-    with_ef, without = final_loss(topk_with_feedback), final_loss(tmp_path / "no_ef")
+    with_ef, without = final_loss(sgd_runs["topk"]), final_loss(sgd_runs["topk-no-ef"])
     assert without - with_ef >= 0.03, (with_ef, without)
 
     def compare(one, other):
@@ -84,7 +82,7 @@ def test_error_feedback_is_what_makes_topk_converge(dense, tmp_path, topk_with_f
                                str(one / "metrics.jsonl"), str(other / "metrics.jsonl"),
                                "--final", "5", "--rtol", "0.02"], capture_output=True, text=True,
                               env=mpi_env(), cwd=ROOT, timeout=60)
-    good, bad = compare(dense["dir"] / "plain", topk_with_feedback), compare(topk_with_feedback, tmp_path / "no_ef")
+    good, bad = compare(sgd_runs["plain"], sgd_runs["topk"]), compare(sgd_runs["topk"], sgd_runs["topk-no-ef"])
     assert good.returncode == 0 and "MATCH: mean loss of the last 5 steps" in good.stdout, good.stdout + good.stderr
     assert bad.returncode == 1 and "MISMATCH" in bad.stdout, bad.stdout + bad.stderr
 

@@ -61,7 +61,15 @@ class WeightGradStore:
 
     def run(self, key: Key) -> None:
         """The W of ``key``: every queued weight gradient computed, then every gradient of ``key`` accumulated
-        by autograd (one call: ``param.grad`` and its post-accumulate hooks, as a full backward would)."""
+        by autograd (one backward: ``param.grad`` and its post-accumulate hooks, as a full backward would;
+        through ``_Deliver``, so that autograd takes the gradients over instead of copying them)."""
+        params, holder = self._gradients(key)
+        if params:
+            torch.autograd.backward(_Deliver.apply(holder, *params))
+
+    def _gradients(self, key: Key) -> tuple[list, list]:
+        """(parameters, [their gradients of ``key``]): the queue's and the kept ones, a parameter's summed; the
+        store keeps no reference to them (the inputs and output gradients of the linears are dropped)."""
         grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for weight, x, dy in self._queued.pop(key):
             g = weight_grad(x, dy)
@@ -70,9 +78,7 @@ class WeightGradStore:
             grads[id(weight)] = (weight, g)
         for p, g in self._kept.pop(key, []):
             grads[id(p)] = (p, g if id(p) not in grads else grads[id(p)][1] + g)
-        if grads:
-            params, values = zip(*grads.values())
-            torch.autograd.backward(list(params), list(values))
+        return [p for p, _ in grads.values()], [[g for _, g in grads.values()]]
 
     def pending(self) -> list[Key]:
         """The keys whose B ran and W did not."""
@@ -84,6 +90,21 @@ class WeightGradStore:
         if missing:
             raise RuntimeError(f"zero-bubble schedule: the weight gradients of (micro-batch, c) {missing} were "
                                f"never accumulated (their W did not run)")
+
+
+class _Deliver(torch.autograd.Function):
+    """A node whose backward hands ``holder``'s one list of gradients to ``params``' accumulation. Autograd
+    steals a gradient that nothing else references (``torch.autograd.backward(params, grads)`` cannot: the
+    caller's list holds them), so the W writes no copy of a weight gradient."""
+
+    @staticmethod
+    def forward(ctx, holder, *params):  # type: ignore[override]
+        ctx.holder = holder
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):  # type: ignore[override]
+        return (None, *ctx.holder.pop())
 
 
 def weight_grad(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:

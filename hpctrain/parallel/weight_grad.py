@@ -98,12 +98,12 @@ class _Deliver(torch.autograd.Function):
     caller's list holds them), so the W writes no copy of a weight gradient."""
 
     @staticmethod
-    def forward(ctx, holder, *params):  # type: ignore[override]
+    def forward(ctx, holder, *params):  # type: ignore[override]  # autograd.Function: (ctx, *inputs)
         ctx.holder = holder
         return params[0].new_zeros(())
 
     @staticmethod
-    def backward(ctx, _):  # type: ignore[override]
+    def backward(ctx, _):  # type: ignore[override]  # autograd.Function: (ctx, *inputs)
         return (None, *ctx.holder.pop())
 
 
@@ -116,13 +116,13 @@ class _DeferrableLinear(torch.autograd.Function):
     """y = x W^T whose weight gradient goes to ``store`` while it is ``deferring``."""
 
     @staticmethod
-    def forward(ctx, x, weight, store):  # type: ignore[override]
+    def forward(ctx, x, weight, store):  # type: ignore[override]  # autograd.Function: (ctx, *inputs)
         ctx.save_for_backward(x, weight)
         ctx.store, ctx.weight = store, weight  # the parameter itself: its gradient is accumulated at the W
         return F.linear(x, weight)
 
     @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
+    def backward(ctx, dy):  # type: ignore[override]  # autograd.Function: (ctx, *inputs)
         x, weight = ctx.saved_tensors
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
         dw = None

@@ -105,6 +105,19 @@ def run_mpi(nprocs: int, target: str, *args: str, timeout: float = 120, env: dic
     return result
 
 
+def run_many(nprocs: int, commands: list[list[str]], timeout: float = 600) -> list[dict]:
+    """Run independent ``hpctrain`` commands (argv lists, e.g. ``["train", "train.run_dir=..."]``) one after
+    the other in ONE launch of ``nprocs`` ranks (scripts/train_many.py: one start-up instead of one per run).
+    Asserts each exited 0; returns per command ``{"exit", "stdout", "stderr"}`` (what its ranks printed)."""
+    import json
+
+    result = run_mpi(nprocs, "train_many.py", json.dumps(commands), timeout=timeout)
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
+    runs = json.loads(line.removeprefix("RESULTS "))
+    assert [run["exit"] for run in runs] == [0] * len(commands), result.output[-6000:]
+    return runs
+
+
 def run_self_stopping(nprocs: int, script: str, *args: str, timeout: float = 60, env: dict | None = None):
     """Run ``script`` whose rank stops itself (SIGSTOP, printing "stops itself (pid N)"), expecting the
     watchdog to end the job; then SIGKILL every such pid so no stopped rank outlives the test."""

@@ -88,13 +88,14 @@ class ProcessGrid:
             raise
         return grid
 
-    def use_intra_node(self, choice: str, stream=sys.stderr, progress: str = "call", cache_dir: str = "",
+    def use_intra_node(self, choice: str, stream=None, progress: str = "call", cache_dir: str = "",
                        use_cache: bool = True) -> str:
         """Collective over the world: route the dp group's CPU float sums per ``comm.intra_node``
         (``choice``; ``progress``: ``comm.shm_progress``; ``cache_dir`` / ``use_cache``: auto's routing table,
         routes.py); sets and returns ``self.intra_node``: "shm" (one node), "shm-hierarchical" (shared
         memory on each node, MPI between nodes) or "mpi", and ``self.intra_node_routes``.
         Raises IntraNodeError for "shm"."""
+        stream = sys.stderr if stream is None else stream  # the stream of the call, not of the import
         axis = self.replica_axis
         self.intra_node_routes = route_intra_node(self.comm(axis), self.world, choice, stream,
                                                   node_split=lambda: self.node_split(axis), progress=progress,

@@ -202,7 +202,7 @@ class RouteChoice:
         return f" (auto, {how}: {describe(self.table) if uses_shm(self.table) else 'shm slower at every size'})"
 
 
-def route_intra_node(comm, world, choice: str, stream=sys.stderr, node_split=None, progress: str = "call",
+def route_intra_node(comm, world, choice: str, stream=None, node_split=None, progress: str = "call",
                      cache_dir: str = "", use_cache: bool = True) -> RouteChoice:
     """Collective over ``world`` (every rank calls it with its own ``comm``, a group of one kind, e.g.
     dp): attach a ``ShmRoute`` to ``comm`` per ``choice`` ("auto" | "shm" | "mpi"). A group on one node
@@ -214,6 +214,7 @@ def route_intra_node(comm, world, choice: str, stream=sys.stderr, node_split=Non
     line on world rank 0. "auto" with a window then routes each op and size class by the table of
     ``routes.choose_routes`` (``cache_dir``: default ``runtime.env.cache_dir()``; ``use_cache``: read the
     cached table; written either way), MPI everywhere when shm measured faster nowhere."""
+    stream = sys.stderr if stream is None else stream  # the stream of the call, not of the import
     if choice == "mpi":
         return RouteChoice("mpi")
     shm, reason = None, ""

@@ -37,9 +37,10 @@ ONEBIT_ADAM_SHORT_WARMUP_GAP = "+1.4% to +8.6% above dense AdamW's loss with war
                                "(+1.9% to +2.7% at 30%; 4 seeds)"
 
 
-def warn_adamw_gap(cfg, optimizer: str, rank: int, stream=sys.stderr, steps: int = 0) -> None:
+def warn_adamw_gap(cfg, optimizer: str, rank: int, stream=None, steps: int = 0) -> None:
     """Rank 0, once at start: the measured gap of ``cfg.method`` with AdamW, when it is in ``ADAMW_GAPS``; for
     onebit-adam, when ``cfg.warmup_steps`` is under ``ONEBIT_ADAM_SAFE_WARMUP`` of the run's ``steps``."""
+    stream = sys.stderr if stream is None else stream  # the stream of the call, not of the import
     if cfg.method == "onebit-adam" and rank == 0 and steps and cfg.warmup_steps < ONEBIT_ADAM_SAFE_WARMUP * steps:
         print(f"hpctrain: WARNING: compression.warmup_steps={cfg.warmup_steps} is {100 * cfg.warmup_steps / steps:.0f}% "
               f"of train.steps={steps}; 1-bit Adam ended {ONEBIT_ADAM_SHORT_WARMUP_GAP} in hpctrain's measurement "
@@ -53,10 +54,11 @@ def warn_adamw_gap(cfg, optimizer: str, rank: int, stream=sys.stderr, steps: int
               file=stream, flush=True)
 
 
-def build_reducer(cfg, flat, grid, seed: int = 0, stream=sys.stderr, optimizer: str = "", steps: int = 0) -> GradReducer:
+def build_reducer(cfg, flat, grid, seed: int = 0, stream=None, optimizer: str = "", steps: int = 0) -> GradReducer:
     """Collective over the dp group when ``cfg.scope == "inter-node"`` (node sub-groups are split off).
     ``cfg``: the ``[compression]`` section; ``optimizer``, ``steps``: optim.name and train.steps (for the
     AdamW warnings)."""
+    stream = sys.stderr if stream is None else stream  # the stream of the call, not of the import
     if cfg.method == "none" or flat.dp_comm is None or flat.dp_size == 1:
         return DenseReducer(flat)
     warn_adamw_gap(cfg, optimizer, grid.info.rank, stream, steps)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mpirun import ROOT, mpi_env, run_mpi
+from mpirun import ROOT, mpi_env, run_many, run_mpi
 
 STEPS = 60
 SGD = ["train.progress=false", f"train.steps={STEPS}", "optim.name=sgd",
@@ -55,9 +55,7 @@ def sgd_runs(tmp_path_factory):
     runs = {"plain": ["optim.momentum=0"], "momentum": ["optim.momentum=0.9"],
             "topk-no-ef": ["optim.momentum=0", "compression.method=topk", "compression.error_feedback=false"]}
     runs.update({method_name(o): [f"optim.momentum={m}", *o] for o, m, _ in METHODS})
-    commands = [["train", f"train.run_dir={base / name}", *SGD, *overrides] for name, overrides in runs.items()]
-    out = run_mpi(2, "train_many.py", json.dumps(commands), timeout=600)
-    assert f"EXITS {json.dumps([0] * len(commands))}" in out.stdout, out.output[-3000:]
+    run_many(2, [["train", f"train.run_dir={base / name}", *SGD, *overrides] for name, overrides in runs.items()])
     return {name: base / name for name in runs}
 
 
@@ -196,53 +194,59 @@ ONEBIT_ADAM_WARMUP = 36  # 30% of the run: within 3% on every seed measured (ben
 
 
 @pytest.fixture(scope="module")
-def dense_adamw(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("dense_adamw")
-    train(run_dir, *ADAMW, nprocs=4, timeout=300)
-    return records(run_dir)
+def adamw_runs(tmp_path_factory):
+    """The 120-step AdamW runs, in ONE 4-rank launch: dense at the default seed and at seed 3, 1-bit Adam at
+    both, PowerSGD and TopK (warm-up 5), and a 2-step TopK run with SGD. {name: (records, stderr)}."""
+    base = tmp_path_factory.mktemp("adamw")
+    onebit = ["compression.method=onebit-adam", f"compression.warmup_steps={ONEBIT_ADAM_WARMUP}"]
+    runs = {"dense": [*ADAMW], "dense-3": [*ADAMW, "train.seed=3"], "onebit-adam": [*ADAMW, *onebit],
+            "onebit-adam-3": [*ADAMW, "train.seed=3", *onebit],
+            "powersgd": [*ADAMW, "compression.method=powersgd", "compression.warmup_steps=5"],
+            "topk": [*ADAMW, "compression.method=topk", "compression.warmup_steps=5"],
+            "topk-sgd": [*SGD[:2], "train.steps=2", "optim.name=sgd", "compression.method=topk"]}
+    done = run_many(4, [["train", f"train.run_dir={base / name}", *args] for name, args in runs.items()])
+    return {name: (records(base / name), run["stderr"]) for name, run in zip(runs, done)}
+
+
+def mean_of_last(rows, k=10):
+    return sum(r["loss"] for r in rows[-k:]) / k
 
 
 @pytest.mark.parametrize("seed", [None, 3])  # None: the default seed, the reference the other tests share
-def test_onebit_adam_converges_within_3_percent_of_dense_adamw(dense_adamw, tmp_path, seed):
+def test_onebit_adam_converges_within_3_percent_of_dense_adamw(adamw_runs, seed):
     """1-bit Adam (warm-up 36 of 120 steps): its warm-up is dense AdamW bit for bit, and its mean loss of the
     last 10 steps is within 3% of dense AdamW's (seed 3 was the worst at shorter warm-ups), while the dp
     traffic after the warm-up is ~30x smaller; a warm-up of 30% or more is not warned about."""
-    seeded = [] if seed is None else [f"train.seed={seed}"]
-    dense = dense_adamw
-    if seed is not None:
-        train(tmp_path / "dense", *ADAMW, *seeded, nprocs=4, timeout=300)
-        dense = records(tmp_path / "dense")
-    out = train(tmp_path, *ADAMW, *seeded, "compression.method=onebit-adam",
-                f"compression.warmup_steps={ONEBIT_ADAM_WARMUP}", nprocs=4, timeout=300)
-    assert "compression.warmup_steps=" not in out.stderr  # no short-warm-up warning at 30%
-    rows = records(tmp_path)
+    suffix = "" if seed is None else f"-{seed}"
+    dense, _ = adamw_runs["dense" + suffix]
+    rows, stderr = adamw_runs["onebit-adam" + suffix]
+    assert "compression.warmup_steps=" not in stderr  # no short-warm-up warning at 30%
     warm = ONEBIT_ADAM_WARMUP + 1  # the loss of step W + 1 is taken before its (first compressed) update
     assert [r["loss"] for r in rows[:warm]] == [r["loss"] for r in dense[:warm]]  # the same fused AdamW
-    loss, reference = final_loss(tmp_path, k=10), sum(r["loss"] for r in dense[-10:]) / 10
+    loss, reference = mean_of_last(rows), mean_of_last(dense)
     assert abs(loss - reference) <= 0.03 * reference, (loss, reference)
     w = ONEBIT_ADAM_WARMUP  # rows[w - 1]: step W, the last dense one; rows[w]: the first compressed step
     assert rows[w - 1]["compression_ratio"] == 1.0 and rows[w]["compression_ratio"] > 20
 
 
-def test_powersgd_with_adamw_is_within_5_percent_of_dense_adamw(dense_adamw, tmp_path):
+def test_powersgd_with_adamw_is_within_5_percent_of_dense_adamw(adamw_runs):
     """PowerSGD (rank 4, warm-up 5, error feedback) ahead of AdamW: within the stated 5% (measured +2.1% to
     +2.7% over 3 seeds), so no warning."""
-    out = train(tmp_path, *ADAMW, "compression.method=powersgd", "compression.warmup_steps=5", nprocs=4, timeout=300)
-    reference = sum(r["loss"] for r in dense_adamw[-10:]) / 10
-    assert abs(final_loss(tmp_path, k=10) - reference) <= 0.05 * reference
-    assert "with optim.name='adamw' ended" not in out.stderr
+    rows, stderr = adamw_runs["powersgd"]
+    reference = mean_of_last(adamw_runs["dense"][0])
+    assert abs(mean_of_last(rows) - reference) <= 0.05 * reference
+    assert "with optim.name='adamw' ended" not in stderr
 
 
-def test_topk_with_adamw_is_beyond_5_percent_and_says_so_once(dense_adamw, tmp_path):
+def test_topk_with_adamw_is_beyond_5_percent_and_says_so_once(adamw_runs):
     """Top-k at 1% ahead of AdamW ends beyond 5% of dense AdamW (measured +5.6% to +9.9% over 3 seeds): the
     run warns once, at start, with the measured gap; with SGD it does not."""
-    out = train(tmp_path, *ADAMW, "compression.method=topk", "compression.warmup_steps=5", nprocs=4, timeout=300)
-    reference = sum(r["loss"] for r in dense_adamw[-10:]) / 10
-    assert final_loss(tmp_path, k=10) > 1.05 * reference
-    warnings = [line for line in out.stderr.splitlines() if "with optim.name='adamw' ended" in line]
-    assert len(warnings) == 1 and "compression.method='topk'" in warnings[0] and "+5.6%" in warnings[0], out.stderr
-    sgd = train(tmp_path / "sgd", *SGD[:2], "train.steps=2", "optim.name=sgd", "compression.method=topk")
-    assert "with optim.name='adamw' ended" not in sgd.stderr
+    rows, stderr = adamw_runs["topk"]
+    reference = mean_of_last(adamw_runs["dense"][0])
+    assert mean_of_last(rows) > 1.05 * reference
+    warnings = [line for line in stderr.splitlines() if "with optim.name='adamw' ended" in line]
+    assert len(warnings) == 1 and "compression.method='topk'" in warnings[0] and "+5.6%" in warnings[0], stderr
+    assert "with optim.name='adamw' ended" not in adamw_runs["topk-sgd"][1]
 
 
 def test_onebit_adam_in_half_precision_and_across_nodes_only(tmp_path):

@@ -127,12 +127,16 @@ def slowest(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    """One line per rank; with a zero-bubble schedule (a ``weight`` phase) its compute's B and W beside it."""
     groups = sorted({g for r in rows for g in r["comm"]})
-    head = ["rank", "host", "steps", "step ms", "compute", *[f"{g} comm" for g in groups], "bubble", "data", "ckpt"]
+    split = any(r["phases"].get("weight", 0.0) > 0 for r in rows)
+    head = ["rank", "host", "steps", "step ms", "compute", *(["B", "W"] if split else []),
+            *[f"{g} comm" for g in groups], "bubble", "data", "ckpt"]
     lines = [head]
     for r in rows:
+        parts = [f"{1e3 * r['phases'].get(p, 0.0):.1f}" for p in ("backward", "weight")] if split else []
         lines.append([str(r["rank"]), r["host"], str(r["steps"]), f"{1e3 * r['step']:.1f}",
-                      f"{1e3 * r['compute']:.1f}", *[f"{1e3 * r['comm'].get(g, 0.0):.1f}" for g in groups],
+                      f"{1e3 * r['compute']:.1f}", *parts, *[f"{1e3 * r['comm'].get(g, 0.0):.1f}" for g in groups],
                       f"{1e3 * r['bubble']:.1f}", f"{1e3 * r['data']:.1f}", f"{1e3 * r['ckpt']:.1f}"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)

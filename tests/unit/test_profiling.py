@@ -97,7 +97,7 @@ def test_breakdown_and_the_slowest_rank(tmp_path):
     assert "dp comm" in table(rows) and " W " not in table(rows)
     rows[1]["phases"].update(backward=0.004, weight=0.003)  # a zero-bubble schedule: B and W shown apart
     header, _, second = table(rows).splitlines()
-    assert header.split()[5:7] == ["B", "W"] and second.split()[5:7] == ["4.0", "3.0"], table(rows)
+    assert header.split()[6:8] == ["B", "W"] and second.split()[5:7] == ["4.0", "3.0"], table(rows)  # "step ms"
     even = [fake_rank(0, forward_ms=20, dp_wait_ms=5), fake_rank(1, forward_ms=20.5, dp_wait_ms=4.5)]
     assert slowest([breakdown(d) for d in even]).startswith("balanced: every rank's compute is within 5%")
     path = merge(docs, str(tmp_path / "trace.json"))

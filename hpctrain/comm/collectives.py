@@ -80,6 +80,7 @@ class Communicator:
         self._host = MpiBackend(mpi_comm)
         self._bound = BoundCalls(mpi_comm)  # blocking host calls bound to their tensors (the hot path, bound.py)
         self._device: MpiBackend | HostStagedBackend | NcclBackend | None = None  # created on the first CUDA tensor (NCCL init is collective and costly)
+        self.staged_because = ""  # why CUDA tensors go through host memory (prepare_device), "" when they do not
         self.shm = None  # a ShmRoute (comm.intra_node, intra_node.py): CPU float sums in shared memory
         self.recurring: list[Recurring] = []  # persistent small collectives on this group (freed at close)
         self._counters: dict[str, OpCounter] = {}  # op -> this group's OpCounter in ``stats``
@@ -132,6 +133,10 @@ class Communicator:
         if self._device is None:
             self._device = MpiBackend(self.mpi, cuda_aware=True) if choice == "cuda-mpi" \
                 else HostStagedBackend(self.mpi)
+            if choice == "auto" and self._device.name == HostStagedBackend.name:
+                self.staged_because = reason  # why NCCL was not used (hpctrain/comm/staging.py warns)
+            elif choice == "mpi":
+                self.staged_because = "parallel.backend='mpi'"
         return self._device.name
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from hpctrain.comm.staging import staged_bytes, staging_warning
 from hpctrain.config import config_to_dict
 from hpctrain.models.compile import compile_report
 from hpctrain.models.lora import describe as describe_lora
@@ -40,6 +41,9 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
           f"{'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero}, dp reduction {dp_route}, "
           f"{cfg.train.dtype}{residual}, device {describe(device)}, attention {parts.sdpa.name}, {head}"
           + (f", GPU collectives backend {parts.backends['dp']}" if device.type == "cuda" else ""), flush=True)
+    staging = host_staging_warning(cfg, grid, parts) if device.type == "cuda" else ""
+    if staging:  # CuPy missing, NCCL unavailable: its cause and cost per step, once
+        print(f"hpctrain: WARNING: {staging}", file=sys.stderr, flush=True)
     replicas = grid.sizes["dp"] * grid.sizes["cp"]
     print(f"hpctrain train: model state on rank 0: {describe_state(model_state_bytes(parts))} (ZeRO-{p.zero} over "
           f"{replicas} replica(s)" + (f", units gathered with prefetch {p.zero_prefetch}, reshard after forward "
@@ -90,3 +94,15 @@ def first_step_report(record: dict, since: dict | None, setting: str) -> list[st
     if since is None:
         return lines + [f"torch.compile off (train.compile={setting})"]
     return lines + compile_report(since)
+
+
+def host_staging_warning(cfg, grid, parts) -> str:
+    """The warning of a CUDA run whose groups stage their collectives through host memory
+    (hpctrain/comm/staging.py), "" when none does."""
+    cost = staged_bytes(grid.sizes, grad_params=sum(p.numel() for p in parts.local_model.parameters()
+                                                    if p.requires_grad),
+                        local_layers=sum(len(stage.layers) for stage in parts.stages),
+                        tokens=parts.layout.micro_batch * cfg.train.seq_len // grid.sizes["cp"],
+                        d_model=parts.model_cfg.d_model, act_bytes=parts.executor.act_dtype.itemsize,
+                        microbatches=parts.layout.microbatches)
+    return staging_warning(parts.backends, {axis: grid.comm(axis).staged_because for axis in parts.backends}, cost)

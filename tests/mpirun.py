@@ -118,6 +118,38 @@ def run_many(nprocs: int, commands: list[list[str]], timeout: float = 600) -> li
     return runs
 
 
+class FidelityRuns:
+    """Named runs of scripts/check_fidelity.py, ``{name: (world size, layouts, variants, *options and
+    overrides)}``, launched together per world size when one of them is first asked for
+    (scripts/check_fidelity_many.py: the ranks start once, not once per run). ``runs(name)`` returns that
+    run's output, after asserting it ended with FIDELITY OK. A failed launch fails every test that asks for
+    one of its runs, without launching again."""
+
+    def __init__(self, runs: dict, timeout: float = 1500):
+        self.runs, self.timeout = runs, timeout
+        self.outputs: dict[int, dict[str, str] | AssertionError] = {}
+
+    def __call__(self, name: str) -> str:
+        import json
+
+        nprocs = self.runs[name][0]
+        if nprocs not in self.outputs:
+            jobs = [[n, ["--layouts", layouts, "--variants", variants, *extra]]
+                    for n, (size, layouts, variants, *extra) in self.runs.items() if size == nprocs]
+            try:
+                result = run_mpi(nprocs, "check_fidelity_many.py", json.dumps(jobs), timeout=self.timeout)
+                parts = result.stdout.split("=== JOB ")[1:]
+                self.outputs[nprocs] = dict(part.split(" ===\n", 1) for part in parts)  # type: ignore[misc]
+            except AssertionError as failed:
+                self.outputs[nprocs] = failed
+        outputs = self.outputs[nprocs]
+        if isinstance(outputs, AssertionError):
+            raise outputs
+        out = outputs[name]
+        assert "FIDELITY OK" in out, out[-3000:]
+        return out
+
+
 def run_self_stopping(nprocs: int, script: str, *args: str, timeout: float = 60, env: dict | None = None):
     """Run ``script`` whose rank stops itself (SIGSTOP, printing "stops itself (pid N)"), expecting the
     watchdog to end the job; then SIGKILL every such pid so no stopped rank outlives the test."""

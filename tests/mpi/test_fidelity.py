@@ -8,11 +8,9 @@ sequence parallel on/off x ZeRO-1 on/off, tied embeddings) runs with:
 The runs of one world size share one launch (scripts/check_fidelity_many.py: one start-up of the ranks,
 not one per run); each test reads its own run's output from it.
 """
-import json
-
 import pytest
 
-from mpirun import run_mpi
+from mpirun import FidelityRuns, run_mpi
 
 F64 = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
 TIED = "model.tie_embeddings=true"
@@ -61,22 +59,7 @@ def fidelity(nprocs, layouts, variants, *extra, timeout=400):
 
 @pytest.fixture(scope="module")
 def launched():
-    """{world size: {run name: its output}}, each world size's runs launched once, when first asked for."""
-    outputs: dict[int, dict[str, str]] = {}
-
-    def output(name: str) -> str:
-        nprocs = RUNS[name][0]
-        if nprocs not in outputs:
-            jobs = [[n, ["--layouts", layouts, "--variants", variants, *extra]]
-                    for n, (size, layouts, variants, *extra) in RUNS.items() if size == nprocs]
-            result = run_mpi(nprocs, "check_fidelity_many.py", json.dumps(jobs), timeout=1500)
-            parts = result.stdout.split("=== JOB ")[1:]
-            outputs[nprocs] = {part.split(" ===\n", 1)[0]: part.split(" ===\n", 1)[1] for part in parts}
-        out = outputs[nprocs][name]
-        assert "FIDELITY OK" in out, out
-        return out
-
-    return output
+    return FidelityRuns(RUNS)
 
 
 def test_two_ranks_every_axis_every_variant(launched):

@@ -7,7 +7,9 @@ import os
 import re
 import signal
 
-from mpirun import run_mpi
+import pytest
+
+from mpirun import FidelityRuns, run_mpi
 
 F64 = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
 MOE = ["moe.num_experts=4", "moe.layers=[0,2,3]", "moe.z_loss_coef=0.01"]
@@ -18,11 +20,29 @@ RUN = ["data.max_bytes=300000", "train.seq_len=16", "train.global_batch=8", "mod
        "moe.z_loss_coef=0.01"]
 
 
-def fidelity(nprocs, layouts, variants, *extra, timeout=600):
-    result = run_mpi(nprocs, "check_fidelity.py", "--layouts", layouts, "--variants", variants, *extra,
-                     timeout=timeout)
-    assert "FIDELITY OK" in result.stdout, result.stdout[-3000:]
-    return result.stdout
+BOTH = "|1f1b,sp,zero2/1f1b,sp,zero3"
+SGD = ["optim.name=sgd", "optim.momentum=0.9", "moe.num_experts=4", "moe.layers=[0,1]", "moe.z_loss_coef=0.01"]
+# name: (world size, layouts, variants, *options and overrides) of scripts/check_fidelity.py; one launch per
+# world size (tests/mpirun.py: FidelityRuns)
+RUNS = {
+    "every layout family": (4, f"4,1,1,1,4;4,1,1,1,2{BOTH};2,2,1,1,2{BOTH};2,1,2,1,2{BOTH};1,1,1,4,2;1,2,2",
+                            "1f1b,sp,zero2", *F64, *MOE, "moe.capacity_factor=1.0", "moe.shared_experts=1"),
+    "lora": (4, "2,2,1,1,2;4,1,1,1,4;1,2,2;4,1,1,1,2|1f1b,sp,zero3", "1f1b,sp,zero1", *F64, *MOE,
+             "moe.shared_experts=1", "lora.rank=4", "lora.targets=[q,v,gate,down]", "comm.alltoall_by_peer_kib=0"),
+    # float16 starts at loss scale 1024: at the default 65536 the first step's gradients sit at the edge of
+    # float16's range, where whether a partial sum overflows (and the step is skipped) depends on how the layout
+    # groups the sum, so one process and the layout may skip different steps (seen with the counter-based init)
+    "bfloat16": (4, "4,1,1,1,4;2,2,1,1,2", "1f1b,sp,zero1", "--dtype", "bfloat16", "--rtol", "1e-3",
+                 "--param-rtol", "1e-2", *SGD),
+    "float16": (4, "2,1,2,1,2", "1f1b,sp,zero1", "--dtype", "float16", "--rtol", "1e-3", "--param-rtol", "2e-3",
+                *SGD, "train.loss_scale=1024"),
+    "8 ranks": (8, "2,2,2,1,2", "interleaved2,sp,zero1", *F64, *MOE, "model.tie_embeddings=true"),
+}
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return FidelityRuns(RUNS)
 
 
 def train(nprocs, run_dir, *args, check=True, env=None, timeout=240):
@@ -61,7 +81,7 @@ def planned_kept(overrides: list[str], ranks: int, rank: int) -> dict[str, int]:
     return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer)}
 
 
-def test_every_layout_family_trains_like_one_process_with_and_without_expert_parallelism():
+def test_every_layout_family_trains_like_one_process_with_and_without_expert_parallelism(launched):
     """dp=4 over ep=4 (one expert per rank, no expert reduction), dp=4 over ep=2 (each expert's gradients and
     state sharded over its two replicas), dp x tp (SP) with ep=2, dp x pp with ep=2, cp=4 with ep=2 (capacity
     over the whole zig-zag sequence), and tp x pp without ep: with a capacity that drops choices, the z-loss and
@@ -70,50 +90,39 @@ def test_every_layout_family_trains_like_one_process_with_and_without_expert_par
     around its forward and backward, their gradients reduce-scattered there): dp=4 over ep=2, and ep=2 with
     dp x tp (SP) and with dp x pp (there one replica holds each expert: only the dense part is sharded).
     ZeRO-1 with ep: the LoRA, mixed-precision and 8-rank tests below."""
-    both = "|1f1b,sp,zero2/1f1b,sp,zero3"
-    out = fidelity(4, f"4,1,1,1,4;4,1,1,1,2{both};2,2,1,1,2{both};2,1,2,1,2{both};1,1,1,4,2;1,2,2", "1f1b,sp,zero2",
-                   *F64, *MOE, "moe.capacity_factor=1.0", "moe.shared_experts=1")
+    out = launched("every layout family")
     assert out.count("OK dp=") == 9 and out.count(" ep=2 ") == 7 and " ep=4 " in out, out
     assert out.count("zero=3 ") == 3 and "OK dp=4 tp=1 pp=1 ep=2 1f1b sp=True zero=3" in out, out
     assert "EXPERTS SHARDED over 2 rank(s)" in out, out
 
 
-def test_lora_on_the_experts_and_the_shared_expert_in_ep_tp_and_pp_layouts():
+def test_lora_on_the_experts_and_the_shared_expert_in_ep_tp_and_pp_layouts(launched):
     """lora.targets gate and down adapt every routed expert (batched factors, split over ep and tp like their
     weights) and the shared expert's SwiGLU; q and v the attention. Only the adapters train (the frozen weights
     stay bit-identical: checked by the script), like one process. Every ep all-to-all here goes one
     Isend/Irecv per peer (comm.alltoall_by_peer_kib=0), the other tests' through one Alltoallv. At ZeRO-3 with
     dp=4 over ep=2 the frozen experts are sharded over their two replicas (ep_replica), the rest over dp."""
-    out = fidelity(4, "2,2,1,1,2;4,1,1,1,4;1,2,2;4,1,1,1,2|1f1b,sp,zero3", "1f1b,sp,zero1", *F64, *MOE,
-                   "moe.shared_experts=1", "lora.rank=4", "lora.targets=[q,v,gate,down]", "comm.alltoall_by_peer_kib=0")
+    out = launched("lora")
     # 44 = q, v (A, B) in 4 blocks + gate, down of the dense block 1 + gate, down of the experts and of the
     # shared expert in the 3 MoE blocks
     assert out.count("OK dp=") == 4 and out.count("LORA OK 44 adapters trained") == 5, out  # and the reference
     assert "OK dp=4 tp=1 pp=1 ep=2 1f1b sp=True zero=3" in out and "FROZEN SHARDED" in out, out
 
 
-def test_mixed_precision_and_compile_with_expert_parallelism():
+def test_mixed_precision_and_compile_with_expert_parallelism(launched):
     """bfloat16 with ep=4 and ep x tp (SP), float16 (dynamic loss scaling: the auxiliary losses' gradients are
     scaled with the loss) with ep x pp, each follow one process in the same precision (SGD, whose updates are
     linear in the gradients: measured loss 2e-5 / 5e-6, parameters one bfloat16 ulp / 4e-4); and
     train.compile (the MoE layer eager, a graph break by design) equals eager with ep x tp (SP)."""
-    sgd = ["optim.name=sgd", "optim.momentum=0.9", "moe.num_experts=4", "moe.layers=[0,1]", "moe.z_loss_coef=0.01"]
-    # float16 starts at loss scale 1024: at the default 65536 the first step's gradients sit at the edge of
-    # float16's range, where whether a partial sum overflows (and the step is skipped) depends on how the layout
-    # groups the sum, so one process and the layout may skip different steps (seen with the counter-based init)
-    for dtype, layouts, param_rtol, scale in (("bfloat16", "4,1,1,1,4;2,2,1,1,2", "1e-2", []),
-                                              ("float16", "2,1,2,1,2", "2e-3", ["train.loss_scale=1024"])):
-        out = fidelity(4, layouts, "1f1b,sp,zero1", "--dtype", dtype, "--rtol", "1e-3", "--param-rtol", param_rtol,
-                       *sgd, *scale)
-        assert out.count(f"zero=1 {dtype}") == layouts.count(";") + 1, out
-    compiled = run_mpi(4, "check_compile.py", "--layouts", "2,2,1,1,2+sp", "--rtol", "1e-5", *sgd[:3], "moe.layers=[1]",
+    for dtype in ("bfloat16", "float16"):
+        assert launched(dtype).count(f"zero=1 {dtype}") == RUNS[dtype][1].count(";") + 1
+    compiled = run_mpi(4, "check_compile.py", "--layouts", "2,2,1,1,2+sp", "--rtol", "1e-5", *SGD[:3], "moe.layers=[1]",
                        timeout=300)
     assert "COMPILE OK" in compiled.stdout and "ep=2 sp: compiled = eager" in compiled.stdout, compiled.stdout
 
 
-def test_eight_ranks_expert_parallel_with_tp_interleaved_pipeline_and_zero1_dropless():
-    out = fidelity(8, "2,2,2,1,2", "interleaved2,sp,zero1", *F64, *MOE, "model.tie_embeddings=true")
-    assert out.count("OK dp=") == 1
+def test_eight_ranks_expert_parallel_with_tp_interleaved_pipeline_and_zero1_dropless(launched):
+    assert launched("8 ranks").count("OK dp=") == 1
 
 
 def test_checkpoints_reshard_across_ep_sizes_like_one_process(tmp_path):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mpirun import ROOT, mpi_env, mpiexec, run_mpi
+from mpirun import ROOT, FidelityRuns, mpi_env, mpiexec, run_mpi
 from test_checkpoint import F64, run_chain
 from test_checkpoint import losses as step_losses
 from test_checkpoint import train
@@ -18,38 +18,53 @@ from test_hang_report import run_with_fault
 EXACT = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
 
 
-def fidelity(nprocs, layouts, variants, *extra, timeout=300):
-    """check_fidelity.py over ``layouts`` ("dp,tp,pp,cp;..."): the number of layouts/variants checked."""
-    result = run_mpi(nprocs, "check_fidelity.py", "--layouts", layouts, "--variants", variants, *extra,
-                     timeout=timeout)
-    assert "FIDELITY OK" in result.stdout, result.output
-    assert all(" cp=" in line for line in result.stdout.splitlines() if line.startswith("OK dp="))
-    return result.stdout.count("OK dp=")
+# name: (world size, layouts "dp,tp,pp,cp", variants, *options and overrides) of scripts/check_fidelity.py; one
+# launch per world size (tests/mpirun.py: FidelityRuns)
+RUNS = {
+    "cp alone and with tp, pp, dp": (4, "1,1,1,4;1,2,1,2;1,1,2,2;2,1,1,2", "1f1b,sp,zero1/gpipe", *EXACT),
+    "window and recompute": (4, "1,1,1,4;1,2,1,2", "1f1b,sp", *EXACT, "model.attention_window=5",
+                             "train.recompute=true"),
+    "learned positions": (4, "1,2,1,2;1,1,2,2", "sp,zero1", *EXACT, "model.positions=learned", "model.mlp=gelu",
+                          "model.tie_embeddings=true"),
+    "8 ranks": (8, "2,2,1,2;1,2,2,2", "1f1b,sp,zero1", *EXACT, "model.attention_window=6"),
+    "bfloat16": (2, "1,1,1,2", "1f1b", "--dtype", "bfloat16", "--rtol", "2e-2"),
+}
 
 
-def test_cp_alone_and_with_tp_pp_dp_zero1_equals_one_process():
+@pytest.fixture(scope="module")
+def launched():
+    runs = FidelityRuns(RUNS)
+
+    def checked(name):
+        """The number of layouts/variants checked, every one with cp."""
+        out = runs(name)
+        assert all(" cp=" in line for line in out.splitlines() if line.startswith("OK dp="))
+        return out.count("OK dp=")
+
+    return checked
+
+
+def test_cp_alone_and_with_tp_pp_dp_zero1_equals_one_process(launched):
     """cp=4; cp=2 x tp=2; cp=2 x pp=2; cp=2 x dp=2 (gradients over dp x cp), each with 1F1B + SP + ZeRO-1
     (sharded over dp x cp) and GPipe; GQA (8 query heads, 4 KV heads)."""
-    assert fidelity(4, "1,1,1,4;1,2,1,2;1,1,2,2;2,1,1,2", "1f1b,sp,zero1/gpipe", *EXACT) == 8
+    assert launched("cp alone and with tp, pp, dp") == 8
 
 
-def test_cp_with_a_sliding_window_recompute_and_learned_positions_equals_one_process():
+def test_cp_with_a_sliding_window_recompute_and_learned_positions_equals_one_process(launched):
     """A window of 5 tokens over 16 (the ring skips blocks outside it), recomputation; then GPT-style
     learned positions (each cp rank adds its zig-zag rows of the table), tied embeddings."""
-    assert fidelity(4, "1,1,1,4;1,2,1,2", "1f1b,sp", *EXACT, "model.attention_window=5",
-                    "train.recompute=true") == 2
-    assert fidelity(4, "1,2,1,2;1,1,2,2", "sp,zero1", *EXACT, "model.positions=learned", "model.mlp=gelu",
-                    "model.tie_embeddings=true") == 2
+    assert launched("window and recompute") == 2
+    assert launched("learned positions") == 2
 
 
-def test_eight_ranks_every_axis_at_once():
+def test_eight_ranks_every_axis_at_once(launched):
     """dp=2 x tp=2 x cp=2 and tp=2 x pp=2 x cp=2 with SP, ZeRO-1 and a window."""
-    assert fidelity(8, "2,2,1,2;1,2,2,2", "1f1b,sp,zero1", *EXACT, "model.attention_window=6") == 2
+    assert launched("8 ranks") == 2
 
 
-def test_bfloat16_keeps_float32_softmax_statistics():
+def test_bfloat16_keeps_float32_softmax_statistics(launched):
     """bfloat16 with cp=2 follows bfloat16 on one process (the ring merges in float32: close, not exact)."""
-    assert fidelity(2, "1,1,1,2", "1f1b", "--dtype", "bfloat16", "--rtol", "2e-2") == 1
+    assert launched("bfloat16") == 1
 
 
 def test_checkpoints_resume_across_cp_sizes(tmp_path):

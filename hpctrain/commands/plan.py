@@ -312,6 +312,9 @@ def run_plan(args) -> int:
         from hpctrain.plan.report import print_plans
 
         print_plans(result, machine, model, name, global_batch, seq_len, options, args.top, moe)
+        hint = _zero_bubble_hint(result, model, machine, options, moe)
+        if hint:
+            print(f"\n{hint}")
         if warmup:
             first = warmup[0]
             print(f"\nonebit-adam: the first {first['compression_warmup_steps']} of {first['run_steps']} steps are "
@@ -320,6 +323,37 @@ def run_plan(args) -> int:
                 print(f"{i + 1:>2} dense step {row['dense_step_s']:.3g} s, compressed {row['compressed_step_s']:.3g} s, "
                       f"run mean {row['run_mean_step_s']:.3g} s/step")
     return 0 if result.plans else 2
+
+
+def _zero_bubble_hint(result, model, machine, options, moe=None) -> str:
+    """A line recommending a zero-bubble schedule where the best plan is a 1F1B (or GPipe) pipeline and ZB-H1 or
+    ZB-V is predicted faster on the same layout (same memory bound: both hold 1F1B's first-rank peak); "" else."""
+    from dataclasses import replace
+
+    from hpctrain.errors import HpcTrainError
+    from hpctrain.plan.planner import predict
+
+    if not result.plans:
+        return ""
+    best = result.plans[0]
+    lay = best.candidate.layout
+    if lay.pp_size < 2 or lay.schedule not in ("1f1b", "gpipe") or best.virtual_stages > 1:
+        return ""
+    found = []
+    for schedule, v in (("zb-h1", 1), ("zb-v", 2)):
+        try:
+            pred = predict(model, replace(lay, schedule=schedule, virtual_stages=v), machine,
+                           best.candidate.recompute, options, moe)
+        except HpcTrainError:
+            continue
+        if pred.tokens_per_s > best.tokens_per_s and pred.memory.total_gib <= machine.memory_gib():
+            found.append(f"{schedule} {pred.time.step_s:.3g} s/step ({pred.tokens_per_s / best.tokens_per_s - 1:+.0%} "
+                         f"tokens/s, {pred.memory.total_gib:.1f} GiB)")
+    if not found:
+        return ""
+    return (f"zero-bubble schedules on plan 1's layout (bubble {best.time.bubble_s:.3g} s/step with "
+            f"{lay.schedule}): " + ", ".join(found) + "; parallel.schedule = \"zb-h1\" (or \"zb-v\" with "
+            f"parallel.virtual_stages = 2), or hpctrain plan --schedule zb-h1")
 
 
 def _onebit_adam_warmup(args, defaults: dict, model, machine, options, result, moe=None) -> dict:

@@ -52,3 +52,14 @@ def test_zb_v_rank_zero_holds_the_embedding_and_the_head():
     first, last = (rank_parameters(m, 1, 2, r, (), 2, v_shape=True) for r in (0, 1))
     assert first["vocabulary"] == 2 * 256 * 64 and last["vocabulary"] == 0
     assert first["blocks"] == last["blocks"] + 64  # the final norm too
+
+
+def test_plan_recommends_a_zero_bubble_schedule_for_a_pipelined_best_plan():
+    from hpctrain.commands.plan import _zero_bubble_hint
+
+    machine = Machine(device_preset("a100"), links_from_bandwidth(2400, 200), 1, 8)
+    piped = plan(custom(), machine, 32, 512, Options(), SearchSpace(pp=4, tp=1, zero=(1,), sequence_parallel=(False,)))
+    hint = _zero_bubble_hint(piped, custom(), machine, Options())
+    assert hint.startswith("zero-bubble schedules on plan 1's layout") and "zb-h1" in hint and "zb-v" in hint, hint
+    flat = plan(custom(), machine, 32, 512, Options(), SearchSpace(pp=1, tp=1, zero=(1,), sequence_parallel=(False,)))
+    assert _zero_bubble_hint(flat, custom(), machine, Options()) == ""

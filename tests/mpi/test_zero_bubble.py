@@ -18,26 +18,21 @@ def fidelity(nprocs, layouts, variants, *extra, timeout=400):
     return result.stdout
 
 
-def test_dp_tp_sp_cp_and_every_zero_stage_by_pp():
-    """dp x pp with ZeRO-1/2/3, tp x pp with SP, cp x pp; tied embeddings (zb-v holds both copies on rank 0) and
-    4 micro-batches (zb-h1 defers rank 1's Ws by one backward; ZeRO-3 frees a unit at its late W only if
-    gathered). Every freed storage is NaN first (check_fidelity.py), so a read after a free shows."""
-    out = fidelity(4, "2,1,2|zbh1,zero1/zbv,zero2/zbh1,zero3/zbv,zero3;1,2,2|zbh1,sp/zbv,sp,zero1;1,1,2,2|zbv",
-                   "zbh1", *F64, "model.tie_embeddings=true", "parallel.microbatches=4")
-    assert out.count("OK dp=") == 7 and out.count("zb-v2") == 4 and out.count("zero=3") == 2
+def test_dp_tp_sp_cp_ep_and_every_zero_stage_by_pp():
+    """dp x pp with ZeRO-1/2/3, tp x pp with SP, cp x pp, ep x pp; an MoE model (blocks 0 and 3: the experts'
+    batched weights get their gradients in B, the dense blocks' linears in W), tied embeddings (zb-v holds both
+    copies on rank 0) and 4 micro-batches (zb-h1 defers rank 1's Ws by one backward; ZeRO-3 releases a unit
+    once its B has passed it). Every freed storage is NaN first (check_fidelity.py): a read after a free shows."""
+    out = fidelity(4, "2,1,2|zbh1,zero1/zbv,zero2/zbh1,zero3/zbv,zero3;1,2,2|zbh1,sp/zbv,sp,zero1;1,1,2,2|zbv;"
+                   "2,1,2,1,2|zbh1,zero1", "zbh1", *F64, "model.tie_embeddings=true", "parallel.microbatches=4",
+                   "moe.num_experts=4", "moe.layers=[0,3]", "moe.z_loss_coef=0.01")
+    assert out.count("OK dp=") == 8 and out.count("zb-v2") == 4 and out.count("zero=3") == 2 and "ep=2" in out
 
 
 def test_lora_by_pp():
     """LoRA: the frozen base has no W (the adapters' gradients are kept from B), bit-identical after training."""
     out = fidelity(2, "1,1,2", "zbh1/zbv", *F64, "lora.rank=4")
     assert out.count("OK dp=") == 2 and out.count("LORA OK") == 3
-
-
-def test_experts_by_pp():
-    """ep x pp: the experts' gradients (batched weights, kept from B) and the dense linears' deferred Ws."""
-    out = fidelity(4, "2,1,2,1,2", "zbh1,zero1/zbv", *F64, "moe.num_experts=4", "moe.layers=[0,2,3]",
-                   "moe.z_loss_coef=0.01")
-    assert out.count("OK dp=") == 2
 
 
 def test_killed_in_a_deferred_w_resumes_bitwise(tmp_path):

@@ -99,6 +99,8 @@ class PipelineExecutor:
         timer = self.timer
         for module in self.stage_modules:  # MoE auxiliary losses join the token loss with its factor
             module.aux_weight.value = loss_scale
+        if train and self.weight_grads is not None:
+            self.weight_grads.clear()  # nothing of a step an exception interrupted
         self._post(first_recvs, produced, received)
         for step, post in zip(steps, after):
             for op, i, c in step:

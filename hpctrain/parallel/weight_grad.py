@@ -80,6 +80,12 @@ class WeightGradStore:
             grads[id(p)] = (p, g if id(p) not in grads else grads[id(p)][1] + g)
         return [p for p, _ in grads.values()], [[g for _, g in grads.values()]]
 
+    def clear(self) -> None:
+        """Forget everything (a step begins: what an interrupted one left is not this step's)."""
+        self._key = None
+        self._queued.clear()
+        self._kept.clear()
+
     def pending(self) -> list[Key]:
         """The keys whose B ran and W did not."""
         return sorted(set(self._queued) | set(self._kept))

@@ -8,10 +8,12 @@ c), the executor's B) such a linear's backward computes only dL/dx and queues (x
 communication (under tp and SP, x is the linear's own, already gathered, input). The executor's B asks
 autograd for the input gradient and the other trainable parameters' gradients (norms, embeddings, LoRA
 factors, experts: ``torch.autograd.grad``, nothing accumulated) and ``keep``s those; its W (``run``) computes
-the queued weight gradients and hands every gradient of that (micro-batch, c) to autograd's accumulation
-(``torch.autograd.backward`` on the leaves), exactly where a full backward would have put them: ``param.grad``
-and its post-accumulate hooks, i.e. ``FlatParams``' main-grad accumulation and bucket reduction. So a bucket is
-reduced after its last W, and ZeRO-2's per-micro-batch reduce-scatter sees one whole micro-batch at a time.
+the queued weight gradients and hands every gradient of that (micro-batch, c) to autograd's accumulation (one
+backward through ``_Deliver``, a node whose gradients are the ones held here), exactly where a full backward
+would have put them: ``param.grad`` and its post-accumulate hooks, i.e. ``FlatParams``' main-grad accumulation
+and bucket reduction. So a bucket is reduced after its last W, and ZeRO-2's per-micro-batch reduce-scatter sees
+one whole micro-batch at a time. Its weight gradients need neither the weights nor communication: ZeRO-3
+releases a unit once its B has passed it (``zero3.ParamGather``, ``split_backward``).
 
 A W is deferred, never lost: ``check_drained`` raises naming every (micro-batch, c) whose W did not run.
 Outside ``deferring`` a ``deferrable_linear`` is an ordinary linear (evaluation, a full backward).

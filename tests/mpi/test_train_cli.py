@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from mpirun import run_mpi
+from mpirun import run_many, run_mpi
 
 FAST = ["data.max_bytes=300000", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2",
         "train.lr=3e-3", "model.n_layers=2"]
@@ -22,23 +22,48 @@ def read_metrics(run_dir):
     return [r for r in records if "event" not in r]  # step records; stop events are checked separately
 
 
-def test_tiny_demo_layout_trains_and_logs(tmp_path):
-    result = train(4, tmp_path, "train.steps=12", "train.peak_tflops=1.0")
-    records = read_metrics(tmp_path)
+def command(run_dir, *overrides):
+    """The argv of ``train`` below for scripts/train_many.py (mpirun.run_many)."""
+    return ["train", "--config", "configs/tiny.toml", *FAST, f"train.run_dir={run_dir}", *overrides]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The independent runs of the tests below, one launch per world size (mpirun.run_many):
+    {name: (run directory, what its ranks printed to stdout)}."""
+    base = tmp_path_factory.mktemp("runs")
+    by_size = {
+        4: {"tiny demo": ["train.steps=12", "train.peak_tflops=1.0"],
+            **{dtype: ["train.steps=8", f"train.dtype={dtype}", "parallel.zero=1", "parallel.tp=1",
+                       "parallel.sequence_parallel=false"] for dtype in ("bfloat16", "float16")}},
+        # train.loss_scale=1e12 overflows ~20 steps in a row (more than max_skipped_steps=20 before the fix)
+        2: {"overflow": ["train.steps=3", "train.dtype=float16", "train.loss_scale=1e30", "parallel.tp=1",
+                         "parallel.pp=2", "parallel.microbatches=2"],
+            "huge loss scale": ["train.steps=30", "train.dtype=float16", "train.loss_scale=1e12", "parallel.tp=2",
+                                "parallel.pp=1"]},
+    }
+    found = {}
+    for size, named in by_size.items():
+        done = run_many(size, [command(base / name, *overrides) for name, overrides in named.items()])
+        found.update({name: (base / name, run["stdout"]) for name, run in zip(named, done)})
+    return found
+
+
+def test_tiny_demo_layout_trains_and_logs(runs):
+    run_dir, stdout = runs["tiny demo"]
+    records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, 13))
     assert FIELDS <= set(records[0])
     assert records[0]["mfu"] > 0 and all(r["tokens_per_s"] > 0 for r in records)
     first, last = sum(r["loss"] for r in records[:3]) / 3, sum(r["loss"] for r in records[-3:]) / 3
     assert last < first - 0.3, (first, last)  # the loss falls
-    assert "dp=1 x pp=2 x tp=2" in result.stdout and "done: 12 steps" in result.stdout
-    assert json.loads((tmp_path / "config.json").read_text())["parallel"]["tp"] == 2
+    assert "dp=1 x pp=2 x tp=2" in stdout and "done: 12 steps" in stdout
+    assert json.loads((run_dir / "config.json").read_text())["parallel"]["tp"] == 2
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_trains(tmp_path, dtype):
-    train(4, tmp_path, "train.steps=8", f"train.dtype={dtype}", "parallel.zero=1", "parallel.tp=1",
-          "parallel.sequence_parallel=false")
-    losses = [r["loss"] for r in read_metrics(tmp_path)]
+def test_half_precision_trains(runs, dtype):
+    losses = [r["loss"] for r in read_metrics(runs[dtype][0])]
     assert all(math.isfinite(v) for v in losses), losses  # no NaN, no infinity
     assert len(losses) == 8, losses
     # it learns: ln 256 = 5.55 at step 1, about 4.26 at step 8 in both dtypes (no step skipped); the
@@ -46,21 +71,18 @@ def test_half_precision_trains(tmp_path, dtype):
     assert losses[-1] < losses[0] - 0.6, losses
 
 
-def test_float16_overflow_skips_the_step_and_says_so(tmp_path):
-    result = train(2, tmp_path, "train.steps=3", "train.dtype=float16", "train.loss_scale=1e30",
-                   "parallel.tp=1", "parallel.pp=2", "parallel.microbatches=2")
-    records = read_metrics(tmp_path)
+def test_float16_overflow_skips_the_step_and_says_so(runs):
+    run_dir, stdout = runs["overflow"]
+    records = read_metrics(run_dir)
     assert records[0]["skipped"] and records[0]["loss_scale"] < 1e30
-    assert "SKIPPED (inf/NaN loss or gradients" in result.stdout
+    assert "SKIPPED (inf/NaN loss or gradients" in stdout
 
 
-def test_a_huge_initial_float16_loss_scale_halves_until_it_trains_instead_of_stopping(tmp_path):
+def test_a_huge_initial_float16_loss_scale_halves_until_it_trains_instead_of_stopping(runs):
     """train.loss_scale=1e12 overflows ~20 steps in a row (more than max_skipped_steps=20 before the fix:
-    exit 4 at step 21); overflows above the minimum scale only halve it, so the run recovers and finishes."""
-    result = train(2, tmp_path, "train.steps=30", "train.dtype=float16", "train.loss_scale=1e12",
-                   "parallel.tp=2", "parallel.pp=1", check=False)
-    assert result.returncode == 0, result.output[-3000:]
-    records = read_metrics(tmp_path)
+    exit 4 at step 21); overflows above the minimum scale only halve it, so the run recovers and finishes
+    (exit 0: run_many asserts it)."""
+    records = read_metrics(runs["huge loss scale"][0])
     skipped = [r["skipped"] for r in records]
     assert len(records) == 30 and sum(skipped) > 15 and not any(skipped[-5:]), skipped
     assert records[-1]["loss_scale"] < 1e6 and math.isfinite(records[-1]["loss"])

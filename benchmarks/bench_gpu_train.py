@@ -36,6 +36,18 @@ tokens/s and final loss against it.
 ``--residual-dtype float32`` sets hpctrain's ``model.residual_dtype`` (a float32 residual stream around bfloat16
 sublayers, as the loop's autocast keeps it; the loop is unchanged). The JSON records each row's
 ``residual_dtype`` and ``losses``, the loss of every step (warm-up included), to compare the two loops' training.
+
+``--count-eager`` (``--device cpu`` only) checks the GPU step's structure on the CPU instead of timing it: both
+implementations in bfloat16 (hpctrain ``train.dtype=bfloat16``; the loop under ``torch.autocast(bfloat16)``),
+compiled, one train step and one evaluation to compile, then one train step counted by
+hpctrain/bench/eager_ops.py (the ATen ops, and the bytes they read and write, outside compiled graphs), then
+5 train steps with a changing lr and one evaluation. One JSON line per implementation:
+``{"impl", "eager_ops", "eager_bytes", "graphs", "graph_breaks", "recompiles"}`` (graphs and breaks over the
+whole run, recompiles: graphs compiled after the first train step and evaluation). The eager ops moving the most
+bytes go to stderr.
+
+    python benchmarks/bench_gpu_train.py --device cpu --count-eager --presets gpt2-small --seq-len 128 \\
+        --micro-batch 2 --global-batch 4
 """
 from __future__ import annotations
 
@@ -75,6 +87,10 @@ def parse_args(argv=None):
                    help="an extra config override for hpctrain's run (repeatable), e.g. model.fused_head_loss=false")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print the N costliest device kernels of the timed steps (torch.profiler)")
+    p.add_argument("--count-eager", action="store_true",
+                   help="CPU only: count the ops and bytes outside compiled graphs in one bf16 step, graph breaks and "
+                        "recompiles (one JSON line per implementation) instead of timing")
+    p.add_argument("--count-eager-top", type=int, default=15, help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=1200, help="seconds per worker process")
     p.add_argument("--json")
     p.add_argument("--csv")
@@ -89,10 +105,13 @@ def config(args):
 
     return load_config(None, [f"model.preset={args.preset}", "model.vocab_size=0", f"train.seq_len={args.seq_len}",
                               f"train.global_batch={args.global_batch}", f"train.micro_batch_size={args.micro_batch}",
-                              "train.dtype=bfloat16" if args.device == "cuda" else "train.dtype=float32",
+                              "train.dtype=bfloat16" if args.device == "cuda" or args.count_eager
+                              else "train.dtype=float32",
                               f"train.device={args.device}", f"train.compile={args.compile}", "train.steps=100000",
                               "train.progress=false", "train.warmup_steps=0", "train.lr_schedule=constant",
                               "data.max_bytes=20000000"]
+                       + (["train.warmup_steps=100", "train.eval_steps=1", "data.valid_fraction=0.05"]  # lr changes
+                          if args.count_eager else [])
                        + ([f"model.residual_dtype={args.residual_dtype}", *args.set] if args.worker == "hpctrain"
                           else []))
 
@@ -100,7 +119,7 @@ def config(args):
 class TorchLoop:
     """The peer: GPTStage in fp32 under autocast(bf16), torch.compile, fused AdamW, accumulation, clipping."""
 
-    def __init__(self, cfg, device):
+    def __init__(self, cfg, device, autocast_cpu: bool = False):
         import torch
         from mpi4py import MPI
 
@@ -130,7 +149,8 @@ class TorchLoop:
         sampler, _ = samplers_for(tokens, 0.0, t.seq_len, t.seed)
         self.batches = GlobalBatchIterator(sampler, t.global_batch, 1, 0)
         self.micro, self.tokens = t.micro_batch_size or t.global_batch, t.global_batch * t.seq_len
-        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                                       enabled=device.type == "cuda" or autocast_cpu)
         self.losses: list = []  # every step's loss, on the device
 
     def train_step(self):
@@ -150,6 +170,68 @@ class TorchLoop:
         self.opt.zero_grad(set_to_none=True)
         self.losses.append(total)
         return total  # stays on the device: read once, after the timed steps
+
+    def set_lr(self, lr: float):
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+
+    def evaluate(self):
+        """The loss of one held-out-like batch, forward only (the next training batch: the graphs matter here)."""
+        import torch
+
+        inputs, targets = self.batches.next_batch()[:2]
+        self.model.eval()
+        with torch.no_grad(), self.autocast:
+            loss = self.forward_loss(inputs[:self.micro].to(self.device), targets[:self.micro].to(self.device))
+        self.model.train()
+        return loss
+
+
+def count_eager(args) -> int:
+    """``--count-eager``'s worker: one bf16 step's eager ops and bytes, graphs, breaks and recompiles."""
+    import torch
+
+    from hpctrain.bench.eager_ops import EagerOpCounter
+    from hpctrain.models.compile import dynamo_counts
+
+    cfg, device = config(args), torch.device("cpu")
+    start = dynamo_counts()
+    grid = None
+    if args.worker == "hpctrain":
+        from hpctrain.comm.grid import ProcessGrid
+        from hpctrain.runtime.launcher import discover
+        from hpctrain.train.trainer import Trainer
+
+        grid = ProcessGrid.from_config(cfg, discover())
+        trainer = Trainer(cfg, grid, device=device)
+        step, evaluate, set_lr = (lambda: trainer.train_step(defer=True)), trainer.evaluate, None
+    else:
+        loop = TorchLoop(cfg, device, autocast_cpu=True)
+        step, evaluate, set_lr = loop.train_step, loop.evaluate, loop.set_lr
+    step()
+    evaluate()
+    compiled = dynamo_counts()
+    with EagerOpCounter() as counter:
+        step()
+    for i in range(5):  # hpctrain's lr warms up (train.warmup_steps); the loop's is set
+        if set_lr is not None:
+            set_lr(cfg.train.lr * (i + 2) / 10)
+        step()
+    evaluate()
+    end = dynamo_counts()
+    if args.worker == "hpctrain":
+        trainer.read_pending()
+    top = sorted(counter.bytes_by_op.items(), key=lambda kv: -kv[1])[:args.count_eager_top]
+    print(f"{args.worker}: eager ops moving the most bytes: "
+          + ", ".join(f"{n} x{counter.by_op[n]} {b / 1e6:.0f} MB" for n, b in top), file=sys.stderr)
+    print("BENCH " + json.dumps({
+        "impl": args.worker, "eager_ops": counter.ops, "eager_bytes": counter.bytes,
+        "graphs": end["graphs"] - start["graphs"],
+        "graph_breaks": sum(end["breaks"].values()) - sum(start["breaks"].values()),
+        "recompiles": end["graphs"] - compiled["graphs"]}), flush=True)
+    if grid is not None:
+        grid.close()
+    return 0
 
 
 def worker(args) -> int:
@@ -242,12 +324,12 @@ def run_worker(args, preset: str, impl: str) -> dict:
            f"--device={args.device}", f"--seq-len={args.seq_len}", f"--micro-batch={args.micro_batch}",
            f"--global-batch={args.global_batch}", f"--compile={args.compile}", f"--warmup={args.warmup}",
            f"--steps={args.steps}", f"--window={args.window}", f"--residual-dtype={args.residual_dtype}",
-           f"--profile={args.profile}", *(f"--set={kv}" for kv in sets)]
+           f"--profile={args.profile}", *(f"--set={kv}" for kv in sets)] + (["--count-eager"] if args.count_eager else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.timeout,
                           stdin=subprocess.DEVNULL)
     lines = [line[6:] for line in proc.stdout.splitlines() if line.startswith("BENCH ")]
-    if args.profile:
+    if args.profile or args.count_eager:
         print(proc.stderr[-12000:], file=sys.stderr, flush=True)
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"bench_gpu_train: {preset} {impl} failed (exit {proc.returncode}):\n"
@@ -272,7 +354,17 @@ def main(argv=None) -> int:
     args.global_batch = args.global_batch or args.micro_batch
     if args.worker:
         from hpctrain.bench.report import run_benchmark
-        run_benchmark(lambda: worker(args))
+        run_benchmark(lambda: count_eager(args) if args.count_eager else worker(args))
+    if args.count_eager:
+        if args.device != "cpu":
+            print("bench_gpu_train: --count-eager counts on the CPU only (--device cpu); nothing run", file=sys.stderr)
+            return 2
+        for preset in args.presets.split(","):
+            for impl in ("hpctrain", "torch"):
+                row = run_worker(args, preset, impl)
+                print(json.dumps({key: row[key] for key in ("impl", "eager_ops", "eager_bytes", "graphs",
+                                                            "graph_breaks", "recompiles")}), flush=True)
+        return 0
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():

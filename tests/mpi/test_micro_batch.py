@@ -33,10 +33,4 @@ def test_cli_announces_the_micro_batch_and_reports_peak_memory(tmp_path):
     assert printed and abs(float(printed.group(1)) - first["peak_memory_gib"]) <= 1e-3, result.stdout
 
 
-def test_inconsistent_keys_are_one_line_on_every_rank(tmp_path):
-    result = run_mpi(2, "hpctrain.cli", "train", *CLI, "train.micro_batch_size=3", f"train.run_dir={tmp_path}",
-                     module=True, timeout=60, check=False)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("hpctrain: error: ")]
-    assert result.returncode != 0 and len(errors) == 1, result.stderr
-    assert errors[0].startswith("hpctrain: error: all 2 ranks: ") and "train.micro_batch_size" in errors[0]
-    assert "Traceback" not in result.stderr
+# a train.micro_batch_size that does not divide the batch, one line on every rank: tests/mpi/test_bad_input.py

@@ -2,12 +2,13 @@
 examples trains like one process in every layout (float64: losses and final parameters 1e-10) and
 resumes exactly."""
 import json
+import shutil
 
 import h5py
 import numpy as np
 import pytest
 
-from mpirun import ROOT, run_mpi
+from mpirun import ROOT, FidelityRuns, run_mpi
 
 EXAMPLE = str(ROOT / "examples" / "sft" / "tiny.jsonl")
 EXACT = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
@@ -34,22 +35,19 @@ def sft_corpus(tmp_path_factory):
     return str(out)
 
 
-def fidelity(nprocs, layouts, variants, *extra, timeout=300):
-    result = run_mpi(nprocs, "check_fidelity.py", "--layouts", layouts, "--variants", variants, *EXACT, *extra,
-                     timeout=timeout)
-    assert "FIDELITY OK" in result.stdout, result.output
-    return result.stdout.count("OK dp=")
-
-
 def test_masked_loss_in_every_layout_equals_one_process(sft_corpus):
     """dp=2 (each rank half the batch, the loss over the global count) with ZeRO-1; tp=2 with SP; pp=2 (the
     mask travels to the last stage); cp=2 (ring attention inside the examples); 3 steps of 4 packed
-    sequences of 257 tokens, 2-4 examples each."""
-    data = [f"data.source={sft_corpus}", "train.seq_len=256", "train.global_batch=4"]
-    assert fidelity(2, "2,1,1;1,2,1;1,1,2;1,1,1,2", "1f1b,sp,zero1", *data) == 4
-    # learned positions restart per example (each cp rank its zig-zag rows), a window, recomputation
-    assert fidelity(2, "1,1,1,2;1,1,2", "gpipe,sp", *data, "model.positions=learned", "model.mlp=gelu",
-                    "model.attention_window=40", "train.recompute=true") == 2
+    sequences of 257 tokens, 2-4 examples each. Both runs in one launch (mpirun.FidelityRuns)."""
+    data = [*EXACT, f"data.source={sft_corpus}", "train.seq_len=256", "train.global_batch=4"]
+    runs = FidelityRuns({
+        "every layout": (2, "2,1,1;1,2,1;1,1,2;1,1,1,2", "1f1b,sp,zero1", *data),
+        # learned positions restart per example (each cp rank its zig-zag rows), a window, recomputation
+        "learned positions": (2, "1,1,1,2;1,1,2", "gpipe,sp", *data, "model.positions=learned", "model.mlp=gelu",
+                              "model.attention_window=40", "train.recompute=true"),
+    })
+    assert runs("every layout").count("OK dp=") == 4
+    assert runs("learned positions").count("OK dp=") == 2
 
 
 def test_sft_run_resumes_exactly(sft_corpus, tmp_path):
@@ -62,10 +60,12 @@ def test_sft_run_resumes_exactly(sft_corpus, tmp_path):
     def records(run_dir):
         return [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"event"' not in line]
 
-    train(tmp_path / "whole")
-    train(tmp_path / "split", "--max-steps", "2", "checkpoint.async=false")
+    # the uninterrupted run saves at step 2; a new run directory with only that checkpoint resumes from it
+    train(tmp_path / "whole", "checkpoint.interval=2", "checkpoint.async=false")
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-00000002",
+                    tmp_path / "split" / "checkpoints" / "step-00000002")
     assert "at step 2 (sample 8)" in train(tmp_path / "split", "--resume", "auto").stdout
     whole, split = records(tmp_path / "whole"), records(tmp_path / "split")
-    assert [(r["step"], r["loss"], r.get("val_loss")) for r in whole] == \
-           [(r["step"], r["loss"], r.get("val_loss")) for r in split]
+    assert [(r["step"], r["loss"], r.get("val_loss")) for r in whole[2:]] == \
+           [(r["step"], r["loss"], r.get("val_loss")) for r in split] and len(split) == 2
     assert np.isfinite([r["val_loss"] for r in whole if "val_loss" in r]).all() and len(whole) == 4

@@ -24,7 +24,10 @@ CASES = [  # (overrides, the key the line names)
     (["lora.rank=4", "lora.alpha=nan"], "lora.alpha"),
     (["monitor.labels=[a=b,a=c]"], "monitor.labels"),
     (["monitor.prometheus_port=70000"], "monitor.prometheus_port"),
-    (["monitor.prometheus_port=PORT_IN_USE"], "monitor.prometheus_port"),
+    (["monitor.prometheus_port=PORT_IN_USE"], "monitor.prometheus_port: cannot serve on 127.0.0.1:"),
+    (["monitor.prometheus_textfile={base}/afile/x.prom"], "monitor.prometheus_textfile: cannot write"),  # a file
+    (["monitor.prometheus_textfile={base}/x.txt"], "monitor.prometheus_textfile: "),  # not *.prom
+    (["monitor.labels=[run=x]"], "monitor.labels: label 'run' is hpctrain own"),
     (["compression.method=onebit-adam"], "compression.warmup_steps"),
     (["compression.density=2"], "compression.density"),
     (["train.micro_batch_size=3", "parallel.pp=1", "parallel.tp=1"], "train.micro_batch_size"),
@@ -46,6 +49,8 @@ CASES = [  # (overrides, the key the line names)
 
 
 def test_bad_values_are_refused_alike_on_every_rank_and_write_nothing(tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "afile").write_text("a file where a directory should be\n")
     result = run_mpi(2, "check_bad_inputs.py", str(tmp_path / "runs"), json.dumps([c for c, _ in CASES]),
                      timeout=240)
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]

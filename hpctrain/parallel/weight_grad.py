@@ -143,7 +143,12 @@ class _DeferrableLinear(torch.autograd.Function):
 
 
 def deferrable_linear(x: torch.Tensor, weight: torch.Tensor, store: WeightGradStore) -> torch.Tensor:
-    """F.linear(x, weight) whose weight gradient ``store`` defers to the W while it is ``deferring``."""
+    """F.linear(x, weight) whose weight gradient ``store`` defers to the W while it is ``deferring``. Under
+    torch.compile it runs eagerly (a graph break by design): a traced backward would fix at compile time
+    whether it defers (it would never: nothing defers while a forward is traced)."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(_DeferrableLinear.apply, reason="zero-bubble deferred weight gradient")(
+            x, weight, store)
     return _DeferrableLinear.apply(x, weight, store)
 
 

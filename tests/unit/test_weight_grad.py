@@ -77,3 +77,17 @@ def test_outside_deferring_it_is_an_ordinary_linear():
     plain(x).backward()
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-13, atol=0)
+
+
+def test_under_torch_compile_the_weight_gradient_is_still_deferred():
+    """A compiled region would trace the linear's backward once, when nothing defers: it runs eagerly instead."""
+    store = WeightGradStore()
+    w = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+    compiled = torch.compile(lambda x: torch.tanh(deferrable_linear(x, w, store)), backend="aot_eager")
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    with store.deferring((0, 0)):
+        dx, dw = torch.autograd.grad(compiled(x).sum(), [x, w], allow_unused=True)
+    assert dw is None and store.pending() == [(0, 0)]
+    store.run((0, 0))
+    expected = torch.autograd.grad(torch.tanh(torch.nn.functional.linear(x, w)).sum(), [w])[0]
+    torch.testing.assert_close(w.grad, expected, rtol=1e-13, atol=0)

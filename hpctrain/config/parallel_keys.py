@@ -72,8 +72,9 @@ class ParallelConfig:
         "Size of a gradient bucket (MiB of main-grad storage). A bucket's dp reduction starts as soon as backward "
         "has produced all its gradients."))
     stage_layers: list[int] = key(factory=list, help=(
-        "Layers per pipeline stage, e.g. `[3, 5]`; pp entries summing to n_layers (interleaved: pp x "
-        "virtual_stages entries, virtual stage v = c x pp + rank in order). Empty = balanced by parameter count "
+        "Layers per pipeline stage, e.g. `[3, 5]`; pp entries summing to n_layers (interleaved and zb-v: pp x "
+        "virtual_stages entries, one per virtual stage in order; interleaved rank r holds v = c x pp + r, zb-v "
+        "r and 2 pp - 1 - r). Empty = balanced by parameter count "
         "(embedding and LM head count against their stages)."))
     strict_placement: bool = key(False, help=(
         "Make a tensor-parallel group that spans nodes an error instead of a warning."))

@@ -131,7 +131,7 @@ def check_stages(m, pp_size: int, stage_layers: list[int], virtual_stages: int =
         if len(stage_layers) != stages or sum(stage_layers) != m.n_layers or min(stage_layers) < 1:
             what = f"pp={pp_size}" if virtual_stages == 1 else \
                 f"pp x virtual_stages = {pp_size}x{virtual_stages} = {stages}"
-            order = "" if virtual_stages == 1 else ", one per virtual stage v = c x pp + rank in order"
+            order = "" if virtual_stages == 1 else ", one per virtual stage v in order"
             raise LayoutError(f"parallel.stage_layers={stage_layers} must have {what} entries >= 1 "
                               f"summing to model.n_layers={m.n_layers}{order}")
     elif m.n_layers < pp_size:

@@ -38,6 +38,7 @@ import torch
 
 from hpctrain.checkpoint.background import BackgroundJob
 from hpctrain.checkpoint.contract import Resumed, TrainState
+from hpctrain.checkpoint.format import layout_differences
 from hpctrain.checkpoint.items import CheckpointError
 from hpctrain.checkpoint.local_piece import (Piece, SnapshotBuffer, apply_piece, checksum, piece_from, problems_of,
                                              read_index, read_piece, write_piece)
@@ -537,22 +538,6 @@ def _steps_in(root: str) -> list[int]:
             except ValueError:
                 continue
     return sorted(steps)
-
-
-def layout_text(layout: dict | None) -> str:
-    """A saved layout record whole: ``dp2 x pp1 x cp1 x tp1 x ep2, ZeRO-1`` (ep and the stage where recorded)."""
-    layout = layout or {}
-    axes = " x ".join(f"{axis}{size}" for axis, size in layout.items() if axis not in ("zero", "world"))
-    return axes + (f", ZeRO-{layout['zero']}" if "zero" in layout else "")
-
-
-def layout_differences(theirs: dict | None, ours: dict) -> str:
-    """What differs between two layout records, by config key: ``parallel.ep 2 there, 4 here``."""
-    theirs = theirs or {}
-    names = {"world": "ranks"}
-    keys = [k for k in ours if theirs.get(k) != ours[k]] + [k for k in theirs if k not in ours]
-    return "; ".join(f"{names.get(k, 'parallel.' + k)} {theirs.get(k, 'unrecorded')} there, "
-                     f"{ours.get(k, 'unrecorded')} here" for k in keys)
 
 
 def _ranks(ranks: list[int]) -> str:

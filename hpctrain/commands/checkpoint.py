@@ -71,7 +71,7 @@ def _list(args) -> int:
 
 
 def _inspect(args) -> int:
-    from hpctrain.checkpoint.local_tier import layout_text
+    from hpctrain.checkpoint.format import layout_text  # not local_tier: it starts MPI
 
     with _open(args.path) as reader:
         tensors = []
@@ -124,7 +124,8 @@ def _local_pieces(local_dir: str, run_dir: str) -> list[dict]:
     import glob
 
     from hpctrain.checkpoint.local_piece import read_index
-    from hpctrain.checkpoint.local_tier import layout_text, tier_root
+    from hpctrain.checkpoint.format import layout_text
+    from hpctrain.checkpoint.local_tier import tier_root
 
     records = []
     for path in sorted(glob.glob(os.path.join(tier_root(local_dir, run_dir), "step-*", "*.json"))):

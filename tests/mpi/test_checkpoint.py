@@ -172,6 +172,61 @@ def _all_ranks_fail(result, nprocs, message):
     assert message in errors[0], result.stderr
 
 
+def _state(run_dir):
+    return {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def refused(two_checkpoints, tmp_path_factory):
+    """Every refused resume of the tests below, in ONE 2-rank launch (scripts/check_bad_inputs.py runs each
+    ``hpctrain train`` in-process on both ranks): {case: (run directory, [each rank's (error type, raised
+    alike, message, ...)], its files' mtimes before, after)}. Each case works on its own copy of
+    two_checkpoints (or a new directory)."""
+    base = tmp_path_factory.mktemp("refused")
+    good = two_checkpoints / "checkpoints"
+
+    def copy(name):
+        target = base / name
+        shutil.copytree(two_checkpoints, target)
+        return target
+
+    truncated = copy("truncated")
+    master = truncated / "checkpoints" / "step-00000004" / "checkpoint.h5"
+    os.truncate(master, master.stat().st_size // 3)
+    unreadable = copy("unreadable")
+    for step in ("00000004", "00000002"):
+        with h5py.File(unreadable / "checkpoints" / f"step-{step}" / "checkpoint.h5", "r+") as f:
+            del f.attrs["sampler"]  # a KeyError while reading (it used to end every rank with exit 1)
+    blocker = base / "a-file"
+    blocker.write_text("not a directory")
+    cases = {  # case: (run directory, overrides after F32)
+        "truncated": (truncated, ["parallel.tp=2", "--resume", str(master.parent)]),
+        "missing": (base / "x", ["--resume", str(base / "nope")]),
+        "other shape": (base / "y", ["model.d_ff=512", "--resume", str(good / "step-00000004")]),
+        "other window": (base / "other", ["parallel.tp=2", "model.attention_window=8", "--resume",
+                                          str(good / "step-00000002")]),
+        "auto, other model": (copy("auto"), ["model.d_ff=512", "--resume", "auto"]),
+        "unwritable": (copy("unwritable"), ["parallel.tp=2", f"checkpoint.dir={blocker}/ckpt", "--max-steps", "1"]),
+        "none readable": (unreadable, ["parallel.tp=2", "--resume", "auto"]),
+        "seed": (copy("seed"), ["parallel.tp=2", "train.seed=99", "--resume", "auto"]),
+    }
+    before = {case: _state(run_dir) if run_dir.exists() else {} for case, (run_dir, _) in cases.items()}
+    commands = [["train", f"train.run_dir={run_dir}", *F32, *overrides] for run_dir, overrides in cases.values()]
+    result = run_mpi(2, "check_bad_inputs.py", str(base / "unused"), json.dumps(commands), timeout=300)
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
+    return {case: (run_dir, ranks, before[case], _state(run_dir) if run_dir.exists() else {})
+            for (case, (run_dir, _)), ranks in zip(cases.items(), json.loads(line.removeprefix("RESULTS ")))}
+
+
+def _refused_alike(refused, case, message):
+    """The case failed on both ranks with the same user error, marked as raised everywhere (the CLI prints it
+    once, as "all 2 ranks: ...", exit 2: tests/mpi/test_bad_input.py), naming ``message``; returns the line."""
+    _, ranks, _, _ = refused[case]
+    assert len(ranks) == 2 and all(alike and text == ranks[0][2] for _, alike, text, _ in ranks), (case, ranks)
+    assert message in ranks[0][2] and "NOT A USER ERROR" not in ranks[0][2], (case, ranks[0][2])
+    return ranks[0][2]
+
+
 def test_ckpt_list_inspect_verify(two_checkpoints):
     records = json.loads(ckpt("list", str(two_checkpoints), "--json").stdout)
     assert [(r["step"], r["complete"], r["latest"]) for r in records] == [(2, True, False), (4, True, True)]
@@ -240,32 +295,27 @@ def test_resume_reads_each_byte_once_and_checks_it(two_checkpoints, tmp_path):
         assert any("checksum mismatch" in p and name in p for p in reader.problems), reader.problems
 
 
-def test_truncated_file_is_a_clear_error(two_checkpoints, tmp_path):
-    run_dir = _copy(two_checkpoints, tmp_path)
-    master = run_dir / "checkpoints" / "step-00000004" / "checkpoint.h5"
-    os.truncate(master, master.stat().st_size // 3)
-    result = train(2, run_dir, *F32, "parallel.tp=2", "--resume", str(master.parent), check=False)
-    _all_ranks_fail(result, 2, "step-00000004")
+def test_truncated_file_is_a_clear_error(refused):
+    _refused_alike(refused, "truncated", "step-00000004")
+    run_dir = refused["truncated"][0]
     out = train(2, run_dir, *F32, "parallel.tp=2", "--resume", "auto", "--max-steps", "1")
     assert "unusable" in out.stderr and "at step 2" in out.stdout
 
 
-def test_missing_checkpoint_and_other_model_shape(two_checkpoints, tmp_path):
-    result = train(2, tmp_path / "x", *F32, "--resume", str(tmp_path / "nope"), check=False)
-    _all_ranks_fail(result, 2, "no such checkpoint file")
-    latest = two_checkpoints / "checkpoints" / "step-00000004"
-    result = train(2, tmp_path / "y", *F32, "model.d_ff=512", "--resume", str(latest), check=False)
-    _all_ranks_fail(result, 2, "model.d_ff is 256 there, 512 here")
+def test_missing_checkpoint_and_other_model_shape(refused):
+    _refused_alike(refused, "missing", "no such checkpoint file")
+    _refused_alike(refused, "other shape", "model.d_ff is 256 there, 512 here")
 
 
-def test_a_resume_into_another_model_is_refused_naming_every_key_and_changes_nothing(two_checkpoints, tmp_path):
+def test_a_resume_into_another_model_is_refused_naming_every_key_and_changes_nothing(two_checkpoints, refused,
+                                                                                    tmp_path):
     """Slurm's automatic resume (no --resume) of a run whose config now has fewer layers and another
     rope_theta and norm_eps (every parameter of that model is in the checkpoint, shaped alike) is refused in one
     line naming each key with both values: exit 2, nothing written, pruned or moved. The newest checkpoint has
     no fingerprint (as written before it existed: derived from its config); an explicit --resume of one that
     has it refuses another attention_window. `ckpt inspect` prints the fingerprint."""
     run_dir = _copy(two_checkpoints, tmp_path)
-    step2, step4 = run_dir / "checkpoints" / "step-00000002", run_dir / "checkpoints" / "step-00000004"
+    step4 = run_dir / "checkpoints" / "step-00000004"
     arch = json.loads(ckpt("inspect", str(step4), "--json").stdout)["architecture"]
     assert arch["recorded"] and arch["keys"]["n_layers"] == 2 and len(arch["fingerprint"]) == 16
     assert f"architecture: fingerprint {arch['fingerprint']}: vocab_size=256, d_model=64, n_layers=2, " \
@@ -284,56 +334,48 @@ def test_a_resume_into_another_model_is_refused_naming_every_key_and_changes_not
     assert "model.rope_theta is 10000.0 there, 500000.0 here" in line and "Nothing was changed" in line
     assert "model.norm_eps is 1e-05 there, 1e-06 here" in line and "Traceback" not in result.stderr
     assert {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*")} == state
-    other = train(2, tmp_path / "other", *F32, "parallel.tp=2", "model.attention_window=8", "--resume", str(step2),
-                  check=False)
-    _all_ranks_fail(other, 2, "model.attention_window is 0 there, 8 here")
-    assert not list((tmp_path / "other").rglob("step-*"))
+    # an explicit --resume of a checkpoint with a fingerprint (step 2 of the same run, in the shared launch)
+    _refused_alike(refused, "other window", "model.attention_window is 0 there, 8 here")
+    assert not list(refused["other window"][0].rglob("step-*"))
 
 
-def test_resume_auto_with_another_model_is_an_error_that_changes_nothing(two_checkpoints, tmp_path):
+def test_resume_auto_with_another_model_is_an_error_that_changes_nothing(refused):
     """A config typo must not start the run over and prune its trained checkpoints."""
-    run_dir = _copy(two_checkpoints, tmp_path)
-    state = {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
-    result = train(2, run_dir, *F32, "model.d_ff=512", "--resume", "auto", check=False)
-    _all_ranks_fail(result, 2, "Nothing was changed")
-    assert {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*")} == state
+    _refused_alike(refused, "auto, other model", "Nothing was changed")
+    _, _, before, after = refused["auto, other model"]
+    assert after == before and before
 
 
-def test_unwritable_checkpoint_dir_fails_on_every_rank_and_keeps_the_good_ones(two_checkpoints, tmp_path):
-    run_dir = _copy(two_checkpoints, tmp_path)
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
-    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    result = train(2, run_dir, *F32, "parallel.tp=2", f"checkpoint.dir={blocker}/ckpt", "--max-steps", "1",
-                   check=False)
-    _all_ranks_fail(result, 2, f"checkpoint.dir={blocker}/ckpt is inside {blocker}, which is a regular file")
+def test_unwritable_checkpoint_dir_fails_on_every_rank_and_keeps_the_good_ones(refused):
+    run_dir, _, before, after = refused["unwritable"]
+    blocker = run_dir.parent / "a-file"
+    _refused_alike(refused, "unwritable", f"checkpoint.dir={blocker}/ckpt is inside {blocker}, which is a regular file")
     assert not (run_dir / "metrics.jsonl").read_text().count('"step": 5')  # refused before training
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    names = sorted(k.parts[1] for k in before if len(k.parts) == 2 and k.parts[0] == "checkpoints")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == names and "step-00000004" in names
+    assert {k: v for k, v in after.items() if k.parts[0] == "checkpoints"} == \
+           {k: v for k, v in before.items() if k.parts[0] == "checkpoints"}
     assert "OK" in ckpt("verify", str(run_dir)).stdout
 
 
 def test_any_read_error_falls_back_together_and_unreadable_checkpoints_never_restart_from_zero(
-        two_checkpoints, tmp_path):
+        two_checkpoints, refused, tmp_path):
+    """A KeyError while reading step 4 (its sampler state deleted: it used to end every rank with exit 1) falls
+    back to step 2 on every rank; with both steps so damaged (the shared launch of ``refused``), the run is
+    refused and nothing changes."""
     run_dir = _copy(two_checkpoints, tmp_path)
-    for step in ("00000004", "00000002"):
-        with h5py.File(run_dir / "checkpoints" / f"step-{step}" / "checkpoint.h5", "r+") as f:
-            del f.attrs["sampler"]  # a KeyError while reading (it used to end every rank with exit 1)
-        if step == "00000004":
-            kept = tmp_path / "one-damaged"
-            shutil.copytree(run_dir, kept)
-    out = train(2, kept, *F32, "parallel.tp=2", "--resume", "auto", "--max-steps", "1")
+    with h5py.File(run_dir / "checkpoints" / "step-00000004" / "checkpoint.h5", "r+") as f:
+        del f.attrs["sampler"]
+    out = train(2, run_dir, *F32, "parallel.tp=2", "--resume", "auto", "--max-steps", "1")
     assert "unusable" in out.stderr and "KeyError" in out.stderr and "at step 2" in out.stdout
-    state = {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
-    result = train(2, run_dir, *F32, "parallel.tp=2", "--resume", "auto", check=False)
-    _all_ranks_fail(result, 2, "none of the 2 complete checkpoint(s)")
-    assert "--resume none" in result.stderr
-    assert {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*")} == state  # nothing changed
+    line = _refused_alike(refused, "none readable", "none of the 2 complete checkpoint(s)")
+    assert "--resume none" in line
+    _, _, before, after = refused["none readable"]
+    assert after == before and before  # nothing changed
 
 
-def test_a_sampler_mismatch_is_found_before_anything_is_applied(two_checkpoints, tmp_path):
-    run_dir = _copy(two_checkpoints, tmp_path)
-    result = train(2, run_dir, *F32, "parallel.tp=2", "train.seed=99", "--resume", "auto", check=False)
-    _all_ranks_fail(result, 2, "seed mismatch")
+def test_a_sampler_mismatch_is_found_before_anything_is_applied(refused):
+    _refused_alike(refused, "seed", "seed mismatch")
 
 
 def test_stopping_right_after_a_resume_saves_nothing_twice(two_checkpoints, tmp_path):

@@ -46,7 +46,7 @@ def test_a_piece_round_trips_and_a_flipped_byte_changes_its_checksum(tmp_path, m
 
 def test_a_layout_is_named_whole_and_a_change_by_its_keys():
     """ep and the ZeRO stage are part of every layout string; a change names only what differs (issue #55)."""
-    from hpctrain.checkpoint.local_tier import layout_differences, layout_text
+    from hpctrain.checkpoint.format import layout_differences, layout_text
 
     ours = {"dp": 2, "pp": 1, "cp": 1, "tp": 1, "ep": 2, "zero": 1, "world": 2}
     assert layout_text(ours) == "dp2 x pp1 x cp1 x tp1 x ep2, ZeRO-1"

@@ -1,8 +1,8 @@
 """Run ``hpctrain train`` in this process on every rank once per bad case (argv: a base run directory, then a
 JSON list of override lists), each in its own run directory; rank 0 prints one JSON line ``RESULTS [...]``:
 per case, every rank's (error type, raised alike everywhere, message or None, its run directory exists).
-``PORT_IN_USE`` in an override is a port rank 0 holds open, ``{base}`` the base run directory. A case whose first item is "info" is the whole
-argv of ``hpctrain info`` instead (no run directory)."""
+``PORT_IN_USE`` in an override is a port rank 0 holds open, ``{base}`` the base run directory. A case whose
+first item is "info" or "train" is the whole argv of that command instead (its own run directory, if any)."""
 import json
 import os
 import socket
@@ -26,7 +26,7 @@ for i, overrides in enumerate(cases):
     run_dir = os.path.join(base, str(i))
     overrides = [o.replace("PORT_IN_USE", str(port)).replace("{base}", base) for o in overrides]
     argv = ["train", "--config", "configs/tiny.toml", "parallel.pp=1", "data.max_bytes=100000", "train.steps=1",
-            f"train.run_dir={run_dir}", *overrides] if overrides[:1] != ["info"] else overrides
+            f"train.run_dir={run_dir}", *overrides] if overrides[:1] not in (["info"], ["train"]) else overrides
     try:
         dispatch(argv)
         row = ("none", False, None)

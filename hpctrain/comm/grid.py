@@ -106,7 +106,7 @@ class ProcessGrid:
     @classmethod
     def build(cls, info: RankInfo, mpi_world=None, dp: int = 0, pp: int = 1, tp: int = 1, cp: int = 1,
               strict_placement: bool = False, backend: str = "auto", timeout_s: float | None = None,
-              check: bool = False, stream=sys.stderr, ep: int = 1) -> "ProcessGrid":
+              check: bool = False, stream=None, ep: int = 1) -> "ProcessGrid":
         """Collective over the world: split it into dp/pp/cp/tp (and dp_cp) communicators, verify placement.
         With ``ep`` > 1 also the expert groups: "ep", ``ep`` consecutive ranks of the replica group (dp x cp
         position // ep), and "ep_replica", the replicas holding the same experts (position % ep).
@@ -120,6 +120,7 @@ class ProcessGrid:
 
         from hpctrain.config import CommConfig
 
+        stream = sys.stderr if stream is None else stream  # the stream of the call, not of the import
         mpi_world = MPI.COMM_WORLD if mpi_world is None else mpi_world
         sizes = resolve_sizes(info.size, dp=dp, pp=pp, tp=tp, cp=cp)
         if timeout_s is None:

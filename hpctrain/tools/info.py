@@ -90,8 +90,9 @@ def collect_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False,
 
 
 def run_info(tp: int = 1, pp: int = 1, dp: int = 0, strict: bool = False, as_json: bool = False,
-             stream=sys.stdout, schedule: str = "1f1b", virtual_stages: int = 1, microbatches: int = 0,
+             stream=None, schedule: str = "1f1b", virtual_stages: int = 1, microbatches: int = 0,
              intra_node: str = "auto", cp: int = 1) -> int:
+    stream = sys.stdout if stream is None else stream  # the stream of the call, not of the import
     pipeline = pipeline_report(pp, schedule, virtual_stages, microbatches)
     document, grid = collect_info(tp=tp, pp=pp, dp=dp, strict=strict, pipeline=pipeline, intra_node=intra_node,
                                   cp=cp)

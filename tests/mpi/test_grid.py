@@ -3,12 +3,32 @@ import json
 
 import pytest
 
-from mpirun import run_mpi
+from mpirun import run_many, run_mpi
 
 
 def info_json(nprocs, *args, **kwargs):
     result = run_mpi(nprocs, "hpctrain.cli", "info", *args, "--json", module=True, timeout=120, **kwargs)
     return json.loads(result.stdout)
+
+
+INFOS = {  # (world size, flags): `hpctrain info --json` on one node, one launch per world size
+    "tp2 pp2": (8, ["--tp", "2", "--pp", "2"]),
+    "tp1 pp4": (4, ["--tp", "1", "--pp", "4"]),
+    "tp4 pp1": (4, ["--tp", "4", "--pp", "1"]),
+    "interleaved": (2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4"]),
+    "1f1b": (2, ["--pp", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def infos():
+    """{name of INFOS: its JSON document}, each world size's commands in one launch (mpirun.run_many)."""
+    docs = {}
+    for size in sorted({n for n, _ in INFOS.values()}):
+        names = [name for name, (n, _) in INFOS.items() if n == size]
+        done = run_many(size, [["info", *INFOS[name][1], "--json"] for name in names], timeout=240)
+        docs.update({name: json.loads(run["stdout"]) for name, run in zip(names, done)})
+    return docs
 
 
 def check_grid(doc, dp, pp, tp):
@@ -28,8 +48,8 @@ def check_grid(doc, dp, pp, tp):
     assert len({(r["dp"], r["pp"], r["tp"]) for r in ranks.values()}) == dp * pp * tp
 
 
-def test_info_json_8_ranks_tp2_pp2():
-    doc = info_json(8, "--tp", "2", "--pp", "2")
+def test_info_json_8_ranks_tp2_pp2(infos):
+    doc = infos["tp2 pp2"]
     assert doc["world_size"] == 8 and doc["launcher"] == "hydra" and "MPICH" in doc["mpi_library"]
     check_grid(doc, 2, 2, 2)
     # on one node: consecutive ranks form tp groups, and no group crosses nodes
@@ -37,8 +57,8 @@ def test_info_json_8_ranks_tp2_pp2():
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 4), (4, 1)])
-def test_info_json_4_ranks(tp, pp):
-    check_grid(info_json(4, "--tp", str(tp), "--pp", str(pp)), 4 // (tp * pp), pp, tp)
+def test_info_json_4_ranks(infos, tp, pp):
+    check_grid(infos[f"tp{tp} pp{pp}"], 4 // (tp * pp), pp, tp)
 
 
 def test_round_robin_placement_keeps_tp_inside_nodes():
@@ -64,10 +84,8 @@ def test_tp_larger_than_node_warns_or_fails_when_strict():
 # bad `hpctrain info` layouts on 4 ranks: tests/mpi/test_train_cli.py::test_bad_config_fails_clearly_on_every_rank
 
 
-def test_info_reports_the_pipeline_schedule_and_bubble():
-    doc = info_json(2, "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4")
+def test_info_reports_the_pipeline_schedule_and_bubble(infos):
+    """(--virtual-stages without an interleaved schedule: tests/mpi/test_train_cli.py's bad configs)"""
+    doc = infos["interleaved"]
     assert doc["pipeline"] == {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4, "bubble": 0.125}
-    assert info_json(2, "--pp", "2")["pipeline"]["bubble"] == 0.5  # 1f1b, M = pp: (pp - 1) / M
-    bad = run_mpi(2, "hpctrain.cli", "info", "--pp", "2", "--virtual-stages", "2", module=True, timeout=60,
-                  check=False)
-    assert bad.returncode != 0 and "parallel.virtual_stages=2 needs parallel.schedule=interleaved" in bad.output
+    assert infos["1f1b"]["pipeline"]["bubble"] == 0.5  # 1f1b, M = pp: (pp - 1) / M

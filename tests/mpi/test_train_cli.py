@@ -106,6 +106,7 @@ BAD_CONFIGS = [  # (overrides, what the one line says); configs/tiny.toml at par
     (["info", "--tp", "3"], "not divisible by tp*pp"),
     (["info", "--tp", "2", "--pp", "2", "--dp", "2"], "dp*pp*tp = 2*2*2 = 8 but the job has 4 ranks"),
     (["info", "--tp", "0"], "parallel.tp must be a positive integer"),
+    (["info", "--pp", "2", "--virtual-stages", "2"], "parallel.virtual_stages=2 needs parallel.schedule=interleaved"),
 ]
 
 

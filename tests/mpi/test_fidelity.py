@@ -47,6 +47,15 @@ RUNS = {
     "8-rank interleaved": (8, "2,2,2", "interleaved2,sp,zero1", *F64, TIED, "parallel.microbatches=4",
                            "train.global_batch=16"),
     "8-rank zero 3": (8, "2,2,2", "1f1b,sp,zero3/interleaved2,zero3/gpipe,zero2", *F64, TIED),
+    # the zero-bubble schedules (issue #53): an MoE model (blocks 0 and 3: the experts' batched weights get their
+    # gradients in B, the dense blocks' linears in W), tied embeddings (zb-v holds both copies on rank 0)
+    "zero bubble, every layout family": (4, "2,1,2|zbh1,zero1/zbv,zero2/zbh1,zero3/zbv,zero3;1,2,2|zbh1,sp/zbv,sp,"
+                                            "zero1;1,1,2,2|zbv;2,1,2,1,2|zbh1,zero1", "zbh1", *F64, TIED,
+                                         "parallel.microbatches=4", "moe.num_experts=4", "moe.layers=[0,3]",
+                                         "moe.z_loss_coef=0.01"),
+    "zero bubble, lora": (2, "1,1,2", "zbh1/zbv", *F64, "lora.rank=4"),
+    "8-rank zero bubble": (8, "2,2,2", "zbh1,sp,zero1/zbv,sp,zero3", *F64, TIED, "parallel.microbatches=4",
+                           "train.global_batch=16"),
 }
 
 
@@ -146,3 +155,15 @@ def test_zero_three_interleaved_recomputed_and_kept_across_micro_batches(launche
 
 def test_zero_three_on_the_full_grid(launched):
     assert launched("8-rank zero 3").count("OK dp=") == 3
+
+
+def test_zero_bubble_in_every_layout_family(launched):
+    """zb-h1 and zb-v against one process: dp x pp with ZeRO-1/2/3, tp x pp with SP, cp x pp, ep x pp, 4
+    micro-batches (zb-h1 defers rank 1's Ws by one backward; ZeRO-3 releases a unit once its B has passed it;
+    every freed storage is NaN first, so a read after a free shows); LoRA x pp (the frozen base has no W; its
+    weights stay bit-identical); 8 ranks dp x tp x pp."""
+    out = launched("zero bubble, every layout family")
+    assert out.count("OK dp=") == 8 and out.count("zb-v2") == 4 and out.count("zero=3") == 2 and "ep=2" in out
+    out = launched("zero bubble, lora")
+    assert out.count("OK dp=") == 2 and out.count("LORA OK") == 3
+    assert launched("8-rank zero bubble").count("OK dp=") == 2

@@ -1,39 +1,12 @@
-"""The zero-bubble schedules (zb-h1, zb-v: issue #53) train like one process in every layout family (float64:
-1e-10), and a run killed in a deferred W resumes bitwise with the same schedule. One launch per family group keeps the cost small (each
-layout/variant is another run inside a launch; check_fidelity.py). The chain across schedules runs with
-``-m full_matrix``. Bad values: tests/mpi/test_bad_input.py."""
+"""The zero-bubble schedules (zb-h1, zb-v: issue #53): a run killed in a deferred W resumes bitwise with the same
+schedule; a chain of resumes across schedules matches one process (``-m full_matrix``). Their fidelity against
+one process in every layout family: tests/mpi/test_fidelity.py (its shared launches); bad values:
+tests/mpi/test_bad_input.py; a rank stopped in a W: tests/mpi/test_hang_report.py."""
 import json
 
 import pytest
 
 from mpirun import run_mpi
-
-F64 = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
-
-
-def fidelity(nprocs, layouts, variants, *extra, timeout=400):
-    result = run_mpi(nprocs, "check_fidelity.py", "--layouts", layouts, "--variants", variants, *extra,
-                     timeout=timeout)
-    assert "FIDELITY OK" in result.stdout
-    return result.stdout
-
-
-def test_dp_tp_sp_cp_ep_and_every_zero_stage_by_pp():
-    """dp x pp with ZeRO-1/2/3, tp x pp with SP, cp x pp, ep x pp; an MoE model (blocks 0 and 3: the experts'
-    batched weights get their gradients in B, the dense blocks' linears in W), tied embeddings (zb-v holds both
-    copies on rank 0) and 4 micro-batches (zb-h1 defers rank 1's Ws by one backward; ZeRO-3 releases a unit
-    once its B has passed it). Every freed storage is NaN first (check_fidelity.py): a read after a free shows."""
-    out = fidelity(4, "2,1,2|zbh1,zero1/zbv,zero2/zbh1,zero3/zbv,zero3;1,2,2|zbh1,sp/zbv,sp,zero1;1,1,2,2|zbv;"
-                   "2,1,2,1,2|zbh1,zero1", "zbh1", *F64, "model.tie_embeddings=true", "parallel.microbatches=4",
-                   "moe.num_experts=4", "moe.layers=[0,3]", "moe.z_loss_coef=0.01")
-    assert out.count("OK dp=") == 8 and out.count("zb-v2") == 4 and out.count("zero=3") == 2 and "ep=2" in out
-
-
-def test_lora_by_pp():
-    """LoRA: the frozen base has no W (the adapters' gradients are kept from B), bit-identical after training."""
-    out = fidelity(2, "1,1,2", "zbh1/zbv", *F64, "lora.rank=4")
-    assert out.count("OK dp=") == 2 and out.count("LORA OK") == 3
-
 
 def test_killed_in_a_deferred_w_resumes_bitwise(tmp_path):
     """The schedule is not part of a checkpoint: zb-v (a tied embedding held twice on rank 0), rank 1 SIGKILLed

@@ -23,8 +23,9 @@ from collections.abc import Callable
 
 import torch
 
-from hpctrain.parallel.schedules import (bubble_fraction, p2p_posts, peer, schedule_actions,  # noqa: F401 (re-exported)
+from hpctrain.parallel.schedules import (bubble_fraction, p2p_posts, schedule_actions,  # noqa: F401 (re-exported)
                                          schedule_steps, simulate, step_posts)
+from hpctrain.parallel.schedules import peer as message_peer
 from hpctrain.parallel.weight_grad import WeightGradStore, attach
 from hpctrain.parallel.zero_bubble import ZERO_BUBBLE_SCHEDULES
 from hpctrain.profiling.timers import NULL_TIMER
@@ -41,7 +42,8 @@ class PipelineExecutor:
     ``forward``, ``backward``, ``pp_wait`` (receives, send completion). ``after_backward(stage_module)``:
     called when a micro-batch's backward through that virtual stage has returned (ZeRO-3's
     ``ParamGather.backward_pass_done``), or None. A zb schedule (``kind`` zb-h1, zb-v): the executor owns a
-    ``WeightGradStore`` (``weight_grads``) that it gives to its stages' linears; phases ``backward`` (B) and ``weight`` (W).
+    ``WeightGradStore`` (``weight_grads``) that it gives to its stages' linears; phases ``backward`` (B) and
+    ``weight`` (W).
     """
 
     def __init__(self, stage_modules, pp_comm, flat, kind: str, microbatches: int, act_shape, act_dtype,
@@ -174,7 +176,7 @@ class PipelineExecutor:
         handed over in memory (no message: ``schedules.peer`` is None)."""
         if op == "W" or (op, i, c) not in produced:
             return
-        if peer(op, self.rank, c, self.stages, len(self.stage_modules), "send", True) is None:
+        if message_peer(op, self.rank, c, self.stages, len(self.stage_modules), "send", True) is None:
             received[(op, i, 1 - c)] = produced.pop((op, i, c))
 
     def run(self, inputs: list, targets: list, loss_scale: float, masks: list | None = None,

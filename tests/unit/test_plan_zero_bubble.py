@@ -24,7 +24,8 @@ def test_bubble_share_and_activations_against_1f1b():
         base = step_time(m, Candidate(layout("1f1b")), machine)
         h1 = step_time(m, Candidate(layout("zb-h1")), machine)
         zv = step_time(m, Candidate(layout("zb-v", 2)), machine)
-        assert h1.bubble_s == pytest.approx(base.bubble_s / 3) and zv.bubble_s == pytest.approx(base.bubble_s / 6, rel=0.01)  # its p2p: V = 2
+        assert h1.bubble_s == pytest.approx(base.bubble_s / 3)
+        assert zv.bubble_s == pytest.approx(base.bubble_s / 6, rel=0.01)  # its p2p: V = 2
         assert h1.compute_s == base.compute_s
         zv_sweep = step_time(m, Candidate(layout("zb-v", 2)), machine, Options(virtual_stages=2))  # as sweep gives it
         assert zv_sweep.bubble_s == pytest.approx(zv.bubble_s)

@@ -8,8 +8,8 @@ of a compiled region runs its ``call`` there, and the backward node of a compile
 backward's ``call`` (the autograd engine carries the dispatch mode to its threads). Everything else, eager
 modules, autograd's own backward kernels, the optimizer, is eager.
 
-Bytes of an op: the sizes of its tensor arguments and tensor results (what a kernel reads and writes, once
-each), none for views (``torch.Tag.view``-like aliasing ops move nothing). Graph, break and recompile counts are
+Bytes of an op: the sizes of its distinct tensor arguments and of its tensor results (what a kernel reads and
+writes, once each), none for views (``torch.Tag.view``-like aliasing ops move nothing). Graph, break and recompile counts are
 torch's own (``torch._dynamo.utils.counters``, via hpctrain/models/compile.py ``dynamo_counts``).
 """
 from __future__ import annotations
@@ -23,8 +23,9 @@ from torch.utils._pytree import tree_flatten
 
 
 def _nbytes(values) -> int:
-    """Bytes of the tensors among ``values`` (a pytree)."""
-    return sum(v.numel() * v.element_size() for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor))
+    """Bytes of the distinct tensors among ``values`` (a pytree; ``dot(g, g)`` reads g once)."""
+    tensors = {id(v): v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)}
+    return sum(v.numel() * v.element_size() for v in tensors.values())
 
 
 def _is_view(func) -> bool:

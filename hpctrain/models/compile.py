@@ -20,12 +20,16 @@ of ``FlatParams``, checkpoints and exports see nothing new. Why blocks and not t
   amax all-reduces over tp) runs eagerly the same way: a graph break per linear;
 - with ``train.recompute`` the compiled block runs under ``torch.utils.checkpoint``.
 
-The embedding, the LM head and the vocab-parallel loss stay eager (their tp collectives sit in the middle).
+The tail of the last stage, final norm, LM head and loss (``GPTStage.tail_loss``), is one compiled region at
+tp = 1 (the plain head and cross-entropy, which inductor fuses; ``model.fused_head_loss``'s eager chunks are not
+used then), as the compiled loop of benchmarks/bench_gpu_train.py has it. Under tp the final norm is compiled and
+the LM head and the vocab-parallel loss stay eager (their tp collectives sit in the middle), as does the embedding.
 """
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,11 +50,20 @@ def compile_stage(stage: GPTStage) -> int:
     (inductor's ``fallback_random``), not from inductor's own Philox streams: the same masks, so compiled
     equals eager and a resumed run redraws what it would have drawn."""
     targets = list(stage.layers.values())
-    if getattr(stage, "is_last", False):
+    options: dict[str, str | int | bool | Callable[..., Any]] = {"fallback_random": True}
+    if getattr(stage, "is_last", False) and tail_compilable(stage):
+        stage.compiled_tail = torch.compile(stage.tail_loss, options=options)
+    elif getattr(stage, "is_last", False):
         targets.append(stage.norm)
     for module in targets:
-        module.compile(options={"fallback_random": True})
-    return len(targets)
+        module.compile(options=options)
+    return len(targets) + (stage.compiled_tail is not None)
+
+
+def tail_compilable(stage: GPTStage) -> bool:
+    """Whether the last stage's tail (final norm, LM head, loss: ``GPTStage.tail_loss``) is one compiled region:
+    at tp = 1 (no vocab-parallel collective inside) without LoRA on the head (whose dropout draws in eager)."""
+    return (stage.tp_comm is None or stage.tp_comm.size == 1) and getattr(stage.head, "lora", None) is None
 
 
 def compile_stages(stages) -> dict:

@@ -14,6 +14,7 @@ Every parameter's initial value is its slab of a global tensor drawn from (seed,
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -277,19 +278,30 @@ class GPTStage(nn.Module):
             spec = self.head.w.spec  # head rows: vocabulary ids [vocab_start, + vocab_valid), then padding
             self.vocab_start, self.vocab_valid = spec.tp_rank * spec.local_shape[0], spec.valid_shape[0]
             self.fused_loss, self.loss_chunk = m.fused_head_loss, m.loss_chunk_tokens
+        # torch.compile of ``tail_loss`` (hpctrain/models/compile.py ``compile_stage``), or None: eager
+        self.compiled_tail: Callable[..., torch.Tensor] | None = None
         if lora_enabled(lora):  # adapters on the lora.targets linears; every other weight frozen
             add_adapters(self, m, lora, tp_comm, dtype, seed)
 
     def forward(self, x, docs=None):
         x = self._trunk(x, docs)
-        if self.is_last:
-            x = self.head(x)
-            if x.shape[-1] > self.vocab_valid:
-                x = x[..., :self.vocab_valid]  # padding columns dropped (a view)
+        return self._logits(x) if self.is_last else x
+
+    def _logits(self, h):
+        """The LM head on the final norm's output h [S(/tp), B, D] -> this rank's real-vocabulary logits."""
+        x = self.head(h)
+        if x.shape[-1] > self.vocab_valid:
+            x = x[..., :self.vocab_valid]  # padding columns dropped (a view)
         return x
 
-    def _trunk(self, x, docs):
-        """Embedding (first stage), blocks, final norm (last stage): the stage without its LM head."""
+    def tail_loss(self, h, targets, mask=None):
+        """The last stage's tail on the blocks' output h [S, B, D] (tp = 1): final norm, LM head and the summed
+        loss (``loss_sum``); ``train.compile`` makes it one compiled region (hpctrain/models/compile.py)."""
+        return self.loss_sum(self._logits(self.norm(h)), targets, mask)
+
+    def _trunk(self, x, docs, norm: bool = True):
+        """Embedding (first stage), blocks, final norm (last stage; ``norm=False``: without it): the stage
+        without its LM head."""
         if self.is_first:
             x = self.embed(x.t().contiguous()).to(self.residual_dtype)
             if hasattr(self, "pos_embed"):
@@ -298,7 +310,7 @@ class GPTStage(nn.Module):
         for block in self.layers.values():
             recompute = self.recompute and self.training
             x = checkpoint(block, x, docs, tables, use_reentrant=False) if recompute else block(x, docs, tables)
-        return self.norm(x) if self.is_last else x
+        return self.norm(x) if self.is_last and norm else x
 
     def _rotary_tables(self, x, docs):
         """The blocks' rotary (cos, sin) for the hidden state x [S(/tp), B, D], once per forward; None
@@ -317,7 +329,10 @@ class GPTStage(nn.Module):
 
     def forward_loss(self, x, targets, mask=None, docs=None):
         """The last stage's ``loss_sum(forward(x, docs), targets, mask)``; with ``model.fused_head_loss`` over
-        loss chunks of ``model.loss_chunk_tokens`` tokens, never [S, B, vocab] logits. Talks on tp."""
+        loss chunks of ``model.loss_chunk_tokens`` tokens, never [S, B, vocab] logits; with a compiled tail
+        (``compiled_tail``, train.compile at tp = 1) the tail is one compiled region. Talks on tp."""
+        if self.compiled_tail is not None:
+            return self.compiled_tail(self._trunk(x, docs, norm=False), targets, mask)
         if not self.fused_loss or self.head.lora is not None:
             return self.loss_sum(self(x, docs), targets, mask)
         h = self._trunk(x, docs)

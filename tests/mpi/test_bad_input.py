@@ -41,6 +41,7 @@ CASES = [  # (overrides, the key the line names)
     (["train.fp8=rowwise", "train.dtype=bfloat16"], "train.fp8_emulate"),  # a CPU has no float8 matmul
     (["lora.rank=40"], "lora.rank: 40 exceeds the dimensions of target 'v' (in 64, out 32)"),  # per value: unit tests
     (["train.exit_signals=USR9"], "train.exit_signals: unknown signal 'USR9'"),
+    (["train.compile=yes-please"], "train.compile: expected one of false, true, auto"),
     (["train.eval_interval=5"], "train.eval_interval: 5 needs held-out data: set data.valid_fraction"),
     (["checkpoint.local_interval=2"], "checkpoint.local_dir"),  # a local interval needs a local directory
     (["model.vocab_size=16777216", "model.d_model=65536", "model.n_heads=64", "model.n_kv_heads=64"],

@@ -99,13 +99,7 @@ def test_compile_values_toml_booleans_and_overrides():
         config_from_dict({"train": {"compile": 3}})
 
 
-def test_bad_compile_value_is_one_line_on_every_rank(tmp_path):
-    result = run_mpi(2, "hpctrain.cli", "train", "train.compile=yes-please", f"train.run_dir={tmp_path}",
-                     module=True, timeout=90, check=False)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("hpctrain: error: ")]
-    assert result.returncode != 0 and len(errors) == 1, result.stderr
-    assert "train.compile" in errors[0] and "expected one of false, true, auto" in errors[0], result.stderr
-    assert "Traceback" not in result.stderr
+# a bad train.compile value, one line on every rank: tests/mpi/test_bad_input.py
 
 
 def test_compiled_zero3_equals_eager_zero0(tmp_path, eager_losses):

@@ -1,0 +1,48 @@
+"""The CPU check of the GPU step's structure (#52): ``bench_gpu_train.py --count-eager`` counts, for hpctrain
+(train.dtype=bfloat16, train.compile=true, dp=tp=pp=1) and for the compiled loop under autocast(bfloat16), the
+ATen ops and bytes outside compiled graphs in one step, the graph breaks, and the recompiles over 5 steps with a
+changing lr and an evaluation. At the tiny preset (the compile time of gpt2-small does not fit CI; its numbers
+are in docs/gpus.md). One launch of the benchmark (two workers, each compiling): about 90 s with a warm inductor
+cache on 2 cores, several minutes cold."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.mpirun import ROOT, mpi_env
+
+CMD = [sys.executable, "benchmarks/bench_gpu_train.py", "--device", "cpu", "--count-eager", "--presets", "tiny",
+       "--seq-len", "32", "--micro-batch", "2", "--global-batch", "4"]
+
+
+@pytest.fixture(scope="module")
+def counts():
+    proc = subprocess.run(CMD, capture_output=True, text=True, cwd=ROOT, env=mpi_env(), timeout=900,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["impl"] for r in rows] == ["hpctrain", "torch"], proc.stdout
+    return {r["impl"]: r for r in rows}
+
+
+def test_count_eager_reports_every_field_with_no_graph_break_and_no_recompile(counts):
+    for row in counts.values():
+        assert set(row) == {"impl", "eager_ops", "eager_bytes", "graphs", "graph_breaks", "recompiles"}
+        assert row["eager_ops"] > 0 and row["eager_bytes"] > 0 and row["graphs"] >= 1, row
+        assert row["graph_breaks"] == 0 and row["recompiles"] == 0, row
+
+
+@pytest.mark.xfail(strict=True, reason="#52 item 3 (the update in one pass) not done: measured at tiny, seq 32, "
+                                       "hpctrain 13.05 MB in 305 eager ops against the loop's 10.05 MB in 111 "
+                                       "(1.30x; gpt2-small seq 128: 6.50 GB against 4.48 GB, docs/gpus.md)")
+def test_hpctrain_eager_bytes_within_1_1x_of_the_loop(counts):
+    assert counts["hpctrain"]["eager_bytes"] <= 1.1 * counts["torch"]["eager_bytes"], counts
+
+
+def test_count_eager_on_cuda_is_one_line_and_no_run():
+    proc = subprocess.run(CMD[:3] + ["cuda", "--count-eager", "--presets", "tiny"], capture_output=True, text=True,
+                          cwd=ROOT, env=mpi_env(), timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == ["bench_gpu_train: --count-eager counts on the CPU only (--device cpu); "
+                                                "nothing run"], proc.stderr

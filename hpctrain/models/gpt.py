@@ -331,7 +331,8 @@ class GPTStage(nn.Module):
         """The last stage's ``loss_sum(forward(x, docs), targets, mask)``; with ``model.fused_head_loss`` over
         loss chunks of ``model.loss_chunk_tokens`` tokens, never [S, B, vocab] logits; with a compiled tail
         (``compiled_tail``, train.compile at tp = 1) the tail is one compiled region. Talks on tp."""
-        if self.compiled_tail is not None:
+        if self.compiled_tail is not None and self.head.weight_grads is None and self.head.fp8 is None:
+            # not with a zero-bubble schedule's deferred weight gradient nor a float8 head (eager by design)
             return self.compiled_tail(self._trunk(x, docs, norm=False), targets, mask)
         if not self.fused_loss or self.head.lora is not None:
             return self.loss_sum(self(x, docs), targets, mask)

@@ -9,8 +9,9 @@ backward's ``call`` (the autograd engine carries the dispatch mode to its thread
 modules, autograd's own backward kernels, the optimizer, is eager.
 
 Bytes of an op: the sizes of its distinct tensor arguments and of its tensor results (what a kernel reads and
-writes, once each), none for views (``torch.Tag.view``-like aliasing ops move nothing). Graph, break and recompile counts are
-torch's own (``torch._dynamo.utils.counters``, via hpctrain/models/compile.py ``dynamo_counts``).
+writes, once each), none for views (ops whose results alias an input without writing it move nothing). Graph,
+break and recompile counts are torch's own (``torch._dynamo.utils.counters``, via hpctrain/models/compile.py
+``dynamo_counts``).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@
 # once per machine, not once per clone.
 set -euo pipefail
 V=${1:-${HPCTRAIN_MPI_VENV:-$HOME/.cache/hpctrain/venv-mpi}}
-STAMP="hpctrain-parallel-hdf5 v2"
+STAMP="hpctrain-parallel-hdf5 v3"
 PY=${PYTHON:-python3}
 export DEBIAN_FRONTEND=noninteractive
 if [ -x "$V/bin/python" ] && [ "$(cat "$V/.stamp" 2>/dev/null)" = "$STAMP" ] \
@@ -41,7 +41,7 @@ if ! "$V/bin/python" -c "import h5py; assert h5py.get_config().mpi" 2>/dev/null;
   CFLAGS="-O0 -g0" HDF5_MPI=ON CC=/usr/bin/mpicc.mpich HDF5_DIR=/usr/lib/x86_64-linux-gnu/hdf5/mpich \
     "$V/bin/pip" install -q --no-binary=h5py --no-build-isolation --no-cache-dir h5py
 fi
-"$V/bin/pip" install -q pytest pytest-timeout rich matplotlib
+"$V/bin/pip" install -q pytest pytest-timeout pytest-xdist rich matplotlib
 "$V/bin/python" -c "import h5py; assert h5py.get_config().mpi, 'h5py was built without MPI'"
 echo "$STAMP" > "$V/.stamp"
 echo "parallel HDF5 environment $V is ready"

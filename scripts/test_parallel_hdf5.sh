@@ -15,7 +15,7 @@ V=${HPCTRAIN_MPI_VENV:-$HOME/.cache/hpctrain/venv-mpi}
 bash scripts/setup_parallel_hdf5.sh "$V"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HPCTRAIN_TEST_MPIEXEC=mpiexec.mpich OMP_NUM_THREADS=1
 "$V/bin/python" -c "import h5py; assert h5py.get_config().mpi"
-exec "$V/bin/python" -m pytest -v --timeout 900 -p no:cacheprovider \
+exec "$V/bin/python" -m pytest -v -n 2 --timeout 900 -p no:cacheprovider \
   tests/mpi/test_checkpoint_writers.py \
   "tests/mpi/test_checkpoint.py::test_exact_resume_is_bitwise[layout1]" \
   "tests/mpi/test_checkpoint.py::test_flipped_byte_is_detected_and_resume_falls_back" "$@"

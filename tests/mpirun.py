@@ -118,6 +118,28 @@ def run_many(nprocs: int, commands: list[list[str]], timeout: float = 600) -> li
     return runs
 
 
+def refused_inputs(nprocs: int, base, cases: list[list[str]], timeout: float = 240) -> list[list]:
+    """Run each bad case (overrides, or a whole ``train``/``info`` argv) in-process on ``nprocs`` ranks in ONE
+    launch (scripts/check_bad_inputs.py, run directories under ``base``); per case, every rank's
+    ``(error type, raised alike everywhere, message or None, its run directory exists)``."""
+    import json
+
+    result = run_mpi(nprocs, "check_bad_inputs.py", str(base), json.dumps(cases), timeout=timeout)
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+def assert_refused_alike(ranks: list, nprocs: int, expected: str, case) -> str:
+    """Every one of ``nprocs`` ranks raised the same one-line user error, marked as raised everywhere (the CLI
+    prints it once), naming ``expected``; returns the line."""
+    assert len(ranks) == nprocs, (case, ranks)
+    for kind, alike, message, _written in ranks:
+        assert message is not None and "\n" not in message and expected in message, (case, kind, message)
+        assert alike and "NOT A USER ERROR" not in message, (case, kind, message)
+    assert len({message for _, _, message, _ in ranks}) == 1, (case, ranks)
+    return ranks[0][2]
+
+
 class FidelityRuns:
     """Named runs of scripts/check_fidelity.py, ``{name: (world size, layouts, variants, *options and
     overrides)}``, launched together per world size when one of them is first asked for

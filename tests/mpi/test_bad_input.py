@@ -3,9 +3,8 @@ error naming the key, marked as raised alike everywhere (printed once, exit 2), 
 to the run directory. One launch runs the cases in-process (scripts/check_bad_inputs.py); one more goes
 through the CLI for the printed line and the exit code. Many more cases, without MPI:
 tests/unit/test_bad_input_sweep.py."""
-import json
 
-from mpirun import run_mpi
+from mpirun import assert_refused_alike, refused_inputs, run_mpi
 
 CASES = [  # (overrides, the key the line names)
     (["parallel.cp=3"], "parallel.cp"),
@@ -52,16 +51,9 @@ CASES = [  # (overrides, the key the line names)
 def test_bad_values_are_refused_alike_on_every_rank_and_write_nothing(tmp_path):
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "afile").write_text("a file where a directory should be\n")
-    result = run_mpi(2, "check_bad_inputs.py", str(tmp_path / "runs"), json.dumps([c for c, _ in CASES]),
-                     timeout=240)
-    (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
-    for (overrides, key), ranks in zip(CASES, json.loads(line.removeprefix("RESULTS "))):
-        assert len(ranks) == 2, (overrides, ranks)
-        for kind, alike, message, written in ranks:
-            assert message is not None and "\n" not in message and key in message, (overrides, kind, message)
-            assert alike and "NOT A USER ERROR" not in message, (overrides, kind, message)
-            assert not written, (overrides, "the run directory was created")
-        assert ranks[0][2] == ranks[1][2], (overrides, ranks)  # the same line on both ranks
+    for (overrides, key), ranks in zip(CASES, refused_inputs(2, tmp_path / "runs", [c for c, _ in CASES])):
+        assert_refused_alike(ranks, 2, key, overrides)  # the same line on both ranks
+        assert not any(written for *_, written in ranks), (overrides, "the run directory was created")
 
 
 def test_the_cli_prints_one_line_exits_2_and_writes_nothing(tmp_path):

@@ -16,7 +16,7 @@ import sys
 import h5py
 import pytest
 
-from mpirun import ROOT, mpi_env, run_mpi
+from mpirun import ROOT, assert_refused_alike, mpi_env, refused_inputs, run_mpi
 
 F64 = ["data.max_bytes=300000", "train.seq_len=16", "train.global_batch=8", "model.n_heads=8", "model.n_kv_heads=4",
        "model.n_layers=4", "parallel.microbatches=2", "train.dtype=float64", "train.warmup_steps=1",
@@ -212,19 +212,15 @@ def refused(two_checkpoints, tmp_path_factory):
     }
     before = {case: _state(run_dir) if run_dir.exists() else {} for case, (run_dir, _) in cases.items()}
     commands = [["train", f"train.run_dir={run_dir}", *F32, *overrides] for run_dir, overrides in cases.values()]
-    result = run_mpi(2, "check_bad_inputs.py", str(base / "unused"), json.dumps(commands), timeout=300)
-    (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
+    found = refused_inputs(2, base / "unused", commands, timeout=300)
     return {case: (run_dir, ranks, before[case], _state(run_dir) if run_dir.exists() else {})
-            for (case, (run_dir, _)), ranks in zip(cases.items(), json.loads(line.removeprefix("RESULTS ")))}
+            for (case, (run_dir, _)), ranks in zip(cases.items(), found)}
 
 
 def _refused_alike(refused, case, message):
     """The case failed on both ranks with the same user error, marked as raised everywhere (the CLI prints it
     once, as "all 2 ranks: ...", exit 2: tests/mpi/test_bad_input.py), naming ``message``; returns the line."""
-    _, ranks, _, _ = refused[case]
-    assert len(ranks) == 2 and all(alike and text == ranks[0][2] for _, alike, text, _ in ranks), (case, ranks)
-    assert message in ranks[0][2] and "NOT A USER ERROR" not in ranks[0][2], (case, ranks[0][2])
-    return ranks[0][2]
+    return assert_refused_alike(refused[case][1], 2, message, case)
 
 
 def test_ckpt_list_inspect_verify(two_checkpoints):

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from mpirun import run_many, run_mpi
+from mpirun import assert_refused_alike, refused_inputs, run_many, run_mpi
 
 FAST = ["data.max_bytes=300000", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2",
         "train.lr=3e-3", "model.n_layers=2"]
@@ -114,15 +114,9 @@ def test_bad_config_fails_clearly_on_every_rank(tmp_path):
     """One 4-rank launch runs every case in-process (scripts/check_bad_inputs.py): each raises the same
     user error on every rank, marked as raised everywhere, which the CLI prints once as "all 4 ranks: ..."
     (that printing and its exit code: tests/mpi/test_bad_input.py)."""
-    result = run_mpi(4, "check_bad_inputs.py", str(tmp_path / "runs"), json.dumps([c for c, _ in BAD_CONFIGS]),
-                     timeout=240)
-    (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
-    for (overrides, expected), ranks in zip(BAD_CONFIGS, json.loads(line.removeprefix("RESULTS "))):
-        assert len(ranks) == 4, (overrides, ranks)
-        for kind, alike, message, _written in ranks:
-            assert message is not None and "\n" not in message and expected in message, (overrides, kind, message)
-            assert alike and "NOT A USER ERROR" not in message, (overrides, kind, message)
-        assert len({message for _, _, message, _ in ranks}) == 1, (overrides, ranks)
+    for (overrides, expected), ranks in zip(BAD_CONFIGS, refused_inputs(4, tmp_path / "runs",
+                                                                        [c for c, _ in BAD_CONFIGS])):
+        assert_refused_alike(ranks, 4, expected, overrides)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")

@@ -197,3 +197,16 @@ def test_the_extraction_reads_continuations_comments_and_placeholders():
     found = [c for s in code_snippets(text) for c in benchmark_commands(s)]
     assert found == [("bench_train", ["--json", "1/a.json", "--rounds", "1"]),
                      ("bench_checkpoint", ["--parts", "io", "--writers", "mpio"])]
+
+
+def test_the_readme_stays_short():
+    """Issue #51: the README is under 120 lines and no prose line is over 200 characters (code blocks aside)."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) < 120, f"README.md has {len(lines)} lines: move detail to docs/"
+    in_code, long = False, []
+    for number, line in enumerate(lines, 1):
+        if line.strip().startswith("```"):
+            in_code = not in_code
+        elif not in_code and len(line) > 200:
+            long.append(number)
+    assert not long, f"README.md lines over 200 characters: {long}"

@@ -258,8 +258,8 @@ def step_time(model, cand: Candidate, machine, options: Options = Options(), moe
     hbm = dev.hbm_gbps * 1e9
     tp_at, cp_at, pp_at = machine.placement(1, t), machine.placement(t, c), machine.placement(t * c, p)
 
-    def tp_op(op, nbytes):
-        return machine.collective_s(op, nbytes, t, tp_at)
+    def tp_op(op, nbytes):  # across nodes: one NIC's ring, each step paying the latency
+        return machine.layer_collective_s(op, nbytes, t, tp_at)
 
     ring_f, ring_b, attention = _attention(model, lay, machine, options, cp_at, peak)
     rank, targets = options.lora_rank, options.lora_targets
@@ -491,7 +491,7 @@ def _dp_exposed(model, lay, machine, options, groups, pp_at, params, p2p, units,
         b_slot = max(0.0, b_slot - link_b)  # the last backward's gathers share the dp link
         tail = max(last - s * b_slot, whole - (1 + s) * b_slot)  # the last micro-batch's reduction
         if deferred:  # summed over tp, then reduced over dp x cp; at zero 3 gathered again after the step
-            tail += (machine.collective_s("allreduce", deferred * gb, lay.tp_size, tp_at)
+            tail += (machine.layer_collective_s("allreduce", deferred * gb, lay.tp_size, tp_at)
                      + machine.collective_s(reduce_op, deferred * gb * fraction, d, dp_at)
                      + (machine.collective_s("allgather", deferred * nb, d, dp_at) if zero == 3 else 0.0))
         if zero <= 1:

@@ -302,6 +302,23 @@ class Machine:
         return inter.alpha_s + beta * w
 
 
+    def layer_collective_s(self, op: str, nbytes: float, size: int, where: GroupPlacement) -> float:
+        """Seconds for a layer's tensor-parallel collective (``op`` on ``nbytes`` over ``size`` ranks placed
+        ``where``): ``collective_s`` inside a node. Across nodes (planned only with ``--allow-tp-across-nodes``)
+        it is charged what makes practitioners keep tp inside the NVLink domain: the ring leaves each node
+        through one rank's NIC (``beta_inter``, not spread over the node's NICs as a bucketed dp reduction is),
+        and each of its steps (``2(p-1)`` for allreduce, ``p-1`` otherwise) waits for the inter-node latency,
+        a cost paid by every one of the layers' collectives (about 770 a step for GPT-3 175B).
+        """
+        if size <= 1 or nbytes <= 0 or where.level == "intra":
+            return self.collective_s(op, nbytes, size, where)
+        inter = self.links.link(op, "inter")
+        beta = inter.beta_s_per_byte
+        if "intra" in self.links.levels:
+            beta = max(beta, self.links.link(op, "intra").beta_s_per_byte)
+        steps = 2 * (size - 1) if op == "allreduce" else size - 1
+        return steps * inter.alpha_s + beta * wire_bytes(op, nbytes, size)
+
 def wire_bytes(op: str, nbytes: float, p: int) -> float:
     """Bytes one rank of a group of ``p`` sends for ``op`` on ``nbytes`` under the bandwidth-optimal algorithms
     (the Communicator's count, hpctrain/comm/collectives.py; ``bench comm --profile`` fits with it)."""

@@ -153,3 +153,24 @@ def test_the_planner_keeps_tp_inside_a_node_unless_asked():
     wide = plan(model, machine, 512, 2048, Options(), SearchSpace(recompute=("full",), zero=(0, 1),
                                                                     tp_across_nodes=True))
     assert any(p.candidate.layout.tp_size > 8 for p in wide.plans) and wide.tp_across_nodes_skipped == 0
+
+
+def test_a_tp_ring_across_nodes_pays_one_nic_and_every_step_latency():
+    """Issue #51 item 3: a layer's tp collective across nodes runs at one rank's NIC (not spread over the node's
+    NICs, as a dp reduction is) and pays the inter-node latency on each ring step; inside a node it is the
+    ordinary collective. With tp across nodes allowed, gpt3-175b on 128 x 8 A100 still plans tp <= 8 first."""
+    machine = Machine(device_preset("a100"), links_from_bandwidth(2400, 200), 2, 8)
+    across, inside = machine.placement(1, 16), machine.placement(1, 8)
+    assert across.level == "inter" and inside.level == "intra"
+    nbytes = 8 * 2048 * 12288 * 2.0
+    assert machine.layer_collective_s("allreduce", nbytes, 8, inside) == machine.collective_s(
+        "allreduce", nbytes, 8, inside)
+    inter = machine.links.link("allreduce", "inter")
+    expected = 30 * inter.alpha_s + inter.beta_s_per_byte * 2 * 15 / 16 * nbytes
+    assert machine.layer_collective_s("allreduce", nbytes, 16, across) == pytest.approx(expected, rel=1e-12)
+    assert machine.layer_collective_s("allreduce", nbytes, 16, across) > 7 * machine.collective_s(
+        "allreduce", nbytes, 16, across)  # the dp-style model spreads it over 8 NICs
+    model = resolve_model(ModelConfig(preset="gpt3-175b"))
+    big = Machine(device_preset("a100"), links_from_bandwidth(2400, 200), 128, 8)
+    wide = plan(model, big, 512, 2048, Options(), SearchSpace(zero=(3,), tp_across_nodes=True))
+    assert wide.plans[0].candidate.layout.tp_size <= 8, wide.plans[0].candidate

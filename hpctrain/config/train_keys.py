@@ -18,6 +18,13 @@ class OptimConfig:
     momentum: float = key(0.0, min=0, help="SGD momentum (0 = plain SGD); ignored by AdamW.")
     grad_clip: float = key(1.0, min=0, help=(
         "Clip the GLOBAL gradient norm (over every rank and stage) to this value. 0 = no clipping."))
+    update: str = key("auto", choices=("auto", "compiled", "fused"), help=(
+        "How AdamW updates the float32 masters. `compiled`: one `torch.compile`d pass per step that reads master, "
+        "gradient and moments once and writes master, moments and the half-precision parameters, lr and the "
+        "clip/loss-scale divisor as device scalars (no recompiles, no host reads; the gradients are not written). "
+        "`fused`: `torch._fused_adamw_`, then a copy into the half-precision parameters. `auto`: `compiled` when "
+        "`train.compile` is on, else `fused`. SGD, float64 masters and 1-bit Adam's frozen steps run the unfused "
+        "ops whatever this says; `compiled` needs `optim.name = \"adamw\"`."))
 
 
 @dataclass

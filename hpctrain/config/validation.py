@@ -132,7 +132,7 @@ def problems(cfg: Config) -> list[ConfigError]:
               lambda: _check_moe(cfg.moe, m, p.ep), lambda: _check_experts_parallel(cfg.moe, m, p.ep,
                                                                                     cfg.compression.method),
               lambda: _check_onebit_adam(cfg.compression, cfg.optim), lambda: _check_local_tier(cfg.checkpoint),
-              lambda: _check_monitor(cfg.monitor), lambda: _check_fp8(t))
+              lambda: _check_monitor(cfg.monitor), lambda: _check_fp8(t), lambda: _check_update(cfg.optim, t))
     for group in groups:
         try:
             group()
@@ -220,6 +220,13 @@ def _check_onebit_adam(comp: CompressionConfig, optim: OptimConfig) -> None:
     _require(comp.warmup_steps > 0, "compression.warmup_steps",
              "must be > 0 with compression.method='onebit-adam' (its dense AdamW steps: with 0 the variance "
              "would freeze at its initial zeros)")
+
+
+def _check_update(optim: OptimConfig, t) -> None:
+    _require(optim.update != "compiled" or optim.name == "adamw", "optim.update",
+             f"'compiled' is AdamW's one-pass update: it needs optim.name='adamw', got {optim.name!r}")
+    _require(optim.update != "compiled" or t.dtype != "float64", "optim.update",
+             "'compiled' updates float32 masters: train.dtype='float64' keeps float64 ones (use 'auto' or 'fused')")
 
 
 def _check_local_tier(ckpt) -> None:

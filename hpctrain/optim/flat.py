@@ -62,7 +62,7 @@ class OptimizerSlice:
 class FlatOptimizer:
     def __init__(self, flat, cfg_optim, *, tp_rank: int = 0, master_dtype: torch.dtype | None = None,
                  freeze_variance_after: int | None = None, momentum_from_reducer: bool = False,
-                 fused: bool | None = None):
+                 fused: bool | None = None, one_pass: bool = False):
         self.flat, self.cfg, self.tp_rank = flat, cfg_optim, tp_rank
         self.freeze_variance_after = freeze_variance_after
         self.momentum_from_reducer = momentum_from_reducer  # 1-bit Adam: the reducer averages the momentum
@@ -77,6 +77,7 @@ class FlatOptimizer:
         self._step_tensor = torch.zeros((), dtype=torch.float32, device=flat.device)
         self.step_count = 0
         self.scratch: torch.Tensor | None = None  # _scratch(): Adam's denominator, reused by every slice
+        self._norm_pieces: list[torch.Tensor] = []  # _slice_norm_pieces(): kept below ZeRO
         self.owned_slices = [self._make_slice(bucket, start, end) for bucket, start, end in flat.owned_ranges()]
         # fused: AdamW on float32 masters (None: whenever it applies); 1-bit Adam's warm-up too, so that it is
         # dense AdamW bit for bit; its frozen steps run the unfused ops (frozen_adam_update_)
@@ -86,6 +87,12 @@ class FlatOptimizer:
         for s in self.owned_slices:
             s.runs = fused_runs(s.end - s.start, s.decay_ranges)
         self._fused_groups: dict | None = None  # _group_runs(): the kernel's tensor lists, built on the first step
+        # one_pass: AdamW as ONE compiled pass that also writes the half-precision parameters (one_pass.py)
+        self.one_pass = None
+        if one_pass and self.fused and self.master_dtype == torch.float32:
+            from hpctrain.optim.one_pass import OnePassAdamW
+
+            self.one_pass = OnePassAdamW(self)
         # half-precision models: the parameters and their float32 masters, written after each fused update by
         # ONE torch._foreach_copy_ (the same rounding as each slice's copy_); empty when the masters are the params
         separate = [s for s in self.owned_slices if s.master is not s.params]
@@ -112,6 +119,11 @@ class FlatOptimizer:
                               flat.param_ranges(start, end, lambda p: p.dim() >= 2), norm_ranges)
 
     @property
+    def update_kind(self) -> str:
+        """How ``step`` updates (the start-up line): "compiled" (one_pass.py), "fused" or "unfused"."""
+        return "compiled" if self.one_pass is not None else "fused" if self.fused else "unfused"
+
+    @property
     def state_kinds(self) -> tuple[str, ...]:
         """The per-element state a checkpoint holds (the master only when it is a separate copy)."""
         separate = self.master_dtype != self.flat.param_dtype
@@ -134,12 +146,26 @@ class FlatOptimizer:
         """This rank's share of the squared global gradient norm of the gradients as they are (loss scale
         included): a float64 0-d tensor on the parameters' device, no host read."""
         total = torch.zeros((), dtype=torch.float64, device=self.flat.device)
-        for s in self.owned_slices:
-            grad = self.flat.owned_grad(s.bucket, s.start, s.end)
-            for lo, hi in s.norm_ranges:
-                piece = grad[lo:hi]
-                total += torch.dot(piece, piece).double()
+        for piece in self._norm_pieces or self._slice_norm_pieces():
+            total += torch.dot(piece, piece).double()
         return total
+
+    def _slice_norm_pieces(self) -> list[torch.Tensor]:
+        """The gradient pieces this rank counts, slice by slice; below ZeRO (gradients in one flat buffer that
+        lives as long as the optimizer) adjacent pieces are merged and kept: at dp = tp = pp = 1 the norm is
+        one dot over the whole buffer, not one per bucket."""
+        pieces = [self.flat.owned_grad(s.bucket, s.start, s.end)[lo:hi]
+                  for s in self.owned_slices for lo, hi in s.norm_ranges]
+        if self.flat.zero:
+            return pieces
+        merged: list[list[int]] = []
+        for lo, hi in sorted((s.start + lo, s.start + hi) for s in self.owned_slices for lo, hi in s.norm_ranges):
+            if merged and merged[-1][1] == lo:
+                merged[-1][1] = hi
+            else:
+                merged.append([lo, hi])
+        self._norm_pieces = [self.flat.grad_buffer[lo:hi] for lo, hi in merged]
+        return self._norm_pieces
 
     @property
     def step_count(self) -> int:
@@ -165,7 +191,7 @@ class FlatOptimizer:
         machine the update took 6.5 ms with three temporaries, 1.0 ms without (docs/benchmarks.md)."""
         frozen_next = self.freeze_variance_after is not None and self.step_count >= self.freeze_variance_after
         if self.fused and not frozen_next:
-            self._fused_step(lr, grad_coef, found_inf)
+            (self.one_pass.step if self.one_pass is not None else self._fused_step)(lr, grad_coef, found_inf)
             return
         if found_inf is not None and bool(found_inf):
             return

@@ -77,6 +77,7 @@ class OptimizerGroup:
         self.parts = parts
         dense = parts[0]
         self.cfg, self.master_dtype, self.state_kinds = dense.cfg, dense.master_dtype, dense.state_kinds
+        self.update_kind = dense.update_kind
         self.outcome_before_update = any(o.outcome_before_update for o in parts)
         self.owned_slices = [s for o in parts for s in o.owned_slices]
 

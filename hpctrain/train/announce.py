@@ -70,6 +70,9 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
         print(f"hpctrain: WARNING: {line}", file=sys.stderr, flush=True)
     if parts.compiled:
         print(f"hpctrain train: torch.compile of every block (train.compile={cfg.train.compile})", flush=True)
+    if parts.optimizer.update_kind == "compiled":
+        print(f"hpctrain train: AdamW in one compiled pass over the flat float32 buffers, the parameters written "
+              f"by it (optim.update={cfg.optim.update})", flush=True)
     if hasattr(parts.data.sampler, "describe"):  # packed SFT examples (hpctrain/data/packing.py)
         print(f"hpctrain train: {parts.data.sampler.describe()}", flush=True)
     if cfg.lora.rank:

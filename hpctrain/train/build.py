@@ -216,14 +216,16 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     param_gather = ParamGather(flat, stages, reshard_after_forward=cfg.parallel.zero_reshard_after_forward,
                                prefetch=cfg.parallel.zero_prefetch, frozen=frozen,
                                split_backward=layout.schedule in ZERO_BUBBLE_SCHEDULES) if layout.zero == 3 else None
+    one_pass = cfg.optim.update == "compiled" or (cfg.optim.update == "auto" and compiled)  # optim/one_pass.py
     # 1-bit Adam (even where no reducer compresses: one replica): AdamW's variance frozen after the warm-up
     optimizer: FlatOptimizer | OptimizerGroup = FlatOptimizer(
         dense_flat, cfg.optim, tp_rank=grid.coords["tp"],
         freeze_variance_after=comp.warmup_steps if comp.method == "onebit-adam" else None,
-        momentum_from_reducer=reducer.shares_momentum)
+        momentum_from_reducer=reducer.shares_momentum, one_pass=one_pass)
     reducer.bind_optimizer(optimizer)
     if expert_flat is not None:
-        optimizer = OptimizerGroup([optimizer, FlatOptimizer(expert_flat, cfg.optim, tp_rank=grid.coords["tp"])])
+        optimizer = OptimizerGroup([optimizer, FlatOptimizer(expert_flat, cfg.optim, tp_rank=grid.coords["tp"],
+                                                             one_pass=one_pass)])
     build_s = time.perf_counter() - built  # the model built and this rank's bytes created (drawn or placed)
     executor = PipelineExecutor(stages, pp_comm if layout.pp_size > 1 else None, flat, layout.schedule,
                                 layout.microbatches, (layout.seq_chunk, layout.micro_batch, m.d_model),

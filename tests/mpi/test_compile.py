@@ -42,6 +42,8 @@ def eager_losses(tmp_path_factory):
 
 
 def test_verbose_reports_no_break_with_tp_1_and_adamw_with_recompute_equals_eager(tmp_path, eager_losses):
+    """The compiled run's AdamW is the one-pass compiled update (optim.update=auto); the eager run's is
+    torch._fused_adamw_: the same training within float32 rounding."""
     result, losses = cli_losses(tmp_path / "compiled", "train.compile=true", verbose=True)
     lines = [line for line in result.stdout.splitlines() if "torch.compile:" in line]
     assert len(lines) == 1 and "0 graph break(s)" in lines[0], result.stdout
@@ -64,6 +66,7 @@ def test_compiled_lora_dropout_on_packed_sft_examples_equals_eager(tmp_path):
     runs = [run_mpi(2, "hpctrain.cli", "train", f"data.source={data}", "train.seq_len=128", "train.global_batch=4",
                     "model.n_layers=2", "model.d_ff=128", "parallel.dp=2", "lora.rank=4", "lora.dropout=0.2",
                     "train.steps=3", "train.progress=false", f"train.compile={mode}", f"train.run_dir={tmp_path / mode}",
+                    "optim.update=fused",  # the blocks are this test's subject; the compiled update: the CLI tests
                     module=True, timeout=240) for mode in ("false", "true")]
     assert "torch.compile of every block" in runs[1].stdout, runs[1].stdout
     losses = {mode: [json.loads(line)["loss"] for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()
@@ -78,6 +81,7 @@ def test_a_stage_waiting_for_its_neighbours_compile_is_not_a_hang(tmp_path):
     same job without compile ends with a hang report when a rank is stopped (tests/mpi/test_hang_report.py)."""
     result = run_mpi(2, "hpctrain.cli", "train", *SHAPES, "parallel.pp=2", "parallel.tp=1", "train.steps=2",
                      "train.compile=true", "comm.timeout_s=3", "train.progress=false", f"train.run_dir={tmp_path}",
+                     "optim.update=fused",
                      module=True, timeout=300, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")})
     assert "hang report from" not in result.stderr and "done: 2 steps" in result.stdout, result.output
     notes = [line for line in result.stderr.splitlines() if "inside torch.compile" in line]
@@ -107,6 +111,7 @@ def test_compiled_zero3_equals_eager_zero0(tmp_path, eager_losses):
     the compiled ZeRO-3 run trains as the eager ZeRO-0 one (one rank: the gathers are copies)."""
     result, losses = cli_losses(tmp_path / "compiled", "train.compile=true", "parallel.zero=3", verbose=True)
     assert "ZeRO-3 parameter gather run eagerly" in result.stdout, result.stdout
+    assert "AdamW in one compiled pass over the flat float32 buffers" in result.stdout, result.stdout
     eager = eager_losses
     assert len(losses) == len(eager) == 3
     assert max(abs(a - b) / b for a, b in zip(losses, eager)) <= 1e-5, (losses, eager)

@@ -14,6 +14,7 @@ What runs, and what a run's start runs for the same thing:
 | memory per rank                | ``memory_check.rank_need``, every pp rank, against ``--device``'s memory | the same bound against the memory free on each rank |
 | the corpus and its vocabulary  | ``load_tokens_collective(None, ..)`` + ``check_corpus`` | the same, collective       |
 | a resume's model               | ``architecture.model_differences`` | the same in ``transfer.check_compatible`` |
+| ``train.fp8``                  | ``parallel.fp8.torchao_problem``; float8 on ``--device`` (a warning) | ``models.fp8.check_fp8``, ``setup_fp8``'s warnings |
 
 Tensor-parallel groups that would span nodes (tp not dividing ``--gpus-per-node``) are a warning, as at a run's
 start, and a problem with ``parallel.strict_placement``.
@@ -67,6 +68,9 @@ def check_job(cfg, ranks: int, gpus_per_node: int = 0, device=None, resume: str 
             report.summary.append(memory)
             report.problems += problem
     report.problems += _data(cfg)
+    fp8_warnings, fp8_problems = _fp8(cfg.train, device)
+    report.warnings += fp8_warnings
+    report.problems += fp8_problems
     if resume not in (None, "none"):
         line, problem = _resume(cfg, resume)
         report.summary.append(line)
@@ -133,6 +137,27 @@ def _data(cfg) -> list[str]:
     except HpcTrainError as exc:
         return [str(exc)]
     return []
+
+
+FP8_DEVICES = ("h100", "h200")  # the presets with float8 matmuls (sm89+: torch._scaled_mm)
+
+
+def _fp8(t, device) -> tuple[list[str], list[str]]:
+    """``train.fp8``: (warnings, problems). torchao present at the pinned version (``parallel.fp8.torchao_problem``,
+    a problem, as a run's start refuses it); with ``--device`` a GPU without float8 matmuls and no
+    ``train.fp8_emulate``: a warning, as at a run's start (every linear then computes in the training dtype)."""
+    if t.fp8 == "none":
+        return [], []
+    from hpctrain.parallel.fp8 import torchao_problem
+
+    problem = torchao_problem()
+    problems = [f"train.fp8: {t.fp8!r} {problem}"] if problem else []
+    warnings = []
+    if device is not None and device.name not in FP8_DEVICES and not t.fp8_emulate:
+        warnings.append(f"train.fp8: {t.fp8!r} needs float8 matmuls (an sm89+ GPU: {', '.join(FP8_DEVICES)}), which "
+                        f"--device {device.name} has not: every linear would compute in train.dtype; "
+                        f"train.fp8_emulate=true (the same casts, not a speed path) or train.fp8='none'")
+    return warnings, problems
 
 
 def _resume(cfg, resume: str) -> tuple[str, list[str]]:

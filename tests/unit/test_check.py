@@ -174,3 +174,23 @@ def test_a_tp_ring_across_nodes_pays_one_nic_and_every_step_latency():
     big = Machine(device_preset("a100"), links_from_bandwidth(2400, 200), 128, 8)
     wide = plan(model, big, 512, 2048, Options(), SearchSpace(zero=(3,), tp_across_nodes=True))
     assert wide.plans[0].candidate.layout.tp_size <= 8, wide.plans[0].candidate
+
+
+def test_fp8_needs_torchao_and_warns_on_a_device_without_float8(monkeypatch):
+    """train.fp8: torchao missing is a problem (a run's start refuses it); a device without float8 matmuls and no
+    emulation a warning (a run's start warns and computes every linear in train.dtype); an h100 has them."""
+    import hpctrain.parallel.fp8 as fp8
+
+    cfg = read_config(TINY, ["train.fp8=tensorwise", "train.dtype=bfloat16"])
+    h100 = check_job(cfg, 4, 4, device_preset("h100"))
+    assert h100.ok and not h100.warnings, h100
+    a100 = check_job(cfg, 4, 4, device_preset("a100"))
+    assert a100.ok and [w for w in a100.warnings if "train.fp8" in w] == [
+        "train.fp8: 'tensorwise' needs float8 matmuls (an sm89+ GPU: h100, h200), which --device a100 has not: "
+        "every linear would compute in train.dtype; train.fp8_emulate=true (the same casts, not a speed path) or "
+        "train.fp8='none'"], a100
+    emulated = read_config(TINY, ["train.fp8=tensorwise", "train.dtype=bfloat16", "train.fp8_emulate=true"])
+    assert not check_job(emulated, 4, 4, device_preset("a100")).warnings
+    monkeypatch.setattr(fp8, "torchao_problem", lambda: "needs torchao==0.18.0, which is not installed")
+    missing = check_job(cfg, 4, 4, device_preset("h100"))
+    assert missing.problems == ["train.fp8: 'tensorwise' needs torchao==0.18.0, which is not installed"]

@@ -93,10 +93,16 @@ class TrainConfig:
         "`torch.compile` (inductor; C++ on the CPU, Triton on GPUs) of every transformer block of this rank's "
         "pipeline stages, one graph per block shape, reused by all blocks: the norms, projections, rotary, "
         "attention core, SwiGLU/GELU and residual adds fused. Tensor- and context-parallel collectives run eagerly "
-        "between the compiled pieces (graph breaks by design); embedding, LM head and loss stay eager. `true`, "
+        "between the compiled pieces (graph breaks by design); at tp = 1 the final norm, LM head and loss are one region; "
+        "at dp = pp = tp = cp = 1 (no LoRA, experts or fp8) the whole stage, embedding to loss, is one region. `true`, "
         "`false` (TOML booleans work too) or `auto`: on when the run's device is a GPU. The first step pays the "
         "compile (seconds to a minute; cached in inductor's cache dir). `hpctrain train --verbose` prints the "
         "graphs and graph breaks after the first step. See docs/gpus.md."))
+    compile_regions: str = key("auto", choices=("auto", "blocks"), help=(
+        "What `train.compile` compiles as one region. `auto`: the whole stage, embedding to loss, where nothing needs "
+        "per-block regions (dp = pp = tp = cp = 1, ZeRO <= 1, no LoRA, experts or fp8: no reduction for the blocks' "
+        "gradient hooks to overlap, no collective inside), else every block (and the tail at tp = 1). `blocks`: "
+        "every block always (for comparison; docs/gpus.md)."))
     log_interval: int = key(1, min=1, help=(
         "In batch logs (no terminal) print a progress line every N steps (and always the last and any skipped "
         "step). metrics.jsonl always gets every step."))

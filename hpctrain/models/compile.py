@@ -24,6 +24,8 @@ The tail of the last stage, final norm, LM head and loss (``GPTStage.tail_loss``
 tp = 1 (the plain head and cross-entropy, which inductor fuses; ``model.fused_head_loss``'s eager chunks are not
 used then), as the compiled loop of benchmarks/bench_gpu_train.py has it. Under tp the final norm is compiled and
 the LM head and the vocab-parallel loss stay eager (their tp collectives sit in the middle), as does the embedding.
+At dp = pp = tp = cp = 1 (``whole_stage_wanted``) the whole stage, embedding to loss, is one region instead: with
+no data-parallel reduction there are no per-block gradient hooks to overlap with (issue #52 item 1).
 """
 from __future__ import annotations
 
@@ -44,13 +46,27 @@ def compile_wanted(setting: str, device: torch.device) -> bool:
     return setting == "true"
 
 
-def compile_stage(stage: GPTStage) -> int:
+def whole_stage_wanted(layout, lora_rank: int, moe, fp8: str) -> bool:
+    """Whether a run's one stage is compiled whole (``GPTStage.whole_loss``: embedding to loss, one forward and one
+    backward graph, as the compiled loop of benchmarks/bench_gpu_train.py has it): dp = pp = tp = cp = 1 (no
+    data-parallel reduction for per-block regions' gradient hooks to overlap, no collective inside), ZeRO <= 1,
+    and nothing that runs eagerly by design inside the blocks (LoRA's dropout draws, experts, float8 linears)."""
+    return (layout.dp_size == layout.pp_size == layout.tp_size == layout.cp_size == 1 and layout.zero <= 1
+            and not lora_rank and moe is None and fp8 == "none")
+
+
+def compile_stage(stage: GPTStage, whole: bool = False) -> int:
     """Compile every block (and the final norm) of a GPTStage in place, lazily (on the first call); returns
-    the number of modules compiled. Random ops (LoRA's dropout) draw from torch's generator as in eager
-    (inductor's ``fallback_random``), not from inductor's own Philox streams: the same masks, so compiled
-    equals eager and a resumed run redraws what it would have drawn."""
+    the number of modules compiled. ``whole`` (``whole_stage_wanted``): the stage's ``whole_loss`` instead, one
+    region (its blocks, used whole, are not compiled apart; ``forward`` alone, e.g. generation, runs eagerly).
+    Random ops (LoRA's dropout) draw from torch's generator as in eager (inductor's ``fallback_random``), not
+    from inductor's own Philox streams: the same masks, so compiled equals eager and a resumed run redraws what
+    it would have drawn."""
     targets = list(stage.layers.values())
     options: dict[str, str | int | bool | Callable[..., Any]] = {"fallback_random": True}
+    if whole and getattr(stage, "is_first", False) and getattr(stage, "is_last", False) and tail_compilable(stage):
+        stage.compiled_whole = torch.compile(stage.whole_loss, options=options)
+        return 1
     if getattr(stage, "is_last", False) and tail_compilable(stage):
         stage.compiled_tail = torch.compile(stage.tail_loss, options=options)
     elif getattr(stage, "is_last", False):
@@ -66,12 +82,13 @@ def tail_compilable(stage: GPTStage) -> bool:
     return (stage.tp_comm is None or stage.tp_comm.size == 1) and getattr(stage.head, "lora", None) is None
 
 
-def compile_stages(stages) -> dict:
-    """``compile_stage`` on each of this rank's stage modules (one per virtual stage); returns the
-    ``dynamo_counts`` reading taken before (what ``compile_report`` counts from)."""
+def compile_stages(stages, whole: bool = False) -> dict:
+    """``compile_stage`` on each of this rank's stage modules (one per virtual stage; ``whole``: see
+    ``whole_stage_wanted``); returns the ``dynamo_counts`` reading taken before (what ``compile_report`` counts
+    from)."""
     since = dynamo_counts()
     for stage in stages:
-        compile_stage(stage)
+        compile_stage(stage, whole)
     return since
 
 

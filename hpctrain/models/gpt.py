@@ -278,8 +278,10 @@ class GPTStage(nn.Module):
             spec = self.head.w.spec  # head rows: vocabulary ids [vocab_start, + vocab_valid), then padding
             self.vocab_start, self.vocab_valid = spec.tp_rank * spec.local_shape[0], spec.valid_shape[0]
             self.fused_loss, self.loss_chunk = m.fused_head_loss, m.loss_chunk_tokens
-        # torch.compile of ``tail_loss`` (hpctrain/models/compile.py ``compile_stage``), or None: eager
+        # torch.compile of ``tail_loss``, or of ``whole_loss`` (hpctrain/models/compile.py ``compile_stage``), or
+        # None: eager
         self.compiled_tail: Callable[..., torch.Tensor] | None = None
+        self.compiled_whole: Callable[..., torch.Tensor] | None = None
         if lora_enabled(lora):  # adapters on the lora.targets linears; every other weight frozen
             add_adapters(self, m, lora, tp_comm, dtype, seed)
 
@@ -298,6 +300,12 @@ class GPTStage(nn.Module):
         """The last stage's tail on the blocks' output h [S, B, D] (tp = 1): final norm, LM head and the summed
         loss (``loss_sum``); ``train.compile`` makes it one compiled region (hpctrain/models/compile.py)."""
         return self.loss_sum(self._logits(self.norm(h)), targets, mask)
+
+    def whole_loss(self, x, targets, mask=None, docs=None):
+        """A one-stage model's whole forward and summed loss (embedding, blocks, final norm, LM head, loss) on
+        tokens x [B, S]: with ``train.compile`` at dp = pp = tp = cp = 1 one compiled region, forward and
+        backward (no reduction for per-block gradient hooks to overlap; hpctrain/models/compile.py)."""
+        return self.tail_loss(self._trunk(x, docs, norm=False), targets, mask)
 
     def _trunk(self, x, docs, norm: bool = True):
         """Embedding (first stage), blocks, final norm (last stage; ``norm=False``: without it): the stage
@@ -330,7 +338,10 @@ class GPTStage(nn.Module):
     def forward_loss(self, x, targets, mask=None, docs=None):
         """The last stage's ``loss_sum(forward(x, docs), targets, mask)``; with ``model.fused_head_loss`` over
         loss chunks of ``model.loss_chunk_tokens`` tokens, never [S, B, vocab] logits; with a compiled tail
-        (``compiled_tail``, train.compile at tp = 1) the tail is one compiled region. Talks on tp."""
+        (``compiled_tail``, train.compile at tp = 1) the tail is one compiled region, or with ``compiled_whole``
+        the whole stage. Talks on tp."""
+        if self.compiled_whole is not None and self.head.weight_grads is None and self.head.fp8 is None:
+            return self.compiled_whole(x, targets, mask, docs)
         if self.compiled_tail is not None and self.head.weight_grads is None and self.head.fp8 is None:
             # not with a zero-bubble schedule's deferred weight gradient nor a float8 head (eager by design)
             return self.compiled_tail(self._trunk(x, docs, norm=False), targets, mask)

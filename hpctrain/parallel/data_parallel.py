@@ -213,6 +213,10 @@ class FlatParams:
         allocate(bucket.grads)
 
     def progress(self) -> None:
+        """Complete the per-micro-batch reductions that have finished (called from every gradient hook); one rank
+        in the group starts none, so nothing to scan (issue #52 item 3)."""
+        if self.dp_size == 1:
+            return
         for bucket in self.buckets:
             if bucket.handle is not None and bucket.handle.test() and bucket.per_microbatch:
                 self._complete(bucket)

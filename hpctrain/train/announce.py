@@ -68,7 +68,10 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
         print(f"hpctrain train: {line}", flush=True)
     for line in fp8.warnings if fp8 is not None else ():
         print(f"hpctrain: WARNING: {line}", file=sys.stderr, flush=True)
-    if parts.compiled:
+    if parts.compiled and any(s.compiled_whole is not None for s in parts.stages):
+        print(f"hpctrain train: torch.compile of the whole stage, embedding to loss, one region (train.compile="
+              f"{cfg.train.compile}; dp = pp = tp = cp = 1: no reduction for per-block regions to overlap)", flush=True)
+    elif parts.compiled:
         print(f"hpctrain train: torch.compile of every block (train.compile={cfg.train.compile})", flush=True)
     if parts.optimizer.update_kind == "compiled":
         print(f"hpctrain train: AdamW in one compiled pass over the flat float32 buffers, the parameters written "

@@ -41,7 +41,7 @@ from hpctrain.data.prepared import check_corpus
 from hpctrain.data.sampler import GlobalBatchIterator
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.attention_backend import choose_sdpa, use_sdpa
-from hpctrain.models.compile import compile_stages, compile_wanted
+from hpctrain.models.compile import compile_stages, compile_wanted, whole_stage_wanted
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers, residual_dtype
 from hpctrain.models.moe import MoeStepStats
 from hpctrain.optim.flat import FlatOptimizer
@@ -176,7 +176,8 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     local_model = torch.nn.ModuleList(stages)  # train()/eval()/parameters() of every stage
     give_storage(local_model, device)  # the same parameters, on the device, still without storage
     compiled = compile_wanted(t.compile, device)  # every block compiled in place (models/compile.py)
-    compile_since = compile_stages(stages) if compiled else None
+    whole = t.compile_regions == "auto" and whole_stage_wanted(layout, cfg.lora.rank, moe, t.fp8)  # one region
+    compile_since = compile_stages(stages, whole) if compiled else None
     comp = cfg.compression
     # the trainable parameters (a LoRA run's adapters; the frozen base stays plain tensors on the device); with
     # expert parallelism the experts are a group of their own, summed over the replicas holding the same ones

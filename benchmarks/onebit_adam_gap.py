@@ -10,13 +10,14 @@ measures is what ``hpctrain/compression/methods.py`` (``ONEBIT_ADAM_GAP``) warns
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from hpctrain.bench.report import write_records
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,11 +69,7 @@ def main() -> None:
               f"{sum(abs(g) <= 0.03 for g in gaps):>6}/{len(gaps)}")
     if args.json:
         Path(args.json).write_text(json.dumps({"steps": args.steps, "ranks": args.ranks, "rows": rows}, indent=1))
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    write_records(rows, None, args.csv, list(rows[0]))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ table and writes CSV/JSON. Runs ``--jobs`` trainings at a time, one process each
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -20,6 +19,8 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from hpctrain.bench.report import write_records
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {"float32": ["train.dtype=float32"],
@@ -85,11 +86,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows,
                                                "curves": {f"{s} | {v}": c for (s, v), c in curves.items()}}, indent=1))
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    write_records(rows, None, args.csv, list(rows[0]))
 
 
 if __name__ == "__main__":

@@ -154,10 +154,9 @@ class FlatOptimizer:
         """The gradient pieces this rank counts, slice by slice; below ZeRO (gradients in one flat buffer that
         lives as long as the optimizer) adjacent pieces are merged and kept: at dp = tp = pp = 1 the norm is
         one dot over the whole buffer, not one per bucket."""
-        pieces = [self.flat.owned_grad(s.bucket, s.start, s.end)[lo:hi]
-                  for s in self.owned_slices for lo, hi in s.norm_ranges]
         if self.flat.zero:
-            return pieces
+            return [self.flat.owned_grad(s.bucket, s.start, s.end)[lo:hi]
+                    for s in self.owned_slices for lo, hi in s.norm_ranges]
         merged: list[list[int]] = []
         for lo, hi in sorted((s.start + lo, s.start + hi) for s in self.owned_slices for lo, hi in s.norm_ranges):
             if merged and merged[-1][1] == lo:
@@ -241,11 +240,7 @@ class FlatOptimizer:
     def _fused_step(self, lr: float, grad_coef, found_inf) -> None:
         """``torch._fused_adamw_`` over every owned slice at once: one call for the decayed runs, one for the rest."""
         c = self.cfg
-        grad_divisor = None
-        if isinstance(grad_coef, torch.Tensor):
-            grad_divisor = torch.reciprocal(grad_coef).to(torch.float32)
-        elif grad_coef != 1.0:
-            grad_divisor = torch.full((), 1.0 / grad_coef, dtype=torch.float32, device=self._step_tensor.device)
+        grad_divisor = self.grad_divisor(grad_coef)
         self._step_tensor.add_(1)
         for decayed, (masters, grads, exp_avgs, exp_avg_sqs) in (self._fused_groups or self._group_runs()).items():
             if masters:
@@ -258,6 +253,15 @@ class FlatOptimizer:
         if self._master_copies[0]:
             torch._foreach_copy_(*self._master_copies)
         self.flat.gather_params()
+
+    def grad_divisor(self, grad_coef) -> torch.Tensor | None:
+        """What the fused kernels divide the gradients by: 1 / ``grad_coef`` as a float32 0-d device tensor (a
+        device coefficient stays on the device), or None for a coefficient of 1."""
+        if isinstance(grad_coef, torch.Tensor):
+            return torch.reciprocal(grad_coef).to(torch.float32)
+        if grad_coef != 1.0:
+            return torch.full((), 1.0 / grad_coef, dtype=torch.float32, device=self._step_tensor.device)
+        return None
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         """A buffer of ``like``'s length (the largest owned slice, made once), for temporaries."""

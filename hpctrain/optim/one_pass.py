@@ -82,10 +82,7 @@ class OnePassAdamW:
         ``found_inf``), lr written into its device scalar."""
         opt = self.optimizer
         self.lr.fill_(lr)
-        if isinstance(grad_coef, torch.Tensor):
-            divisor = torch.reciprocal(grad_coef).to(torch.float32)
-        else:
-            divisor = self.unit if grad_coef == 1.0 else torch.full_like(self.unit, 1.0 / grad_coef)
+        divisor = opt.grad_divisor(grad_coef)
         slices = [s for s in opt.owned_slices if s.end > s.start]
         skip = self.no_skip if found_inf is None else found_inf.to(torch.float32)
         opt._step_tensor.add_(1)
@@ -93,7 +90,7 @@ class OnePassAdamW:
         self.update([s.master for s in slices], [opt.flat.owned_grad(s.bucket, s.start, s.end) for s in slices],
                     [s.exp_avg for s in slices], [s.exp_avg_sq for s in slices],
                     [None if s.master is s.params else s.params for s in slices], self.masks, self.lr,
-                    opt._step_tensor, divisor, skip, **self.constants)
+                    opt._step_tensor, self.unit if divisor is None else divisor, skip, **self.constants)
         if found_inf is not None:
             opt._step_tensor.sub_(found_inf)
         opt.flat.gather_params()

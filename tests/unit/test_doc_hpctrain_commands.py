@@ -88,8 +88,9 @@ def commands(line: str) -> list[tuple[int, int, list[str]]]:
             i += 1
         mounts: dict[str, str] = {}
         while i < len(w):
-            if _container(w, i, mounts) != i:
-                i = _container(w, i, mounts)
+            inside = _container(w, i, mounts)
+            if inside != i:
+                i = inside
                 continue
             if not (_launcher(w[i]) or w[i] in ("timeout", "time") or w[i].startswith("-")
                     or (i > 0 and w[i - 1] in ("-n", "-np", "-N", "--ntasks", "--nodes", "-ppn"))

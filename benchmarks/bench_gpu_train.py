@@ -71,6 +71,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", default="gpt2-small,gpt2-medium,gpt2-xl", help="model presets, comma-separated")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--n-layers", type=int, default=0, help="blocks of both models (default: the preset's)")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward (train.micro_batch_size)")
     p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: --micro-batch)")
@@ -110,6 +111,7 @@ def config(args):
                               f"train.device={args.device}", f"train.compile={args.compile}", "train.steps=100000",
                               "train.progress=false", "train.warmup_steps=0", "train.lr_schedule=constant",
                               "data.max_bytes=20000000"]
+                       + ([f"model.n_layers={args.n_layers}"] if args.n_layers else [])
                        + (["train.warmup_steps=100", "train.eval_steps=1", "data.valid_fraction=0.05"]  # lr changes
                           if args.count_eager else [])
                        + ([f"model.residual_dtype={args.residual_dtype}", *args.set] if args.worker == "hpctrain"
@@ -321,7 +323,8 @@ def run_worker(args, preset: str, impl: str) -> dict:
     sets = [kv for kv in args.set if not kv.startswith("train.fp8")] if impl == "hpctrain-bf16" else args.set
     worker = "hpctrain" if impl == "hpctrain-bf16" else impl
     cmd = [sys.executable, str(Path(__file__).resolve()), f"--worker={worker}", f"--preset={preset}",
-           f"--device={args.device}", f"--seq-len={args.seq_len}", f"--micro-batch={args.micro_batch}",
+           f"--device={args.device}", f"--n-layers={args.n_layers}", f"--seq-len={args.seq_len}",
+           f"--micro-batch={args.micro_batch}",
            f"--global-batch={args.global_batch}", f"--compile={args.compile}", f"--warmup={args.warmup}",
            f"--steps={args.steps}", f"--window={args.window}", f"--residual-dtype={args.residual_dtype}",
            f"--profile={args.profile}", *(f"--set={kv}" for kv in sets)] + (["--count-eager"] if args.count_eager else [])

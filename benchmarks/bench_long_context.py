@@ -82,7 +82,7 @@ def worker(args) -> list[dict]:
         trainer = Trainer(cfg, grid, tokens=tokens)
         for _ in range(args.warmup):
             trainer.train_step()
-        saved = SavedBytes(trainer.parts.flat.param_buffer.untyped_storage().data_ptr())
+        saved = SavedBytes(trainer.parts.params.flat.param_buffer.untyped_storage().data_ptr())
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             trainer.train_step()
         ring = grid.stats.ops[("cp", "exchange")] if cp > 1 else None

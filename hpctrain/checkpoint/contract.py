@@ -41,7 +41,7 @@ class ModelSlab:
     ``frozen``: not trained (a LoRA run's base weights): no optimizer state, so no OptimizerPiece writes it;
     ``written`` (frozen ones only): this rank writes its real slab (each global element by exactly one rank:
     dp x cp replica 0, the tp rank ``SlabSpec.counted_on`` names, never a tied copy).
-    ``sharded``: ZeRO-3, ``data`` is not held between steps: the values are this rank's ``OptimizerPiece``s
+    ``sliced``: ZeRO-3, ``data`` is not held between steps: the values are this rank's ``OptimizerPiece``s
     of it (written and loaded through them, in ``TrainTensors.ranges[...].params``; a frozen one's in
     ``TrainTensors.frozen_pieces``, in ``frozen_slices``)."""
 
@@ -49,7 +49,7 @@ class ModelSlab:
     data: torch.Tensor
     frozen: bool = False
     written: bool = False
-    sharded: bool = False
+    sliced: bool = False
 
 
 @dataclass(frozen=True, eq=False)

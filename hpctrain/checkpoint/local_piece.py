@@ -59,7 +59,7 @@ def piece_tensors(state: TrainState) -> list[tuple[str, torch.Tensor]]:
     for i, p in enumerate(tensors.params):
         in_ranges = (owned_elements.get(p.spec.name, 0) == p.data.numel()
                      and p.data.untyped_storage().data_ptr() in range_storages)
-        if not p.sharded and not in_ranges:
+        if not p.sliced and not in_ranges:
             out.append((f"param{i}/{p.spec.name}", p.data))
     out.extend((f"reducer/{key}", value) for key, value in state.reducer.state_dict().items())
     out.append(("rng", state.rng_state()))

@@ -77,7 +77,7 @@ def snapshot(state: TrainState | FrozenState) -> Snapshot:
 def _snapshot_frozen(tensors, snap: Snapshot, model_dtype) -> None:
     """The frozen parameters (a LoRA run's base weights) this rank writes, copied whole into the checkpoint
     (``lora.checkpoint_base = "copy"``, or a run without a base to refer to: a checkpoint that stands alone)."""
-    frozen = [p for p in tensors.params if p.frozen and p.written and not p.sharded and p.spec.valid_numel]
+    frozen = [p for p in tensors.params if p.frozen and p.written and not p.sliced and p.spec.valid_numel]
     host = to_host([p.data[p.spec.valid_local()] for p in frozen])
     for p, values in zip(frozen, host):
         box = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.valid_shape)
@@ -116,7 +116,7 @@ def _read_base(state: TrainState, reader, staged: StagedState) -> dict:
             base.verify_share(state.rank, state.world_size)
             tensors = state.tensors()
             for p in tensors.params:
-                if p.frozen and p.spec.valid_numel and not p.sharded:
+                if p.frozen and p.spec.valid_numel and not p.sliced:
                     staged.copies.append((p.data[p.spec.valid_local()], base.read(p.spec.name, p.spec.local_slices())))
             staged.copies += frozen_piece_copies(tensors, lambda name, box: base.read(name, box.slices()))
             return base.reference
@@ -190,7 +190,7 @@ def read_state(state: TrainState, reader) -> StagedState:
     if reader.attrs.get(BASE_REFERENCE_ATTR):
         staged.base_reference = _read_base(state, reader, staged)
     for p in tensors.params:  # the real part of each slab (padding rows stay zero)
-        if (staged.base_reference is not None and p.frozen) or p.sharded:  # sharded: through the pieces below
+        if (staged.base_reference is not None and p.frozen) or p.sliced:  # sharded: through the pieces below
             continue
         if p.spec.valid_numel and not (weights_only and reader.shape(model_dataset(p.spec.name)) is None):
             slab = Box(tuple(s.start or 0 for s in p.spec.local_slices()), p.spec.valid_shape)
@@ -198,7 +198,7 @@ def read_state(state: TrainState, reader) -> StagedState:
     if staged.base_reference is None:  # ZeRO-3's frozen base (else _read_base staged it)
         staged.copies += frozen_piece_copies(tensors, lambda name, box: None if weights_only and reader.shape(
             model_dataset(name)) is None else reader.read_checked(model_dataset(name), box))
-    sharded = {p.spec.name for p in tensors.params if p.sharded}
+    sharded = {p.spec.name for p in tensors.params if p.sliced}
     for piece in tensors.pieces:
         owned = tensors.ranges[piece.owner]
         for box, a, b in local_range_boxes(piece.spec, piece.lo, piece.hi):

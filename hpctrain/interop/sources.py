@@ -193,7 +193,7 @@ def init_weights(state: TrainState, path: str, world) -> None:
         for p in tensors.params:
             if is_adapter(p.spec.name) and not with_adapters:
                 continue  # a LoRA run from base weights: its adapters keep their initial values
-            if p.sharded:  # ZeRO-3: only the pieces this rank keeps
+            if p.sliced:  # ZeRO-3: only the pieces this rank keeps
                 staged += _piece_values(tensors, p.spec, source)
             elif p.spec.valid_numel:  # the real rows of a padded vocabulary slab; the padding stays zero
                 staged.append((p.data[p.spec.valid_local()], source.read(p.spec.name, p.spec.local_slices())))

@@ -26,6 +26,11 @@ used then), as the compiled loop of benchmarks/bench_gpu_train.py has it. Under 
 the LM head and the vocab-parallel loss stay eager (their tp collectives sit in the middle), as does the embedding.
 At dp = pp = tp = cp = 1 (``whole_stage_wanted``) the whole stage, embedding to loss, is one region instead: with
 no data-parallel reduction there are no per-block gradient hooks to overlap with (issue #52 item 1).
+
+Inductor compiles its C++/Triton kernels in a pool of worker processes, ``compile_threads`` of them, by default
+one per core it may use: on a node running several ranks every rank would start a pool as large as the node.
+``share_compile_workers`` divides the cores among the node's ranks instead (unless
+``TORCHINDUCTOR_COMPILE_THREADS`` is set).
 """
 from __future__ import annotations
 
@@ -55,6 +60,26 @@ def whole_stage_wanted(layout, lora_rank: int, moe, fp8: str) -> bool:
             and not lora_rank and moe is None and fp8 == "none")
 
 
+def share_compile_workers(ranks_on_node: int, environ=None) -> int | None:
+    """Give each of the ``ranks_on_node`` ranks of this node an equal share of the cores this process may use
+    for inductor's compile workers (at least 1: compile in-process); returns the count set, or None where
+    ``TORCHINDUCTOR_COMPILE_THREADS`` decides. Call before the first compile."""
+    import os
+
+    import torch._inductor.config as inductor_config
+
+    from hpctrain.runtime import env
+
+    if env.inductor_compile_threads_set(environ):
+        return None
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    default = inductor_config.compile_threads or cores
+    threads = max(1, min(default, cores // max(1, ranks_on_node)))
+    inductor_config.compile_threads = threads
+    return threads
+
+
 def compile_stage(stage: GPTStage, whole: bool = False) -> int:
     """Compile every block (and the final norm) of a GPTStage in place, lazily (on the first call); returns
     the number of modules compiled. ``whole`` (``whole_stage_wanted``): the stage's ``whole_loss`` instead, one
@@ -82,10 +107,11 @@ def tail_compilable(stage: GPTStage) -> bool:
     return (stage.tp_comm is None or stage.tp_comm.size == 1) and getattr(stage.head, "lora", None) is None
 
 
-def compile_stages(stages, whole: bool = False) -> dict:
+def compile_stages(stages, whole: bool = False, ranks_on_node: int = 1) -> dict:
     """``compile_stage`` on each of this rank's stage modules (one per virtual stage; ``whole``: see
-    ``whole_stage_wanted``); returns the ``dynamo_counts`` reading taken before (what ``compile_report`` counts
-    from)."""
+    ``whole_stage_wanted``), with the node's cores shared among its ``ranks_on_node`` ranks'
+    compile workers; returns the ``dynamo_counts`` reading taken before (what ``compile_report`` counts from)."""
+    share_compile_workers(ranks_on_node)
     since = dynamo_counts()
     for stage in stages:
         compile_stage(stage, whole)
@@ -118,7 +144,7 @@ def compile_report(since: dict, top: int = 5) -> list[str]:
 def _break_kind(reason: str) -> str:
     """A graph break's reason in one line: the tp/cp collectives' and ZeRO-3 gathers' breaks by design (``torch.compiler.disable``,
     hpctrain/parallel/tp_comm.py, ``eager_ring_attention``), else dynamo's explanation without its hints."""
-    if "ZeRO-3" in reason:  # hpctrain/parallel/zero3.py's hooks, at each unit's edge
+    if "ZeRO-3" in reason:  # hpctrain/parallel/zero/gather.py's hooks, at each unit's edge
         return "a ZeRO-3 parameter gather run eagerly (by design: torch.compiler.disable)"
     if "torch.compiler.disable" in reason or "function `disable`" in reason:
         return "a tp/cp collective or ZeRO-3 gather run eagerly (by design: torch.compiler.disable)"

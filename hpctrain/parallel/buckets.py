@@ -1,6 +1,6 @@
 """Buckets: runs of a stage's flat parameter (and gradient) buffers that move as one, and what places a
 parameter's bytes in them. Shared by the trainable ``FlatParams`` (hpctrain/parallel/data_parallel.py) and
-the frozen ``FrozenShards`` (frozen_shards.py); ZeRO-3's ``ParamGather`` (zero3.py) gathers and frees them.
+the frozen ``FrozenSlices`` (zero/frozen_slices.py); ZeRO-3's ``ParamGather`` (zero/gather.py) gathers and frees them.
 
 Words (docs/architecture.md): a bucket's **slice** is one replica rank's 1/dp of it (ZeRO); a **piece** is one
 parameter's part of a flat range. A parameter's ``.data`` is a view of its bucket's ``param_values``; at
@@ -48,7 +48,7 @@ class Bucket:
     ``grads``: its main grads [size] (a view of ``FlatParams.grad_buffer`` at zero <= 1; at zero >= 2 a
     tensor of its own, freed between micro-batches except in the deferred bucket). ``param_values``: its
     parameters [size] (a view of ``param_buffer`` at zero <= 2; at zero 3 a tensor of its own that holds
-    the gathered unit while it runs, ``sharded``). ``param_slice``: zero 3, this rank's 1/dp of ``param_values``, kept
+    the gathered unit while it runs, ``sliced``). ``param_slice``: zero 3, this rank's 1/dp of ``param_values``, kept
     between steps. ``slice_grad``: zero >= 1, this rank's reduced 1/dp of ``grads``; ``slice_out``: where the
     running reduce-scatter writes (``slice_grad``, or ``incoming`` when earlier micro-batches' sum is there)."""
     start: int  # range in the flat buffers
@@ -71,7 +71,7 @@ class Bucket:
         return self.end - self.start
 
     @property
-    def sharded(self) -> bool:
+    def sliced(self) -> bool:
         """zero 3: ``param_values`` is gathered only while its unit runs (this rank keeps ``param_slice``)."""
         return self.param_slice is not None
 
@@ -100,11 +100,11 @@ def is_allocated(tensor: torch.Tensor) -> bool:
 
 @contextmanager
 def gather_whole(buckets: list[Bucket], dp_comm):
-    """Collective over ``dp_comm`` (None: one rank): each sharded bucket of ``buckets`` not gathered now gets
+    """Collective over ``dp_comm`` (None: one rank): each sliced bucket of ``buckets`` not gathered now gets
     its whole ``param_values`` from the ranks' slices (blocking all-gathers), freed again on exit."""
-    taken = [b for b in buckets if b.sharded and not is_allocated(b.param_values)]
+    taken = [b for b in buckets if b.sliced and not is_allocated(b.param_values)]
     for b in taken:
-        assert b.param_slice is not None  # a sharded bucket
+        assert b.param_slice is not None  # a sliced bucket
         allocate(b.param_values)
         if dp_comm is not None and dp_comm.size > 1:
             dp_comm.allgather(b.param_values, b.param_slice)
@@ -117,7 +117,7 @@ def gather_whole(buckets: list[Bucket], dp_comm):
             free(b.param_values)
 
 
-def sharded_pieces(bucket: Bucket, offsets: dict, dp_rank: int, dp_size: int) -> list[tuple[ParamPiece, int]]:
+def sliced_pieces(bucket: Bucket, offsets: dict, dp_rank: int, dp_size: int) -> list[tuple[ParamPiece, int]]:
     """(piece, at) for every run of parameter elements in this rank's slice of ``bucket`` (1/dp of it):
     elements [piece.param_lo, piece.param_hi) of the parameter's flattened slab lie at [at, at + length) of
     ``bucket.param_slice``. ``offsets``: id(parameter) -> (start in the flat order, elements). Padding has no
@@ -138,7 +138,7 @@ def place_params(bucket: Bucket, offsets: dict, dp_rank: int, dp_size: int) -> N
     """Point every parameter of ``bucket`` into its ``param_values`` (``p.data`` becomes a view), record its
     (start, elements) in ``offsets`` (keyed by id), and give it its initial values. A parameter with storage
     is copied; one without (built on the meta device: ``param_init.give_storage``) is drawn from its rule. A
-    sharded bucket (ZeRO-3: ``param_slice``) keeps only this rank's slice: drawn straight into it when no
+    sliced bucket (ZeRO-3: ``param_slice``) keeps only this rank's slice: drawn straight into it when no
     parameter has storage (the whole unit is never written), else copied out of the whole, which is then freed."""
     with_storage = any(has_storage(p) for p in bucket.params)
     whole = bucket.param_slice is None or with_storage
@@ -163,7 +163,7 @@ def place_params(bucket: Bucket, offsets: dict, dp_rank: int, dp_size: int) -> N
     if whole:
         bucket.param_slice.copy_(bucket.param_values[dp_rank * share:(dp_rank + 1) * share])
     else:
-        for piece, at in sharded_pieces(bucket, offsets, dp_rank, dp_size):
+        for piece, at in sliced_pieces(bucket, offsets, dp_rank, dp_size):
             spec, rule = piece.param.spec, piece.param.init  # type: ignore[attr-defined]  # (parallel/param_init.py)
             fill_(bucket.param_slice[at:at + piece.flat_hi - piece.flat_lo], spec, rule, lo=piece.param_lo)
     free(bucket.param_values)

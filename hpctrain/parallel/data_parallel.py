@@ -1,5 +1,7 @@
 """Data parallelism: flat parameter/gradient buffers, bucketed gradient reduction overlapped with backward,
 and the ZeRO slice layout (stages 1-3). All reductions run on the DP group (the replica group, dp x cp).
+How the buckets and buffers are cut: flat_layout.py; the deferred bucket's pre-reductions over tp and pp:
+pre_reduce.py.
 
 Layout. A stage's parameters are re-pointed into one flat ``param_buffer``; their gradients are
 accumulated (over micro-batches) into a flat ``grad_buffer`` ("main grads": float32 for half-precision
@@ -21,7 +23,7 @@ reduced gradients; ``gather_params`` all-gathers the updated parameters. Stage 2
 deferred one) has its own gradient storage, taken when a micro-batch's first gradient reaches it and
 given back once that micro-batch's reduce-scatter is done (``allocate`` / ``free``): a reduce-scatter
 per micro-batch, summed into the slice. Stage 3: also the parameters, per unit (one bucket each, built
-from ``units``); a rank keeps its ``param_slice`` and hpctrain/parallel/zero3.py gathers the unit around
+from ``units``); a rank keeps its ``param_slice`` and hpctrain/parallel/zero/gather.py gathers the unit around
 its forward and backward. What to communicate is decided by the hooks alone, never by when a reduction
 happened to complete (completion times differ between ranks; a decision taken from them once posted a
 reduce-scatter on some ranks only).
@@ -46,11 +48,10 @@ from collections.abc import Callable
 import torch
 
 from hpctrain.compression.reducer import DenseReducer, GradReducer
-from hpctrain.parallel.buckets import (Bucket, ParamPiece, allocate, free, gather_whole, intersect, place_params,
-                                       sharded_pieces)
+from hpctrain.parallel.buckets import Bucket, ParamPiece, allocate, free, gather_whole, intersect, place_params
+from hpctrain.parallel.flat_layout import make_buckets, make_storage
+from hpctrain.parallel.pre_reduce import pre_reduce
 from hpctrain.profiling.timers import NULL_TIMER
-
-TIED_GRAD_TAG = 23  # beside the pipeline's ACT_TAG = 21, GRAD_TAG = 22 on the same pp communicator
 
 
 class FlatParams:
@@ -62,7 +63,7 @@ class FlatParams:
     ``GradReducer.overflow``) and ``reducer``, built LAST by ``make_reducer(self)`` once the buffers,
     buckets and timer exist (default: the dense reducer; the Trainer passes one of
     ``hpctrain.compression.build_reducer``). ``on_backward_done(bucket)``: zero 3's gatherer
-    (hpctrain/parallel/zero3.py) is told when a bucket's micro-batch grads are complete. ``first_index``: the
+    (hpctrain/parallel/zero/gather.py) is told when a bucket's micro-batch grads are complete. ``first_index``: the
     first bucket's ``index`` (the experts' FlatParams continues after the dense one's: ZeRO-3's gatherer keys
     the buckets of both by it)."""
 
@@ -82,9 +83,11 @@ class FlatParams:
                                          else param_dtype)
         self.device = device = self.params[0].device  # buffers live where the parameters are
         self.first_index = first_index
-        self.buckets = self._make_buckets(bucket_mb * 2**20 / torch.empty((), dtype=self.grad_dtype).element_size(),
-                                          units if self.zero_stage == 3 else None)
-        self._make_storage()
+        self.buckets = make_buckets(self.params, self.dp_size,
+                                    bucket_mb * 2**20 / torch.empty((), dtype=self.grad_dtype).element_size(),
+                                    units if self.zero_stage == 3 else None, first_index)
+        self.param_buffer, self.grad_buffer = make_storage(self.buckets, self.dp_size, self.zero_stage,
+                                                           self.param_dtype, self.grad_dtype, device)
         self._offsets: dict[int, tuple[int, int]] = {}  # id(parameter) -> (start in the flat buffers, elements)
         self.bucket_of: dict[int, Bucket] = {}
         for bucket in self.buckets:
@@ -108,77 +111,6 @@ class FlatParams:
         self._owned_padding = [(b, lo, hi, pads) for b, lo, hi in self.owned_ranges()
                                if (pads := self.padding_ranges(lo, hi))]
         self.reducer = make_reducer(self)  # last: it reads the buckets, buffers and timer
-
-    def _make_storage(self) -> None:
-        """The buffers behind every bucket's ``param_values``, ``grads``, ``param_slice`` and the gradient slices (see ``Bucket``).
-
-        ``param_buffer``: the parameter values this rank keeps between steps: every bucket at zero <= 2; at
-        zero 3 the parameter slices of the sharded buckets, then the deferred bucket whole. ``grad_buffer``: every
-        bucket's main grads at zero <= 1; at zero >= 2 empty (each bucket's ``grads`` is its own)."""
-        dp, device, zero = self.dp_size, self.device, self.zero_stage
-        kept = sum(b.size // dp if zero == 3 and not b.deferred else b.size for b in self.buckets)
-        self.param_buffer = torch.zeros(kept, dtype=self.param_dtype, device=device)
-        total = self.buckets[-1].end if self.buckets else 0
-        self.grad_buffer = torch.zeros(total if zero <= 1 else 0, dtype=self.grad_dtype, device=device)
-        at = 0
-        for b in self.buckets:
-            if zero == 3 and not b.deferred:  # the whole unit: storage only while gathered (``place_params``)
-                b.param_slice = self.param_buffer[at:at + b.size // dp]
-                b.param_values = torch.empty(b.size, dtype=self.param_dtype, device=device)
-                free(b.param_values)
-                at += b.size // dp
-            else:
-                b.param_values = self.param_buffer[at:at + b.size] if zero == 3 else self.param_buffer[b.start:b.end]
-                at += b.size if zero == 3 else 0
-            per_microbatch = zero >= 2 and not b.deferred  # storage only while a micro-batch's grads are there
-            b.grads = self.grad_buffer[b.start:b.end] if zero <= 1 else \
-                (torch.empty if per_microbatch else torch.zeros)(b.size, dtype=self.grad_dtype, device=device)
-            if zero:
-                b.slice_grad = b.slice_out = torch.zeros(b.size // dp, dtype=self.grad_dtype, device=device)
-            if per_microbatch:
-                b.incoming = torch.empty(b.size // dp, dtype=self.grad_dtype, device=device)
-                free(b.grads)  # a whole stage's gradients are never held at once
-                free(b.incoming)
-
-    def _make_buckets(self, bucket_elems: float, units: list[list] | None) -> list[Bucket]:
-        """Buckets in backward order: by size (``bucket_elems``), or one per unit (zero 3); then the
-        deferred bucket."""
-        def needs_pre_reduction(p):
-            return p.spec.partial_grad_over_tp or bool(p.spec.tied)
-
-        ordered = list(reversed(self.params))
-        regular = [p for p in ordered if not needs_pre_reduction(p)]
-        # the grads partial over tp first: one contiguous span, summed by one all-reduce (_pre_reduce)
-        deferred = sorted((p for p in ordered if needs_pre_reduction(p)), key=lambda p: not p.spec.partial_grad_over_tp)
-        groups: list[tuple[list, bool]] = []
-        if units is not None:
-            taken = {id(p) for p in regular}
-            for unit in reversed(units):
-                members = [p for p in reversed(unit) if id(p) in taken]
-                taken -= {id(p) for p in members}
-                if members:
-                    groups.append((members, False))
-            if taken:
-                raise ValueError(f"zero 3: {len(taken)} trainable parameter(s) belong to no unit")
-        else:
-            current: list = []
-            for p in regular:
-                current.append(p)
-                if sum(q.numel() for q in current) >= bucket_elems:
-                    groups.append((current, False))
-                    current = []
-            if current:
-                groups.append((current, False))
-        if deferred:
-            groups.append((deferred, True))
-        buckets: list[Bucket] = []
-        start = 0
-        for members, is_deferred in groups:
-            n = sum(p.numel() for p in members)
-            padded = -(-n // self.dp_size) * self.dp_size
-            buckets.append(Bucket(start, start + padded, members, is_deferred, index=self.first_index + len(buckets)))
-            start += padded
-        return buckets
 
     # ---------------------------------------------------------------- one step
     def start_step(self) -> None:
@@ -270,7 +202,7 @@ class FlatParams:
         for bucket in self.buckets:
             if bucket.deferred:
                 self._settle(bucket)
-                self._pre_reduce(bucket)
+                pre_reduce(bucket, self._offsets, self.tp_comm, self.pp_comm)
                 self._launch(bucket)
             elif bucket.per_microbatch and (bucket.pending < len(bucket.params) or not bucket.launches):
                 self._open(bucket)  # grads the hooks did not hand over (unused parameters), or none at all
@@ -287,35 +219,6 @@ class FlatParams:
             grad = self.owned_grad(bucket, start, end)
             for lo, hi in pads:
                 grad[lo:hi].zero_()
-
-    def _pre_reduce(self, bucket: Bucket) -> None:
-        self._sum_partial_grads_over_tp(bucket, [p for p in bucket.params if p.spec.partial_grad_over_tp])
-        tied = [p for p in bucket.params if p.spec.tied]
-        if len(tied) == 2:  # zb-v: rank 0 holds the first virtual stage and the last, the original and its copy
-            total = tied[0].main_grad + tied[1].main_grad
-            for p in tied:
-                p.main_grad.copy_(total)
-        for p in tied[:1] if len(tied) == 1 else []:
-            self._sum_tied_embedding_grad(p)
-
-    def _sum_partial_grads_over_tp(self, bucket: Bucket, params: list) -> None:
-        """Grads partial per TP rank (a replicated norm weight that saw S/tp tokens with sequence parallelism,
-        a LoRA factor that saw 1/tp of its linear's outputs or inputs): one all-reduce over tp of their
-        span of the bucket's grads (they lie next to each other at the deferred bucket's start)."""
-        if not params or self.tp_comm is None or self.tp_comm.size == 1:
-            return
-        spans = sorted(self._offsets[id(p)] for p in params)
-        lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
-        assert sum(n for _, n in spans) == hi - lo, "partial-over-tp grads are not contiguous"
-        self.tp_comm.allreduce(bucket.grads[lo - bucket.start:hi - bucket.start])
-
-    def _sum_tied_embedding_grad(self, p) -> None:
-        """Stage 0's embedding and the last stage's LM-head copy exchange grads over pp and add them."""
-        peer = self.pp_comm.size - 1 if self.pp_comm.rank == 0 else 0
-        theirs = torch.empty_like(p.main_grad)
-        mine = p.main_grad.contiguous()  # posted together: one NCCL group, no send/recv ordering
-        self.pp_comm.exchange([(mine, peer, TIED_GRAD_TAG)], [(theirs, peer, TIED_GRAD_TAG)]).wait()
-        p.main_grad.add_(theirs)
 
     # ---------------------------------------------------------------- what this rank owns
     def owned_ranges(self) -> list[tuple[Bucket, int, int]]:
@@ -345,7 +248,7 @@ class FlatParams:
         buckets that stay whole; a sharded one is gathered when its unit next runs)."""
         if not self.zero or self.dp_size == 1:
             return
-        handles = [self.dp_comm.allgather(b.param_values, None, nonblocking=True) for b in self.buckets if not b.sharded]
+        handles = [self.dp_comm.allgather(b.param_values, None, nonblocking=True) for b in self.buckets if not b.sliced]
         for h in handles:
             h.wait()
 

@@ -16,8 +16,8 @@ rank's slab (a ZeRO-3 slice cuts through rows), in float64 chunks of ``CHUNK`` e
 takes beside its output is bounded and its time is proportional to the elements it writes.
 
 ``new_param`` makes a parameter under the current default device: on a real device it is filled at once;
-under ``torch.device("meta")`` it has a shape and no storage, and ``FlatParams`` / ``FrozenShards``
-(hpctrain/parallel/data_parallel.py, frozen_shards.py) or ``materialize_`` give it storage later
+under ``torch.device("meta")`` it has a shape and no storage, and ``FlatParams`` / ``FrozenSlices``
+(hpctrain/parallel/data_parallel.py, zero/frozen_slices.py) or ``materialize_`` give it storage later
 (``give_storage``) and fill only what this rank keeps.
 """
 from __future__ import annotations
@@ -195,7 +195,7 @@ def has_storage(t: torch.Tensor) -> bool:
 def give_storage(module: nn.Module, device: torch.device) -> None:
     """Replace, in place (``torch.utils.swap_tensors``: the same Parameter objects, so shared and tied ones
     stay shared), every meta parameter of ``module`` by one of the same shape on ``device`` whose storage is
-    empty: what ``FlatParams`` / ``FrozenShards`` point into their buffers and fill, or ``materialize_`` fills.
+    empty: what ``FlatParams`` / ``FrozenSlices`` point into their buffers and fill, or ``materialize_`` fills.
     Every attribute (``spec``, ``init``) is kept. Nothing is allocated for longer than one parameter."""
     seen: set[int] = set()
     for p in module.parameters():

@@ -13,7 +13,7 @@ backward through ``_Deliver``, a node whose gradients are the ones held here), e
 would have put them: ``param.grad`` and its post-accumulate hooks, i.e. ``FlatParams``' main-grad accumulation
 and bucket reduction. So a bucket is reduced after its last W, and ZeRO-2's per-micro-batch reduce-scatter sees
 one whole micro-batch at a time. Its weight gradients need neither the weights nor communication: ZeRO-3
-releases a unit once its B has passed it (``zero3.ParamGather``, ``split_backward``).
+releases a unit once its B has passed it (``zero.gather.ParamGather``, ``split_backward``).
 
 A W is deferred, never lost: ``check_drained`` raises naming every (micro-batch, c) whose W did not run.
 Outside ``deferring`` a ``deferrable_linear`` is an ordinary linear (evaluation, a full backward).

@@ -48,7 +48,7 @@ Units: seconds, FLOPs, bytes. Per micro-batch on one rank of pipeline stage ``s`
   bucket once); a bucket's reduction must end before the next micro-batch's gradients reach it, so each
   of the first ``M - 1`` exposes ``max(0, reduction - slot)`` and the last the tail above; then ZeRO-1's
   parameter all-gather.
-- ZeRO-3 (hpctrain/parallel/zero3.py; units: memory.zero3_units): with ``zero_reshard_after_forward``
+- ZeRO-3 (hpctrain/parallel/zero/gather.py; units: memory.zero3_units): with ``zero_reshard_after_forward``
   every micro-batch all-gathers each unit before its forward and again before its backward, except the
   LM head's unit (kept from its forward to its backward, and with GPipe's micro-batches in flight never
   freed), so each pass's units (per virtual stage) are simulated in order (``_gather_stall_s``): one
@@ -94,7 +94,7 @@ from hpctrain.plan.machine import GroupPlacement
 from hpctrain.plan.compressed import dp_wire_fraction, payload_fraction
 from hpctrain.plan.lora import (adapter_gemms, adapter_traffic_bytes, block_adapter_parameters, check_targets,
                                lora_flops_per_token, partial_adapter_parameters, unit_adapter_parameters)
-from hpctrain.plan.memory import head_buckets, sharded, whole_parameters, zero3_units
+from hpctrain.plan.memory import head_buckets, sliced, whole_parameters, zero3_units
 from hpctrain.plan.ring import RING_TILE, SCORE_PASSES, exposed_s, kv_elements, ring_math_dtype, ring_pairs
 from hpctrain.plan.shapes import block_gemms, block_matmul_params, for_tp, moe_block_gemms
 from hpctrain.plan.stages import (Stage, in_flight, layer_activation_bytes, moe_activation_bytes, recompute_kind,
@@ -353,7 +353,7 @@ def step_time(model, cand: Candidate, machine, options: Options = Options(), moe
     world_at = GroupPlacement("inter" if machine.nodes > 1 else "intra", machine.gpus_per_node)
     grad_norm = 2 * machine.collective_s("allreduce", 8.0, lay.world_size, world_at)  # loss, gradient norm
     per_param = 32 if nb == 2 else 7 * nb
-    local = max(sharded(n, e, lay, 1) if lay.zero >= 1 else n / 1 for _, n, _, e in params)
+    local = max(sliced(n, e, lay, 1) if lay.zero >= 1 else n / 1 for _, n, _, e in params)
     optimizer = local * (dev.optimizer_s_per_param or per_param / hbm) + grad_norm
 
     tokens = lay.global_batch * full_seq

@@ -52,7 +52,7 @@ def block_adapter_parameters(m, tp: int, rank: int, targets) -> int:
 def partial_adapter_parameters(m, tp: int, rank: int, targets) -> int:
     """Of ``block_adapter_parameters``, the factors kept whole on every tp rank whose gradients are partial
     sums over tp (a column target's ``A``, a row target's ``B``; none at tp 1): the engine's deferred bucket,
-    never sharded at zero >= 2 (hpctrain/parallel/data_parallel.py, zero3.py)."""
+    never sharded at zero >= 2 (hpctrain/parallel/data_parallel.py, zero/gather.py)."""
     if rank <= 0 or tp <= 1:
         return 0
     shapes = lora_target_shapes(m)

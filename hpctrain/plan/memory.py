@@ -11,7 +11,7 @@ buffers (hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py):
   without ZeRO (2 + 4 + 8 + 4), as in Megatron-LM. With context parallelism every "dp" here is ``dp x
   cp``: the cp ranks of a replica hold the same parameters, their gradients are reduced over the grid's
   dp_cp group and ZeRO shards over it;
-- ZeRO-2 and ZeRO-3, as hpctrain's engine runs them (hpctrain/parallel/data_parallel.py, zero3.py;
+- ZeRO-2 and ZeRO-3, as hpctrain's engine runs them (hpctrain/parallel/data_parallel.py, zero/gather.py;
   ``whole_parameters``: a tied embedding split over pp stays whole in the "deferred" bucket, its
   gradients whole and, at zero 3, its parameters too). ZeRO-2 reduce-scatters every micro-batch's
   gradients bucket by bucket into each rank's slice (``P x 4 / dp``) and frees a bucket's full gradients
@@ -130,7 +130,7 @@ def whole_parameters(model, stage, layout) -> int:
 
 def zero3_units(model, stage, layout, virtual_stages: int = 1, moe=None, adapters: int = 0,
                 frozen: bool = False) -> list[list[dict[str, int]]]:
-    """The ZeRO-3 units of one tp rank of ``stage`` per virtual stage, in forward order (zero3.py
+    """The ZeRO-3 units of one tp rank of ``stage`` per virtual stage, in forward order (zero/gather.py
     ``stage_units``): each unit is ``{bucket: sharded parameters}`` of the buckets it gathers. The
     embedding (+ learned positions) opens the first stage, the final norm + LM head closes the last (a
     tied head with one stage gathers the embedding's bucket; a tied embedding split over pp stays whole:
@@ -138,7 +138,7 @@ def zero3_units(model, stage, layout, virtual_stages: int = 1, moe=None, adapter
     (bucket ``experts...``: gathered over dp x cp / ep); the stage's MoE blocks come first. ``adapters``: a
     LoRA run's adapter parameters per block (bucket ``lora...``, the block's trainable one; lora.py);
     ``frozen``: a LoRA run, whose frozen base is sharded whole, a tied embedding split over pp too (the first
-    stage's in its embedding unit, the last stage's copy in its head unit: frozen_shards.py).
+    stage's in its embedding unit, the last stage's copy in its head unit: zero/frozen_slices.py).
     ``model``'s vocabulary as given (padded by the caller)."""
     h, t = model.d_model, layout.tp_size
     copy = frozen and model.tie_embeddings and layout.pp_size > 1  # the last stage's own (sharded) copy
@@ -167,7 +167,7 @@ def zero3_units(model, stage, layout, virtual_stages: int = 1, moe=None, adapter
 
 def head_buckets(chunks: list[list[dict[str, int]]]) -> dict[str, int]:
     """The buckets of the LM head's unit in ``zero3_units`` (none off the last stage): the one unit that stays
-    gathered from its forward to its backward (zero3.py ``Unit.last``: the fused loss uses its weight)."""
+    gathered from its forward to its backward (zero/gather.py ``Unit.last``: the fused loss uses its weight)."""
     return next((unit for chunk in chunks for unit in chunk if "head" in unit), {})
 
 
@@ -193,8 +193,8 @@ def gathered_parameters(chunks: list[list[dict[str, int]]], prefetch: int, resha
     return best + sum(pinned.values())
 
 
-def sharded(n: float, experts: float, layout, nbytes: float) -> float:
-    """Bytes of one rank's ZeRO shard of ``n`` parameters of ``nbytes`` each, ``experts`` of them routed
+def sliced(n: float, experts: float, layout, nbytes: float) -> float:
+    """Bytes of one rank's ZeRO slice of ``n`` parameters of ``nbytes`` each, ``experts`` of them routed
     experts: the rest over the dp x cp group, the experts over the ``dp x cp / ep`` ranks holding the same ones."""
     d, ep = layout.replica_size, layout.ep_size
     return (n - experts) * nbytes / d + experts * nbytes * ep / d
@@ -217,10 +217,10 @@ def state_bytes(model, stage, layout, options, moe=None) -> tuple[float, float, 
     ob = optimizer_bytes_per_param(options.dtype)
     if options.lora_rank:
         return lora_state_bytes(model, stage, layout, options, n)
-    optimizer = sharded(n, e, layout, ob) if zero >= 1 else n * ob / 1
+    optimizer = sliced(n, e, layout, ob) if zero >= 1 else n * ob / 1
     if zero <= 1:
-        return n * nb, n * gb + (sharded(n, e, layout, gb) if zero == 1 else 0.0), optimizer
-    whole, slices = whole_parameters(model, stage, layout), sharded(n, e, layout, gb)  # every bucket's reduced slice
+        return n * nb, n * gb + (sliced(n, e, layout, gb) if zero == 1 else 0.0), optimizer
+    whole, slices = whole_parameters(model, stage, layout), sliced(n, e, layout, gb)  # every bucket's reduced slice
     if zero == 2:  # a bucket filling while the previous one's reduce-scatter travels
         transient = min((n - whole) * gb, 2 * options.bucket_mb * 2**20)
         return n * nb, whole * gb + slices + transient, optimizer
@@ -228,7 +228,7 @@ def state_bytes(model, stage, layout, options, moe=None) -> tuple[float, float, 
     held = in_flight(layout, stage, options.virtual_stages) > 1  # for the head: GPipe's last stage
     gathered = gathered_parameters(chunks, options.zero_prefetch, options.zero_reshard_after_forward, held)
     largest = max((unit_gradient(unit) for chunk in chunks for unit in chunk), default=0)
-    return sharded(n - whole, e, layout, nb) + (whole + gathered) * nb, whole * gb + slices + largest * gb, optimizer
+    return sliced(n - whole, e, layout, nb) + (whole + gathered) * nb, whole * gb + slices + largest * gb, optimizer
 
 
 def lora_state_bytes(model, stage, layout, options, base: int) -> tuple[float, float, float]:

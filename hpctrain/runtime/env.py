@@ -171,6 +171,12 @@ def mpi4py_libmpi(environ: Mapping[str, str] | None = None) -> str | None:
     return _get("MPI4PY_LIBMPI", environ)
 
 
+def inductor_compile_threads_set(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``$TORCHINDUCTOR_COMPILE_THREADS`` is set (inductor reads it itself; hpctrain then leaves its
+    compile workers alone)."""
+    return _get("TORCHINDUCTOR_COMPILE_THREADS", environ) is not None
+
+
 def cuda_visible_devices(environ: Mapping[str, str] | None = None) -> str | None:
     """``$CUDA_VISIBLE_DEVICES`` as given (for messages), or None when unset."""
     return (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")

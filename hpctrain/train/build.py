@@ -6,14 +6,13 @@ Parts, in the order they are built (each line: the part, what it talks on):
 - the model: this pp rank's virtual stages (``build_stages``: tp layers over ``grid.comm("tp")``, ring
   attention over ``grid.comm("cp")``), compiled per block (``train.compile``), with SDPA's fastest kernels
   timed once on the device (every rank takes rank 0's choice: one allgather over the world);
-- ``FlatParams``: the trainable parameters' flat buffers and the gradient reducer over the replica group
-  ``grid.comm(grid.replica_axis)`` (dp, or dp x cp; compressed: hpctrain/compression/), sharded by
-  ``parallel.zero``; at zero 3 one bucket per unit and ``ParamGather`` (hpctrain/parallel/zero3.py), which
-  gathers each unit's parameters around its forward and backward; with expert parallelism the experts'
-  own ``FlatParams`` over ``grid.comm("ep_replica")`` (the ranks holding the same experts), every ZeRO stage
-  sharding them there, behind one ``FlatGroup``;
-- ``FlatOptimizer``: AdamW/SGD on the owned slices; 1-bit Adam's binding is made here and only here (the
-  variance frozen after ``compression.warmup_steps``, the momentum taken from the reducer that averages it);
+- the parameter engine (``build_param_engine``, hpctrain/parallel/zero/engine.py): where each parameter's bytes
+  live. The trainable parameters' flat buffers and gradient reducer over the replica group
+  ``grid.comm(grid.replica_axis)`` (dp, or dp x cp; compressed: hpctrain/compression/), sliced by
+  ``parallel.zero``, with expert parallelism the experts' over ``grid.comm("ep_replica")``; at zero 3 the
+  frozen base's slices and the gatherer of each unit around its forward and backward;
+- the optimizer (``build_optimizer``, hpctrain/optim/group.py): AdamW/SGD on the owned slices of each group;
+  1-bit Adam's binding is made there and only there;
 - ``PipelineExecutor``: the schedule over ``grid.comm("pp")``;
 - ``DynamicLossScaler`` (float16) and ``StepOutcomes``: the step's one world reduction and its outcome,
   read when the reducer needs it (hpctrain/train/outcomes.py);
@@ -25,14 +24,11 @@ The torchtitan "train spec" idea, without a registry: plain builder functions, o
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 
-from hpctrain.compression import build_reducer
 from hpctrain.config import resolve_model
 from hpctrain.config.moe_keys import resolve_moe
 from hpctrain.data.corpus import load_tokens_collective
@@ -44,17 +40,14 @@ from hpctrain.models.attention_backend import choose_sdpa, use_sdpa
 from hpctrain.models.compile import compile_stages, compile_wanted, whole_stage_wanted
 from hpctrain.models.gpt import GPTStage, flops_per_token, partition_layers, residual_dtype
 from hpctrain.models.moe import MoeStepStats
-from hpctrain.optim.flat import FlatOptimizer
+from hpctrain.optim.group import OptimizerGroup, build_optimizer
 from hpctrain.optim.loss_scale import DynamicLossScaler
-from hpctrain.parallel.data_parallel import FlatParams
-from hpctrain.parallel.flat_group import FlatGroup, OptimizerGroup
-from hpctrain.parallel.frozen_shards import FrozenGroup, FrozenShards
-from hpctrain.parallel.param_init import give_storage, materialize_
+from hpctrain.parallel.param_init import give_storage
 from hpctrain.config.layout import Layout
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor
 from hpctrain.parallel.schedules import schedule_bubble
-from hpctrain.parallel.zero_bubble import ZERO_BUBBLE_SCHEDULES, virtual_stage
-from hpctrain.parallel.zero3 import ParamGather, unit_params
+from hpctrain.parallel.zero.engine import ParamEngine, build_param_engine
+from hpctrain.parallel.zero_bubble import virtual_stage
 from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime import env
 from hpctrain.runtime.device import configure_matmul, peak_tflops
@@ -88,11 +81,9 @@ class StepParts:
     compiled: bool
     compile_since: dict | None
     sdpa: Any
-    flat: FlatParams | FlatGroup  # a FlatGroup with expert parallelism (parallel/flat_group.py)
-    param_gather: ParamGather | None  # ZeRO-3 (hpctrain/parallel/zero3.py), else None
-    frozen: FrozenShards | FrozenGroup | None  # ZeRO-3 with frozen parameters (a LoRA base): their slices, else None
+    params: ParamEngine  # where every parameter's bytes live (hpctrain/parallel/zero/engine.py)
     moe_stats: MoeStepStats | None  # a model with experts: the step's routing counts and auxiliary losses
-    optimizer: FlatOptimizer | OptimizerGroup
+    optimizer: OptimizerGroup  # one FlatOptimizer per params.flat part (hpctrain/optim/group.py)
     executor: PipelineExecutor
     scaler: DynamicLossScaler
     outcomes: StepOutcomes
@@ -104,17 +95,7 @@ class StepParts:
 
     @property
     def reducer(self):
-        return self.flat.reducer
-
-    @contextmanager
-    def gathered(self):
-        """Collective over the replica group: the whole local model readable between steps (ZeRO-3's
-        trainable and frozen units gathered, freed on exit; nothing to do otherwise)."""
-        with ExitStack() as stack:
-            stack.enter_context(self.flat.gathered())
-            if self.frozen is not None:
-                stack.enter_context(self.frozen.gathered())
-            yield
+        return self.params.reducer
 
 
 def build_stages(m, layout: Layout, pp_rank: int, tp_comm, dtype: torch.dtype, seed: int, recompute: bool,
@@ -177,62 +158,19 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     give_storage(local_model, device)  # the same parameters, on the device, still without storage
     compiled = compile_wanted(t.compile, device)  # every block compiled in place (models/compile.py)
     whole = t.compile_regions == "auto" and whole_stage_wanted(layout, cfg.lora.rank, moe, t.fp8)  # one region
-    compile_since = compile_stages(stages, whole) if compiled else None
-    comp = cfg.compression
-    # the trainable parameters (a LoRA run's adapters; the frozen base stays plain tensors on the device); with
-    # expert parallelism the experts are a group of their own, summed over the replicas holding the same ones
-    trainable = [p for p in local_model.parameters() if p.requires_grad]
-    experts = [p for p in trainable if getattr(p, "spec").experts is not None]  # the SlabSpec (parallel/slab.py)
-    units = unit_params(stages) if layout.zero == 3 else None  # each FlatParams takes its own members of each unit
-    dense_flat = FlatParams([p for p in trainable if getattr(p, "spec").experts is None], grid.comm(grid.replica_axis),
-                            tp_comm=tp_comm, pp_comm=pp_comm, bucket_mb=cfg.parallel.bucket_mb, zero=layout.zero,
-                            units=units, timer=timer, check_finite=dtype == torch.float16,
-                            make_reducer=partial(build_reducer, comp, grid=grid, seed=t.seed, optimizer=cfg.optim.name,
-                                                 steps=t.steps))
-    reducer = dense_flat.reducer
-    flat: FlatParams | FlatGroup = dense_flat
-    expert_flat = None
-    if experts:  # (validation refused compression with parallel.ep > 1) sharded over ep_replica at zero >= 1
-        expert_flat = FlatParams(experts, grid.comm("ep_replica"), tp_comm=tp_comm, pp_comm=pp_comm,
-                                 bucket_mb=cfg.parallel.bucket_mb, zero=layout.zero, units=units, timer=timer,
-                                 check_finite=dtype == torch.float16, first_index=len(dense_flat.buckets))
-        flat = FlatGroup([dense_flat, expert_flat])  # the FlatParams calls, to both
-    # ZeRO-3: each unit's parameters gathered around its forward and backward, over the replica group (the
-    # experts' over ep_replica); the frozen ones (a LoRA base) sharded too, in gather-only buckets
-    frozen: FrozenShards | FrozenGroup | None = None
-    frozen_params = [p for p in local_model.parameters() if not p.requires_grad]
-    if layout.zero == 3 and frozen_params:
-        frozen_units = unit_params(stages, trainable=False)
-        if sum(map(len, frozen_units)) != len(frozen_params):
-            raise ValueError("zero 3: a frozen parameter belongs to no unit")
-        first = (expert_flat or dense_flat).buckets[-1].index + 1  # after the trainable buckets
-        frozen = FrozenShards([[p for p in u if getattr(p, "spec").experts is None] for u in frozen_units],
-                              grid.comm(grid.replica_axis), first_index=first)
-        frozen_experts = [[p for p in u if getattr(p, "spec").experts is not None] for u in frozen_units]
-        if any(frozen_experts):  # split over ep: sharded over the replicas holding the same experts
-            frozen = FrozenGroup([frozen, FrozenShards(frozen_experts, grid.comm("ep_replica"),
-                                                       first_index=first + len(frozen.buckets))])
-    else:
-        materialize_(frozen_params, device)  # below zero 3 a frozen base is whole on every replica
-    param_gather = ParamGather(flat, stages, reshard_after_forward=cfg.parallel.zero_reshard_after_forward,
-                               prefetch=cfg.parallel.zero_prefetch, frozen=frozen,
-                               split_backward=layout.schedule in ZERO_BUBBLE_SCHEDULES) if layout.zero == 3 else None
+    compile_since = compile_stages(stages, whole, grid.info.local_size) if compiled else None
+    # where each parameter's bytes live (hpctrain/parallel/zero/engine.py): the flat buffers and reducers, the
+    # frozen base's slices and ZeRO-3's gatherer; then the optimizer over the owned slices
+    params = build_param_engine(stages, local_model, grid, layout, cfg, device=device, dtype=dtype, timer=timer)
     one_pass = cfg.optim.update == "compiled" or (cfg.optim.update == "auto" and compiled)  # optim/one_pass.py
-    # 1-bit Adam (even where no reducer compresses: one replica): AdamW's variance frozen after the warm-up
-    optimizer: FlatOptimizer | OptimizerGroup = FlatOptimizer(
-        dense_flat, cfg.optim, tp_rank=grid.coords["tp"],
-        freeze_variance_after=comp.warmup_steps if comp.method == "onebit-adam" else None,
-        momentum_from_reducer=reducer.shares_momentum, one_pass=one_pass)
-    reducer.bind_optimizer(optimizer)
-    if expert_flat is not None:
-        optimizer = OptimizerGroup([optimizer, FlatOptimizer(expert_flat, cfg.optim, tp_rank=grid.coords["tp"],
-                                                             one_pass=one_pass)])
+    optimizer = build_optimizer(params.flat, cfg, tp_rank=grid.coords["tp"], one_pass=one_pass)
     build_s = time.perf_counter() - built  # the model built and this rank's bytes created (drawn or placed)
-    executor = PipelineExecutor(stages, pp_comm if layout.pp_size > 1 else None, flat, layout.schedule,
+    executor = PipelineExecutor(stages, pp_comm if layout.pp_size > 1 else None, params.flat, layout.schedule,
                                 layout.microbatches, (layout.seq_chunk, layout.micro_batch, m.d_model),
                                 residual_dtype(m, dtype), device=device, timer=timer,
-                                after_backward=param_gather.backward_pass_done if param_gather else None)
+                                after_backward=params.after_backward)
     scaler = DynamicLossScaler(t.loss_scale, enabled=dtype == torch.float16, device=device)
+    reducer = params.reducer
     outcomes = StepOutcomes(grid.world, device, scaler, reducer,
                             read_before_update=reducer.outcome_before_update or optimizer.outcome_before_update,
                             may_defer=not reducer.outcome_before_next_step,
@@ -244,8 +182,8 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
         batch=layout.micro_batch, gather=grid.world.allgather_object))  # every rank takes the same kernels
     return StepParts(
         model_cfg=m, layout=layout, dtype=dtype, timer=timer, faults=faults, backends=backends, stages=stages,
-        local_model=local_model, compiled=compiled, compile_since=compile_since, sdpa=sdpa, flat=flat,
-        param_gather=param_gather, frozen=frozen, moe_stats=MoeStepStats(stages, moe, grid.world, t.global_batch) if moe else None,
+        local_model=local_model, compiled=compiled, compile_since=compile_since, sdpa=sdpa, params=params,
+        moe_stats=MoeStepStats(stages, moe, grid.world, t.global_batch) if moe else None,
         optimizer=optimizer, executor=executor, scaler=scaler, outcomes=outcomes, data=data,
         flops_per_token=flops_per_token(m, t.seq_len, cfg.lora.rank, cfg.lora.targets, moe=moe),  # active params
         peak_tflops=t.peak_tflops or peak_tflops(device, dtype, t.allow_tf32),

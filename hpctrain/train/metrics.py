@@ -131,13 +131,9 @@ class MetricsLog:
 
 def model_state_bytes(parts) -> dict[str, int]:
     """This rank's model state kept between steps, in bytes: {"params", "grads", "optimizer"} (what ZeRO
-    shards: hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py); a LoRA run's frozen base counts
-    as parameters (at ZeRO-3 its slices: hpctrain/parallel/frozen_shards.py)."""
-    kept = parts.flat.memory_bytes()
-    trainable = {id(p) for p in parts.flat.params}
-    frozen = parts.frozen.memory_bytes() if parts.frozen is not None else \
-        sum(p.nbytes for p in parts.local_model.parameters() if id(p) not in trainable)
-    return {"params": kept["params"] + frozen, "grads": kept["grads"], "optimizer": parts.optimizer.state_bytes()}
+    slices: the parameter engine, hpctrain/parallel/zero/engine.py, and hpctrain/optim/flat.py); a LoRA
+    run's frozen base counts as parameters (at ZeRO-3 its slices)."""
+    return {**parts.params.memory_bytes(), "optimizer": parts.optimizer.state_bytes()}
 
 
 def describe_state(state: dict[str, int]) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from hpctrain.checkpoint.contract import ModelSlab, OptimizerPiece, OwnedRange, RootState, TrainTensors
-from hpctrain.parallel.flat_group import FlatGroup
 
 
 class TrainerState:
@@ -28,12 +27,12 @@ class TrainerState:
         return ReferencedBase(reference, self.config.model.init_from, self.model_config, what, open_source)
 
     def tensors(self) -> TrainTensors:
-        """Model pieces: every parameter of the local model (the trainable ones are ``flat.params``; the
+        """Model pieces: every parameter of the local model (the trainable ones are ``params.flat.params``; the
         frozen base of a LoRA run is written by replica rank 0); owned ranges: the optimizer's slices;
         pieces: ``owned_pieces()``, written by the ZeRO owner (or replica rank 0) where
         ``SlabSpec.counted_on`` this tp rank."""
         t = self._trainer
-        flat, opt, coords = t.parts.flat, t.parts.optimizer, t.grid.coords
+        params, opt, coords = t.parts.params, t.parts.optimizer, t.grid.coords
         kinds = opt.state_kinds
         ranges: list[OwnedRange] = []
         owner: dict[int, int] = {}  # id(slice) -> its index in ranges
@@ -45,29 +44,21 @@ class TrainerState:
         def first_holder(p) -> bool:  # an expert split over ep: the first replica holding it (ep_replica rank 0)
             return first_replica if p.spec.experts is None else t.grid.comm("ep_replica").rank == 0
 
-        def writes(p) -> bool:
-            if isinstance(flat, FlatGroup):
-                return flat.writes(p, first_replica)
-            return flat.zero or first_replica
-
         pieces = [OptimizerPiece(piece.param.spec, piece.param_lo, piece.param_hi, owner[id(part)],
                                  piece.flat_lo - part.start,
-                                 writes(piece.param) and piece.param.spec.counted_on(coords["tp"]))
+                                 params.writes(piece.param, first_replica) and piece.param.spec.counted_on(coords["tp"]))
                   for piece, part in opt.owned_pieces()]
-        frozen = t.parts.frozen  # ZeRO-3: the frozen base sharded over the replica group, else None
-        sharded_frozen = frozen.bucket_of if frozen is not None else {}
-        params = [ModelSlab(p.spec, p.data, sharded=flat.bucket_of[id(p)].sharded) if p.requires_grad else
-                  ModelSlab(p.spec, p.data, frozen=True, sharded=id(p) in sharded_frozen,
-                            written=first_holder(p) and p.spec.counted_on(coords["tp"]))
-                  for p in t.parts.local_model.parameters()]
-        frozen_slices, frozen_pieces = [], []
-        if frozen is not None:  # each element kept by one rank of the replica group: that rank writes it
-            frozen_slices = [b.param_slice for b in frozen.buckets]
-            frozen_pieces = [OptimizerPiece(piece.param.spec, piece.param_lo, piece.param_hi, k, at,
-                                            piece.param.spec.counted_on(coords["tp"]))
-                             for piece, k, at in frozen.pieces()]
-        return TrainTensors(params, ranges, pieces, kinds, flat.param_dtype, opt.master_dtype,
-                            frozen_slices, frozen_pieces)
+        slabs = [ModelSlab(p.spec, p.data, sliced=params.sliced(p)) if p.requires_grad else
+                 ModelSlab(p.spec, p.data, frozen=True, sliced=params.sliced(p),
+                           written=first_holder(p) and p.spec.counted_on(coords["tp"]))
+                 for p in t.parts.local_model.parameters()]
+        # ZeRO-3's frozen base: each element kept by one rank of its group, which writes it (none below ZeRO-3)
+        frozen = params.frozen
+        frozen_pieces = [OptimizerPiece(piece.param.spec, piece.param_lo, piece.param_hi, k, at,
+                                        piece.param.spec.counted_on(coords["tp"]))
+                         for piece, k, at in frozen.pieces()]
+        return TrainTensors(slabs, ranges, pieces, kinds, params.flat.param_dtype, opt.master_dtype,
+                            [b.param_slice for b in frozen.buckets], frozen_pieces)
 
     def root_state(self) -> RootState:
         t = self._trainer

@@ -95,7 +95,7 @@ class Trainer:
         the device inside a step; the returned metrics' loss, grad_norm, skipped and loss_scale are None
         until then."""
         parts, t, grid, timer = self.parts, self.cfg.train, self.grid, self.parts.timer
-        flat, reducer, outcomes, scaler = parts.flat, parts.reducer, self.outcomes, parts.scaler
+        flat, reducer, outcomes, scaler = parts.params.flat, parts.reducer, self.outcomes, parts.scaler
         if timer.trace is not None:
             timer.trace.begin_step(self._step + 1)
         start, groups_before = time.perf_counter(), grid.stats.by_group()
@@ -115,8 +115,7 @@ class Trainer:
         parts.faults.hit("backward", self._step + 1)
         with timer.phase("dp_wait"):
             flat.finish_reduction()
-        if parts.param_gather is not None:  # ZeRO-3: the optimizer updates the shards; nothing stays gathered
-            parts.param_gather.release_all()
+        parts.params.release()  # ZeRO-3: the optimizer updates the slices; nothing stays gathered
         with timer.phase("loss"):  # counted once: tp rank 0 of the last stage (0.0 elsewhere)
             loss_share = scaled_loss / scale if grid.coords["tp"] == 0 else 0.0
         with timer.phase("grad_norm"):  # the loss, the norm and the stop request: one all-reduce, on the device
@@ -163,8 +162,7 @@ class Trainer:
                 inputs, targets, packing = self._feed(sampler.batch(k * t.global_batch + offset, count))
                 scale = 1.0 / max(sampler.counted(k * t.global_batch, t.global_batch), 1)
                 total += self._agree_loss(parts.executor.evaluate(inputs, targets, scale, **packing))
-        if parts.param_gather is not None:
-            parts.param_gather.release_all()
+        parts.params.release()
         parts.local_model.train()
         return total / t.eval_steps
 

@@ -20,11 +20,11 @@ SHAPES = ["data.max_bytes=200000", "train.global_batch=8", "train.seq_len=32", "
 
 
 def test_compiled_training_equals_eager_in_dp_tp_pp_cp_layouts():
-    # dp=2 x tp=2 with sequence parallelism (graph breaks at the tp collectives; bucket hooks overlap),
-    # dp=2 x pp=2 (no break) and cp=2 x tp=2 (breaks at ring attention too)
-    result = run_mpi(4, "check_compile.py", "--layouts", "2,2,1+sp;2,1,2;1,2,1,2", "--rtol", "1e-5",
+    # dp=2 x pp=2 (no break; the bucket hooks overlap the backward), and cp=2 x tp=2 with sequence parallelism
+    # (graph breaks at the tp collectives and at ring attention; the hooks of the dp x cp reduction still overlap)
+    result = run_mpi(4, "check_compile.py", "--layouts", "2,1,2;1,2,1,2+sp", "--rtol", "1e-5",
                      "optim.name=sgd", "optim.momentum=0.9", timeout=420)
-    assert "COMPILE OK" in result.stdout and result.stdout.count("compiled = eager") == 3, result.stdout
+    assert "COMPILE OK" in result.stdout and result.stdout.count("compiled = eager") == 2, result.stdout
 
 
 def cli_losses(run_dir, *overrides, verbose=False):

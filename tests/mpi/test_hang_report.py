@@ -96,4 +96,4 @@ def test_a_rank_stopped_before_a_zero3_parameter_gather_is_named_and_its_peer_wa
     assert stderr.count("hpctrain: hang report from") == 1, stderr
     assert re.search(r"  cause: rank 3 \(node 0 \S+, pid \d+\): .*stopped \(SIGSTOP", stderr), stderr
     assert re.search(r"waits in allgather #\d+ of \d+ bytes on group 'dp'", stderr), stderr
-    assert "zero3.py" in stderr and "_before_forward" in stderr, stderr
+    assert "zero/gather.py" in stderr and "_before_forward" in stderr, stderr

@@ -13,11 +13,11 @@ from hpctrain.config import load_config, resolve_model
 from hpctrain.errors import HpcTrainError
 from hpctrain.models.gpt import GPTStage
 from hpctrain.parallel import param_init
-from hpctrain.parallel.buckets import is_allocated, sharded_pieces
+from hpctrain.parallel.buckets import is_allocated, sliced_pieces
 from hpctrain.parallel.data_parallel import FlatParams
 from hpctrain.parallel.param_init import InitRule, fill_, give_storage, global_index, values_at
 from hpctrain.parallel.slab import SlabSpec
-from hpctrain.parallel.zero3 import unit_params
+from hpctrain.parallel.zero.gather import unit_params
 
 SPECS = [((12, 6), 0, 2, None, None), ((12, 6), 1, 3, None, None), ((257, 3), 0, 4, 512, None),
          ((257, 3), 0, 1, 384, None), ((4, 6, 10), 1, 2, None, (2, 2)), ((4, 10, 6), 2, 2, None, (0, 2)),
@@ -117,11 +117,11 @@ def test_a_stage_built_on_meta_holds_the_whole_builds_values_and_draws_only_its_
         flat = FlatParams(list(stage.parameters()), SimpleNamespace(size=2, rank=rank), zero=zero,
                           units=unit_params([stage]) if zero == 3 else None)
         if zero == 3:  # the sharded buckets' pieces of this rank's slices, the whole ones (the deferred) whole
-            kept = sum(piece.flat_hi - piece.flat_lo for b in flat.buckets if b.sharded
-                       for piece, _ in sharded_pieces(b, flat._offsets, rank, 2))
-            assert sum(drawn) == kept + sum(p.numel() for b in flat.buckets if not b.sharded for p in b.params)
+            kept = sum(piece.flat_hi - piece.flat_lo for b in flat.buckets if b.sliced
+                       for piece, _ in sliced_pieces(b, flat._offsets, rank, 2))
+            assert sum(drawn) == kept + sum(p.numel() for b in flat.buckets if not b.sliced for p in b.params)
             assert kept < sum(p.numel() for p in stage.parameters()) * 0.6
-            assert not any(is_allocated(b.param_values) for b in flat.buckets if b.sharded)
+            assert not any(is_allocated(b.param_values) for b in flat.buckets if b.sliced)
             slices.append([b.param_slice.clone() for b in flat.buckets])
         else:
             assert sum(drawn) == sum(p.numel() for p in stage.parameters())

@@ -1,5 +1,5 @@
 """ZeRO-2 and ZeRO-3 in the planner as hpctrain's engine runs them (hpctrain/plan/memory.py, cost.py;
-hpctrain/parallel/data_parallel.py, zero3.py): the state they shard, the units ZeRO-3 gathers at once, the
+hpctrain/parallel/data_parallel.py, zero/gather.py): the state they shard, the units ZeRO-3 gathers at once, the
 collectives they cost, the search that recommends them, and the published Llama 3 405B layout."""
 import json
 import subprocess
@@ -98,7 +98,7 @@ def test_zero3_gathers_per_micro_batch_or_per_step_and_prefetch_hides_them():
     units = zero3_units(m, stages(m, lay)[0], lay)[0]
     at = slow.group_placement((1, 32), (1, 1))
     # per micro-batch: every unit forward, every unit but the head backward (the embedding stays pinned by the
-    # tied head: zero3.py), as tests/unit/test_zero3_units.py counts the engine's gathers
+    # tied head: zero/gather.py), as tests/unit/test_zero3_units.py counts the engine's gathers
     forward = sum(slow.collective_s("allgather", sum(u.values()) * 2, 32, at) for u in units)
     backward = sum(slow.collective_s("allgather", sum(v for k, v in u.items() if k not in units[-1]) * 2, 32, at)
                    for u in units[:-1] if set(u) - set(units[-1]))

@@ -13,7 +13,10 @@ from hpctrain.checkpoint import contract
 from hpctrain.checkpoint.contract import OptimizerPiece, TrainState
 from hpctrain.optim.flat import FlatOptimizer
 from hpctrain.parallel.data_parallel import FlatParams
-from hpctrain.parallel.frozen_shards import FrozenShards
+from hpctrain.optim.group import OptimizerGroup
+from hpctrain.parallel.zero.engine import ParamEngine
+from hpctrain.parallel.zero.frozen_slices import FrozenGroup, FrozenSlices
+from hpctrain.parallel.zero.groups import FlatGroup
 from hpctrain.parallel.slab import SlabSpec
 from hpctrain.train.state import TrainerState
 
@@ -132,19 +135,21 @@ def params(*specs, dtype=torch.float32):
 def stand_in_trainer(ps, *, dp_rank, zero, tp_rank=0, frozen=(), frozen_units=None):
     """What TrainerState reads of a Trainer (its step and ``parts``), built from real FlatParams and FlatOptimizer over a fake dp group;
     ``frozen``: parameters of the model outside them (requires_grad=False: a LoRA run's base); ``frozen_units``:
-    ZeRO-3's units of them (sharded in FrozenShards), or None (kept whole)."""
+    ZeRO-3's units of them (sliced in FrozenSlices), or None (kept whole)."""
     flat = FlatParams(ps, SimpleNamespace(size=2, rank=dp_rank), zero=zero)
     for p in frozen:
         p.requires_grad_(False)
-    shards = None if frozen_units is None else FrozenShards(frozen_units, SimpleNamespace(size=2, rank=dp_rank),
-                                                            first_index=len(flat.buckets))
+    slices = FrozenGroup([] if frozen_units is None else [
+        FrozenSlices(frozen_units, SimpleNamespace(size=2, rank=dp_rank), first_index=len(flat.buckets))])
+    engine = ParamEngine(FlatGroup([flat]), slices, None, [] if frozen_units is not None else list(frozen))
     local_model = SimpleNamespace(parameters=lambda: iter(list(frozen) + list(ps)))
     grid = SimpleNamespace(info=SimpleNamespace(rank=3, size=4), sizes={"dp": 2, "tp": 2, "pp": 1},
                            coords={"dp": dp_rank, "tp": tp_rank, "pp": 0, "cp": 0})
     cfg = SimpleNamespace(parallel=SimpleNamespace(zero=int(zero), ep=1))
     state_dict = lambda: {"position": 7}  # noqa: E731
-    parts = SimpleNamespace(model_cfg="model", timer="timer", flat=flat, reducer=flat.reducer, frozen=shards,
-                            local_model=local_model, optimizer=FlatOptimizer(flat, SimpleNamespace(), tp_rank=tp_rank),
+    parts = SimpleNamespace(model_cfg="model", timer="timer", params=engine, reducer=flat.reducer,
+                            local_model=local_model,
+                            optimizer=OptimizerGroup([FlatOptimizer(flat, SimpleNamespace(), tp_rank=tp_rank)]),
                             data=SimpleNamespace(batches=SimpleNamespace(state_dict=state_dict)),
                             scaler=SimpleNamespace(state_dict=lambda: {}, enabled=False))
     return SimpleNamespace(grid=grid, cfg=cfg, step=5, parts=parts)
@@ -205,7 +210,7 @@ def test_a_sharded_frozen_base_is_written_and_loaded_through_the_slices_each_ran
         covered: dict[str, list] = {}
         for dp_rank in (0, 1):
             t, base = tensors(dp_rank, tp_rank)
-            assert [(p.spec.name, p.frozen, p.sharded) for p in t.params if p.frozen] == [
+            assert [(p.spec.name, p.frozen, p.sliced) for p in t.params if p.frozen] == [
                 ("w", True, True), ("norm", True, True), ("head", True, True)]
             assert [s.numel() for s in t.frozen_slices] == [3, 5]  # w: 6 elements / 2; norm + head: 9 -> 10 / 2
             for piece in t.frozen_pieces:

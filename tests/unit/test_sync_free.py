@@ -37,13 +37,13 @@ def run(tokens, readback: str, steps: int, *overrides, nan_at=(), defer=True):
         outcomes = trainer.outcomes  # a run reads late (a dense dp reduction, no 1-bit Adam)
         assert outcomes.may_defer and not outcomes.read_before_update
         outcomes.read_before_update, outcomes.may_defer = READS[readback]
-        flat = trainer.parts.flat
+        flat = trainer.parts.params.flat
         reduce = flat.finish_reduction
 
         def poisoned():  # an overflow in the dp reduction: every rank's norm is NaN
             reduce()
             if trainer.step + 1 in nan_at:
-                flat.grad_buffer[3] = float("nan")
+                flat.parts[0].grad_buffer[3] = float("nan")
         flat.finish_reduction = poisoned
         taken = []
         for _ in range(steps):

@@ -29,7 +29,7 @@ def trained(tokens, steps, *overrides, inspect=None):
         trainer = Trainer(cfg, grid, tokens=tokens)
         losses = [trainer.train_step().loss for _ in range(steps)]
         seen = inspect(trainer) if inspect else None
-        with trainer.parts.gathered():
+        with trainer.parts.params.gathered():
             params = {p.spec.name: p.detach().clone() for p in trainer.parts.local_model.parameters()}
         return losses, params, seen
     finally:
@@ -46,11 +46,11 @@ def test_zero_two_and_three_train_as_zero_zero(tokens, zero):
 
 
 def storage(trainer):
-    flat = trainer.parts.flat
-    return {"values": [is_allocated(b.param_values) for b in flat.buckets if b.sharded],
+    flat = trainer.parts.params.flat
+    return {"values": [is_allocated(b.param_values) for b in flat.buckets if b.sliced],
             "grads": [is_allocated(b.grads) for b in flat.buckets if b.per_microbatch],
-            "deferred": [b.deferred for b in flat.buckets], "gathers": trainer.parts.param_gather.gathers,
-            "units": len(trainer.parts.flat.buckets)}
+            "deferred": [b.deferred for b in flat.buckets], "gathers": trainer.parts.params.gather.gathers,
+            "units": len(trainer.parts.params.flat.buckets)}
 
 
 @pytest.mark.parametrize("reshard, microbatches", [(True, 1), (True, 4), (False, 4)])
@@ -73,7 +73,7 @@ def test_prefetch_posts_the_next_unit_before_the_current_one_computes(tokens):
     order = {}
 
     def watch(trainer):
-        gather = trainer.parts.param_gather
+        gather = trainer.parts.params.gather
         units = gather.stage_units[0]
         events = []
         for unit in units:
@@ -100,7 +100,7 @@ def test_a_lora_base_is_sharded_and_only_the_running_units_are_gathered(tokens, 
     seen: dict = {"most": 0, "extra": []}
 
     def watch(trainer):
-        gather, frozen = trainer.parts.param_gather, trainer.parts.frozen
+        gather, frozen = trainer.parts.params.gather, trainer.parts.params.frozen
         position = {b.index: k for k, b in enumerate(frozen.buckets)}
         held: set[int] = set()
         post, release = gather._post, gather._free
@@ -149,8 +149,30 @@ def test_a_local_tier_piece_of_a_lora_zero3_rank_holds_the_frozen_slices(tokens)
     def restore(trainer):
         for (name, target), (_, saved) in zip(piece_tensors(trainer.state), taken):
             target.copy_(saved)
-        with trainer.parts.gathered():
+        with trainer.parts.params.gathered():
             return {p.spec.name: p.detach().clone() for p in trainer.parts.local_model.parameters()}
 
     _, _, restored = trained(tokens, 0, *lora, "train.seed=7", inspect=restore)
     assert all(torch.equal(restored[name], params[name]) for name in params)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_the_engine_alone_knows_where_a_lora_runs_bytes_live(tokens, zero):
+    """The parameter engine (parallel/zero/engine.py) of a LoRA run: the adapters in the trainable group, the base
+    whole below ZeRO-3 and in gather-only slices at 3 (``sliced``), nothing gathered between steps; its memory
+    is the flat group's plus the base's, and the optimizer is always a group (one part without experts)."""
+    def inspect(trainer):
+        engine, model = trainer.parts.params, trainer.parts.local_model
+        base = [p for p in model.parameters() if not p.requires_grad]
+        assert base and len(engine.flat.parts) == 1 and len(trainer.parts.optimizer.parts) == 1
+        assert {id(p) for p in engine.flat.params} == {id(p) for p in model.parameters() if p.requires_grad}
+        assert [engine.sliced(p) for p in base] == [zero == 3] * len(base)
+        assert (engine.gather is not None) == (zero == 3) and len(engine.frozen.parts) == (zero == 3)
+        assert engine.after_backward == (engine.gather.backward_pass_done if zero == 3 else None)
+        base_bytes = engine.frozen.memory_bytes() if zero == 3 else sum(p.nbytes for p in base)
+        assert engine.memory_bytes() == {"params": engine.flat.memory_bytes()["params"] + base_bytes,
+                                         "grads": engine.flat.memory_bytes()["grads"]}
+        return [is_allocated(b.param_values) for b in engine.frozen.buckets]
+
+    _, _, gathered = trained(tokens, 1, "lora.rank=4", f"parallel.zero={zero}", inspect=inspect)
+    assert gathered == ([False] * 5 if zero == 3 else [])

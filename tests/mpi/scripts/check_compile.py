@@ -47,7 +47,7 @@ def watch_launches(flat) -> list:
 def train(cfg, world, tokens, steps):
     grid = ProcessGrid.from_config(cfg, discover(world), mpi_world=world, timeout_s=300)
     trainer = Trainer(cfg, grid, tokens=tokens)
-    dense = getattr(trainer.parts.flat, "parts", [trainer.parts.flat])[0]  # with experts: a FlatGroup, dense first
+    dense = trainer.parts.params.flat.parts[0]  # the dense parameters' FlatParams (with experts, theirs second)
     launches = watch_launches(dense)
     losses = [trainer.train_step().loss for _ in range(steps)]
     report = compile_report(trainer.parts.compile_since) if trainer.parts.compiled else None
@@ -89,7 +89,7 @@ def main():
             assert breaks == 0, f"{name}: {report}"
         else:  # the tp collectives, ring attention and MoE layers (torch.compiler.disable'd), nothing else, split the blocks
             assert breaks > 0 and all("by design" in line for line in report[1:]), f"{name}: {report}"
-        if dp > 1:  # hooks fired in the compiled backward: every regular bucket launched before finish_reduction
+        if dp * cp > 1:  # hooks fired in the compiled backward: every regular bucket launched before finish_reduction
             early = [waiting for during, waiting in launches if during]
             assert len(early) == regular * args.steps and regular > 1, f"{name}: launches {launches}, {regular} buckets"
             assert max(early) > 0, f"{name}: no bucket launched while others awaited gradients: {launches}"

@@ -28,7 +28,8 @@ from global_params import global_parameters
 def poison_freed_storage() -> None:
     """ZeRO 2/3: NaN into every bucket storage before it is freed (the allocator may hand the same memory back
     untouched), so a parameter or gradient read after its free, without a new gather, shows in the results."""
-    from hpctrain.parallel import data_parallel, zero3
+    from hpctrain.parallel import data_parallel
+    from hpctrain.parallel.zero import gather as zero3
 
     original = data_parallel.free
     if getattr(original, "poisons", False):  # already (several runs in one process: check_fidelity_many.py)
@@ -48,17 +49,17 @@ def train(cfg, mpi_world, tokens, steps):
     trainer = Trainer(cfg, grid, tokens=tokens)
     initial = global_parameters(trainer) if cfg.lora.rank else None
     losses = [trainer.train_step().loss for _ in range(steps)]
-    flat = trainer.parts.flat
-    with trainer.parts.gathered():
+    flat = trainer.parts.params.flat
+    with trainer.parts.params.gathered():
         for p in trainer.parts.local_model.parameters():  # vocabulary padding rows: never trained, exactly zero
             pad = p.spec.valid_shape[0] if p.spec.padded_dim is not None else p.shape[0]
             kept = p.requires_grad and (flat.zero_stage <= 1 or flat.bucket_of[id(p)].deferred)  # else freed
             grad = p.main_grad[pad:] if kept else torch.zeros(0)
             assert not p.detach()[pad:].any() and not grad.any(), f"{p.spec.name}: padding rows changed"
     if flat.zero_stage == 3:  # every unit's bucket (the experts' too) kept as a slice, none gathered between steps
-        groups = getattr(flat, "parts", [flat])  # a FlatGroup with expert parallelism: dense, then the experts
+        groups = flat.parts  # dense, then with expert parallelism the experts
         for group in groups:
-            assert all(b.sharded and not is_allocated(b.param_values) for b in group.buckets if not b.deferred), \
+            assert all(b.sliced and not is_allocated(b.param_values) for b in group.buckets if not b.deferred), \
                 "a zero-3 unit left whole or gathered"
         if len(groups) > 1 and mpi_world.Get_rank() == 0:
             print(f"EXPERTS SHARDED over {groups[1].dp_size} rank(s), {len(groups[1].buckets)} bucket(s)", flush=True)
@@ -74,14 +75,14 @@ def check_lora(trainer, initial, params):
     """A LoRA run: only the adapters are in the flat buffers (no grad, no optimizer state for the base);
     on world rank 0 (``params`` not None): every frozen weight is bit-identical to its initial value, every
     adapter factor moved."""
-    assert all(is_adapter(p.spec.name) for p in trainer.parts.flat.params), "a frozen weight in the flat buffers"
+    assert all(is_adapter(p.spec.name) for p in trainer.parts.params.flat.params), "a frozen weight in the flat buffers"
     for p in trainer.parts.local_model.parameters():
         assert p.requires_grad == is_adapter(p.spec.name) and (p.requires_grad or p.grad is None), p.spec.name
-    flat, frozen = trainer.parts.flat, trainer.parts.frozen
+    flat, frozen = trainer.parts.params.flat, trainer.parts.params.frozen
     if flat.zero_stage == 3:  # the frozen base sharded over the replica group too, nothing gathered between steps
         whole = sum(p.nbytes for p in trainer.parts.local_model.parameters() if not p.requires_grad)
-        assert frozen is not None, "zero 3 left the frozen base whole"
-        groups = getattr(frozen, "parts", [frozen])  # with ep: the dense base, then the experts' (over ep_replica)
+        assert frozen.parts, "zero 3 left the frozen base whole"
+        groups = frozen.parts  # the dense base, then with ep the experts' (over ep_replica)
         assert sum(p.nbytes for g in groups for b in g.buckets for p in b.params) == whole, "a frozen weight unsharded"
         for g in groups:
             mine = sum(p.nbytes for b in g.buckets for p in b.params)

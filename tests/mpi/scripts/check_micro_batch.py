@@ -27,7 +27,7 @@ def train(cfg, mpi_comm, tokens, steps):
     """Losses, global parameters (world rank 0 of ``mpi_comm``), reductions per step and dp bytes per step."""
     grid = ProcessGrid.from_config(cfg, discover(mpi_comm), mpi_world=mpi_comm, timeout_s=120)
     trainer = Trainer(cfg, grid, tokens=tokens)
-    flat, starts = trainer.parts.flat, []
+    flat, starts = trainer.parts.params.flat, []
     original = flat.reducer.start
 
     def counted_start(bucket):

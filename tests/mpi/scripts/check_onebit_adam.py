@@ -72,7 +72,8 @@ def check(cfg, world, tokens, steps, overflow_at=0):
     reference (which clears its errors too)."""
     grid = ProcessGrid.from_config(cfg, discover(world), mpi_world=world, timeout_s=120)
     trainer = Trainer(cfg, grid, tokens=tokens)
-    reducer, optimizer, flat = trainer.parts.reducer, trainer.parts.optimizer, trainer.parts.flat
+    reducer, flat = trainer.parts.reducer, trainer.parts.params.flat.parts[0]  # the dense group's
+    optimizer = trainer.parts.optimizer.parts[0]
     replicas = flat.dp_comm.mpi
     reference = Reference(flat.dp_size, cfg.optim.beta1)
     seen = {}

@@ -10,7 +10,7 @@ def global_parameters(trainer) -> dict | None:
 
     Built from the slab specs: tp slabs (their real rows) are placed at their slices; each dp x cp replica
     holds the same values, so only replica rank 0 contributes; the tied copy is skipped."""
-    with trainer.parts.gathered():  # ZeRO-3: the units (trainable and frozen) gathered over the replica group meanwhile
+    with trainer.parts.params.gathered():  # ZeRO-3: the units (trainable and frozen) gathered over the replica group meanwhile
         return _global_parameters(trainer)
 
 

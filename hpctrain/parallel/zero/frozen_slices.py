@@ -1,16 +1,17 @@
 """ZeRO-3 for the parameters that do not train (a LoRA run's frozen base): sharded over the replica group like
 the trainable ones, gathered only while their unit runs.
 
-Each unit's frozen parameters (``zero3.unit_params(stages, trainable=False)``: the frozen ones a unit uses, a
+Each unit's frozen parameters (``gather.unit_params(stages, trainable=False)``: the frozen ones a unit uses, a
 shared one in its first unit) become one gather-only ``Bucket``: no gradient, no reduction, no optimizer
 state. ``param_slice``: this rank's 1/dp of the unit (padded to a multiple of dp), a view of ``slices``, the
 one buffer kept between steps; ``param_values``: the whole unit, which every parameter's ``.data`` views,
-allocated only while ``ParamGather`` (zero3.py) holds the unit gathered. Bucket indices continue after the
+allocated only while ``ParamGather`` (gather.py) holds the unit gathered. Bucket indices continue after the
 trainable ``FlatParams``' buckets, so the gatherer keys both alike.
 
 With expert parallelism the routed experts' frozen weights are sharded over their own group (the replicas
-holding the same experts, ``ep_replica``): a ``FrozenShards`` of their own, presented with the dense one's as
-one by ``FrozenGroup``.
+holding the same experts, ``ep_replica``): a ``FrozenSlices`` of their own, presented with the dense one's as
+one by ``FrozenGroup`` (below ZeRO-3, or without frozen parameters, a group of none: the base is whole on
+every replica).
 
 Checkpoints read and write the frozen base through ``pieces`` (the parameter elements this rank keeps), as
 they do the trainable slices: the base is never gathered for a save or a load. Collective only in
@@ -21,10 +22,10 @@ from __future__ import annotations
 import torch
 
 from hpctrain.parallel.buckets import (Bucket, ParamPiece, all_gathered, buckets_holding, free, gather_whole, place_params,
-                                      sharded_pieces)
+                                      sliced_pieces)
 
 
-class FrozenShards:
+class FrozenSlices:
     """The gather-only buckets of ``units`` (lists of frozen parameters, in forward order) over ``dp_comm``
     (the replica group, dp x cp); ``first_index``: the first bucket's ``index`` (after the trainable ones)."""
 
@@ -67,7 +68,7 @@ class FrozenShards:
         piece.param_hi) of the parameter's flattened local slab lie at [at, at + length) of
         ``buckets[k].param_slice``. Padding has no piece."""
         return [(piece, k, at) for k, b in enumerate(self.buckets)
-                for piece, at in sharded_pieces(b, self._offsets, self.dp_rank, self.dp_size)]
+                for piece, at in sliced_pieces(b, self._offsets, self.dp_rank, self.dp_size)]
 
     def memory_bytes(self) -> int:
         """The frozen parameter bytes this rank keeps between steps (its slices)."""
@@ -80,10 +81,11 @@ class FrozenShards:
 
 
 class FrozenGroup:
-    """``FrozenShards``-like view of several (``parts``: the dense one over the replica group, the experts' over
-    ep_replica), their bucket indices consecutive: the calls the gatherer and the checkpoint use, to each."""
+    """``FrozenSlices``-like view of none, one or two (``parts``: the dense one over the replica group, the
+    experts' over ep_replica), their bucket indices consecutive: the calls the gatherer and the checkpoint
+    use, to each."""
 
-    def __init__(self, parts: list[FrozenShards]):
+    def __init__(self, parts: list[FrozenSlices]):
         self.parts = parts
         self.buckets = [b for f in parts for b in f.buckets]
         self.bucket_of = {k: v for f in parts for k, v in f.bucket_of.items()}
@@ -93,7 +95,7 @@ class FrozenGroup:
         return buckets_holding(self.bucket_of, params)
 
     def pieces(self) -> list[tuple[ParamPiece, int, int]]:
-        """``FrozenShards.pieces`` of every part, ``k`` indexing ``buckets`` (all parts' in order)."""
+        """``FrozenSlices.pieces`` of every part, ``k`` indexing ``buckets`` (all parts' in order)."""
         found, first = [], 0
         for f in self.parts:
             found += [(piece, first + k, at) for piece, k, at in f.pieces()]

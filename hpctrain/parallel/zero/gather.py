@@ -29,7 +29,7 @@ torch.compile the hooks run eagerly (``torch.compiler.disable``): a compiled blo
 Parameters that stay whole at zero 3 (the deferred bucket: sequence-parallel norm weights, LoRA factors
 partial over tp, a tied embedding split over pp) are never gathered.
 
-Frozen parameters (a LoRA run's base, ``frozen_shards.py``) are sharded too, in gather-only buckets
+Frozen parameters (a LoRA run's base, ``frozen_slices.py``) are sharded too, in gather-only buckets
 (``Unit.frozen``): gathered with their unit's forward and backward like the trainable ones, but with no
 gradient to say when the backward is over. That signal is the gradient reaching the unit's input (a hook on
 it: every operation of the unit that reads its weights lies between the two), or, where the input needs no
@@ -44,9 +44,8 @@ from typing import Any
 import torch
 
 from hpctrain.parallel.buckets import Bucket, allocate, free
-from hpctrain.parallel.data_parallel import FlatParams
-from hpctrain.parallel.flat_group import FlatGroup
-from hpctrain.parallel.frozen_shards import FrozenGroup, FrozenShards
+from hpctrain.parallel.zero.frozen_slices import FrozenGroup
+from hpctrain.parallel.zero.groups import FlatGroup
 
 
 @dataclass
@@ -88,7 +87,7 @@ def stage_units(stage) -> list[Unit]:
 
 def unit_params(stages, trainable: bool = True) -> list[list]:
     """The trainable (``trainable=False``: the frozen) parameters of each unit of ``stages`` (FlatParams'
-    ``units=``, or FrozenShards'), a shared one in its first unit only."""
+    ``units=``, or FrozenSlices'), a shared one in its first unit only."""
     seen: set[int] = set()
     groups = []
     for stage in stages:
@@ -110,18 +109,16 @@ def _eager(fn):
 
 class ParamGather:
     """Gathers and frees the units of ``stages`` (this rank's virtual stages) around their forward and
-    backward; see the module docstring. ``flat``: a ``FlatParams``, or a ``FlatGroup`` (the experts' buckets
-    over ep_replica); ``prefetch``: units whose gathers are posted ahead; ``frozen``: the frozen parameters'
-    buckets (``FrozenShards``, or ``FrozenGroup`` with frozen experts), or None. Buckets are keyed by
-    ``index``, unique over all of them."""
+    backward; see the module docstring. ``flat``: the trainable parameters' buckets (with experts, theirs
+    over ep_replica a part of their own); ``prefetch``: units whose gathers are posted ahead; ``frozen``:
+    the frozen parameters' gather-only buckets (a group of none without frozen parameters). Buckets are
+    keyed by ``index``, unique over all of them."""
 
-    def __init__(self, flat: FlatParams | FlatGroup, stages, *, reshard_after_forward: bool = True,
-                 prefetch: int = 1, frozen: FrozenShards | FrozenGroup | None = None, split_backward: bool = False):
+    def __init__(self, flat: FlatGroup, stages, *, frozen: FrozenGroup, reshard_after_forward: bool = True,
+                 prefetch: int = 1, split_backward: bool = False):
         self.flat = flat
         self.split_backward = split_backward
-        flats = flat.parts if isinstance(flat, FlatGroup) else [flat]
-        shards = [] if frozen is None else frozen.parts if isinstance(frozen, FrozenGroup) else [frozen]
-        groups: list[Any] = [*flats, *shards]  # FlatParams and FrozenShards: buckets sharded over dp_comm
+        groups: list[Any] = [*flat.parts, *frozen.parts]  # FlatParams and FrozenSlices: buckets sliced over dp_comm
         # bucket index -> the group it is sharded over: the replica group (dp x cp), or the experts' ep_replica
         self._comm_of = {b.index: part.dp_comm for part in groups for b in part.buckets}
         self._buckets: list[Bucket] = [b for part in groups for b in part.buckets]
@@ -140,21 +137,21 @@ class ParamGather:
             units = stage_units(stage)
             for unit in units:
                 unit.buckets = self._buckets_of(unit.params)
-                unit.frozen = frozen.buckets_of(unit.params) if frozen is not None else []
+                unit.frozen = frozen.buckets_of(unit.params)
                 unit.entry.register_forward_pre_hook(_eager(lambda module, args, u=unit, us=units:
                                                             self._before_forward(u, us, args)))
                 unit.exit.register_forward_hook(_eager(lambda module, args, output, u=unit, us=units:
                                                        self._after_forward(u, us, output)))
             self.stage_units.append(units)
             self._units_of[id(stage)] = units
-        for part in flats:
+        for part in flat.parts:
             part.on_backward_done = self._backward_done
 
     def _buckets_of(self, params) -> list[Bucket]:
         found: list[Bucket] = []
         for p in params:
             bucket = self.flat.bucket_of.get(id(p))
-            if bucket is not None and bucket.sharded and bucket not in found:
+            if bucket is not None and bucket.sliced and bucket not in found:
                 found.append(bucket)
         return found
 
@@ -244,7 +241,7 @@ class ParamGather:
             self._pinned[bucket.index] -= 1
         gathered = bucket.index in self._ready or bucket.index in self._posted  # a zb schedule's W comes late:
         # the unit's next forward may have freed it already (its parameters: not needed by the W)
-        if bucket.sharded and gathered and not self._pinned.get(bucket.index) and \
+        if bucket.sliced and gathered and not self._pinned.get(bucket.index) and \
                 (self.reshard_after_forward or self.flat.last_microbatch):
             self._free(bucket)
         self.progress()
@@ -286,5 +283,5 @@ class ParamGather:
         self._in_backward.clear()
         self._pinned.clear()
         for bucket in self._buckets:
-            if bucket.sharded and (bucket.index in self._ready or bucket.index in self._posted):
+            if bucket.sliced and (bucket.index in self._ready or bucket.index in self._posted):
                 self._free(bucket)

@@ -20,10 +20,12 @@ of ``FlatParams``, checkpoints and exports see nothing new. Why blocks and not t
   amax all-reduces over tp) runs eagerly the same way: a graph break per linear;
 - with ``train.recompute`` the compiled block runs under ``torch.utils.checkpoint``.
 
-The tail of the last stage, final norm, LM head and loss (``GPTStage.tail_loss``), is one compiled region at
-tp = 1 (the plain head and cross-entropy, which inductor fuses; ``model.fused_head_loss``'s eager chunks are not
-used then), as the compiled loop of benchmarks/bench_gpu_train.py has it. Under tp the final norm is compiled and
-the LM head and the vocab-parallel loss stay eager (their tp collectives sit in the middle), as does the embedding.
+The tail of the last stage, final norm, LM head and loss (``GPTStage.tail_loss``), is one compiled region (the
+plain head and cross-entropy, which inductor fuses; ``model.fused_head_loss``'s eager chunks are not used then),
+as the compiled loop of benchmarks/bench_gpu_train.py has it. Under tp the vocab-parallel cross-entropy is plain
+ops between its two tp collectives (hpctrain/parallel/tensor_parallel.py), so the region breaks at the head's
+input collective, the max and the all-reduce of each token's statistics, and the local parts between them (the
+head's matmul, the shifted exp and its sums, the loss) are compiled. The embedding stays eager.
 At dp = pp = tp = cp = 1 (``whole_stage_wanted``) the whole stage, embedding to loss, is one region instead: with
 no data-parallel reduction there are no per-block gradient hooks to overlap with (issue #52 item 1).
 
@@ -102,9 +104,9 @@ def compile_stage(stage: GPTStage, whole: bool = False) -> int:
 
 
 def tail_compilable(stage: GPTStage) -> bool:
-    """Whether the last stage's tail (final norm, LM head, loss: ``GPTStage.tail_loss``) is one compiled region:
-    at tp = 1 (no vocab-parallel collective inside) without LoRA on the head (whose dropout draws in eager)."""
-    return (stage.tp_comm is None or stage.tp_comm.size == 1) and getattr(stage.head, "lora", None) is None
+    """Whether the last stage's tail (final norm, LM head, loss: ``GPTStage.tail_loss``) is one compiled region
+    (under tp broken at its collectives): without LoRA on the head (whose dropout draws in eager)."""
+    return getattr(stage.head, "lora", None) is None
 
 
 def compile_stages(stages, whole: bool = False, ranks_on_node: int = 1) -> dict:

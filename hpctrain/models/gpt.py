@@ -297,7 +297,7 @@ class GPTStage(nn.Module):
         return x
 
     def tail_loss(self, h, targets, mask=None):
-        """The last stage's tail on the blocks' output h [S, B, D] (tp = 1): final norm, LM head and the summed
+        """The last stage's tail on the blocks' output h [S(/tp), B, D]: final norm, LM head and the summed
         loss (``loss_sum``); ``train.compile`` makes it one compiled region (hpctrain/models/compile.py)."""
         return self.loss_sum(self._logits(self.norm(h)), targets, mask)
 
@@ -338,8 +338,8 @@ class GPTStage(nn.Module):
     def forward_loss(self, x, targets, mask=None, docs=None):
         """The last stage's ``loss_sum(forward(x, docs), targets, mask)``; with ``model.fused_head_loss`` over
         loss chunks of ``model.loss_chunk_tokens`` tokens, never [S, B, vocab] logits; with a compiled tail
-        (``compiled_tail``, train.compile at tp = 1) the tail is one compiled region, or with ``compiled_whole``
-        the whole stage. Talks on tp."""
+        (``compiled_tail``, train.compile) the tail is one compiled region (under tp broken at its collectives),
+        or with ``compiled_whole`` the whole stage. Talks on tp."""
         if self.compiled_whole is not None and self.head.weight_grads is None and self.head.fp8 is None:
             return self.compiled_whole(x, targets, mask, docs)
         if self.compiled_tail is not None and self.head.weight_grads is None and self.head.fp8 is None:

@@ -28,7 +28,7 @@ from hpctrain.parallel.fp8 import fp8_linear
 from hpctrain.parallel.lora import lora_delta
 from hpctrain.parallel.param_init import InitRule, new_param
 from hpctrain.parallel.slab import make_spec
-from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
+from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq, max_over_tp, reduce_from_tp, reduce_scatter_seq
 from hpctrain.parallel.weight_grad import deferrable_linear
 
 
@@ -119,49 +119,46 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_scatter_seq(out, self.tp_comm) if self.sp else reduce_from_tp(out, self.tp_comm)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token loss from logits split over the vocab, without ever gathering full logits. A rank may hold
-    no column at all (the last tp ranks of a padded vocabulary): it adds nothing but takes part."""
+class _PickLast(torch.autograd.Function):
+    """x [..., n], index [...] -> x[..., index] [...]: ``gather`` on the last dim that keeps only the index for
+    backward (``gather``'s own backward keeps x, a tokens x vocabulary tensor here)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, tp_comm, vocab_start):
-        ctx.input_dtype = logits.dtype
-        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        n_local = logits.shape[-1]
-        if n_local:
-            logits_max = logits.max(dim=-1).values
-        else:
-            logits_max = torch.full(targets.shape, float("-inf"), dtype=logits.dtype, device=logits.device)
-        if tp_comm is not None and tp_comm.size > 1:
-            tp_comm.allreduce(logits_max, op="max")
-        shifted = logits - logits_max.unsqueeze(-1)
-        outside = (targets < vocab_start) | (targets >= vocab_start + n_local)
-        local_targets = (targets - vocab_start).masked_fill(outside, 0)
-        if n_local:
-            target_logit = shifted.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        else:
-            target_logit = torch.zeros_like(logits_max)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        if tp_comm is not None and tp_comm.size > 1:
-            both = torch.stack([target_logit, sum_exp]).contiguous()
-            tp_comm.allreduce(both)
-            target_logit, sum_exp = both[0], both[1]
-        loss = sum_exp.log() - target_logit
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_targets, outside)
-        return loss
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.n = x.shape[-1]
+        return x.gather(-1, index.unsqueeze(-1)).squeeze(-1)
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_targets, outside = ctx.saved_tensors
-        grad = softmax.clone()
-        if grad.shape[-1]:
-            grad.scatter_add_(-1, local_targets.unsqueeze(-1), (~outside).to(grad.dtype).unsqueeze(-1).neg())
-        return (grad * grad_loss.unsqueeze(-1)).to(ctx.input_dtype), None, None, None
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros(*grad.shape, ctx.n)
+        return out.scatter_(-1, index.unsqueeze(-1), grad.unsqueeze(-1)), None
 
 
 def vocab_parallel_cross_entropy(logits, targets, tp_comm, vocab_start: int):
-    """logits [S, B, n] (this rank's vocabulary ids [vocab_start, vocab_start + n); n may be 0), targets
-    [S, B] -> loss [S, B]. Talks on tp (max, then one all-reduce of target logit and sum of exp)."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, tp_comm, vocab_start)
+    """logits [S, B, n] (this rank's vocabulary ids [vocab_start, vocab_start + n); n may be 0: the last tp ranks
+    of a padded vocabulary take part with nothing), targets [S, B] -> loss [S, B], in float32 (or float64),
+    without ever gathering the whole logits. Talks on tp: the max, then one all-reduce of each token's target
+    logit and sum of exp.
+
+    Plain differentiable ops between two tp collectives (``max_over_tp``, detached: the shift needs no
+    gradient; ``reduce_from_tp``: identity backward, each rank's loss being the same), so under torch.compile
+    the local parts, before, between and after them, are compiled and the collectives run eagerly
+    (hpctrain/models/compile.py); autograd's gradient is this rank's softmax minus its one-hot targets, and
+    the one tokens x vocabulary tensor kept for it is the exp (as Megatron's fused function keeps the softmax)."""
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    n_local = logits.shape[-1]
+    if n_local:
+        local_max = logits.detach().max(dim=-1).values
+    else:
+        local_max = torch.full(targets.shape, float("-inf"), dtype=logits.dtype, device=logits.device)
+    shifted = logits - max_over_tp(local_max, tp_comm).unsqueeze(-1)
+    outside = (targets < vocab_start) | (targets >= vocab_start + n_local)
+    local_targets = (targets - vocab_start).masked_fill(outside, 0)
+    if n_local:
+        target_logit = _PickLast.apply(shifted, local_targets).masked_fill(outside, 0.0)
+    else:
+        target_logit = shifted.new_zeros(targets.shape)
+    both = reduce_from_tp(torch.stack([target_logit, shifted.exp().sum(dim=-1)]), tp_comm)
+    return both[1].log() - both[0]

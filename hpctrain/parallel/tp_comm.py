@@ -8,6 +8,7 @@ contiguous: all-gather and reduce-scatter then work on the tensor's own storage.
     reduce_from_tp         allreduce(x)                 identity
     gather_seq             all-gather on dim 0 (SP)     reduce-scatter on dim 0
     reduce_scatter_seq     reduce-scatter on dim 0 (SP) all-gather on dim 0
+    max_over_tp            allreduce(x, max)            none (a detached shift)
 """
 from __future__ import annotations
 
@@ -104,3 +105,19 @@ def gather_seq(x, comm):
 
 def reduce_scatter_seq(x, comm):
     return x if _skip(comm) else _tp_collective(_ReduceScatterSeq, x, comm)
+
+
+def _allreduce_max(x: torch.Tensor, comm) -> torch.Tensor:
+    x = x.detach().contiguous().clone()
+    comm.allreduce(x, op="max")
+    return x
+
+
+def max_over_tp(x, comm):
+    """The elementwise max of ``x`` over the tp group, detached (a shift no gradient flows through, as the
+    vocab-parallel cross-entropy's running max); under torch.compile run eagerly, like the ops above."""
+    if _skip(comm):
+        return x.detach()
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(_allreduce_max, reason="tp collective (mpi4py)")(x, comm)
+    return _allreduce_max(x, comm)

@@ -72,7 +72,11 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
         print(f"hpctrain train: torch.compile of the whole stage, embedding to loss, one region (train.compile="
               f"{cfg.train.compile}; dp = pp = tp = cp = 1: no reduction for per-block regions to overlap)", flush=True)
     elif parts.compiled:
-        print(f"hpctrain train: torch.compile of every block (train.compile={cfg.train.compile})", flush=True)
+        tail = ""
+        if any(s.compiled_tail is not None for s in parts.stages):  # the last stage's, under tp too
+            tail = ", and of the final norm, LM head and loss" + (" (broken at the tp collectives)"
+                                                                   if parts.layout.tp_size > 1 else "")
+        print(f"hpctrain train: torch.compile of every block{tail} (train.compile={cfg.train.compile})", flush=True)
     if parts.optimizer.update_kind == "compiled":
         print(f"hpctrain train: AdamW in one compiled pass over the flat float32 buffers, the parameters written "
               f"by it (optim.update={cfg.optim.update})", flush=True)

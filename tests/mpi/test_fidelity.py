@@ -23,8 +23,10 @@ RUNS = {
     "interleaved, explicit stage layers": (2, "1,1,2", "interleaved2,zero1", *F64, "model.n_layers=6",
                                            "parallel.microbatches=4", "parallel.stage_layers=[1,2,2,1]"),
     "every 4-rank layout": (4, "2,2,1;2,1,2;1,2,2;4,1,1;1,4,1;1,1,4", "1f1b,sp,zero1/gpipe", *F64),
+    # the plain (unfused) head and vocab-parallel cross-entropy, what train.compile compiles, against the fused one
     "odd vocabulary, untied": (4, "1,4,1;2,2,1;1,2,2;2,1,2", "1f1b,sp/zero1", *F64, "model.vocab_size=257",
-                               "model.tie_embeddings=false"),
+                               "model.tie_embeddings=false", "model.fused_head_loss=false", "--reference",
+                               "model.fused_head_loss=true"),
     "odd vocabulary, tied": (4, "1,2,2;1,4,1;2,1,2", "sp,zero1/gpipe", *F64, "model.vocab_size=257", TIED),
     "float32": (4, "1,2,2;2,1,2", "1f1b,sp", "--dtype", "float32", "--rtol", "1e-5"),
     "fewer micro-batches than stages": (4, "1,1,4;1,2,2", "1f1b/gpipe,sp", *F64, "parallel.microbatches=1",

@@ -29,12 +29,14 @@ demo: setup
 	@if [ "$(DEMO)" = "train --config configs/tiny.toml --resume none" ] && [ -n '$(SAMPLE)' ]; then $(BIN)/hpctrain $(SAMPLE); fi
 
 # The default environment (PyPI MPICH, serial h5py), then the cluster-like one (Debian MPICH + parallel
-# HDF5, collective MPI-IO checkpoints) where this machine can build it (root + apt-get), else a notice.
+# HDF5, collective MPI-IO checkpoints) where this machine can build it (root + apt-get), else a notice; its
+# venv is built in the background while the main suite runs (--prepare; its Debian packages before).
 # Two pytest workers (pytest-xdist): on 2 cores about a third of a serial run's CPU time is idle
 # (launches, timeouts, Slurm). tests/conftest.py says what may run beside what. PYTEST_WORKERS=0: serial.
 PYTEST_WORKERS ?= 2
 
 test: setup
+	scripts/test_parallel_hdf5.sh --if-possible --prepare
 	$(BIN)/python -m pytest tests -v -n $(PYTEST_WORKERS) --timeout 900 --durations=60
 	scripts/test_parallel_hdf5.sh --if-possible
 

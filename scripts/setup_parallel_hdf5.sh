@@ -5,14 +5,21 @@
 # of CPU for h5py's build): mpi4py is PyPI's wheel (built for the MPICH ABI), pointed at Debian's MPICH by a
 # one-line shim library, and h5py is built at -O0 (a test environment: its speed is HDF5's, not the glue's).
 # Before v2, both were built from source at -O2: ~11 min.
-# Usage: scripts/setup_parallel_hdf5.sh [VENV_DIR]; idempotent. The venv holds dependencies only (run
-# hpctrain from the checkout with PYTHONPATH) and lives outside the checkout by default, so it is built
-# once per machine, not once per clone.
+# Usage: scripts/setup_parallel_hdf5.sh [--system] [VENV_DIR]; idempotent. --system: the Debian packages only
+# (what changes the machine's libraries; the rest touches nothing outside the venv). The venv holds dependencies
+# only (run hpctrain from the checkout with PYTHONPATH) and lives outside the checkout by default, so it is
+# built once per machine, not once per clone. One setup at a time per venv (a lock beside it: a second waits,
+# then finds the venv ready).
 set -euo pipefail
+SYSTEM_ONLY=0
+if [ "${1:-}" = "--system" ]; then SYSTEM_ONLY=1; shift; fi
 V=${1:-${HPCTRAIN_MPI_VENV:-$HOME/.cache/hpctrain/venv-mpi}}
 STAMP="hpctrain-parallel-hdf5 v3"
 PY=${PYTHON:-python3}
 export DEBIAN_FRONTEND=noninteractive
+mkdir -p "$(dirname "$V")"
+exec 9>"$V.lock"
+flock 9
 if [ -x "$V/bin/python" ] && [ "$(cat "$V/.stamp" 2>/dev/null)" = "$STAMP" ] \
    && "$V/bin/python" -c "import h5py, mpi4py.MPI; assert h5py.get_config().mpi" 2>/dev/null; then
   echo "parallel HDF5 environment $V is ready"; exit 0
@@ -21,7 +28,7 @@ if ! dpkg -s libhdf5-mpich-dev mpich libmpich-dev >/dev/null 2>&1; then
   apt-get update -qq
   apt-get -o DPkg::Lock::Timeout=900 install -y -qq --no-install-recommends mpich libmpich-dev libhdf5-mpich-dev pkg-config >/dev/null
 fi
-mkdir -p "$(dirname "$V")"
+if [ "$SYSTEM_ONLY" = 1 ]; then echo "parallel HDF5: Debian MPICH and HDF5 installed"; exit 0; fi
 [ -x "$V/bin/python" ] || "$PY" -m venv "$V"
 "$V/bin/pip" install -q -U pip "setuptools>=77" wheel cython pkgconfig numpy torch==2.13.0 "mpi4py>=4.1"
 # never the PyPI mpich wheel here: mpi4py must load Debian's MPICH

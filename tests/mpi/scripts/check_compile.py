@@ -5,7 +5,7 @@
 For each layout "dp,tp,pp[,cp[,ep]]][+sp]" whose product (without ep) is K (``+sp``: sequence parallel): train ``--steps`` steps eagerly, then compiled, from the same
 seed and data; world rank 0 compares the losses and the final GLOBAL parameters (relative error <= ``--rtol``).
 The compiled runs also check that the dp reduction still overlaps the backward: every bucket of the replica
-group (dp > 1) was launched by the gradient hooks before ``finish_reduction``, the first while other buckets
+group (dp x cp > 1) was launched by the gradient hooks before ``finish_reduction``, the first while other buckets
 were still waiting for gradients; and torch.compile broke the blocks' graphs only at tp collectives and ring attention
 (none with tp = cp = 1), and at the MoE layers, which run eagerly (with ``moe.num_experts`` set). Compare with ``optim.name=sgd``: AdamW's first steps move every weight by about lr x sign(grad),
 so float32 rounding of near-zero gradients shows in the weights (eager tp=2 against one process differs by
@@ -44,8 +44,8 @@ def watch_launches(flat) -> list:
     return launches
 
 
-def train(cfg, world, tokens, steps):
-    grid = ProcessGrid.from_config(cfg, discover(world), mpi_world=world, timeout_s=300)
+def train(cfg, world, tokens, steps, timeout_s):
+    grid = ProcessGrid.from_config(cfg, discover(world), mpi_world=world, timeout_s=timeout_s)
     trainer = Trainer(cfg, grid, tokens=tokens)
     dense = trainer.parts.params.flat.parts[0]  # the dense parameters' FlatParams (with experts, theirs second)
     launches = watch_launches(dense)
@@ -66,6 +66,8 @@ def main():
     ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp[,cp[,ep]][+sp]"')
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rtol", type=float, default=1e-5)
+    ap.add_argument("--timeout-s", type=float, default=300,
+                    help="comm timeout (a wait on a rank compiling is not a hang: the watchdog says so and waits)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     world = MPI.COMM_WORLD
@@ -81,7 +83,7 @@ def main():
         layout_keys = [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}",
                        f"parallel.ep={ep}", f"parallel.microbatches={micro}", f"parallel.sequence_parallel={str(sp).lower()}"]
         runs = {mode: train(load_config(None, base + layout_keys + [f"train.compile={mode}"]), world, tokens,
-                            args.steps) for mode in ("false", "true")}
+                            args.steps, args.timeout_s) for mode in ("false", "true")}
         (eager_losses, eager_params, *_), (losses, params, launches, regular, report) = runs["false"], runs["true"]
         name = f"dp={dp} tp={tp} pp={pp} cp={cp} ep={ep}{' sp' if sp else ''}"
         breaks = int(report[0].split(", ")[1].split()[0])  # "torch.compile: G graph(s) compiled, B graph break(s)"

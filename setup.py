@@ -32,6 +32,9 @@ setup(
         "compression": ["zfpy"],  # compression.method = "zfp" (a manylinux wheel)
         "data": ["tokenizers"],  # data.tokenizer = a tokenizer.json; hpctrain data train-tokenizer
         "hf": ["safetensors"],
+        # model.head_kernel = liger / cce (or auto's trial of them): fused head + loss kernels at tp = 1, CUDA
+        # only (Triton); without them hpctrain's own runs (hpctrain/parallel/head_kernels.py)
+        "kernels": ["liger-kernel", "cut-cross-entropy"],
         "fp8": ["torchao==0.18.0"],  # train.fp8: torchao.float8's casts (hpctrain/parallel/fp8.py TORCHAO_VERSION)
         "monitor": ["prometheus-client", "tensorboard"],  # [monitor]: Prometheus metrics, TensorBoard event files  # hpctrain export --format hf, hpctrain import-hf, model.init_from = an HF directory
     },

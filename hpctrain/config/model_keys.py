@@ -80,6 +80,14 @@ class ModelConfig:
         "tokens (micro_batch x seq_len / cp). 0 = automatic: one chunk when the float32 logits of all tokens over "
         "this rank's vocabulary slab fit 256 MiB, else as many tokens as fit (a multiple of 128). A size that does "
         "not divide the tokens is fine (the last chunk is smaller). The start-up line names the chunk."))
+    head_kernel: str = key("auto", choices=("auto", "hpctrain", "liger", "cce"), help=(
+        "Which kernel runs the fused head + loss (`model.fused_head_loss`) at tp = 1 on CUDA: `hpctrain` (its own "
+        "chunks), `liger` (Liger-Kernel's fused linear cross-entropy) or `cce` (Apple's Cut Cross-Entropy), both "
+        "from `pip install 'hpctrain[kernels]'`. `auto`: a start-up trial runs each one installed forward + "
+        "backward on the run's shapes, checks it against hpctrain's and takes the fastest that passed (float64: "
+        "hpctrain's, untried). `liger`/`cce`: that one if it passes its trial, else hpctrain's with one line "
+        "saying why. Ignored on the host, under tp > 1 and with the fused head off. The start-up line names a "
+        "kernel other than hpctrain's (docs/gpus.md). Not part of the model: a run may change it on resume."))
     residual_dtype: str = key("auto", choices=("auto", "float32"), help=(
         "The dtype of the residual stream of a bfloat16/float16 model: `auto` (default), the training dtype; "
         "`float32`: the embedding's output, what every block takes and returns, what pipeline stages send each "

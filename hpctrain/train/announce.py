@@ -33,6 +33,8 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
     m, tp = parts.model_cfg, grid.sizes["tp"]  # the last stage's tokens per micro-batch, its vocabulary slab
     head = describe_head(m.fused_head_loss, m.loss_chunk_tokens, parts.layout.micro_batch * cfg.train.seq_len //
                          grid.sizes["cp"], padded_vocab(m, tp) // tp)
+    if parts.head_kernel.name != "hpctrain":  # model.head_kernel: another library's kernel won its trial
+        head = f"head kernel {parts.head_kernel.name} (trial)"
     dp_route = grid.intra_node + grid.intra_node_routes.note()  # auto: what its measured table sends through shm
     residual = " (float32 residual)" if parts.executor.act_dtype != parts.dtype else ""  # model.residual_dtype
     print(f"hpctrain train: {info.size} ranks on {info.num_nodes} node(s), {layout}, schedule "
@@ -63,6 +65,10 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
         print(f"hpctrain train: {parts.sdpa.note}", flush=True)
     if verbose and parts.sdpa.timings:  # each SDPA kernel's trial, forward + backward
         print(f"hpctrain train: attention kernel trials (forward + backward): {parts.sdpa.timings}", flush=True)
+    if parts.head_kernel.note:  # a head kernel asked for or tried that does not run: why, and what runs instead
+        print(f"hpctrain train: {parts.head_kernel.note}", flush=True)
+    if verbose and parts.head_kernel.timings:  # each head kernel's trial, forward + backward
+        print(f"hpctrain train: head kernel trials (forward + backward): {parts.head_kernel.timings}", flush=True)
     fp8 = trainer.fp8  # train.fp8 (hpctrain/models/fp8.py): the recipe, the linears it covers, any fallback
     for line in fp8.lines if fp8 is not None else ():
         print(f"hpctrain train: {line}", flush=True)

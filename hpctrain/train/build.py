@@ -5,7 +5,8 @@ Parts, in the order they are built (each line: the part, what it talks on):
 
 - the model: this pp rank's virtual stages (``build_stages``: tp layers over ``grid.comm("tp")``, ring
   attention over ``grid.comm("cp")``), compiled per block (``train.compile``), with SDPA's fastest kernels
-  timed once on the device (every rank takes rank 0's choice: one allgather over the world);
+  timed once on the device (every rank takes rank 0's choice: one allgather over the world), and at tp = 1
+  the last stage's fused head + loss kernel likewise (``model.head_kernel``: hpctrain's, Liger's or CCE's);
 - the parameter engine (``build_param_engine``, hpctrain/parallel/zero/engine.py): where each parameter's bytes
   live. The trainable parameters' flat buffers and gradient reducer over the replica group
   ``grid.comm(grid.replica_axis)`` (dp, or dp x cp; compressed: hpctrain/compression/), sliced by
@@ -24,7 +25,9 @@ The torchtitan "train spec" idea, without a registry: plain builder functions, o
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -44,6 +47,9 @@ from hpctrain.optim.group import OptimizerGroup, build_optimizer
 from hpctrain.optim.loss_scale import DynamicLossScaler
 from hpctrain.parallel.param_init import give_storage
 from hpctrain.config.layout import Layout
+from hpctrain.config.rules import padded_vocab
+from hpctrain.parallel.head_kernels import HeadKernelChoice, HeadShape, choose_head_kernel, trial as head_trial
+from hpctrain.parallel.head_loss import chunk_tokens
 from hpctrain.parallel.pipeline_parallel import PipelineExecutor
 from hpctrain.parallel.schedules import schedule_bubble
 from hpctrain.parallel.zero.engine import ParamEngine, build_param_engine
@@ -69,6 +75,7 @@ class DataParts:
 class StepParts:
     """Everything one rank's step uses (``build_step``). ``stages``: this pp rank's virtual stages, one
     ``GPTStage`` each (``local_model`` holds them all); ``sdpa``: the attention kernels chosen;
+    ``head_kernel``: the last stage's head + loss kernel chosen (hpctrain/parallel/head_kernels.py);
     ``compile_since``: torch.compile's counters before compiling (``--verbose``'s report)."""
     model_cfg: Any
     layout: Layout
@@ -81,6 +88,7 @@ class StepParts:
     compiled: bool
     compile_since: dict | None
     sdpa: Any
+    head_kernel: HeadKernelChoice
     params: ParamEngine  # where every parameter's bytes live (hpctrain/parallel/zero/engine.py)
     moe_stats: MoeStepStats | None  # a model with experts: the step's routing counts and auxiliary losses
     optimizer: OptimizerGroup  # one FlatOptimizer per params.flat part (hpctrain/optim/group.py)
@@ -180,9 +188,18 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     sdpa = use_sdpa(local_model, choose_sdpa(
         device, dtype, m.d_model // m.n_heads, masked, seq=t.seq_len, heads=max(1, m.n_heads // layout.tp_size),
         batch=layout.micro_batch, gather=grid.world.allgather_object))  # every rank takes the same kernels
+    head_kernel = choose_head_kernel(  # collective over the world, as SDPA's; ranks without the last stage wait
+        m.head_kernel, device, dtype, layout.tp_size, m.fused_head_loss,
+        HeadShape(layout.micro_batch * t.seq_len // layout.cp_size, m.d_model, m.vocab_size,
+                  padded_vocab(m, layout.tp_size) // layout.tp_size, m.loss_chunk_tokens),
+        probe=head_probe(stages), gather=grid.world.allgather_object, probe_here=any(s.is_last for s in stages))
+    for stage in stages:
+        if stage.is_last:
+            setattr(stage, "head_kernel", head_kernel.fn)  # GPTStage.forward_loss calls it (None: hpctrain's)
     return StepParts(
         model_cfg=m, layout=layout, dtype=dtype, timer=timer, faults=faults, backends=backends, stages=stages,
-        local_model=local_model, compiled=compiled, compile_since=compile_since, sdpa=sdpa, params=params,
+        local_model=local_model, compiled=compiled, compile_since=compile_since, sdpa=sdpa,
+        head_kernel=head_kernel, params=params,
         moe_stats=MoeStepStats(stages, moe, grid.world, t.global_batch) if moe else None,
         optimizer=optimizer, executor=executor, scaler=scaler, outcomes=outcomes, data=data,
         flops_per_token=flops_per_token(m, t.seq_len, cfg.lora.rank, cfg.lora.targets, moe=moe),  # active params
@@ -190,3 +207,19 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
         # idle over ideal time with equal stages, (pp - 1) / (V M) (zero-bubble: their timeline's): printed at start-up
         bubble=schedule_bubble(layout.schedule, layout.pp_size, layout.microbatches, layout.virtual_stages),
         build_s=build_s)
+
+
+def head_probe(stages: list[GPTStage]) -> Callable:
+    """The head kernels' trial with hpctrain's own timed as this rank's last stage runs it: its compiled chunks
+    when ``train.compile`` made them (``head_chunks``), else the eager ``fused_head_cross_entropy``."""
+    last = next((s for s in stages if s.is_last), None)
+    kernels = getattr(last, "head_chunks", None)
+    if last is None or kernels is None:
+        return head_trial
+    from hpctrain.parallel.head_chunks import compiled_head_cross_entropy
+
+    def own(h, w, targets):  # h [N, D], w [rows, D] (padded), targets [N], -100 = not counted
+        chunk = chunk_tokens(last.loss_chunk, h.shape[0], w.shape[0])
+        return compiled_head_cross_entropy(h, w, targets, last.tp_comm, last.vocab_start, last.vocab_valid, chunk,
+                                           kernels, targets != -100)
+    return partial(head_trial, own=own)

@@ -20,14 +20,18 @@ of ``FlatParams``, checkpoints and exports see nothing new. Why blocks and not t
   amax all-reduces over tp) runs eagerly the same way: a graph break per linear;
 - with ``train.recompute`` the compiled block runs under ``torch.utils.checkpoint``.
 
-The tail of the last stage, final norm, LM head and loss (``GPTStage.tail_loss``), is one compiled region (the
-plain head and cross-entropy, which inductor fuses; ``model.fused_head_loss``'s eager chunks are not used then),
-as the compiled loop of benchmarks/bench_gpu_train.py has it. Under tp the vocab-parallel cross-entropy is plain
-ops between its two tp collectives (hpctrain/parallel/tensor_parallel.py), so the region breaks at the head's
-input collective, the max and the all-reduce of each token's statistics, and the local parts between them (the
-head's matmul, the shifted exp and its sums, the loss) are compiled. The embedding stays eager.
-At dp = pp = tp = cp = 1 (``whole_stage_wanted``) the whole stage, embedding to loss, is one region instead: with
-no data-parallel reduction there are no per-block gradient hooks to overlap with (issue #52 item 1).
+The last stage's head and loss, with ``model.fused_head_loss`` (the default), run as fixed-shape chunks, each
+chunk's local work compiled (hpctrain/parallel/head_chunks.py ``ChunkKernels``: at tp = 1 one compiled call a
+chunk, under tp two around the all-gather of each token's statistics), never [tokens, vocab] logits; the final
+norm is compiled as a module. With ``model.fused_head_loss = false`` the tail, final norm, LM head and loss
+(``GPTStage.tail_loss``), is one compiled region (the plain head and cross-entropy, which inductor fuses), as the
+compiled loop of benchmarks/bench_gpu_train.py has it. Under tp that vocab-parallel cross-entropy is plain ops
+between its two tp collectives (hpctrain/parallel/tensor_parallel.py), so the region breaks at the head's input
+collective, the max and the all-reduce of each token's statistics, and the local parts between them (the head's
+matmul, the shifted exp and its sums, the loss) are compiled. The embedding stays eager.
+At dp = pp = tp = cp = 1 (``whole_stage_wanted``) the whole stage is one region instead, embedding to loss
+(``whole_loss``) or, with the fused head, embedding to final norm (``hidden``) before the compiled chunks: with no
+data-parallel reduction there are no per-block gradient hooks to overlap with (issue #52 item 1).
 
 Inductor compiles its C++/Triton kernels in a pool of worker processes, ``compile_threads`` of them, by default
 one per core it may use: on a node running several ranks every rank would start a pool as large as the node.
@@ -41,6 +45,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from hpctrain.parallel.head_chunks import ChunkKernels
 
 if TYPE_CHECKING:
     from hpctrain.models.gpt import GPTStage
@@ -91,16 +97,23 @@ def compile_stage(stage: GPTStage, whole: bool = False) -> int:
     it would have drawn."""
     targets = list(stage.layers.values())
     options: dict[str, str | int | bool | Callable[..., Any]] = {"fallback_random": True}
-    if whole and getattr(stage, "is_first", False) and getattr(stage, "is_last", False) and tail_compilable(stage):
-        stage.compiled_whole = torch.compile(stage.whole_loss, options=options)
-        return 1
-    if getattr(stage, "is_last", False) and tail_compilable(stage):
+    last = getattr(stage, "is_last", False)
+    fused = last and tail_compilable(stage) and stage.fused_loss  # the fused head's chunks compiled
+    if fused:
+        stage.head_chunks = ChunkKernels(options)
+    if whole and getattr(stage, "is_first", False) and last and tail_compilable(stage):
+        if fused:
+            stage.compiled_hidden = torch.compile(stage.hidden, options=options)
+        else:
+            stage.compiled_whole = torch.compile(stage.whole_loss, options=options)
+        return 1 + fused
+    if last and tail_compilable(stage) and not fused:
         stage.compiled_tail = torch.compile(stage.tail_loss, options=options)
-    elif getattr(stage, "is_last", False):
+    elif last:
         targets.append(stage.norm)
     for module in targets:
         module.compile(options=options)
-    return len(targets) + (stage.compiled_tail is not None)
+    return len(targets) + (stage.compiled_tail is not None) + fused
 
 
 def tail_compilable(stage: GPTStage) -> bool:

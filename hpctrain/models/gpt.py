@@ -29,6 +29,7 @@ from hpctrain.models.lora import add_adapters, enabled as lora_enabled
 from hpctrain.models.mlp import MLP
 from hpctrain.models.moe import AuxLossWeight, MoE
 from hpctrain.parallel.context_parallel import causal_window_mask, default_tile, ring_attention, zigzag_positions
+from hpctrain.parallel.head_chunks import ChunkKernels, compiled_head_cross_entropy
 from hpctrain.parallel.head_loss import chunk_tokens, fused_head_cross_entropy
 from hpctrain.parallel.packed import local_document_positions, same_document
 from hpctrain.config.rules import check_tp_divisibility, padded_vocab
@@ -279,9 +280,14 @@ class GPTStage(nn.Module):
             self.vocab_start, self.vocab_valid = spec.tp_rank * spec.local_shape[0], spec.valid_shape[0]
             self.fused_loss, self.loss_chunk = m.fused_head_loss, m.loss_chunk_tokens
         # torch.compile of ``tail_loss``, or of ``whole_loss`` (hpctrain/models/compile.py ``compile_stage``), or
-        # None: eager
+        # None: eager; with the fused head: of ``hidden`` (the whole stage but its head) and the head's chunks
         self.compiled_tail: Callable[..., torch.Tensor] | None = None
         self.compiled_whole: Callable[..., torch.Tensor] | None = None
+        self.compiled_hidden: Callable[..., torch.Tensor] | None = None
+        self.head_chunks: ChunkKernels | None = None
+        # another library's fused head + loss at tp = 1 (hpctrain/parallel/head_kernels.py, model.head_kernel):
+        # (h [N, D], w [n_valid, D], targets [N], -100 = not counted) -> summed loss; None: hpctrain's own
+        self.head_kernel: Callable[..., torch.Tensor] | None = None
         if lora_enabled(lora):  # adapters on the lora.targets linears; every other weight frozen
             add_adapters(self, m, lora, tp_comm, dtype, seed)
 
@@ -306,6 +312,11 @@ class GPTStage(nn.Module):
         tokens x [B, S]: with ``train.compile`` at dp = pp = tp = cp = 1 one compiled region, forward and
         backward (no reduction for per-block gradient hooks to overlap; hpctrain/models/compile.py)."""
         return self.tail_loss(self._trunk(x, docs, norm=False), targets, mask)
+
+    def hidden(self, x, docs=None):
+        """The stage without its LM head: the final norm's output [S(/tp), B, D] (last stage) or the hidden state
+        it sends on; with the fused head under ``train.compile`` at dp = pp = tp = cp = 1 one compiled region."""
+        return self._trunk(x, docs)
 
     def _trunk(self, x, docs, norm: bool = True):
         """Embedding (first stage), blocks, final norm (last stage; ``norm=False``: without it): the stage
@@ -340,16 +351,24 @@ class GPTStage(nn.Module):
         loss chunks of ``model.loss_chunk_tokens`` tokens, never [S, B, vocab] logits; with a compiled tail
         (``compiled_tail``, train.compile) the tail is one compiled region (under tp broken at its collectives),
         or with ``compiled_whole`` the whole stage. Talks on tp."""
-        if self.compiled_whole is not None and self.head.weight_grads is None and self.head.fp8 is None:
+        eager_head = self.head.weight_grads is not None or self.head.fp8 is not None
+        # (a zero-bubble schedule's deferred weight gradient, a float8 head: eager by design)
+        if self.compiled_whole is not None and not eager_head:
             return self.compiled_whole(x, targets, mask, docs)
-        if self.compiled_tail is not None and self.head.weight_grads is None and self.head.fp8 is None:
-            # not with a zero-bubble schedule's deferred weight gradient nor a float8 head (eager by design)
+        if self.compiled_tail is not None and not eager_head:
             return self.compiled_tail(self._trunk(x, docs, norm=False), targets, mask)
         if not self.fused_loss or self.head.lora is not None:
             return self.loss_sum(self(x, docs), targets, mask)
-        h = self._trunk(x, docs)
+        h = self.compiled_hidden(x, docs) if self.compiled_hidden is not None else self._trunk(x, docs)
         h = gather_seq(h, self.tp_comm) if self.sp else copy_to_tp(h, self.tp_comm)  # as the head's input
-        chunk = chunk_tokens(self.loss_chunk, h.shape[0] * h.shape[1], self.head.w.shape[0])
-        return fused_head_cross_entropy(h.flatten(0, 1), self.head.w, targets.t().reshape(-1), self.tp_comm,
-                                        self.vocab_start, self.vocab_valid, chunk,
-                                        None if mask is None else mask.t().reshape(-1))  # the summed loss
+        h, targets = h.flatten(0, 1), targets.t().reshape(-1)
+        mask = None if mask is None else mask.t().reshape(-1)
+        if self.head_kernel is not None and torch.is_grad_enabled():  # tp = 1: the start-up trial's pick
+            return self.head_kernel(h, self.head.w[:self.vocab_valid],
+                                    targets if mask is None else targets.masked_fill(~mask, -100))
+        chunk = chunk_tokens(self.loss_chunk, h.shape[0], self.head.w.shape[0])
+        if self.head_chunks is not None:  # the summed loss
+            return compiled_head_cross_entropy(h, self.head.w, targets, self.tp_comm, self.vocab_start,
+                                               self.vocab_valid, chunk, self.head_chunks, mask)
+        return fused_head_cross_entropy(h, self.head.w, targets, self.tp_comm, self.vocab_start, self.vocab_valid,
+                                        chunk, mask)

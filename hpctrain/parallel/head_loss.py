@@ -32,6 +32,7 @@ could pass float16's range.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -54,13 +55,29 @@ def chunk_tokens(setting: int, tokens: int, vocab_local: int) -> int:
     return rows - rows % 128 if rows >= 128 else rows
 
 
-def describe_head(fused: bool, setting: int, tokens: int, vocab_local: int) -> str:
-    """The start-up line's words for the last stage's head and loss over ``tokens`` tokens per micro-batch."""
+def describe_head(fused: bool, setting: int, tokens: int, vocab_local: int, compiled: bool = False) -> str:
+    """The start-up line's words for the last stage's head and loss over ``tokens`` tokens per micro-batch
+    (``compiled``: its chunks run by hpctrain/parallel/head_chunks.py, of ``even_chunk`` tokens)."""
     if not fused:
         return "head: logits + vocab-parallel CE (model.fused_head_loss=false)"
     chunk, how = chunk_tokens(setting, tokens, vocab_local), ", automatic" if setting == 0 else ""
+    if compiled:
+        chunk = even_chunk(tokens, chunk)
+        how += f", compiled, the last padded by {-tokens % chunk}" if tokens % chunk else ", compiled"
     size = f"one chunk of {tokens} tokens" if chunk >= tokens else f"chunks of {chunk} of {tokens} tokens"
     return f"head: fused chunked CE ({size}{how})"
+
+
+def even_chunk(tokens: int, chunk: int) -> int:
+    """The fixed chunk size for ``tokens`` tokens at most ``chunk`` (head_loss.py ``chunk_tokens``) at a time:
+    the same number of chunks, as even as they can be, from 256 tokens up a multiple of 16 (aligned GEMMs) where
+    that stays within ``chunk`` and adds no chunk, so the padding of the last chunk is small (gpt2-small on a
+    GPU: 13 chunks of 1264 of 16384 tokens, 48 padded, where chunks of 1280 would pad 256)."""
+    chunk = max(1, min(chunk, tokens))
+    count = math.ceil(tokens / chunk)
+    even = math.ceil(tokens / count)
+    aligned = even + (-even) % 16
+    return aligned if even >= 256 and aligned <= chunk and (count - 1) * aligned < tokens else even
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +111,7 @@ def _slab_stats(h: torch.Tensor, w: torch.Tensor, n_valid: int, local: torch.Ten
     return exp, top, exp.sum(dim=-1), target
 
 
-def _gather_stats(tp_comm: Any, top: torch.Tensor, sum_exp: torch.Tensor, target: torch.Tensor,
+def gather_chunk_stats(tp_comm: Any, top: torch.Tensor, sum_exp: torch.Tensor, target: torch.Tensor,
                   found: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """One all-gather of every tp rank's [4, c] (max, sum of exp, target logit, target found) ->
     (global max, sum of exp at it, target logit, found, this rank's factor exp(max - global max)), [c]
@@ -117,7 +134,7 @@ def _scale(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class _FusedHeadCrossEntropy(torch.autograd.Function):
+class FusedHeadCrossEntropy(torch.autograd.Function):
     """h [N, D], weight [V_local, D], targets [N], mask [N] or None -> the counted tokens' loss sum [];
     dh and dW formed in forward (the module docstring)."""
 
@@ -130,7 +147,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         grad_h = (torch.empty_like(h) if n_valid else torch.zeros_like(h)) if ctx.needs_input_grad[0] else None
         acc = torch.float32 if weight.dtype in _HALF and chunk < n else weight.dtype  # one chunk: as unfused
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
-        local, inside = _local_targets(targets, vocab_start, n_valid)
+        local, inside = local_targets(targets, vocab_start, n_valid)
         onehot = (inside if mask is None else inside & mask).to(stat).neg()  # - onehot of the counted tokens
         losses = torch.empty(n, dtype=stat, device=h.device)
         for s in range(0, n, chunk):
@@ -139,7 +156,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
             found = inside[s:e].to(stat)
             rescale: Optional[torch.Tensor] = None
             if tp_comm is not None and tp_comm.size > 1:  # every rank, columns or not
-                top, sum_exp, target, found, rescale = _gather_stats(tp_comm, top, sum_exp, target, found)
+                top, sum_exp, target, found, rescale = gather_chunk_stats(tp_comm, top, sum_exp, target, found)
             losses[s:e] = sum_exp.log() - target.sub_(top * found)
             if exp is None or (grad_h is None and grad_w is None):
                 continue
@@ -176,7 +193,7 @@ class _RecomputedHeadCrossEntropy(torch.autograd.Function):
         local_max = torch.full((n,), float("-inf"), dtype=stat, device=h.device)
         sum_exp = torch.zeros(n, dtype=stat, device=h.device)
         target_logit = torch.zeros(n, dtype=stat, device=h.device)
-        local, inside = _local_targets(targets, vocab_start, n_valid)
+        local, inside = local_targets(targets, vocab_start, n_valid)
         for s in range(0, n if n_valid else 0, chunk):
             e = min(s + chunk, n)
             _, local_max[s:e], sum_exp[s:e], target_logit[s:e] = _slab_stats(h[s:e], w, n_valid, local[s:e],
@@ -206,7 +223,7 @@ class _RecomputedHeadCrossEntropy(torch.autograd.Function):
         grad_h = torch.zeros_like(h) if want_h else None
         acc = torch.float32 if weight.dtype in _HALF and chunk < n else weight.dtype  # one chunk: as unfused
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
-        local, inside = _local_targets(targets, ctx.vocab_start, n_valid)
+        local, inside = local_targets(targets, ctx.vocab_start, n_valid)
         grad_loss = grad_loss.to(logsumexp.dtype)
         for s in range(0, n if n_valid and (want_h or want_w) else 0, chunk):
             e = min(s + chunk, n)
@@ -220,7 +237,7 @@ class _RecomputedHeadCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None
 
 
-def _local_targets(targets: torch.Tensor, vocab_start: int, n_valid: int) -> tuple[torch.Tensor, torch.Tensor]:
+def local_targets(targets: torch.Tensor, vocab_start: int, n_valid: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(column of each target in this rank's slab (0 where outside), whether it is inside) for [N] ids."""
     inside = (targets >= vocab_start) & (targets < vocab_start + n_valid)
     return (targets - vocab_start).masked_fill(~inside, 0), inside
@@ -234,7 +251,7 @@ def fused_head_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: tor
     time (> 0). Training: dh and dW formed in forward, one all-gather per chunk on tp; else (and float16)
     two all-reduces on tp in forward. Never talks in backward."""
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad) and h.dtype != torch.float16:
-        return _FusedHeadCrossEntropy.apply(h, weight, targets, mask, tp_comm, vocab_start, n_valid, chunk)
+        return FusedHeadCrossEntropy.apply(h, weight, targets, mask, tp_comm, vocab_start, n_valid, chunk)
     losses = _RecomputedHeadCrossEntropy.apply(h, weight, targets, tp_comm, vocab_start, n_valid, chunk)
     return losses.sum() if mask is None else torch.where(mask, losses, 0).sum()
 

@@ -32,7 +32,8 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
               f"the ideal step" if grid.sizes["pp"] > 1 else "")
     m, tp = parts.model_cfg, grid.sizes["tp"]  # the last stage's tokens per micro-batch, its vocabulary slab
     head = describe_head(m.fused_head_loss, m.loss_chunk_tokens, parts.layout.micro_batch * cfg.train.seq_len //
-                         grid.sizes["cp"], padded_vocab(m, tp) // tp)
+                         grid.sizes["cp"], padded_vocab(m, tp) // tp,
+                         compiled=any(s.head_chunks is not None for s in parts.stages))
     if parts.head_kernel.name != "hpctrain":  # model.head_kernel: another library's kernel won its trial
         head = f"head kernel {parts.head_kernel.name} (trial)"
     dp_route = grid.intra_node + grid.intra_node_routes.note()  # auto: what its measured table sends through shm
@@ -74,14 +75,20 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
         print(f"hpctrain train: {line}", flush=True)
     for line in fp8.warnings if fp8 is not None else ():
         print(f"hpctrain: WARNING: {line}", file=sys.stderr, flush=True)
-    if parts.compiled and any(s.compiled_whole is not None for s in parts.stages):
-        print(f"hpctrain train: torch.compile of the whole stage, embedding to loss, one region (train.compile="
+    chunks = any(s.head_chunks is not None for s in parts.stages)  # the fused head's compiled chunks
+    chunk_words = ", and of each fused head + loss chunk" + (" (two calls around the tp all-gather)"
+                                                              if parts.layout.tp_size > 1 else "")
+    if parts.compiled and any(s.compiled_whole is not None or s.compiled_hidden is not None for s in parts.stages):
+        what = "embedding to final norm, one region" + chunk_words if chunks else "embedding to loss, one region"
+        print(f"hpctrain train: torch.compile of the whole stage, {what} (train.compile="
               f"{cfg.train.compile}; dp = pp = tp = cp = 1: no reduction for per-block regions to overlap)", flush=True)
     elif parts.compiled:
         tail = ""
         if any(s.compiled_tail is not None for s in parts.stages):  # the last stage's, under tp too
             tail = ", and of the final norm, LM head and loss" + (" (broken at the tp collectives)"
                                                                    if parts.layout.tp_size > 1 else "")
+        elif chunks:
+            tail = ", the final norm" + chunk_words
         print(f"hpctrain train: torch.compile of every block{tail} (train.compile={cfg.train.compile})", flush=True)
     if parts.optimizer.update_kind == "compiled":
         print(f"hpctrain train: AdamW in one compiled pass over the flat float32 buffers, the parameters written "

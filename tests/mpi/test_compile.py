@@ -58,8 +58,11 @@ def test_verbose_reports_no_break_with_tp_1_and_adamw_with_recompute_equals_eage
     graphs = int(lines[0].split("torch.compile: ")[1].split()[0])
     assert graphs >= 1, lines  # the whole stage's (forward and backward), the update's
     assert "first step" in result.stdout and "forward" in result.stdout and "done: 3 steps" in result.stdout
-    # one rank, dp = pp = tp = cp = 1: the whole stage is one compiled region (issue #52 item 1)
-    assert "torch.compile of the whole stage, embedding to loss, one region (train.compile=true" in result.stdout
+    # one rank, dp = pp = tp = cp = 1: the whole stage but its head is one compiled region (issue #52 item 1), the
+    # fused head's fixed-shape chunks compiled apart (item 2; the plain compiled tail: the ZeRO-3 test below)
+    assert ("torch.compile of the whole stage, embedding to final norm, one region, and of each fused head + loss "
+            "chunk (train.compile=true") in result.stdout, result.stdout
+    assert "head: fused chunked CE (one chunk of 128 tokens, automatic, compiled)" in result.stdout, result.stdout
     eager = eager_losses
     assert len(losses) == len(eager) == 3
     assert max(abs(a - b) / b for a, b in zip(losses, eager)) <= 1e-5, (losses, eager)
@@ -104,8 +107,12 @@ def test_compile_values_toml_booleans_and_overrides():
 
 def test_compiled_zero3_equals_eager_zero0(tmp_path, eager_losses):
     """ZeRO-3's gather hooks on compiled blocks run eagerly (graph breaks at each unit's edge, named as such);
-    the compiled ZeRO-3 run trains as the eager ZeRO-0 one (one rank: the gathers are copies)."""
-    result, losses = cli_losses(tmp_path / "compiled", "train.compile=true", "parallel.zero=3", verbose=True)
+    the compiled ZeRO-3 run trains as the eager ZeRO-0 one (one rank: the gathers are copies). It also runs the
+    plain head's compiled tail (model.fused_head_loss=false: final norm, head and loss one region) against the
+    eager fused head."""
+    result, losses = cli_losses(tmp_path / "compiled", "train.compile=true", "parallel.zero=3",
+                                "model.fused_head_loss=false", verbose=True)
+    assert "and of the final norm, LM head and loss (train.compile=true)" in result.stdout, result.stdout
     assert "ZeRO-3 parameter gather run eagerly" in result.stdout, result.stdout
     assert "AdamW in one compiled pass over the flat float32 buffers" in result.stdout, result.stdout
     eager = eager_losses

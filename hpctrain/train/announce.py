@@ -75,8 +75,9 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
         print(f"hpctrain train: {line}", flush=True)
     for line in fp8.warnings if fp8 is not None else ():
         print(f"hpctrain: WARNING: {line}", file=sys.stderr, flush=True)
-    chunks = any(s.head_chunks is not None for s in parts.stages)  # the fused head's compiled chunks
-    chunk_words = ", and of each fused head + loss chunk" + (" (two calls around the tp all-gather)"
+    # the fused head's compiled chunks (not when the start-up trial picked a library's kernel)
+    chunks = any(s.head_chunks is not None for s in parts.stages) and parts.head_kernel.fn is None
+    chunk_words = ", and of each fused head + loss chunk" + (", two calls around the tp all-gather"
                                                               if parts.layout.tp_size > 1 else "")
     if parts.compiled and any(s.compiled_whole is not None or s.compiled_hidden is not None for s in parts.stages):
         what = "embedding to final norm, one region" + chunk_words if chunks else "embedding to loss, one region"

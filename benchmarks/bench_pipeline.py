@@ -69,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", metavar="FILE",
                    help="link and device profile (`hpctrain bench comm --profile FILE`): add the performance "
                         "model's prediction of every row (predicted_ms, prediction_error)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every schedule's run, e.g. train.host_malloc=system (repeatable)")
     p.add_argument("--json", metavar="FILE", help="write records to FILE (JSON list)")
     p.add_argument("--csv", metavar="FILE", help="write records to FILE (CSV)")
     return p.parse_args(argv)
@@ -91,7 +93,7 @@ class Schedule:
             "train.dtype=float32", f"train.seq_len={args.seq_len}", f"train.global_batch={args.global_batch}",
             "train.lr=1e-3", "train.warmup_steps=2", f"train.steps={total_steps}", "train.progress=false",
             "parallel.dp=1", "parallel.tp=1", f"parallel.pp={info.size}", f"parallel.microbatches={microbatches}",
-            f"parallel.schedule={schedule}", f"parallel.virtual_stages={virtual}"])
+            f"parallel.schedule={schedule}", f"parallel.virtual_stages={virtual}", *args.set])
         self.cfg = cfg
         self.grid = ProcessGrid.from_config(cfg, info)
         self.trainer = Trainer(cfg, self.grid, tokens=tokens)

@@ -115,6 +115,13 @@ class TrainConfig:
         "`auto`: the GPU that this node-local rank binds (`local_rank % visible GPUs`, honouring "
         "`CUDA_VISIBLE_DEVICES`) when torch sees CUDA, else the CPU; `cpu`; `cuda` (an error on a rank without a "
         "GPU). Parameters, gradients, optimizer state, batches and pipeline buffers all live there."))
+    host_malloc: str = key("auto", choices=("auto", "keep", "system"), help=(
+        "Host memory a step frees: `keep` makes glibc's malloc keep it for the next step (mallopt: only requests "
+        "above 32 MiB are mapped apart, the heap is not trimmed), so the activations and gradients of each step "
+        "do not fault their pages in anew; `system`: the C library's own behaviour; `auto` (default): `keep` on "
+        "a CPU device, where every activation is host memory. The peak resident memory is the same; it is not "
+        "returned between steps. Measured: docs/benchmarks.md, \"Pipeline schedules\". No effect where the C "
+        "library is not glibc."))
     allow_tf32: bool = key(True, help=(
         "Let float32 matmuls use TF32 tensor cores on NVIDIA GPUs (Ampere and newer): much faster, ~1e-3 relative "
         "error per product. Off for bitwise CPU/GPU comparisons."))

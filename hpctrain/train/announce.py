@@ -68,6 +68,8 @@ def announce(cfg, grid, trainer, device, resumed, verbose: bool = False) -> None
         print(f"hpctrain train: attention kernel trials (forward + backward): {parts.sdpa.timings}", flush=True)
     if parts.head_kernel.note:  # a head kernel asked for or tried that does not run: why, and what runs instead
         print(f"hpctrain train: {parts.head_kernel.note}", flush=True)
+    if verbose and parts.host_malloc:  # train.host_malloc: whether freed host memory is kept for reuse
+        print(f"hpctrain train: {parts.host_malloc}", flush=True)
     if verbose and parts.head_kernel.timings:  # each head kernel's trial, forward + backward
         print(f"hpctrain train: head kernel trials (forward + backward): {parts.head_kernel.timings}", flush=True)
     fp8 = trainer.fp8  # train.fp8 (hpctrain/models/fp8.py): the recipe, the linears it covers, any fallback

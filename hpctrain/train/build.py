@@ -57,6 +57,7 @@ from hpctrain.parallel.zero_bubble import virtual_stage
 from hpctrain.profiling.timers import PhaseTimer
 from hpctrain.runtime import env
 from hpctrain.runtime.device import configure_matmul, peak_tflops
+from hpctrain.runtime.host_malloc import configure_host_malloc
 from hpctrain.runtime.dtypes import torch_dtype
 from hpctrain.runtime.faults import FaultInjector
 from hpctrain.train.outcomes import StepOutcomes
@@ -100,6 +101,7 @@ class StepParts:
     peak_tflops: float
     bubble: float
     build_s: float  # seconds to build the model and create this rank's parameter bytes
+    host_malloc: str = ""  # train.host_malloc's words for --verbose (hpctrain/runtime/host_malloc.py)
 
     @property
     def reducer(self):
@@ -153,6 +155,7 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     faults = FaultInjector.from_env(grid.info.rank)  # test-only (HPCTRAIN_FAULT)
     backends = grid.use_device(device)
     configure_matmul(device, t.allow_tf32)
+    host_malloc = configure_host_malloc(t.host_malloc, device)  # before the model's and the step's allocations
     dtype = torch_dtype(t.dtype)
     torch.manual_seed(t.seed * 100_003 + grid.info.rank)  # derived per rank, never shared by accident
     tp_comm, pp_comm = grid.comm("tp"), grid.comm("pp")
@@ -199,7 +202,7 @@ def build_step(cfg, grid, device: torch.device, tokens=None) -> StepParts:
     return StepParts(
         model_cfg=m, layout=layout, dtype=dtype, timer=timer, faults=faults, backends=backends, stages=stages,
         local_model=local_model, compiled=compiled, compile_since=compile_since, sdpa=sdpa,
-        head_kernel=head_kernel, params=params,
+        head_kernel=head_kernel, params=params, host_malloc=host_malloc,
         moe_stats=MoeStepStats(stages, moe, grid.world, t.global_batch) if moe else None,
         optimizer=optimizer, executor=executor, scaler=scaler, outcomes=outcomes, data=data,
         flops_per_token=flops_per_token(m, t.seq_len, cfg.lora.rank, cfg.lora.targets, moe=moe),  # active params

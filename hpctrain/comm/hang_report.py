@@ -164,8 +164,15 @@ def shm_progress(call) -> dict[int, tuple[bool, bool]] | None:
 
 def compiling_causes(call, answers: dict[int, dict]) -> list[int]:
     """The ranks that ``call``'s stall comes down to (``wait_chain``) when each of them answered from inside
-    torch.compile (a first step compiling its graphs: slow, not hung); [] otherwise."""
-    causes, _ = wait_chain(answers, missing_ranks(call, answers))
+    torch.compile (a first step compiling its graphs: slow, not hung); [] otherwise. When every member has
+    entered ``call`` (a nonblocking collective, e.g. a bucket's reduction launched in the backward) it still
+    cannot complete while a member compiles: MPI advances it only inside MPI calls. Those members are then
+    the causes."""
+    missing = missing_ranks(call, answers)
+    if not missing and call.peer is None:
+        compiling = [m for m in call.comm.members if (answers.get(m) or {}).get("compiling")]
+        return compiling
+    causes, _ = wait_chain(answers, missing)
     return causes if causes and all((answers.get(r) or {}).get("compiling") for r in causes) else []
 
 

@@ -106,7 +106,9 @@ class ChunkKernels:
     torch.compile, or the identity in tests, which then runs the same code eagerly)."""
 
     def __init__(self, options: Optional[dict] = None, compile: Optional[Callable[[Callable], Callable]] = None):
-        make = compile or functools.partial(torch.compile, options=options or {})
+        # fixed shapes: a second shape (``times`` on dh, then on dW) compiles a static graph of its own, not a
+        # dynamic one (slower to compile, slower to run)
+        make = compile or functools.partial(torch.compile, options=options or {}, dynamic=False)
         self.whole, self.stats, self.grad = make(_whole_chunk), make(_chunk_stats), make(_chunk_grad)
         self.times = make(_times)
 

@@ -75,6 +75,13 @@ def test_a_stall_whose_causes_all_compile_is_not_a_hang_and_the_report_says_comp
     stalled = Call("allreduce", dp, 8, 3)
     answers = {0: answer(0, [call_info("dp", [0, 1, 2], "allreduce", 3)]), 1: answers[1]}
     assert compiling_causes(stalled, answers) == []
+    # every member inside a nonblocking reduction (launched in the backward) that cannot advance while rank 1
+    # compiles (MPI progresses it only inside MPI calls): the compile is the cause; nobody compiling: a hang
+    inside = [call_info("dp", [0, 1, 2], "allreduce", 3)]
+    answers = {r: answer(r, inside, where="torch/x.py:1") for r in (0, 1, 2)}
+    assert compiling_causes(stalled, answers) == []
+    answers[1]["compiling"] = True
+    assert compiling_causes(stalled, answers) == [1]
 
 
 def test_compiling_is_read_off_the_main_threads_whole_stack():

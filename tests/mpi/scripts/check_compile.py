@@ -66,8 +66,9 @@ def main():
     ap.add_argument("--layouts", required=True, help='";"-separated "dp,tp,pp[,cp[,ep]][+sp]"')
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rtol", type=float, default=1e-5)
-    ap.add_argument("--timeout-s", type=float, default=300,
-                    help="comm timeout (a wait on a rank compiling is not a hang: the watchdog says so and waits)")
+    ap.add_argument("--timeout-s", default="300",
+                    help="comm timeout (a wait on a rank compiling is not a hang: the watchdog says so and waits); "
+                         "\";\"-separated: one per layout, in order")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     world = MPI.COMM_WORLD
@@ -76,14 +77,17 @@ def main():
             "parallel.bucket_mb=0.05", "train.progress=false"] + args.overrides
     cfg0 = load_config(None, base)
     tokens = load_tokens_collective(world, cfg0.data.source, cfg0.data.cache_dir, cfg0.data.max_bytes)
-    for layout in args.layouts.split(";"):
+    layouts = args.layouts.split(";")
+    timeouts = [float(t) for t in args.timeout_s.split(";")]
+    timeouts += timeouts[-1:] * (len(layouts) - len(timeouts))
+    for layout, timeout_s in zip(layouts, timeouts):
         sizes, sp = layout.removesuffix("+sp"), layout.endswith("+sp")
         dp, tp, pp, cp, ep = ([int(v) for v in sizes.split(",")] + [1, 1])[:5]
         micro = 8 // dp // 4  # every layout feeds micro-batches of 4 sequences: one graph shape for all
         layout_keys = [f"parallel.dp={dp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}",
                        f"parallel.ep={ep}", f"parallel.microbatches={micro}", f"parallel.sequence_parallel={str(sp).lower()}"]
         runs = {mode: train(load_config(None, base + layout_keys + [f"train.compile={mode}"]), world, tokens,
-                            args.steps, args.timeout_s) for mode in ("false", "true")}
+                            args.steps, timeout_s) for mode in ("false", "true")}
         (eager_losses, eager_params, *_), (losses, params, launches, regular, report) = runs["false"], runs["true"]
         name = f"dp={dp} tp={tp} pp={pp} cp={cp} ep={ep}{' sp' if sp else ''}"
         breaks = int(report[0].split(", ")[1].split()[0])  # "torch.compile: G graph(s) compiled, B graph break(s)"

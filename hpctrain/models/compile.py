@@ -98,16 +98,17 @@ def compile_stage(stage: GPTStage, whole: bool = False) -> int:
     targets = list(stage.layers.values())
     options: dict[str, str | int | bool | Callable[..., Any]] = {"fallback_random": True}
     last = getattr(stage, "is_last", False)
-    fused = last and tail_compilable(stage) and stage.fused_loss  # the fused head's chunks compiled
+    tail = last and tail_compilable(stage)  # the head and loss compiled (else the final norm alone)
+    fused = tail and stage.fused_loss  # the fused head's chunks compiled
     if fused:
         stage.head_chunks = ChunkKernels(options)
-    if whole and getattr(stage, "is_first", False) and last and tail_compilable(stage):
+    if whole and getattr(stage, "is_first", False) and tail:
         if fused:
             stage.compiled_hidden = torch.compile(stage.hidden, options=options)
         else:
             stage.compiled_whole = torch.compile(stage.whole_loss, options=options)
         return 1 + fused
-    if last and tail_compilable(stage) and not fused:
+    if tail and not fused:
         stage.compiled_tail = torch.compile(stage.tail_loss, options=options)
     elif last:
         targets.append(stage.norm)

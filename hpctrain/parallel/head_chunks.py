@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from hpctrain.parallel.head_loss import even_chunk, gather_chunk_stats, local_targets
+from hpctrain.parallel.head_loss import even_chunk, fused_head_cross_entropy, gather_chunk_stats, local_targets
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -225,8 +225,6 @@ def compiled_head_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: 
     itself. One all-gather per chunk on tp in forward; never talks in backward."""
     training = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     if not training or h.dtype == torch.float16:
-        from hpctrain.parallel.head_loss import fused_head_cross_entropy
-
         return fused_head_cross_entropy(h, weight, targets, tp_comm, vocab_start, n_valid, chunk, mask)
     return _CompiledChunksCrossEntropy.apply(h, weight, targets, mask, tp_comm, vocab_start, n_valid,
                                              even_chunk(h.shape[0], chunk), kernels)

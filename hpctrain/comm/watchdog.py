@@ -17,7 +17,8 @@ does two things once a period:
   code 3). A stall whose causes are all alive inside torch.compile (``train.compile``'s first step
   compiling graphs: a pipeline stage waits for its neighbour's compile) is not a hang: the watchdog
   says so once and restarts the call's stall clock, for at most ``COMPILE_PATIENCE_S`` more; once the
-  compile is over, the call gets one more full ``timeout_s``.
+  compile is over, the call gets one more full ``timeout_s``. A call that completes while the ranks are
+  asked (seconds), or a grid closed meanwhile (``close``), is no hang: nothing is reported.
 """
 from __future__ import annotations
 
@@ -165,6 +166,7 @@ class Watchdog:
         # call.key() -> (its stall clock restarted at, still waiting for a compile): calls whose peers compile
         self._compile_waits: dict[tuple[int, int], tuple[float, bool]] = {}
         self._thread = None
+        self._firing = False  # the thread is printing its report and aborting the job (``close`` does not wait)
         self.period = min(1.0, self.timeout_s / 4) if self.timeout_s > 0 else 1.0
         if self.timeout_s > 0:
             self._thread = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
@@ -243,11 +245,22 @@ class Watchdog:
                 calls.append(copy)
         return calls
 
+    def in_flight(self, call: Call) -> bool:
+        """Whether ``call`` (an ``inflight()`` entry, maybe a slot's snapshot) has not yet ended."""
+        if call.origin is not None:  # a snapshot of a slot's record: the same call while its number is the same
+            return call.origin.seq == call.seq and call.origin.start != IDLE
+        return any(c is call for c in list(self._inflight.values()))
+
     def close(self) -> None:
         """Stop the thread and wait for it (it must not be inside MPI when MPI is finalised)."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread() and self.noticed is None:
-            self._thread.join(timeout=self.period + 5)
+        if self._thread is not None and self._thread is not threading.current_thread() and not self._firing:
+            self._thread.join(timeout=self.period + 5)  # an investigation under way sees ``closed`` and ends
+
+    @property
+    def closed(self) -> bool:
+        """``close()`` was called: the thread ends, an investigation under way stops asking and reports nothing."""
+        return self._stop.is_set()
 
     # ---------------------------------------------------------------- the thread
     def _watch(self) -> None:
@@ -266,7 +279,11 @@ class Watchdog:
             if stalled:
                 self.noticed = call = min(stalled, key=lambda c: c.start)
                 report, compiling = hang_report.investigate(self, call)
-                if compiling and now - call.start < self.timeout_s + COMPILE_PATIENCE_S:
+                if self.closed or not self.in_flight(call):
+                    # the call completed while the ranks were asked (seconds, more when a lower rank reports), or
+                    # the run closed its grid meanwhile: no hang (its answers describe a later moment)
+                    self.noticed = None
+                elif compiling and now - call.start < self.timeout_s + COMPILE_PATIENCE_S:
                     self._wait_for_compile(call, compiling)
                 elif call.key() in self._compile_waits and self._compile_waits[call.key()][1]:
                     # the ranks it waited for have finished compiling (maybe just now): a full timeout from here
@@ -294,6 +311,7 @@ class Watchdog:
         """Print ``report`` (stderr and ``report_path``), give the launcher time to forward it, abort."""
         import sys
 
+        self._firing = True
         sys.stderr.write(report if report.endswith("\n") else report + "\n")
         sys.stderr.flush()
         if self.report_path:

@@ -25,10 +25,10 @@ def test_compiled_training_equals_eager_in_dp_tp_pp_cp_layouts_and_a_wait_on_a_c
     With a cold inductor cache and comm timeout 5 s: in the pipeline's first compiled step stage 1 waits in its
     first receive while stage 0 compiles (then 0 for 1's backward), far longer than the timeout. The watchdog
     waits for a compiling rank and says so; no hang report (the same wait without compile ends with one when a
-    rank is stopped: tests/mpi/test_hang_report.py). The cp x tp layout runs first, with a 300 s timeout; the dp x
-    pp one, whose wait is the subject, last: under CI load a watchdog of an earlier layout's run (5 s) was seen
-    reporting an allreduce of that run as not completed while the next layout ran (known, open: docs/status.md)."""
-    result = run_mpi(4, "check_compile.py", "--layouts", "1,2,1,2+sp;2,1,2", "--rtol", "1e-5", "--timeout-s", "300;5",
+    rank is stopped: tests/mpi/test_hang_report.py). The dp x pp layout, whose wait is the subject, runs first: its
+    runs' watchdogs investigate those waits and must report nothing once their grid is closed, while the next
+    layout trains (found by CI under load: docs/status.md). The cp x tp layout has a 300 s timeout."""
+    result = run_mpi(4, "check_compile.py", "--layouts", "2,1,2;1,2,1,2+sp", "--rtol", "1e-5", "--timeout-s", "5;300",
                      "optim.name=sgd", "optim.momentum=0.9", timeout=420,
                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")})
     assert "COMPILE OK" in result.stdout and result.stdout.count("compiled = eager") == 2, result.stdout

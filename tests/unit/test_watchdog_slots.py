@@ -57,3 +57,62 @@ def test_a_slot_call_waiting_for_a_compiling_peer_keeps_its_patience(capfd, monk
         assert err.count("inside torch.compile") == 1, err  # said once, not every period
     finally:
         dog.close()
+
+
+def test_a_call_that_completes_while_the_ranks_are_asked_is_no_hang(monkeypatch):
+    """The investigation of a stall takes seconds (longer when a lower rank reports); a call that completes
+    meanwhile, a slot's or a registered one, is not reported: the thread goes on watching, and a later stall
+    still fires."""
+    monkeypatch.setenv("HPCTRAIN_ERROR_GRACE_S", "0")
+    ended = []
+
+    def investigate(watchdog, call):
+        if len(ended) < 2:  # the first two stalls complete while their ranks are asked
+            ended.append(call.op)
+            if call.op == "allreduce":
+                slot.end(clock())
+            else:
+                watchdog.end(token)
+        return "hang report", []
+    monkeypatch.setattr(hang_report, "investigate", investigate)
+    aborted = []
+    dog = Watchdog(0, timeout_s=0.2, abort=aborted.append)
+    try:
+        comm = group()
+        slot = dog.slot("allreduce", comm, OpCounter(), nbytes=8)
+        slot.begin(clock())
+        token = dog.begin("reduce_scatter", comm, 64)
+        deadline = time.monotonic() + 10
+        while len(ended) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.6)
+        assert sorted(ended) == ["allreduce", "reduce_scatter"] and aborted == [] and dog.noticed is None
+        dog.begin("broadcast", comm)  # a real stall: reported
+        while not aborted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert aborted == [3]
+    finally:
+        dog.close()
+
+
+def test_a_grid_closed_during_an_investigation_reports_nothing_and_its_thread_ends(monkeypatch):
+    """A run that ends while its watchdog asks the ranks about a stall (one process may train several runs, one
+    grid each): ``close`` waits for the thread, which stops asking and reports nothing."""
+    monkeypatch.setenv("HPCTRAIN_ERROR_GRACE_S", "0")
+    asking = []
+
+    def investigate(watchdog, call):
+        asking.append(call.op)
+        while not watchdog.closed:
+            time.sleep(0.01)
+        return "hang report", []
+    monkeypatch.setattr(hang_report, "investigate", investigate)
+    aborted = []
+    dog = Watchdog(0, timeout_s=0.2, abort=aborted.append)
+    dog.begin("allreduce", group())
+    deadline = time.monotonic() + 10
+    while not asking and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert asking == ["allreduce"]
+    dog.close()
+    assert not dog._thread.is_alive() and aborted == []

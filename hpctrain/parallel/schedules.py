@@ -19,7 +19,7 @@ one backward, then drains.
 """
 from __future__ import annotations
 
-from hpctrain.parallel.zero_bubble import (ZERO_BUBBLE_SCHEDULES, dependency, holder, virtual_stage,
+from hpctrain.parallel.zero_bubble import (ZERO_BUBBLE_SCHEDULES, holder, unit_times, virtual_stage,
                                            zero_bubble_orders)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved") + ZERO_BUBBLE_SCHEDULES  # what parallel.schedule accepts
@@ -212,6 +212,17 @@ def rendezvous_completes(plans: list[list[list[tuple]]]) -> bool:
     return all(p == len(posts) for p, posts in zip(pos, keyed))
 
 
+def orders_complete(kind: str, orders: list[list[tuple]], virtual_stages: int = 1, forward_only: bool = False) -> bool:
+    """``simulate``'s check on given per-rank action lists (each action a step, as zb-h1 and zb-v run them):
+    ``step_posts`` between them, empty posts dropped, under ``rendezvous_completes``."""
+    v_shape, plans = kind == "zb-v", []
+    for stage, order in enumerate(orders):
+        steps = [[a] for a in order if not forward_only or a[0] == "F"]
+        first, after = step_posts(steps, stage, len(orders), virtual_stages, v_shape)
+        plans.append([post for post in [first] + after if post])
+    return rendezvous_completes(labelled(plans, virtual_stages, v_shape))
+
+
 def simulate(kind: str, stages: int, microbatches: int, virtual_stages: int = 1,
              forward_only: bool = False) -> bool:
     """True if the schedule's posts (``p2p_posts`` of every pp rank) complete under ``rendezvous_completes``:
@@ -237,26 +248,8 @@ def timeline(kind: str, stages: int, microbatches: int, virtual_stages: int = 1,
                          + (f", W={cost['W']}" if split else ""))
     plans = [schedule_actions(kind, s, stages, microbatches, virtual_stages) for s in range(stages)] if not split \
         else zero_bubble_orders(kind, stages, microbatches, virtual_stages)
-    last = stages * virtual_stages - 1
-    done: dict[tuple, int] = {}  # (op, micro-batch, virtual stage) -> end time
-    pos, clock = [0] * stages, [0] * stages
-    out: list[list[tuple[int, int, tuple]]] = [[] for _ in range(stages)]
-    progressed = True
-    while progressed:
-        progressed = False
-        for s in range(stages):
-            while pos[s] < len(plans[s]):
-                op, i, c = plans[s][pos[s]]
-                v = virtual_stage(s, c, stages, v_shape)
-                need = dependency(op, i, v, last)
-                if need is not None and need not in done:
-                    break
-                start = max(clock[s], done[need] if need is not None else 0)
-                clock[s] = done[(op, i, v)] = start + cost[op]
-                out[s].append((start, clock[s], (op, i, c)))
-                pos[s] += 1
-                progressed = True
-    if any(pos[s] < len(plans[s]) for s in range(stages)):
+    out = unit_times(plans, virtual_stages, v_shape, cost)
+    if out is None:
         raise ValueError(f"{kind} schedule (pp={stages}, M={microbatches}, V={virtual_stages}) waits on itself")
     return out
 

@@ -34,6 +34,8 @@ hold one micro-batch, so its F, B, W would run back to back and the step could n
 """
 from __future__ import annotations
 
+import functools
+
 ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zb-v")
 
 Action = tuple[str, int, int]
@@ -80,7 +82,61 @@ def zero_bubble_orders(kind: str, stages: int, microbatches: int, virtual_stages
     check_arguments(kind, stages, microbatches, virtual_stages)
     if kind == "zb-h1":
         return [zb_h1_order(r, stages, microbatches) for r in range(stages)]
-    return zb_v_orders(stages, microbatches)
+    return [list(order) for order in _zb_v_best(stages, microbatches)]
+
+
+@functools.lru_cache(maxsize=64)
+def _zb_v_best(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """ZB-V's list scheduling as is, and freeing memory early (``zb_v_orders``' ``free_early``): the second where
+    it ends sooner at F = B = W = 1 and its posts complete under strict rendezvous (at pp = 2 it takes the one
+    unit of idle per rank that the first leaves mid-step at M = 2 pp and above; at larger pp it can deadlock)."""
+    from hpctrain.parallel.schedules import orders_complete  # schedules.py imports this module
+
+    plain = zb_v_orders(stages, microbatches)
+    try:
+        early = zb_v_orders(stages, microbatches, free_early=True)
+    except RuntimeError:  # its list scheduling stalled
+        return tuple(map(tuple, plain))
+    spans = [unit_times(orders, 2, True) for orders in (plain, early)]
+    if (spans[1] is not None and spans[0] is not None and span(spans[1]) < span(spans[0])
+            and not memory_problems("zb-v", early, microbatches, 2) and orders_complete("zb-v", early, 2)
+            and orders_complete("zb-v", early, 2, forward_only=True)):
+        return tuple(map(tuple, early))
+    return tuple(map(tuple, plain))
+
+
+def span(times: list[list[tuple[int, int, tuple]]]) -> int:
+    """When the last action of a ``unit_times`` result ends."""
+    return max((acts[-1][1] for acts in times if acts), default=0)
+
+
+def unit_times(orders: list[list[Action]], virtual_stages: int, v_shape: bool,
+               cost: dict[str, int] | None = None) -> list[list[tuple[int, int, tuple]]] | None:
+    """When each action of ``orders`` (per pp rank) runs if it takes ``cost[op]`` units (default 1 each) and
+    messages are instant: per rank, [(start, end, action)], each action after its rank's previous one and its
+    input (``dependency``). None if the orders wait on themselves."""
+    cost = cost or {"F": 1, "B": 1, "W": 1}
+    stages = len(orders)
+    last = stages * virtual_stages - 1
+    done: dict[tuple, int] = {}  # (op, micro-batch, virtual stage) -> end time
+    pos, clock = [0] * stages, [0] * stages
+    out: list[list[tuple[int, int, tuple]]] = [[] for _ in range(stages)]
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(stages):
+            while pos[s] < len(orders[s]):
+                op, i, c = orders[s][pos[s]]
+                v = virtual_stage(s, c, stages, v_shape)
+                need = dependency(op, i, v, last)
+                if need is not None and need not in done:
+                    break
+                start = max(clock[s], done[need] if need is not None else 0)
+                clock[s] = done[(op, i, v)] = start + cost[op]
+                out[s].append((start, clock[s], (op, i, c)))
+                pos[s] += 1
+                progressed = True
+    return None if any(pos[s] < len(orders[s]) for s in range(stages)) else out
 
 
 def zb_h1_order(stage: int, stages: int, microbatches: int) -> list[Action]:
@@ -95,7 +151,7 @@ def zb_h1_order(stage: int, stages: int, microbatches: int) -> list[Action]:
     return order + [("W", k, 0) for k in range(m - stage, m)]
 
 
-def zb_v_orders(stages: int, microbatches: int) -> list[list[Action]]:
+def zb_v_orders(stages: int, microbatches: int, free_early: bool = False) -> list[list[Action]]:
     """ZB-V's action list of every pp rank, by list scheduling at F = B = W = 1 time unit. At every tick each
     rank runs the first runnable of: its next B (older micro-batch first, then c = 1), its next F (c = 1
     first), its oldest pending W. An action is runnable when its input is here: a neighbour's message that
@@ -104,7 +160,8 @@ def zb_v_orders(stages: int, microbatches: int) -> list[list[Action]]:
     is posted soon: the strict rendezvous completes); and, for an F entering c = 0, when the rank it runs
     on keeps ``load`` (alive units, one reserved for each micro-batch between its c = 0 and c = 1 forward,
     two for each c = 0 forward on its way there) within 1F1B's peak ``2 min(pp, M)``. The per-rank order is
-    the schedule."""
+    the schedule. ``free_early``: a rank whose next c = 0 forward would exceed that peak runs its oldest pending
+    W before any forward (it frees a unit sooner; ``_zb_v_best`` decides whether that order serves)."""
     m, last, cap = microbatches, 2 * stages - 1, 2 * min(stages, microbatches)
     finished: set[tuple[str, int, int]] = set()  # (op, micro-batch, virtual stage) run in an earlier tick
     next_f = [[0, 0] for _ in range(stages)]  # per rank, per c: the next micro-batch to run F (or B) for
@@ -144,6 +201,8 @@ def zb_v_orders(stages: int, microbatches: int) -> list[list[Action]]:
         backwards = [("B", next_b[r][c], c) for c in (1, 0) if runnable(r, "B", next_b[r][c], c)]
         if backwards:
             return min(backwards, key=lambda action: action[1])
+        if free_early and pending_w[r] and load(r) + 2 > cap and any(next_f[r][c] < m for c in (0, 1)):
+            return ("W", *pending_w[r][0])
         forwards = [("F", next_f[r][c], c) for c in (1, 0) if runnable(r, "F", next_f[r][c], c)]
         if forwards:
             return forwards[0]

@@ -17,7 +17,10 @@ ranks' largest resident set since the job started, so it tells one schedule's on
 Method (as benchmarks/bench_train.py): ``--warmup`` untimed steps each, then ``--rounds`` rounds of ``--steps``
 timed steps of every schedule in turn, the order rotated each round; a step is timed from a barrier to its
 end, the max over ranks; reported: the median, min and max; ``pp_wait`` is the trainer's own phase (blocked
-in pipeline receives and sends, mean over ranks), ``bubble`` the schedule's (pp - 1) / (V M). One thread
+in pipeline receives and sends, mean over ranks; ``pp_wait_ms_by_rank`` each rank's, ``pp_wait_ratio`` zb-h1's
+against 1f1b's and zb-v's against interleaved V = 2's: issue #53's bubble targets), ``bubble`` the schedule's
+(pp - 1) / (V M). At pp = 2 the last rank waits one forward for its first input in every schedule (the fill),
+so a mean over ranks cannot fall below half of 1F1B's at F = B = W (rank 0 waits 3 units in 1F1B, 1 in ZB-H1). One thread
 per rank (OMP_NUM_THREADS=1).
 
 With ``--profile FILE`` (a link and device profile: ``mpiexec -n 2 python -m hpctrain.cli bench comm
@@ -43,7 +46,7 @@ from mpi4py import MPI  # noqa: E402
 from hpctrain.bench.report import run_benchmark, timed_rounds, timed_steps, write_records  # noqa: E402
 
 FIELDS = ["schedule", "virtual_stages", "pp", "microbatches", "bubble", "step_ms", "step_ms_min", "step_ms_max",
-          "speedup_vs_1f1b", "pp_wait_ms", "pp_wait_ms_max", "forward_ms", "backward_ms", "weight_ms",
+          "speedup_vs_1f1b", "pp_wait_ms", "pp_wait_ms_max", "pp_wait_ms_by_rank", "pp_wait_ratio", "forward_ms", "backward_ms", "weight_ms",
           "peak_rss_mib", "tokens_per_s", "final_loss",
           "timed_steps", "n_layers", "d_model", "seq_len", "global_batch", "predicted_ms", "predicted_bubble_ms",
           "prediction_error"]
@@ -164,12 +167,13 @@ def run(args) -> list[dict]:
         t = times[impl.name]
         phase = {name: world.allreduce(impl.phases.get(name, 0.0)) / pp / timed * 1e3
                  for name in ("pp_wait", "forward", "backward", "weight")}
-        wait_max = world.allreduce(impl.phases.get("pp_wait", 0.0), op=MPI.MAX) / timed * 1e3
+        by_rank = [w / timed * 1e3 for w in world.allgather(impl.phases.get("pp_wait", 0.0))]
         median = statistics.median(t)
         records.append({"schedule": impl.schedule, "virtual_stages": impl.virtual, "pp": pp, "microbatches": m,
                         "bubble": schedule_bubble(impl.schedule, pp, m, impl.virtual), "step_ms": median * 1e3,
                         "step_ms_min": min(t) * 1e3, "step_ms_max": max(t) * 1e3, "speedup_vs_1f1b": None,
-                        "pp_wait_ms": phase["pp_wait"], "pp_wait_ms_max": wait_max, "forward_ms": phase["forward"],
+                        "pp_wait_ms": phase["pp_wait"], "pp_wait_ms_max": max(by_rank),
+                        "pp_wait_ms_by_rank": by_rank, "pp_wait_ratio": None, "forward_ms": phase["forward"],
                         "backward_ms": phase["backward"], "weight_ms": phase["weight"],
                         "peak_rss_mib": world.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                                                         op=MPI.MAX) / 1024,
@@ -180,8 +184,12 @@ def run(args) -> list[dict]:
         if args.profile:
             add_prediction(records[-1], impl.cfg, info, args.profile)
     base = next((r for r in records if r["schedule"] == "1f1b"), None)
+    interleaved = next((r for r in records if r["schedule"] == "interleaved" and r["virtual_stages"] == 2), None)
     for r in records:
         r["speedup_vs_1f1b"] = base["step_ms"] / r["step_ms"] if base else None
+        # the bubble targets of issue #53: zb-h1's pp_wait against 1f1b's, zb-v's against interleaved V=2's
+        ref = interleaved if r["schedule"] == "zb-v" else base if r["schedule"] == "zb-h1" else None
+        r["pp_wait_ratio"] = r["pp_wait_ms"] / ref["pp_wait_ms"] if ref and ref["pp_wait_ms"] > 0 else None
     for impl in impls:
         impl.close()
     return records
@@ -194,16 +202,22 @@ def print_table(records: list[dict]) -> None:
           f"{r0['n_layers']} layers, seq {r0['seq_len']}, global batch {r0['global_batch']}, float32; median of "
           f"{r0['timed_steps']} steps")
     print(f"{'schedule':<16} {'bubble':>7} {'step ms':>8} {'min-max ms':>12} {'vs 1f1b':>8} {'pp_wait':>8} "
-          f"{'max':>7} {'fwd':>7} {'bwd':>7} {'W':>7} {'RSS MiB':>8} {'loss':>8}"
+          f"{'ratio':>6} {'per rank':>13} {'fwd':>7} {'bwd':>7} {'W':>7} {'RSS MiB':>8} {'loss':>8}"
           + (f" {'pred ms':>8} {'error':>7}" if predicted else ""))
     for r in records:
         name = r["schedule"] if r["schedule"] != "interleaved" else f"interleaved V={r['virtual_stages']}"
         speedup = f"{r['speedup_vs_1f1b']:>7.2f}x" if r["speedup_vs_1f1b"] is not None else f"{'-':>8}"
         print(f"{name:<16} {r['bubble']:>7.1%} {r['step_ms']:>8.1f} "
               f"{r['step_ms_min']:>5.0f}-{r['step_ms_max']:<6.0f} {speedup} "
-              f"{r['pp_wait_ms']:>8.1f} {r['pp_wait_ms_max']:>7.1f} {r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} "
+              f"{r['pp_wait_ms']:>8.1f} {_ratio(r):>6} {'/'.join(f'{w:.0f}' for w in r['pp_wait_ms_by_rank']):>13} "
+              f"{r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} "
               f"{r['weight_ms']:>7.1f} {r['peak_rss_mib']:>8.0f} {r['final_loss']:>8.4f}"
               + (_prediction(r) if predicted else ""))
+
+
+def _ratio(r: dict) -> str:
+    """The table's "ratio" cell: zb-h1's pp_wait / 1f1b's, zb-v's / interleaved V=2's, else "-"."""
+    return f"{r['pp_wait_ratio']:.2f}x" if r["pp_wait_ratio"] is not None else "-"
 
 
 def _prediction(r: dict) -> str:
@@ -234,7 +248,7 @@ def main(argv=None) -> int:
         print_table(records)
         if args.profile:
             print_profile_device(args.profile)
-        write_records(records, args.json, args.csv, FIELDS)
+        write_records(records, args.json, args.csv, FIELDS, json_columns=("pp_wait_ms_by_rank",))
     return 0
 
 

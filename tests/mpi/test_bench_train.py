@@ -28,7 +28,7 @@ def test_bench_train_writes_positive_records(tmp_path):
 
 
 def test_bench_pipeline_trains_the_same_model_in_every_schedule(tmp_path):
-    """benchmarks/bench_pipeline.py on 2 ranks: 1f1b and interleaved V=2 records; equal final losses (the
+    """benchmarks/bench_pipeline.py on 2 ranks: 1f1b, interleaved V=2 and zb-h1 records; equal final losses (the
     same training, whatever the schedule); the bubble column is (pp - 1) / (V M). With a measured profile
     every row carries the performance model's prediction: finite, positive, the interleaved bubble smaller,
     and within a factor of 2 of the measurement (a broken model, not timing precision: these shapes are
@@ -38,12 +38,17 @@ def test_bench_pipeline_trains_the_same_model_in_every_schedule(tmp_path):
             "--sizes", "4K,64K", "--rounds", "1", "--iters", "5", module=True, timeout=150)
     result = run_mpi(2, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--steps", "1", "--warmup", "1",
                      "--rounds", "1", "--d-model", "32", "--layers", "4", "--heads", "2", "--seq-len", "16",
-                     "--max-bytes", "300000", "--virtual", "2,4", "--profile", str(profile), "--json", str(out_json),
+                     "--max-bytes", "300000", "--virtual", "2,4", "--zero-bubble", "zb-h1", "--profile", str(profile), "--json", str(out_json),
                      "--csv", str(out_csv), timeout=180)
     records = json.loads(out_json.read_text())
-    assert [(r["schedule"], r["virtual_stages"]) for r in records] == [("1f1b", 1), ("interleaved", 2)]  # 2x4 > 4
-    assert [r["bubble"] for r in records] == [0.5, 0.25] and all(r["step_ms"] > 0 for r in records)
-    assert abs(records[0]["final_loss"] - records[1]["final_loss"]) < 1e-5 * records[0]["final_loss"]
+    assert [(r["schedule"], r["virtual_stages"]) for r in records] == [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+    assert [r["bubble"] for r in records] == pytest.approx([0.5, 0.25, 1 / 6]) and all(r["step_ms"] > 0 for r in records)
+    assert max(r["final_loss"] for r in records) - min(r["final_loss"] for r in records) < 1e-5 * records[0]["final_loss"]
+    for r in records:  # each rank's wait, the mean theirs; zb-h1's against 1f1b's (issue #53's bubble target)
+        assert len(r["pp_wait_ms_by_rank"]) == 2, r
+        assert r["pp_wait_ms"] == pytest.approx(sum(r["pp_wait_ms_by_rank"]) / 2), r
+    assert records[0]["pp_wait_ratio"] is None and records[1]["pp_wait_ratio"] is None
+    assert records[2]["pp_wait_ratio"] == pytest.approx(records[2]["pp_wait_ms"] / records[0]["pp_wait_ms"])
     for r in records:
         assert math.isfinite(r["predicted_ms"]) and r["predicted_ms"] > 0, r
         assert r["prediction_error"] == pytest.approx(r["predicted_ms"] / r["step_ms"] - 1), r

@@ -17,7 +17,8 @@ ran that B, any time after it).
   in-memory hand-over from c = 0 to c = 1, no message) and comes back up through c = 1.
 
 ZB-H1 is 1F1B's order with rank r's Ws deferred by r backwards (``zb_h1_order``); ZB-V's order comes from
-list scheduling at unit times (``zb_v_orders``). An order is the schedule whatever the real times; at
+list scheduling at unit times (``zb_v_orders``; ``candidate_orders`` offers two, ``schedules.zero_bubble_orders``
+chooses). An order is the schedule whatever the real times; at
 F = B = W = 1 ZB-H1's step takes 3 M + pp - 1 units (1F1B's 3 M + 3 (pp - 1)) and ZB-V's about
 6 M + pp - 1 units of a virtual stage, the least a rank that receives its first input after pp - 1 units
 can take.
@@ -33,8 +34,6 @@ hold one micro-batch, so its F, B, W would run back to back and the step could n
 3 M + 2 (pp - 1) units, two thirds of 1F1B's bubble.
 """
 from __future__ import annotations
-
-import functools
 
 ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zb-v")
 
@@ -77,32 +76,21 @@ def check_arguments(kind: str, stages: int, microbatches: int, virtual_stages: i
         raise ValueError(f"{kind} needs pp >= 2 and micro-batches M >= pp, got pp={stages}, M={microbatches}")
 
 
-def zero_bubble_orders(kind: str, stages: int, microbatches: int, virtual_stages: int) -> list[list[Action]]:
-    """Every pp rank's action list (``(op, micro-batch, c)``, op F, B or W) of ``kind``, zb-h1 or zb-v."""
+def candidate_orders(kind: str, stages: int, microbatches: int, virtual_stages: int) -> list[list[list[Action]]]:
+    """Every pp rank's action list (``(op, micro-batch, c)``, op F, B or W) of ``kind``, zb-h1 or zb-v, as
+    candidates, the default first: zb-h1 one; zb-v its list scheduling as is, then freeing memory early
+    (``zb_v_orders``' ``free_early``) where that scheduling does not stall. ``schedules.zero_bubble_orders``
+    takes a later one only where it ends sooner at F = B = W = 1 and passes the checks (at pp = 2 the second
+    removes the one unit of idle per rank the first leaves mid-step at M >= 4; at larger pp it can deadlock)."""
     check_arguments(kind, stages, microbatches, virtual_stages)
     if kind == "zb-h1":
-        return [zb_h1_order(r, stages, microbatches) for r in range(stages)]
-    return [list(order) for order in _zb_v_best(stages, microbatches)]
-
-
-@functools.lru_cache(maxsize=64)
-def _zb_v_best(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
-    """ZB-V's list scheduling as is, and freeing memory early (``zb_v_orders``' ``free_early``): the second where
-    it ends sooner at F = B = W = 1 and its posts complete under strict rendezvous (at pp = 2 it takes the one
-    unit of idle per rank that the first leaves mid-step at M = 2 pp and above; at larger pp it can deadlock)."""
-    from hpctrain.parallel.schedules import orders_complete  # schedules.py imports this module
-
-    plain = zb_v_orders(stages, microbatches)
+        return [[zb_h1_order(r, stages, microbatches) for r in range(stages)]]
+    found = [zb_v_orders(stages, microbatches)]
     try:
-        early = zb_v_orders(stages, microbatches, free_early=True)
+        found.append(zb_v_orders(stages, microbatches, free_early=True))
     except RuntimeError:  # its list scheduling stalled
-        return tuple(map(tuple, plain))
-    spans = [unit_times(orders, 2, True) for orders in (plain, early)]
-    if (spans[1] is not None and spans[0] is not None and span(spans[1]) < span(spans[0])
-            and not memory_problems("zb-v", early, microbatches, 2) and orders_complete("zb-v", early, 2)
-            and orders_complete("zb-v", early, 2, forward_only=True)):
-        return tuple(map(tuple, early))
-    return tuple(map(tuple, plain))
+        pass
+    return found
 
 
 def span(times: list[list[tuple[int, int, tuple]]]) -> int:
@@ -161,7 +149,7 @@ def zb_v_orders(stages: int, microbatches: int, free_early: bool = False) -> lis
     on keeps ``load`` (alive units, one reserved for each micro-batch between its c = 0 and c = 1 forward,
     two for each c = 0 forward on its way there) within 1F1B's peak ``2 min(pp, M)``. The per-rank order is
     the schedule. ``free_early``: a rank whose next c = 0 forward would exceed that peak runs its oldest pending
-    W before any forward (it frees a unit sooner; ``_zb_v_best`` decides whether that order serves)."""
+    W before any forward (it frees a unit sooner; ``candidate_orders``)."""
     m, last, cap = microbatches, 2 * stages - 1, 2 * min(stages, microbatches)
     finished: set[tuple[str, int, int]] = set()  # (op, micro-batch, virtual stage) run in an earlier tick
     next_f = [[0, 0] for _ in range(stages)]  # per rank, per c: the next micro-batch to run F (or B) for

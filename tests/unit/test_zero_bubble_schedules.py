@@ -3,8 +3,9 @@ to 64, complete (one F, B, W per micro-batch and virtual stage, in that order), 
 memory, deadlock-free under strict rendezvous; ZB-H1 idles a third of 1F1B at F = B = W."""
 import pytest
 
-from hpctrain.parallel.schedules import main, orders_complete, p2p_posts, schedule_actions, simulate, timeline
-from hpctrain.parallel.zero_bubble import memory_problems, order_problems, peak_alive, zero_bubble_orders
+from hpctrain.parallel.schedules import (main, orders_complete, p2p_posts, schedule_actions, simulate, timeline,
+                                         zero_bubble_orders)
+from hpctrain.parallel.zero_bubble import memory_problems, order_problems, peak_alive
 
 KINDS = [("zb-h1", 1), ("zb-v", 2)]
 

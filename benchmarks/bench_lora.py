@@ -166,10 +166,14 @@ def run_worker(args) -> int:
 
 
 def run_driver(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:  # the model, its checkpoint, the workers' runs
+        return drive(args, tmp)
+
+
+def drive(args, tmp: str) -> int:
     from hpctrain.bench.report import write_records
     from hpctrain.cli import dispatch
 
-    tmp = tempfile.mkdtemp(prefix="bench-lora-")
     hf = os.path.join(tmp, "hf")
     make_model(args, hf)
     assert dispatch(["import-hf", hf, "--out", os.path.join(tmp, "ckpt")]) == 0

@@ -19,10 +19,8 @@ one backward, then drains.
 """
 from __future__ import annotations
 
-import functools
-
-from hpctrain.parallel.zero_bubble import (ZERO_BUBBLE_SCHEDULES, candidate_orders, holder, memory_problems, span,
-                                           unit_times, virtual_stage)
+from hpctrain.parallel.zero_bubble import (ZERO_BUBBLE_SCHEDULES, holder, unit_times, virtual_stage,
+                                           zero_bubble_orders)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved") + ZERO_BUBBLE_SCHEDULES  # what parallel.schedule accepts
 
@@ -223,27 +221,6 @@ def orders_complete(kind: str, orders: list[list[tuple]], virtual_stages: int = 
         first, after = step_posts(steps, stage, len(orders), virtual_stages, v_shape)
         plans.append([post for post in [first] + after if post])
     return rendezvous_completes(labelled(plans, virtual_stages, v_shape))
-
-
-def zero_bubble_orders(kind: str, stages: int, microbatches: int, virtual_stages: int) -> list[list[tuple]]:
-    """Every pp rank's action list of ``kind`` (zb-h1, zb-v): ``zero_bubble.candidate_orders``' first, or a
-    later candidate that ends sooner at F = B = W = 1 while keeping 1F1B's memory and completing under strict
-    rendezvous (forward-only too)."""
-    return [list(order) for order in _chosen_orders(kind, stages, microbatches, virtual_stages)]
-
-
-@functools.lru_cache(maxsize=64)
-def _chosen_orders(kind: str, stages: int, microbatches: int, virtual_stages: int) -> tuple[tuple[tuple, ...], ...]:
-    first, *others = candidate_orders(kind, stages, microbatches, virtual_stages)
-    chosen, v_shape = first, kind == "zb-v"
-    for orders in others:
-        times, best = unit_times(orders, virtual_stages, v_shape), unit_times(chosen, virtual_stages, v_shape)
-        if (times is not None and best is not None and span(times) < span(best)
-                and not memory_problems(kind, orders, microbatches, virtual_stages)
-                and orders_complete(kind, orders, virtual_stages)
-                and orders_complete(kind, orders, virtual_stages, forward_only=True)):
-            chosen = orders
-    return tuple(tuple(order) for order in chosen)
 
 
 def simulate(kind: str, stages: int, microbatches: int, virtual_stages: int = 1,

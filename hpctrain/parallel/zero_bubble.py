@@ -17,8 +17,7 @@ ran that B, any time after it).
   in-memory hand-over from c = 0 to c = 1, no message) and comes back up through c = 1.
 
 ZB-H1 is 1F1B's order with rank r's Ws deferred by r backwards (``zb_h1_order``); ZB-V's order comes from
-list scheduling at unit times (``zb_v_orders``; ``candidate_orders`` offers two, ``schedules.zero_bubble_orders``
-chooses). An order is the schedule whatever the real times; at
+list scheduling at unit times (``zb_v_orders``). An order is the schedule whatever the real times; at
 F = B = W = 1 ZB-H1's step takes 3 M + pp - 1 units (1F1B's 3 M + 3 (pp - 1)) and ZB-V's about
 6 M + pp - 1 units of a virtual stage, the least a rank that receives its first input after pp - 1 units
 can take.
@@ -76,26 +75,12 @@ def check_arguments(kind: str, stages: int, microbatches: int, virtual_stages: i
         raise ValueError(f"{kind} needs pp >= 2 and micro-batches M >= pp, got pp={stages}, M={microbatches}")
 
 
-def candidate_orders(kind: str, stages: int, microbatches: int, virtual_stages: int) -> list[list[list[Action]]]:
-    """Every pp rank's action list (``(op, micro-batch, c)``, op F, B or W) of ``kind``, zb-h1 or zb-v, as
-    candidates, the default first: zb-h1 one; zb-v its list scheduling as is, then freeing memory early
-    (``zb_v_orders``' ``free_early``) where that scheduling does not stall. ``schedules.zero_bubble_orders``
-    takes a later one only where it ends sooner at F = B = W = 1 and passes the checks (at pp = 2 the second
-    removes the one unit of idle per rank the first leaves mid-step at M >= 4; at larger pp it can deadlock)."""
+def zero_bubble_orders(kind: str, stages: int, microbatches: int, virtual_stages: int) -> list[list[Action]]:
+    """Every pp rank's action list (``(op, micro-batch, c)``, op F, B or W) of ``kind``, zb-h1 or zb-v."""
     check_arguments(kind, stages, microbatches, virtual_stages)
     if kind == "zb-h1":
-        return [[zb_h1_order(r, stages, microbatches) for r in range(stages)]]
-    found = [zb_v_orders(stages, microbatches)]
-    try:
-        found.append(zb_v_orders(stages, microbatches, free_early=True))
-    except RuntimeError:  # its list scheduling stalled
-        pass
-    return found
-
-
-def span(times: list[list[tuple[int, int, tuple]]]) -> int:
-    """When the last action of a ``unit_times`` result ends."""
-    return max((acts[-1][1] for acts in times if acts), default=0)
+        return [zb_h1_order(r, stages, microbatches) for r in range(stages)]
+    return zb_v_orders(stages, microbatches)
 
 
 def unit_times(orders: list[list[Action]], virtual_stages: int, v_shape: bool,
@@ -139,7 +124,7 @@ def zb_h1_order(stage: int, stages: int, microbatches: int) -> list[Action]:
     return order + [("W", k, 0) for k in range(m - stage, m)]
 
 
-def zb_v_orders(stages: int, microbatches: int, free_early: bool = False) -> list[list[Action]]:
+def zb_v_orders(stages: int, microbatches: int) -> list[list[Action]]:
     """ZB-V's action list of every pp rank, by list scheduling at F = B = W = 1 time unit. At every tick each
     rank runs the first runnable of: its next B (older micro-batch first, then c = 1), its next F (c = 1
     first), its oldest pending W. An action is runnable when its input is here: a neighbour's message that
@@ -148,8 +133,7 @@ def zb_v_orders(stages: int, microbatches: int, free_early: bool = False) -> lis
     is posted soon: the strict rendezvous completes); and, for an F entering c = 0, when the rank it runs
     on keeps ``load`` (alive units, one reserved for each micro-batch between its c = 0 and c = 1 forward,
     two for each c = 0 forward on its way there) within 1F1B's peak ``2 min(pp, M)``. The per-rank order is
-    the schedule. ``free_early``: a rank whose next c = 0 forward would exceed that peak runs its oldest pending
-    W before any forward (it frees a unit sooner; ``candidate_orders``)."""
+    the schedule."""
     m, last, cap = microbatches, 2 * stages - 1, 2 * min(stages, microbatches)
     finished: set[tuple[str, int, int]] = set()  # (op, micro-batch, virtual stage) run in an earlier tick
     next_f = [[0, 0] for _ in range(stages)]  # per rank, per c: the next micro-batch to run F (or B) for
@@ -189,8 +173,6 @@ def zb_v_orders(stages: int, microbatches: int, free_early: bool = False) -> lis
         backwards = [("B", next_b[r][c], c) for c in (1, 0) if runnable(r, "B", next_b[r][c], c)]
         if backwards:
             return min(backwards, key=lambda action: action[1])
-        if free_early and pending_w[r] and load(r) + 2 > cap and any(next_f[r][c] < m for c in (0, 1)):
-            return ("W", *pending_w[r][0])
         forwards = [("F", next_f[r][c], c) for c in (1, 0) if runnable(r, "F", next_f[r][c], c)]
         if forwards:
             return forwards[0]

@@ -191,7 +191,8 @@ class StepTime:
 
 # the zero-bubble schedules' bubble over 1F1B's (Qi et al. 2024, at F = B = W: a backward's weight-gradient half
 # fills the bubbles): zb-h1's timeline takes 3 M + pp - 1 units, 1F1B's 3 M + 3 (pp - 1); zb-v's 6 M + pp - 1
-# units of half a stage, the ideal (its orders reach it at (pp, M) = (2, 2), (2, 4), (2, 8), (4, 4), (4, 8))
+# units of half a stage, the ideal (its list-scheduled orders reach it at (2, 2), (4, 4), (4, 8); under 1F1B's
+# memory one unit more at (2, 4))
 ZERO_BUBBLE_SHARE = {"zb-h1": 1 / 3, "zb-v": 1 / 6}
 
 def executed_flops_per_token(model, seq_len: int, recompute, flash_attention: bool, moe=None,

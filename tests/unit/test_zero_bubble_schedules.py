@@ -3,9 +3,8 @@ to 64, complete (one F, B, W per micro-batch and virtual stage, in that order), 
 memory, deadlock-free under strict rendezvous; ZB-H1 idles a third of 1F1B at F = B = W."""
 import pytest
 
-from hpctrain.parallel.schedules import (main, orders_complete, p2p_posts, schedule_actions, simulate, timeline,
-                                         zero_bubble_orders)
-from hpctrain.parallel.zero_bubble import memory_problems, order_problems, peak_alive
+from hpctrain.parallel.schedules import main, orders_complete, p2p_posts, schedule_actions, simulate, timeline
+from hpctrain.parallel.zero_bubble import memory_problems, order_problems, peak_alive, zero_bubble_orders
 
 KINDS = [("zb-h1", 1), ("zb-v", 2)]
 
@@ -98,14 +97,14 @@ def test_the_printer_takes_w():
 
 def test_schedule_bubble_at_unit_times():
     """The bubble ``hpctrain info`` and train's start-up line report: 1F1B's (pp - 1) / M, zb-h1's a third of it
-    ((pp - 1) / (3 M)), zb-v's below interleaved (V = 2)'s (at pp = 2, M = 4: 1/24 against 3/24)."""
+    ((pp - 1) / (3 M)), zb-v's below interleaved (V = 2)'s (at pp = 2, M = 4: 2/24 against 3/24)."""
     from hpctrain.parallel.schedules import schedule_bubble
 
     for pp, m in ((2, 2), (2, 4), (4, 4), (4, 8), (8, 16)):
         assert schedule_bubble("1f1b", pp, m) == (pp - 1) / m
         assert abs(schedule_bubble("zb-h1", pp, m) - (pp - 1) / (3 * m)) < 1e-12
         assert schedule_bubble("zb-v", pp, m, 2) <= schedule_bubble("interleaved", pp, m, 2)
-    assert schedule_bubble("zb-v", 2, 4, 2) == 1 / 24
+    assert schedule_bubble("zb-v", 2, 4, 2) == 2 / 24
     assert schedule_bubble("zb-h1", 1, 4) == 0.0
 
 
@@ -121,9 +120,12 @@ def waits_at_unit_times(kind: str, stages: int, m: int, virtual_stages: int) -> 
 
 
 @pytest.mark.parametrize("m", [2, 4, 8])
-def test_at_pp_2_the_zero_bubble_schedules_wait_only_for_the_fill(m):
-    """pp = 2: every rank of zb-h1 and zb-v waits one forward (the fill, the least any schedule can), half of
-    1F1B's and interleaved's mean wait (rank 0 waits 3, rank 1 one): the bubble target of issue #53 at unit
-    times, where a mean over ranks cannot go lower. zb-v at M >= 4 takes the order that frees memory early."""
+def test_at_pp_2_zb_h1_waits_only_for_the_fill(m):
+    """pp = 2 at unit times: every rank of zb-h1 waits one forward (the fill, the least any schedule can), half of
+    1F1B's mean wait (rank 0 waits 3, rank 1 one): the floor of issue #53's bubble measure, a mean over ranks.
+    zb-v does so at M = 2; at M >= 4 its order leaves each rank one more unit mid-step. (An order without it,
+    each rank running a pending W before a forward that would pass 1F1B's peak, measured slower: its blocking
+    sends wait on busy receivers, which instant messages at unit times do not show; docs/benchmarks.md.)"""
     assert waits_at_unit_times("1f1b", 2, m, 1) == [3, 1] and waits_at_unit_times("zb-h1", 2, m, 1) == [1, 1]
-    assert waits_at_unit_times("interleaved", 2, m, 2) == [3, 1] and waits_at_unit_times("zb-v", 2, m, 2) == [1, 1]
+    assert waits_at_unit_times("interleaved", 2, m, 2) == [3, 1]
+    assert waits_at_unit_times("zb-v", 2, m, 2) == ([1, 1] if m == 2 else [2, 2])

@@ -7,7 +7,6 @@
 The writer is the default one of this environment (shards with PyPI h5py, mpio with parallel h5py);
 tests/mpi/test_checkpoint_writers.py compares both writers where h5py has MPI.
 """
-import itertools
 import json
 import os
 import shutil
@@ -17,7 +16,7 @@ import sys
 import h5py
 import pytest
 
-from mpirun import ROOT, assert_refused_alike, mpi_env, refused_inputs, run_many, run_mpi
+from mpirun import ROOT, assert_refused_alike, mpi_env, refused_inputs, run_mpi
 
 F64 = ["data.max_bytes=300000", "train.seq_len=16", "train.global_batch=8", "model.n_heads=8", "model.n_kv_heads=4",
        "model.n_layers=4", "parallel.microbatches=2", "train.dtype=float64", "train.warmup_steps=1",
@@ -82,21 +81,13 @@ def test_exact_resume_is_bitwise(tmp_path, layout):
 
 def run_chain(run_dir, reference, ref, chain, *common):
     """Train 2 steps per (ranks, layout) segment of ``chain`` in one run directory, each resuming the last;
-    every step's loss equals the uninterrupted ``reference`` run's (``ref``) to 1e-10, and so do the weights.
-    Consecutive segments on as many ranks run in one launch (``run_many``: each a whole ``train`` command,
-    resuming from the checkpoint the one before wrote; one start-up less each)."""
-    done = 0
-    for ranks, group in itertools.groupby(chain, key=lambda segment: segment[0]):
-        layouts = [layout for _, layout in group]
-        run_many(ranks, [["train", f"train.run_dir={run_dir}", *F64, *common, *layout, "--max-steps", "2",
-                          "--resume", "auto"] for layout in layouts], timeout=300 * len(layouts))
+    every step's loss equals the uninterrupted ``reference`` run's (``ref``) to 1e-10, and so do the weights."""
+    for i, (ranks, layout) in enumerate(chain):
+        train(ranks, run_dir, *F64, *common, *layout, "--max-steps", "2", "--resume", "auto", timeout=300)
         got = losses(run_dir)
-        for layout in layouts:
-            assert sorted(got)[:2 * done + 2] == list(range(1, 2 * done + 3)), f"segment {done}: steps {sorted(got)}"
-            for step in (2 * done + 1, 2 * done + 2):
-                assert abs(got[step] - ref[step]) <= 1e-10 * abs(ref[step]), (done, layout, step, got[step], ref[step])
-            done += 1
-        assert sorted(got) == list(range(1, 2 * done + 1)), f"segments up to {done - 1}: steps {sorted(got)}"
+        assert sorted(got) == list(range(1, 2 * i + 3)), f"segment {i}: steps {sorted(got)}"
+        for step in (2 * i + 1, 2 * i + 2):
+            assert abs(got[step] - ref[step]) <= 1e-10 * abs(ref[step]), (i, layout, step, got[step], ref[step])
     ckpt("diff", str(reference), str(run_dir), "--atol", "1e-9")
 
 

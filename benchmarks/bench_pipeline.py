@@ -20,8 +20,8 @@ end, the max over ranks; reported: the median, min and max; ``pp_wait`` is the t
 in pipeline receives and sends, mean over ranks; ``pp_wait_ms_by_rank`` each rank's, ``pp_wait_ratio`` zb-h1's
 against 1f1b's and zb-v's against interleaved V = 2's: issue #53's bubble targets), ``bubble`` the schedule's
 (pp - 1) / (V M). At pp = 2 the last rank waits one forward for its first input in every schedule (the fill),
-so a mean over ranks cannot fall below half of 1F1B's at F = B = W (rank 0 waits 3 units in 1F1B, 1 in ZB-H1). One thread
-per rank (OMP_NUM_THREADS=1).
+so a mean over ranks cannot fall below half of 1F1B's at F = B = W (rank 0 waits 3 units in 1F1B, 1 in ZB-H1).
+One thread per rank (OMP_NUM_THREADS=1).
 
 With ``--profile FILE`` (a link and device profile: ``mpiexec -n 2 python -m hpctrain.cli bench comm
 --profile FILE``), every row also gets the performance model's step time for exactly that run
@@ -46,7 +46,8 @@ from mpi4py import MPI  # noqa: E402
 from hpctrain.bench.report import run_benchmark, timed_rounds, timed_steps, write_records  # noqa: E402
 
 FIELDS = ["schedule", "virtual_stages", "pp", "microbatches", "bubble", "step_ms", "step_ms_min", "step_ms_max",
-          "speedup_vs_1f1b", "pp_wait_ms", "pp_wait_ms_max", "pp_wait_ms_by_rank", "pp_wait_ratio", "forward_ms", "backward_ms", "weight_ms",
+          "speedup_vs_1f1b", "pp_wait_ms", "pp_wait_ms_max", "pp_wait_ms_by_rank", "pp_wait_ratio", "forward_ms",
+          "backward_ms", "weight_ms",
           "peak_rss_mib", "tokens_per_s", "final_loss",
           "timed_steps", "n_layers", "d_model", "seq_len", "global_batch", "predicted_ms", "predicted_bubble_ms",
           "prediction_error"]

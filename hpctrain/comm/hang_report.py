@@ -102,7 +102,7 @@ def collect(watchdog, window_s: float) -> dict[int, dict]:
     requests = [comm.isend(watchdog.rank, dest=r, tag=QUERY_TAG) for r in range(size) if r != watchdog.rank]
     answers = {watchdog.rank: status(watchdog)}
     deadline = time.monotonic() + window_s
-    while len(answers) < size and time.monotonic() < deadline and not getattr(watchdog, "closed", False):
+    while len(answers) < size and time.monotonic() < deadline and not watchdog.closed:
         answer(watchdog)  # a rank that noticed too asks us at the same time
         while comm.iprobe(source=MPI.ANY_SOURCE, tag=ANSWER_TAG, status=probe):
             source = probe.Get_source()
@@ -126,7 +126,7 @@ def investigate(watchdog, call) -> tuple[str, list[int]]:
              and (a["noticed"] or any(c["age"] > soon for c in a["inflight"]))]
     if lower:
         deadline = time.monotonic() + 2 * window + 10
-        while time.monotonic() < deadline and not getattr(watchdog, "closed", False):
+        while time.monotonic() < deadline and not watchdog.closed:
             answer(watchdog)
             time.sleep(0.1)
         answers = collect(watchdog, window)

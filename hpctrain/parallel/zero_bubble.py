@@ -83,35 +83,6 @@ def zero_bubble_orders(kind: str, stages: int, microbatches: int, virtual_stages
     return zb_v_orders(stages, microbatches)
 
 
-def unit_times(orders: list[list[Action]], virtual_stages: int, v_shape: bool,
-               cost: dict[str, int] | None = None) -> list[list[tuple[int, int, tuple]]] | None:
-    """When each action of ``orders`` (per pp rank) runs if it takes ``cost[op]`` units (default 1 each) and
-    messages are instant: per rank, [(start, end, action)], each action after its rank's previous one and its
-    input (``dependency``). None if the orders wait on themselves."""
-    cost = cost or {"F": 1, "B": 1, "W": 1}
-    stages = len(orders)
-    last = stages * virtual_stages - 1
-    done: dict[tuple, int] = {}  # (op, micro-batch, virtual stage) -> end time
-    pos, clock = [0] * stages, [0] * stages
-    out: list[list[tuple[int, int, tuple]]] = [[] for _ in range(stages)]
-    progressed = True
-    while progressed:
-        progressed = False
-        for s in range(stages):
-            while pos[s] < len(orders[s]):
-                op, i, c = orders[s][pos[s]]
-                v = virtual_stage(s, c, stages, v_shape)
-                need = dependency(op, i, v, last)
-                if need is not None and need not in done:
-                    break
-                start = max(clock[s], done[need] if need is not None else 0)
-                clock[s] = done[(op, i, v)] = start + cost[op]
-                out[s].append((start, clock[s], (op, i, c)))
-                pos[s] += 1
-                progressed = True
-    return None if any(pos[s] < len(orders[s]) for s in range(stages)) else out
-
-
 def zb_h1_order(stage: int, stages: int, microbatches: int) -> list[Action]:
     """ZB-H1 on pp rank ``stage``: 1F1B's order of F and B (``pp - r - 1`` warm-up forwards, then one F and
     one B, then the remaining Bs), the W of micro-batch k right after the B of micro-batch k + r, and the

@@ -21,7 +21,11 @@ in pipeline receives and sends, mean over ranks; ``pp_wait_ms_by_rank`` each ran
 against 1f1b's and zb-v's against interleaved V = 2's: issue #53's bubble targets), ``bubble`` the schedule's
 (pp - 1) / (V M). At pp = 2 the last rank waits one forward for its first input in every schedule (the fill),
 so a mean over ranks cannot fall below half of 1F1B's at F = B = W (rank 0 waits 3 units in 1F1B, 1 in ZB-H1).
-One thread per rank (OMP_NUM_THREADS=1).
+One thread per rank (OMP_NUM_THREADS=1). After the timed rounds each schedule runs one more step, metered:
+``act_mib_by_rank`` each rank's peak activation memory (what autograd saves and the executor holds between
+actions, a deferred W's included: ``PipelineExecutor.meter_activations``), ``act_planned_mib_by_rank`` the
+planner's for its stage (hpctrain/plan/memory.py ``activation_bytes``), ``act_vs_plan`` the largest ratio;
+the resident set (``peak_rss_mib``) is mostly the runtime on a CPU and cannot show them.
 
 With ``--profile FILE`` (a link and device profile: ``mpiexec -n 2 python -m hpctrain.cli bench comm
 --profile FILE``), every row also gets the performance model's step time for exactly that run
@@ -48,7 +52,7 @@ from hpctrain.bench.report import run_benchmark, timed_rounds, timed_steps, writ
 FIELDS = ["schedule", "virtual_stages", "pp", "microbatches", "bubble", "step_ms", "step_ms_min", "step_ms_max",
           "speedup_vs_1f1b", "pp_wait_ms", "pp_wait_ms_max", "pp_wait_ms_by_rank", "pp_wait_ratio", "forward_ms",
           "backward_ms", "weight_ms",
-          "peak_rss_mib", "tokens_per_s", "final_loss",
+          "act_mib_by_rank", "act_planned_mib_by_rank", "act_vs_plan", "peak_rss_mib", "tokens_per_s", "final_loss",
           "timed_steps", "n_layers", "d_model", "seq_len", "global_batch", "predicted_ms", "predicted_bubble_ms",
           "prediction_error"]
 
@@ -95,7 +99,7 @@ class Schedule:
             f"model.n_layers={args.layers}", f"model.n_heads={args.heads}", f"model.n_kv_heads={args.heads}",
             f"model.d_ff={4 * args.d_model}", f"model.max_seq_len={args.seq_len}", "model.tie_embeddings=false",
             "train.dtype=float32", f"train.seq_len={args.seq_len}", f"train.global_batch={args.global_batch}",
-            "train.lr=1e-3", "train.warmup_steps=2", f"train.steps={total_steps}", "train.progress=false",
+            "train.lr=1e-3", "train.warmup_steps=2", f"train.steps={total_steps + 1}", "train.progress=false",
             "parallel.dp=1", "parallel.tp=1", f"parallel.pp={info.size}", f"parallel.microbatches={microbatches}",
             f"parallel.schedule={schedule}", f"parallel.virtual_stages={virtual}", *args.set])
         self.cfg = cfg
@@ -109,6 +113,18 @@ class Schedule:
         if self.active:
             for name, seconds in metrics.time_s.items():
                 self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    def activations(self, world) -> tuple[list[float], list[float]]:
+        """One more step, metered (untimed: the hooks cost time): each rank's peak activation bytes
+        (``PipelineExecutor.meter_activations``) and the planner's for its stage, in MiB, over the ranks."""
+        from hpctrain.sweep.predict import planned_activations
+
+        executor, loss = self.trainer.parts.executor, self.loss
+        meter = executor.meter_activations()
+        self.trainer.train_step()
+        executor.meter, self.loss = None, loss
+        planned = planned_activations(self.cfg, world.Get_size())[executor.rank]
+        return world.allgather(meter.peak / 2**20), world.allgather(planned / 2**20)
 
     def close(self) -> None:
         self.grid.close()
@@ -165,6 +181,7 @@ def run(args) -> list[dict]:
     times = timed_rounds(impls, args.rounds, args.steps, world, lambda impl, on: setattr(impl, "active", on))
     records, timed = [], args.rounds * args.steps
     for impl in impls:
+        act, planned = impl.activations(world)
         t = times[impl.name]
         phase = {name: world.allreduce(impl.phases.get(name, 0.0)) / pp / timed * 1e3
                  for name in ("pp_wait", "forward", "backward", "weight")}
@@ -176,6 +193,8 @@ def run(args) -> list[dict]:
                         "pp_wait_ms": phase["pp_wait"], "pp_wait_ms_max": max(by_rank),
                         "pp_wait_ms_by_rank": by_rank, "pp_wait_ratio": None, "forward_ms": phase["forward"],
                         "backward_ms": phase["backward"], "weight_ms": phase["weight"],
+                        "act_mib_by_rank": act, "act_planned_mib_by_rank": planned,
+                        "act_vs_plan": max(a / p for a, p in zip(act, planned)),
                         "peak_rss_mib": world.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                                                         op=MPI.MAX) / 1024,
                         "tokens_per_s": args.global_batch * args.seq_len / median,
@@ -203,7 +222,8 @@ def print_table(records: list[dict]) -> None:
           f"{r0['n_layers']} layers, seq {r0['seq_len']}, global batch {r0['global_batch']}, float32; median of "
           f"{r0['timed_steps']} steps")
     print(f"{'schedule':<16} {'bubble':>7} {'step ms':>8} {'min-max ms':>12} {'vs 1f1b':>8} {'pp_wait':>8} "
-          f"{'ratio':>6} {'per rank':>13} {'fwd':>7} {'bwd':>7} {'W':>7} {'RSS MiB':>8} {'loss':>8}"
+          f"{'ratio':>6} {'per rank':>13} {'fwd':>7} {'bwd':>7} {'W':>7} {'act MiB':>11} {'/plan':>6} "
+          f"{'RSS MiB':>8} {'loss':>8}"
           + (f" {'pred ms':>8} {'error':>7}" if predicted else ""))
     for r in records:
         name = r["schedule"] if r["schedule"] != "interleaved" else f"interleaved V={r['virtual_stages']}"
@@ -212,7 +232,8 @@ def print_table(records: list[dict]) -> None:
               f"{r['step_ms_min']:>5.0f}-{r['step_ms_max']:<6.0f} {speedup} "
               f"{r['pp_wait_ms']:>8.1f} {_ratio(r):>6} {'/'.join(f'{w:.0f}' for w in r['pp_wait_ms_by_rank']):>13} "
               f"{r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} "
-              f"{r['weight_ms']:>7.1f} {r['peak_rss_mib']:>8.0f} {r['final_loss']:>8.4f}"
+              f"{r['weight_ms']:>7.1f} {'/'.join(f'{a:.0f}' for a in r['act_mib_by_rank']):>11} "
+              f"{r['act_vs_plan']:>5.2f}x {r['peak_rss_mib']:>8.0f} {r['final_loss']:>8.4f}"
               + (_prediction(r) if predicted else ""))
 
 
@@ -249,7 +270,8 @@ def main(argv=None) -> int:
         print_table(records)
         if args.profile:
             print_profile_device(args.profile)
-        write_records(records, args.json, args.csv, FIELDS, json_columns=("pp_wait_ms_by_rank",))
+        write_records(records, args.json, args.csv, FIELDS, json_columns=("pp_wait_ms_by_rank", "act_mib_by_rank",
+                                                                               "act_planned_mib_by_rank"))
     return 0
 
 

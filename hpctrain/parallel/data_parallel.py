@@ -265,6 +265,12 @@ class FlatParams:
                                                                           if b.deferred)
         return {"params": self.param_buffer.nbytes, "grads": whole + slices}
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The model-state tensors (the buffers, every bucket's parameters, gradients and slices; at zero 3
+        what is gathered now): what activation metering leaves out."""
+        per_bucket = [getattr(b, k, None) for b in self.buckets for k in ("param_values", "grads", "slice_grad")]
+        return [self.param_buffer, self.grad_buffer, *(t for t in per_bucket if t is not None)]
+
     def offset_of(self, p) -> tuple[int, int]:
 
         """(start in the flat buffers, number of elements) of parameter ``p``."""

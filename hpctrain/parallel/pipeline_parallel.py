@@ -20,6 +20,7 @@ to c = 1, and the backward back, in memory.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -28,6 +29,7 @@ from hpctrain.parallel.schedules import (bubble_fraction, p2p_posts, schedule_ac
 from hpctrain.parallel.schedules import peer as message_peer
 from hpctrain.parallel.weight_grad import WeightGradStore, attach
 from hpctrain.parallel.zero_bubble import ZERO_BUBBLE_SCHEDULES
+from hpctrain.profiling.activations import ActivationMeter, tensors_in
 from hpctrain.profiling.timers import NULL_TIMER
 
 ACT_TAG, GRAD_TAG = 21, 22
@@ -43,7 +45,8 @@ class PipelineExecutor:
     called when a micro-batch's backward through that virtual stage has returned (ZeRO-3's
     ``ParamGather.backward_pass_done``), or None. A zb schedule (``kind`` zb-h1, zb-v): the executor owns a
     ``WeightGradStore`` (``weight_grads``) that it gives to its stages' linears; phases ``backward`` (B) and
-    ``weight`` (W).
+    ``weight`` (W). ``meter``: an ActivationMeter (``meter_activations``) sampled after every action of a
+    training step, or None.
     """
 
     def __init__(self, stage_modules, pp_comm, flat, kind: str, microbatches: int, act_shape, act_dtype,
@@ -60,8 +63,23 @@ class PipelineExecutor:
         self.v_shape = kind == "zb-v"
         self.weight_grads = WeightGradStore() if self.split else None
         self.before_weight: Callable[[], None] | None = None  # called before each W (the trainer's fault point)
+        self.meter: ActivationMeter | None = None
         if self.split:
             attach(self.stage_modules, self.weight_grads)
+
+    def meter_activations(self) -> ActivationMeter:
+        """Meter this rank's activation memory from the next training step on (``meter.peak``: bytes): what
+        autograd saves and, after each action, what the executor holds (inputs received, outputs to send,
+        the deferred Ws' tensors); the parameters and the flat buffers are not counted."""
+        def state() -> list[torch.Tensor]:
+            return [*(p for module in self.stage_modules for p in module.parameters()), *self.flat.state_tensors()]
+        self.meter = ActivationMeter(state)
+        return self.meter
+
+    def _sample(self, *held) -> None:
+        if self.meter is not None:
+            store = self.weight_grads.held() if self.weight_grads is not None else []
+            self.meter.sample(tensors_in(*held, store))
 
     def _steps(self, forward_only: bool) -> list:
         return schedule_steps(self.kind, self.rank, self.stages, self.microbatches, len(self.stage_modules),
@@ -104,53 +122,58 @@ class PipelineExecutor:
         if train and self.weight_grads is not None:
             self.weight_grads.clear()  # nothing of a step an exception interrupted
         self._post(first_recvs, produced, received)
-        for step, post in zip(steps, after):
-            for op, i, c in step:
-                module = self.stage_modules[c]
-                if op == "F":
-                    x = inputs[i] if module.is_first else received.pop(("F", i, c))
-                    if train and not module.is_first:
-                        x.requires_grad_()
-                    with timer.phase("forward"):
-                        doc = None if docs is None else docs[i]
-                        if module.is_last:  # the head and the loss (fused: no logits; models/gpt.py)
-                            y = module.forward_loss(x, targets[i], None if masks is None else masks[i], doc) * loss_scale
-                            loss_total = loss_total + y.detach().double()  # on the device: no host read
-                        else:
-                            y = module(x, doc)
-                            produced[("F", i, c)] = y.detach().contiguous()
-                    if train:
-                        saved[(i, c)] = (x, y)
+        metering = self.meter.saving() if train and self.meter is not None else nullcontext()
+        with metering:
+            for step, post in zip(steps, after):
+                for op, i, c in step:
+                    module = self.stage_modules[c]
+                    if op == "F":
+                        x = inputs[i] if module.is_first else received.pop(("F", i, c))
+                        if train and not module.is_first:
+                            x.requires_grad_()
+                        with timer.phase("forward"):
+                            doc = None if docs is None else docs[i]
+                            if module.is_last:  # the head and the loss (fused: no logits; models/gpt.py)
+                                mask = None if masks is None else masks[i]
+                                y = module.forward_loss(x, targets[i], mask, doc) * loss_scale
+                                loss_total = loss_total + y.detach().double()  # on the device: no host read
+                            else:
+                                y = module(x, doc)
+                                produced[("F", i, c)] = y.detach().contiguous()
+                        if train:
+                            saved[(i, c)] = (x, y)
+                            self.flat.progress()
+                    elif op == "W":
+                        assert self.weight_grads is not None  # a zb schedule
+                        if self.before_weight is not None:
+                            self.before_weight()
+                        self.flat.last_microbatch = i == self.microbatches - 1
+                        with timer.phase("weight"):
+                            self.weight_grads.run((i, c))
                         self.flat.progress()
-                elif op == "W":
-                    assert self.weight_grads is not None  # a zb schedule
-                    if self.before_weight is not None:
-                        self.before_weight()
-                    self.flat.last_microbatch = i == self.microbatches - 1
-                    with timer.phase("weight"):
-                        self.weight_grads.run((i, c))
-                    self.flat.progress()
-                else:
-                    x, y = saved.pop((i, c))
-                    # a parameter lives in one virtual stage: its last backward is that stage's last micro-batch
-                    self.flat.last_microbatch = i == self.microbatches - 1
-                    grad = None if module.is_last else received.pop(("B", i, c))
-                    with timer.phase("backward"):
-                        if self.split:
-                            x_grad = self._input_backward(module, (i, c), x, y, grad)
-                        else:
-                            torch.autograd.backward(y, grad)
-                            x_grad = x.grad
-                    if self.after_backward is not None:
-                        self.after_backward(module)
-                    if not module.is_first:
-                        assert x_grad is not None  # x: the received activation, a leaf that requires grad
-                        produced[("B", i, c)] = x_grad.contiguous()
-                if self.v_shape:
-                    self._hand_over(op, i, c, produced, received)
-            handle = self._post(post, produced, received)
-            if handle is not None:
-                outstanding.append(handle)
+                    else:
+                        x, y = saved.pop((i, c))
+                        # a parameter lives in one virtual stage: its last backward is its last micro-batch
+                        self.flat.last_microbatch = i == self.microbatches - 1
+                        grad = None if module.is_last else received.pop(("B", i, c))
+                        with timer.phase("backward"):
+                            if self.split:
+                                x_grad = self._input_backward(module, (i, c), x, y, grad)
+                            else:
+                                torch.autograd.backward(y, grad)
+                                x_grad = x.grad
+                        if self.after_backward is not None:
+                            self.after_backward(module)
+                        if not module.is_first:
+                            assert x_grad is not None  # x: the received activation, a leaf that requires grad
+                            produced[("B", i, c)] = x_grad.contiguous()
+                    if self.v_shape:
+                        self._hand_over(op, i, c, produced, received)
+                    if train:
+                        self._sample(saved, received, produced)
+                handle = self._post(post, produced, received)
+                if handle is not None:
+                    outstanding.append(handle)
         with timer.phase("pp_wait"):
             for handle in outstanding:
                 handle.wait()

@@ -82,6 +82,10 @@ class WeightGradStore:
             grads[id(p)] = (p, g if id(p) not in grads else grads[id(p)][1] + g)
         return [p for p, _ in grads.values()], [[g for _, g in grads.values()]]
 
+    def held(self) -> list:
+        """What the pending Ws keep alive: each queued (weight, x, dy) and kept (param, grad); for metering."""
+        return [*self._queued.values(), *self._kept.values()]
+
     def clear(self) -> None:
         """Forget everything (a step begins: what an interrupted one left is not this step's)."""
         self._key = None

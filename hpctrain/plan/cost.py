@@ -120,7 +120,10 @@ class Options:
     hpctrain's ring, which computes them unfused in float32 (ring.py). ``zero_prefetch``,
     ``zero_reshard_after_forward``: ``parallel.zero_prefetch`` / ``parallel.zero_reshard_after_forward``
     (ZeRO-3's gathers: memory.py, ``_dp_exposed``). ``lora_rank`` > 0 (``lora.rank``) and ``lora_targets``
-    (``lora.targets``): a LoRA run, its base frozen (lora.py).
+    (``lora.targets``): a LoRA run, its base frozen (lora.py). ``megatron_activations``: a block keeps
+    Korthikanti et al.'s count of Megatron's GPT block (``stages.layer_activation_bytes``, which re-gathers a
+    sequence-parallel linear's input in its backward) instead of what hpctrain's blocks keep
+    (``stages.block_activation_bytes``), used only to model published Megatron-style runs.
     """
 
     dtype: str = "bfloat16"
@@ -137,6 +140,7 @@ class Options:
     zero_reshard_after_forward: bool = True
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
+    megatron_activations: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:

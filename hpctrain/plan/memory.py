@@ -26,7 +26,8 @@ buffers (hpctrain/parallel/data_parallel.py, hpctrain/optim/flat.py):
   end of the backward), plus ONE unit's full gradient before its reduce-scatter
   (float32 for half models); without resharding every unit of the stage stays gathered from the step's
   first forward to its last backward;
-- activations: each block keeps ``layer_activation_bytes`` (Korthikanti et al.'s formula) per micro-batch
+- activations: each block keeps ``block_activation_bytes`` (what hpctrain's blocks save; Korthikanti et al.'s
+  ``layer_activation_bytes`` for Megatron's, ``Options.megatron_activations``) per micro-batch
   in flight, or only its input (``2 s b h``, ``/ t`` with SP) with full recomputation plus, during a
   backward, one block's full activations; micro-batches in flight: ``min(pp - s, M)`` for 1F1B, ``M``
   for GPipe; the last stage adds the logits of a micro-batch in flight and their float32 loss copy,
@@ -62,7 +63,8 @@ from hpctrain.plan.devices import DTYPE_BYTES
 from hpctrain.plan.lora import block_adapter_parameters, partial_adapter_parameters
 from hpctrain.plan.ring import lse_bytes, ring_workspace_bytes
 from hpctrain.plan.shapes import block_matmul_params, for_tp, position_params
-from hpctrain.plan.stages import (in_flight, layer_activation_bytes, moe_activation_bytes, recompute_kind,
+from hpctrain.plan.stages import (block_activation_bytes, in_flight, layer_activation_bytes, moe_activation_bytes,
+                                  recompute_kind,
                                   recompute_layer_bytes, stage_expert_parameters, stage_parameters, stages)
 
 GIB = 2**30
@@ -101,13 +103,14 @@ def activation_bytes(model, layout, stage, recompute, options, moe=None) -> floa
     seq = layout.seq_len // c  # the tokens of a sequence on this rank
     sp, kind = layout.sequence_parallel, recompute_kind(recompute)
     ring = lse_bytes(model, b, layout.seq_len, c, t, nb)
-    full = layer_activation_bytes(model, b, seq, t, sp, options.flash_attention or c > 1, nb) + ring
+    block = layer_activation_bytes if options.megatron_activations else block_activation_bytes
+    full = block(model, b, seq, t, sp, options.flash_attention or c > 1, nb) + ring
     held = stage.layers * in_flight(layout, stage, options.virtual_stages)
     routed = moe_activation_bytes(model, moe, b, seq, t, sp, nb) if stage.moe_layers else 0.0
     if kind == "full":
         kept = held * recompute_layer_bytes(model, b, seq, t, sp, nb) + full + routed
     elif kind == "selective":
-        kept = held * (layer_activation_bytes(model, b, seq, t, sp, True, nb) + ring) + full + routed
+        kept = held * (block(model, b, seq, t, sp, True, nb) + ring) + full + routed
     else:
         kept = held * full
     if kind != "full":

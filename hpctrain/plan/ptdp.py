@@ -62,7 +62,8 @@ def selene(gpus: int) -> Machine:
 
 
 def options(row: PtdpRow) -> Options:
-    return Options(flash_attention=False, virtual_stages=row.virtual_stages, pp_scatter_gather=True)
+    return Options(flash_attention=False, virtual_stages=row.virtual_stages, pp_scatter_gather=True,
+                   megatron_activations=True)
 
 
 def predict_row(row: PtdpRow):

@@ -75,15 +75,14 @@ def stage_expert_parameters(model, stage: Stage, tp: int, moe=None, ep: int = 1)
 
 def moe_activation_bytes(model, moe, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                          dtype_bytes: int) -> float:
-    """Bytes an MoE block keeps beyond ``layer_activation_bytes`` per tp rank and micro-batch (its MLP share
-    of Korthikanti's count, ``19 s b h`` / t with sequence parallelism, ``3 s b h + 16 s b h / t`` without,
-    is the dense MLP's and is replaced): each of the ``top_k`` routed copies of a token and each shared expert
+    """Bytes an MoE block keeps beyond ``block_activation_bytes`` per tp rank and micro-batch (its dense MLP's
+    share, ``4 f / t`` elements per token for SwiGLU, is replaced): each of the ``top_k`` routed copies of a token and each shared expert
     keeps a SwiGLU's input (``2 h``, / t with SP) and its gate, up and product (``6 f_e / t``), at 16 bits;
     plus the router's float32 logits and probabilities (``8 E`` bytes). Routing is taken as dropless and
     balanced (each rank's experts get ``top_k`` x its tokens)."""
     s, b, h, f, t = seq_len, micro_batch, model.d_model, moe.d_ff_expert, tp
     split = sequence_parallel or t == 1
-    dense_mlp = 19.0 * h / t if split else 3.0 * h + 16.0 * h / t
+    dense_mlp = (4.0 if model.mlp == "swiglu" else 2.0) * model.d_ff / t * 2  # bytes at 16 bits
     experts = (moe.top_k + moe.shared_experts) * ((2.0 * h / t if split else 2.0 * h) + 6.0 * f / t)
     return s * b * ((experts - dense_mlp) * dtype_bytes / 2 + 8.0 * moe.num_experts)
 
@@ -103,6 +102,31 @@ def layer_activation_bytes(model, micro_batch: int, seq_len: int, tp: int, seque
     scores = 0.0 if flash_attention else 5.0 * a * s / h
     per = (34.0 + scores) / t if (sequence_parallel or t == 1) else 10.0 + (24.0 + scores) / t
     return s * b * h * per * dtype_bytes / 2
+
+
+def block_activation_bytes(model, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                           flash_attention: bool, dtype_bytes: int) -> float:
+    """Bytes one of hpctrain's blocks keeps for its backward, per tp rank and micro-batch, without
+    recomputation: what autograd saves in hpctrain/models (measured by ``ActivationMeter``, hpctrain/profiling/
+    activations.py, and held to it by tests/mpi/test_plan_activations.py), in units of ``s b h`` elements of
+    ``dtype_bytes``:
+
+    - each of the two RMSNorms: its input, the normalized input, and its output as the next linear's input
+      (3); with sequence parallelism the first two are split over tp and the linear keeps the gathered output
+      whole (``2 / t + 1``);
+    - attention: q, k and v (k and v expanded to every head) and its output, the output projection's input
+      (``4 / t``); an unfused kernel adds the scores (Korthikanti et al.'s ``5 a s / h`` bytes at 16 bits, ``/ t``);
+    - the MLP: SwiGLU keeps gate(x), up(x), silu(gate(x)) and their product (``4 f / (h t)``), GELU up(x) and
+      its activation (``2 f / (h t)``).
+
+    Korthikanti et al. 2022 (``layer_activation_bytes``) count Megatron's GPT block: ``34 s b h / t`` bytes at
+    16 bits with SP, which re-gathers a linear's input in its backward instead of keeping it.
+    """
+    s, b, h, t = seq_len, micro_batch, model.d_model, tp
+    norms = 2 * ((2.0 / t + 1.0) if sequence_parallel and t > 1 else 3.0)
+    scores = 0.0 if flash_attention else 2.5 * model.n_heads * s / h / t
+    mlp = (4.0 if model.mlp == "swiglu" else 2.0) * model.d_ff / (h * t)
+    return s * b * h * (norms + 4.0 / t + scores + mlp) * dtype_bytes
 
 
 def score_bytes(model, micro_batch: int, seq_len: int, tp: int, dtype_bytes: int) -> float:

@@ -39,7 +39,8 @@ def machine(run: Run) -> Machine:
 
 def options(run: Run) -> Options:
     return Options(flash_attention=run.attention == "fused", virtual_stages=run.virtual_stages,
-                   pp_scatter_gather=run.scatter_gather, zero_reshard_after_forward=run.zero_reshard_after_forward)
+                   pp_scatter_gather=run.scatter_gather, zero_reshard_after_forward=run.zero_reshard_after_forward,
+                   megatron_activations=True)
 
 
 def metric_tflops(run: Run, tp: int, tokens_per_s: float) -> float:

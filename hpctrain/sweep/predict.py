@@ -34,6 +34,34 @@ def machine_for(ranks: int, nodes: int, device: str, profile: str | None):
     return Machine(dev, links, max(1, nodes), per_node)
 
 
+def run_options(cfg):
+    """The planner's ``Options`` of run ``cfg`` (no reserve: a measurement's side has none either)."""
+    from hpctrain.plan.cost import Options
+
+    p, t = cfg.parallel, cfg.train
+    return Options(dtype=t.dtype, flash_attention=True, bucket_mb=p.bucket_mb, reserve_gib=0.0,
+                   zero_prefetch=p.zero_prefetch, zero_reshard_after_forward=p.zero_reshard_after_forward,
+                   virtual_stages=p.virtual_stages, lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.targets))
+
+
+def planned_activations(cfg, world_size: int) -> list[float]:
+    """The planner's activation bytes at the peak of each pipeline stage's ranks (plan/memory.py
+    ``activation_bytes``, index = pp rank) for run ``cfg`` on ``world_size`` ranks: what
+    ``PipelineExecutor.meter_activations`` measures."""
+    from hpctrain.config import resolve_model
+    from hpctrain.config.moe_keys import resolve_moe
+    from hpctrain.plan.memory import activation_bytes
+    from hpctrain.plan.shapes import for_tp
+    from hpctrain.plan.stages import stages
+
+    layout = Layout.from_config(cfg, world_size)
+    model = resolve_model(cfg.model)
+    moe = resolve_moe(cfg.moe, model)
+    model = for_tp(model, layout.tp_size)
+    recompute = bool(getattr(cfg.train, "recompute", False))
+    return [activation_bytes(model, layout, st, recompute, run_options(cfg), moe) for st in stages(model, layout, moe)]
+
+
 def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None) -> dict | None:
     """``predicted_step_s``, ``predicted_tokens_per_s``, ``predicted_compute_s``, ``predicted_comm_s``
     (tp + cp + pp + ep all-to-alls + exposed dp + optimizer's reductions), ``predicted_bubble_s`` and
@@ -41,7 +69,6 @@ def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None)
     when the model cannot tell (an invalid layout)."""
     from hpctrain.config import resolve_model
     from hpctrain.config.moe_keys import resolve_moe
-    from hpctrain.plan.cost import Options
     from hpctrain.plan.planner import predict
 
     p, t = cfg.parallel, cfg.train
@@ -52,9 +79,7 @@ def predict_run(cfg, row: dict, device: str = "cpu", profile: str | None = None)
     try:
         layout.validate(model)
         machine = machine_for(row["ranks"], int(row.get("nodes") or 1), device, profile)
-        options = Options(dtype=t.dtype, flash_attention=True, bucket_mb=p.bucket_mb, reserve_gib=0.0,
-                          zero_prefetch=p.zero_prefetch, zero_reshard_after_forward=p.zero_reshard_after_forward,
-                          virtual_stages=p.virtual_stages, lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.targets))
+        options = run_options(cfg)
         moe = resolve_moe(cfg.moe, model)
         if moe is not None and options.lora_rank:
             return None  # the model has LoRA on dense models only

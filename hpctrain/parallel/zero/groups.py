@@ -59,6 +59,9 @@ class FlatGroup:
                 totals[k] = totals.get(k, 0) + v
         return totals
 
+    def state_tensors(self) -> list:
+        return [t for f in self.parts for t in f.state_tensors()]
+
     def writes(self, p, first_replica: bool) -> bool:
         """Whether this rank writes ``p``'s pieces it owns: every owner with ZeRO, else the first replica of
         ``p``'s group (``first_replica``: of the whole replica group; an expert's: its ep_replica rank 0)."""

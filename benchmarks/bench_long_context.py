@@ -8,8 +8,8 @@ The driver launches one ``mpiexec -n cp`` job per cp (this script again, ``--wor
 ``--preset`` model (tp = pp = dp = 1, one sequence per step, ``--window`` as model.attention_window) at every
 sequence length in ascending order: ``--warmup`` untimed steps, then ``--steps`` timed ones. Per length:
 - ``act_mb``: the bytes autograd saves for backward in one training step (every tensor packed by
-  ``torch.autograd.graph.saved_tensors_hooks``, storages counted once, the parameters' flat buffer not
-  counted): the activation memory of one rank; ``act_vs_cp1`` = act_mb / act_mb at cp = 1;
+  ``torch.autograd.graph.saved_tensors_hooks``: ``ActivationMeter.total_saved``, storages counted once, the
+  parameters' flat buffer not counted): the activation memory of one rank; ``act_vs_cp1`` = act_mb / act_mb at cp = 1;
 - ``peak_mb``: the rank's peak resident memory during the timed steps (VmHWM of /proc/self/status, reset
   through /proc/self/clear_refs before them), max over ranks; ``above_base_mb``: that peak less the
   resident memory of the process before its first model (torch, MPI, the corpus), max over ranks: the
@@ -41,30 +41,15 @@ FIELDS = ["cp", "seq", "window", "act_mb", "act_vs_cp1", "peak_mb", "above_base_
           "ring_wait_ms"]
 
 
-class SavedBytes:
-    """Sum of the distinct storages autograd saves for backward (the parameters' buffer excepted)."""
-
-    def __init__(self, excluded_storage: int):
-        self.excluded, self.seen, self.total = excluded_storage, set(), 0
-
-    def pack(self, tensor):
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key != self.excluded and key not in self.seen:
-            self.seen.add(key)
-            self.total += storage.nbytes()
-        return tensor
-
-
 def worker(args) -> list[dict]:
     """One mpiexec job: every sequence length at cp = the world size. Returns rank 0's records."""
-    import torch
     from mpi4py import MPI
 
     from hpctrain.bench.report import resident_mb
     from hpctrain.comm.grid import ProcessGrid
     from hpctrain.config import load_config
     from hpctrain.data.corpus import load_tokens_collective
+    from hpctrain.profiling.activations import ActivationMeter
     from hpctrain.runtime.launcher import discover
     from hpctrain.train.trainer import Trainer
 
@@ -82,8 +67,8 @@ def worker(args) -> list[dict]:
         trainer = Trainer(cfg, grid, tokens=tokens)
         for _ in range(args.warmup):
             trainer.train_step()
-        saved = SavedBytes(trainer.parts.params.flat.param_buffer.untyped_storage().data_ptr())
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        saved = ActivationMeter(lambda: [trainer.parts.params.flat.param_buffer])
+        with saved.saving():
             trainer.train_step()
         ring = grid.stats.ops[("cp", "exchange")] if cp > 1 else None
         waited, times = (ring.seconds if ring else 0.0), []
@@ -96,7 +81,7 @@ def worker(args) -> list[dict]:
         peak = resident_mb()
         added, peak = world.allreduce(peak - base, op=MPI.MAX), world.allreduce(peak, op=MPI.MAX)
         wait = world.allreduce((ring.seconds if ring else 0.0) - waited) / cp / args.steps
-        act = world.allreduce(saved.total, op=MPI.MAX) / 2**20
+        act = world.allreduce(saved.total_saved, op=MPI.MAX) / 2**20
         records.append(dict(cp=cp, seq=seq, window=args.window, act_mb=round(act, 1), above_base_mb=round(added, 1),
                             peak_mb=round(peak, 1),
                             step_s=round(statistics.median(times), 3), ring_wait_ms=round(1e3 * wait, 1)))

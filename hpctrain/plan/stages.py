@@ -146,7 +146,8 @@ def in_flight(layout, stage: Stage, virtual_stages: int = 1) -> float:
     """Micro-batches' worth of the stage's layers whose activations ``stage`` holds at once: 1F1B
     ``min(pp - s, M)``, GPipe ``M``; interleaved 1F1B with ``V`` virtual stages of ``layers / V`` each holds
     Megatron's warm-up ``2 (pp - s - 1) + (V - 1) pp`` (micro-batch, virtual stage) units plus one, so
-    ``(2 (pp - s - 1) + (V - 1) pp + 1) / V`` of the stage's layers (at most ``M``). zb-h1 and zb-v hold a
+    ``(2 (pp - s - 1) + (V - 1) pp + 1) / V`` of the stage's layers (at most ``M``; all ``M`` when M = pp,
+    whose warm-up is every forward). zb-h1 and zb-v hold a
     micro-batch from its forward until its W (the deferred weight gradients read the layers' saved inputs):
     ``min(pp, M)`` on every rank, 1F1B's first-rank peak (``zero_bubble.memory_problems`` keeps them within it)."""
     p, s, m, v = layout.pp_size, stage.index, layout.microbatches, virtual_stages
@@ -154,6 +155,6 @@ def in_flight(layout, stage: Stage, virtual_stages: int = 1) -> float:
         return m
     if layout.schedule in ("zb-h1", "zb-v"):  # alive from F to W: 1F1B's first-rank peak on every rank
         return min(p, m)
-    if v > 1 and p > 1:
-        return min((2 * (p - s - 1) + (v - 1) * p + 1) / v, m)
+    if v > 1 and p > 1:  # with M = pp every forward runs first (Megatron's rule; schedules.schedule_actions)
+        return m if m == p else min((2 * (p - s - 1) + (v - 1) * p + 1) / v, m)
     return min(p - s, m)

@@ -2,7 +2,8 @@
 
     mpiexec -n 2 python check_activations.py
 
-For each layout of 2 ranks (every pipeline schedule at pp = 2 with 4 micro-batches; tp = 2 with and without
+For each layout of 2 ranks (every pipeline schedule at pp = 2 with 4 micro-batches,
+interleaved with 2 too; tp = 2 with and without
 sequence parallelism, GELU and SwiGLU with grouped KV heads): one training step metered
 (``PipelineExecutor.meter_activations``: the peak of what autograd saves and the executor holds between
 actions, a deferred W's included) against ``hpctrain.sweep.predict.planned_activations`` for the rank's
@@ -30,6 +31,8 @@ PIPELINE = ["parallel.pp=2", "parallel.microbatches=4"]
 LAYOUTS = {
     "1f1b": PIPELINE + ["parallel.schedule=1f1b"],
     "interleaved V=2": PIPELINE + ["parallel.schedule=interleaved", "parallel.virtual_stages=2"],
+    "interleaved V=2 M=2": PIPELINE + ["parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                                       "parallel.microbatches=2"],  # M = pp: every forward first
     "zb-h1": PIPELINE + ["parallel.schedule=zb-h1"],
     "zb-v": PIPELINE + ["parallel.schedule=zb-v", "parallel.virtual_stages=2"],
     "tp=2 sp gelu": ["parallel.tp=2", "parallel.sequence_parallel=true", "model.mlp=gelu", "model.positions=learned",

@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.models.swiglu import silu_mul
 from hpctrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from hpctrain.parallel.tp_comm import copy_to_tp, gather_seq
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), or GELU: down(gelu_tanh(up(x))); gate/up split on d_ff, down
+    """SwiGLU: down(silu(gate(x)) * up(x)) (the gating keeps only gate(x) and up(x): swiglu.py), or GELU: down(gelu_tanh(up(x))); gate/up split on d_ff, down
     reduces over TP (the element-wise activation needs no communication)."""
 
     def __init__(self, name, m, tp_comm, sp, dtype, seed):
@@ -24,5 +25,5 @@ class MLP(nn.Module):
     def forward(self, x):
         x = gather_seq(x, self.tp_comm) if self.sp else copy_to_tp(x, self.tp_comm)
         if self.swiglu:
-            return self.down(F.silu(self.gate(x)) * self.up(x))
+            return self.down(silu_mul(self.gate(x), self.up(x)))
         return self.down(F.gelu(self.up(x), approximate="tanh"))

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.models.mlp import MLP
+from hpctrain.models.swiglu import silu_mul
 from hpctrain.parallel.context_parallel import zigzag_positions
 from hpctrain.parallel.expert_parallel import Dispatcher
 from hpctrain.parallel.fp8 import Fp8Linear, fp8_linear
@@ -202,7 +203,7 @@ class Experts(nn.Module):
         starts = torch.cumsum(counts, 0) - counts
         slot = expert * most + torch.arange(n, device=rows.device) - starts[expert]
         padded = rows.new_zeros(self.count * most, d).index_copy(0, slot, rows).view(self.count, most, d)
-        h = F.silu(self._linear(padded, "gate")) * self._linear(padded, "up")  # [count, M, F/tp]
+        h = silu_mul(self._linear(padded, "gate"), self._linear(padded, "up"))  # [count, M, F/tp]
         return self._linear(h, "down").reshape(self.count * most, d)[slot]
 
 
@@ -216,7 +217,7 @@ class Experts(nn.Module):
         for i, n in enumerate(sizes):
             x, e = rows[start:start + n], i // per
             start += n
-            h = F.silu(self._expert_linear(x, e, "gate")) * self._expert_linear(x, e, "up")
+            h = silu_mul(self._expert_linear(x, e, "gate"), self._expert_linear(x, e, "up"))
             out.append(self._expert_linear(h, e, "down"))
         return torch.cat(out) if out else rows[:0]
 

@@ -63,8 +63,8 @@ from hpctrain.plan.devices import DTYPE_BYTES
 from hpctrain.plan.lora import block_adapter_parameters, partial_adapter_parameters
 from hpctrain.plan.ring import lse_bytes, ring_workspace_bytes
 from hpctrain.plan.shapes import block_matmul_params, for_tp, position_params
-from hpctrain.plan.stages import (block_activation_bytes, in_flight, layer_activation_bytes, moe_activation_bytes,
-                                  recompute_kind,
+from hpctrain.plan.stages import (block_activation_bytes, deferred_weight_bytes, in_flight, layer_activation_bytes,
+                                  moe_activation_bytes, recompute_kind,
                                   recompute_layer_bytes, stage_expert_parameters, stage_parameters, stages)
 
 GIB = 2**30
@@ -111,6 +111,13 @@ def activation_bytes(model, layout, stage, recompute, options, moe=None) -> floa
         kept = held * recompute_layer_bytes(model, b, seq, t, sp, nb) + full + routed
     elif kind == "selective":
         kept = held * (block(model, b, seq, t, sp, True, nb) + ring) + full + routed
+    elif layout.schedule in ("zb-h1", "zb-v"):  # a micro-batch holds its activations until its B, then its W's
+        deferred = stage.layers * deferred_weight_bytes(model, b, seq, t, nb)
+        if stage.first:  # B keeps the embedding's (dense) gradient until the W, the head's too
+            deferred += model.vocab_size * model.d_model / t * nb
+        if stage.last:
+            deferred += model.vocab_size * model.d_model / t * nb
+        kept = in_flight(layout, stage, options.virtual_stages) * max(stage.layers * full, deferred)
     else:
         kept = held * full
     if kind != "full":

@@ -42,9 +42,10 @@ class Stage:
 
 
 def stages(model, layout, moe=None) -> list[Stage]:
-    """The stages of ``layout`` with hpctrain's own split (``partition_layers``, balanced by parameters)."""
+    """The stages of ``layout`` with hpctrain's own split (``partition_layers``, balanced by parameters); with
+    zb-v the first rank also holds the last virtual stage, the LM head (parallel/zero_bubble.py)."""
     ranges = partition_layers(model, layout.pp_size, list(layout.stage_layers) or None, moe)
-    last = len(ranges) - 1
+    last = 0 if layout.schedule == "zb-v" else len(ranges) - 1  # zb-v's V turns back: the head is on rank 0
     routed = set(moe.layers) if moe is not None else set()
     return [Stage(i, hi - lo, i == 0, i == last, sum(1 for j in range(lo, hi) if j in routed))
             for i, (lo, hi) in enumerate(ranges)]
@@ -76,13 +77,13 @@ def stage_expert_parameters(model, stage: Stage, tp: int, moe=None, ep: int = 1)
 def moe_activation_bytes(model, moe, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                          dtype_bytes: int) -> float:
     """Bytes an MoE block keeps beyond ``block_activation_bytes`` per tp rank and micro-batch (its dense MLP's
-    share, ``4 f / t`` elements per token for SwiGLU, is replaced): each of the ``top_k`` routed copies of a token and each shared expert
+    share, ``3 f / t`` elements per token for SwiGLU, is replaced): each of the ``top_k`` routed copies of a token and each shared expert
     keeps a SwiGLU's input (``2 h``, / t with SP) and its gate, up and product (``6 f_e / t``), at 16 bits;
     plus the router's float32 logits and probabilities (``8 E`` bytes). Routing is taken as dropless and
     balanced (each rank's experts get ``top_k`` x its tokens)."""
     s, b, h, f, t = seq_len, micro_batch, model.d_model, moe.d_ff_expert, tp
     split = sequence_parallel or t == 1
-    dense_mlp = (4.0 if model.mlp == "swiglu" else 2.0) * model.d_ff / t * 2  # bytes at 16 bits
+    dense_mlp = (3.0 if model.mlp == "swiglu" else 2.0) * model.d_ff / t * 2  # bytes at 16 bits
     experts = (moe.top_k + moe.shared_experts) * ((2.0 * h / t if split else 2.0 * h) + 6.0 * f / t)
     return s * b * ((experts - dense_mlp) * dtype_bytes / 2 + 8.0 * moe.num_experts)
 
@@ -116,8 +117,8 @@ def block_activation_bytes(model, micro_batch: int, seq_len: int, tp: int, seque
       whole (``2 / t + 1``);
     - attention: q, k and v (k and v expanded to every head) and its output, the output projection's input
       (``4 / t``); an unfused kernel adds the scores (Korthikanti et al.'s ``5 a s / h`` bytes at 16 bits, ``/ t``);
-    - the MLP: SwiGLU keeps gate(x), up(x), silu(gate(x)) and their product (``4 f / (h t)``), GELU up(x) and
-      its activation (``2 f / (h t)``).
+    - the MLP: SwiGLU keeps gate(x), up(x) and their gated product (``3 f / (h t)``: models/swiglu.py recomputes
+      silu(gate(x))), GELU up(x) and its activation (``2 f / (h t)``).
 
     Korthikanti et al. 2022 (``layer_activation_bytes``) count Megatron's GPT block: ``34 s b h / t`` bytes at
     16 bits with SP, which re-gathers a linear's input in its backward instead of keeping it.
@@ -125,8 +126,22 @@ def block_activation_bytes(model, micro_batch: int, seq_len: int, tp: int, seque
     s, b, h, t = seq_len, micro_batch, model.d_model, tp
     norms = 2 * ((2.0 / t + 1.0) if sequence_parallel and t > 1 else 3.0)
     scores = 0.0 if flash_attention else 2.5 * model.n_heads * s / h / t
-    mlp = (4.0 if model.mlp == "swiglu" else 2.0) * model.d_ff / (h * t)
+    mlp = (3.0 if model.mlp == "swiglu" else 2.0) * model.d_ff / (h * t)
     return s * b * h * (norms + 4.0 / t + scores + mlp) * dtype_bytes
+
+
+def deferred_weight_bytes(model, micro_batch: int, seq_len: int, tp: int, dtype_bytes: int) -> float:
+    """Bytes a zero-bubble schedule keeps per block and micro-batch between its B and its W: each linear's input
+    and output gradient (parallel/weight_grad.py ``WeightGradStore``), in ``s b h`` elements: the two norms'
+    outputs as the linears took them (whole, gathered with SP) 2, attention's output ``1 / t``, the MLP's
+    gated product (or activation) ``f / (h t)``; the gradients of q, k and v ``(1 + 2 kv / a) / t``, of the
+    output and down projections' outputs (whole, before their reduction) 2, of gate and up ``2 f / (h t)``
+    (GELU: up ``f / (h t)``)."""
+    s, b, h, t = seq_len, micro_batch, model.d_model, tp
+    f = model.d_ff / (h * t)
+    inputs = 2.0 + 1.0 / t + f
+    grads = (1.0 + 2.0 * model.n_kv_heads / model.n_heads) / t + 2.0 + (2.0 if model.mlp == "swiglu" else 1.0) * f
+    return s * b * h * (inputs + grads) * dtype_bytes
 
 
 def score_bytes(model, micro_batch: int, seq_len: int, tp: int, dtype_bytes: int) -> float:

@@ -56,9 +56,9 @@ def test_experts_are_split_over_ep_and_their_optimizer_state_sharded_over_dp_cp_
 def test_an_moe_block_keeps_its_routed_copies_activations():
     m, moe = mixtral()
     s, b, h, f = 4096, 1, 4096, 14336
-    # tp 1, 16-bit: 2 routed copies of (input 2h + gate, up, product 6f) in place of the dense SwiGLU's 8 f
-    # (gate, up, silu, product), plus the router's float32 logits and probabilities (8 E bytes) per token
-    assert moe_activation_bytes(m, moe, b, s, 1, False, 2) == s * b * (2 * (2 * h + 6 * f) - 8 * f + 8 * 8)
+    # tp 1, 16-bit: 2 routed copies of (input 2h + gate, up, product 6f) in place of the dense SwiGLU's 6 f
+    # (gate, up, product), plus the router's float32 logits and probabilities (8 E bytes) per token
+    assert moe_activation_bytes(m, moe, b, s, 1, False, 2) == s * b * (2 * (2 * h + 6 * f) - 6 * f + 8 * 8)
     dense = memory(m, Layout(8, 8, 1, 1, 1, 8, 4096, ep_size=8), "off", Options(reserve_gib=0.0))
     routed = memory(m, Layout(8, 8, 1, 1, 1, 8, 4096, ep_size=8), "off", Options(reserve_gib=0.0), moe)
     assert routed.activations_gib * GIB == pytest.approx(dense.activations_gib * GIB

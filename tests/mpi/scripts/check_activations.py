@@ -8,7 +8,7 @@ sequence parallelism, GELU and SwiGLU with grouped KV heads): one training step 
 (``PipelineExecutor.meter_activations``: the peak of what autograd saves and the executor holds between
 actions, a deferred W's included) against ``hpctrain.sweep.predict.planned_activations`` for the rank's
 stage. Fails (exit 1, every rank) where a ratio leaves [``--low``, ``--high``], or where ZB-H1 holds more
-than 1F1B's first rank (its memory claim).
+than 1.1x 1F1B's first rank (issue #53's memory target).
 """
 import argparse
 import sys
@@ -72,7 +72,7 @@ def main() -> int:
         print(f"rank {world.Get_rank()} {name}: measured/planned {cells}", flush=True) if world.Get_rank() == 0 else None
         problems += [f"{name} rank {r}: measured {m / q:.3f}x the plan" for r, (m, q) in enumerate(rows)
                      if not args.low <= m / q <= args.high]
-    if max(peaks["zb-h1"]) > 1.02 * peaks["1f1b"][0]:
+    if max(peaks["zb-h1"]) > 1.1 * peaks["1f1b"][0]:  # issue #53: ZB-H1's peak within 1.1x 1F1B's
         problems.append(f"zb-h1 holds {max(peaks['zb-h1']) / 2**20:.2f} MiB, 1f1b's first rank "
                         f"{peaks['1f1b'][0] / 2**20:.2f}")
     for problem in problems:

@@ -3,7 +3,7 @@
 Autograd's own ``F.silu(gate) * up`` keeps ``gate`` (for silu), ``silu(gate)`` and ``up`` (for the product):
 three ``[..., f]`` tensors per MLP, with the down projection's input (the product) a fourth. ``silu_mul``
 keeps ``gate`` and ``up`` and recomputes ``silu(gate)`` in the backward (one element-wise pass), as Liger's
-and Megatron's fused SwiGLU do: a quarter of an MLP's activation memory (``f`` of ``4 f`` per token), the
+and Megatron's fused SwiGLU do, with autograd's kernels in autograd's order (the same gradients, bit for bit): a quarter of an MLP's activation memory (``f`` of ``4 f`` per token), the
 largest single term of a Llama block's (plan/stages.py ``block_activation_bytes``). Local: no communication.
 Traceable by torch.compile (an ``autograd.Function`` of plain tensor ops).
 """
@@ -21,13 +21,9 @@ class _SiluMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]  # autograd.Function: (ctx, *inputs)
-        gate, up = ctx.saved_tensors
-        dtype = gate.dtype
-        if dtype in (torch.float16, torch.bfloat16):  # in float32, as autograd's silu_backward computes
-            gate, up, grad = gate.float(), up.float(), grad.float()
-        sig = torch.sigmoid(gate)
-        grad_gate = (grad * up * (sig * (1 + gate * (1 - sig)))).to(dtype) if ctx.needs_input_grad[0] else None
-        grad_up = (grad * (gate * sig)).to(dtype) if ctx.needs_input_grad[1] else None
+        gate, up = ctx.saved_tensors  # autograd's own ops in its order: bitwise its gradients, in every dtype
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        grad_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
         return grad_gate, grad_up
 
 

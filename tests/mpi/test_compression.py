@@ -190,7 +190,7 @@ def test_leaving_or_retiming_onebit_adam_on_resume_is_one_line_naming_the_key(tm
 
 # AdamW (the default optimizer), dp = 4: the mean loss of the last 10 of 120 steps, tiny config
 ADAMW = ["train.progress=false", "train.steps=120"]
-ONEBIT_ADAM_WARMUP = 36  # 30% of the run: within 3% on every seed measured (benchmarks/onebit_adam_gap.py)
+ONEBIT_ADAM_WARMUP = 40  # a third of the run: within 3% on every seed measured (benchmarks/onebit_adam_gap.py)
 
 
 @pytest.fixture(scope="module")
@@ -214,13 +214,14 @@ def mean_of_last(rows, k=10):
 
 @pytest.mark.parametrize("seed", [None, 3])  # None: the default seed, the reference the other tests share
 def test_onebit_adam_converges_within_3_percent_of_dense_adamw(adamw_runs, seed):
-    """1-bit Adam (warm-up 36 of 120 steps): its warm-up is dense AdamW bit for bit, and its mean loss of the
-    last 10 steps is within 3% of dense AdamW's (seed 3 was the worst at shorter warm-ups), while the dp
-    traffic after the warm-up is ~30x smaller; a warm-up of 30% or more is not warned about."""
+    """1-bit Adam (warm-up 40 of 120 steps): its warm-up is dense AdamW bit for bit, and its mean loss of the
+    last 10 steps is within 3% of dense AdamW's (seed 3 was the worst at shorter warm-ups: +3.0% at 36 on an
+    AMD EPYC), while the dp traffic after the warm-up is ~30x smaller; a warm-up of a third or more is not
+    warned about."""
     suffix = "" if seed is None else f"-{seed}"
     dense, _ = adamw_runs["dense" + suffix]
     rows, stderr = adamw_runs["onebit-adam" + suffix]
-    assert "compression.warmup_steps=" not in stderr  # no short-warm-up warning at 30%
+    assert "compression.warmup_steps=" not in stderr  # no short-warm-up warning at a third
     warm = ONEBIT_ADAM_WARMUP + 1  # the loss of step W + 1 is taken before its (first compressed) update
     assert [r["loss"] for r in rows[:warm]] == [r["loss"] for r in dense[:warm]]  # the same fused AdamW
     loss, reference = mean_of_last(rows), mean_of_last(dense)

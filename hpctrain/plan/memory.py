@@ -64,8 +64,8 @@ from hpctrain.plan.lora import block_adapter_parameters, partial_adapter_paramet
 from hpctrain.plan.ring import lse_bytes, ring_workspace_bytes
 from hpctrain.plan.shapes import block_matmul_params, for_tp, position_params
 from hpctrain.plan.stages import (block_activation_bytes, deferred_weight_bytes, in_flight, layer_activation_bytes,
-                                  moe_activation_bytes, recompute_kind,
-                                  recompute_layer_bytes, stage_expert_parameters, stage_parameters, stages)
+                                  moe_activation_bytes, recompute_kind, recompute_layer_bytes, stage_expert_parameters,
+                                  stage_parameters, stages)
 
 GIB = 2**30
 
@@ -105,7 +105,8 @@ def activation_bytes(model, layout, stage, recompute, options, moe=None) -> floa
     ring = lse_bytes(model, b, layout.seq_len, c, t, nb)
     block = layer_activation_bytes if options.megatron_activations else block_activation_bytes
     full = block(model, b, seq, t, sp, options.flash_attention or c > 1, nb) + ring
-    held = stage.layers * in_flight(layout, stage, options.virtual_stages)
+    flight = in_flight(layout, stage, options.virtual_stages)
+    held = stage.layers * flight
     routed = moe_activation_bytes(model, moe, b, seq, t, sp, nb) if stage.moe_layers else 0.0
     if kind == "full":
         kept = held * recompute_layer_bytes(model, b, seq, t, sp, nb) + full + routed
@@ -113,15 +114,13 @@ def activation_bytes(model, layout, stage, recompute, options, moe=None) -> floa
         kept = held * (block(model, b, seq, t, sp, True, nb) + ring) + full + routed
     elif layout.schedule in ("zb-h1", "zb-v"):  # a micro-batch holds its activations until its B, then its W's
         deferred = stage.layers * deferred_weight_bytes(model, b, seq, t, nb)
-        if stage.first:  # B keeps the embedding's (dense) gradient until the W, the head's too
-            deferred += model.vocab_size * model.d_model / t * nb
-        if stage.last:
-            deferred += model.vocab_size * model.d_model / t * nb
-        kept = in_flight(layout, stage, options.virtual_stages) * max(stage.layers * full, deferred)
+        # B keeps the embedding's (dense) gradient until the W, the head's too
+        deferred += (stage.first + stage.last) * model.vocab_size * model.d_model / t * nb
+        kept = flight * max(stage.layers * full, deferred)
     else:
         kept = held * full
     if kind != "full":
-        kept += stage.moe_layers * in_flight(layout, stage, options.virtual_stages) * routed
+        kept += stage.moe_layers * flight * routed
     kept += ring_workspace_bytes(model, b, layout.seq_len, c, t, nb)
     if stage.last:
         logits_in_flight = layout.microbatches if layout.schedule == "gpipe" else 1

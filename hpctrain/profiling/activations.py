@@ -40,7 +40,6 @@ class ActivationMeter:
         self._ever: set[int] = set()
         self.total_saved = 0
         self.peak = 0
-        self.samples = 0
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """The saved-tensor pack hook: remember ``tensor`` weakly, hand it back unchanged."""
@@ -76,7 +75,7 @@ class ActivationMeter:
     def sample(self, extra: Iterable[torch.Tensor] = ()) -> int:
         """``live_bytes(extra)`` now, folded into ``peak``; returns it."""
         now = self.live_bytes(extra)
-        self.peak, self.samples = max(self.peak, now), self.samples + 1
+        self.peak = max(self.peak, now)
         return now
 
 

@@ -69,7 +69,8 @@ def main() -> int:
         rows = world.allgather((measured, planned))
         peaks[name] = [m for m, _ in rows]
         cells = " ".join(f"r{r}: {m / 2**20:.2f}/{q / 2**20:.2f} MiB {m / q:.3f}x" for r, (m, q) in enumerate(rows))
-        print(f"rank {world.Get_rank()} {name}: measured/planned {cells}", flush=True) if world.Get_rank() == 0 else None
+        if world.Get_rank() == 0:
+            print(f"rank 0 {name}: measured/planned {cells}", flush=True)
         problems += [f"{name} rank {r}: measured {m / q:.3f}x the plan" for r, (m, q) in enumerate(rows)
                      if not args.low <= m / q <= args.high]
     if max(peaks["zb-h1"]) > 1.1 * peaks["1f1b"][0]:  # issue #53: ZB-H1's peak within 1.1x 1F1B's

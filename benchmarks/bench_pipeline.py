@@ -16,11 +16,14 @@ ranks' largest resident set since the job started, so it tells one schedule's on
 
 Method (as benchmarks/bench_train.py): ``--warmup`` untimed steps each, then ``--rounds`` rounds of ``--steps``
 timed steps of every schedule in turn, the order rotated each round; a step is timed from a barrier to its
-end, the max over ranks; reported: the median, min and max; ``pp_wait`` is the trainer's own phase (blocked
-in pipeline receives and sends, mean over ranks; ``pp_wait_ms_by_rank`` each rank's, ``pp_wait_ratio`` zb-h1's
-against 1f1b's and zb-v's against interleaved V = 2's: issue #53's bubble targets), ``bubble`` the schedule's
-(pp - 1) / (V M). At pp = 2 the last rank waits one forward for its first input in every schedule (the fill),
-so a mean over ranks cannot fall below half of 1F1B's at F = B = W (rank 0 waits 3 units in 1F1B, 1 in ZB-H1).
+end, the max over ranks; reported: the median, min and max; ``bubble_ms`` is the time each rank is idle on
+the pipeline, mean over ranks: the trainer's phases ``pp_wait`` (blocked in pipeline receives and sends: the
+fill, and the waits inside the schedule) and ``pp_drain`` (after its last action, waiting for the other stages
+to finish: the drain, where 1F1B's last stage idles while the first runs its last backwards);
+``bubble_ms_by_rank`` each rank's, ``bubble_ratio`` zb-h1's against 1f1b's and zb-v's against interleaved
+V = 2's: issue #53's bubble targets. ``pp_wait_*`` are the receives and sends alone (``pp_wait_ratio``, "p2p"
+in the table). ``bubble`` is the schedule's (pp - 1) / (V M). At F = B = W a rank of 1F1B idles 3 (pp - 1)
+units, one of ZB-H1 pp - 1 (Qi et al.).
 One thread per rank (OMP_NUM_THREADS=1). After the timed rounds each schedule runs one more step, metered:
 ``act_mib_by_rank`` each rank's peak activation memory (what autograd saves and the executor holds between
 actions, a deferred W's included: ``PipelineExecutor.meter_activations``), ``act_planned_mib_by_rank`` the
@@ -50,7 +53,8 @@ from mpi4py import MPI  # noqa: E402
 from hpctrain.bench.report import run_benchmark, timed_rounds, timed_steps, write_records  # noqa: E402
 
 FIELDS = ["schedule", "virtual_stages", "pp", "microbatches", "bubble", "step_ms", "step_ms_min", "step_ms_max",
-          "speedup_vs_1f1b", "pp_wait_ms", "pp_wait_ms_max", "pp_wait_ms_by_rank", "pp_wait_ratio", "forward_ms",
+          "speedup_vs_1f1b", "bubble_ms", "bubble_ms_by_rank", "bubble_ratio", "pp_wait_ms", "pp_wait_ms_max",
+          "pp_wait_ms_by_rank", "pp_wait_ratio", "pp_drain_ms", "forward_ms",
           "backward_ms", "weight_ms",
           "act_mib_by_rank", "act_planned_mib_by_rank", "act_vs_plan", "peak_rss_mib", "tokens_per_s", "final_loss",
           "timed_steps", "n_layers", "d_model", "seq_len", "global_batch", "predicted_ms", "predicted_bubble_ms",
@@ -184,14 +188,18 @@ def run(args) -> list[dict]:
         act, planned = impl.activations(world)
         t = times[impl.name]
         phase = {name: world.allreduce(impl.phases.get(name, 0.0)) / pp / timed * 1e3
-                 for name in ("pp_wait", "forward", "backward", "weight")}
+                 for name in ("pp_wait", "pp_drain", "forward", "backward", "weight")}
         by_rank = [w / timed * 1e3 for w in world.allgather(impl.phases.get("pp_wait", 0.0))]
+        bubble_by_rank = [w / timed * 1e3 for w in world.allgather(impl.phases.get("pp_wait", 0.0)
+                                                                   + impl.phases.get("pp_drain", 0.0))]
         median = statistics.median(t)
         records.append({"schedule": impl.schedule, "virtual_stages": impl.virtual, "pp": pp, "microbatches": m,
                         "bubble": schedule_bubble(impl.schedule, pp, m, impl.virtual), "step_ms": median * 1e3,
                         "step_ms_min": min(t) * 1e3, "step_ms_max": max(t) * 1e3, "speedup_vs_1f1b": None,
-                        "pp_wait_ms": phase["pp_wait"], "pp_wait_ms_max": max(by_rank),
-                        "pp_wait_ms_by_rank": by_rank, "pp_wait_ratio": None, "forward_ms": phase["forward"],
+                        "bubble_ms": phase["pp_wait"] + phase["pp_drain"], "bubble_ms_by_rank": bubble_by_rank,
+                        "bubble_ratio": None, "pp_wait_ms": phase["pp_wait"], "pp_wait_ms_max": max(by_rank),
+                        "pp_wait_ms_by_rank": by_rank, "pp_wait_ratio": None, "pp_drain_ms": phase["pp_drain"],
+                        "forward_ms": phase["forward"],
                         "backward_ms": phase["backward"], "weight_ms": phase["weight"],
                         "act_mib_by_rank": act, "act_planned_mib_by_rank": planned,
                         "act_vs_plan": max(a / p for a, p in zip(act, planned)),
@@ -207,8 +215,9 @@ def run(args) -> list[dict]:
     interleaved = next((r for r in records if r["schedule"] == "interleaved" and r["virtual_stages"] == 2), None)
     for r in records:
         r["speedup_vs_1f1b"] = base["step_ms"] / r["step_ms"] if base else None
-        # the bubble targets of issue #53: zb-h1's pp_wait against 1f1b's, zb-v's against interleaved V=2's
+        # the bubble targets of issue #53: zb-h1's bubble against 1f1b's, zb-v's against interleaved V=2's
         ref = interleaved if r["schedule"] == "zb-v" else base if r["schedule"] == "zb-h1" else None
+        r["bubble_ratio"] = r["bubble_ms"] / ref["bubble_ms"] if ref and ref["bubble_ms"] > 0 else None
         r["pp_wait_ratio"] = r["pp_wait_ms"] / ref["pp_wait_ms"] if ref and ref["pp_wait_ms"] > 0 else None
     for impl in impls:
         impl.close()
@@ -221,8 +230,8 @@ def print_table(records: list[dict]) -> None:
     print(f"pipeline schedules: pp={r0['pp']}, {r0['microbatches']} micro-batches, GPT d_model={r0['d_model']} x "
           f"{r0['n_layers']} layers, seq {r0['seq_len']}, global batch {r0['global_batch']}, float32; median of "
           f"{r0['timed_steps']} steps")
-    print(f"{'schedule':<16} {'bubble':>7} {'step ms':>8} {'min-max ms':>12} {'vs 1f1b':>8} {'pp_wait':>8} "
-          f"{'ratio':>6} {'per rank':>13} {'fwd':>7} {'bwd':>7} {'W':>7} {'act MiB':>11} {'/plan':>6} "
+    print(f"{'schedule':<16} {'bubble':>7} {'step ms':>8} {'min-max ms':>12} {'vs 1f1b':>8} {'idle ms':>8} "
+          f"{'ratio':>6} {'per rank':>13} {'p2p':>6} {'fwd':>7} {'bwd':>7} {'W':>7} {'act MiB':>11} {'/plan':>6} "
           f"{'RSS MiB':>8} {'loss':>8}"
           + (f" {'pred ms':>8} {'error':>7}" if predicted else ""))
     for r in records:
@@ -230,16 +239,17 @@ def print_table(records: list[dict]) -> None:
         speedup = f"{r['speedup_vs_1f1b']:>7.2f}x" if r["speedup_vs_1f1b"] is not None else f"{'-':>8}"
         print(f"{name:<16} {r['bubble']:>7.1%} {r['step_ms']:>8.1f} "
               f"{r['step_ms_min']:>5.0f}-{r['step_ms_max']:<6.0f} {speedup} "
-              f"{r['pp_wait_ms']:>8.1f} {_ratio(r):>6} {'/'.join(f'{w:.0f}' for w in r['pp_wait_ms_by_rank']):>13} "
+              f"{r['bubble_ms']:>8.1f} {_ratio(r['bubble_ratio']):>6} "
+              f"{'/'.join(f'{w:.0f}' for w in r['bubble_ms_by_rank']):>13} {_ratio(r['pp_wait_ratio']):>6} "
               f"{r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} "
               f"{r['weight_ms']:>7.1f} {'/'.join(f'{a:.0f}' for a in r['act_mib_by_rank']):>11} "
               f"{r['act_vs_plan']:>5.2f}x {r['peak_rss_mib']:>8.0f} {r['final_loss']:>8.4f}"
               + (_prediction(r) if predicted else ""))
 
 
-def _ratio(r: dict) -> str:
-    """The table's "ratio" cell: zb-h1's pp_wait / 1f1b's, zb-v's / interleaved V=2's, else "-"."""
-    return f"{r['pp_wait_ratio']:.2f}x" if r["pp_wait_ratio"] is not None else "-"
+def _ratio(ratio: float | None) -> str:
+    """A "ratio" or "p2p" cell: zb-h1's against 1f1b's, zb-v's against interleaved V=2's, else "-"."""
+    return f"{ratio:.2f}x" if ratio is not None else "-"
 
 
 def _prediction(r: dict) -> str:
@@ -270,7 +280,8 @@ def main(argv=None) -> int:
         print_table(records)
         if args.profile:
             print_profile_device(args.profile)
-        write_records(records, args.json, args.csv, FIELDS, json_columns=("pp_wait_ms_by_rank", "act_mib_by_rank",
+        write_records(records, args.json, args.csv, FIELDS, json_columns=("bubble_ms_by_rank", "pp_wait_ms_by_rank",
+                                                                               "act_mib_by_rank",
                                                                                "act_planned_mib_by_rank"))
     return 0
 

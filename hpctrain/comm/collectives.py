@@ -428,6 +428,14 @@ class Communicator:
     def barrier(self) -> None:
         self._watched("barrier", self.mpi.Barrier)
 
+    def drain(self) -> None:
+        """Blocks until every member has arrived (an MPI barrier), counted, watched and traced as op ``drain``
+        (time blocked on this group): the pipeline's drain, where a stage that has finished its schedule waits
+        for the others to finish theirs."""
+        if self.check:
+            self.check_same_call("drain", None)
+        self._host_call("drain", 0, 0.0, lambda _nonblocking: self.mpi.Barrier())
+
     # ---------------------------------------------------------------- small python objects
     def allgather_object(self, obj) -> list:
         """Pickled allgather for small metadata (not for tensors)."""

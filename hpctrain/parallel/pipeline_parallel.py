@@ -8,7 +8,9 @@ schedule (``schedule_steps``) the executor posts ONE group: the sends of the ste
 of the next step (``step_posts``: one ``Communicator.exchange``, one NCCL group on GPUs, as Megatron's
 send_forward_recv_backward); a group without receives is not waited until the end of the step. ``simulate``
 proves these posts deadlock-free and in order under NCCL's strict rendezvous (``schedules.rendezvous_completes``)
-for every (pp, V, M) in the tests.
+for every (pp, V, M) in the tests. On MPI the sends of a post go apart, in flight until the step's end, and only
+the receives are waited (``_sends_apart``): a sender never waits for its receiver to reach the message, which the
+strict model assumes it may, so what completes there completes here.
 
 The zero-bubble schedules (zb-h1, zb-v: ``zero_bubble.py``) split each backward: "B" computes the input
 gradient (sent on at once) and the gradients of the parameters outside the linears, and queues the linears'
@@ -41,7 +43,8 @@ class PipelineExecutor:
     ``stage_modules``: the GPTStage of each virtual stage held here, c = 0..V-1 (one unless interleaved);
     ``pp_comm``: the PP Communicator (None when pp == 1); ``flat``: the FlatParams whose ``last_microbatch``
     flag gates the DP bucket reduction. ``act_shape``: [S(/tp), mb, D]. ``timer``: a PhaseTimer; phases
-    ``forward``, ``backward``, ``pp_wait`` (receives, send completion). ``after_backward(stage_module)``:
+    ``forward``, ``backward``, ``pp_wait`` (receives, send completion), ``pp_drain`` (after a training step's
+    schedule, waiting for the other stages to finish theirs). ``after_backward(stage_module)``:
     called when a micro-batch's backward through that virtual stage has returned (ZeRO-3's
     ``ParamGather.backward_pass_done``), or None. A zb schedule (``kind`` zb-h1, zb-v): the executor owns a
     ``WeightGradStore`` (``weight_grads``) that it gives to its stages' linears; phases ``backward`` (B) and
@@ -64,6 +67,7 @@ class PipelineExecutor:
         self.weight_grads = WeightGradStore() if self.split else None
         self.before_weight: Callable[[], None] | None = None  # called before each W (the trainer's fault point)
         self.meter: ActivationMeter | None = None
+        self._apart: bool | None = None  # _sends_apart's answer, found at the first send
         if self.split:
             attach(self.stage_modules, self.weight_grads)
 
@@ -85,11 +89,12 @@ class PipelineExecutor:
         return schedule_steps(self.kind, self.rank, self.stages, self.microbatches, len(self.stage_modules),
                               forward_only)
 
-    def _post(self, ops: list, produced: dict, received: dict):
-        """Post one group: sends of ``produced[(op, i, c)]``, receives into new buffers ``received[...]``.
-        Returns the handle, or None when the group has no operation."""
+    def _post(self, ops: list, produced: dict, received: dict, outstanding: list) -> None:
+        """Post one group: sends of ``produced[(op, i, c)]``, receives into new buffers ``received[...]``; wait
+        for the receives (the next step needs them). Sends not waited join ``outstanding`` (waited at the end of
+        the step): a group without receives, and on MPI every send (``_sends_apart``)."""
         if not ops:
-            return None
+            return
         sends, recvs = [], []
         for kind_, op, i, peer, c in ops:
             tag = ACT_TAG if op == "F" else GRAD_TAG
@@ -99,12 +104,26 @@ class PipelineExecutor:
                 buffer = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
                 received[(op, i, c)] = buffer
                 recvs.append((buffer, peer, tag))
+        if outstanding:  # drive the sends in flight; drop the finished (their buffers go)
+            outstanding[:] = [handle for handle in outstanding if not handle.test()]
+        if sends and recvs and self._sends_apart(sends[0][0]):
+            outstanding.append(self.pp_comm.exchange(sends, []))
+            sends = []
         handle = self.pp_comm.exchange(sends, recvs)
-        if recvs:  # the next step needs them
-            with self.timer.phase("pp_wait"):
-                handle.wait()
-            return None
-        return handle
+        if not recvs:
+            outstanding.append(handle)
+            return
+        with self.timer.phase("pp_wait"):
+            handle.wait()
+
+    def _sends_apart(self, tensor: torch.Tensor) -> bool:
+        """Whether a step's sends are posted apart from its receives and left in flight: on MPI (host memory,
+        CUDA-aware or staged), which matches messages by tag and where a posted send needs no waiting sender
+        (single-copy shared memory: the receiver pulls it), so a rank never waits for a busy receiver to reach
+        the message. Not on NCCL, whose group runs in stream order: one group, as Megatron's."""
+        if self._apart is None:
+            self._apart = self.pp_comm.backend_for(tensor).name != "nccl"
+        return self._apart
 
     def _execute(self, steps: list, inputs: list, targets: list, loss_scale, train: bool,
                  masks: list | None = None, docs: list | None = None):
@@ -121,7 +140,7 @@ class PipelineExecutor:
             module.aux_weight.value = loss_scale
         if train and self.weight_grads is not None:
             self.weight_grads.clear()  # nothing of a step an exception interrupted
-        self._post(first_recvs, produced, received)
+        self._post(first_recvs, produced, received, outstanding)
         metering = self.meter.saving() if train and self.meter is not None else nullcontext()
         with metering:
             for step, post in zip(steps, after):
@@ -171,12 +190,13 @@ class PipelineExecutor:
                         self._hand_over(op, i, c, produced, received)
                     if train:
                         self._sample(saved, received, produced)
-                handle = self._post(post, produced, received)
-                if handle is not None:
-                    outstanding.append(handle)
+                self._post(post, produced, received, outstanding)
         with timer.phase("pp_wait"):
             for handle in outstanding:
                 handle.wait()
+        if train and self.pp_comm is not None:  # the drain: the stages that finished first wait for the rest
+            with timer.phase("pp_drain"):
+                self.pp_comm.drain()
         if train and self.weight_grads is not None:
             self.weight_grads.check_drained()  # no weight gradient lost at the update
         return loss_total

@@ -12,6 +12,8 @@ The phases the package records (docs/scaling.md):
   backward   stage backward (DP bucket launches from its hooks included); zb-h1/zb-v: B, the input gradient
   weight     zb-h1/zb-v: W, the deferred weight gradients (and the DP bucket launches their hooks make)
   pp_wait    pipeline receives and send completion: the bubble and pipeline communication
+  pp_drain   after the schedule's last action, waiting for the other pipeline stages to finish theirs: the
+             drain part of the bubble (1F1B's last stage idles here while the first runs its last backwards)
   compress   gradient compression and decompression (compressed reducers)
   dp_wait    exposed data-parallel reduction: waiting for buckets after the last backward
   loss       agreeing the step's loss over pp and dp

@@ -19,7 +19,7 @@ from hpctrain.profiling.timers import BETWEEN_STEPS
 
 # how metrics.jsonl phases fold into the sweep's breakdown (hpctrain/profiling/timers.py names them)
 COMM_PHASES = ("dp_wait", "loss", "grad_norm")
-BUBBLE_PHASES = ("pp_wait",)
+BUBBLE_PHASES = ("pp_wait", "pp_drain")
 
 
 class SweepError(HpcTrainError):

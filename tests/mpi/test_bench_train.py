@@ -48,10 +48,13 @@ def test_bench_pipeline_trains_the_same_model_in_every_schedule(tmp_path):
     assert all(r["step_ms"] > 0 for r in records)
     final = [r["final_loss"] for r in records]
     assert max(final) - min(final) < 1e-5 * final[0]
-    for r in records:  # each rank's wait, the mean theirs; zb-h1's against 1f1b's (issue #53's bubble target)
-        assert len(r["pp_wait_ms_by_rank"]) == 2, r
+    for r in records:  # each rank's idle time (pp_wait + pp_drain), the mean theirs; zb-h1's against 1f1b's
+        assert len(r["bubble_ms_by_rank"]) == len(r["pp_wait_ms_by_rank"]) == 2, r  # (issue #53's bubble target)
+        assert r["bubble_ms"] == pytest.approx(sum(r["bubble_ms_by_rank"]) / 2), r
         assert r["pp_wait_ms"] == pytest.approx(sum(r["pp_wait_ms_by_rank"]) / 2), r
-    assert records[0]["pp_wait_ratio"] is None and records[1]["pp_wait_ratio"] is None
+        assert r["bubble_ms"] == pytest.approx(r["pp_wait_ms"] + r["pp_drain_ms"]) and r["pp_drain_ms"] > 0, r
+    assert records[0]["bubble_ratio"] is None and records[1]["pp_wait_ratio"] is None
+    assert records[2]["bubble_ratio"] == pytest.approx(records[2]["bubble_ms"] / records[0]["bubble_ms"])
     assert records[2]["pp_wait_ratio"] == pytest.approx(records[2]["pp_wait_ms"] / records[0]["pp_wait_ms"])
     for r in records:
         assert math.isfinite(r["predicted_ms"]) and r["predicted_ms"] > 0, r

@@ -44,7 +44,9 @@ def test_breakdown_traces_and_the_slow_rank(tmp_path):
     assert sorted(e["args"]["step"] for e in events if e["cat"] == "step") == [2, 3, 4, 5]
     comms = [e for e in events if e["cat"] in ("blocked", "inflight")]
     assert {e["args"]["group"] for e in comms} >= {"dp", "pp", "world"}
-    assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in comms)
+    assert all(e["dur"] >= 0 and (e["args"]["bytes"] > 0 or e["name"] == "drain") for e in comms)
+    drains = [e for e in comms if e["name"] == "drain"]  # the pipeline's drain: once a training step, on pp
+    assert len(drains) == 4 and all(e["args"]["group"] == "pp" and e["cat"] == "blocked" for e in drains)
     assert {e["name"] for e in events if e["cat"] == "phase"} >= PHASES - {"other"} | {"checkpoint"}
     assert max(r["step_time_s"] for r in steps[3:5]) > 0.4  # rank 0 waits for the sleeping rank 1 in step 4
 

@@ -97,35 +97,47 @@ def test_the_printer_takes_w():
 
 def test_schedule_bubble_at_unit_times():
     """The bubble ``hpctrain info`` and train's start-up line report: 1F1B's (pp - 1) / M, zb-h1's a third of it
-    ((pp - 1) / (3 M)), zb-v's below interleaved (V = 2)'s (at pp = 2, M = 4: 2/24 against 3/24)."""
+    ((pp - 1) / (3 M)), zb-v's a third of interleaved (V = 2)'s at pp = 2 (M = 4: 1/24 against 3/24)."""
     from hpctrain.parallel.schedules import schedule_bubble
 
     for pp, m in ((2, 2), (2, 4), (4, 4), (4, 8), (8, 16)):
         assert schedule_bubble("1f1b", pp, m) == (pp - 1) / m
         assert abs(schedule_bubble("zb-h1", pp, m) - (pp - 1) / (3 * m)) < 1e-12
         assert schedule_bubble("zb-v", pp, m, 2) <= schedule_bubble("interleaved", pp, m, 2)
-    assert schedule_bubble("zb-v", 2, 4, 2) == 2 / 24
+    assert schedule_bubble("zb-v", 2, 4, 2) == 1 / 24
     assert schedule_bubble("zb-h1", 1, 4) == 0.0
 
 
-def waits_at_unit_times(kind: str, stages: int, m: int, virtual_stages: int) -> list[int]:
-    """Per rank, the units it idles before its last action (what the trace counts as blocked on pp)."""
-    found = []
-    for actions in timeline(kind, stages, m, virtual_stages, backward=2):
-        end = idle = 0
-        for start, stop, _ in actions:
-            idle, end = idle + start - end, stop
-        found.append(idle)
-    return found
+def idle_per_rank(kind: str, stages: int, m: int, virtual_stages: int) -> list[int]:
+    """Per rank, the units it idles in the step: waiting for input (``pp_wait``) and, after its last action,
+    for the other ranks to finish (``pp_drain``): what issue #53's bubble measure counts."""
+    rows = timeline(kind, stages, m, virtual_stages, backward=2)
+    span = max(end for row in rows for _, end, _ in row)
+    return [span - sum(end - start for start, end, _ in row) for row in rows]
 
 
 @pytest.mark.parametrize("m", [2, 4, 8])
-def test_at_pp_2_zb_h1_waits_only_for_the_fill(m):
-    """pp = 2 at unit times: every rank of zb-h1 waits one forward (the fill, the least any schedule can), half of
-    1F1B's mean wait (rank 0 waits 3, rank 1 one): the floor of issue #53's bubble measure, a mean over ranks.
-    zb-v does so at M = 2; at M >= 4 its order leaves each rank one more unit mid-step. (An order without it,
-    each rank running a pending W before a forward that would pass 1F1B's peak, measured slower: its blocking
-    sends wait on busy receivers, which instant messages at unit times do not show; docs/benchmarks.md.)"""
-    assert waits_at_unit_times("1f1b", 2, m, 1) == [3, 1] and waits_at_unit_times("zb-h1", 2, m, 1) == [1, 1]
-    assert waits_at_unit_times("interleaved", 2, m, 2) == [3, 1]
-    assert waits_at_unit_times("zb-v", 2, m, 2) == ([1, 1] if m == 2 else [2, 2])
+def test_at_pp_2_zero_bubble_schedules_idle_only_for_the_fill(m):
+    """pp = 2 at unit times: 1F1B idles 3 units on each rank (rank 0 waits for backwards, rank 1 for its first
+    input and then for rank 0's last backward: the drain), interleaved (V = 2) 3 units of half a stage; zb-h1
+    and zb-v one each, the fill, the least any schedule can: a third, issue #53's bubble target at 0.5x. zb-v's
+    order is the shorter of two list schedules (``zero_bubble.zb_v_orders``); the other one idles 2 a rank."""
+    assert idle_per_rank("1f1b", 2, m, 1) == [3, 3] and idle_per_rank("zb-h1", 2, m, 1) == [1, 1]
+    assert idle_per_rank("interleaved", 2, m, 2) == [3, 3] and idle_per_rank("zb-v", 2, m, 2) == [1, 1]
+
+
+def test_zb_v_keeps_the_shorter_list_schedule():
+    """Both reservations of ``list_schedule_v`` give complete, memory-bound, deadlock-free orders; ``zb_v_orders``
+    serves the one with the shorter step at unit times (pp = 2, M = 4: 25 units, not 26)."""
+    from hpctrain.parallel.zero_bubble import RESERVES, list_schedule_v, unit_span, zb_v_orders
+
+    spans = {}
+    for reserve in RESERVES:
+        orders = list_schedule_v(2, 4, reserve)
+        assert order_problems(orders, 4, 2) == [] and memory_problems("zb-v", orders, 4, 2) == []
+        assert orders_complete("zb-v", orders, 2)
+        spans[reserve] = unit_span(orders, 2, True)
+    assert spans == {2: 26, 1: 25} and unit_span(zb_v_orders(2, 4), 2, True) == 25
+    for pp, m in ((3, 6), (4, 8), (8, 16)):  # where reserving one is the longer (3, 6), equal, or shorter
+        best = min(unit_span(list_schedule_v(pp, m, r), pp, True) for r in RESERVES)
+        assert unit_span(zb_v_orders(pp, m), pp, True) == best

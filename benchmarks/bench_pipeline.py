@@ -17,12 +17,13 @@ ranks' largest resident set since the job started, so it tells one schedule's on
 Method (as benchmarks/bench_train.py): ``--warmup`` untimed steps each, then ``--rounds`` rounds of ``--steps``
 timed steps of every schedule in turn, the order rotated each round; a step is timed from a barrier to its
 end, the max over ranks; reported: the median, min and max; ``bubble_ms`` is the time each rank is idle on
-the pipeline, mean over ranks: the trainer's phases ``pp_wait`` (blocked in pipeline receives and sends: the
-fill, and the waits inside the schedule) and ``pp_drain`` (after its last action, waiting for the other stages
-to finish: the drain, where 1F1B's last stage idles while the first runs its last backwards);
-``bubble_ms_by_rank`` each rank's, ``bubble_ratio`` zb-h1's against 1f1b's and zb-v's against interleaved
-V = 2's: issue #53's bubble targets. ``pp_wait_*`` are the receives and sends alone (``pp_wait_ratio``, "p2p"
-in the table). ``bubble`` is the schedule's (pp - 1) / (V M). At F = B = W a rank of 1F1B idles 3 (pp - 1)
+the pipeline, mean over ranks of each rank's median over the timed steps (as the step time, a median: a rank
+descheduled in one step makes the others wait in that step only): the trainer's phases ``pp_wait`` (blocked in
+pipeline receives and sends: the fill, and the waits inside the schedule) and ``pp_drain`` (after its last
+action, waiting for the other stages to finish: the drain, where 1F1B's last stage idles while the first runs
+its last backwards); ``bubble_ms_by_rank`` each rank's, ``bubble_ratio`` zb-h1's against 1f1b's and zb-v's against interleaved
+V = 2's: issue #53's bubble targets. ``pp_wait_*`` are the receives and sends alone, means over the timed
+steps (``pp_wait_ratio``, "p2p" in the table); ``pp_drain_ms`` the drain's mean. ``bubble`` is the schedule's (pp - 1) / (V M). At F = B = W a rank of 1F1B idles 3 (pp - 1)
 units, one of ZB-H1 pp - 1 (Qi et al.).
 One thread per rank (OMP_NUM_THREADS=1). After the timed rounds each schedule runs one more step, metered:
 ``act_mib_by_rank`` each rank's peak activation memory (what autograd saves and the executor holds between
@@ -110,6 +111,7 @@ class Schedule:
         self.grid = ProcessGrid.from_config(cfg, info)
         self.trainer = Trainer(cfg, self.grid, tokens=tokens)
         self.phases, self.loss, self.active = {}, float("nan"), False
+        self.idle: list[float] = []  # per timed step: this rank's pp_wait + pp_drain seconds
 
     def step(self) -> None:
         metrics = self.trainer.train_step()
@@ -117,6 +119,7 @@ class Schedule:
         if self.active:
             for name, seconds in metrics.time_s.items():
                 self.phases[name] = self.phases.get(name, 0.0) + seconds
+            self.idle.append(metrics.time_s.get("pp_wait", 0.0) + metrics.time_s.get("pp_drain", 0.0))
 
     def activations(self, world) -> tuple[list[float], list[float]]:
         """One more step, metered (untimed: the hooks cost time): each rank's peak activation bytes
@@ -190,13 +193,12 @@ def run(args) -> list[dict]:
         phase = {name: world.allreduce(impl.phases.get(name, 0.0)) / pp / timed * 1e3
                  for name in ("pp_wait", "pp_drain", "forward", "backward", "weight")}
         by_rank = [w / timed * 1e3 for w in world.allgather(impl.phases.get("pp_wait", 0.0))]
-        bubble_by_rank = [w / timed * 1e3 for w in world.allgather(impl.phases.get("pp_wait", 0.0)
-                                                                   + impl.phases.get("pp_drain", 0.0))]
+        bubble_by_rank = [w * 1e3 for w in world.allgather(statistics.median(impl.idle))]
         median = statistics.median(t)
         records.append({"schedule": impl.schedule, "virtual_stages": impl.virtual, "pp": pp, "microbatches": m,
                         "bubble": schedule_bubble(impl.schedule, pp, m, impl.virtual), "step_ms": median * 1e3,
                         "step_ms_min": min(t) * 1e3, "step_ms_max": max(t) * 1e3, "speedup_vs_1f1b": None,
-                        "bubble_ms": phase["pp_wait"] + phase["pp_drain"], "bubble_ms_by_rank": bubble_by_rank,
+                        "bubble_ms": sum(bubble_by_rank) / pp, "bubble_ms_by_rank": bubble_by_rank,
                         "bubble_ratio": None, "pp_wait_ms": phase["pp_wait"], "pp_wait_ms_max": max(by_rank),
                         "pp_wait_ms_by_rank": by_rank, "pp_wait_ratio": None, "pp_drain_ms": phase["pp_drain"],
                         "forward_ms": phase["forward"],

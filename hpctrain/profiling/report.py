@@ -9,7 +9,8 @@ prints, per rank, the mean over the traced steps of:
   compute     step - exposed communication - bubble - data - ckpt (the rank's own work)
   <group>     exposed communication per group: time blocked in calls on it (blocking calls and waits
               of non-blocking ones; a reduction that ran behind backward costs nothing here)
-  bubble      time blocked on the pipeline group (waiting for the neighbour stage, and the transfer)
+  bubble      time blocked on the pipeline group: waiting for the neighbour stage, and the transfer, and
+              after the stage's schedule, for the other stages to finish theirs (the drain: op ``drain``)
   data        loading the batch
   ckpt        the blocking part of checkpoint saves in the traced steps
 (``other``: step time no phase covers, e.g. Python between phases; ``--json`` has every phase.)

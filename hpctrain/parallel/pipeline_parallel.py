@@ -134,7 +134,8 @@ class PipelineExecutor:
         first_recvs, after = step_posts(steps, self.rank, self.stages, len(self.stage_modules), self.v_shape)
         produced: dict[tuple[str, int, int], torch.Tensor] = {}  # (op, micro-batch, c) -> to send
         received: dict[tuple[str, int, int], torch.Tensor] = {}  # (op, micro-batch, c) -> arrived
-        saved, outstanding, loss_total = {}, [], 0.0
+        saved, loss_total = {}, 0.0
+        outstanding: list = []  # handles of sends in flight (``_post``)
         timer = self.timer
         for module in self.stage_modules:  # MoE auxiliary losses join the token loss with its factor
             module.aux_weight.value = loss_scale

@@ -103,8 +103,9 @@ RESERVES = (2, 1)  # the list schedules zb_v_orders chooses from (``list_schedul
 def zb_v_orders(stages: int, microbatches: int) -> list[list[Action]]:
     """ZB-V's action list of every pp rank: of the list schedules ``list_schedule_v`` makes with each
     ``reserve`` of ``RESERVES``, the one with the shortest step at F = B = W = 1 (``unit_span``; a tie keeps
-    the first) among those that run every action in order, keep every rank within 1F1B's activation memory
-    (``memory_problems``) and complete under strict rendezvous (``schedules.orders_complete``). Reserving one
+    the first) among those that run every action in order and keep every rank within 1F1B's activation memory
+    (``memory_problems``). Both keep one message in flight per link; tests/unit/test_zero_bubble_schedules.py
+    proves the chosen orders complete under strict rendezvous (``schedules.orders_complete``). Reserving one
     unit for a micro-batch entering the V instead of two admits it sooner: at pp = 2, M = 4 the step is 25 units
     instead of 26, each rank idling one (rank 1's first input, and rank 0's wait for the V's turn) instead of
     two; over pp <= 16, M <= 64 it is the shorter in about half of the cases, the longer in an eighth."""
@@ -113,21 +114,18 @@ def zb_v_orders(stages: int, microbatches: int) -> list[list[Action]]:
 
 @functools.cache
 def _zb_v_orders(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
-    from hpctrain.parallel.schedules import orders_complete  # schedules.py serves these orders: imported late
-
     best: list[list[Action]] | None = None
     for reserve in RESERVES:
         try:
             orders = list_schedule_v(stages, microbatches, reserve)
         except RuntimeError:  # this reserve stalls here: the others remain
             continue
-        if (order_problems(orders, microbatches, 2) or memory_problems("zb-v", orders, microbatches, 2)
-                or not orders_complete("zb-v", orders, 2)):
+        if order_problems(orders, microbatches, 2) or memory_problems("zb-v", orders, microbatches, 2):
             continue
         if best is None or unit_span(orders, stages, True) < unit_span(best, stages, True):
             best = orders
     if best is None:
-        raise RuntimeError(f"no zb-v order within 1F1B's memory completes for pp={stages}, M={microbatches}")
+        raise RuntimeError(f"no zb-v order within 1F1B's memory for pp={stages}, M={microbatches}")
     return tuple(tuple(order) for order in best)
 
 

@@ -21,8 +21,11 @@ import time
 import traceback
 
 QUERY_TAG, ANSWER_TAG = 901, 902
+# where torch.compile runs: dynamo, inductor, Triton, and the fake tensors that dynamo and AOT autograd trace with
+# (a compiled function's backward compiles at its first call, from autograd, through AOT autograd's fake copies
+# of the saved tensors before inductor is on the stack; fake tensors serve tracing only)
 COMPILER_PATHS = tuple(os.sep.join(("", *parts, "")) for parts in (("torch", "_dynamo"), ("torch", "_inductor"),
-                                                                   ("triton",)))
+                                                                   ("torch", "_subclasses"), ("triton",)))
 PROCESS_STATES = {"T": "stopped (SIGSTOP, or a debugger)", "t": "stopped by a debugger",
                   "Z": "dead (a zombie process)", "X": "dead",
                   "D": "blocked in uninterruptible I/O (a hung file system?)"}
@@ -53,8 +56,9 @@ def where(thread_name: str | None = None, depth: int = 3) -> str:
 
 
 def compiling(thread_name: str | None = None) -> bool:
-    """Is the main thread (or ``thread_name``) inside torch.compile: a frame of dynamo, inductor or Triton
-    anywhere on its stack (a compile waits in subprocess or thread pools below them)?"""
+    """Is the main thread (or ``thread_name``) inside torch.compile: a frame of dynamo, inductor, Triton or the
+    fake tensors of tracing (``COMPILER_PATHS``) anywhere on its stack (a compile waits in subprocess or thread
+    pools below them)?"""
     frame = _top_frame(thread_name)
     while frame is not None:
         if any(part in frame.f_code.co_filename for part in COMPILER_PATHS):

@@ -19,7 +19,7 @@ one backward, then drains.
 """
 from __future__ import annotations
 
-from hpctrain.parallel.zero_bubble import (ZERO_BUBBLE_SCHEDULES, dependency, holder, virtual_stage,
+from hpctrain.parallel.zero_bubble import (ZERO_BUBBLE_SCHEDULES, holder, run_orders, virtual_stage,
                                            zero_bubble_orders)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved") + ZERO_BUBBLE_SCHEDULES  # what parallel.schedule accepts
@@ -248,26 +248,8 @@ def timeline(kind: str, stages: int, microbatches: int, virtual_stages: int = 1,
                          + (f", W={cost['W']}" if split else ""))
     plans = [schedule_actions(kind, s, stages, microbatches, virtual_stages) for s in range(stages)] if not split \
         else zero_bubble_orders(kind, stages, microbatches, virtual_stages)
-    last = stages * virtual_stages - 1
-    done: dict[tuple, int] = {}  # (op, micro-batch, virtual stage) -> end time
-    pos, clock = [0] * stages, [0] * stages
-    out: list[list[tuple[int, int, tuple]]] = [[] for _ in range(stages)]
-    progressed = True
-    while progressed:
-        progressed = False
-        for s in range(stages):
-            while pos[s] < len(plans[s]):
-                op, i, c = plans[s][pos[s]]
-                v = virtual_stage(s, c, stages, v_shape)
-                need = dependency(op, i, v, last)
-                if need is not None and need not in done:
-                    break
-                start = max(clock[s], done[need] if need is not None else 0)
-                clock[s] = done[(op, i, v)] = start + cost[op]
-                out[s].append((start, clock[s], (op, i, c)))
-                pos[s] += 1
-                progressed = True
-    if any(pos[s] < len(plans[s]) for s in range(stages)):
+    out, complete = run_orders(plans, stages, virtual_stages, v_shape, cost)
+    if not complete:
         raise ValueError(f"{kind} schedule (pp={stages}, M={microbatches}, V={virtual_stages}) waits on itself")
     return out
 

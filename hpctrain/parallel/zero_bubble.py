@@ -130,11 +130,22 @@ def _zb_v_orders(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ..
 
 
 def unit_span(orders: list[list[Action]], stages: int, v_shape: bool) -> int:
-    """The step's length when every F, B and W takes one unit and messages are instant: each action starts
-    after its rank's previous one and after what it waits for (``dependency``)."""
-    last = 2 * stages - 1 if v_shape else stages - 1
-    done: dict[tuple[str, int, int], int] = {}
+    """The step's length when every F, B and W takes one unit and messages are instant (``run_orders``)."""
+    rows, complete = run_orders(orders, stages, 2 if v_shape else 1, v_shape, {"F": 1, "B": 1, "W": 1})
+    if not complete:
+        raise ValueError("the orders wait on themselves")
+    return max(end for row in rows for _, end, _ in row)
+
+
+def run_orders(orders: list[list[Action]], stages: int, virtual_stages: int, v_shape: bool,
+               cost: dict[str, int]) -> tuple[list[list[tuple[int, int, Action]]], bool]:
+    """When each action of ``orders`` (per pp rank) runs if op takes ``cost[op]`` time units and messages are
+    instant: per rank, [(start, end, action)] in order, each action after its rank's previous one and after
+    what it waits for (``dependency``); and whether every action ran (False: the orders wait on themselves)."""
+    last = stages * virtual_stages - 1
+    done: dict[tuple[str, int, int], int] = {}  # (op, micro-batch, virtual stage) -> end time
     pos, clock = [0] * stages, [0] * stages
+    out: list[list[tuple[int, int, Action]]] = [[] for _ in range(stages)]
     progressed = True
     while progressed:
         progressed = False
@@ -145,12 +156,12 @@ def unit_span(orders: list[list[Action]], stages: int, v_shape: bool) -> int:
                 need = dependency(op, i, v, last)
                 if need is not None and need not in done:
                     break
-                clock[r] = done[(op, i, v)] = max(clock[r], done[need] if need is not None else 0) + 1
+                start = max(clock[r], done[need] if need is not None else 0)
+                clock[r] = done[(op, i, v)] = start + cost[op]
+                out[r].append((start, clock[r], (op, i, c)))
                 pos[r] += 1
                 progressed = True
-    if any(p < len(order) for p, order in zip(pos, orders)):
-        raise ValueError("the orders wait on themselves")
-    return max(clock)
+    return out, all(p == len(order) for p, order in zip(pos, orders))
 
 
 def list_schedule_v(stages: int, microbatches: int, reserve: int = 2) -> list[list[Action]]:

@@ -105,13 +105,44 @@ def run_mpi(nprocs: int, target: str, *args: str, timeout: float = 120, env: dic
     return result
 
 
-def run_many(nprocs: int, commands: list[list[str]], timeout: float = 600) -> list[dict]:
+def ckpt(*args: str, check: bool = True) -> MpiResult:
+    """``hpctrain ckpt ARGS`` in this process (one Python + torch start-up less per call; the command needs no
+    MPI), through the entry point's own error handling: its exit code and output. A parallel h5py starts MPI
+    when imported, so there the command keeps its own process. ``test_ckpt_list_inspect_verify`` runs the
+    command as its own process too."""
+    import contextlib
+    import io
+
+    import h5py
+
+    from hpctrain.cli import dispatch
+    from hpctrain.runtime.errors_exit import run_and_exit
+
+    if h5py.get_config().mpi:
+        proc = subprocess.run([sys.executable, "-m", "hpctrain.cli", "ckpt", *args], capture_output=True, text=True,
+                              env=mpi_env(), cwd=str(ROOT), timeout=120, stdin=subprocess.DEVNULL)
+        result = MpiResult(proc.returncode, proc.stdout, proc.stderr)
+    else:
+        stdout, stderr = io.StringIO(), io.StringIO()
+        had_mpi = "mpi4py.MPI" in sys.modules  # another test of this worker may have imported it
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = run_and_exit(dispatch, ["ckpt", *args])
+        assert had_mpi or "mpi4py.MPI" not in sys.modules, "hpctrain ckpt started MPI in the test process"
+        result = MpiResult(code, stdout.getvalue(), stderr.getvalue())
+    if check:
+        assert result.returncode == 0, result.output
+    return result
+
+
+def run_many(nprocs: int, commands: list[list[str]], timeout: float = 600,
+             fake_nodes: list[str] | None = None) -> list[dict]:
     """Run independent ``hpctrain`` commands (argv lists, e.g. ``["train", "train.run_dir=..."]``) one after
     the other in ONE launch of ``nprocs`` ranks (scripts/train_many.py: one start-up instead of one per run).
-    Asserts each exited 0; returns per command ``{"exit", "stdout", "stderr"}`` (what its ranks printed)."""
+    Asserts each exited 0; returns per command ``{"exit", "stdout", "stderr"}`` (what its ranks printed).
+    ``fake_nodes``: as ``run_mpi``'s."""
     import json
 
-    result = run_mpi(nprocs, "train_many.py", json.dumps(commands), timeout=timeout)
+    result = run_mpi(nprocs, "train_many.py", json.dumps(commands), timeout=timeout, fake_nodes=fake_nodes)
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
     runs = json.loads(line.removeprefix("RESULTS "))
     assert [run["exit"] for run in runs] == [0] * len(commands), result.output[-6000:]

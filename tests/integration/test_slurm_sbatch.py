@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from mpirun import ROOT, mpi_env
+from mpirun import ROOT, ckpt, mpi_env
 
 FAST = ["--config", "configs/tiny.toml", "data.max_bytes=300000", "train.seq_len=32", "model.n_layers=2",
         "train.steps=4", "checkpoint.async=false", "parallel.pp=1"]
@@ -97,8 +97,7 @@ def test_usr1_saves_requeues_resumes_and_matches_an_uninterrupted_run(slurm, tmp
     wait_for(lambda: subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
                                     text=True).stdout.strip() == "", 60, "the job to leave the queue")
     sbatch_and_wait(slurm, whole, "train.steps=60")
-    diff = subprocess.run([sys.executable, "-m", "hpctrain.cli", "ckpt", "diff", str(run_dir), str(whole),
-                           "--atol", "0"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    diff = ckpt("diff", str(run_dir), str(whole), "--atol", "0", check=False)
     assert diff.returncode == 0, diff.stdout + diff.stderr
 
 

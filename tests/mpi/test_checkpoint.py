@@ -16,7 +16,7 @@ import sys
 import h5py
 import pytest
 
-from mpirun import ROOT, assert_refused_alike, mpi_env, refused_inputs, run_mpi
+from mpirun import ROOT, assert_refused_alike, ckpt, mpi_env, refused_inputs, run_many, run_mpi
 
 F64 = ["data.max_bytes=300000", "train.seq_len=16", "train.global_batch=8", "model.n_heads=8", "model.n_kv_heads=4",
        "model.n_layers=4", "parallel.microbatches=2", "train.dtype=float64", "train.warmup_steps=1",
@@ -30,50 +30,43 @@ def train(nprocs, run_dir, *args, check=True, timeout=240):
                    timeout=timeout, check=check)
 
 
-def ckpt(*args, check=True):
-    """``hpctrain ckpt ARGS`` in this process (one Python + torch start-up less per call; the command needs no
-    MPI), through the entry point's own error handling: a CompletedProcess with its exit code and output.
-    ``test_ckpt_list_inspect_verify`` runs the command as its own process too."""
-    import contextlib
-    import io
-
-    from hpctrain.cli import dispatch
-    from hpctrain.runtime.errors_exit import run_and_exit
-
-    if h5py.get_config().mpi:  # a parallel h5py starts MPI when imported: the command keeps its own process
-        proc = subprocess.run([sys.executable, "-m", "hpctrain.cli", "ckpt", *args], capture_output=True, text=True,
-                              env=mpi_env(), cwd=ROOT, timeout=120)
-    else:
-        stdout, stderr = io.StringIO(), io.StringIO()
-        had_mpi = "mpi4py.MPI" in sys.modules  # another test of this worker may have imported it
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            code = run_and_exit(dispatch, ["ckpt", *args])
-        assert had_mpi or "mpi4py.MPI" not in sys.modules, "hpctrain ckpt started MPI in the test process"
-        proc = subprocess.CompletedProcess(["hpctrain", "ckpt", *args], code, stdout.getvalue(), stderr.getvalue())
-    if check:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
-
-
 def losses(run_dir):
     records = map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))
     return {r["step"]: r["loss"] for r in records if "event" not in r}  # stop events are not steps
 
 
 # ZeRO-3's bitwise resume: tests/mpi/test_faults.py (killed mid-step) and test_zero_stages_reshard_into_each_other
-@pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"],
-                                    ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1"],
-                                    ["parallel.tp=1", "parallel.pp=2", "parallel.schedule=interleaved",
-                                     "parallel.virtual_stages=2", "model.n_layers=4", "model.tie_embeddings=true"]])
-def test_exact_resume_is_bitwise(tmp_path, layout):
+BITWISE_LAYOUTS = {
+    "tp2-pp2-sp": ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"],
+    "dp2-pp2-zero1": ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1"],
+    "pp2-interleaved-tied": ["parallel.tp=1", "parallel.pp=2", "parallel.schedule=interleaved",
+                             "parallel.virtual_stages=2", "model.n_layers=4", "model.tie_embeddings=true"],
+}
+
+
+@pytest.fixture(scope="module")
+def bitwise_resumes(tmp_path_factory):
+    """Per layout: (``whole``, ``split``, what the resume printed). The uninterrupted runs in one launch, the
+    resumes in another (a resume never shares a process with the run that wrote its checkpoint)."""
+    base = tmp_path_factory.mktemp("bitwise")
+    common = [*F32, "checkpoint.interval=4", "checkpoint.async=false"]
+    run_many(4, [["train", f"train.run_dir={base / name / 'whole'}", *common, *layout]
+                 for name, layout in BITWISE_LAYOUTS.items()])
+    for name in BITWISE_LAYOUTS:
+        shutil.copytree(base / name / "whole" / "checkpoints" / "step-00000004",
+                        base / name / "split" / "checkpoints" / "step-00000004")
+    resumed = run_many(4, [["train", f"train.run_dir={base / name / 'split'}", *common, *layout, "--resume", "auto"]
+                           for name, layout in BITWISE_LAYOUTS.items()])
+    return {name: (base / name / "whole", base / name / "split", out) for name, out in zip(BITWISE_LAYOUTS, resumed)}
+
+
+@pytest.mark.parametrize("layout", list(BITWISE_LAYOUTS))
+def test_exact_resume_is_bitwise(bitwise_resumes, layout):
     """An uninterrupted 8-step run saves (synchronously) at step 4; a new run directory holding only that
     checkpoint resumes from it and continues bitwise: the same losses at steps 5-8, bitwise-equal weights and
     optimizer state. (A resume after a stop at --max-steps: tests/mpi/test_stop.py.)"""
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    train(4, whole, *F32, *layout, "checkpoint.interval=4", "checkpoint.async=false")
-    shutil.copytree(whole / "checkpoints" / "step-00000004", split / "checkpoints" / "step-00000004")
-    out = train(4, split, *F32, *layout, "checkpoint.interval=4", "checkpoint.async=false", "--resume", "auto")
-    assert "resumed from" in out.stdout and "at step 4" in out.stdout
+    whole, split, out = bitwise_resumes[layout]
+    assert "resumed from" in out["stdout"] and "at step 4" in out["stdout"]
     expected = {step: loss for step, loss in losses(whole).items() if step > 4}
     assert losses(split) == expected and len(expected) == 4  # exactly equal, every step
     ckpt("diff", str(whole), str(split), "--atol", "0")

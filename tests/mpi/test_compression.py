@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mpirun import ROOT, mpi_env, run_many, run_mpi
+from mpirun import ROOT, ckpt, mpi_env, run_many, run_mpi
 
 STEPS = 60
 SGD = ["train.progress=false", f"train.steps={STEPS}", "optim.name=sgd",
@@ -85,33 +85,57 @@ def test_error_feedback_is_what_makes_topk_converge(sgd_runs):
     assert bad.returncode == 1 and "MISMATCH" in bad.stdout, bad.stdout + bad.stderr
 
 
-@pytest.mark.parametrize("method,layout", [
-    ("topk", ["parallel.zero=1"]),
-    ("onebit-adam", ["parallel.zero=1", "compression.warmup_steps=2"]),
-    ("onebit", ["parallel.tp=2", "parallel.pp=2", "parallel.zero=1", "parallel.microbatches=2"]),
-    ("powersgd", ["parallel.pp=2", "parallel.microbatches=2"]),
-])
-def test_exact_resume_keeps_compression_state(tmp_path, method, layout):
+EXACT_RESUME_LAYOUTS = {
+    "topk": ["parallel.zero=1"],
+    "onebit-adam": ["parallel.zero=1", "compression.warmup_steps=2"],
+    "onebit": ["parallel.tp=2", "parallel.pp=2", "parallel.zero=1", "parallel.microbatches=2"],
+    "powersgd": ["parallel.pp=2", "parallel.microbatches=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def exact_resumes(tmp_path_factory):
+    """Per method: its run directory, holding ``whole`` (8 steps, uninterrupted) and ``split`` (a new run
+    directory holding only the whole run's step-4 checkpoint, resumed to step 8, then on 2 ranks in another
+    layout to step 10); and what the two resumes printed. Three launches in all: the whole runs, the resumes,
+    the resumes in another layout (each kind in its own launch: a resume never shares a process with the run
+    that wrote its checkpoint)."""
+    base = tmp_path_factory.mktemp("exact-resume")
+
+    def command(method, part, *extra):
+        return ["train", f"train.run_dir={base / method / part}", *exact_resume_common(method), *extra]
+
+    run_many(4, [command(method, "whole") for method in EXACT_RESUME_LAYOUTS])
+    for method in EXACT_RESUME_LAYOUTS:
+        shutil.copytree(base / method / "whole" / "checkpoints" / "step-00000004",
+                        base / method / "split" / "checkpoints" / "step-00000004")
+    resumed = run_many(4, [command(method, "split", "--resume", "auto") for method in EXACT_RESUME_LAYOUTS])
+    others = run_many(2, [command(method, "split", "train.steps=10", "parallel.tp=1", "parallel.pp=1", "--resume",
+                                  "auto") for method in EXACT_RESUME_LAYOUTS])
+    return {method: (base / method, out, other) for method, out, other in zip(EXACT_RESUME_LAYOUTS, resumed, others)}
+
+
+def exact_resume_common(method):
+    return ["data.max_bytes=300000", "train.progress=false", "train.seq_len=32", "model.n_layers=2",
+            "train.steps=8", f"compression.method={method}", "compression.density=0.05",
+            *EXACT_RESUME_LAYOUTS[method], "checkpoint.interval=4", "checkpoint.async=false"]
+
+
+@pytest.mark.parametrize("method", list(EXACT_RESUME_LAYOUTS))
+def test_exact_resume_keeps_compression_state(exact_resumes, method):
     """Resumed from step 4 of an uninterrupted 8-step run (a new run directory holding only that checkpoint),
     steps 5-8 are bit for bit the uninterrupted run's: the residuals (and PowerSGD's Q) are in the
     checkpoint. 4 ranks; ZeRO-1 (compressed reduce-scatter), tp, pp, gradient accumulation. onebit-adam:
     resumed after its freeze (warm-up 2), its momentum, frozen variance and both error buffers."""
-    common = ["data.max_bytes=300000", "train.progress=false", "train.seq_len=32", "model.n_layers=2",
-              "train.steps=8", f"compression.method={method}", "compression.density=0.05", *layout,
-              "checkpoint.interval=4", "checkpoint.async=false"]
-    train(tmp_path / "whole", *common, nprocs=4)
-    shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-00000004",
-                    tmp_path / "split" / "checkpoints" / "step-00000004")
-    out = train(tmp_path / "split", *common, "--resume", "auto", nprocs=4)
-    assert "not restored" not in out.stderr and "at step 4" in out.stdout
-    whole, split = records(tmp_path / "whole"), records(tmp_path / "split")
-    assert [r["loss"] for r in whole[4:]] == [r["loss"] for r in split] and len(split) == 4
-    subprocess.run([sys.executable, "-m", "hpctrain.cli", "ckpt", "diff", str(tmp_path / "whole"),
-                    str(tmp_path / "split"), "--atol", "0"], check=True, env=mpi_env(), cwd=ROOT, timeout=120)
+    run_dir, out, other = exact_resumes[method]
+    assert "not restored" not in out["stderr"] and "at step 4" in out["stdout"]
+    whole, split = records(run_dir / "whole"), records(run_dir / "split")
+    assert [r["loss"] for r in whole[4:8]] == [r["loss"] for r in split[:4]] and len(split) == 6
+    # step 8's checkpoints (the resume in another layout then added step 10 to ``split``; keep = 3 holds both)
+    ckpt("diff", str(run_dir / "whole" / "checkpoints" / "step-00000008"),
+         str(run_dir / "split" / "checkpoints" / "step-00000008"), "--atol", "0")
     # another layout: the documented rule (state starts from zero, with a warning), not an error
-    other = train(tmp_path / "split", *common, "train.steps=10", "parallel.tp=1", "parallel.pp=1", "--resume", "auto",
-                  nprocs=2)
-    assert "compression state (error-feedback residuals, PowerSGD Q) not restored" in other.stderr
+    assert "compression state (error-feedback residuals, PowerSGD Q) not restored" in other["stderr"]
 
 
 def test_float16_with_compression_does_not_overflow(tmp_path):
@@ -121,13 +145,26 @@ def test_float16_with_compression_does_not_overflow(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5 and sum(r["skipped"] for r in rows) <= 2
 
 
-def test_inter_node_scope_compresses_only_across_nodes(tmp_path):
+ONEBIT_30 = ["train.progress=false", "train.steps=30", "compression.method=onebit-adam", "compression.warmup_steps=10"]
+INT8_10 = ["data.max_bytes=300000", "train.progress=false", "train.steps=10", "compression.method=int8"]
+
+
+@pytest.fixture(scope="module")
+def two_node_runs(tmp_path_factory):
+    """2 emulated nodes x 2 ranks (UTS namespaces), one launch: int8 and 1-bit Adam, each on every link
+    (``all``) and with scope=inter-node (``inter``); {name: its run directory}."""
+    base = tmp_path_factory.mktemp("two-nodes")
+    runs = {"int8-all": INT8_10, "int8-inter": [*INT8_10, "compression.scope=inter-node"],
+            "onebit-all": ONEBIT_30, "onebit-inter": [*ONEBIT_30, "compression.scope=inter-node"]}
+    run_many(4, [["train", f"train.run_dir={base / name}", *args] for name, args in runs.items()],
+             fake_nodes=["n0", "n1"])
+    return {name: base / name for name in runs}
+
+
+def test_inter_node_scope_compresses_only_across_nodes(two_node_runs):
     """2 emulated nodes x 2 ranks (UTS namespaces): scope=inter-node sends the same gradient bytes
     inside a node as dense would, and compresses the rest; both runs train to a similar loss."""
-    common = ["data.max_bytes=300000", "train.progress=false", "train.steps=10", "compression.method=int8"]
-    train(tmp_path / "all", *common, nprocs=4, fake_nodes=["n0", "n1"])
-    train(tmp_path / "inter", *common, "compression.scope=inter-node", nprocs=4, fake_nodes=["n0", "n1"])
-    every, inter = records(tmp_path / "all")[-1], records(tmp_path / "inter")[-1]
+    every, inter = records(two_node_runs["int8-all"])[-1], records(two_node_runs["int8-inter"])[-1]
     assert 3.5 < every["compression_ratio"] < 4.1  # int8 everywhere
     assert 1.0 < inter["compression_ratio"] < every["compression_ratio"]  # the intra-node part is dense
     assert abs(inter["loss"] - every["loss"]) < 0.05 * every["loss"]
@@ -250,20 +287,18 @@ def test_topk_with_adamw_is_beyond_5_percent_and_says_so_once(adamw_runs):
     assert "with optim.name='adamw' ended" not in adamw_runs["topk-sgd"][1]
 
 
-def test_onebit_adam_in_half_precision_and_across_nodes_only(tmp_path):
+def test_onebit_adam_in_half_precision_and_across_nodes_only(tmp_path, two_node_runs):
     """float16 (loss scaling: the error buffers are in momentum units) and bfloat16 train like float32;
     scope=inter-node on 2 emulated nodes x 2 ranks sums the shares dense inside a node and 1-bit across
     nodes: a smaller ratio than every link in 1 bit, the same loss within 5%."""
-    common = ["train.progress=false", "train.steps=30", "compression.method=onebit-adam",
-              "compression.warmup_steps=10"]
-    runs = {}
-    for name, extra, nodes in [("float32", [], None), ("float16", ["train.dtype=float16"], None),
-                               ("bfloat16", ["train.dtype=bfloat16"], None),
-                               ("all", [], ["n0", "n1"]), ("inter", ["compression.scope=inter-node"], ["n0", "n1"])]:
-        train(tmp_path / name, *common, *extra, nprocs=4, fake_nodes=nodes)
-        runs[name] = records(tmp_path / name)
+    precisions = {"float32": [], "float16": ["train.dtype=float16"], "bfloat16": ["train.dtype=bfloat16"]}
+    run_many(4, [["train", f"train.run_dir={tmp_path / name}", *ONEBIT_30, *extra]
+                 for name, extra in precisions.items()])
+    dirs = {**{name: tmp_path / name for name in precisions},
+            "all": two_node_runs["onebit-all"], "inter": two_node_runs["onebit-inter"]}
+    runs = {name: records(run_dir) for name, run_dir in dirs.items()}
     reference = sum(r["loss"] for r in runs["float32"][-5:]) / 5
     for name, rows in runs.items():
-        assert abs(final_loss(tmp_path / name) - reference) <= 0.05 * reference, name
+        assert abs(final_loss(dirs[name]) - reference) <= 0.05 * reference, name
         assert sum(r["skipped"] for r in rows) <= 2, name
     assert runs["all"][-1]["compression_ratio"] > 30 and 1.0 < runs["inter"][-1]["compression_ratio"] < 30

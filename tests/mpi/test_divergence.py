@@ -7,7 +7,7 @@ and keeps that checkpoint; with "skip" the poisoned state is never published (th
 """
 import json
 
-from mpirun import run_mpi
+from mpirun import ckpt, run_mpi
 
 FAST = ["--config", "configs/tiny.toml", "parallel.tp=2", "parallel.pp=1", "data.max_bytes=200000",
         "train.progress=false", "--resume", "none"]
@@ -45,8 +45,7 @@ def test_a_poisoned_state_stops_and_the_good_checkpoint_survives(tmp_path):
     assert "stopped at step 6: non-finite loss (loss = nan)" in out.stdout, out.stdout[-2000:]
     assert events(tmp_path)[-1]["reason"] == "non-finite loss"
     assert steps_on_disk(tmp_path) == ["step-00000004"]  # keep=1 pruned nothing for a bad state
-    verify = run_mpi(1, "hpctrain.cli", "ckpt", "verify", str(tmp_path / "checkpoints" / "step-00000004"),
-                     module=True, timeout=120)
+    verify = ckpt("verify", str(tmp_path / "checkpoints" / "step-00000004"))
     assert verify.returncode == 0
 
 

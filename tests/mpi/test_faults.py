@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mpirun import run_mpi
+from mpirun import ckpt, run_mpi
 
 STEPS = 6
 FAST = ["--config", "configs/tiny.toml", "data.max_bytes=300000", "train.seq_len=32", "train.global_batch=8",
@@ -16,10 +16,6 @@ FAST = ["--config", "configs/tiny.toml", "data.max_bytes=300000", "train.seq_len
 def train(run_dir, *extra, env=None, check=True):
     return run_mpi(2, "hpctrain.cli", "train", *FAST, f"train.run_dir={run_dir}", *extra, module=True,
                    timeout=180, env=env, check=check)
-
-
-def ckpt(*args, check=True):
-    return run_mpi(1, "hpctrain.cli", "ckpt", *args, module=True, timeout=120, check=check)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ wrong amax group breaks it, and a killed fp8 run resumes bit for bit (no fp8 sta
 import json
 import re
 
-from mpirun import run_mpi
+from mpirun import ckpt, run_mpi
 
 MOE = ["moe.num_experts=4", "moe.layers=[1]"]  # block 0 dense (attention + MLP), block 1 routed over 4 experts
 
@@ -53,6 +53,5 @@ def test_a_killed_fp8_run_resumes_bitwise(tmp_path):
     assert killed.returncode != 0 and "fault injection" in killed.stderr, killed.output[-3000:]
     resumed = train(run_dir, "--resume", "auto")
     assert "step-00000002 at step 2" in resumed.stdout, resumed.stdout
-    diff = run_mpi(1, "hpctrain.cli", "ckpt", "diff", str(run_dir), str(whole), "--atol", "0", module=True,
-                   timeout=120, check=False)
+    diff = ckpt("diff", str(run_dir), str(whole), "--atol", "0", check=False)
     assert diff.returncode == 0, diff.output

@@ -5,11 +5,10 @@ skips it. One killed run serves every case (its files are put back before each).
 import json
 import re
 import shutil
-import sys
 
 import pytest
 
-from mpirun import ROOT, run_mpi
+from mpirun import ckpt, run_mpi
 
 HOSTS = ["h1", "h2"]
 ARGS = ["--config", "configs/tiny.toml", "data.max_bytes=300000", "train.seq_len=32", "model.n_layers=2",
@@ -74,7 +73,7 @@ def test_a_lost_node_is_rebuilt_from_the_replicas_and_the_run_goes_on_bitwise(ki
     out = train(run, *killed["tier"])
     assert "resumed from the local tier" in out.stdout and "rank(s) 1 rebuilt from replicas" in out.stdout, out.output
     resumed(killed, out, 8)  # newer than the global step 6
-    diff = run_mpi(1, "hpctrain.cli", "ckpt", "diff", str(run), str(killed["ref_dir"]), module=True, check=False)
+    diff = ckpt("diff", str(run), str(killed["ref_dir"]), check=False)
     assert diff.returncode == 0, diff.output
 
 
@@ -87,10 +86,9 @@ def test_a_flipped_byte_falls_back_to_the_replica_then_to_the_global_tier_in_one
     # background, which the kill in step 11 can cut short on a loaded machine (then the older step stays: safe)
     local = [r for r in json.loads(listed.stdout) if r.get("tier") == "local" and r["step"] == 8]
     assert [(r["step"], r["rank"], r["kind"]) for r in local] == [(8, 0, "own"), (8, 1, "replica")], local
-    bad = run_mpi(1, "hpctrain.cli", "ckpt", "verify", str(step8(killed, "h1") / "rank-00000.json"), module=True,
-                  check=False)
+    bad = ckpt("verify", str(step8(killed, "h1") / "rank-00000.json"), check=False)
     assert bad.returncode == 2 and "is corrupt: tensor range0/params: checksum mismatch" in bad.stderr, bad.output
-    good = run_mpi(1, "hpctrain.cli", "ckpt", "verify", str(step8(killed, "h2") / "replica-00000.json"), module=True)
+    good = ckpt("verify", str(step8(killed, "h2") / "replica-00000.json"))
     assert ": OK (" in good.stdout
     out = train(run, *killed["tier"])
     warnings = [line for line in out.stderr.splitlines() if "local tier:" in line]

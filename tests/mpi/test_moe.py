@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from mpirun import FidelityRuns, run_mpi
+from mpirun import FidelityRuns, ckpt, run_mpi
 
 F64 = ["--param-rtol", "1e-10", "--rtol", "1e-10"]
 MOE = ["moe.num_experts=4", "moe.layers=[0,2,3]", "moe.z_loss_coef=0.01"]
@@ -180,8 +180,7 @@ def test_a_killed_rank_resumes_bitwise_and_a_stopped_one_is_named_in_the_dispatc
     out = train(4, killed, *ep, "--resume", "auto")
     assert "at step 4" in out.stdout, out.stdout
     assert {r["step"]: r["loss"] for r in records(killed)} == {r["step"]: r["loss"] for r in records(whole)}
-    diff = run_mpi(1, "hpctrain.cli", "ckpt", "diff", str(whole), str(killed), "--atol", "0", module=True,
-                   check=False)
+    diff = ckpt("diff", str(whole), str(killed), "--atol", "0", check=False)
     assert diff.returncode == 0, diff.stdout + diff.stderr
 
     stopped = train(4, tmp_path / "stopped", "parallel.ep=2", "comm.timeout_s=8", "train.steps=30",

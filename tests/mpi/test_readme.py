@@ -20,6 +20,7 @@ SHORTER = [  # (pattern, replacement): smaller runs, same commands
     (r"--sizes \S+", "--sizes 1K,64K"), (r"step-00000100", "step-00000004"),
     (r"hpctrain bench comm", "hpctrain bench comm --iters 5 --rounds 1"),  # 5 s instead of 48 at 4 ranks
     (r"mpiexec -n 8 ", "mpiexec -n 4 "),  # the tp=2 x pp=2 layouts at dp=1: 4 rank start-ups fewer on 2 cores
+    (r"mpiexec -n 4 hpctrain bench comm", "mpiexec -n 2 hpctrain bench comm"),  # --axis tp --tp 2 fits 2 ranks
 ]
 
 

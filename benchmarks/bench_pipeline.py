@@ -22,7 +22,12 @@ descheduled in one step makes the others wait in that step only): the trainer's 
 pipeline receives and sends: the fill, and the waits inside the schedule) and ``pp_drain`` (after its last
 action, waiting for the other stages to finish: the drain, where 1F1B's last stage idles while the first runs
 its last backwards); ``bubble_ms_by_rank`` each rank's, ``bubble_ratio`` zb-h1's against 1f1b's and zb-v's against interleaved
-V = 2's: issue #53's bubble targets. ``pp_wait_*`` are the receives and sends alone, means over the timed
+V = 2's: issue #53's bubble targets. ``bubble_model_ms`` is the idle the schedule's order itself leaves at
+this run's costs: each rank's idle (mean over ranks) in ``schedules.timeline`` when every forward, backward (B)
+and W takes this run's mean time per action (``forward_ms`` / (V M), ...) and messages are instant; what is
+measured above it is messages, noise and imbalance between the ranks, what is below the order cannot remove.
+At F = B = W it is the unit-time bubble; where W is cheaper than F and B, a rank that ran a W reaches its next
+receive early and waits there, so ZB-V's order idles more than one unit. ``pp_wait_*`` are the receives and sends alone, means over the timed
 steps (``pp_wait_ratio``, "p2p" in the table); ``pp_drain_ms`` the drain's mean. ``bubble`` is the schedule's (pp - 1) / (V M). At F = B = W a rank of 1F1B idles 3 (pp - 1)
 units, one of ZB-H1 pp - 1 (Qi et al.).
 One thread per rank (OMP_NUM_THREADS=1). After the timed rounds each schedule runs one more step, metered:
@@ -55,7 +60,7 @@ from hpctrain.bench.report import run_benchmark, timed_rounds, timed_steps, writ
 
 FIELDS = ["schedule", "virtual_stages", "pp", "microbatches", "bubble", "step_ms", "step_ms_min", "step_ms_max",
           "speedup_vs_1f1b", "bubble_ms", "bubble_ms_by_rank", "bubble_ratio", "pp_wait_ms", "pp_wait_ms_max",
-          "pp_wait_ms_by_rank", "pp_wait_ratio", "pp_drain_ms", "forward_ms",
+          "pp_wait_ms_by_rank", "pp_wait_ratio", "pp_drain_ms", "bubble_model_ms", "forward_ms",
           "backward_ms", "weight_ms",
           "act_mib_by_rank", "act_planned_mib_by_rank", "act_vs_plan", "peak_rss_mib", "tokens_per_s", "final_loss",
           "timed_steps", "n_layers", "d_model", "seq_len", "global_batch", "predicted_ms", "predicted_bubble_ms",
@@ -201,6 +206,7 @@ def run(args) -> list[dict]:
                         "bubble_ms": sum(bubble_by_rank) / pp, "bubble_ms_by_rank": bubble_by_rank,
                         "bubble_ratio": None, "pp_wait_ms": phase["pp_wait"], "pp_wait_ms_max": max(by_rank),
                         "pp_wait_ms_by_rank": by_rank, "pp_wait_ratio": None, "pp_drain_ms": phase["pp_drain"],
+                        "bubble_model_ms": model_idle_ms(impl.schedule, pp, m, impl.virtual, phase),
                         "forward_ms": phase["forward"],
                         "backward_ms": phase["backward"], "weight_ms": phase["weight"],
                         "act_mib_by_rank": act, "act_planned_mib_by_rank": planned,
@@ -226,6 +232,20 @@ def run(args) -> list[dict]:
     return records
 
 
+def model_idle_ms(kind: str, pp: int, microbatches: int, virtual: int, phase: dict) -> float:
+    """Each rank's idle in ``kind``'s order (mean over ranks, ms) when its actions take this run's mean time per
+    action (``phase``: ms per step, means over ranks) and messages are instant (``schedules.timeline``, in us)."""
+    from hpctrain.parallel.schedules import timeline
+    from hpctrain.parallel.zero_bubble import ZERO_BUBBLE_SCHEDULES
+
+    actions = microbatches * virtual  # of each kind, per rank and step
+    us = {name: max(1, round(phase[name] * 1e3 / actions)) for name in ("forward", "backward", "weight")}
+    rows = timeline(kind, pp, microbatches, virtual, us["forward"], us["backward"],
+                    us["weight"] if kind in ZERO_BUBBLE_SCHEDULES else None)
+    span = max(end for row in rows for _, end, _ in row)
+    return sum(span - sum(end - start for start, end, _ in row) for row in rows) / len(rows) / 1e3
+
+
 def print_table(records: list[dict]) -> None:
     r0 = records[0]
     predicted = any(r["predicted_ms"] is not None for r in records)
@@ -233,7 +253,7 @@ def print_table(records: list[dict]) -> None:
           f"{r0['n_layers']} layers, seq {r0['seq_len']}, global batch {r0['global_batch']}, float32; median of "
           f"{r0['timed_steps']} steps")
     print(f"{'schedule':<16} {'bubble':>7} {'step ms':>8} {'min-max ms':>12} {'vs 1f1b':>8} {'idle ms':>8} "
-          f"{'ratio':>6} {'per rank':>13} {'p2p':>6} {'fwd':>7} {'bwd':>7} {'W':>7} {'act MiB':>11} {'/plan':>6} "
+          f"{'ratio':>6} {'per rank':>13} {'model':>6} {'p2p':>6} {'fwd':>7} {'bwd':>7} {'W':>7} {'act MiB':>11} {'/plan':>6} "
           f"{'RSS MiB':>8} {'loss':>8}"
           + (f" {'pred ms':>8} {'error':>7}" if predicted else ""))
     for r in records:
@@ -242,7 +262,8 @@ def print_table(records: list[dict]) -> None:
         print(f"{name:<16} {r['bubble']:>7.1%} {r['step_ms']:>8.1f} "
               f"{r['step_ms_min']:>5.0f}-{r['step_ms_max']:<6.0f} {speedup} "
               f"{r['bubble_ms']:>8.1f} {_ratio(r['bubble_ratio']):>6} "
-              f"{'/'.join(f'{w:.0f}' for w in r['bubble_ms_by_rank']):>13} {_ratio(r['pp_wait_ratio']):>6} "
+              f"{'/'.join(f'{w:.0f}' for w in r['bubble_ms_by_rank']):>13} {r['bubble_model_ms']:>6.0f} "
+              f"{_ratio(r['pp_wait_ratio']):>6} "
               f"{r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} "
               f"{r['weight_ms']:>7.1f} {'/'.join(f'{a:.0f}' for a in r['act_mib_by_rank']):>11} "
               f"{r['act_vs_plan']:>5.2f}x {r['peak_rss_mib']:>8.0f} {r['final_loss']:>8.4f}"

@@ -54,6 +54,11 @@ def test_bench_pipeline_trains_the_same_model_in_every_schedule(tmp_path):
         assert r["pp_wait_ms"] == pytest.approx(sum(r["pp_wait_ms_by_rank"]) / 2), r
         assert r["pp_drain_ms"] > 0, r  # one timed step: each rank's median idle is its pp_wait + pp_drain
         assert r["bubble_ms"] == pytest.approx(r["pp_wait_ms"] + r["pp_drain_ms"]), r
+    # the order's own idle at the run's action times: 1F1B's rank idles (pp - 1)(F + B) of one micro-batch (M = 2)
+    f1b = records[0]
+    assert f1b["bubble_model_ms"] == pytest.approx((f1b["forward_ms"] + f1b["backward_ms"]) / 2, rel=1e-3), f1b
+    assert 0 < records[2]["bubble_model_ms"] < f1b["bubble_model_ms"], records  # zb-h1 fills it with Ws
+    assert "model" in result.stdout
     assert records[0]["bubble_ratio"] is None and records[1]["pp_wait_ratio"] is None
     assert records[2]["bubble_ratio"] == pytest.approx(records[2]["bubble_ms"] / records[0]["bubble_ms"])
     assert records[2]["pp_wait_ratio"] == pytest.approx(records[2]["pp_wait_ms"] / records[0]["pp_wait_ms"])

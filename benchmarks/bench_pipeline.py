@@ -4,6 +4,8 @@ against 1F1B at the same micro-batches.
 
     mpiexec -n 2 python benchmarks/bench_pipeline.py --microbatches 2 --virtual 2,4 --json pipe.json --csv pipe.csv
     mpiexec -n 2 python benchmarks/bench_pipeline.py --microbatches 4 --virtual 2 --zero-bubble zb-h1,zb-v
+    mpiexec -bind-to core -n 2 python benchmarks/bench_pipeline.py ...   # each rank on its own core (Open MPI:
+                                                                         # --bind-to core): steadier idle times
 
 One MPI job builds, on the same ranks (pp = the world size, dp = tp = 1), one hpctrain Trainer per schedule:
 ``1f1b``, ``interleaved`` with each V of ``--virtual`` that the layers allow (pp x V <= layers), and each of

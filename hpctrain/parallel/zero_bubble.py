@@ -98,40 +98,56 @@ def zb_h1_order(stage: int, stages: int, microbatches: int) -> list[Action]:
 
 
 RESERVES = (2, 1)  # the list schedules zb_v_orders chooses from (``list_schedule_v``'s ``reserve``)
+# ... and each with both priorities (``list_schedule_v``'s ``forward_first``)
+PRIORITIES = (False, True)
+# the tie-break between orders equally short at unit times: W a tenth cheaper than F and B (measured on CPUs:
+# 6% at d_model 768, 20% at the tiny shapes; docs/benchmarks.md), where a rank that ran a W waits sooner
+TIE_BREAK_COSTS = {"F": 10, "B": 10, "W": 9}
 
 
 def zb_v_orders(stages: int, microbatches: int) -> list[list[Action]]:
     """ZB-V's action list of every pp rank: of the list schedules ``list_schedule_v`` makes with each
-    ``reserve`` of ``RESERVES``, the one with the shortest step at F = B = W = 1 (``unit_span``; a tie keeps
-    the first) among those that run every action in order and keep every rank within 1F1B's activation memory
-    (``memory_problems``). Both keep one message in flight per link; tests/unit/test_zero_bubble_schedules.py
-    proves the chosen orders complete under strict rendezvous (``schedules.orders_complete``). Reserving one
-    unit for a micro-batch entering the V instead of two admits it sooner: at pp = 2, M = 4 the step is 25 units
-    instead of 26, each rank idling one (rank 1's first input, and rank 0's wait for the V's turn) instead of
-    two; over pp <= 16, M <= 64 it is the shorter in about half of the cases, the longer in an eighth."""
+    ``reserve`` of ``RESERVES`` and each priority of ``PRIORITIES``, among those that run every action in order
+    and keep every rank within 1F1B's activation memory (``memory_problems``), the one with the shortest step at
+    F = B = W = 1 (``unit_span``), of those the shortest at ``TIE_BREAK_COSTS`` (a tie keeps the first). All
+    keep one message in flight per link; tests/unit/test_zero_bubble_schedules.py proves the chosen orders
+    complete under strict rendezvous (``schedules.orders_complete``). Reserving one unit for a micro-batch
+    entering the V instead of two admits it sooner: at pp = 2, M = 4 the step is 25 units instead of 26, each
+    rank idling one (rank 1's first input, and rank 0's wait for the V's turn) instead of two; over pp <= 16,
+    M <= 64 it is the shorter in about half of the cases, the longer in an eighth. Forwards first shortens the
+    step where W is cheaper (pp = 2, M = 4, at the measured costs: 176 ms of idle a rank against 194), and at
+    unit times in a few cases (pp = 8, M = 16: 105 units against 107). A pure function of (pp, M): every rank,
+    and a resumed run, gets the same order."""
     return [list(order) for order in _zb_v_orders(stages, microbatches)]
 
 
 @functools.cache
 def _zb_v_orders(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
-    best: list[list[Action]] | None = None
-    for reserve in RESERVES:
-        try:
-            orders = list_schedule_v(stages, microbatches, reserve)
-        except RuntimeError:  # this reserve stalls here: the others remain
-            continue
-        if order_problems(orders, microbatches, 2) or memory_problems("zb-v", orders, microbatches, 2):
-            continue
-        if best is None or unit_span(orders, stages, True) < unit_span(best, stages, True):
-            best = orders
+    best: tuple[tuple[int, int], list[list[Action]]] | None = None
+    for forward_first in PRIORITIES:
+        for reserve in RESERVES:
+            try:
+                orders = list_schedule_v(stages, microbatches, reserve, forward_first)
+            except RuntimeError:  # this rule stalls here: the others remain
+                continue
+            if order_problems(orders, microbatches, 2) or memory_problems("zb-v", orders, microbatches, 2):
+                continue
+            key = (unit_span(orders, stages, True), span(orders, stages, True, TIE_BREAK_COSTS))
+            if best is None or key < best[0]:
+                best = (key, orders)
     if best is None:
         raise RuntimeError(f"no zb-v order within 1F1B's memory for pp={stages}, M={microbatches}")
-    return tuple(tuple(order) for order in best)
+    return tuple(tuple(order) for order in best[1])
 
 
 def unit_span(orders: list[list[Action]], stages: int, v_shape: bool) -> int:
     """The step's length when every F, B and W takes one unit and messages are instant (``run_orders``)."""
-    rows, complete = run_orders(orders, stages, 2 if v_shape else 1, v_shape, {"F": 1, "B": 1, "W": 1})
+    return span(orders, stages, v_shape, {"F": 1, "B": 1, "W": 1})
+
+
+def span(orders: list[list[Action]], stages: int, v_shape: bool, cost: dict[str, int]) -> int:
+    """The step's length when op takes ``cost[op]`` time units and messages are instant (``run_orders``)."""
+    rows, complete = run_orders(orders, stages, 2 if v_shape else 1, v_shape, cost)
     if not complete:
         raise ValueError("the orders wait on themselves")
     return max(end for row in rows for _, end, _ in row)
@@ -164,11 +180,13 @@ def run_orders(orders: list[list[Action]], stages: int, virtual_stages: int, v_s
     return out, all(p == len(order) for p, order in zip(pos, orders))
 
 
-def list_schedule_v(stages: int, microbatches: int, reserve: int = 2) -> list[list[Action]]:
+def list_schedule_v(stages: int, microbatches: int, reserve: int = 2,
+                    forward_first: bool = False) -> list[list[Action]]:
     """A ZB-V action list of every pp rank, by list scheduling at F = B = W = 1 time unit. At every tick each
     rank runs the first runnable of: its next B (older micro-batch first, then c = 1), its next F (c = 1
-    first), its oldest pending W. An action is runnable when its input is here: a neighbour's message that
-    is the oldest not yet used on that link (NCCL matches in order), or its own earlier action; when a
+    first), its oldest pending W; with ``forward_first`` the F before the B (the rank keeps the V fed; the
+    memory rule below still bounds the Fs). An action is runnable when its input is here: a neighbour's
+    message that is the oldest not yet used on that link (NCCL matches in order), or its own earlier action; when a
     message it sends finds the link to its peer empty (one message in flight per link, so a send's receive
     is posted soon: the strict rendezvous completes); and, for an F entering c = 0, when the rank it runs
     on keeps ``load`` (alive units, one reserved for each micro-batch between its c = 0 and c = 1 forward,
@@ -214,9 +232,11 @@ def list_schedule_v(stages: int, microbatches: int, reserve: int = 2) -> list[li
 
     def pick(r: int) -> Action | None:
         backwards = [("B", next_b[r][c], c) for c in (1, 0) if runnable(r, "B", next_b[r][c], c)]
+        forwards = [("F", next_f[r][c], c) for c in (1, 0) if runnable(r, "F", next_f[r][c], c)]
+        if forward_first and forwards:
+            return forwards[0]
         if backwards:
             return min(backwards, key=lambda action: action[1])
-        forwards = [("F", next_f[r][c], c) for c in (1, 0) if runnable(r, "F", next_f[r][c], c)]
         if forwards:
             return forwards[0]
         return ("W", *pending_w[r][0]) if pending_w[r] else None

@@ -121,23 +121,35 @@ def test_at_pp_2_zero_bubble_schedules_idle_only_for_the_fill(m):
     """pp = 2 at unit times: 1F1B idles 3 units on each rank (rank 0 waits for backwards, rank 1 for its first
     input and then for rank 0's last backward: the drain), interleaved (V = 2) 3 units of half a stage; zb-h1
     and zb-v one each, the fill, the least any schedule can: a third, issue #53's bubble target at 0.5x. zb-v's
-    order is the shorter of two list schedules (``zero_bubble.zb_v_orders``); the other one idles 2 a rank."""
+    order is the shortest of four list schedules (``zero_bubble.zb_v_orders``); those reserving two idle 2 a rank."""
     assert idle_per_rank("1f1b", 2, m, 1) == [3, 3] and idle_per_rank("zb-h1", 2, m, 1) == [1, 1]
     assert idle_per_rank("interleaved", 2, m, 2) == [3, 3] and idle_per_rank("zb-v", 2, m, 2) == [1, 1]
 
 
 def test_zb_v_keeps_the_shorter_list_schedule():
-    """Both reservations of ``list_schedule_v`` give complete, memory-bound, deadlock-free orders; ``zb_v_orders``
-    serves the one with the shorter step at unit times (pp = 2, M = 4: 25 units, not 26)."""
-    from hpctrain.parallel.zero_bubble import RESERVES, list_schedule_v, unit_span, zb_v_orders
+    """Every rule of ``list_schedule_v`` (reservation x priority) gives complete, memory-bound, deadlock-free orders
+    at pp = 2, M = 4; ``zb_v_orders`` serves the one with the shorter step at unit times (25 units, not 26), of
+    those the shorter where W is a tenth cheaper (``TIE_BREAK_COSTS``): forwards first, whose rank 0 idles 176 ms
+    at the measured costs (F 133, B 134, W 125 ms) against 194 for B first."""
+    from hpctrain.parallel.zero_bubble import (PRIORITIES, RESERVES, TIE_BREAK_COSTS, list_schedule_v, span,
+                                               unit_span, zb_v_orders)
 
     spans = {}
-    for reserve in RESERVES:
-        orders = list_schedule_v(2, 4, reserve)
-        assert order_problems(orders, 4, 2) == [] and memory_problems("zb-v", orders, 4, 2) == []
-        assert orders_complete("zb-v", orders, 2)
-        spans[reserve] = unit_span(orders, 2, True)
-    assert spans == {2: 26, 1: 25} and unit_span(zb_v_orders(2, 4), 2, True) == 25
+    for forward_first in PRIORITIES:
+        for reserve in RESERVES:
+            orders = list_schedule_v(2, 4, reserve, forward_first)
+            assert order_problems(orders, 4, 2) == [] and memory_problems("zb-v", orders, 4, 2) == []
+            assert orders_complete("zb-v", orders, 2)
+            spans[reserve, forward_first] = unit_span(orders, 2, True)
+    assert spans == {(2, False): 26, (1, False): 25, (2, True): 26, (1, True): 25}
+    served = zb_v_orders(2, 4)
+    assert served == list_schedule_v(2, 4, 1, True) and unit_span(served, 2, True) == 25
+    measured = {"F": 133, "B": 134, "W": 125}
+    assert span(served, 2, True, measured) == 3312 < span(list_schedule_v(2, 4, 1), 2, True, measured) == 3330
+    assert span(served, 2, True, TIE_BREAK_COSTS) < span(list_schedule_v(2, 4, 1), 2, True, TIE_BREAK_COSTS)
     for pp, m in ((3, 6), (4, 8), (8, 16)):  # where reserving one is the longer (3, 6), equal, or shorter
-        best = min(unit_span(list_schedule_v(pp, m, r), pp, True) for r in RESERVES)
+        best = min(unit_span(list_schedule_v(pp, m, r, f), pp, True) for r in RESERVES for f in PRIORITIES)
         assert unit_span(zb_v_orders(pp, m), pp, True) == best
+    # forwards first is shorter at unit times here: 105 units against B first's 107
+    assert unit_span(zb_v_orders(8, 16), 8, True) == 105 < min(unit_span(list_schedule_v(8, 16, r), 8, True)
+                                                                for r in RESERVES)

@@ -29,5 +29,5 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HPCTRAIN_TEST_MPIEXEC=mpiexe
 "$V/bin/python" -c "import h5py; assert h5py.get_config().mpi"
 exec "$V/bin/python" -m pytest -v -n 2 --timeout 900 -p no:cacheprovider \
   tests/mpi/test_checkpoint_writers.py \
-  "tests/mpi/test_checkpoint.py::test_exact_resume_is_bitwise[layout1]" \
+  "tests/mpi/test_checkpoint.py::test_exact_resume_is_bitwise[dp2-pp2-zero1]" \
   "tests/mpi/test_checkpoint.py::test_flipped_byte_is_detected_and_resume_falls_back" "$@"

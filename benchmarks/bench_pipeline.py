@@ -237,15 +237,14 @@ def run(args) -> list[dict]:
 def model_idle_ms(kind: str, pp: int, microbatches: int, virtual: int, phase: dict) -> float:
     """Each rank's idle in ``kind``'s order (mean over ranks, ms) when its actions take this run's mean time per
     action (``phase``: ms per step, means over ranks) and messages are instant (``schedules.timeline``, in us)."""
-    from hpctrain.parallel.schedules import timeline
+    from hpctrain.parallel.schedules import idle_per_rank, timeline
     from hpctrain.parallel.zero_bubble import ZERO_BUBBLE_SCHEDULES
 
     actions = microbatches * virtual  # of each kind, per rank and step
     us = {name: max(1, round(phase[name] * 1e3 / actions)) for name in ("forward", "backward", "weight")}
     rows = timeline(kind, pp, microbatches, virtual, us["forward"], us["backward"],
                     us["weight"] if kind in ZERO_BUBBLE_SCHEDULES else None)
-    span = max(end for row in rows for _, end, _ in row)
-    return sum(span - sum(end - start for start, end, _ in row) for row in rows) / len(rows) / 1e3
+    return sum(idle_per_rank(rows)) / len(rows) / 1e3
 
 
 def print_table(records: list[dict]) -> None:

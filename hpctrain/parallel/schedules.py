@@ -254,6 +254,12 @@ def timeline(kind: str, stages: int, microbatches: int, virtual_stages: int = 1,
     return out
 
 
+def idle_per_rank(rows: list[list[tuple[int, int, tuple]]]) -> list[int]:
+    """Per rank of a ``timeline``, the time units it idles in the step: the span less its actions' time."""
+    span = max(end for row in rows for _, end, _ in row)
+    return [span - sum(end - start for start, end, _ in row) for row in rows]
+
+
 def render_timeline(kind: str, stages: int, microbatches: int, virtual_stages: int = 1, forward: int = 1,
                     backward: int = 2, cell: int = 0, weight: int | None = None) -> str:
     """A text Gantt chart of ``timeline`` (a virtual stage's forward ``forward`` units, its backward
@@ -267,7 +273,7 @@ def render_timeline(kind: str, stages: int, microbatches: int, virtual_stages: i
     width = cell or 1 + max(len(_label(a, virtual_stages)) for row in rows for _, _, a in row)
     span = max(end for row in rows for _, end, _ in row)
     lines = []
-    for s, row in enumerate(rows):
+    for s, (row, idle) in enumerate(zip(rows, idle_per_rank(rows))):
         text, clock = [], 0
         for start, end, action in row:
             text.append(".".ljust(width) * (start - clock))
@@ -276,8 +282,7 @@ def render_timeline(kind: str, stages: int, microbatches: int, virtual_stages: i
                         (label + " ").ljust(width * (end - start) - 1, "-") + " ")
             clock = end
         text.append(".".ljust(width) * (span - clock))
-        busy = sum(end - start for start, end, _ in row)
-        lines.append(f"rank {s} | {''.join(text).rstrip()} | idle {(span - busy) / span:.0%} of the step")
+        lines.append(f"rank {s} | {''.join(text).rstrip()} | idle {idle / span:.0%} of the step")
     return "\n".join(lines)
 
 

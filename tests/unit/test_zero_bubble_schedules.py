@@ -3,6 +3,7 @@ to 64, complete (one F, B, W per micro-batch and virtual stage, in that order), 
 memory, deadlock-free under strict rendezvous; ZB-H1 idles a third of 1F1B at F = B = W."""
 import pytest
 
+from hpctrain.parallel.schedules import idle_per_rank as schedules_idle_per_rank
 from hpctrain.parallel.schedules import main, orders_complete, p2p_posts, schedule_actions, simulate, timeline
 from hpctrain.parallel.zero_bubble import memory_problems, order_problems, peak_alive, zero_bubble_orders
 
@@ -111,9 +112,7 @@ def test_schedule_bubble_at_unit_times():
 def idle_per_rank(kind: str, stages: int, m: int, virtual_stages: int) -> list[int]:
     """Per rank, the units it idles in the step: waiting for input (``pp_wait``) and, after its last action,
     for the other ranks to finish (``pp_drain``): what issue #53's bubble measure counts."""
-    rows = timeline(kind, stages, m, virtual_stages, backward=2)
-    span = max(end for row in rows for _, end, _ in row)
-    return [span - sum(end - start for start, end, _ in row) for row in rows]
+    return schedules_idle_per_rank(timeline(kind, stages, m, virtual_stages, backward=2))
 
 
 @pytest.mark.parametrize("m", [2, 4, 8])

@@ -17,7 +17,8 @@ ran that B, any time after it).
   in-memory hand-over from c = 0 to c = 1, no message) and comes back up through c = 1.
 
 ZB-H1 is 1F1B's order with rank r's Ws deferred by r backwards (``zb_h1_order``); ZB-V's order comes from
-list scheduling at unit times (``zb_v_orders``). An order is the schedule whatever the real times; at
+list scheduling at unit times (``list_schedule_orders``), for the common (pp, M) refined offline for real
+action times, where W is cheaper than F and B (``zb_v_search.py``, ``zb_v_table.py``; ``zb_v_orders``). An order is the schedule whatever the real times; at
 F = B = W = 1 ZB-H1's step takes 3 M + pp - 1 units (1F1B's 3 M + 3 (pp - 1)) and ZB-V's about
 6 M + pp - 1 units of a virtual stage, the least a rank that receives its first input after pp - 1 units
 can take.
@@ -35,6 +36,8 @@ hold one micro-batch, so its F, B, W would run back to back and the step could n
 from __future__ import annotations
 
 import functools
+
+from hpctrain.parallel.zb_v_table import ORDERS
 
 ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zb-v")
 
@@ -106,23 +109,39 @@ TIE_BREAK_COSTS = {"F": 10, "B": 10, "W": 9}
 
 
 def zb_v_orders(stages: int, microbatches: int) -> list[list[Action]]:
-    """ZB-V's action list of every pp rank: of the list schedules ``list_schedule_v`` makes with each
+    """ZB-V's action list of every pp rank: the order ``zb_v_table.ORDERS`` holds for (pp, M), refined offline
+    for real action times (``zb_v_search``: never idler than the list schedule at any of its cost profiles, at
+    pp = 2 one forward of idle a rank, the least there is), else the list schedule (``list_schedule_orders``).
+    A pure function of (pp, M): every rank, and a resumed run, gets the same order; tests/unit/
+    test_zero_bubble_schedules.py proves the served orders complete under strict rendezvous
+    (``schedules.orders_complete``) and keep 1F1B's activation memory."""
+    held = ORDERS.get((stages, microbatches))
+    if held is not None:
+        return [decode(order) for order in held]
+    return list_schedule_orders(stages, microbatches)
+
+
+def decode(text: str) -> list[Action]:
+    """``"F0.1 B0.1 ..."`` (op, micro-batch, c), as ``zb_v_table`` holds an order, as ``[("F", 0, 1), ...]``."""
+    return [(word[0], int(word[1:].split(".")[0]), int(word.split(".")[1])) for word in text.split()]
+
+
+def list_schedule_orders(stages: int, microbatches: int) -> list[list[Action]]:
+    """Of the list schedules ``list_schedule_v`` makes with each
     ``reserve`` of ``RESERVES`` and each priority of ``PRIORITIES``, among those that run every action in order
     and keep every rank within 1F1B's activation memory (``memory_problems``), the one with the shortest step at
     F = B = W = 1 (``unit_span``), of those the shortest at ``TIE_BREAK_COSTS`` (a tie keeps the first). All
-    keep one message in flight per link; tests/unit/test_zero_bubble_schedules.py proves the chosen orders
-    complete under strict rendezvous (``schedules.orders_complete``). Reserving one unit for a micro-batch
+    keep one message in flight per link. Reserving one unit for a micro-batch
     entering the V instead of two admits it sooner: at pp = 2, M = 4 the step is 25 units instead of 26, each
     rank idling one (rank 1's first input, and rank 0's wait for the V's turn) instead of two; over pp <= 16,
     M <= 64 it is the shorter in about half of the cases, the longer in an eighth. Forwards first shortens the
     step where W is cheaper (pp = 2, M = 4, at the measured costs: 176 ms of idle a rank against 194), and at
-    unit times in a few cases (pp = 8, M = 16: 105 units against 107). A pure function of (pp, M): every rank,
-    and a resumed run, gets the same order."""
-    return [list(order) for order in _zb_v_orders(stages, microbatches)]
+    unit times in a few cases (pp = 8, M = 16: 105 units against 107)."""
+    return [list(order) for order in _list_schedule_orders(stages, microbatches)]
 
 
 @functools.cache
-def _zb_v_orders(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+def _list_schedule_orders(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
     best: tuple[tuple[int, int], list[list[Action]]] | None = None
     for forward_first in PRIORITIES:
         for reserve in RESERVES:

@@ -125,13 +125,14 @@ def test_at_pp_2_zero_bubble_schedules_idle_only_for_the_fill(m):
     assert idle_per_rank("interleaved", 2, m, 2) == [3, 3] and idle_per_rank("zb-v", 2, m, 2) == [1, 1]
 
 
-def test_zb_v_keeps_the_shorter_list_schedule():
+def test_zb_v_list_schedule_keeps_the_shorter_rule():
     """Every rule of ``list_schedule_v`` (reservation x priority) gives complete, memory-bound, deadlock-free orders
-    at pp = 2, M = 4; ``zb_v_orders`` serves the one with the shorter step at unit times (25 units, not 26), of
-    those the shorter where W is a tenth cheaper (``TIE_BREAK_COSTS``): forwards first, whose rank 0 idles 176 ms
-    at the measured costs (F 133, B 134, W 125 ms) against 194 for B first."""
-    from hpctrain.parallel.zero_bubble import (PRIORITIES, RESERVES, TIE_BREAK_COSTS, list_schedule_v, span,
-                                               unit_span, zb_v_orders)
+    at pp = 2, M = 4; ``list_schedule_orders`` (what ``zb_v_orders`` serves beyond its table) keeps the one with
+    the shorter step at unit times (25 units, not 26), of those the shorter where W is a tenth cheaper
+    (``TIE_BREAK_COSTS``): forwards first, whose rank 0 idles 176 ms at the measured costs (F 133, B 134, W 125
+    ms) against 194 for B first."""
+    from hpctrain.parallel.zero_bubble import (PRIORITIES, RESERVES, TIE_BREAK_COSTS, list_schedule_orders,
+                                               list_schedule_v, span, unit_span)
 
     spans = {}
     for forward_first in PRIORITIES:
@@ -141,14 +142,58 @@ def test_zb_v_keeps_the_shorter_list_schedule():
             assert orders_complete("zb-v", orders, 2)
             spans[reserve, forward_first] = unit_span(orders, 2, True)
     assert spans == {(2, False): 26, (1, False): 25, (2, True): 26, (1, True): 25}
-    served = zb_v_orders(2, 4)
+    served = list_schedule_orders(2, 4)
     assert served == list_schedule_v(2, 4, 1, True) and unit_span(served, 2, True) == 25
     measured = {"F": 133, "B": 134, "W": 125}
     assert span(served, 2, True, measured) == 3312 < span(list_schedule_v(2, 4, 1), 2, True, measured) == 3330
     assert span(served, 2, True, TIE_BREAK_COSTS) < span(list_schedule_v(2, 4, 1), 2, True, TIE_BREAK_COSTS)
     for pp, m in ((3, 6), (4, 8), (8, 16)):  # where reserving one is the longer (3, 6), equal, or shorter
         best = min(unit_span(list_schedule_v(pp, m, r, f), pp, True) for r in RESERVES for f in PRIORITIES)
-        assert unit_span(zb_v_orders(pp, m), pp, True) == best
+        assert unit_span(list_schedule_orders(pp, m), pp, True) == best
     # forwards first is shorter at unit times here: 105 units against B first's 107
-    assert unit_span(zb_v_orders(8, 16), 8, True) == 105 < min(unit_span(list_schedule_v(8, 16, r), 8, True)
-                                                                for r in RESERVES)
+    assert unit_span(list_schedule_orders(8, 16), 8, True) == 105 < min(
+        unit_span(list_schedule_v(8, 16, r), 8, True) for r in RESERVES)
+
+
+def test_zb_v_serves_its_refined_table():
+    """``zb_v_orders`` serves ``zb_v_table.ORDERS`` where it has (pp, M): each entry complete, within 1F1B's
+    memory, deadlock-free under strict rendezvous, each op of each virtual stage in micro-batch order, and at
+    none of ``zb_v_search.ROBUST_COSTS`` idler than the list schedule it was refined from; at pp = 2 every entry
+    of even M idles what the least does at each profile (rank 1's wait for its first input: one forward), where the list
+    schedule idles up to 9.7 forwards (M = 16, W 30% cheaper). At the measured costs of docs/benchmarks.md (F 133,
+    B 134, W 125 ms), pp = 2, M = 4: 134 ms a rank, against the list schedule's 176."""
+    from hpctrain.parallel.zb_v_search import ROBUST_COSTS, idles, rank_ok
+    from hpctrain.parallel.zb_v_table import ORDERS
+    from hpctrain.parallel.zero_bubble import list_schedule_orders, run_orders, zb_v_orders
+
+    assert {(2, m) for m in range(2, 17)} | {(4, 4), (4, 8)} <= set(ORDERS)
+    floor = idles(zb_v_orders(2, 2), 2)
+    assert floor == [100, 100, 107, 110, 100]  # one forward, or one B where B is dearer
+    for (pp, m), held in ORDERS.items():
+        orders = zb_v_orders(pp, m)
+        assert len(orders) == len(held) == pp and order_problems(orders, m, 2) == []
+        assert memory_problems("zb-v", orders, m, 2) == [] and orders_complete("zb-v", orders, 2), (pp, m)
+        assert all(rank_ok(order, 2 * min(pp, m)) for order in orders), (pp, m)
+        refined, listed = idles(orders, pp), idles(list_schedule_orders(pp, m), pp)
+        assert refined is not None and listed is not None and len(refined) == len(ROBUST_COSTS)
+        assert all(r <= s for r, s in zip(refined, listed)), (pp, m, refined, listed)
+        if pp == 2 and m % 2 == 0:
+            assert refined == floor, (m, refined)
+    rows, _ = run_orders(zb_v_orders(2, 4), 2, 2, True, {"F": 133, "B": 134, "W": 125})
+    assert schedules_idle_per_rank(rows) == [134, 134]  # one B: rank 0 waits for rank 1's last
+    assert zb_v_orders(3, 6) == list_schedule_orders(3, 6)  # no entry: the list schedule
+
+
+def test_zb_v_search_is_deterministic_and_rejects_what_breaks_a_rule():
+    """The table is what ``zb_v_search`` makes: refining (pp, M) = (2, 2) again with the table's moves and seed
+    gives its entry; ``rank_ok`` refuses an order with a W before its B, with two Ws of a virtual stage out of
+    micro-batch order (the executor reduces a stage's gradients after its last micro-batch's W), or over
+    the memory cap."""
+    from hpctrain.parallel.zb_v_search import MOVES, rank_ok, refine
+    from hpctrain.parallel.zero_bubble import list_schedule_orders, zb_v_orders
+
+    assert refine(list_schedule_orders(2, 2), 2, 2, MOVES) == zb_v_orders(2, 2)
+    good = [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0), ("W", 0, 0), ("W", 1, 0)]
+    assert rank_ok(good, 2) and not rank_ok(good, 1)
+    assert not rank_ok([("F", 0, 0), ("W", 0, 0), ("B", 0, 0)], 2)
+    assert not rank_ok(good[:4] + [("W", 1, 0), ("W", 0, 0)], 2)

@@ -5,9 +5,9 @@ still holds. Pure Python, deterministic: the same (pp, M) and seed give the same
 
 Why: list scheduling at unit times packs the orders tight at F = B = W, and where W is cheaper (on CPUs 6-20%
 at the shapes measured in docs/benchmarks.md) a rank that ran a W reaches its next receive early and waits. At
-pp = 2, M = 4 and W 6% cheaper the list schedule idles 176 ms of a 133 ms forward per rank; the refined order
-idles one forward, the least possible (rank pp - 1 waits pp - 1 forwards for its first input, and every rank
-waits for the slowest at the step's end), at every profile below.
+pp = 2, M = 4, at the costs measured at d_model 768 (F 133, B 134, W 125 ms) the list schedule idles 176 ms a
+rank, the refined order 134: the least possible (rank pp - 1 waits pp - 1 forwards for its first input, and
+every rank waits for the slowest at the step's end); at pp = 2 and even M the least at every profile below.
 
 The search runs here, not in a training run: ``python -m hpctrain.parallel.zb_v_search --write`` rewrites
 ``zb_v_table.py``, which ``zero_bubble.zb_v_orders`` serves for the (pp, M) it holds.

@@ -30,7 +30,8 @@ from hpctrain.parallel.zero_bubble import Action, list_schedule_orders, order_pr
 ROBUST_COSTS = ({"F": 100, "B": 100, "W": 100}, {"F": 100, "B": 100, "W": 94}, {"F": 100, "B": 107, "W": 82},
                 {"F": 100, "B": 110, "W": 100}, {"F": 100, "B": 100, "W": 70})
 # the (pp, M) that ``--write`` refines, and its moves for each
-TABLE_SHAPES = tuple((2, m) for m in range(2, 17)) + tuple((4, m) for m in (4, 5, 6, 7, 8, 12, 16))
+TABLE_SHAPES = (tuple((2, m) for m in range(2, 17)) + tuple((4, m) for m in (4, 5, 6, 7, 8, 12, 16))
+                + ((8, 8), (8, 16)))
 MOVES = 20000
 
 

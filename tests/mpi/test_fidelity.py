@@ -56,6 +56,9 @@ RUNS = {
                                          "parallel.microbatches=4", "moe.num_experts=4", "moe.layers=[0,3]",
                                          "moe.z_loss_coef=0.01"),
     "zero bubble, lora": (2, "1,1,2", "zbh1/zbv", *F64, "lora.rank=4"),
+    # pp = 4, M = 8: zb-v's order from zb_v_table (refined offline), run for real
+    "zero bubble, pp=4": (4, "1,1,4", "zbv,zero1", *F64, TIED, "model.n_layers=8", "parallel.microbatches=8",
+                          "train.global_batch=8"),
     "8-rank zero bubble": (8, "2,2,2", "zbh1,sp,zero1/zbv,sp,zero3", *F64, TIED, "parallel.microbatches=4",
                            "train.global_batch=16"),
 }
@@ -163,9 +166,10 @@ def test_zero_bubble_in_every_layout_family(launched):
     """zb-h1 and zb-v against one process: dp x pp with ZeRO-1/2/3, tp x pp with SP, cp x pp, ep x pp, 4
     micro-batches (zb-h1 defers rank 1's Ws by one backward; ZeRO-3 releases a unit once its B has passed it;
     every freed storage is NaN first, so a read after a free shows); LoRA x pp (the frozen base has no W; its
-    weights stay bit-identical); 8 ranks dp x tp x pp."""
+    weights stay bit-identical); 8 ranks dp x tp x pp; pp = 4 with zb-v's refined order of 8 micro-batches."""
     out = launched("zero bubble, every layout family")
     assert out.count("OK dp=") == 8 and out.count("zb-v2") == 4 and out.count("zero=3") == 2 and "ep=2" in out
     out = launched("zero bubble, lora")
     assert out.count("OK dp=") == 2 and out.count("LORA OK") == 3
     assert launched("8-rank zero bubble").count("OK dp=") == 2
+    assert launched("zero bubble, pp=4").count("OK dp=1 tp=1 pp=4 zb-v2") == 1

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from hpctrain.parallel.schedules import orders_complete
-from hpctrain.parallel.zero_bubble import Action, list_schedule_orders, order_problems, peak_alive, run_orders
+from hpctrain.parallel.zero_bubble import (Action, check_arguments, list_schedule_orders, order_problems, peak_alive,
+                                          run_orders)
 
 # cost profiles (per virtual stage of one micro-batch, F = 100), each a shape the orders must not idle in:
 # F = B = W (the unit-time schedule); W 6% cheaper (CPU, d_model 768); B 7% dearer and W 18% cheaper (CPU,
@@ -134,6 +135,10 @@ def main(argv: list[str]) -> None:
     if len(args.shape) != 2:
         parser.error("give PP M, or --write")
     stages, m = args.shape
+    try:
+        check_arguments("zb-v", stages, m, 2)
+    except ValueError as e:
+        parser.error(str(e))
     start = list_schedule_orders(stages, m)
     orders = refine(start, stages, m, args.moves)
     print(f"idle per rank at {len(ROBUST_COSTS)} profiles: {fmt(idles(start, stages))} -> {fmt(idles(orders, stages))}")

@@ -197,3 +197,13 @@ def test_zb_v_search_is_deterministic_and_rejects_what_breaks_a_rule():
     assert rank_ok(good, 2) and not rank_ok(good, 1)
     assert not rank_ok([("F", 0, 0), ("W", 0, 0), ("B", 0, 0)], 2)
     assert not rank_ok(good[:4] + [("W", 1, 0), ("W", 0, 0)], 2)
+
+
+@pytest.mark.parametrize("argv", [["2", "1"], ["1", "4"], ["2"]])
+def test_zb_v_search_refuses_a_shape_zb_v_cannot_run(argv, capsys):
+    from hpctrain.parallel.zb_v_search import main as search_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        search_main(argv)
+    assert exit_info.value.code == 2
+    assert "M >= pp" in capsys.readouterr().err or argv == ["2"]

@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from hpctrain.parallel.schedules import orders_complete
-from hpctrain.parallel.zero_bubble import (Action, check_arguments, list_schedule_orders, order_problems, peak_alive,
-                                          run_orders)
+from hpctrain.parallel.schedules import idle_per_rank, orders_complete
+from hpctrain.parallel.zero_bubble import (Action, check_arguments, encode, list_schedule_orders, order_problems,
+                                          peak_alive, run_orders)
 
 # cost profiles (per virtual stage of one micro-batch, F = 100), each a shape the orders must not idle in:
 # F = B = W (the unit-time schedule); W 6% cheaper (CPU, d_model 768); B 7% dearer and W 18% cheaper (CPU,
@@ -44,8 +44,7 @@ def idles(orders: list[list[Action]], stages: int) -> list[float] | None:
         rows, complete = run_orders(orders, stages, 2, True, cost)
         if not complete:
             return None
-        span = max(end for row in rows for _, end, _ in row)
-        found.append(sum(span - sum(cost[op] for op, _, _ in order) for order in orders) / stages)
+        found.append(sum(idle_per_rank(rows)) / stages)
     return found
 
 
@@ -96,11 +95,6 @@ def refine(orders: list[list[Action]], stages: int, microbatches: int, moves: in
     return current
 
 
-def encode(order: list[Action]) -> str:
-    """``[("F", 0, 1), ...]`` as ``"F0.1 ..."`` (op, micro-batch, c)."""
-    return " ".join(f"{op}{i}.{c}" for op, i, c in order)
-
-
 def write_table(path: Path, shapes: tuple[tuple[int, int], ...], moves: int) -> None:
     """Refines the list schedule of every (pp, M) of ``shapes`` and writes them as ``zb_v_table.py``."""
     lines = ['"""ZB-V orders refined for real action times, written by ``python -m hpctrain.parallel.zb_v_search',
@@ -124,7 +118,8 @@ def fmt(values: list[float] | None) -> str:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hpctrain.parallel.zb_v_search", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hpctrain.parallel.zb_v_search",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite zb_v_table.py for TABLE_SHAPES")
     parser.add_argument("--moves", type=int, default=MOVES)
     parser.add_argument("shape", nargs="*", type=int, help="PP M: refine one shape and print its orders")
@@ -141,7 +136,8 @@ def main(argv: list[str]) -> None:
         parser.error(str(e))
     start = list_schedule_orders(stages, m)
     orders = refine(start, stages, m, args.moves)
-    print(f"idle per rank at {len(ROBUST_COSTS)} profiles: {fmt(idles(start, stages))} -> {fmt(idles(orders, stages))}")
+    print(f"idle per rank at {len(ROBUST_COSTS)} profiles: {fmt(idles(start, stages))} -> "
+          f"{fmt(idles(orders, stages))}")
     print("\n".join(encode(order) for order in orders))
 
 

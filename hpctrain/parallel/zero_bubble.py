@@ -18,10 +18,10 @@ ran that B, any time after it).
 
 ZB-H1 is 1F1B's order with rank r's Ws deferred by r backwards (``zb_h1_order``); ZB-V's order comes from
 list scheduling at unit times (``list_schedule_orders``), for the common (pp, M) refined offline for real
-action times, where W is cheaper than F and B (``zb_v_search.py``, ``zb_v_table.py``; ``zb_v_orders``). An order is the schedule whatever the real times; at
-F = B = W = 1 ZB-H1's step takes 3 M + pp - 1 units (1F1B's 3 M + 3 (pp - 1)) and ZB-V's about
-6 M + pp - 1 units of a virtual stage, the least a rank that receives its first input after pp - 1 units
-can take.
+action times, where W is cheaper than F and B (``zb_v_search.py``, ``zb_v_table.py``; ``zb_v_orders``). An
+order is the schedule whatever the real times; at F = B = W = 1 ZB-H1's step takes 3 M + pp - 1 units (1F1B's
+3 M + 3 (pp - 1)) and ZB-V's about 6 M + pp - 1 units of a virtual stage, the least a rank that receives its
+first input after pp - 1 units can take.
 
 Memory, counted per rank in units of one virtual stage's activations of one micro-batch: a (micro-batch, c)
 is alive from its F until its W (W still reads the saved inputs of the layers; after B alone most of them,
@@ -115,14 +115,25 @@ def zb_v_orders(stages: int, microbatches: int) -> list[list[Action]]:
     A pure function of (pp, M): every rank, and a resumed run, gets the same order; tests/unit/
     test_zero_bubble_schedules.py proves the served orders complete under strict rendezvous
     (``schedules.orders_complete``) and keep 1F1B's activation memory."""
+    return [list(order) for order in _served_zb_v_orders(stages, microbatches)]
+
+
+@functools.cache
+def _served_zb_v_orders(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    # cached: the executor asks for its order every step
     held = ORDERS.get((stages, microbatches))
-    if held is not None:
-        return [decode(order) for order in held]
-    return list_schedule_orders(stages, microbatches)
+    if held is None:
+        return _list_schedule_orders(stages, microbatches)
+    return tuple(tuple(decode(order)) for order in held)
+
+
+def encode(order: list[Action]) -> str:
+    """``[("F", 0, 1), ...]`` as ``"F0.1 ..."`` (op, micro-batch, c): how ``zb_v_table`` holds an order."""
+    return " ".join(f"{op}{i}.{c}" for op, i, c in order)
 
 
 def decode(text: str) -> list[Action]:
-    """``"F0.1 B0.1 ..."`` (op, micro-batch, c), as ``zb_v_table`` holds an order, as ``[("F", 0, 1), ...]``."""
+    """The inverse of ``encode``."""
     return [(word[0], int(word[1:].split(".")[0]), int(word.split(".")[1])) for word in text.split()]
 
 
@@ -205,8 +216,8 @@ def list_schedule_v(stages: int, microbatches: int, reserve: int = 2,
     rank runs the first runnable of: its next B (older micro-batch first, then c = 1), its next F (c = 1
     first), its oldest pending W; with ``forward_first`` the F before the B (the rank keeps the V fed; the
     memory rule below still bounds the Fs). An action is runnable when its input is here: a neighbour's
-    message that is the oldest not yet used on that link (NCCL matches in order), or its own earlier action; when a
-    message it sends finds the link to its peer empty (one message in flight per link, so a send's receive
+    message that is the oldest not yet used on that link (NCCL matches in order), or its own earlier action;
+    when a message it sends finds the link to its peer empty (one message in flight per link, so a send's receive
     is posted soon: the strict rendezvous completes); and, for an F entering c = 0, when the rank it runs
     on keeps ``load`` (alive units, one reserved for each micro-batch between its c = 0 and c = 1 forward,
     ``reserve`` for each c = 0 forward on its way there) plus ``reserve`` within 1F1B's peak ``2 min(pp, M)``:
@@ -283,7 +294,8 @@ def list_schedule_v(stages: int, microbatches: int, reserve: int = 2,
     tick = 0
     while any(len(order) < 6 * m for order in orders):
         ran: list[tuple[str, int, int]] = []
-        sent: list[tuple[tuple[int, int], tuple[str, int, int]]] = []  # ranks decide in turn, each seeing the loads its predecessors this tick left
+        # ranks decide in turn, each seeing the loads its predecessors this tick left
+        sent: list[tuple[tuple[int, int], tuple[str, int, int]]] = []
         for r in range(stages):
             action = pick(r)
             if action is not None:
